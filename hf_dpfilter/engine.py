@@ -1,0 +1,379 @@
+"""The clipping engine: per-example gradient norms and clipped sums by ghost clipping, in one backward.
+
+Usage without the Trainer (custom loops)::
+
+    engine = GhostClippingEngine(model, max_grad_norm=1.0, clipping_fn="abadi")
+    for batch in loader:
+        with engine.record(batch_size=len(batch["labels"])):
+            losses = per_example_loss(model(**inputs), labels)        # shape (B,), one loss per example
+        norms = engine.clip_and_accumulate(losses)                    # p.grad += sum_i clip(g_i)
+        ...  # add noise once per logical step, divide by the expected batch size, step (see DPOptimizer)
+
+How it works. Forward hooks on every module that owns a trainable parameter save the module's input ``A``
+and keep a handle on its output ``Z``. :meth:`per_example_gradients` then runs **one** backward,
+``torch.autograd.grad(sum_i loss_i, [Z ...])``, which computes the output gradients ``B`` and skips every
+weight-gradient GEMM (autograd only computes what the requested inputs need). Because the loss of example i
+depends only on example i, ``B[i]`` is example i's own output gradient. Each layer's registered rule
+(:mod:`hf_dpfilter.grad_rules`) turns ``(A, B)`` into per-example gradient terms, from which the engine gets
+
+* per-example norms, per layer and per batch by the cheaper of the ghost identity
+  ``||sum_t b_t a_t^T||^2 = sum_{t,s} (a_t.a_s)(b_t.b_s)`` (cost ~T^2 (p+d)) and materializing ``B_i^T A_i``
+  (cost ~T p d), accumulated in fp32 (fp64 for fp64 models);
+* the weighted sum ``sum_i c_i g_i`` for any coefficients (clip factors, or 1 for the unclipped sum that
+  DiceSGD needs) directly from ``A`` and ``B`` (book-keeping: no second backward).
+
+A module called several times in one recorded forward (several parameter points for DiSK/DP-PMLF/DIFF2,
+or weight sharing) contributes the sum of its calls: the calls are concatenated along the token axis,
+so the *combination* is what gets clipped. Tied parameters (GPT-2's ``wte``/``lm_head``) get the exact
+cross term between the embedding and the output-layer use.
+
+Learned position embeddings whose ids arrive broadcast as ``(1, T)`` (BERT, GPT-2) would return a gradient
+summed over the batch; the forward hook expands such outputs to ``(B, T, d)`` (a view; it changes no
+values) so their gradient stays per example.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hf_dpfilter.clipping import clip_factors
+from hf_dpfilter.grad_rules import DenseTerm, IndexTerm, OuterTerm, Term, find_grad_rule
+
+__all__ = ["GhostClippingEngine", "PerExampleGradients", "UnsupportedLayerError"]
+
+
+class UnsupportedLayerError(TypeError):
+    """A trainable parameter lives in a module type that has no per-example gradient rule."""
+
+
+@dataclass
+class _Record:
+    module: nn.Module
+    activations: torch.Tensor
+    output: torch.Tensor
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | None, IndexTerm | None, DenseTerm | None]:
+    """Combine every use of one parameter into at most one term of each kind (concatenating along tokens)."""
+    outers = [t for t in terms if isinstance(t, OuterTerm)]
+    indexes = [t for t in terms if isinstance(t, IndexTerm)]
+    denses = [t for t in terms if isinstance(t, DenseTerm)]
+    outer = index = dense = None
+    if outers:
+        outer = OuterTerm(
+            left=torch.cat([t.left.to(dtype) for t in outers], dim=1),
+            right=torch.cat([t.right.to(dtype) for t in outers], dim=1),
+        )
+    if indexes:
+        index = IndexTerm(
+            ids=torch.cat([t.ids for t in indexes], dim=1),
+            right=torch.cat([t.right.to(dtype) for t in indexes], dim=1),
+            num_rows=indexes[0].num_rows,
+        )
+    if denses:
+        grad = denses[0].grad.to(dtype)
+        for t in denses[1:]:
+            grad = grad + t.grad.to(dtype)
+        dense = DenseTerm(grad)
+    return outer, index, dense
+
+
+def _use_ghost(outer: OuterTerm) -> bool:
+    """Ghost identity when 2 T^2 < P Q, else materialize (decided per batch, since T varies)."""
+    tokens = outer.left.shape[1]
+    return 2 * tokens * tokens < outer.left.shape[2] * outer.right.shape[2]
+
+
+class PerExampleGradients:
+    """Per-example gradients of one recorded batch, kept in compact (ghost) form.
+
+    ``squared_norms()`` gives ``||g_i||^2`` over all trainable parameters; ``weighted_sum(c)`` gives
+    ``{param: sum_i c_i g_i[param]}``.
+    """
+
+    def __init__(self, terms: dict[nn.Parameter, list[Term]], batch_size: int, dtype: torch.dtype) -> None:
+        self.batch_size = batch_size
+        self.dtype = dtype
+        self._merged = {p: _merge_terms(ts, dtype) for p, ts in terms.items()}
+        self._materialized: dict[nn.Parameter, torch.Tensor] = {}
+        self._squared_norms: torch.Tensor | None = None
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._merged)
+
+    def _outer_dense(self, param: nn.Parameter, outer: OuterTerm) -> torch.Tensor:
+        if param not in self._materialized:
+            self._materialized[param] = torch.einsum("btp,btq->bpq", outer.left, outer.right)
+        return self._materialized[param]
+
+    def _param_squared_norms(self, param: nn.Parameter) -> torch.Tensor:
+        outer, index, dense = self._merged[param]
+        total = torch.zeros(self.batch_size, dtype=self.dtype, device=param.device)
+        if outer is not None:
+            if _use_ghost(outer):
+                left_gram = torch.bmm(outer.left, outer.left.transpose(1, 2))
+                right_gram = torch.bmm(outer.right, outer.right.transpose(1, 2))
+                total = total + (left_gram * right_gram).sum(dim=(1, 2))
+            else:
+                total = total + self._outer_dense(param, outer).pow(2).sum(dim=(1, 2))
+        if index is not None:
+            same_row = (index.ids.unsqueeze(2) == index.ids.unsqueeze(1)).to(self.dtype)
+            right_gram = torch.bmm(index.right, index.right.transpose(1, 2))
+            total = total + (same_row * right_gram).sum(dim=(1, 2))
+        if outer is not None and index is not None:
+            # Tied weights: 2 <sum_s l_s r_s^T, sum_t e_{id_t} r'_t^T> = 2 sum_{s,t} l_s[id_t] (r_s . r'_t)
+            steps = outer.left.shape[1]
+            gathered = outer.left.gather(2, index.ids.unsqueeze(1).expand(-1, steps, -1))
+            cross = torch.bmm(outer.right, index.right.transpose(1, 2))
+            total = total + 2 * (gathered * cross).sum(dim=(1, 2))
+        if dense is not None:
+            flat = dense.grad.reshape(self.batch_size, -1)
+            total = total + flat.pow(2).sum(dim=1)
+            if outer is not None:
+                d = dense.grad.reshape(self.batch_size, outer.left.shape[2], outer.right.shape[2])
+                total = total + 2 * torch.einsum("bpq,btq,btp->b", d, outer.right, outer.left)
+            if index is not None:
+                d = dense.grad.reshape(self.batch_size, index.num_rows, -1)
+                rows = d.gather(1, index.ids.unsqueeze(-1).expand(-1, -1, d.shape[2]))
+                total = total + 2 * (rows * index.right).sum(dim=(1, 2))
+        return total
+
+    def squared_norms(self) -> torch.Tensor:
+        """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models)."""
+        if self._squared_norms is None:
+            total = None
+            for param in self._merged:
+                sq = self._param_squared_norms(param)
+                total = sq if total is None else total + sq.to(total.device)
+            if total is None:
+                total = torch.zeros(self.batch_size, dtype=self.dtype)
+            self._squared_norms = total
+        return self._squared_norms
+
+    def norms(self) -> torch.Tensor:
+        return self.squared_norms().clamp_min(0).sqrt()
+
+    def weighted_sum(self, coefficients: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        """``sum_i coefficients[i] * g_i``, per parameter, in the accumulation dtype."""
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        for param, (outer, index, dense) in self._merged.items():
+            c = coefficients.to(device=param.device, dtype=self.dtype)
+            total = torch.zeros(param.shape, dtype=self.dtype, device=param.device)
+            if outer is not None:
+                if param in self._materialized:
+                    g = torch.einsum("bpq,b->pq", self._materialized[param], c)
+                else:
+                    g = torch.einsum("btp,btq->pq", outer.left * c[:, None, None], outer.right)
+                total += g.reshape(param.shape)
+            if index is not None:
+                rows = total.view(index.num_rows, -1)
+                weighted = (index.right * c[:, None, None]).reshape(-1, rows.shape[1])
+                rows.index_add_(0, index.ids.reshape(-1), weighted)
+            if dense is not None:
+                total += torch.einsum("bk,b->k", dense.grad.reshape(self.batch_size, -1), c).reshape(param.shape)
+            out[param] = total
+        return out
+
+
+class GhostClippingEngine:
+    """Attaches per-example gradient hooks to ``model`` and clips per example (see module docstring).
+
+    Args:
+        model: the model whose trainable parameters are trained privately. Attach after PEFT wrapping and
+            after moving the model to its device; the engine never wraps or patches the model.
+        max_grad_norm: the clipping norm C.
+        clipping_fn: ``"abadi"`` (``min(1, C/||g||)``) or ``"automatic"`` (``C/(||g||+0.01)``).
+        verify_first_backward: on the first backward, also compute the ordinary (unclipped) gradient with
+            autograd and check that the engine's unclipped sum matches it for every trainable parameter.
+            This catches parameters that receive gradient through a path the hooks do not see.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_grad_norm: float = 1.0,
+        clipping_fn: str = "abadi",
+        verify_first_backward: bool = True,
+    ) -> None:
+        self.model = model
+        self.max_grad_norm = float(max_grad_norm)
+        self.clipping_fn = clipping_fn
+        clip_factors(torch.ones(1), self.max_grad_norm, clipping_fn)  # validates the name early
+        self.verify_first_backward = verify_first_backward
+        self._records: list[_Record] = []
+        self._recording = False
+        self._batch_size: int | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+        self._param_names: dict[nn.Parameter, str] = {}
+        self.attach()
+
+    # ----------------------------------------------------------------------------------------- set-up
+    def attach(self) -> None:
+        """Find every trainable parameter's module, check it has a rule, and register forward hooks."""
+        self.detach()
+        self._owners = {}
+        self._param_names = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if param.requires_grad:
+                self._param_names.setdefault(param, name)
+        for param, name in self._param_names.items():
+            if param.dtype in (torch.float16, torch.bfloat16):
+                raise TypeError(
+                    f"Trainable parameter '{name}' is {param.dtype}. hf_dpfilter keeps trainable parameters in "
+                    "fp32 and accumulates norms and clipped sums in fp32: load the model in float32 and use "
+                    "bf16 autocast (TrainingArguments(bf16=True)) for mixed precision."
+                )
+        hooked: list[nn.Module] = []
+        for module_name, module in self.model.named_modules(remove_duplicate=False):
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            rule = find_grad_rule(module)
+            if rule is None:
+                param_name, _ = own[0]
+                full = f"{module_name}.{param_name}" if module_name else param_name
+                raise UnsupportedLayerError(
+                    f"Trainable parameter '{full}' belongs to module '{module_name or '<root>'}' of type "
+                    f"{type(module).__module__}.{type(module).__name__}, which has no per-example gradient rule. "
+                    "Freeze it (param.requires_grad_(False)) or register a rule with "
+                    f"hf_dpfilter.register_grad_rule({type(module).__name__})."
+                )
+            for param_name, param in own:
+                self._owners.setdefault(param, []).append((module, param_name))
+            if all(module is not m for m in hooked):
+                hooked.append(module)
+                self._handles.append(module.register_forward_hook(self._forward_hook))
+        if not self._owners:
+            raise ValueError("The model has no trainable parameters: nothing to train privately.")
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return list(self._owners)
+
+    def parameter_name(self, param: nn.Parameter) -> str:
+        return self._param_names.get(param, "<unnamed>")
+
+    # --------------------------------------------------------------------------------------- recording
+    def _forward_hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor):
+        if not self._recording or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+            return None
+        if not output.requires_grad:
+            return None
+        activations = inputs[0].detach() if inputs else None
+        batch = self._batch_size
+        if batch is None:
+            batch = output.shape[0]
+            self._batch_size = batch
+        if output.shape[0] == 1 and batch > 1:
+            # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
+            output = output.expand(batch, *output.shape[1:])
+            if activations is not None:
+                activations = activations.expand(batch, *activations.shape[1:])
+        elif output.shape[0] != batch:
+            raise RuntimeError(
+                f"Module {type(module).__name__} produced an output with leading dimension {output.shape[0]} "
+                f"while recording a batch of {batch} examples. Per-example clipping needs batch-first "
+                "tensors; pass batch_size to engine.record() if the first layer's input is not batch-first."
+            )
+        self._records.append(_Record(module=module, activations=activations, output=output))
+        return output
+
+    @contextlib.contextmanager
+    def record(self, batch_size: int | None = None) -> Iterator[None]:
+        """Record the forward passes run inside the block (one or several, e.g. at several parameter points)."""
+        self._records = []
+        self._batch_size = batch_size
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def clear(self) -> None:
+        self._records = []
+
+    # ---------------------------------------------------------------------------------------- backward
+    def per_example_gradients(self, per_example_loss: torch.Tensor) -> PerExampleGradients:
+        """One backward of ``sum_i loss_i`` to the recorded layer outputs; returns the compact per-example grads."""
+        if per_example_loss.dim() != 1:
+            raise ValueError(
+                f"per_example_loss must have shape (batch,), got {tuple(per_example_loss.shape)}: reduce each "
+                "example's loss over its own tokens only (see hf_dpfilter.losses)."
+            )
+        batch = per_example_loss.shape[0]
+        if self._batch_size is not None and batch != self._batch_size:
+            raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has {self._batch_size}.")
+        records, self._records = self._records, []
+        if not records:
+            raise RuntimeError("Nothing was recorded: run the forward pass inside `with engine.record():`.")
+        dtype = _accumulation_dtype(per_example_loss.dtype)
+        total = per_example_loss.sum()
+        reference = None
+        if self.verify_first_backward:
+            params = self.trainable_parameters
+            reference = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
+        output_grads = torch.autograd.grad(total, [r.output for r in records], allow_unused=True)
+        terms: dict[nn.Parameter, list[Term]] = {}
+        for record, grad_output in zip(records, output_grads):
+            if grad_output is None:
+                continue
+            rule = find_grad_rule(record.module)
+            module_params = dict(record.module.named_parameters(recurse=False))
+            for param_name, term in rule(record.module, record.activations, grad_output).items():
+                terms.setdefault(module_params[param_name], []).append(term)
+        grads = PerExampleGradients(terms, batch, dtype)
+        if reference is not None:
+            self._verify(grads, reference)
+            self.verify_first_backward = False
+        return grads
+
+    def _verify(self, grads: PerExampleGradients, reference: tuple[torch.Tensor | None, ...]) -> None:
+        ours = grads.weighted_sum(torch.ones(grads.batch_size))
+        for param, ref in zip(self.trainable_parameters, reference):
+            ref = torch.zeros_like(param) if ref is None else ref
+            mine = ours.get(param)
+            mine = torch.zeros(param.shape, dtype=ref.dtype, device=ref.device) if mine is None else mine
+            err = (mine.to(ref.dtype) - ref).norm().item()
+            scale = ref.norm().item()
+            tol = 1e-3 if ref.dtype != torch.float64 else 1e-8
+            if err > tol * scale + 1e-12:
+                raise RuntimeError(
+                    f"Per-example gradients of '{self.parameter_name(param)}' do not add up to its ordinary "
+                    f"gradient (relative error {err / max(scale, 1e-30):.2e}): the parameter receives gradient "
+                    "through a path the hooks do not see (used outside its module's forward, or an in-place "
+                    "change of a layer output). Freeze it or register a grad rule for the module that uses it."
+                )
+
+    def clip_and_accumulate(self, per_example_loss: torch.Tensor) -> torch.Tensor:
+        """Backward, clip each example's gradient, add ``sum_i clip(g_i)`` into ``p.grad``; return the norms."""
+        grads = self.per_example_gradients(per_example_loss)
+        norms = grads.norms()
+        factors = clip_factors(norms, self.max_grad_norm, self.clipping_fn)
+        accumulate_into_grad(grads.weighted_sum(factors))
+        return norms
+
+
+def accumulate_into_grad(sums: dict[nn.Parameter, torch.Tensor]) -> None:
+    """``p.grad += sums[p]`` (creating ``p.grad`` if needed)."""
+    for param, value in sums.items():
+        value = value.to(param.dtype)
+        if param.grad is None:
+            param.grad = value
+        else:
+            param.grad.add_(value)

@@ -1,0 +1,64 @@
+"""Per-example losses: each example's loss depends on that example only.
+
+Hugging Face models average the loss over all tokens of the batch (and the Trainer rescales it by
+``num_items_in_batch``), which couples examples: one long example would change everyone's weight. DP needs
+one loss per example, so hf_dpfilter computes:
+
+* sequence classification: the cross-entropy of the example (MSE for regression, mean binary
+  cross-entropy over labels for multi-label problems);
+* causal language modelling: the mean token cross-entropy over the example's own non-ignored label
+  tokens, with the shift done inside the example (logits at t predict label t+1);
+* token-level tasks without shift (token classification, masked LM): the mean over the example's own
+  non-ignored tokens.
+
+An example whose labels are all ``ignore_index`` has loss 0 (it contributes a zero gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Mean cross-entropy over each example's own valid tokens; logits (B,T,V), labels (B,T) -> (B,)."""
+    if shift:
+        logits = logits[:, :-1, :]
+        labels = labels[:, 1:]
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # the loss in fp32 under bf16 autocast
+    token_losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=ignore_index, reduction="none")
+    valid = (labels != ignore_index).to(token_losses.dtype)
+    return token_losses.sum(dim=1) / valid.sum(dim=1).clamp_min(1.0)
+
+
+def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None = None) -> torch.Tensor:
+    """Per-example loss for sequence classification/regression; logits (B,C) -> (B,)."""
+    num_labels = logits.shape[-1]
+    if problem_type is None:
+        if num_labels == 1:
+            problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem_type = "single_label_classification"
+        else:
+            problem_type = "multi_label_classification"
+    if problem_type == "regression":
+        return (logits.squeeze(-1) - labels.to(logits.dtype).reshape(logits.shape[0])) ** 2
+    if problem_type == "single_label_classification":
+        return F.cross_entropy(logits.reshape(-1, num_labels), labels.reshape(-1), reduction="none")
+    if problem_type == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(dim=-1)
+    raise ValueError(f"Unknown problem_type {problem_type!r}.")
+
+
+def per_example_loss(
+    logits: torch.Tensor, labels: torch.Tensor, causal_lm: bool, problem_type: str | None = None
+) -> torch.Tensor:
+    """Dispatch on the shape of the logits: (B, C) sequence-level, (B, T, V) token-level."""
+    if logits.dim() == 2:
+        return sequence_classification_loss(logits, labels, problem_type)
+    if logits.dim() == 3:
+        return token_mean_loss(logits, labels, shift=causal_lm)
+    raise ValueError(f"Cannot derive a per-example loss from logits of shape {tuple(logits.shape)}.")

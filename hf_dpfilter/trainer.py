@@ -1,0 +1,351 @@
+"""``DPTrainer``: ``transformers.Trainer`` with per-example clipping, noise and accounting.
+
+Thin glue over the Trainer's own loop, through its hooks:
+
+* ``get_train_dataloader`` yields one *logical* batch per optimizer step, Poisson-sampled (possibly empty);
+* ``training_step`` splits it into micro-batches of ``per_device_train_batch_size``, computes per-example
+  losses (:mod:`hf_dpfilter.losses`), and lets the DP optimizer accumulate the clipped per-example
+  (combinations of) gradients via the clipping engine (:mod:`hf_dpfilter.engine`);
+* ``create_optimizer`` wraps the Trainer's optimizer in the DP optimizer of ``dp_method``, which adds the
+  noise once per step and records the step with the accountant;
+* ``log`` adds the epsilon spent so far to every log line (progress bar, TensorBoard, W&B, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+
+from hf_dpfilter.accounting import (
+    PrivacyAccountant,
+    calibrate_noise_multiplier,
+    default_delta,
+    validate_privacy_parameters,
+)
+from hf_dpfilter.arguments import DPTrainingArguments
+from hf_dpfilter.engine import GhostClippingEngine
+from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.optimizers import DPOptimizer, make_dp_optimizer
+from hf_dpfilter.sampling import PoissonBatchSampler
+
+logger = logging.getLogger(__name__)
+
+
+class _EmptySafeCollator:
+    """Collates a (possibly empty) list of examples; an empty batch keeps the keys with 0 rows."""
+
+    def __init__(self, collate_fn: Callable, dataset: Any) -> None:
+        self.collate_fn = collate_fn
+        self.dataset = dataset
+
+    def __call__(self, examples: list) -> dict[str, Any]:
+        if len(examples) > 0:
+            return self.collate_fn(examples)
+        # Collate one real example for the structure, then keep zero rows of it: nothing private is used.
+        template = self.collate_fn([self.dataset[0]])
+        return {k: v[:0] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in template.items()}
+
+
+class _LogicalBatchLoader(DataLoader):
+    """A DataLoader over logical batches that forwards ``set_epoch`` to its Poisson sampler."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
+
+class _ShuffledBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Fixed-size shuffled batches (poisson_sampling=False), deterministic per (seed, epoch)."""
+
+    def __init__(self, num_samples: int, batch_size: int, steps_per_epoch: int, seed: int, rank: int, world: int):
+        self.num_samples, self.batch_size, self.steps_per_epoch = num_samples, batch_size, steps_per_epoch
+        self.seed, self.rank, self.world, self.epoch = seed, rank, world, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.num_samples, generator=generator)
+        for step in range(self.steps_per_epoch):
+            batch = order[step * self.batch_size : (step + 1) * self.batch_size]
+            yield batch[self.rank :: self.world].tolist()
+
+
+class _PrivacyCallback(TrainerCallback):
+    def __init__(self, trainer: DPTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        planned = self.trainer.planned_steps
+        if state.max_steps != planned:
+            raise RuntimeError(
+                f"The Trainer plans {state.max_steps} optimizer steps but the noise was calibrated for {planned}. "
+                "Do not change num_train_epochs/max_steps after creating the DPTrainer."
+            )
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return type(base).__name__ in names or type(base).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+class DPTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains with (epsilon, delta)-differential privacy.
+
+    Same constructor as ``Trainer``; ``args`` must be :class:`DPTrainingArguments`. The train dataset must
+    have a length (N is needed for the sample rate and the default delta). After ``train()``,
+    :meth:`privacy_report` gives the epsilon spent.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, DPTrainingArguments):
+            raise TypeError("DPTrainer needs DPTrainingArguments (a TrainingArguments subclass) as `args`.")
+        self.dp_optimizer: DPOptimizer | None = None
+        self.engine: GhostClippingEngine | None = None
+        self._setup_privacy()
+        self.add_callback(_PrivacyCallback(self))
+
+    # ------------------------------------------------------------------------------ set-up
+    def _setup_privacy(self) -> None:
+        args = self.args
+        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
+            raise ValueError("DPTrainer needs a train_dataset with a length (N sets the sample rate and delta).")
+        self.num_train_examples = len(self.train_dataset)
+        if self.num_train_examples == 0:
+            raise ValueError("The training set is empty.")
+        world = max(1, args.world_size)
+        self.logical_batch_size = args.logical_batch_size or args.per_device_train_batch_size * world
+        self.sample_rate = self.logical_batch_size / self.num_train_examples
+        if self.sample_rate > 1:
+            raise ValueError(
+                f"logical_batch_size={self.logical_batch_size} is larger than the training set "
+                f"(N={self.num_train_examples}), so the sample rate q would be > 1. Use logical_batch_size <= N."
+            )
+        self.steps_per_epoch = max(1, int(1 / self.sample_rate + 1e-9))
+        if args.max_steps > 0:
+            self.planned_steps = args.max_steps
+        else:
+            self.planned_steps = math.ceil(args.num_train_epochs * self.steps_per_epoch)
+        self.delta = args.target_delta if args.target_delta is not None else default_delta(self.num_train_examples)
+        self.dp_seed = args.dp_seed if args.dp_seed is not None else args.seed
+        self._causal_lm = _is_causal_lm(self.model)
+        if args.dp_method == "none":
+            self.noise_multiplier = 0.0
+            self.accountant = PrivacyAccountant(args.accountant)
+            return
+        if args.target_epsilon is not None:
+            validate_privacy_parameters(args.target_epsilon, self.delta, self.sample_rate, self.num_train_examples)
+            self.noise_multiplier = calibrate_noise_multiplier(
+                args.target_epsilon, self.delta, self.sample_rate, self.planned_steps, accountant=args.accountant
+            )
+        else:
+            validate_privacy_parameters(1.0, self.delta, self.sample_rate, self.num_train_examples)
+            self.noise_multiplier = float(args.noise_multiplier)
+        if not args.poisson_sampling:
+            logger.warning(
+                "poisson_sampling=False: batches are shuffled fixed-size batches; the reported epsilon assumes "
+                "Poisson sampling and is not a proven guarantee for this run."
+            )
+        self.accountant = PrivacyAccountant(args.accountant)
+        self.engine = GhostClippingEngine(
+            self.model,
+            max_grad_norm=args.per_sample_max_grad_norm,
+            clipping_fn=args.clipping_fn,
+            verify_first_backward=args.dp_verify_first_step,
+        )
+
+    def method_hyperparameters(self) -> dict[str, Any]:
+        """The DPTrainingArguments fields the chosen method takes (same names as its constructor)."""
+        import inspect
+
+        from hf_dpfilter.optimizers import METHODS, available_methods
+
+        available_methods()
+        cls = METHODS[self.args.dp_method]
+        shared = set(inspect.signature(DPOptimizer.__init__).parameters)
+        names = set()
+        for klass in cls.__mro__:
+            if isinstance(klass, type) and issubclass(klass, DPOptimizer) and klass is not DPOptimizer:
+                names |= set(inspect.signature(klass.__init__).parameters) - shared
+        return {name: getattr(self.args, name) for name in sorted(names) if hasattr(self.args, name)}
+
+    # ------------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.dp_optimizer is not None:
+            return self.optimizer
+        base = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if self.args.dp_method == "none":
+            return base
+        self.dp_optimizer = make_dp_optimizer(
+            None,
+            base=base,
+            method=self.args.dp_method,
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.args.per_sample_max_grad_norm,
+            expected_batch_size=self.logical_batch_size,
+            sample_rate=self.sample_rate,
+            clipping_fn=self.args.clipping_fn,
+            seed=self.dp_seed,
+            secure_noise=self.args.secure_noise,
+            accountant=self.accountant,
+            **self.method_hyperparameters(),
+        )
+        self.optimizer = self.dp_optimizer
+        return self.optimizer
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        # The Trainer would log the norm of p.grad, which here is the *pre-noise* clipped sum: private.
+        return None
+
+    # ---------------------------------------------------------------------------- data
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        import datasets
+
+        dataset = self.train_dataset
+        collator = self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
+        if self.args.poisson_sampling and self.args.dp_method != "none":
+            sampler = PoissonBatchSampler(
+                len(dataset), self.sample_rate, self.steps_per_epoch, seed=self.dp_seed, rank=rank, world_size=world
+            )
+        else:
+            sampler = _ShuffledBatchSampler(
+                len(dataset), self.logical_batch_size, self.steps_per_epoch, self.dp_seed, rank, world
+            )
+        return _LogicalBatchLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=_EmptySafeCollator(collator, dataset),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    # --------------------------------------------------------------------------- steps
+    def compute_per_example_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        labels: torch.Tensor,
+        param_values: dict[nn.Parameter, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Per-example losses, shape (B,), optionally at other parameter values (a functional call)."""
+        if param_values:
+            names = {p: self.engine.parameter_name(p) for p in param_values}
+            outputs = torch.func.functional_call(
+                model, {names[p]: v for p, v in param_values.items()}, args=(), kwargs=inputs, strict=False
+            )
+        else:
+            outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
+        problem_type = getattr(getattr(model, "config", None), "problem_type", None)
+        return per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # Evaluation keeps the model's own loss (no gradients, nothing private is released by training).
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
+
+    def _micro_batches(self, inputs: dict[str, Any], labels: torch.Tensor):
+        batch = labels.shape[0]
+        size = self.args.per_device_train_batch_size
+        for start in range(0, batch, size):
+            stop = min(start + size, batch)
+            micro = {
+                k: v[start:stop] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
+                for k, v in inputs.items()
+            }
+            micro_labels = labels[start:stop]
+            mask = micro.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
+                # Drop trailing columns that are padding in every example of this micro-batch.
+                used = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
+                if used < mask.shape[1] and bool(mask[:, used:].eq(0).all()):
+                    seq = mask.shape[1]
+                    micro = {
+                        k: v[:, :used] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
+                        for k, v in micro.items()
+                    }
+                    if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq:
+                        micro_labels = micro_labels[:, :used]
+            yield micro, micro_labels
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """One logical batch: micro-batches -> per-example losses -> clipped sums in ``p.grad``."""
+        model = self.model  # hooks live on the unwrapped modules; DDP reduction is done by the DP optimizer
+        model.train()
+        inputs = dict(self._prepare_inputs(inputs))
+        labels = inputs.pop("labels", None)
+        if labels is None:
+            raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
+        batch = labels.shape[0]
+        total = torch.zeros((), device=self.args.device)
+        if batch == 0:
+            return total  # an empty Poisson batch: the optimizer step still adds noise and is accounted
+        if self.args.dp_method == "none":
+            for micro, micro_labels in self._micro_batches(inputs, labels):
+                with self.compute_loss_context_manager():
+                    losses = self.compute_per_example_loss(model, micro, micro_labels)
+                (losses.sum() / self.logical_batch_size).backward()
+                total = total + losses.detach().sum()
+            return total / batch
+        for micro, micro_labels in self._micro_batches(inputs, labels):
+
+            def loss_fn(values, micro=micro, micro_labels=micro_labels):
+                with self.compute_loss_context_manager():
+                    return self.compute_per_example_loss(model, micro, micro_labels, values)
+
+            losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=micro_labels.shape[0])
+            total = total + losses.sum()
+        return total / batch
+
+    # ----------------------------------------------------------------------- reporting
+    def current_epsilon(self) -> float:
+        if self.args.dp_method == "none":
+            return float("inf")
+        return self.accountant.get_epsilon(self.delta)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.args.dp_method != "none" and self.accountant.steps > 0:
+            logs = dict(logs)
+            logs["epsilon"] = round(self.current_epsilon(), 4)
+        super().log(logs, *args, **kwargs)
+
+    def privacy_report(self) -> dict[str, Any]:
+        """epsilon spent so far and everything needed to interpret it."""
+        return {
+            "epsilon": self.current_epsilon(),
+            "delta": self.delta,
+            "target_epsilon": self.args.target_epsilon,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "logical_batch_size": self.logical_batch_size,
+            "num_train_examples": self.num_train_examples,
+            "steps": self.accountant.steps,
+            "planned_steps": self.planned_steps,
+            "accountant": self.args.accountant,
+            "max_grad_norm": self.args.per_sample_max_grad_norm,
+            "clipping_fn": self.args.clipping_fn,
+            "method": self.args.dp_method,
+            "poisson_sampling": self.args.poisson_sampling,
+            "neighbouring_relation": "add/remove one example",
+        }

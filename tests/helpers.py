@@ -1,0 +1,82 @@
+"""Shared test utilities: tiny data sets, collators, per-example reference gradients in float64."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+from hf_dpfilter.clipping import clip_factors
+from hf_dpfilter.losses import per_example_loss
+
+
+class ListDataset(Dataset):
+    def __init__(self, examples: list[dict]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.examples[i]
+
+
+def make_examples(n: int, vocab: int, causal: bool, seed: int = 0, min_len: int = 3, max_len: int = 10) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = max_len if i == 0 else int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(3, vocab, (length,), generator=g)
+        if causal:
+            labels = ids.clone()
+            labels[0] = -100  # some ignored label tokens inside the example too
+        else:
+            labels = int(torch.randint(0, 2, (1,), generator=g))
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+class PadCollator:
+    """Right-pads input_ids with pad_id, builds attention_mask, pads token labels with -100."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, examples: list[dict]) -> dict:
+        longest = max(len(e["input_ids"]) for e in examples)
+        ids = torch.full((len(examples), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(examples), longest), dtype=torch.long)
+        token_labels = isinstance(examples[0]["labels"], torch.Tensor)
+        labels = torch.full((len(examples), longest), -100, dtype=torch.long) if token_labels else None
+        for i, e in enumerate(examples):
+            n = len(e["input_ids"])
+            ids[i, :n] = e["input_ids"]
+            mask[i, :n] = 1
+            if token_labels:
+                labels[i, :n] = e["labels"]
+        if not token_labels:
+            labels = torch.tensor([e["labels"] for e in examples], dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def reference_clipped_sum(model, examples, causal: bool, max_grad_norm: float, clipping_fn: str = "abadi"):
+    """Sum of clipped per-example gradients, one example at a time, no padding: the ground truth."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    norms = []
+    for e in examples:
+        ids = e["input_ids"].unsqueeze(0)
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        labels = e["labels"].unsqueeze(0) if causal else torch.tensor([e["labels"]])
+        loss = per_example_loss(out.logits, labels, causal_lm=causal)
+        grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        norms.append(norm)
+        factor = clip_factors(norm.reshape(1), max_grad_norm, clipping_fn)[0]
+        for t, g in zip(total, grads):
+            t += factor * g
+    return dict(zip(params, total)), torch.stack(norms)
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])

@@ -1,0 +1,65 @@
+"""Tiny Hugging Face models built from configs (no download) for the tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+)
+
+VOCAB = 97
+
+
+def tiny_roberta(num_labels: int = 2, dtype=torch.float64) -> RobertaForSequenceClassification:
+    config = RobertaConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=40, pad_token_id=1, num_labels=num_labels,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    return RobertaForSequenceClassification(config).to(dtype)
+
+
+def tiny_bert(num_labels: int = 2, dtype=torch.float64) -> BertForSequenceClassification:
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=40, pad_token_id=0, num_labels=num_labels,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    return BertForSequenceClassification(config).to(dtype)
+
+
+def tiny_gpt2(dtype=torch.float64) -> GPT2LMHeadModel:
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=40,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).to(dtype)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+def padded_batch(batch_size: int, max_len: int = 9, pad_id: int = 1, seed: int = 0, causal: bool = False):
+    """Variable-length examples right-padded to the longest; labels per example."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, max_len + 1, (batch_size,), generator=g)
+    lengths[0] = max_len
+    input_ids = torch.full((batch_size, max_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch_size, max_len), dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        input_ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
+        attention_mask[i, :n] = 1
+    if causal:
+        labels = input_ids.clone()
+        labels[attention_mask == 0] = -100
+    else:
+        labels = torch.randint(0, 2, (batch_size,), generator=g)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
