@@ -68,12 +68,17 @@ def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | Non
     indexes = [t for t in terms if isinstance(t, IndexTerm)]
     denses = [t for t in terms if isinstance(t, DenseTerm)]
     outer = index = dense = None
-    if outers:
+    # A single use (the common case) is kept as it is: torch.cat would copy every activation and output grad.
+    if len(outers) == 1:
+        outer = OuterTerm(left=outers[0].left.to(dtype), right=outers[0].right.to(dtype))
+    elif outers:
         outer = OuterTerm(
             left=torch.cat([t.left.to(dtype) for t in outers], dim=1),
             right=torch.cat([t.right.to(dtype) for t in outers], dim=1),
         )
-    if indexes:
+    if len(indexes) == 1:
+        index = IndexTerm(ids=indexes[0].ids, right=indexes[0].right.to(dtype), num_rows=indexes[0].num_rows)
+    elif indexes:
         index = IndexTerm(
             ids=torch.cat([t.ids for t in indexes], dim=1),
             right=torch.cat([t.right.to(dtype) for t in indexes], dim=1),
@@ -88,9 +93,30 @@ def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | Non
 
 
 def _use_ghost(outer: OuterTerm) -> bool:
-    """Ghost identity when 2 T^2 < P Q, else materialize (decided per batch, since T varies)."""
-    tokens = outer.left.shape[1]
-    return 2 * tokens * tokens < outer.left.shape[2] * outer.right.shape[2]
+    """Ghost identity unless the per-example gradient is no larger than the layer's stored ``A`` and ``B``.
+
+    Per example, ghost costs ``T^2 (P+Q)`` for the norm plus ``T P Q`` for the weighted sum, and keeps only
+    ``T^2`` extra numbers; materializing ``B_i^T A_i`` costs ``T P Q`` once (the weighted sum of the
+    materialized gradients is then ``P Q``) but holds ``P Q`` numbers until all norms are known. So
+    materialize exactly when ``P Q <= T (P + Q)``: then it is the faster choice *and* it replaces ``A``,
+    ``B`` (``T (P+Q)`` numbers) by something no larger, so peak memory never grows with ``B P Q`` beyond
+    the activations' own size. Decided per batch, since T varies (LoRA's rank-r layers materialize; full
+    768x768 layers at T < 384 use the ghost identity).
+    """
+    tokens, p, q = outer.left.shape[1], outer.left.shape[2], outer.right.shape[2]
+    return p * q > tokens * (p + q)
+
+
+def _weighted_outer(outer: OuterTerm, c: torch.Tensor) -> torch.Tensor:
+    """``sum_i c_i sum_t left[i,t] (outer) right[i,t]`` as one GEMM, scaling the narrower side by c."""
+    batch, tokens, p = outer.left.shape
+    q = outer.right.shape[2]
+    scale = c.reshape(batch, 1, 1)
+    if p <= q:
+        left, right = outer.left * scale, outer.right
+    else:
+        left, right = outer.left, outer.right * scale
+    return torch.mm(left.reshape(batch * tokens, p).t(), right.reshape(batch * tokens, q))
 
 
 class PerExampleGradients:
@@ -104,28 +130,30 @@ class PerExampleGradients:
         self.batch_size = batch_size
         self.dtype = dtype
         self._merged = {p: _merge_terms(ts, dtype) for p, ts in terms.items()}
-        self._materialized: dict[nn.Parameter, torch.Tensor] = {}
         self._squared_norms: torch.Tensor | None = None
 
     @property
     def parameters(self) -> list[nn.Parameter]:
         return list(self._merged)
 
-    def _outer_dense(self, param: nn.Parameter, outer: OuterTerm) -> torch.Tensor:
-        if param not in self._materialized:
-            self._materialized[param] = torch.einsum("btp,btq->bpq", outer.left, outer.right)
-        return self._materialized[param]
+    def _materialize(self, param: nn.Parameter) -> None:
+        """Replace the outer term by the dense per-example gradient ``B_i^T A_i`` (frees A and B)."""
+        outer, index, dense = self._merged[param]
+        grad = torch.bmm(outer.left.transpose(1, 2), outer.right).reshape(self.batch_size, *param.shape)
+        if dense is not None:
+            grad = grad + dense.grad.reshape(grad.shape)
+        self._merged[param] = (None, index, DenseTerm(grad))
 
     def _param_squared_norms(self, param: nn.Parameter) -> torch.Tensor:
+        outer = self._merged[param][0]
+        if outer is not None and not _use_ghost(outer):
+            self._materialize(param)
         outer, index, dense = self._merged[param]
         total = torch.zeros(self.batch_size, dtype=self.dtype, device=param.device)
         if outer is not None:
-            if _use_ghost(outer):
-                left_gram = torch.bmm(outer.left, outer.left.transpose(1, 2))
-                right_gram = torch.bmm(outer.right, outer.right.transpose(1, 2))
-                total = total + (left_gram * right_gram).sum(dim=(1, 2))
-            else:
-                total = total + self._outer_dense(param, outer).pow(2).sum(dim=(1, 2))
+            left_gram = torch.bmm(outer.left, outer.left.transpose(1, 2))
+            right_gram = torch.bmm(outer.right, outer.right.transpose(1, 2))
+            total = total + (left_gram * right_gram).sum(dim=(1, 2))
         if index is not None:
             same_row = (index.ids.unsqueeze(2) == index.ids.unsqueeze(1)).to(self.dtype)
             right_gram = torch.bmm(index.right, index.right.transpose(1, 2))
@@ -138,7 +166,7 @@ class PerExampleGradients:
             total = total + 2 * (gathered * cross).sum(dim=(1, 2))
         if dense is not None:
             flat = dense.grad.reshape(self.batch_size, -1)
-            total = total + flat.pow(2).sum(dim=1)
+            total = total + (flat * flat).sum(dim=1)
             if outer is not None:
                 d = dense.grad.reshape(self.batch_size, outer.left.shape[2], outer.right.shape[2])
                 total = total + 2 * torch.einsum("bpq,btq,btp->b", d, outer.right, outer.left)
@@ -163,24 +191,44 @@ class PerExampleGradients:
     def norms(self) -> torch.Tensor:
         return self.squared_norms().clamp_min(0).sqrt()
 
+    def zero_examples(self, drop: torch.Tensor) -> None:
+        """Replace the gradients of the examples where ``drop`` (bool, shape (B,)) is True by exact zeros.
+
+        Used for examples whose loss or gradient is NaN/inf: a weighted sum with coefficient 0 would still give
+        ``0 * nan = nan``, so their terms are zeroed (``torch.where``, not a product) before any sum.
+        """
+        if not bool(drop.any()):
+            return
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            mask = (~drop).to(t.device).reshape(-1, *([1] * (t.dim() - 1)))
+            return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+        for param, (outer, index, dense) in self._merged.items():
+            self._merged[param] = (
+                None if outer is None else OuterTerm(left=keep(outer.left), right=keep(outer.right)),
+                None if index is None else IndexTerm(ids=index.ids, right=keep(index.right), num_rows=index.num_rows),
+                None if dense is None else DenseTerm(keep(dense.grad)),
+            )
+        self._squared_norms = None
+
     def weighted_sum(self, coefficients: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         """``sum_i coefficients[i] * g_i``, per parameter, in the accumulation dtype."""
         out: dict[nn.Parameter, torch.Tensor] = {}
         for param, (outer, index, dense) in self._merged.items():
             c = coefficients.to(device=param.device, dtype=self.dtype)
-            total = torch.zeros(param.shape, dtype=self.dtype, device=param.device)
+            total = None
             if outer is not None:
-                if param in self._materialized:
-                    g = torch.einsum("bpq,b->pq", self._materialized[param], c)
-                else:
-                    g = torch.einsum("btp,btq->pq", outer.left * c[:, None, None], outer.right)
-                total += g.reshape(param.shape)
+                total = _weighted_outer(outer, c).reshape(param.shape)
+            if dense is not None:
+                g = torch.mv(dense.grad.reshape(self.batch_size, -1).t(), c).reshape(param.shape)
+                total = g if total is None else total.add_(g)
+            if total is None:
+                total = torch.zeros(param.shape, dtype=self.dtype, device=param.device)
             if index is not None:
                 rows = total.view(index.num_rows, -1)
                 weighted = (index.right * c[:, None, None]).reshape(-1, rows.shape[1])
                 rows.index_add_(0, index.ids.reshape(-1), weighted)
-            if dense is not None:
-                total += torch.einsum("bk,b->k", dense.grad.reshape(self.batch_size, -1), c).reshape(param.shape)
             out[param] = total
         return out
 
@@ -339,20 +387,27 @@ class GhostClippingEngine:
                 terms.setdefault(module_params[param_name], []).append(term)
         grads = PerExampleGradients(terms, batch, dtype)
         if reference is not None:
-            self._verify(grads, reference)
+            low_precision = any(r.output.dtype in (torch.float16, torch.bfloat16) for r in records)
+            self._verify(grads, reference, low_precision)
             self.verify_first_backward = False
         return grads
 
-    def _verify(self, grads: PerExampleGradients, reference: tuple[torch.Tensor | None, ...]) -> None:
+    def _verify(
+        self, grads: PerExampleGradients, reference: tuple[torch.Tensor | None, ...], low_precision: bool = False
+    ) -> None:
         ours = grads.weighted_sum(torch.ones(grads.batch_size))
+        # Some gradients are zero in exact arithmetic (attention key biases: softmax is shift-invariant) and
+        # only rounding noise in practice, so the tolerance has a floor relative to the whole gradient.
+        total = sum(float(r.double().norm()) ** 2 for r in reference if r is not None) ** 0.5
         for param, ref in zip(self.trainable_parameters, reference):
             ref = torch.zeros_like(param) if ref is None else ref
             mine = ours.get(param)
             mine = torch.zeros(param.shape, dtype=ref.dtype, device=ref.device) if mine is None else mine
             err = (mine.to(ref.dtype) - ref).norm().item()
             scale = ref.norm().item()
-            tol = 1e-3 if ref.dtype != torch.float64 else 1e-8
-            if err > tol * scale + 1e-12:
+            # autograd's own gradient is computed in bf16 under autocast: compare at that precision.
+            tol = 5e-2 if low_precision else (1e-3 if ref.dtype != torch.float64 else 1e-8)
+            if err > tol * scale + tol * 1e-4 * total + 1e-12:
                 raise RuntimeError(
                     f"Per-example gradients of '{self.parameter_name(param)}' do not add up to its ordinary "
                     f"gradient (relative error {err / max(scale, 1e-30):.2e}): the parameter receives gradient "

@@ -5,7 +5,7 @@ differentially private learners"; the ``private-transformers`` code base) report
 metrics of the official E2E NLG challenge script ``e2e-metrics`` (``measure_scores.py``):
 BLEU, NIST, METEOR, ROUGE-L and CIDEr, each against *all* references of an input.
 This module re-implements them without any network access (no Hub metric scripts, no
-``nltk.download``, no Java).
+``nltk.download``) and, except for the optional :func:`meteor15`, without Java.
 
 Scales (the ``e2e-metrics`` conventions, *not* sacreBLEU's 0-100):
 
@@ -13,10 +13,10 @@ Scales (the ``e2e-metrics`` conventions, *not* sacreBLEU's 0-100):
 key          range
 ===========  ===========================================================
 ``bleu``     0-1 (sacreBLEU's 0-100 divided by 100)
-``nist``     0 to ~15 (fine-tuned GPT-2 on E2E: ~8-9)
+``nist``     0 to ~15 (E2E test, a human reference vs the others: 8.90)
 ``meteor``   0-1
 ``rouge_l``  0-1
-``cider``    0-10 (fine-tuned GPT-2 on E2E: ~2-2.5)
+``cider``    0-10 (E2E test, a human reference vs the others: 1.86)
 ===========  ===========================================================
 
 Tokenisation (follows what ``e2e-metrics`` feeds each metric):
@@ -38,11 +38,16 @@ strings on whitespace instead (for pre-tokenized text, as the COCO scorers do).
 Known deviations from the official script:
 
 * METEOR: the official scorer is METEOR 1.5 (Java) with WordNet synonyms, paraphrase
-  tables and tuned parameters. No PyPI package ships WordNet data usable offline, so
-  :func:`meteor` uses nltk's METEOR (Lavie & Agarwal 2007 parameters alpha=0.9, beta=3,
-  gamma=0.5) with exact and Porter-stem matching only: no synonym/paraphrase matching.
-  Its values are therefore not interchangeable with published METEOR numbers; use it to
-  compare runs scored by this module with each other.
+  tables, function-word weighting and tuned parameters (alpha=0.85, beta=0.2, gamma=0.6).
+  No PyPI package ships WordNet data usable offline by nltk, so :func:`meteor` is nltk's
+  METEOR (Lavie & Agarwal 2007: alpha=0.9, beta=3, gamma=0.5) with exact and Porter-stem
+  matching only, max over references, mean over predictions. Its values are NOT
+  comparable to published METEOR numbers; they are much *higher*, because of the
+  recall-heavy parameters and the weak fragmentation penalty (E2E test set, first
+  reference of each MR scored against the others: 0.793 here vs 0.456 for METEOR 1.5).
+  Use it only to compare runs scored by this module. Where Java and the PyPI package
+  ``pycocoevalcap`` are installed, :func:`meteor15` returns the official METEOR 1.5
+  value, and ``compute_generation_metrics(..., official_meteor=True)`` uses it.
 * NIST with a variable number of references per input uses the per-input average
   reference length in the length penalty (as the Python ``pymteval`` of ``e2e-metrics``),
   since ``mteval-v13a.pl`` assumes a fixed number of references.
@@ -50,6 +55,7 @@ Known deviations from the official script:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -65,6 +71,8 @@ __all__ = [
     "corpus_bleu",
     "corpus_nist",
     "meteor",
+    "meteor15",
+    "meteor15_available",
     "rouge_l",
     "cider",
     "mteval_tokenize",
@@ -82,9 +90,7 @@ def _check_inputs(predictions: Sequence[str], references: Sequence[Sequence[str]
     if isinstance(predictions, str):
         raise TypeError("predictions must be a list of strings, not a single string")
     if len(predictions) != len(references):
-        raise ValueError(
-            f"got {len(predictions)} predictions but {len(references)} reference lists"
-        )
+        raise ValueError(f"got {len(predictions)} predictions but {len(references)} reference lists")
     if len(predictions) == 0:
         raise ValueError("predictions is empty")
     for i, refs in enumerate(references):
@@ -219,7 +225,8 @@ def corpus_bleu(
     references, geometric mean, brevity penalty with the *closest* reference length (ties:
     the shorter), the mteval "exp" smoothing for an n-gram order without any match.
     Text is tokenized with :func:`mteval_tokenize` (``tokenize=False``: whitespace split,
-    case kept). Computed with sacreBLEU and divided by 100.
+    case kept). Computed with sacreBLEU and divided by 100. (Degenerate corpora without
+    any 4-gram in any prediction score 0 here; mteval would count that precision as 1.)
     """
     _check_inputs(predictions, references)
     tok = mteval_tokenize if tokenize else _whitespace
@@ -278,12 +285,12 @@ def corpus_nist(
 
 
 def _nist_from_tokens(hyps: list[Tokens], refs: list[list[Tokens]], max_order: int = 5) -> float:
+    per_ref = [[_all_ngram_counts(r, max_order) for r in rs] for rs in refs]
     ref_counts: Counter[tuple[str, ...]] = Counter()
-    total_ref_words = 0
-    for rs in refs:
-        for r in rs:
-            ref_counts.update(_all_ngram_counts(r, max_order))
-            total_ref_words += len(r)
+    for rcs in per_ref:
+        for rc in rcs:
+            ref_counts.update(rc)
+    total_ref_words = sum(len(r) for rs in refs for r in rs)
 
     def info(g: tuple[str, ...]) -> float:
         prefix = ref_counts[g[:-1]] if len(g) > 1 else total_ref_words
@@ -293,10 +300,10 @@ def _nist_from_tokens(hyps: list[Tokens], refs: list[list[Tokens]], max_order: i
     hyp_ngrams = [0] * max_order
     sys_len = 0
     ref_len = 0.0
-    for h, rs in zip(hyps, refs):
+    for h, rs, rcs in zip(hyps, refs, per_ref):
         max_ref: dict[tuple[str, ...], int] = {}
-        for r in rs:
-            for g, c in _all_ngram_counts(r, max_order).items():
+        for rc in rcs:
+            for g, c in rc.items():
                 if c > max_ref.get(g, 0):
                     max_ref[g] = c
         for g, c in _all_ngram_counts(h, max_order).items():
@@ -339,10 +346,13 @@ def meteor(
     the references of each prediction, then the mean over predictions (nltk's behaviour).
     An exact copy of an ``n``-token reference scores ``1 - 0.5 / n**3``.
 
-    WordNet synonym matching is absent (its data cannot be installed offline from PyPI),
-    and so are METEOR 1.5's paraphrase tables and tuned parameters: values are *below*
-    and not comparable to the METEOR 1.5 numbers of ``e2e-metrics``. Text is tokenized
-    with :func:`coco_tokenize`, like the COCO METEOR input.
+    WordNet synonym matching is absent (no PyPI package ships the data offline), and so
+    are METEOR 1.5's paraphrase tables, function-word weighting and tuned parameters.
+    The values are NOT comparable with the METEOR 1.5 numbers of ``e2e-metrics`` and the
+    DP papers: on E2E they come out far *higher* (0.79 vs 0.46 for human references, see
+    the module docstring) despite the missing synonyms. Use :func:`meteor15` for the
+    official number. Text is tokenized with :func:`coco_tokenize`, like the COCO METEOR
+    input.
     """
     _check_inputs(predictions, references)
     tok = coco_tokenize if tokenize else _whitespace
@@ -365,10 +375,66 @@ def _meteor_from_tokens(
     wordnet = _NoSynonyms()
     total = 0.0
     for h, rs in zip(hyps, refs):
-        total += meteor_score(
-            rs, h, stemmer=stemmer, wordnet=wordnet, alpha=alpha, beta=beta, gamma=gamma
-        )
+        total += meteor_score(rs, h, stemmer=stemmer, wordnet=wordnet, alpha=alpha, beta=beta, gamma=gamma)
     return total / len(hyps)
+
+
+def meteor15_available() -> bool:
+    """True if :func:`meteor15` can run: ``pycocoevalcap`` importable and ``java`` on PATH."""
+    import importlib.util
+    import shutil
+
+    return importlib.util.find_spec("pycocoevalcap") is not None and shutil.which("java") is not None
+
+
+def meteor15(
+    predictions: Sequence[str],
+    references: Sequence[Sequence[str]],
+    *,
+    tokenize: bool = True,
+) -> float:
+    """The official METEOR 1.5 score of ``e2e-metrics`` (optional; needs Java); range 0-1.
+
+    Runs ``meteor-1.5.jar -l en -norm`` (WordNet synonyms, paraphrase table, tuned English
+    parameters) through the COCO caption toolkit's wrapper shipped by the PyPI package
+    ``pycocoevalcap`` (1.2; the jar and its data are inside the wheel, nothing is
+    downloaded) and returns the corpus-level score the toolkit reports: METEOR computed
+    from the sufficient statistics summed over all predictions, each scored against its
+    best reference. Input is tokenized with :func:`coco_tokenize`, as the toolkit's PTB
+    step does. Starting the JVM and loading the paraphrase table takes ~7 s.
+
+    Raises ``RuntimeError`` when ``pycocoevalcap`` or ``java`` is missing; see
+    :func:`meteor15_available`.
+    """
+    _check_inputs(predictions, references)
+    if not meteor15_available():
+        raise RuntimeError(
+            "meteor15 needs the 'pycocoevalcap' package (pip install pycocoevalcap==1.2) "
+            "and a Java runtime on PATH; use meteor() for the pure-Python approximation"
+        )
+    from pycocoevalcap.meteor.meteor import Meteor
+
+    tok = coco_tokenize if tokenize else _whitespace
+
+    def clean(text: str) -> str:  # "|||" is the field separator of the jar's stdio protocol
+        return " ".join(tok(text)).replace("|||", " ")
+
+    gts = {i: [clean(r) for r in rs] for i, rs in enumerate(references)}
+    res = {i: [clean(p)] for i, p in enumerate(predictions)}
+    scorer = Meteor()
+    try:
+        score, _ = scorer.compute_score(gts, res)
+    finally:
+        # Stop the JVM here rather than in the wrapper's __del__, which would block forever
+        # on its lock if compute_score failed while holding it.
+        proc = scorer.meteor_p
+        with contextlib.suppress(OSError, ValueError):
+            proc.stdin.close()
+        proc.kill()
+        proc.wait()
+        if scorer.lock.locked():
+            scorer.lock.release()
+    return float(score)
 
 
 # -------------------------------------------------------------------------- ROUGE-L
@@ -459,12 +525,13 @@ def cider(
 
 
 def _tfidf(
-    counts: Counter[tuple[str, ...]], df: Counter[tuple[str, ...]], log_n: float, max_order: int
+    counts: Counter[tuple[str, ...]], idf: dict[tuple[str, ...], float], log_n: float, max_order: int
 ) -> tuple[list[dict[tuple[str, ...], float]], list[float]]:
+    # idf(g) = log(N / max(1, df(g))); n-grams absent from every reference set get log N.
     vecs: list[dict[tuple[str, ...], float]] = [{} for _ in range(max_order)]
     norms = [0.0] * max_order
     for g, tf in counts.items():
-        w = tf * (log_n - math.log(max(1.0, df[g])))
+        w = tf * idf.get(g, log_n)
         vecs[len(g) - 1][g] = w
         norms[len(g) - 1] += w * w
     return vecs, [math.sqrt(x) for x in norms]
@@ -478,17 +545,23 @@ def _cider_from_tokens(
     for rcs in ref_counts:
         df.update({g for rc in rcs for g in rc})
     log_n = math.log(float(len(hyps)))
+    idf = {g: log_n - math.log(c) for g, c in df.items()}
     total = 0.0
     for h, rs, rcs in zip(hyps, refs, ref_counts):
-        hv, hn = _tfidf(_all_ngram_counts(h, max_order), df, log_n, max_order)
+        hv, hn = _tfidf(_all_ngram_counts(h, max_order), idf, log_n, max_order)
         score = 0.0
         for r, rc in zip(rs, rcs):
-            rv, rn = _tfidf(rc, df, log_n, max_order)
+            rv, rn = _tfidf(rc, idf, log_n, max_order)
             penalty = math.exp(-((len(h) - len(r)) ** 2) / (2 * sigma**2))
             for n in range(max_order):
                 if hn[n] == 0.0 or rn[n] == 0.0:
                     continue
-                dot = sum(min(w, rv[n].get(g, 0.0)) * rv[n].get(g, 0.0) for g, w in hv[n].items())
+                rvn = rv[n]
+                dot = 0.0
+                for g, w in hv[n].items():
+                    x = rvn.get(g)
+                    if x:  # clipped: min(hyp weight, ref weight) * ref weight
+                        dot += min(w, x) * x
                 score += penalty * dot / (hn[n] * rn[n])
         total += 10.0 * score / (max_order * len(rs))
     return total / len(hyps)
@@ -498,14 +571,19 @@ def _cider_from_tokens(
 
 
 def compute_generation_metrics(
-    predictions: list[str], references: list[list[str]]
+    predictions: list[str],
+    references: list[list[str]],
+    *,
+    official_meteor: bool = False,
 ) -> dict[str, float]:
     """All five E2E-challenge metrics for ``predictions[i]`` against ``references[i]``.
 
     Returns ``{"bleu", "nist", "meteor", "rouge_l", "cider"}`` on the ``e2e-metrics``
     scales (BLEU, METEOR, ROUGE-L in 0-1; NIST unbounded, ~8 on E2E; CIDEr 0-10, ~2 on
-    E2E). See the module docstring for tokenization and the METEOR caveat (no synonym
-    matching, so it is lower than METEOR 1.5).
+    E2E). ``"meteor"`` is the pure-Python :func:`meteor` (exact + stem matching, nltk
+    parameters; not comparable to published METEOR 1.5 values) unless
+    ``official_meteor=True``, which uses :func:`meteor15` (needs Java + ``pycocoevalcap``).
+    See the module docstring for the tokenization of each metric.
     """
     _check_inputs(predictions, references)
     mt_hyps, mt_refs = _tokenize_all(predictions, references, mteval_tokenize)
@@ -513,7 +591,9 @@ def compute_generation_metrics(
     return {
         "bleu": _bleu_from_tokens(mt_hyps, mt_refs),
         "nist": _nist_from_tokens(mt_hyps, mt_refs),
-        "meteor": _meteor_from_tokens(co_hyps, co_refs),
+        "meteor": (
+            meteor15(predictions, references) if official_meteor else _meteor_from_tokens(co_hyps, co_refs)
+        ),
         "rouge_l": _rouge_l_from_tokens(co_hyps, co_refs),
         "cider": _cider_from_tokens(co_hyps, co_refs),
     }
