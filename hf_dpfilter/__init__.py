@@ -1,29 +1,44 @@
-"""hf_dpfilter: differentially private fine-tuning in the Hugging Face stack, with noise-reducing DP optimizers."""
+"""hf_dpfilter: differentially private fine-tuning in the Hugging Face stack, with noise-reducing DP optimizers.
 
-from hf_dpfilter.accounting import PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
-from hf_dpfilter.arguments import DPTrainingArguments
-from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients, UnsupportedLayerError
-from hf_dpfilter.grad_rules import register_grad_rule
-from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.optimizers import DPOptimizer, available_methods, make_dp_optimizer
-from hf_dpfilter.sampling import PoissonBatchSampler
-from hf_dpfilter.trainer import DPTrainer
+The public names are imported lazily, so that light submodules (``hf_dpfilter.accounting``,
+``hf_dpfilter.generation_metrics``, ...) do not pay for importing transformers and peft.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DPOptimizer",
-    "DPTrainer",
-    "DPTrainingArguments",
-    "GhostClippingEngine",
-    "PerExampleGradients",
-    "PoissonBatchSampler",
-    "PrivacyAccountant",
-    "UnsupportedLayerError",
-    "available_methods",
-    "calibrate_noise_multiplier",
-    "compute_epsilon",
-    "make_dp_optimizer",
-    "per_example_loss",
-    "register_grad_rule",
-]
+_EXPORTS = {
+    "DPOptimizer": "hf_dpfilter.optimizers",
+    "DPTrainer": "hf_dpfilter.trainer",
+    "DPTrainingArguments": "hf_dpfilter.arguments",
+    "GhostClippingEngine": "hf_dpfilter.engine",
+    "PerExampleGradients": "hf_dpfilter.engine",
+    "PoissonBatchSampler": "hf_dpfilter.sampling",
+    "PrivacyAccountant": "hf_dpfilter.accounting",
+    "UnsupportedLayerError": "hf_dpfilter.engine",
+    "available_methods": "hf_dpfilter.optimizers",
+    "calibrate_noise_multiplier": "hf_dpfilter.accounting",
+    "compute_epsilon": "hf_dpfilter.accounting",
+    "make_dp_optimizer": "hf_dpfilter.optimizers",
+    "per_example_loss": "hf_dpfilter.losses",
+    "register_grad_rule": "hf_dpfilter.grad_rules",
+    "register_method": "hf_dpfilter.optimizers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hf_dpfilter' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))

@@ -14,24 +14,33 @@ certify a replace-one guarantee for a mechanism whose sensitivity doubles under 
 Backends (``ACCOUNTANTS``):
 
 * ``"prv"`` (default): numerical composition of privacy loss random variables (Gopi, Lee & Wutschitz 2021) with
-  the ``prv_accountant`` package. The reported epsilon is the package's *upper* bound (estimate + eps_error),
-  never the point estimate, so epsilon is not under-reported. ``eps_error`` is set relative to epsilon
-  (``_PRV_REL_EPS_ERROR`` = 0.3 %, estimated from a PLD pass) and ``delta_error = delta / 1000``.
-  PRV can fail numerically (the discretised mean check fails for some large-step / large-q settings, the
-  floating-point guard for tiny delta, or the discretisation domain gets too large for very large epsilon or
-  very many steps; relative eps_error below 1e-4 for epsilon below ~0.03). In all those cases the result
-  falls back to the ``"pld"`` backend, which is also a pessimistic (upper) bound; the fallback is logged at
-  INFO level on the ``hf_dpfilter.accounting`` logger.
-* ``"pld"``: privacy loss distributions with Google's ``dp_accounting`` (``PLDAccountant``, pessimistic
-  connect-the-dots discretisation, add/remove relation). ``value_discretization_interval`` is 1e-3
-  (error ~1e-3 relative at epsilon ~ 2) and is refined for small epsilon (~1e-2 x epsilon, floor 1e-6).
+  the ``prv_accountant`` package (``PRVAccountant`` with one ``PoissonSubsampledGaussianMechanism`` per
+  distinct (sigma, q), ``GaussianMechanism`` for q = 1). The reported epsilon is the package's *upper* bound
+  (estimate + eps_error + delta_error effect), never the point estimate. ``eps_error`` is 0.3 % of epsilon
+  (first from the RDP value, redone from the PRV estimate when RDP was far off), ``delta_error = delta/1000``;
+  the discretisation domain is capped at 1.5M points (eps_error is loosened up to 0.5 % to fit) and padded
+  to an FFT-friendly length.
+  **Fallback to "pld"** (logged at INFO on the ``hf_dpfilter.accounting`` logger) when PRV cannot deliver
+  that accuracy or fails numerically: epsilon below ~0.03 (eps_error would be < 1e-4), domain over budget
+  (very many steps at small epsilon), the package's "discrete mean differs" check (large q with small
+  sigma), or its floating-point guard for tiny delta.
+* ``"pld"``: privacy loss distributions from Google's ``dp_accounting`` (pessimistic connect-the-dots
+  discretisation, add/remove relation; q = 1 steps are merged exactly into one Gaussian). The discretisation
+  error grows with the number of compositions (~ steps x interval^2: at interval 1e-3 it is 0.04 % for
+  1000 steps at q = 0.01 but 15 % for 20000 steps at q = 0.001), so the interval starts at 2e-3 and is
+  divided by 3 until successive values agree to 0.4 % (typically 2 passes, <= 1 s).
 * ``"rdp"``: Renyi DP (Mironov 2017; Mironov, Talwar & Zhang 2019) with Opacus' subsampled-Gaussian RDP,
-  summed over the history on a grid of orders 1.1 ... 1024 and converted with the improved conversion of
-  Balle et al. 2020 (Thm. 21). A looser but classical cross-check: typically 5-25 % above PRV/PLD.
+  summed over the history on orders 1.1 ... 1024, converted with Balle et al. 2020 (Thm. 21). A looser,
+  classical cross-check: typically 10-25 % above PRV/PLD.
+
+All three are upper bounds. PRV and PLD results are additionally capped by the RDP bound, which only matters
+when their float64 arithmetic breaks down (delta below ~1e-12); that is logged too.
 
 Epsilon values are cached per (aggregated history, delta, accountant), so a training loop that calls
 :meth:`PrivacyAccountant.get_epsilon` at every logging step pays for each distinct history only once.
 Composition is commutative, so histories are aggregated per distinct (sigma, q) before computing.
+Cost of one uncached evaluation (one CPU core): "rdp" ~0.1 s per new (sigma, q), "pld" ~0.05-1 s, "prv"
+~0.1-1 s for up to a few thousand steps, several seconds for ~1e5 steps (grows ~ sqrt(steps) / epsilon).
 """
 
 from __future__ import annotations
@@ -64,13 +73,17 @@ _RDP_ORDERS: tuple[float, ...] = tuple(
     + list(range(12, 64))
     + [64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024]
 )
-# PRV: eps_error relative to epsilon, absolute floor, and largest discretisation domain (points) we accept.
+# PRV: eps_error relative to epsilon (default, and the loosest accepted when the domain must be capped),
+# absolute floor of eps_error, and the largest discretisation domain (points) we build.
 _PRV_REL_EPS_ERROR = 3e-3
+_PRV_MAX_REL_EPS_ERROR = 5e-3
 _PRV_MIN_EPS_ERROR = 1e-4
-_PRV_MAX_DOMAIN_POINTS = 4_000_000
-# PLD: default discretisation interval, and the relative one used for small epsilon.
-_PLD_INTERVAL = 1e-3
-_PLD_REL_INTERVAL = 1e-2
+_PRV_MAX_DOMAIN_POINTS = 1_500_000
+# PLD: first discretisation interval, refinement factor, convergence tolerance (relative + absolute), floor.
+_PLD_START_INTERVAL = 2e-3
+_PLD_REFINE_FACTOR = 3.0
+_PLD_REL_TOL = 4e-3
+_PLD_ABS_TOL = 1e-5
 _PLD_MIN_INTERVAL = 1e-6
 
 _HistoryKey = tuple[tuple[float, float, int], ...]
@@ -144,36 +157,76 @@ def _eps_rdp(key: _HistoryKey, delta: float) -> float:
 
 
 def _eps_pld_at(key: _HistoryKey, delta: float, interval: float) -> float:
-    import dp_accounting
-    from dp_accounting.pld import PLDAccountant
+    """PLD epsilon (pessimistic connect-the-dots discretisation) at one discretisation interval."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from dp_accounting.privacy_accountant import NeighboringRelation
 
-    acc = PLDAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-        value_discretization_interval=interval,
-    )
+    # dp_accounting's default tail truncation (1e-15, moved to the infinity mass) would make tiny deltas infinite
+    tail = min(1e-15, delta * 1e-10)
+    total = None
     for sigma, q, n in key:
-        event: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(sigma)
-        if q < 1.0:
-            event = dp_accounting.PoissonSampledDpEvent(q, event)
-        acc.compose(event, n)
-    return max(float(acc.get_epsilon(delta)), 0.0)
+        if q >= 1.0:  # n Gaussian releases = one Gaussian release with sigma / sqrt(n) (exact)
+            pld = pld_lib.from_gaussian_mechanism(
+                standard_deviation=sigma / math.sqrt(n),
+                value_discretization_interval=interval,
+                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            )
+        else:
+            pld = pld_lib.from_gaussian_mechanism(
+                standard_deviation=sigma,
+                value_discretization_interval=interval,
+                sampling_prob=q,
+                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            ).self_compose(n, tail_mass_truncation=tail)
+        total = pld if total is None else total.compose(pld, tail_mass_truncation=tail)
+    assert total is not None
+    return max(float(total.get_epsilon_for_delta(delta)), 0.0)
 
 
 @functools.lru_cache(maxsize=1024)
 def _eps_pld(key: _HistoryKey, delta: float) -> float:
-    eps = _eps_pld_at(key, delta, _PLD_INTERVAL)
-    interval = max(_PLD_MIN_INTERVAL, _PLD_REL_INTERVAL * eps)
-    if math.isfinite(eps) and interval < _PLD_INTERVAL:  # small epsilon: refine the grid
-        eps = min(eps, _eps_pld_at(key, delta, interval))
-    return eps
+    """PLD epsilon with the discretisation refined until it has converged.
+
+    The pessimistic discretisation error grows with the number of compositions (~ steps * interval^2; at
+    interval 1e-3 it is 0.04 % for 1000 steps at q=0.01 but 15 % for 20000 steps at q=0.001), so the
+    interval is divided by 3 until two successive values agree to ``_PLD_REL_TOL``. Every value is an upper
+    bound; the smallest is returned.
+    """
+    interval = _PLD_START_INTERVAL
+    eps = _eps_pld_at(key, delta, interval)
+    while math.isfinite(eps) and interval / _PLD_REFINE_FACTOR >= _PLD_MIN_INTERVAL:
+        interval /= _PLD_REFINE_FACTOR
+        finer = _eps_pld_at(key, delta, interval)
+        converged = eps - finer <= _PLD_REL_TOL * finer + _PLD_ABS_TOL
+        eps = min(eps, finer)
+        if converged:
+            break
+    return _at_most_rdp(eps, _eps_rdp_cached(key, delta), "PLD")
 
 
-def _eps_prv_or_none(key: _HistoryKey, delta: float, eps_estimate: float) -> float | None:
-    """PRV upper bound, or None when PRV is not applicable / fails numerically."""
+def _fast_half_width(half_width: float, mesh: float) -> float:
+    """Half-width >= ``half_width`` whose PRV domain length (2 * ceil(L / mesh) + 2 points) is FFT-friendly.
+
+    ``prv_accountant`` sizes its domain from ``eps_max``; an arbitrary even length can have large prime factors,
+    which makes its FFTs up to ~10x slower. The returned value is ``(m - 1/4) * mesh`` with 2m + 2 a 5-smooth
+    even number, so the domain is at least as large as the safe one.
+    """
+    from scipy.fft import next_fast_len
+
+    m = math.ceil(half_width / mesh) + 1
+    size = next_fast_len(2 * m + 2, real=True)
+    while size % 2:
+        size = next_fast_len(size + 1, real=True)
+    return ((size - 2) // 2 - 0.25) * mesh
+
+
+def _prv_run(
+    key: _HistoryKey, delta: float, eps_error: float, max_eps_error: float
+) -> tuple[float, float] | None:
+    """(estimate, upper bound) from prv_accountant, or None when not applicable / numerically failing."""
     from prv_accountant import GaussianMechanism, PoissonSubsampledGaussianMechanism, PRVAccountant
     from prv_accountant.accountant import compute_safe_domain_size
 
-    eps_error = _PRV_REL_EPS_ERROR * eps_estimate
     if not math.isfinite(eps_error) or eps_error < _PRV_MIN_EPS_ERROR:
         return None
     delta_error = delta / 1000.0
@@ -185,48 +238,71 @@ def _eps_prv_or_none(key: _HistoryKey, delta: float, eps_estimate: float) -> flo
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            domain_half_width = compute_safe_domain_size(
-                prvs, steps, eps_error=eps_error, delta_error=delta_error
-            )
-            mesh = eps_error / math.sqrt(sum(steps) / 2.0 * math.log(12.0 / delta_error))
-            if (
-                not math.isfinite(domain_half_width)
-                or 2.0 * domain_half_width / mesh > _PRV_MAX_DOMAIN_POINTS
-            ):
+            half_width = compute_safe_domain_size(prvs, steps, eps_error=eps_error, delta_error=delta_error)
+            if not math.isfinite(half_width):
                 return None
+            # mesh as in PRVAccountant (Gopi et al. Thm 5.5); domain points = 2 * half_width / mesh
+            mesh = eps_error / np.sqrt(sum(steps) / 2 * np.log(12 / delta_error))
+            if 2.0 * half_width / mesh > _PRV_MAX_DOMAIN_POINTS:
+                # loosen eps_error to fit the domain budget, within the accuracy limit
+                eps_error *= 2.0 * half_width / mesh / _PRV_MAX_DOMAIN_POINTS
+                if eps_error > max_eps_error:
+                    logger.info(
+                        "PRV domain too large (%d steps, eps_error %.3g needed)", sum(steps), eps_error
+                    )
+                    return None
+                half_width = max(half_width, eps_error + 3.0)
+                mesh = eps_error / np.sqrt(sum(steps) / 2 * np.log(12 / delta_error))
             acc = PRVAccountant(
                 prvs=prvs,
                 eps_error=eps_error,
                 delta_error=delta_error,
                 max_self_compositions=steps,
-                eps_max=domain_half_width,  # the same domain PRVAccountant would compute itself
+                eps_max=_fast_half_width(half_width, float(mesh)),  # >= the domain PRVAccountant would use
             )
-            _, _, eps_upper = acc.compute_epsilon(delta=delta, num_self_compositions=steps)
+            _, estimate, upper = acc.compute_epsilon(delta=delta, num_self_compositions=steps)
     except (RuntimeError, ValueError, FloatingPointError, OverflowError, MemoryError) as err:
         logger.info("PRV accountant failed numerically (%s)", err)
         return None
-    eps_upper = float(eps_upper)
-    if math.isnan(eps_upper):
+    if math.isnan(estimate) or math.isnan(upper):
         return None
-    return max(eps_upper, 0.0)
+    return float(estimate), float(upper)
 
 
 @functools.lru_cache(maxsize=1024)
 def _eps_prv(key: _HistoryKey, delta: float) -> float:
-    eps_pld = _eps_pld(key, delta)
-    if not math.isfinite(eps_pld):
-        return eps_pld
-    eps = _eps_prv_or_none(key, delta, eps_pld)
-    if eps is None:
+    """PRV upper bound with eps_error ~0.3 % of epsilon; PLD fallback; never above the RDP bound."""
+    eps_rdp = _eps_rdp_cached(key, delta)
+    if not math.isfinite(eps_rdp):
+        return _eps_pld(key, delta)
+    # RDP over-estimates epsilon (10-25 % in typical regimes), so eps_error is first set from it and, if the
+    # PRV estimate turns out much smaller (small epsilon), the computation is redone at the right accuracy.
+    result = _prv_run(key, delta, _PRV_REL_EPS_ERROR * eps_rdp, _PRV_MAX_REL_EPS_ERROR * eps_rdp)
+    if result is not None and eps_rdp > 1.5 * result[0]:
+        estimate = result[0]
+        result = _prv_run(key, delta, _PRV_REL_EPS_ERROR * estimate, _PRV_MAX_REL_EPS_ERROR * estimate)
+    if result is None:
         logger.info("PRV not applicable for history %s, delta=%g; reporting the PLD bound", key, delta)
-        return eps_pld
+        return _eps_pld(key, delta)
+    return _at_most_rdp(result[1], eps_rdp, "PRV")
+
+
+def _at_most_rdp(eps: float, eps_rdp: float, name: str) -> float:
+    """Both values are upper bounds; a numerical result above RDP's signals breakdown (e.g. delta < 1e-12)."""
+    if eps > eps_rdp:
+        logger.info(
+            "%s epsilon %.6g exceeds the RDP bound %.6g (numerical limits); reporting RDP", name, eps, eps_rdp
+        )
+        return eps_rdp
     return eps
 
+
+_eps_rdp_cached = functools.lru_cache(maxsize=4096)(_eps_rdp)
 
 _BACKENDS: dict[str, Callable[[_HistoryKey, float], float]] = {
     "prv": _eps_prv,
     "pld": _eps_pld,
-    "rdp": functools.lru_cache(maxsize=4096)(_eps_rdp),
+    "rdp": _eps_rdp_cached,
 }
 
 
@@ -342,7 +418,10 @@ def calibrate_noise_multiplier(
     epsilon_tolerance: float = 0.01,
     extra_history: list[tuple[float, float, int]] | None = None,
 ) -> float:
-    """Smallest noise multiplier (binary search) whose epsilon lies in ``[target*(1-tol), target]``.
+    """Smallest noise multiplier, up to the tolerance: its epsilon lies in ``[target*(1-tol), target]``.
+
+    Found by a bracketing root search (regula falsi with bisection safeguard on log eps vs log sigma), started
+    from the cheaper accountants' answers (RDP, then PLD for "prv").
 
     The epsilon is that of ``steps`` steps of the Poisson-subsampled Gaussian mechanism with ``sample_rate``,
     composed with ``extra_history`` (other mechanisms, e.g. already-spent steps), as computed by
@@ -375,58 +454,93 @@ def calibrate_noise_multiplier(
             f"extra_history alone already spends epsilon={eps_extra:.4g} >= target_epsilon={target_epsilon}; "
             "increase the target or reduce the other mechanisms"
         )
-    guess, factor = 1.0, 2.0
+    # Cheap-to-expensive chain of starting points: RDP (ms per evaluation) -> PLD -> PRV. RDP's sigma is
+    # 5-12 % above PLD's; PRV reports an upper bound ~0.3 % above PLD, so PLD aims at the upper-middle part
+    # of the window, which usually leaves a single PRV evaluation.
+    try:
+        guess, factor = _search(eps_fn("rdp"), target_epsilon, lower, 1.0, 2.0), 2.0
+    except ValueError:  # RDP's looser bound can make a feasible extra_history look infeasible
+        guess, factor = 1.0, 2.0
+    else:
+        if accountant in ("pld", "prv"):
+            guess, factor = guess / 1.08, 1.05
     if accountant == "prv":
-        # Locate cheaply with PLD, aiming at the middle-upper part of the window since PRV reports an upper bound
-        # ~0.3 % above PLD; then refine with PRV itself (usually 1-2 PRV evaluations).
-        guess = _search(
-            eps_fn("pld"),
+        window = (
             target_epsilon * (1 - 0.5 * epsilon_tolerance),
             target_epsilon * (1 - 0.8 * epsilon_tolerance),
-            1.0,
-            2.0,
         )
-        factor = 1.01
+        guess, factor = _search(eps_fn("pld"), *window, guess, factor), 1.01
     return _search(eps_fn(accountant), target_epsilon, lower, guess, factor)
 
 
 def _search(eps: Callable[[float], float], upper: float, lower: float, guess: float, factor: float) -> float:
-    """Smallest sigma with lower <= eps(sigma) <= upper, eps decreasing in sigma (bracket, then bisect)."""
+    """A sigma with ``lower <= eps(sigma) <= upper`` for ``eps`` decreasing in sigma.
+
+    Brackets from ``guess`` (steps growing from ``factor``), then runs the Illinois variant of regula falsi on
+    log(eps) against log(sigma) (nearly linear, so a handful of evaluations), with bisection as safeguard.
+    """
     sigma_max, sigma_min = 1e7, 1e-4
+    target = math.sqrt(upper * lower)
+
+    def log_ratio(e: float) -> float:
+        if e <= 0.0:
+            return -math.inf
+        return math.log(e / target) if math.isfinite(e) else math.inf
+
     e = eps(guess)
-    if e <= upper:
-        hi = guess
-        if e >= lower:
-            return hi
-        lo = guess / factor
-        while eps(lo) <= upper:
-            hi, factor = lo, factor * factor
-            if hi < sigma_min:
-                raise ValueError("could not calibrate: epsilon stays below the target even for tiny noise")
-            lo = hi / factor
-    else:
-        lo = guess
-        hi = guess * factor
-        while eps(hi) > upper:
-            lo, factor = hi, factor * factor
-            if lo > sigma_max:
+    if lower <= e <= upper:
+        return guess
+    if e > upper:  # need more noise
+        lo, e_lo = guess, e
+        hi = lo * factor
+        while (e_hi := eps(hi)) > upper:
+            if hi > sigma_max:
                 raise ValueError("could not calibrate: epsilon stays above the target even for huge noise")
+            lo, e_lo, factor = hi, e_hi, factor * factor
             hi = lo * factor
-    # invariant: eps(lo) > upper >= eps(hi)
-    for _ in range(200):
-        if eps(hi) >= lower:
-            return hi
-        mid = math.sqrt(lo * hi)
-        if not lo < mid < hi:
-            break
-        if eps(mid) > upper:
-            lo = mid
+    else:  # need less noise
+        hi, e_hi = guess, e
+        lo = hi / factor
+        while (e_lo := eps(lo)) < lower:
+            if lo < sigma_min:
+                raise ValueError("could not calibrate: epsilon stays below the target even for tiny noise")
+            hi, e_hi, factor = lo, e_lo, factor * factor
+            lo = hi / factor
+    for sigma, e in ((lo, e_lo), (hi, e_hi)):
+        if lower <= e <= upper:
+            return sigma
+    # invariant: eps(lo) > upper and eps(hi) < lower
+    x_lo, x_hi = math.log(lo), math.log(hi)
+    f_lo, f_hi = log_ratio(e_lo), log_ratio(e_hi)
+    last_side = 0
+    for _ in range(100):
+        x = 0.5 * (x_lo + x_hi)
+        if math.isfinite(f_lo) and math.isfinite(f_hi) and f_lo != f_hi:
+            x_secant = (x_lo * f_hi - x_hi * f_lo) / (f_hi - f_lo)
+            margin = 1e-3 * (x_hi - x_lo)
+            if x_lo + margin < x_secant < x_hi - margin:
+                x = x_secant
+        sigma = math.exp(x)
+        e = eps(sigma)
+        if lower <= e <= upper:
+            return sigma
+        if e > upper:
+            x_lo, f_lo = x, log_ratio(e)
+            if last_side == -1:
+                f_hi *= 0.5  # Illinois step: the other end was kept twice
+            last_side = -1
         else:
-            hi = mid
+            x_hi, f_hi = x, log_ratio(e)
+            if last_side == 1:
+                f_lo *= 0.5
+            last_side = 1
+        if x_hi - x_lo < 1e-12:
+            break
+    sigma = math.exp(x_hi)
     logger.warning(
-        "noise calibration stopped at sigma=%g with epsilon %g below the tolerance window", hi, eps(hi)
+        "noise calibration stopped at sigma=%g with epsilon %g below the tolerance window", sigma, eps(sigma)
     )
-    return hi
+    return sigma
 
 
 def default_delta(num_examples: int) -> float:

@@ -97,6 +97,117 @@ class DPTrainingArguments(TrainingArguments):
             "gradients add up to the ordinary gradient for every trainable parameter."
         },
     )
+    # --- DiceSGD / DIFF2 ---
+    dice_error_max_grad_norm: float | None = field(
+        default=None,
+        metadata={"help": "DiceSGD: clip norm C2 of the error-feedback buffer e (mean scale, as in Alg. 2). "
+                  "Default (None): C2 = per_sample_max_grad_norm. The noise scales with C1 + 2 B C2; "
+                  "C2 = r C1 / B is the paper's sum-scale reading. See docs/privacy.md."},
+    )
+    dice_accounting: str = field(
+        default="default",
+        metadata={"help": "DiceSGD noise calibration for target_epsilon: 'default' (the library's sound bound, "
+                  "docs/privacy.md) or 'paper' (Zhang et al. 2024 Thm 3.7 formula, an unverified claim; the "
+                  "reported epsilon stays the sound bound, the claim is reported as epsilon_paper_claim).",
+                  "choices": ["default", "paper"]},
+    )
+    dice_save_error_buffer: bool = field(
+        default=False,
+        metadata={"help": "DiceSGD: also save the error buffer (a NON-private function of the data) in "
+                  "checkpoints, for exact resumption. Such checkpoints must not be published. Default: not "
+                  "saved; resuming restarts the buffer at zero with a warning."},
+    )
+    diff2_restart_every: int = field(
+        default=10,
+        metadata={"help": "DIFF2: restart period T (optimizer steps): a clipped full gradient every T steps, "
+                  "clipped gradient differences in between. 1 = DP-GD / DP-SGD."},
+    )
+    diff2_difference_max_grad_norm: float | None = field(
+        default=None,
+        metadata={"help": "DIFF2: coefficient C2 of the difference threshold C2 * ||x_{r-1} - x_{r-2}||. "
+                  "Required when diff2_restart_every > 1."},
+    )
+    diff2_difference_noise_multiplier: float | None = field(
+        default=None,
+        metadata={"help": "DIFF2: noise multiplier of the difference steps when noise_multiplier is given "
+                  "(default: the same). With target_epsilon both are calibrated (diff2_budget_split)."},
+    )
+    diff2_budget_split: float = field(
+        default=1.25,
+        metadata={"help": "DIFF2: the paper's budget split u > 1 (restarts get 1/u of it); fixes the ratio of "
+                  "the two noise multipliers when calibrating for target_epsilon."},
+    )
+    diff2_neighbouring: str = field(
+        default="add_remove",
+        metadata={"help": "DIFF2: neighbouring relation, 'add_remove' (library default) or 'replace_one' (the "
+                  "paper; doubles the sensitivity and the noise; full batch only).",
+                  "choices": ["add_remove", "replace_one"]},
+    )
+    # --- DOPPLER / DiSK / DP-PMLF ---
+    disk_kappa: float = field(
+        default=0.7,
+        metadata={"help": "DiSK: Kalman gain kappa in (0, 1], the weight on the new privatized gradient "
+                  "(g~_t = (1-kappa) g~_{t-1} + kappa g_t). 1 = the base DP optimizer."},
+    )
+    disk_gamma: float | None = field(
+        default=None,
+        metadata={"help": "DiSK: finite-difference step gamma (!= 0). Default (None): (1-kappa)/kappa, one "
+                  "gradient pass at x_t + gamma d_{t-1}. Other values (the paper: 0.5) evaluate two points."},
+    )
+    doppler_preset: str = field(
+        default="first_order_v1",
+        metadata={"help": "DOPPLER: named low-pass filter (hf_dpfilter.optimizers.filters.FILTER_PRESETS: "
+                  "'first_order_v1' b=[1/11,1/11] a=[-9/11], 'first_order_v2', 'second_order', 'momentum', "
+                  "'sgd', 'f1'..'f6'). Ignored when doppler_b is given."},
+    )
+    doppler_b: list[float] | None = field(
+        default=None,
+        metadata={"help": "DOPPLER: filter numerator [b_0, ..., b_nb] (scipy.signal.lfilter convention); "
+                  "overrides doppler_preset. Needs unit DC gain sum(b) - sum(a) = 1."},
+    )
+    doppler_a: list[float] | None = field(
+        default=None,
+        metadata={"help": "DOPPLER: filter denominator without the leading 1, [a_1, ..., a_na] (momentum 0.9 is "
+                  "[-0.9]); poles must lie inside the unit circle. Omit for an FIR filter."},
+    )
+    doppler_base: str = field(
+        default="optimizer",
+        metadata={"help": "DOPPLER: 'optimizer' hands the filtered gradient to the Trainer's optimizer "
+                  "('sgd'/'adam': the same, checking its type); 'adam_bc' is the paper's LP-DPAdamBC "
+                  "(needs optim='sgd').", "choices": ["optimizer", "sgd", "adam", "adam_bc"]},
+    )
+    doppler_beta2: float = field(
+        default=0.999, metadata={"help": "DOPPLER adam_bc: decay of the second moment of the unfiltered gradient."}
+    )
+    doppler_eps: float = field(
+        default=1e-8,
+        metadata={"help": "DOPPLER adam_bc: floor of the bias-corrected second moment (of its square root when "
+                  "doppler_bias_correct_noise=False)."},
+    )
+    doppler_bias_correct_noise: bool = field(
+        default=True,
+        metadata={"help": "DOPPLER adam_bc: subtract the DP-noise variance (sigma C / B)^2 from the second "
+                  "moment (DPAdamBC); False is the literal Alg. 3, max(sqrt(v_hat), eps)."},
+    )
+    pmlf_k: int = field(
+        default=2,
+        metadata={"help": "DP-PMLF: number of parameter points per step (current + k-1 past copies; k forward/"
+                  "backward passes). 1 = DOPPLER."},
+    )
+    pmlf_beta: float = field(
+        default=0.1, metadata={"help": "DP-PMLF: per-sample momentum decay; weights beta^lag, normalized to sum 1."}
+    )
+    pmlf_preset: str = field(
+        default="pmlf_mnist",
+        metadata={"help": "DP-PMLF: named low-pass filter ('pmlf_mnist' b=[0.1] a=[-0.9], 'pmlf_cifar' "
+                  "b=[0.15,-0.05] a=[-0.9], or any DOPPLER preset). Ignored when pmlf_b is given."},
+    )
+    pmlf_b: list[float] | None = field(
+        default=None, metadata={"help": "DP-PMLF: filter numerator [b_0, ...]; overrides pmlf_preset."}
+    )
+    pmlf_a: list[float] | None = field(
+        default=None, metadata={"help": "DP-PMLF: filter denominator without the leading 1, [a_1, ...]."}
+    )
 
     def __post_init__(self) -> None:
         self._validate_dp_fields()

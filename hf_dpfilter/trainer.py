@@ -93,6 +93,24 @@ class _PrivacyCallback(TrainerCallback):
                 f"The Trainer plans {state.max_steps} optimizer steps but the noise was calibrated for {planned}. "
                 "Do not change num_train_epochs/max_steps after creating the DPTrainer."
             )
+        self.trainer._check_resumed_budget()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.trainer.dp_optimizer is not None:
+            self.trainer._write_privacy_ledger(self.trainer.dp_optimizer, in_flight=False)
+
+
+def _sum_gradients_across_processes(model: nn.Module) -> None:
+    """Sum ``p.grad`` over all processes (non-private runs only; the DP optimizer does it for DP runs)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
@@ -101,6 +119,42 @@ def _is_causal_lm(model: nn.Module) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     return type(base).__name__ in names or type(base).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def _check_sequence_length(model: nn.Module, inputs: dict[str, Any]) -> None:
+    """Clear error for sequences longer than the model's position embeddings (instead of an index error)."""
+    config = getattr(model, "config", None)
+    ids = inputs.get("input_ids")
+    if config is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        return
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not isinstance(limit, int):
+        return
+    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert", "xlm-roberta-xl"):
+        limit -= (getattr(config, "pad_token_id", 1) or 0) + 1  # positions start after the padding index
+    if ids.shape[1] > limit:
+        raise ValueError(
+            f"A batch has sequences of length {ids.shape[1]}, longer than the model's maximum of {limit} "
+            f"positions (config.max_position_embeddings). Truncate in the tokenizer (truncation=True, "
+            f"max_length={limit}) or lower max_seq_length."
+        )
+
+
+def read_privacy_ledger(output_dir: str) -> dict[str, Any]:
+    """The privacy ledger of a run (output_dir/privacy_ledger.json), with ``epsilon`` computed from its history.
+
+    The ledger counts every step whose noise may have been released, including one in flight at a crash, so
+    its epsilon is never below what was spent.
+    """
+    import json
+    import os
+
+    with open(os.path.join(output_dir, "privacy_ledger.json")) as f:
+        ledger = json.load(f)
+    accountant = PrivacyAccountant(ledger["accountant"]["accountant"])
+    accountant.load_state_dict(ledger["accountant"])
+    ledger["epsilon"] = accountant.get_epsilon(ledger["delta"])
+    return ledger
 
 
 class DPTrainer(Trainer):
@@ -123,6 +177,7 @@ class DPTrainer(Trainer):
     # ------------------------------------------------------------------------------ set-up
     def _setup_privacy(self) -> None:
         args = self.args
+        self._refuse_sharded_training()
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise ValueError("DPTrainer needs a train_dataset with a length (N sets the sample rate and delta).")
         self.num_train_examples = len(self.train_dataset)
@@ -144,15 +199,31 @@ class DPTrainer(Trainer):
         self.delta = args.target_delta if args.target_delta is not None else default_delta(self.num_train_examples)
         self.dp_seed = args.dp_seed if args.dp_seed is not None else args.seed
         self._causal_lm = _is_causal_lm(self.model)
+        self.noise_settings: dict[str, Any] = {}  # extra noise settings from a method's own calibration
         if args.dp_method == "none":
             self.noise_multiplier = 0.0
             self.accountant = PrivacyAccountant(args.accountant)
             return
         if args.target_epsilon is not None:
             validate_privacy_parameters(args.target_epsilon, self.delta, self.sample_rate, self.num_train_examples)
-            self.noise_multiplier = calibrate_noise_multiplier(
-                args.target_epsilon, self.delta, self.sample_rate, self.planned_steps, accountant=args.accountant
-            )
+            from hf_dpfilter.optimizers import METHODS, available_methods
+
+            available_methods()
+            method_calibrate = getattr(METHODS[args.dp_method], "calibrate", None)
+            if method_calibrate is not None:
+                # Methods whose mechanism is not DP-SGD's (DiceSGD, DIFF2) calibrate their own noise.
+                self.noise_settings = dict(
+                    method_calibrate(
+                        args.target_epsilon, self.delta, self.sample_rate, self.planned_steps,
+                        accountant=args.accountant, max_grad_norm=args.per_sample_max_grad_norm,
+                        expected_batch_size=self.logical_batch_size, **self.method_hyperparameters(),
+                    )
+                )
+                self.noise_multiplier = float(self.noise_settings.pop("noise_multiplier"))
+            else:
+                self.noise_multiplier = calibrate_noise_multiplier(
+                    args.target_epsilon, self.delta, self.sample_rate, self.planned_steps, accountant=args.accountant
+                )
         else:
             validate_privacy_parameters(1.0, self.delta, self.sample_rate, self.num_train_examples)
             self.noise_multiplier = float(args.noise_multiplier)
@@ -168,6 +239,25 @@ class DPTrainer(Trainer):
             clipping_fn=args.clipping_fn,
             verify_first_backward=args.dp_verify_first_step,
         )
+
+    def _refuse_sharded_training(self) -> None:
+        """DeepSpeed and FSDP shard gradients across processes: per-example clipping cannot work there."""
+        sharded = [
+            name
+            for name, on in (
+                ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False) or bool(getattr(self.args, "deepspeed", None))),
+                ("FSDP", getattr(self, "is_fsdp_enabled", False) or bool(getattr(self.args, "fsdp", None))),
+            )
+            if on
+        ]
+        if sharded:
+            raise ValueError(
+                f"{sharded[0]} is not supported by DPTrainer: it shards parameters and gradients across processes, "
+                "but per-example clipping needs each example's whole gradient on one process and the noise must "
+                "be added once to the complete clipped sum. Use DDP instead (plain `accelerate launch` / torchrun "
+                "with several processes, e.g. accelerate_configs/multi_gpu.yaml) and save memory with LoRA or a "
+                "smaller per_device_train_batch_size (the logical batch is accumulated inside each DP step)."
+            )
 
     def method_hyperparameters(self) -> dict[str, Any]:
         """The DPTrainingArguments fields the chosen method takes (same names as its constructor)."""
@@ -203,10 +293,64 @@ class DPTrainer(Trainer):
             seed=self.dp_seed,
             secure_noise=self.args.secure_noise,
             accountant=self.accountant,
-            **self.method_hyperparameters(),
+            **{**self.method_hyperparameters(), **self.noise_settings},
         )
         self.optimizer = self.dp_optimizer
+        self.dp_optimizer.pre_release_hooks.append(self._write_privacy_ledger)
         return self.optimizer
+
+    # ----------------------------------------------------------------- budget and ledger
+    def _check_resumed_budget(self) -> None:
+        """Refuse to resume a target_epsilon run whose plan changed: the restored history would overspend."""
+        optimizer = self.dp_optimizer
+        if optimizer is None or self.args.target_epsilon is None or optimizer.dp_steps == 0:
+            return
+        previous = getattr(optimizer, "loaded_noise_multiplier", None)
+        if optimizer.dp_steps > self.planned_steps or (previous is not None and previous != self.noise_multiplier):
+            raise ValueError(
+                f"Cannot resume: the checkpoint spent {optimizer.dp_steps} steps at noise_multiplier={previous}, "
+                f"calibrated for a different plan than this run's {self.planned_steps} steps at "
+                f"noise_multiplier={self.noise_multiplier:.6g}. Continuing would exceed target_epsilon="
+                f"{self.args.target_epsilon}. Resume with the original max_steps/num_train_epochs and target_epsilon, "
+                "or re-calibrate explicitly: pass noise_multiplier instead of target_epsilon (the reported epsilon "
+                "then counts every step, including the checkpoint's)."
+            )
+
+    @property
+    def privacy_ledger_path(self) -> str:
+        import os
+
+        return os.path.join(self.args.output_dir, "privacy_ledger.json")
+
+    def _write_privacy_ledger(self, optimizer: DPOptimizer, in_flight: bool = True) -> None:
+        """Write output_dir/privacy_ledger.json; called BEFORE each noisy step is computed and released, so it
+        counts the step in flight and a crash can never leave a ledger below what was spent."""
+        if not self.args.should_save:
+            return
+        import json
+        import os
+
+        history = optimizer.accountant.copy()
+        if in_flight:
+            for sigma, q, n in optimizer.next_step_history():
+                history.step(sigma, q, n)
+        ledger = {
+            "status": "step_in_flight" if in_flight else "finished",
+            "steps": history.steps,
+            "accountant": history.state_dict(),
+            "delta": self.delta,
+            "epsilon": None if in_flight else history.get_epsilon(self.delta),
+            "target_epsilon": self.args.target_epsilon,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "method": self.args.dp_method,
+            "nonfinite_examples_zeroed": optimizer.nonfinite_examples,
+        }
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        tmp = self.privacy_ledger_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(ledger, f, indent=1)
+        os.replace(tmp, self.privacy_ledger_path)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
         # The Trainer would log the norm of p.grad, which here is the *pre-noise* clipped sum: private.
@@ -298,16 +442,18 @@ class DPTrainer(Trainer):
         if labels is None:
             raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
         batch = labels.shape[0]
+        _check_sequence_length(model, inputs)
         total = torch.zeros((), device=self.args.device)
-        if batch == 0:
-            return total  # an empty Poisson batch: the optimizer step still adds noise and is accounted
         if self.args.dp_method == "none":
-            for micro, micro_labels in self._micro_batches(inputs, labels):
+            for micro, micro_labels in self._micro_batches(inputs, labels) if batch > 0 else ():
                 with self.compute_loss_context_manager():
                     losses = self.compute_per_example_loss(model, micro, micro_labels)
                 (losses.sum() / self.logical_batch_size).backward()
                 total = total + losses.detach().sum()
-            return total / batch
+            _sum_gradients_across_processes(model)  # DDP's reducer is bypassed (unwrapped model): sum here
+            return total / max(batch, 1)
+        if batch == 0:
+            return total  # an empty Poisson batch: the optimizer step still adds noise and is accounted
         for micro, micro_labels in self._micro_batches(inputs, labels):
 
             def loss_fn(values, micro=micro, micro_labels=micro_labels):
@@ -348,4 +494,6 @@ class DPTrainer(Trainer):
             "method": self.args.dp_method,
             "poisson_sampling": self.args.poisson_sampling,
             "neighbouring_relation": "add/remove one example",
+            # Method-specific accounting details (DiceSGD, DIFF2) extend or refine the entries above.
+            **(self.dp_optimizer.privacy_details(self.delta) if hasattr(self.dp_optimizer, "privacy_details") else {}),
         }

@@ -27,6 +27,7 @@ noise enters once in total and all replicas stay identical.
 from __future__ import annotations
 
 import secrets
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -40,6 +41,10 @@ from hf_dpfilter.clipping import CLIPPING_FNS, clip_factors
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients, accumulate_into_grad
 
 LossFn = Callable[[dict[nn.Parameter, torch.Tensor] | None], torch.Tensor]
+
+
+class PrivacyBudgetExceededError(RuntimeError):
+    """A step would take the epsilon spent above ``target_epsilon``; the step was not taken."""
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -64,6 +69,8 @@ class DPOptimizer(torch.optim.Optimizer):
         seed: int | None = None,
         secure_noise: bool = False,
         accountant: PrivacyAccountant | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
     ) -> None:
         if noise_multiplier < 0:
             raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
@@ -85,6 +92,18 @@ class DPOptimizer(torch.optim.Optimizer):
         self._generators: dict[torch.device, torch.Generator] = {}
         self.dp_steps = 0
         self.examples_in_step = 0
+        # Budget guard (opt-in): refuse a step that would take epsilon(target_delta) above target_epsilon.
+        if (target_epsilon is None) != (target_delta is None):
+            raise ValueError("Give both target_epsilon and target_delta (the budget guard needs both), or neither.")
+        self.target_epsilon = target_epsilon
+        self.target_delta = target_delta
+        self._budget_safe_until = 0  # dp_steps up to which the budget is known to hold
+        self._budget_horizon = 1
+        #: callables ``hook(optimizer)`` run at the start of every step, before any noise is drawn or released
+        #: (DPTrainer writes its privacy ledger here).
+        self.pre_release_hooks: list[Callable[[DPOptimizer], None]] = []
+        #: examples whose loss or gradient was NaN/inf and whose contribution was replaced by 0
+        self.nonfinite_examples = 0
         # What torch.optim.Optimizer.__init__ would set; the base optimizer owns param_groups and state.
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -169,6 +188,9 @@ class DPOptimizer(torch.optim.Optimizer):
                         losses_here = losses
                     combined = losses * weight if combined is None else combined + losses * weight
         grads = engine.per_example_gradients(combined)
+        dropped = self._zero_nonfinite(grads, combined.detach())
+        if dropped is not None and losses_here is not None:
+            losses_here = torch.where(dropped, torch.zeros_like(losses_here), losses_here)
         self.accumulate_per_example(grads)
         if losses_here is None:
             losses_here = combined
@@ -177,7 +199,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def accumulate_per_example(self, grads: PerExampleGradients) -> None:
         """Add ``sum_i clip(g_i)`` to ``p.grad`` (the only private quantity DP-SGD keeps)."""
         factors = clip_factors(grads.norms(), self.max_grad_norm, self.clipping_fn)
-        accumulate_into_grad(grads.weighted_sum(factors))
+        accumulate_into_grad(grads.weighted_sum(factors, release=True))  # frees A, B as the sums are built
         self.examples_in_step += grads.batch_size
 
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
@@ -208,7 +230,10 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.secure_noise:
             from hf_dpfilter.secure_rng import secure_gaussian
 
-            return secure_gaussian(shape, std, dtype=like.dtype, device=like.device)
+            noise = secure_gaussian(shape, std, dtype=like.dtype, device=like.device)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast(noise, src=0)  # OS randomness differs per process: use the main process's draw
+            return noise
         noise = torch.randn(shape, generator=self._generator(like.device), dtype=like.dtype, device=like.device)
         return noise.mul_(std)
 
@@ -240,6 +265,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_budget()
+        for hook in self.pre_release_hooks:
+            hook(self)
         noisy = self.privatize(self.summed_gradients())
         for p, g in self.postprocess(noisy).items():
             p.grad = g.to(p.dtype)
@@ -249,6 +277,70 @@ class DPOptimizer(torch.optim.Optimizer):
         self.dp_steps += 1
         self.examples_in_step = 0
         return loss
+
+    # ------------------------------------------------------------------------- faults and budget
+    def _zero_nonfinite(self, grads: PerExampleGradients, losses: torch.Tensor) -> torch.Tensor | None:
+        """Zero the contribution of examples with a NaN/inf loss or gradient norm (counted, warned about).
+
+        The zeroed example contributes the zero vector, which is within the sensitivity bound, so the guarantee
+        is unaffected; the other examples of the micro-batch are untouched (their gradients are per example).
+        """
+        bad = ~torch.isfinite(grads.norms()) | ~torch.isfinite(losses.to(grads.norms().device))
+        if not bool(bad.any()):
+            return None
+        grads.zero_examples(bad)
+        count = int(bad.sum())
+        self.nonfinite_examples += count
+        warnings.warn(
+            f"{count} example(s) had a NaN or infinite loss or gradient; their contribution to this step was "
+            f"replaced by zero ({self.nonfinite_examples} so far). Check the data (empty or corrupt examples) and "
+            "the learning rate.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return bad.to(losses.device)
+
+    def next_step_history(self) -> list[list]:
+        """The accountant entries the next step will add: a dry run of :meth:`record_privacy_step` on a scratch
+        accountant (the optimizer's own attributes are restored afterwards)."""
+        saved = dict(self.__dict__)
+        scratch = PrivacyAccountant(self.accountant.accountant)
+        self.accountant = scratch
+        try:
+            self.record_privacy_step()
+        finally:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+        return scratch.history
+
+    def check_budget(self) -> None:
+        """Raise :class:`PrivacyBudgetExceededError` if the next step would spend more than ``target_epsilon``.
+
+        Only with ``target_epsilon``/``target_delta`` given. The epsilon is evaluated a few steps ahead (doubling
+        horizon, assuming the next steps cost what the next one does) so that the accountant is not run at every
+        step; near the end of the budget it is checked step by step.
+        """
+        if self.target_epsilon is None or self.sample_rate is None or self.dp_steps < self._budget_safe_until:
+            return
+        step = self.next_step_history()
+        horizon = self._budget_horizon
+        while True:
+            projected = self.accountant.copy()
+            for sigma, q, n in step:
+                projected.step(sigma, q, n * horizon)
+            if projected.get_epsilon(self.target_delta) <= self.target_epsilon:
+                self._budget_safe_until = self.dp_steps + horizon
+                self._budget_horizon = 2 * horizon
+                return
+            if horizon == 1:
+                raise PrivacyBudgetExceededError(
+                    f"Step {self.dp_steps + 1} would take epsilon above target_epsilon={self.target_epsilon} "
+                    f"(delta={self.target_delta}): {self.dp_steps} steps were already spent. Stop training here, "
+                    "or recalibrate the noise for a larger budget (calibrate_noise_multiplier(..., extra_history="
+                    "accountant.history)) and say so when you report epsilon."
+                )
+            horizon //= 2
+            self._budget_horizon = horizon
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -279,6 +371,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         self.original_optimizer.load_state_dict(state_dict["base"])
         self.dp_steps = dp_state["dp_steps"]
+        self.loaded_noise_multiplier = dp_state["noise_multiplier"]
         self.seed = dp_state["seed"]
         self._generators = {}
         for device_name, gen_state in dp_state["generators"].items():
@@ -329,4 +422,4 @@ def build_base_optimizer(
     raise TypeError(f"base must be a torch.optim.Optimizer class or instance, got {base!r}.")
 
 
-__all__ = ["DPOptimizer", "LossFn", "build_base_optimizer"]
+__all__ = ["DPOptimizer", "LossFn", "PrivacyBudgetExceededError", "build_base_optimizer"]

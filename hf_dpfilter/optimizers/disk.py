@@ -1,0 +1,129 @@
+"""DiSK: DP optimizer with a simplified Kalman filter (Zhang, Bu, Balle, Hong, Razaviyayn, Mirrokni, Alg. 2).
+
+Per logical step t, with gain kappa in (0, 1], step gamma != 0 and c = (1 - kappa) / (kappa gamma)::
+
+    v_i     = c grad f(x_t + gamma d_{t-1}; xi_i) + (1 - c) grad f(x_t; xi_i)      (per example, BEFORE clipping)
+    g_t     = (sum_i clip(v_i, C) + N(0, sigma^2 C^2 I)) / B                      (one Gaussian mechanism, Delta = C)
+    g~_t    = (1 - kappa) g~_{t-1} + kappa g_t,   g~_0 = g_0                      (weight kappa on the NEW gradient)
+    x_{t+1} = BaseOptimizerUpdate(x_t, g~_t)                                      (any torch optimizer)
+    d_t     = x_{t+1} - x_t                                                       (the REAL change, lr/Adam/decay included)
+
+with d_{-1} = 0 (so the first step is plain DP-SGD). The default gamma = (1 - kappa) / kappa gives c = 1: a
+single gradient evaluation at the look-ahead point x_t + gamma d_{t-1}, at DP-SGD's cost. Any other gamma
+evaluates both points on the same examples with the same dropout masks; the engine merges the two
+forwards per example, so the *combination* is clipped and each example contributes one vector of norm <= C.
+The sensitivity is C and the accounting is DP-SGD's; g~, d and the base optimizer only see privatized values.
+kappa = 1 is the base DP optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_dpfilter.optimizers import register_method
+from hf_dpfilter.optimizers.base import DPOptimizer
+
+
+@register_method
+class DiSKOptimizer(DPOptimizer):
+    """DiSK around any base optimizer.
+
+    Args:
+        optimizer: the wrapped base optimizer.
+        disk_kappa: the Kalman gain kappa in (0, 1], the weight on the new privatized gradient (paper: 0.7).
+        disk_gamma: the finite-difference step gamma (!= 0). None: (1 - kappa) / kappa, one gradient pass.
+            The paper's two-point setting is 0.5.
+        **dp_kwargs: the DP settings of :class:`DPOptimizer`.
+    """
+
+    method_name = "disk"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        disk_kappa: float = 0.7,
+        disk_gamma: float | None = None,
+        **dp_kwargs: Any,
+    ) -> None:
+        super().__init__(optimizer, **dp_kwargs)
+        if not 0.0 < disk_kappa <= 1.0:
+            raise ValueError(f"disk_kappa (the Kalman gain, weight on the new gradient) must be in (0, 1], got {disk_kappa}.")
+        one_pass_gamma = (1.0 - disk_kappa) / disk_kappa
+        if disk_gamma is None:
+            disk_gamma = one_pass_gamma
+        elif disk_gamma == 0 or not math.isfinite(disk_gamma):
+            raise ValueError(
+                f"disk_gamma must be a finite non-zero number, got {disk_gamma}. Leave it unset (None) for the "
+                f"one-pass default (1 - kappa) / kappa = {one_pass_gamma:.6g}."
+            )
+        self.kappa = float(disk_kappa)
+        self.gamma = float(disk_gamma)
+        if disk_kappa == 1.0:
+            self.look_ahead_weight = 0.0  # no prediction term: the base DP optimizer
+        elif math.isclose(self.gamma, one_pass_gamma, rel_tol=1e-9):
+            self.look_ahead_weight = 1.0
+        else:
+            self.look_ahead_weight = one_pass_gamma / self.gamma
+        self._filtered: list[torch.Tensor] | None = None  # g~_{t-1}
+        self._delta: list[torch.Tensor] | None = None  # d_{t-1}; holds x_t between postprocess and after_step
+        self._step_params: list[nn.Parameter] = []
+
+    @property
+    def one_pass(self) -> bool:
+        return self.look_ahead_weight in (0.0, 1.0)
+
+    def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
+        c = self.look_ahead_weight
+        if self._delta is None or c == 0.0:
+            return [(1.0, None)]  # d_{-1} = 0: both points are x_t
+        # x_t + gamma d_{t-1}, kept differentiable in x (Jacobian I) so an ordinary backward sees the combination.
+        shifted = {p: torch.add(p, d, alpha=self.gamma) for p, d in zip(self.params, self._delta)}
+        if c == 1.0:
+            return [(1.0, shifted)]
+        return [(1.0 - c, None), (c, shifted)]
+
+    @torch.no_grad()
+    def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        noisy = list(grads.values())
+        if self._filtered is None:
+            self._filtered = [g.clone() for g in noisy]
+        else:
+            torch._foreach_mul_(self._filtered, 1.0 - self.kappa)
+            torch._foreach_add_(self._filtered, noisy, alpha=self.kappa)
+        torch._foreach_copy_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
+        # Remember x_t so after_step can form d_t = x_{t+1} - x_t in the same buffer.
+        self._step_params = list(grads)
+        current = [p.detach() for p in self._step_params]
+        if self._delta is None:
+            self._delta = [x.clone() for x in current]
+        else:
+            torch._foreach_copy_(self._delta, current)
+        return grads
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        if self._delta is None or not self._step_params:
+            return
+        torch._foreach_sub_(self._delta, [p.detach() for p in self._step_params])  # x_t - x_{t+1}
+        torch._foreach_neg_(self._delta)
+        self._step_params = []
+
+    def method_state_dict(self) -> dict[str, Any]:
+        params = self.params
+        return {
+            "filtered": None if self._filtered is None else dict(zip(params, self._filtered)),
+            "delta": None if self._delta is None else dict(zip(params, self._delta)),
+        }
+
+    def load_method_state_dict(self, state: dict[str, Any]) -> None:
+        params = self.params
+        self._filtered = None if state["filtered"] is None else [state["filtered"][p] for p in params]
+        self._delta = None if state["delta"] is None else [state["delta"][p] for p in params]
+
+
+__all__ = ["DiSKOptimizer"]

@@ -1,0 +1,91 @@
+"""DOPPLER: a low-pass filter on the privatized gradient (Zhang, Bu, Hong, Razaviyayn, NeurIPS 2024, Alg. 2/3).
+
+Per logical step t, with g_t the DP-SGD privatized gradient ``(sum_i clip(grad f(x_t; xi_i)) + N(0, sigma^2 C^2)) / B``::
+
+    m_t     = - sum_{tau=1..n_a} a_tau m_{t-tau} + sum_{tau=0..n_b} b_tau g_{t-tau}   (zero initial state)
+    c_t     = the same filter run on the unit step; m_hat_t = m_t / c_t               (bias correction)
+    x_{t+1} = BaseOptimizerUpdate(x_t, m_hat_t)
+
+``doppler_base="optimizer"`` (default) hands m_hat_t to the wrapped optimizer as its gradient: SGD gives the
+paper's LP-DPSGD, Adam/AdamW see m_hat_t in both moments. ``doppler_base="adam_bc"`` is the paper's
+LP-DPAdamBC (m_hat_t replaces Adam's first moment, the second moment uses the unfiltered g_t and the DP-noise
+variance is subtracted), computed here and applied by a plain-SGD wrapped optimizer. The filter and its
+presets (Tables 2 and 4 of the paper) are in :mod:`hf_dpfilter.optimizers.filters`; the default is the
+first-order "ver.1" filter b = [1/11, 1/11], a = [-9/11]. Sign convention: scipy.signal.lfilter(b, [1, *a]).
+
+Privacy: the filter reads only the privatized g_t, once per logical step, so this is post-processing of
+DP-SGD: same sensitivity C, same accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_dpfilter.optimizers import register_method
+from hf_dpfilter.optimizers.base import DPOptimizer
+from hf_dpfilter.optimizers.filters import LowPassFilter, LowPassPostprocessor, check_filter_base
+
+
+@register_method
+class DopplerOptimizer(DPOptimizer):
+    """DP-SGD/DP-Adam with DOPPLER's low-pass filter on the privatized gradient.
+
+    Args:
+        optimizer: the wrapped base optimizer.
+        doppler_preset: a named filter (``hf_dpfilter.optimizers.filters.FILTER_PRESETS``); ignored when
+            ``doppler_b`` is given.
+        doppler_b, doppler_a: explicit coefficients ``[b_0, ..., b_nb]`` and ``[a_1, ..., a_na]`` (a may be
+            omitted: an FIR filter).
+        doppler_base: ``"optimizer"``, ``"sgd"``/``"adam"`` (the same, with a check of the wrapped optimizer's
+            type) or ``"adam_bc"`` (LP-DPAdamBC; needs plain SGD as the wrapped optimizer).
+        doppler_beta2, doppler_eps, doppler_bias_correct_noise: LP-DPAdamBC's second-moment decay, its floor
+            (on the variance scale with the noise correction, on the sqrt scale without) and whether to subtract
+            the DP-noise variance (True: DPAdamBC; False: the literal Alg. 3 ``max(sqrt(v_hat), eps)``).
+        **dp_kwargs: the DP settings of :class:`DPOptimizer`.
+    """
+
+    method_name = "doppler"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        doppler_preset: str = "first_order_v1",
+        doppler_b: Sequence[float] | None = None,
+        doppler_a: Sequence[float] | None = None,
+        doppler_base: str = "optimizer",
+        doppler_beta2: float = 0.999,
+        doppler_eps: float = 1e-8,
+        doppler_bias_correct_noise: bool = True,
+        **dp_kwargs: Any,
+    ) -> None:
+        super().__init__(optimizer, **dp_kwargs)
+        check_filter_base(doppler_base, optimizer, "doppler_base")
+        self.lowpass = LowPassPostprocessor(
+            LowPassFilter.resolve(doppler_preset, doppler_b, doppler_a, prefix="doppler"),
+            base=doppler_base,
+            beta2=doppler_beta2,
+            eps=doppler_eps,
+            bias_correct_noise=doppler_bias_correct_noise,
+        )
+
+    def noise_variance(self) -> float:
+        """Per-coordinate variance of the noise in the averaged privatized gradient, (sigma Delta / B)^2 (public)."""
+        return (self.noise_multiplier * self.sensitivity() / self.expected_batch_size) ** 2
+
+    def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        filtered = self.lowpass(list(grads.values()), noise_variance=self.noise_variance())
+        return dict(zip(grads, filtered))
+
+    def method_state_dict(self) -> dict[str, Any]:
+        return {"lowpass": self.lowpass.state_dict(self.params)}
+
+    def load_method_state_dict(self, state: dict[str, Any]) -> None:
+        self.lowpass.load_state_dict(state["lowpass"], self.params)
+
+
+__all__ = ["DopplerOptimizer"]

@@ -1,0 +1,112 @@
+"""DP-PMLF: per-sample momentum + DOPPLER's low-pass filter (Xu, Ranbaduge, Wang, Rakotoarivelo, Smith, Alg. 1).
+
+Per logical step t, with K = min(k, t + 1) parameter points x_t, x_{t-1}, ..., x_{t-K+1} (the current
+parameters and K - 1 stored copies) and weights w_j = beta^j / sum_{l<K} beta^l (j = lag, sum 1)::
+
+    v_i     = sum_{j<K} w_j grad f(x_{t-j}; xi_i)                  (per example, combined BEFORE clipping)
+    vbar_t  = (sum_i clip(v_i, C) + N(0, sigma^2 C^2 I)) / B       (one Gaussian mechanism, Delta = C)
+    m_hat_t = DOPPLER filter of vbar_t with bias correction        (hf_dpfilter.optimizers.filters)
+    x_{t+1} = BaseOptimizerUpdate(x_t, m_hat_t)                    (the paper: plain SGD)
+
+The K forwards run on the same examples with the same dropout masks and are merged per example by the
+clipping engine (the "virtual sequence" of K times the tokens), so each example contributes one vector of
+norm <= C: the sensitivity is C and the accounting is DP-SGD's (unlike the public code, which clips each copy
+separately). k = 1 is DOPPLER. The paper's defaults: k = 2, beta = 0.1, filter b = [0.1], a = [-0.9]
+(MNIST; ``pmlf_preset="pmlf_cifar"`` is b = [0.15, -0.05], a = [-0.9]). Extra state: k - 1 parameter copies
+plus the filter's buffers; compute: K forward/backward passes per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_dpfilter.optimizers import register_method
+from hf_dpfilter.optimizers.base import DPOptimizer
+from hf_dpfilter.optimizers.filters import LowPassFilter, LowPassPostprocessor
+
+
+@register_method
+class PMLFOptimizer(DPOptimizer):
+    """DP-PMLF around any base optimizer.
+
+    Args:
+        optimizer: the wrapped base optimizer (the paper uses plain SGD).
+        pmlf_k: the number of parameter points k >= 1 (current + k - 1 past copies).
+        pmlf_beta: the per-sample momentum decay beta >= 0 (weight beta^lag, normalized).
+        pmlf_preset: a named filter (``FILTER_PRESETS``); ignored when ``pmlf_b`` is given.
+        pmlf_b, pmlf_a: explicit filter coefficients ``[b_0, ...]`` and ``[a_1, ...]`` (scipy convention).
+        **dp_kwargs: the DP settings of :class:`DPOptimizer`.
+    """
+
+    method_name = "pmlf"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        pmlf_k: int = 2,
+        pmlf_beta: float = 0.1,
+        pmlf_preset: str = "pmlf_mnist",
+        pmlf_b: Sequence[float] | None = None,
+        pmlf_a: Sequence[float] | None = None,
+        **dp_kwargs: Any,
+    ) -> None:
+        super().__init__(optimizer, **dp_kwargs)
+        if int(pmlf_k) != pmlf_k or pmlf_k < 1:
+            raise ValueError(f"pmlf_k (the number of parameter points) must be an integer >= 1, got {pmlf_k}.")
+        if not pmlf_beta >= 0:
+            raise ValueError(f"pmlf_beta (the per-sample momentum decay) must be >= 0, got {pmlf_beta}.")
+        self.k = int(pmlf_k)
+        self.beta = float(pmlf_beta)
+        self.lowpass = LowPassPostprocessor(LowPassFilter.resolve(pmlf_preset, pmlf_b, pmlf_a, prefix="pmlf"))
+        self._snapshots: list[list[torch.Tensor]] = []  # x_{t-1}, x_{t-2}, ... (most recent first)
+
+    def point_weights(self) -> list[float]:
+        """w_j = beta^j / sum_l beta^l for the K = min(k, t + 1) points of the current step."""
+        raw = [self.beta**j for j in range(len(self._snapshots) + 1)]
+        total = sum(raw)
+        return [w / total for w in raw]
+
+    def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
+        weights = self.point_weights()
+        if len(weights) == 1:
+            return [(1.0, None)]
+        points: list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]] = [(weights[0], None)]
+        params = self.params
+        for weight, snapshot in zip(weights[1:], self._snapshots):
+            # Value = the stored copy exactly; "+ (p - p.detach())" (= 0) keeps it differentiable in x, so an
+            # ordinary backward of the combined loss equals the engine's per-example combination.
+            points.append((weight, {p: x + (p - p.detach()) for p, x in zip(params, snapshot)}))
+        return points
+
+    @torch.no_grad()
+    def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        if self.k > 1:  # x_t becomes x_{(t+1)-1}: push it, recycling the oldest copy's storage
+            current = [p.detach() for p in grads]
+            if len(self._snapshots) < self.k - 1:
+                self._snapshots.insert(0, [x.clone() for x in current])
+            else:
+                oldest = self._snapshots.pop()
+                torch._foreach_copy_(oldest, current)
+                self._snapshots.insert(0, oldest)
+        filtered = self.lowpass(list(grads.values()))
+        return dict(zip(grads, filtered))
+
+    def method_state_dict(self) -> dict[str, Any]:
+        params = self.params
+        return {
+            "snapshots": [dict(zip(params, snapshot)) for snapshot in self._snapshots],
+            "lowpass": self.lowpass.state_dict(params),
+        }
+
+    def load_method_state_dict(self, state: dict[str, Any]) -> None:
+        params = self.params
+        self._snapshots = [[snapshot[p] for p in params] for snapshot in state["snapshots"]]
+        self.lowpass.load_state_dict(state["lowpass"], params)
+
+
+__all__ = ["PMLFOptimizer"]
