@@ -25,11 +25,15 @@ IGNORE_INDEX = -100
 def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Mean cross-entropy over each example's own valid tokens; logits (B,T,V), labels (B,T) -> (B,)."""
     if shift:
-        logits = logits[:, :-1, :]
-        labels = labels[:, 1:]
+        # Shift the labels, not the logits (the last position gets ignore_index): slicing or transposing the
+        # (B, T, V) logits would copy them and run log-softmax over a strided axis, several times slower.
+        labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # the loss in fp32 under bf16 autocast
-    token_losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=ignore_index, reduction="none")
+    batch, steps = labels.shape
+    token_losses = F.cross_entropy(
+        logits.reshape(batch * steps, -1), labels.reshape(-1), ignore_index=ignore_index, reduction="none"
+    ).view(batch, steps)
     valid = (labels != ignore_index).to(token_losses.dtype)
     return token_losses.sum(dim=1) / valid.sum(dim=1).clamp_min(1.0)
 

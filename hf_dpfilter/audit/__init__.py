@@ -21,8 +21,13 @@ from hf_dpfilter.audit.bounds import (
     simulate_gaussian_canary_scores,
     steinke_p_value,
 )
+from hf_dpfilter.audit.run import AuditConfig, AuditModel, AuditResult, run_audit
 
 __all__ = [
+    "AuditConfig",
+    "AuditModel",
+    "AuditResult",
+    "run_audit",
     "best_guess_bound",
     "count_correct_guesses",
     "default_guess_counts",
