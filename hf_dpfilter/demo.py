@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--max_grad_norm", type=float, default=0.1)
     parser.add_argument("--max_seq_length", type=int, default=64)
+    parser.add_argument("--lora_r", type=int, default=0, help="> 0: train a LoRA adapter (query, value) + the head")
     parser.add_argument("--output_dir", default="outputs/demo")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -75,6 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
     path = minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+    if args.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=["query", "value"],
+                          lora_dropout=0.0, modules_to_save=["classifier", "pooler"])
+        model = get_peft_model(model, lora)
 
     texts, labels = read_glue_tsv(train_file)
     rng = np.random.default_rng(args.seed)
