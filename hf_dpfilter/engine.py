@@ -131,6 +131,7 @@ class PerExampleGradients:
         self.dtype = dtype
         self._merged = {p: _merge_terms(ts, dtype) for p, ts in terms.items()}
         self._squared_norms: torch.Tensor | None = None
+        self._released = False
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -212,10 +213,23 @@ class PerExampleGradients:
             )
         self._squared_norms = None
 
-    def weighted_sum(self, coefficients: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
-        """``sum_i coefficients[i] * g_i``, per parameter, in the accumulation dtype."""
+    def weighted_sum(self, coefficients: torch.Tensor, release: bool = False) -> dict[nn.Parameter, torch.Tensor]:
+        """``sum_i coefficients[i] * g_i``, per parameter, in the accumulation dtype.
+
+        ``release=True`` frees each parameter's stored activations and output gradients as soon as its sum is
+        built (the sums then replace them in memory instead of adding to them); the object cannot be used
+        afterwards. Use it for the last weighted sum of a batch.
+        """
+        if self._released:
+            raise RuntimeError("weighted_sum(..., release=True) was already called: the terms are gone.")
+        if release:
+            self.squared_norms()  # norms need every term; compute them before anything is freed
+            self._released = True
         out: dict[nn.Parameter, torch.Tensor] = {}
-        for param, (outer, index, dense) in self._merged.items():
+        for param in list(self._merged):
+            outer, index, dense = self._merged[param]
+            if release:
+                del self._merged[param]
             c = coefficients.to(device=param.device, dtype=self.dtype)
             total = None
             if outer is not None:
@@ -230,6 +244,7 @@ class PerExampleGradients:
                 weighted = (index.right * c[:, None, None]).reshape(-1, rows.shape[1])
                 rows.index_add_(0, index.ids.reshape(-1), weighted)
             out[param] = total
+            del outer, index, dense
         return out
 
 
@@ -420,7 +435,7 @@ class GhostClippingEngine:
         grads = self.per_example_gradients(per_example_loss)
         norms = grads.norms()
         factors = clip_factors(norms, self.max_grad_norm, self.clipping_fn)
-        accumulate_into_grad(grads.weighted_sum(factors))
+        accumulate_into_grad(grads.weighted_sum(factors, release=True))
         return norms
 
 

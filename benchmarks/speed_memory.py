@@ -1,0 +1,580 @@
+"""Speed and memory of a private training step against the non-private one (and Opacus 1.6).
+
+Models: GPT-2 small (124M, tied embeddings, ``GPT2Config()``) and RoBERTa-base (``RobertaConfig()``,
+sequence classification), random weights (no download), float32, train mode (dropout on), AdamW.
+Each is trained fully and with LoRA (peft, r=8 on the attention projections).
+
+Variants of one training step on the same micro-batch:
+
+* ``non-private`` -- what ``Trainer.training_step`` + the optimizer step do: forward with labels,
+  ``loss.backward()``, ``AdamW.step()``, ``zero_grad()``.
+* ``hf_dpfilter`` -- the path ``DPTrainer`` takes: ``DPOptimizer.accumulate(engine, loss_fn, B)`` (one
+  forward, one backward to the layer outputs, ghost norms, clipped sums by book-keeping) and
+  ``DPOptimizer.step()`` (noise + AdamW). The first-step verification runs in the warm-up step only.
+* ``opacus ghost`` -- Opacus 1.6 ``make_private(..., grad_sample_mode="ghost")`` (its per-sample hooks if
+  ghost mode fails). Opacus refuses GPT-2's tied embeddings; the table reports that and adds a row
+  ``gpt2-untied`` (separate ``lm_head`` copy, explicit ``(B, T)`` position ids) for the comparison.
+
+Time: after one warm-up step per variant, the variants run interleaved (A, B, C, A, B, C, ...) in one
+process; the reported ratio is the median over rounds of ``time(variant) / time(non-private)`` of that
+round, which cancels most of the drift of a shared machine. Memory: every variant runs in its own
+subprocess (``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB so freed tensors go back to the OS); after building
+the model and one warm-up step, the peak-RSS counter is reset (``/proc/self/clear_refs``) and two more
+steps run. Reported: peak RSS of those steps minus the RSS after model build, i.e. gradients, optimizer
+state, activations and every temporary of a steady-state step (the weights themselves are excluded).
+
+Usage::
+
+    python benchmarks/speed_memory.py              # default points (~10-15 min on 2 idle cores)
+    python benchmarks/speed_memory.py --quick      # smoke version (1-2 min)
+    python benchmarks/speed_memory.py --out docs/performance.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from hf_dpfilter.engine import GhostClippingEngine  # noqa: E402
+from hf_dpfilter.losses import per_example_loss  # noqa: E402
+from hf_dpfilter.optimizers import available_methods, make_dp_optimizer  # noqa: E402
+
+LR = 1e-5
+NOISE = 1.0
+CLIP = 1.0
+NUM_LABELS = 2
+
+
+# ------------------------------------------------------------------------------------------ set-ups
+@dataclass(frozen=True)
+class Case:
+    model: str  # "gpt2", "gpt2-untied" or "roberta"
+    mode: str  # "full" or "lora"
+    batch: int
+    seq: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.mode} B={self.batch} T={self.seq}"
+
+
+def build_model(name: str, mode: str, seed: int = 0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    # Tiny architectures for a self-test of the script (HF_DPFILTER_BENCH_TINY=1); never for the numbers.
+    tiny = os.environ.get("HF_DPFILTER_BENCH_TINY") == "1"
+    small = {"n_layer": 2, "n_embd": 64, "n_head": 4} if tiny else {}
+    small_bert = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+    if name.startswith("gpt2"):
+        model = GPT2LMHeadModel(GPT2Config(**small))
+        if name == "gpt2-untied":
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
+    elif name == "roberta":
+        model = RobertaForSequenceClassification(RobertaConfig(num_labels=NUM_LABELS, **(small_bert if tiny else {})))
+    else:
+        raise ValueError(f"unknown model {name!r}")
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        if name.startswith("gpt2"):
+            config = LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+        else:
+            config = LoraConfig(
+                r=8, lora_alpha=16, target_modules=["query", "value"], lora_dropout=0.0, modules_to_save=["classifier"]
+            )
+        model = get_peft_model(model, config)
+    model.train()
+    return model
+
+
+def make_batch(case: Case, seed: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
+    g = torch.Generator().manual_seed(seed)
+    causal = case.model.startswith("gpt2")
+    ids = torch.randint(3, 50257, (case.batch, case.seq), generator=g)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if case.model == "gpt2-untied":
+        inputs["position_ids"] = torch.arange(case.seq).expand(case.batch, -1).contiguous()
+    labels = ids.clone() if causal else torch.randint(0, NUM_LABELS, (case.batch,), generator=g)
+    return inputs, labels, causal
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ------------------------------------------------------------------------------------------ variants
+Step = Callable[[], float]  # runs one step; returns the seconds spent before optimizer.step()
+
+
+def nonprivate_step(model: nn.Module, inputs: dict, labels: torch.Tensor) -> Step:
+    opt = torch.optim.AdamW(trainable(model), lr=LR)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        loss = model(**inputs, labels=labels).loss
+        loss.backward()
+        elapsed = time.perf_counter() - t0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return elapsed
+
+    return step
+
+
+def hf_dpfilter_step(
+    model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bool, method: str = "dpsgd", **method_kwargs
+) -> tuple[Step, object]:
+    engine = GhostClippingEngine(model, max_grad_norm=CLIP, verify_first_backward=True)
+    opt = make_dp_optimizer(
+        trainable(model), base=torch.optim.AdamW, method=method, lr=LR, noise_multiplier=NOISE,
+        max_grad_norm=CLIP, expected_batch_size=labels.shape[0], seed=0, **method_kwargs,
+    )  # fmt: skip
+
+    def loss_fn(values):
+        if values:
+            names = {p: engine.parameter_name(p) for p in values}
+            out = torch.func.functional_call(model, {names[p]: v for p, v in values.items()}, (), inputs, strict=False)
+        else:
+            out = model(**inputs)
+        return per_example_loss(out.logits, labels, causal_lm=causal)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.accumulate(engine, loss_fn, labels.shape[0])
+        elapsed = time.perf_counter() - t0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return elapsed
+
+    return step, opt
+
+
+def opacus_step(model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bool) -> tuple[Step, str]:
+    """Opacus 1.6 on the same model: ghost clipping if it runs, else its per-sample hooks."""
+    from opacus import PrivacyEngine
+
+    batch = labels.shape[0]
+    data = torch.utils.data.TensorDataset(torch.zeros(batch * 4, 1))
+    errors = []
+    for mode in ("ghost", "hooks"):
+        candidate = copy.deepcopy(model)
+        opt = torch.optim.AdamW(trainable(candidate), lr=LR)
+        loader = torch.utils.data.DataLoader(data, batch_size=batch)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine = PrivacyEngine(accountant="prv")
+                kwargs = {"criterion": nn.CrossEntropyLoss()} if mode == "ghost" else {}
+                made = engine.make_private(
+                    module=candidate, optimizer=opt, data_loader=loader, noise_multiplier=NOISE,
+                    max_grad_norm=CLIP, grad_sample_mode=mode, poisson_sampling=False, **kwargs,
+                )  # fmt: skip
+            dp_model, dp_opt = made[0], made[1]
+            criterion = made[2] if mode == "ghost" else nn.CrossEntropyLoss()
+
+            def step(dp_model=dp_model, dp_opt=dp_opt, criterion=criterion, mode=mode) -> float:
+                t0 = time.perf_counter()
+                logits = dp_model(**inputs).logits
+                if causal:
+                    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+                    target = labels[:, 1:].reshape(-1)
+                    if mode == "ghost":
+                        loss = criterion(flat, target, shape=(batch, logits.shape[1] - 1, logits.shape[-1]))
+                    else:
+                        loss = criterion(flat, target)
+                else:
+                    loss = criterion(logits, labels)
+                loss.backward()
+                elapsed = time.perf_counter() - t0
+                dp_opt.step()
+                dp_opt.zero_grad(set_to_none=True)
+                return elapsed
+
+            step()  # fail here, not in the timed loop
+            # Forget the trial step's optimizer state so that a memory measurement sees it being created.
+            dp_opt.zero_grad(set_to_none=True)
+            opt.state.clear()
+            return step, mode
+        except Exception as err:  # noqa: BLE001 - report why Opacus cannot run this model
+            errors.append(f"{mode}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def build_variant(name: str, case: Case) -> tuple[Step, str]:
+    """A ready-to-time step for one variant; the note says how it ran."""
+    model = build_model(case.model, case.mode)
+    inputs, labels, causal = make_batch(case)
+    if name == "non-private":
+        return nonprivate_step(model, inputs, labels), ""
+    if name == "hf_dpfilter":
+        return hf_dpfilter_step(model, inputs, labels, causal)[0], ""
+    if name == "opacus":
+        step, mode = opacus_step(model, inputs, labels, causal)
+        return step, mode
+    raise ValueError(name)
+
+
+# ------------------------------------------------------------------------------------------ measuring
+def current_rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def peak_rss_kb() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_worker(variant: str, case: Case) -> dict:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    baseline = None
+    try:
+        model_rss = current_rss_kb()
+        step, note = build_variant(variant, case)
+        baseline = current_rss_kb()
+        step()  # warm-up: Adam state, first-step verification, Opacus set-up
+        reset = reset_peak_rss()
+        for _ in range(2):
+            step()
+        peak = peak_rss_kb()
+        return {
+            "peak_mb": (peak - baseline) / 1024,
+            "note": note,
+            "reset": reset,
+            "model_mb": (baseline - model_rss) / 1024,
+        }
+    except Exception as err:  # noqa: BLE001
+        return {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+
+
+def measure_memory(variant: str, case: Case, timeout: float) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, os.path.abspath(__file__), "--_memory_worker", json.dumps([variant, case.__dict__])]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    return {"error": f"worker failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"}
+
+
+def time_interleaved(steps: dict[str, Step], rounds: int) -> dict[str, dict]:
+    """Median over rounds of each variant's time and of its per-round ratio to the first variant."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    grad_times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(rounds):
+        for n in names:
+            t0 = time.perf_counter()
+            grad_times[n].append(steps[n]())
+            times[n].append(time.perf_counter() - t0)
+    ref, grad_ref = times[names[0]], grad_times[names[0]]
+    return {
+        n: {
+            "time_s": statistics.median(ts),
+            "ratio": statistics.median(t / r for t, r in zip(ts, ref)),
+            "ratios": [t / r for t, r in zip(ts, ref)],
+            "grad_ratio": statistics.median(t / r for t, r in zip(grad_times[n], grad_ref)),
+        }
+        for n, ts in times.items()
+    }
+
+
+# ------------------------------------------------------------------------------------------ the run
+def run_case(case: Case, rounds: int, memory: bool, opacus: bool, timeout: float, log) -> list[dict]:
+    """Rows for one (model, mode, B, T): the variants' times and memory, with ratios to non-private."""
+    variants = ["non-private", "hf_dpfilter"] + (["opacus"] if opacus else [])
+    steps: dict[str, Step] = {}
+    notes: dict[str, str] = {}
+    for v in variants:
+        try:
+            step, note = build_variant(v, case)
+            step()  # warm-up (and, for hf_dpfilter, the first-step verification)
+            steps[v], notes[v] = step, note
+        except Exception as err:  # noqa: BLE001
+            notes[v] = f"not run: {str(err)[:200]}"
+            log(f"  {v}: {notes[v]}")
+    timing = time_interleaved(steps, rounds) if "non-private" in steps else {}
+    mem: dict[str, dict] = {}
+    if memory:
+        for v in steps:
+            mem[v] = measure_memory(v, case, timeout)
+            if "error" in mem[v]:
+                log(f"  memory {v}: {mem[v]['error']}")
+    rows = []
+    base_mem = mem.get("non-private", {}).get("peak_mb")
+    for v in variants:
+        row = {"case": case.label, "variant": v, "note": notes.get(v, "")}
+        if v in timing:
+            row.update(
+                time_s=timing[v]["time_s"],
+                time_ratio=timing[v]["ratio"],
+                ratios=timing[v]["ratios"],
+                grad_ratio=timing[v]["grad_ratio"],
+            )
+        if v in mem and "peak_mb" in mem[v]:
+            row["peak_mb"] = mem[v]["peak_mb"]
+            if base_mem:
+                row["mem_ratio"] = mem[v]["peak_mb"] / base_mem
+        rows.append(row)
+        log("  " + format_row(row))
+    for s in list(steps):
+        del steps[s]
+    return rows
+
+
+def method_overheads(case: Case, rounds: int, log) -> list[dict]:
+    """DiSK / DOPPLER optimizer-step cost and DP-PMLF's k-point cost, against DP-SGD, interleaved."""
+    methods = available_methods()
+    wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"pmlf_k": 2}), ("pmlf", {"pmlf_k": 3})]
+    wanted = [(m, kw) for m, kw in wanted if m in methods]
+    inputs, labels, causal = make_batch(case)
+    runners = {}
+    for method, kwargs in wanted:
+        name = method + "".join(f" k={v}" for v in kwargs.values())
+        model = build_model(case.model, case.mode)
+        step, opt = hf_dpfilter_step(model, inputs, labels, causal, method=method, **kwargs)
+        step()
+        runners[name] = (step, opt)
+    # Time the whole step and, separately, the optimizer step (noise + filter + AdamW) alone.
+    total: dict[str, list[float]] = {n: [] for n in runners}
+    opt_only: dict[str, list[float]] = {n: [] for n in runners}
+    for _ in range(rounds):
+        for n, (step, opt) in runners.items():
+            t0 = time.perf_counter()
+            step()
+            total[n].append(time.perf_counter() - t0)
+            for p in trainable_params(opt):
+                p.grad = torch.zeros_like(p)
+            t0 = time.perf_counter()
+            opt.step()
+            opt_only[n].append(time.perf_counter() - t0)
+            opt.zero_grad(set_to_none=True)
+    rows = []
+    ref_total, ref_opt = total["dpsgd"], opt_only["dpsgd"]
+    for n in runners:
+        extra_opt = statistics.median((o - r) / t for o, r, t in zip(opt_only[n], ref_opt, ref_total))
+        row = {
+            "case": case.label,
+            "method": n,
+            "step_s": statistics.median(total[n]),
+            "step_ratio": statistics.median(t / r for t, r in zip(total[n], ref_total)),
+            "opt_step_s": statistics.median(opt_only[n]),
+            "opt_extra_frac": extra_opt,
+        }
+        rows.append(row)
+        log(
+            f"  {n:10s} step {row['step_s']:.2f}s ({row['step_ratio']:.2f}x dpsgd); optimizer step "
+            f"{row['opt_step_s']:.3f}s, extra vs dpsgd = {100 * extra_opt:+.1f}% of a training step"
+        )
+    return rows
+
+
+def trainable_params(opt) -> list[nn.Parameter]:
+    return [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+
+
+def format_row(row: dict) -> str:
+    t = f"{row['time_s']:.2f}s ({row['time_ratio']:.2f}x, fwd+bwd {row['grad_ratio']:.2f}x)" if "time_s" in row else "-"
+    m = f"{row['peak_mb']:.0f} MB ({row['mem_ratio']:.2f}x)" if "mem_ratio" in row else (
+        f"{row['peak_mb']:.0f} MB" if "peak_mb" in row else "-")  # fmt: skip
+    return f"{row['case']:28s} {row['variant']:12s} time {t:34s} memory {m:18s} {row['note']}"
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    return fmt.format(row[key]) if key in row else "-"
+
+
+def markdown(rows: list[dict], method_rows: list[dict], command: str, elapsed: float) -> str:
+    lines = [
+        "# Performance: private vs non-private training steps",
+        "",
+        "Generated by `benchmarks/speed_memory.py` (see its docstring for the method). Command:",
+        "",
+        f"    {command}",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), float32, dropout on, AdamW. Run time {elapsed / 60:.1f} min "
+        "(summed over the runs merged here).",
+        "",
+        "Time = median seconds per step; ratio = median over interleaved rounds of time / non-private time of "
+        "the same round. fwd+bwd ratio = the same for the part before `optimizer.step()` (forward, backward, "
+        "clipping): the per-micro-batch cost under gradient accumulation, where the noise and AdamW cost of "
+        "`step()` is paid once per logical batch. Memory = peak RSS of two steady-state steps minus the RSS after model build "
+        "(gradients, optimizer state, activations, temporaries), each variant in its own process.",
+        "",
+        "| model / mode / batch | variant | time per step | time ratio | fwd+bwd ratio | peak memory | memory ratio "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [
+            _cell(r, "time_s", "{:.2f} s"),
+            _cell(r, "time_ratio", "{:.2f}x"),
+            _cell(r, "grad_ratio", "{:.2f}x"),
+            _cell(r, "peak_mb", "{:.0f} MB"),
+            _cell(r, "mem_ratio", "{:.2f}x"),
+        ]
+        lines.append(f"| {r['case']} | {r['variant']} | {' | '.join(cells)} | {r['note']} |")
+    if method_rows:
+        lines += [
+            "",
+            "## DP methods (same engine), relative to DP-SGD",
+            "",
+            "`optimizer-step extra` = (the method's `optimizer.step()` time - DP-SGD's) / DP-SGD's whole training "
+            "step (noise + filter + AdamW on zero gradients, timed separately). DP-PMLF with k points runs k "
+            "forwards at k parameter snapshots, so its step ratio should be about k (the backward is shared).",
+            "",
+            "| model / mode / batch | method | step time | step ratio to DP-SGD | optimizer step | optimizer-step extra |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in method_rows:
+            lines.append(
+                f"| {r['case']} | {r['method']} | {r['step_s']:.2f} s | {r['step_ratio']:.2f}x | "
+                f"{r['opt_step_s']:.3f} s | {100 * r['opt_extra_frac']:+.1f}% |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- BEGIN GENERATED by benchmarks/speed_memory.py -->", "<!-- END GENERATED -->"
+
+
+def write_markdown(path: str, text: str) -> None:
+    """Write the tables into ``path``; if it has the GENERATED markers, replace only what is between them."""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if BEGIN in old and END in old:
+            head, rest = old.split(BEGIN, 1)
+            text = head + BEGIN + "\n" + text + rest[rest.index(END) :]
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke version: small points, 2 rounds (1-2 min)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds after warm-up")
+    parser.add_argument("--models", default="gpt2,roberta", help="comma-separated: gpt2, roberta")
+    parser.add_argument("--modes", default="full,lora", help="comma-separated: full, lora")
+    parser.add_argument("--points", default=None, help="B x T points, e.g. '4x128,2x256'")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
+    parser.add_argument("--no-opacus", action="store_true", help="skip Opacus")
+    parser.add_argument("--no-methods", action="store_true", help="skip the DiSK/DOPPLER/DP-PMLF section")
+    parser.add_argument("--out", default=None, help="write the markdown table here (e.g. docs/performance.md)")
+    parser.add_argument("--json", default=None, help="also write the raw rows as JSON here")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per memory subprocess")
+    parser.add_argument(
+        "--from-json", default=None, help="comma-separated JSON files of earlier runs: merge them into one table"
+    )
+    parser.add_argument("--_memory_worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.from_json:
+        rows, method_rows, commands, elapsed = [], [], [], 0.0
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                saved = json.load(f)
+            rows += saved["rows"]
+            method_rows += saved["methods"]
+            commands.append(saved.get("command", "?"))
+            elapsed += saved.get("elapsed", 0.0)
+        text = markdown(rows, method_rows, "\n    ".join(commands), elapsed)
+        print(text)
+        if args.out:
+            write_markdown(args.out, text)
+        return 0
+
+    if args._memory_worker:
+        variant, fields = json.loads(args._memory_worker)
+        print("RESULT " + json.dumps(memory_worker(variant, Case(**fields))), flush=True)
+        return 0
+
+    warnings.filterwarnings("ignore")
+    points = args.points or ("2x64" if args.quick else "4x128,2x256")
+    rounds = args.rounds or (2 if args.quick else 3)
+    pts = [tuple(int(x) for x in p.split("x")) for p in points.split(",")]
+    models = args.models.split(",")
+    modes = args.modes.split(",")
+    cases = []
+    for model in models:
+        for mode in modes:
+            for b, t in pts if mode == "full" else pts[:1]:
+                cases.append(Case(model, mode, b, t))
+                if model == "gpt2" and mode == "full" and not args.no_opacus and (b, t) == pts[0]:
+                    cases.append(Case("gpt2-untied", mode, b, t))
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    start = time.perf_counter()
+    rows: list[dict] = []
+    for case in cases:
+        log(f"== {case.label}")
+        try:
+            rows += run_case(case, rounds, not args.no_memory, not args.no_opacus, args.timeout, log)
+        except Exception:  # noqa: BLE001
+            log(traceback.format_exc())
+    method_rows: list[dict] = []
+    if not args.no_methods:
+        case = Case("roberta", "full", *pts[0])
+        log(f"== DP methods on {case.label}")
+        try:
+            method_rows = method_overheads(case, rounds, log)
+        except Exception:  # noqa: BLE001
+            log(traceback.format_exc())
+    elapsed = time.perf_counter() - start
+    command = "python benchmarks/speed_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = markdown(rows, method_rows, command.strip(), elapsed)
+    print()
+    print(text)
+    if args.out:
+        write_markdown(args.out, text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "methods": method_rows, "command": command, "elapsed": elapsed}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
