@@ -45,13 +45,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data_dir", default="../shared/data/glue/SST-2", help="folder with train.tsv and dev.tsv")
     parser.add_argument("--method", default="dpsgd", help="dp method (dpsgd = DP-Adam here, disk, doppler, ...)")
     parser.add_argument("--epsilon", type=float, default=8.0)
+    parser.add_argument("--noise_multiplier", type=float, default=None, help="fix sigma instead of --epsilon")
     parser.add_argument("--train_samples", type=int, default=4000)
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--logical_batch_size", type=int, default=256)
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--learning_rate", type=float, default=5e-4)
     parser.add_argument("--max_grad_norm", type=float, default=0.1)
+    parser.add_argument("--clipping_fn", default="abadi", choices=["abadi", "automatic"])
     parser.add_argument("--max_seq_length", type=int, default=64)
-    parser.add_argument("--lora_r", type=int, default=0, help="> 0: train a LoRA adapter (query, value) + the head")
+    parser.add_argument(
+        "--train", default="full", choices=["head", "lora", "full"],
+        help="what to fine-tune: the classifier on the frozen encoder ('head', cheapest), "
+        "a LoRA adapter on query/value plus the classifier ('lora'), or every weight ('full')",
+    )
+    parser.add_argument("--lora_r", type=int, default=8, help="LoRA rank for --train lora")
     parser.add_argument("--output_dir", default="outputs/demo")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -76,11 +83,14 @@ def main(argv: list[str] | None = None) -> dict:
     path = minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-    if args.lora_r > 0:
+    if args.train == "head":
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith("classifier"))
+    elif args.train == "lora":
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=["query", "value"],
-                          lora_dropout=0.0, modules_to_save=["classifier", "pooler"])
+                          lora_dropout=0.0, modules_to_save=["classifier"])
         model = get_peft_model(model, lora)
 
     texts, labels = read_glue_tsv(train_file)
@@ -98,8 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
     training_args = DPTrainingArguments(
         output_dir=args.output_dir,
         dp_method=args.method,
-        target_epsilon=args.epsilon if args.method != "none" else None,
+        target_epsilon=args.epsilon if args.method != "none" and args.noise_multiplier is None else None,
+        noise_multiplier=args.noise_multiplier,
         per_sample_max_grad_norm=args.max_grad_norm,
+        clipping_fn=args.clipping_fn,
         logical_batch_size=args.logical_batch_size,
         per_device_train_batch_size=64,
         per_device_eval_batch_size=128,
