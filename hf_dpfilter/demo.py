@@ -54,9 +54,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clipping_fn", default="abadi", choices=["abadi", "automatic"])
     parser.add_argument("--max_seq_length", type=int, default=64)
     parser.add_argument(
-        "--train", default="full", choices=["head", "lora", "full"],
+        "--train", default="full", choices=["head", "bias", "lora", "full"],
         help="what to fine-tune: the classifier on the frozen encoder ('head', cheapest), "
-        "a LoRA adapter on query/value plus the classifier ('lora'), or every weight ('full')",
+        "every bias plus the classifier ('bias', BiTFiT), a LoRA adapter on query/value plus the classifier "
+        "('lora'), or every weight ('full')",
     )
     parser.add_argument("--lora_r", type=int, default=8, help="LoRA rank for --train lora")
     parser.add_argument("--output_dir", default="outputs/demo")
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.train == "head":
         for name, param in model.named_parameters():
             param.requires_grad_(name.startswith("classifier"))
+    elif args.train == "bias":
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.endswith(".bias") or name.startswith("classifier"))
     elif args.train == "lora":
         from peft import LoraConfig, get_peft_model
 
