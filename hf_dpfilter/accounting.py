@@ -473,6 +473,26 @@ def calibrate_noise_multiplier(
     return _search(eps_fn(accountant), target_epsilon, lower, guess, factor)
 
 
+
+def calibrate_scale(
+    history_of: Callable[[float], list], target_epsilon: float, delta: float, accountant: str = "prv", tol: float = 0.01
+) -> float:
+    """Smallest noise scale z with ``epsilon(history_of(z))`` in ``[target (1 - tol), target]``.
+
+    For mechanisms made of several Gaussians whose noise multipliers all scale with one z (DiceSGD's two
+    parts, DIFF2's restart and difference rounds): ``history_of(z)`` returns the accountant history.
+    With ``accountant="prv"`` the bracket is located with the cheaper PLD first and refined with PRV.
+    """
+
+    def eps(backend: str) -> Callable[[float], float]:
+        return lambda z: compute_epsilon(history_of(z), delta, backend)
+
+    guess, factor = 1.0, 2.0
+    if accountant == "prv":
+        guess = _search(eps("pld"), target_epsilon * (1 - 0.5 * tol), target_epsilon * (1 - 0.8 * tol), 1.0, 2.0)
+        factor = 1.01
+    return _search(eps(accountant), target_epsilon, target_epsilon * (1 - tol), guess, factor)
+
 def _search(eps: Callable[[float], float], upper: float, lower: float, guess: float, factor: float) -> float:
     """A sigma with ``lower <= eps(sigma) <= upper`` for ``eps`` decreasing in sigma.
 

@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_dpfilter.accounting import PrivacyAccountant, _search, compute_epsilon
+from hf_dpfilter.accounting import PrivacyAccountant, calibrate_scale
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.engine import PerExampleGradients, accumulate_into_grad
 from hf_dpfilter.optimizers import register_method
@@ -104,20 +103,6 @@ def dicesgd_paper_epsilon(
     gt = _gtilde(max_grad_norm, error_max_grad_norm, batch_size)
     return math.sqrt(32.0 * steps * gt * math.log(1.0 / delta)) / (num_examples * sigma_mean)
 
-
-def _calibrate_scale(
-    history_of: Callable[[float], list], target_epsilon: float, delta: float, accountant: str, tol: float = 0.01
-) -> float:
-    """Smallest scale z with epsilon(history_of(z)) in [target (1 - tol), target] (bisection)."""
-
-    def eps(backend: str) -> Callable[[float], float]:
-        return lambda z: compute_epsilon(history_of(z), delta, backend)
-
-    guess, factor = 1.0, 2.0
-    if accountant == "prv":  # locate with the cheaper PLD, refine with PRV (as calibrate_noise_multiplier)
-        guess = _search(eps("pld"), target_epsilon * (1 - 0.5 * tol), target_epsilon * (1 - 0.8 * tol), 1.0, 2.0)
-        factor = 1.01
-    return _search(eps(accountant), target_epsilon, target_epsilon * (1 - tol), guess, factor)
 
 
 def _record(accountant: PrivacyAccountant, noise_multiplier: float, sample_rate: float) -> None:
@@ -216,7 +201,7 @@ class DiceSGD(DPOptimizer):
         if dice_accounting != "default":
             raise ValueError(f"dice_accounting must be one of {DICE_ACCOUNTINGS}, got {dice_accounting!r}.")
         kappa = 2.0 * batch * c2 / c1
-        z = _calibrate_scale(
+        z = calibrate_scale(
             lambda s: dicesgd_history(s, sample_rate, steps, kappa), target_epsilon, delta, accountant
         )
         return {"noise_multiplier": z}

@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from hf_dpfilter.accounting import _search, calibrate_noise_multiplier, compute_epsilon
+from hf_dpfilter.accounting import calibrate_noise_multiplier, calibrate_scale
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.engine import PerExampleGradients, accumulate_into_grad
 from hf_dpfilter.optimizers import register_method
@@ -256,7 +255,7 @@ class Diff2(DPOptimizer):
         def history(z1: float) -> list[tuple[float, float, int]]:
             return diff2_history(z1, ratio * z1, sample_rate, steps, diff2_restart_every)
 
-        z1 = _calibrate_scale(history, target_epsilon, delta, accountant)
+        z1 = calibrate_scale(history, target_epsilon, delta, accountant)
         return {"noise_multiplier": z1, "diff2_difference_noise_multiplier": ratio * z1}
 
     def privacy_details(self, delta: float) -> dict[str, Any]:
@@ -293,17 +292,3 @@ class Diff2(DPOptimizer):
         self._round_cache = None
         self.restart_rounds = int(state.get("restart_rounds", 0))
 
-
-def _calibrate_scale(
-    history_of: Callable[[float], list], target_epsilon: float, delta: float, accountant: str, tol: float = 0.01
-) -> float:
-    """Smallest scale z with epsilon(history_of(z)) in [target (1 - tol), target] (bisection)."""
-
-    def eps(backend: str) -> Callable[[float], float]:
-        return lambda z: compute_epsilon(history_of(z), delta, backend)
-
-    guess, factor = 1.0, 2.0
-    if accountant == "prv":  # locate with the cheaper PLD, refine with PRV (as calibrate_noise_multiplier)
-        guess = _search(eps("pld"), target_epsilon * (1 - 0.5 * tol), target_epsilon * (1 - 0.8 * tol), 1.0, 2.0)
-        factor = 1.01
-    return _search(eps(accountant), target_epsilon, target_epsilon * (1 - tol), guess, factor)
