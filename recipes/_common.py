@@ -102,6 +102,17 @@ def parse_method_args(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+
+def apply_user_overrides(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Command-line values that were given win over the preset / recipe defaults in ``settings``."""
+    for key in ("logical_batch_size", "epochs", "learning_rate", "lr_scheduler", "clipping_fn", "clipping_norm",
+                "max_seq_length"):
+        value = getattr(args, key)
+        if value is not None:
+            settings[key] = value
+    settings["method_fields"].update(parse_method_args(args.method_args))
+    return settings
+
 def _parse_value(value: str) -> Any:
     if value.lower() in ("true", "false"):
         return value.lower() == "true"

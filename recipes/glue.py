@@ -33,11 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     add_common_arguments,
     apply_lora,
+    apply_user_overrides,
     count_parameters,
     final_evaluation,
     finish_run,
     known_method_fields,
-    parse_method_args,
     refuse_sharded_training,
     training_arguments,
 )
@@ -218,18 +218,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             "max_seq_length": 128,
             "method_fields": {},
         }
-    for key, value in (
-        ("logical_batch_size", args.logical_batch_size),
-        ("epochs", args.epochs),
-        ("learning_rate", args.learning_rate),
-        ("lr_scheduler", args.lr_scheduler),
-        ("clipping_fn", args.clipping_fn),
-        ("clipping_norm", args.clipping_norm),
-        ("max_seq_length", args.max_seq_length),
-    ):
-        if value is not None:
-            settings[key] = value
-    settings["method_fields"].update(parse_method_args(args.method_args))
+    apply_user_overrides(settings, args)
     dropped = set(settings["method_fields"]) - set(known_method_fields(settings["method_fields"]))
     if dropped:
         print(f"[glue] note: {sorted(dropped)} are not DPTrainingArguments fields in this version; ignored.")
