@@ -129,6 +129,7 @@ def run_opacus(epsilon: float, args: argparse.Namespace, train: dict, dev: dict,
 
     loader = DataLoader(Rows(), batch_size=args.logical_batch_size, collate_fn=collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model.train()  # Opacus refuses a model in eval mode (from_pretrained returns one)
     engine = PrivacyEngine(accountant="prv")
     delta = n ** -1.1
     model, optimizer, criterion, loader = engine.make_private_with_epsilon(
