@@ -148,7 +148,7 @@ def run_opacus(epsilon: float, args: argparse.Namespace, train: dict, dev: dict,
                 optimizer.zero_grad()
                 # explicit (B, T) position ids: Opacus cannot clip broadcast (1, T) position embeddings
                 seq = batch["input_ids"].shape[1]
-                position_ids = torch.arange(seq).unsqueeze(0).expand_as(batch["input_ids"])
+                position_ids = torch.arange(seq).unsqueeze(0).repeat(batch["input_ids"].shape[0], 1)
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                position_ids=position_ids).logits
                 loss = criterion(logits, batch["labels"])
