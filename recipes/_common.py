@@ -164,19 +164,20 @@ def planned_steps(n_train: int, logical_batch_size: int, epochs: float, max_step
 
 def training_arguments(
     args: argparse.Namespace,
+    settings: dict[str, Any],
     *,
     n_train: int,
-    learning_rate: float,
-    logical_batch_size: int,
-    epochs: float,
-    clipping_norm: float,
-    clipping_fn: str,
-    lr_scheduler: str,
     weight_decay: float = 0.0,
-    method_fields: dict[str, Any] | None = None,
     has_eval: bool = True,
 ) -> DPTrainingArguments:
-    """DPTrainingArguments from the recipe's command line and the resolved (preset) settings."""
+    """DPTrainingArguments from the recipe's command line and the resolved (preset) ``settings``."""
+    learning_rate = settings["learning_rate"]
+    logical_batch_size = settings["logical_batch_size"]
+    epochs = settings["epochs"]
+    clipping_norm = settings["clipping_norm"]
+    clipping_fn = settings["clipping_fn"]
+    lr_scheduler = settings["lr_scheduler"]
+    method_fields = settings["method_fields"]
     steps = planned_steps(n_train, logical_batch_size, epochs, args.max_steps)
     logging_steps = args.logging_steps or max(1, steps // 20)
     eval_steps = max(1, math.ceil(steps / max(1, args.num_evals)))

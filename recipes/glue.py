@@ -272,17 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     eval_ds = {name: tokenize(cols, tokenizer, settings["max_seq_length"]) for name, cols in dev_cols.items()}
     eval_ds = eval_ds["validation"] if list(eval_ds) == ["validation"] else eval_ds
 
-    training_args = training_arguments(
-        args,
-        n_train=n_train,
-        learning_rate=settings["learning_rate"],
-        logical_batch_size=settings["logical_batch_size"],
-        epochs=settings["epochs"],
-        clipping_norm=settings["clipping_norm"],
-        clipping_fn=settings["clipping_fn"],
-        lr_scheduler=settings["lr_scheduler"],
-        method_fields=settings["method_fields"],
-    )
+    training_args = training_arguments(args, settings, n_train=n_train)
     trainer = DPTrainer(
         model=model,
         args=training_args,

@@ -299,17 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     train_ds = to_dataset([fmt.example(s, t) for s, t in train_pairs])
     eval_ds = to_dataset([fmt.example(s, refs[0]) for s, refs in eval_groups])  # eval loss on the first reference
-    training_args = training_arguments(
-        args,
-        n_train=n_train,
-        learning_rate=settings["learning_rate"],
-        logical_batch_size=settings["logical_batch_size"],
-        epochs=settings["epochs"],
-        clipping_norm=settings["clipping_norm"],
-        clipping_fn=settings["clipping_fn"],
-        lr_scheduler=settings["lr_scheduler"],
-        method_fields=settings["method_fields"],
-    )
+    training_args = training_arguments(args, settings, n_train=n_train)
     trainer = DPTrainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=CausalLMCollator(fmt.pad_id),
