@@ -286,7 +286,7 @@ class DiceSGD(DPOptimizer):
         batch = self.expected_batch_size
         released = {}
         for p, s in sums.items():
-            u = (s + self.gaussian_noise(s.shape, std, s)).div_(batch)
+            u = self.noisy_average(s, std)
             if alpha > 0:
                 u = u + (error[p] * alpha).to(u.dtype)
             released[p] = u

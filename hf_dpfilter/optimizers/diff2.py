@@ -206,7 +206,7 @@ class Diff2(DPOptimizer):
         self._pending_previous = {p: p.detach().clone() for p in self.params}  # x_{r-1}, before the update
         estimate = {} if rnd.restart else self._estimate
         for p, s in sums.items():
-            increment = (s + self.gaussian_noise(s.shape, std, s)).div_(self.expected_batch_size)
+            increment = self.noisy_average(s, std)
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             if rnd.restart:
                 estimate[p] = increment.to(dtype)
