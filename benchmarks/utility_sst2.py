@@ -205,7 +205,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
 
 def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
     """Write the tables between the GENERATED markers of ``path``; text outside them is kept."""
-    table = {k: v for k, v in results.items() if "@" in k}
+    table = {k: v for k, v in results.items() if "@" in k and not k.startswith(("search ", "lr="))}
     epsilons = sorted({float(k.split("@")[1]) for k in table})
     methods = [m for m in METHODS if any(k.startswith(m + "@") for k in table)]
     lines = [
@@ -237,10 +237,17 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
         lines += ["", "DP-Adam search at epsilon = 8 (`--search`; the same scale, seed and budget):", "",
                   "| learning rate | C | acc @ eps=8 | wall s (threads) |", "|---|---|---|---|"]
         rows = [(v.get("learning_rate"), v.get("max_grad_norm"), v) for v in search.values()]
-        if main_row:
+        if main_row and (args.learning_rate, args.max_grad_norm) not in {(lr, c) for lr, c, _ in rows}:
             rows.append((args.learning_rate, args.max_grad_norm, main_row))
         for lr, c, r in sorted(rows, key=lambda t: (t[1], t[0])):
             lines.append(f"| {lr:g} | {c:g} | {100 * r['accuracy']:.1f}% | {r['seconds']:.0f} ({r.get('torch_threads', 2)}) |")
+    other = {k: v for k, v in results.items() if k.startswith("lr=")}
+    if other:
+        lines += ["", "Rows measured at other shared settings (kept for reference; key `lr=<lr> <method>@<eps>`):", "",
+                  "| run | learning rate | C | accuracy | wall s (threads) |", "|---|---|---|---|---|"]
+        for k, r in sorted(other.items()):
+            lines.append(f"| {k.split()[1]} | {r['learning_rate']:g} | {r['max_grad_norm']:g} | {100 * r['accuracy']:.1f}% "
+                         f"| {r['seconds']:.0f} ({r.get('torch_threads', 2)}) |")
     lines.append(END)
     generated = "\n".join(lines)
     text = open(path).read() if os.path.exists(path) else "# Utility: SST-2 dev accuracy at equal privacy budget\n\n"
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--logical_batch_size", type=int, default=256)
     parser.add_argument("--micro_batch_size", type=int, default=64)
-    parser.add_argument("--learning_rate", type=float, default=5e-4, help="shared; chosen by --search")
+    parser.add_argument("--learning_rate", type=float, default=1e-3, help="shared; chosen by --search")
     parser.add_argument("--max_grad_norm", type=float, default=0.1)
     parser.add_argument("--diff2_difference_max_grad_norm", type=float, default=0.05,
                         help="DIFF2's C2: the difference threshold is C2 * ||x_{r-1} - x_{r-2}||")
