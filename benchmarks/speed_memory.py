@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
@@ -501,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
     parser.add_argument("--no-opacus", action="store_true", help="skip Opacus")
     parser.add_argument("--no-methods", action="store_true", help="skip the DiSK/DOPPLER/DP-PMLF section")
+    parser.add_argument("--only-methods", action="store_true", help="run only the DiSK/DOPPLER/DP-PMLF section")
     parser.add_argument("--out", default=None, help="write the markdown table here (e.g. docs/performance.md)")
     parser.add_argument("--json", default=None, help="also write the raw rows as JSON here")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per memory subprocess")
@@ -548,14 +550,25 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, flush=True)
 
     start = time.perf_counter()
+    command = "python benchmarks/speed_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows: list[dict] = []
-    for case in cases:
+    method_rows: list[dict] = []
+
+    def save_json() -> None:
+        # after every case: a run killed later (out of memory, time limit) keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "methods": method_rows, "command": command.strip(),
+                           "elapsed": time.perf_counter() - start}, f, indent=1)
+
+    for case in [] if args.only_methods else cases:
         log(f"== {case.label}")
         try:
             rows += run_case(case, rounds, not args.no_memory, not args.no_opacus, args.timeout, log)
         except Exception:  # noqa: BLE001
             log(traceback.format_exc())
-    method_rows: list[dict] = []
+        gc.collect()  # the case's models and optimizers are garbage now; free them before the next case
+        save_json()
     if not args.no_methods:
         case = Case("roberta", "full", *pts[0])
         log(f"== DP methods on {case.label}")
@@ -564,15 +577,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # noqa: BLE001
             log(traceback.format_exc())
     elapsed = time.perf_counter() - start
-    command = "python benchmarks/speed_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    save_json()
     text = markdown(rows, method_rows, command.strip(), elapsed)
     print()
     print(text)
     if args.out:
         write_markdown(args.out, text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "methods": method_rows, "command": command, "elapsed": elapsed}, f, indent=1)
     return 0
 
 

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--logical_batch_size", type=int, default=256)
     parser.add_argument("--micro_batch_size", type=int, default=64)
-    parser.add_argument("--learning_rate", type=float, default=1e-3, help="shared; chosen by --search")
+    parser.add_argument("--learning_rate", type=float, default=2e-3, help="shared; chosen by --search")
     parser.add_argument("--max_grad_norm", type=float, default=0.1)
     parser.add_argument("--diff2_difference_max_grad_norm", type=float, default=0.05,
                         help="DIFF2's C2: the difference threshold is C2 * ||x_{r-1} - x_{r-2}||")
