@@ -141,6 +141,12 @@ class LowPassFilter:
             return torch._foreach_mul(grads, b[0]), buffers
         m = torch._foreach_add(buffers[0], grads, alpha=b[0])  # m = b_0 g + z_0
         recycled = buffers[0]  # z_0 is consumed: its storage becomes the new z_{n-1}
+        if n == 1:
+            # first order (the common presets): new z_0 = b_1 g - a_1 m = (b_1 - a_1 b_0) g - a_1 z_0, in place in
+            # two passes instead of zero + two adds (the filter's state update is pure memory traffic)
+            torch._foreach_mul_(recycled, -a[0])
+            torch._foreach_add_(recycled, grads, alpha=b[1] - a[0] * b[0])
+            return m, [recycled]
         for i in range(1, n):  # new z_{i-1} = z_i + b_i g - a_i m
             if b[i] != 0:
                 torch._foreach_add_(buffers[i], grads, alpha=b[i])
