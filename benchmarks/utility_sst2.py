@@ -61,13 +61,37 @@ def evaluate(model: torch.nn.Module, dev: dict, tokenizer, batch_size: int = 128
 
 def method_hyperparameters(method: str, args: argparse.Namespace) -> dict:
     """The few settings a method needs beyond the shared ones (everything else: the paper defaults)."""
+    settings: dict[str, Any] = {}
     if method == "dicesgd":
         # C2 = C1 / B, the paper's sum-scale reading (r = 1): Delta = C1 + 2 B C2 = 3 C1 under the library's
         # sound accounting. The mean-scale default C2 = C1 would make Delta = (1 + 2B) C1 (noise x 513 here).
-        return {"dice_error_max_grad_norm": args.max_grad_norm / args.logical_batch_size}
-    if method == "diff2":
-        return {"diff2_difference_max_grad_norm": args.diff2_difference_max_grad_norm}
-    return {}
+        settings = {"dice_error_max_grad_norm": args.max_grad_norm / args.logical_batch_size}
+    elif method == "diff2":
+        settings = {"diff2_difference_max_grad_norm": args.diff2_difference_max_grad_norm}
+    elif method in ("doppler", "pmlf"):
+        # The shared optimizer is Adam, so the low-pass filters use DOPPLER's Adam variant (Alg. 3, LP-DPAdam): the
+        # filter replaces Adam's first moment and the second moment is of the unfiltered gradient, applied by
+        # plain SGD. Handing the filtered gradient to AdamW instead filters twice and divides by the filtered
+        # gradient's small second moment (the `doppler_base=optimizer` reference rows: chance accuracy).
+        settings = {f"{method}_base": "adam", "optim": "sgd"}
+    return {**settings, **setting_overrides(args)}
+
+
+def setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``--settings name=value ...`` parsed (numbers and booleans as such): DPTrainingArguments overrides."""
+    overrides: dict[str, Any] = {}
+    for item in args.settings:
+        name, _, value = item.partition("=")
+        try:
+            overrides[name] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[name] = value
+    return overrides
+
+
+def row_key(method: str, epsilon: float, args: argparse.Namespace) -> str:
+    """``method@eps`` for the table; runs with ``--settings`` are reference rows prefixed by them."""
+    return " ".join([*args.settings, f"{method}@{epsilon:g}"])
 
 
 def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train: dict, dev: dict, tokenizer) -> dict:
@@ -78,12 +102,11 @@ def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train
 
     torch.manual_seed(args.seed)
     model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
-    training_args = DPTrainingArguments(
+    settings = dict(
         output_dir=os.path.join(args.work_dir, f"{method}_eps{epsilon}"),
         dp_method=method,
         target_epsilon=None if method == "none" else epsilon,
         per_sample_max_grad_norm=args.max_grad_norm,
-        **method_hyperparameters(method, args),
         logical_batch_size=args.logical_batch_size,
         per_device_train_batch_size=args.micro_batch_size,
         num_train_epochs=args.epochs,
@@ -98,6 +121,8 @@ def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train
         dp_seed=args.seed,
         disable_tqdm=True,
     )
+    method_settings = method_hyperparameters(method, args)
+    training_args = DPTrainingArguments(**{**settings, **method_settings})
     trainer = DPTrainer(
         model=model,
         args=training_args,
@@ -110,7 +135,8 @@ def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train
     accuracy = evaluate(model, dev, tokenizer)
     report = trainer.privacy_report()
     return {"accuracy": accuracy, "seconds": seconds, "epsilon": report["epsilon"], "steps": report["steps"],
-            "noise_multiplier": report["noise_multiplier"], "delta": report["delta"], **run_conditions(args)}
+            "noise_multiplier": report["noise_multiplier"], "delta": report["delta"], "settings": method_settings,
+            **run_conditions(args)}
 
 
 def run_conditions(args: argparse.Namespace) -> dict:
@@ -205,7 +231,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
 
 def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
     """Write the tables between the GENERATED markers of ``path``; text outside them is kept."""
-    table = {k: v for k, v in results.items() if "@" in k and not k.startswith(("search ", "lr="))}
+    table = {k: v for k, v in results.items() if "@" in k and " " not in k}
     epsilons = sorted({float(k.split("@")[1]) for k in table})
     methods = [m for m in METHODS if any(k.startswith(m + "@") for k in table)]
     lines = [
@@ -241,13 +267,14 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
             rows.append((args.learning_rate, args.max_grad_norm, main_row))
         for lr, c, r in sorted(rows, key=lambda t: (t[1], t[0])):
             lines.append(f"| {lr:g} | {c:g} | {100 * r['accuracy']:.1f}% | {r['seconds']:.0f} ({r.get('torch_threads', 2)}) |")
-    other = {k: v for k, v in results.items() if k.startswith("lr=")}
+    other = {k: v for k, v in results.items() if " " in k and not k.startswith("search ")}
     if other:
-        lines += ["", "Rows measured at other shared settings (kept for reference; key `lr=<lr> <method>@<eps>`):", "",
-                  "| run | learning rate | C | accuracy | wall s (threads) |", "|---|---|---|---|---|"]
-        for k, r in sorted(other.items()):
-            lines.append(f"| {k.split()[1]} | {r['learning_rate']:g} | {r['max_grad_norm']:g} | {100 * r['accuracy']:.1f}% "
-                         f"| {r['seconds']:.0f} ({r.get('torch_threads', 2)}) |")
+        lines += ["", "Reference rows: other settings (`--settings`, or another learning rate), same scale and seed:", "",
+                  "| run | settings | learning rate | C | accuracy | wall s (threads) |", "|---|---|---|---|---|---|"]
+        for k, r in sorted(other.items(), key=lambda kv: (kv[0].split()[-1], kv[0])):
+            settings = " ".join(f"`{s}`" for s in k.split()[:-1] if not s.startswith("lr="))
+            lines.append(f"| {k.split()[-1]} | {settings or '–'} | {r['learning_rate']:g} | {r['max_grad_norm']:g} "
+                         f"| {100 * r['accuracy']:.1f}% | {r['seconds']:.0f} ({r.get('torch_threads', 2)}) |")
     lines.append(END)
     generated = "\n".join(lines)
     text = open(path).read() if os.path.exists(path) else "# Utility: SST-2 dev accuracy at equal privacy budget\n\n"
@@ -276,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="DIFF2's C2: the difference threshold is C2 * ||x_{r-1} - x_{r-2}||")
     parser.add_argument("--search_grid", nargs="+", default=["2.5e-4:0.1", "1e-3:0.1", "2e-3:0.1", "5e-4:1.0"],
                         help="--search: learning_rate:C pairs to try besides the main setting")
+    parser.add_argument("--settings", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="DPTrainingArguments overrides for every method run (e.g. disk_kappa=0.9); the rows "
+                             "are saved as reference rows keyed by these settings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data_seed", type=int, default=0)
     parser.add_argument("--search", action="store_true", help="DP-Adam learning-rate/C search at epsilon 8")
@@ -310,10 +340,10 @@ def main(argv: list[str] | None = None) -> None:
 
     for epsilon in args.epsilons:
         for method in args.methods:
-            key = f"{method}@{epsilon:g}"
+            key = row_key(method, epsilon, args)
             if key in results:
                 continue
-            if method == "none" and any(k.startswith("none@") for k in results):
+            if method == "none" and not args.settings and any(k.startswith("none@") for k in results):
                 # epsilon does not apply: one non-private run fills both columns
                 results = save_row(args.json, key, next(v for k, v in results.items() if k.startswith("none@")))
                 continue

@@ -172,22 +172,20 @@ class DPTrainingArguments(TrainingArguments):
     )
     doppler_base: str = field(
         default="optimizer",
-        metadata={"help": "DOPPLER: 'optimizer' hands the filtered gradient to the Trainer's optimizer "
-                  "('sgd'/'adam': the same, checking its type); 'adam_bc' is the paper's LP-DPAdamBC "
-                  "(needs optim='sgd').", "choices": ["optimizer", "sgd", "adam", "adam_bc"]},
+        metadata={"help": "DOPPLER: 'optimizer' hands the filtered gradient to the Trainer's optimizer ('sgd': "
+                  "the same, checking it is plain SGD; LP-DPSGD). 'adam' (LP-DPAdam) and 'adam_bc' (LP-DPAdamBC) "
+                  "are the paper's Adam variants: the filter replaces Adam's first moment, the second moment is "
+                  "of the unfiltered gradient (needs optim='sgd'). Use them rather than 'optimizer' with AdamW, "
+                  "which filters twice and normalizes by the filtered gradient's second moment.",
+                  "choices": ["optimizer", "sgd", "adam", "adam_bc"]},
     )
     doppler_beta2: float = field(
         default=0.999, metadata={"help": "DOPPLER adam_bc: decay of the second moment of the unfiltered gradient."}
     )
     doppler_eps: float = field(
         default=1e-8,
-        metadata={"help": "DOPPLER adam_bc: floor of the bias-corrected second moment (of its square root when "
-                  "doppler_bias_correct_noise=False)."},
-    )
-    doppler_bias_correct_noise: bool = field(
-        default=True,
-        metadata={"help": "DOPPLER adam_bc: subtract the DP-noise variance (sigma C / B)^2 from the second "
-                  "moment (DPAdamBC); False is the literal Alg. 3, max(sqrt(v_hat), eps)."},
+        metadata={"help": "DOPPLER adam/adam_bc: floor of sqrt(v_hat) (adam, the literal Alg. 3) or of "
+                  "v_hat - (sigma C / B)^2 (adam_bc, DPAdamBC)."},
     )
     pmlf_k: int = field(
         default=2,
@@ -208,6 +206,16 @@ class DPTrainingArguments(TrainingArguments):
     pmlf_a: list[float] | None = field(
         default=None, metadata={"help": "DP-PMLF: filter denominator without the leading 1, [a_1, ...]."}
     )
+    pmlf_base: str = field(
+        default="optimizer",
+        metadata={"help": "DP-PMLF: how the filtered gradient is used, as doppler_base ('optimizer' is the paper, "
+                  "with optim='sgd'; 'adam'/'adam_bc' are DOPPLER's Adam variants, an extension; they need "
+                  "optim='sgd').", "choices": ["optimizer", "sgd", "adam", "adam_bc"]},
+    )
+    pmlf_beta2: float = field(
+        default=0.999, metadata={"help": "DP-PMLF adam/adam_bc: decay of the second moment (as doppler_beta2)."}
+    )
+    pmlf_eps: float = field(default=1e-8, metadata={"help": "DP-PMLF adam/adam_bc: floor (as doppler_eps)."})
 
     def __post_init__(self) -> None:
         self._validate_dp_fields()

@@ -165,12 +165,13 @@ def test_disk_filter_starts_at_g0_and_weights_kappa_on_the_new_gradient():
         torch.testing.assert_close(after - before, -0.1 * filtered, rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize("bias_correct_noise", [True, False])
-def test_lp_dpadambc_direction(bias_correct_noise):
+@pytest.mark.parametrize("base", ["adam_bc", "adam"])
+def test_lp_dpadam_directions(base):
     beta2, eps, phi = 0.99, 1e-8, 0.05
+    bias_correct_noise = base == "adam_bc"
     seq = torch.randn(12, 9, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     b, a = FILTER_PRESETS["first_order_v2"]
-    post = LowPassPostprocessor(LowPassFilter(b, a), base="adam_bc", beta2=beta2, eps=eps, bias_correct_noise=bias_correct_noise)
+    post = LowPassPostprocessor(LowPassFilter(b, a), base=base, beta2=beta2, eps=eps)
     out = np.stack([post([x.clone()], noise_variance=phi)[0].numpy() for x in seq])
     g = seq.numpy()
     m_hat = lfilter(b, [1.0, *a], g, axis=0) / np.cumsum(lfilter(b, [1.0, *a], np.eye(1, 12)[0]))[:, None]
@@ -195,9 +196,19 @@ def test_disk_kappa_one_equals_base_dp_optimizer_exactly():
             assert torch.equal(p, q)
 
 
-def test_pmlf_k_one_equals_doppler_exactly():
-    reference = _trajectory("doppler", base=torch.optim.SGD, doppler_preset="f1")
-    got = _trajectory("pmlf", base=torch.optim.SGD, pmlf_k=1, pmlf_preset="f1")
+def test_doppler_adam_with_the_momentum_filter_is_dp_adam():
+    # LP-DPAdam: the filter replaces Adam's first moment, so the EMA filter b = [0.1], a = [-0.9] is DP-Adam
+    # (up to where eps enters: max(sqrt(v_hat), eps) here, sqrt(v_hat) + eps in torch; both negligible).
+    reference = _trajectory("dpsgd", base=torch.optim.Adam, eps=0.0)
+    got = _trajectory("doppler", base=torch.optim.SGD, doppler_preset="momentum", doppler_base="adam", doppler_eps=1e-300)
+    for p, q in zip(got, reference):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("base", ["optimizer", "adam", "adam_bc"])
+def test_pmlf_k_one_equals_doppler_exactly(base):
+    reference = _trajectory("doppler", base=torch.optim.SGD, doppler_preset="f1", doppler_base=base)
+    got = _trajectory("pmlf", base=torch.optim.SGD, pmlf_k=1, pmlf_preset="f1", pmlf_base=base)
     for p, q in zip(got, reference):
         assert torch.equal(p, q)
 
@@ -316,8 +327,10 @@ CHECKPOINT_CASES = [
     ("disk", torch.optim.AdamW, {"disk_kappa": 0.7}),
     ("disk", torch.optim.SGD, {"disk_kappa": 0.6, "disk_gamma": 0.5, "momentum": 0.9}),
     ("doppler", torch.optim.SGD, {"doppler_preset": "second_order", "doppler_base": "adam_bc"}),
-    ("doppler", torch.optim.Adam, {"doppler_preset": "f6", "doppler_base": "adam"}),
+    ("doppler", torch.optim.SGD, {"doppler_preset": "f6", "doppler_base": "adam"}),
+    ("doppler", torch.optim.Adam, {"doppler_preset": "f6"}),
     ("pmlf", torch.optim.SGD, {"pmlf_k": 3, "pmlf_beta": 0.5, "pmlf_preset": "pmlf_cifar"}),
+    ("pmlf", torch.optim.SGD, {"pmlf_k": 2, "pmlf_base": "adam_bc"}),
 ]
 
 
@@ -415,6 +428,10 @@ def test_bad_hyperparameters_give_clear_errors():
         make_dp_optimizer(params, method="pmlf", pmlf_k=0, **common)
     with pytest.raises(ValueError, match="optim='sgd'"):
         make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", doppler_base="adam_bc", **common)
+    with pytest.raises(ValueError, match="LP-DPAdam direction.*optim='sgd'"):
+        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", doppler_base="adam", **common)
+    with pytest.raises(ValueError, match="pmlf_base='adam'.*optim='sgd'"):
+        make_dp_optimizer(params, base=torch.optim.Adam, method="pmlf", pmlf_base="adam", **common)
     with pytest.raises(ValueError, match="doppler_preset"):
         make_dp_optimizer(params, method="doppler", doppler_preset="nope", **common)
     with pytest.raises(ValueError, match="pmlf_b"):

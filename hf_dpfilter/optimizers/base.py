@@ -159,6 +159,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """L2 sensitivity (add/remove one example) of the pre-noise sum this method privatizes."""
         return self.max_grad_norm
 
+    def noise_variance(self) -> float:
+        """Per-coordinate variance of the noise in the averaged privatized gradient, (sigma Delta / B)^2 (public)."""
+        return (self.noise_multiplier * self.sensitivity() / self.expected_batch_size) ** 2
+
     def accumulate(self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int) -> torch.Tensor:
         """Record a micro-batch at every gradient point, clip each example's combination, add to ``p.grad``.
 

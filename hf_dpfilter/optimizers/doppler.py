@@ -7,9 +7,11 @@ Per logical step t, with g_t the DP-SGD privatized gradient ``(sum_i clip(grad f
     x_{t+1} = BaseOptimizerUpdate(x_t, m_hat_t)
 
 ``doppler_base="optimizer"`` (default) hands m_hat_t to the wrapped optimizer as its gradient: SGD gives the
-paper's LP-DPSGD, Adam/AdamW see m_hat_t in both moments. ``doppler_base="adam_bc"`` is the paper's
-LP-DPAdamBC (m_hat_t replaces Adam's first moment, the second moment uses the unfiltered g_t and the DP-noise
-variance is subtracted), computed here and applied by a plain-SGD wrapped optimizer. The filter and its
+paper's LP-DPSGD (an Adam/AdamW would filter again with its beta1 and normalize by the second moment of the
+filtered gradient, which is not the paper's method). The paper's Adam variants replace Adam's first moment by
+m_hat_t and keep the second moment of the unfiltered g_t: ``doppler_base="adam"`` is LP-DPAdam (Alg. 3,
+``m_hat / max(sqrt(v_hat), eps)``) and ``doppler_base="adam_bc"`` LP-DPAdamBC (the DP-noise variance is
+subtracted from v_hat), computed here and applied by a plain-SGD wrapped optimizer (``optim="sgd"``). The filter and its
 presets (Tables 2 and 4 of the paper) are in :mod:`hf_dpfilter.optimizers.filters`; the default is the
 first-order "ver.1" filter b = [1/11, 1/11], a = [-9/11]. Sign convention: scipy.signal.lfilter(b, [1, *a]).
 
@@ -40,11 +42,11 @@ class DopplerOptimizer(DPOptimizer):
             ``doppler_b`` is given.
         doppler_b, doppler_a: explicit coefficients ``[b_0, ..., b_nb]`` and ``[a_1, ..., a_na]`` (a may be
             omitted: an FIR filter).
-        doppler_base: ``"optimizer"``, ``"sgd"``/``"adam"`` (the same, with a check of the wrapped optimizer's
-            type) or ``"adam_bc"`` (LP-DPAdamBC; needs plain SGD as the wrapped optimizer).
-        doppler_beta2, doppler_eps, doppler_bias_correct_noise: LP-DPAdamBC's second-moment decay, its floor
-            (on the variance scale with the noise correction, on the sqrt scale without) and whether to subtract
-            the DP-noise variance (True: DPAdamBC; False: the literal Alg. 3 ``max(sqrt(v_hat), eps)``).
+        doppler_base: ``"optimizer"``, ``"sgd"`` (the same, with a check of the wrapped optimizer's type),
+            ``"adam"`` (LP-DPAdam) or ``"adam_bc"`` (LP-DPAdamBC); the last two need plain SGD as the wrapped
+            optimizer.
+        doppler_beta2, doppler_eps: the Adam variants' second-moment decay and floor (of ``sqrt(v_hat)`` for
+            ``"adam"``, of ``v_hat - Phi`` for ``"adam_bc"``).
         **dp_kwargs: the DP settings of :class:`DPOptimizer`.
     """
 
@@ -60,7 +62,6 @@ class DopplerOptimizer(DPOptimizer):
         doppler_base: str = "optimizer",
         doppler_beta2: float = 0.999,
         doppler_eps: float = 1e-8,
-        doppler_bias_correct_noise: bool = True,
         **dp_kwargs: Any,
     ) -> None:
         super().__init__(optimizer, **dp_kwargs)
@@ -70,12 +71,7 @@ class DopplerOptimizer(DPOptimizer):
             base=doppler_base,
             beta2=doppler_beta2,
             eps=doppler_eps,
-            bias_correct_noise=doppler_bias_correct_noise,
         )
-
-    def noise_variance(self) -> float:
-        """Per-coordinate variance of the noise in the averaged privatized gradient, (sigma Delta / B)^2 (public)."""
-        return (self.noise_multiplier * self.sensitivity() / self.expected_batch_size) ** 2
 
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         filtered = self.lowpass(list(grads.values()), noise_variance=self.noise_variance())

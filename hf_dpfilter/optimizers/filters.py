@@ -14,15 +14,19 @@ are checked. The state is the transposed direct form II: ``max(n_a, n_b)`` buffe
 equal to the paper's n_a + n_b-state direct form I), updated with fused ``torch._foreach_*`` ops.
 
 :class:`LowPassPostprocessor` applies it to the privatized gradients of all parameters, either handing
-``m_hat`` to the wrapped optimizer (``base="optimizer"``: SGD gives LP-DPSGD, Adam/AdamW get ``m_hat`` as
-their gradient) or computing the paper's LP-DPAdamBC direction (``base="adam_bc"``)::
+``m_hat`` to the wrapped optimizer (``base="optimizer"``/``"sgd"``: SGD gives LP-DPSGD; an Adam/AdamW would
+take ``m_hat`` as its gradient, so its own beta1-EMA filters again and its second moment sees the filtered,
+low-variance gradient) or computing the paper's Adam directions, where the filter REPLACES Adam's first
+moment (Alg. 3 without GaLore)::
 
     v_t = beta2 v_{t-1} + (1 - beta2) g_t^2            (the UNFILTERED privatized gradient)
     v_hat_t = v_t / (1 - beta2^(t+1))
-    d_t = m_hat_t / sqrt(max(v_hat_t - Phi, eps))      Phi = (sigma * Delta / B)^2, the DP-noise variance (DPAdamBC)
-    d_t = m_hat_t / max(sqrt(v_hat_t), eps)            with bias_correct_noise=False (the literal Alg. 3)
+    d_t = m_hat_t / max(sqrt(v_hat_t), eps)            base="adam": LP-DPAdam (the literal Alg. 3)
+    d_t = m_hat_t / sqrt(max(v_hat_t - Phi, eps))      base="adam_bc": LP-DPAdamBC, Phi = (sigma * Delta / B)^2,
+                                                       the DP-noise variance (DPAdamBC, Tang et al. 2024)
 
-which is then applied by a plain SGD step (its weight decay is then decoupled, as in AdamW).
+which is then applied by a plain SGD step (its weight decay is then decoupled, as in AdamW). With the
+momentum filter (b = [1 - beta1], a = [-beta1]) ``base="adam"`` is exactly DP-Adam.
 Everything here reads only privatized gradients and public constants: post-processing.
 """
 
@@ -165,10 +169,10 @@ class LowPassPostprocessor:
 
     Args:
         lowpass: the filter.
-        base: ``"optimizer"`` (hand ``m_hat`` to the wrapped optimizer), ``"adam_bc"`` (LP-DPAdamBC direction,
-            applied by a plain-SGD wrapped optimizer). ``"sgd"``/``"adam"`` are ``"optimizer"`` with a check of
-            the wrapped optimizer's type (done by the owner).
-        beta2, eps, bias_correct_noise: LP-DPAdamBC settings (see the module docstring).
+        base: ``"optimizer"`` (hand ``m_hat`` to the wrapped optimizer; ``"sgd"`` is the same, with a check of
+            the wrapped optimizer's type done by the owner), ``"adam"`` (LP-DPAdam direction) or ``"adam_bc"``
+            (LP-DPAdamBC direction); the two Adam directions are applied by a plain-SGD wrapped optimizer.
+        beta2, eps: the Adam directions' second-moment decay and floor (see the module docstring).
     """
 
     def __init__(
@@ -177,7 +181,6 @@ class LowPassPostprocessor:
         base: str = "optimizer",
         beta2: float = 0.999,
         eps: float = 1e-8,
-        bias_correct_noise: bool = True,
     ) -> None:
         if base not in LOWPASS_BASES:
             raise ValueError(f"Unknown filter base {base!r}; choose one of {LOWPASS_BASES}.")
@@ -186,10 +189,10 @@ class LowPassPostprocessor:
         if not eps > 0:
             raise ValueError(f"eps must be > 0, got {eps}.")
         self.lowpass = lowpass
-        self.adam_bc = base == "adam_bc"
+        self.adam_direction = base in ("adam", "adam_bc")
+        self.bias_correct_noise = base == "adam_bc"
         self.beta2 = float(beta2)
         self.eps = float(eps)
-        self.bias_correct_noise = bool(bias_correct_noise)
         self.t = 0
         self.c_history = [0.0] * len(lowpass.a)
         self.buffers: list[list[torch.Tensor]] | None = None
@@ -202,7 +205,7 @@ class LowPassPostprocessor:
         c = self.lowpass.bias_correction(self.t, self.c_history)
         m, self.buffers = self.lowpass.filter_(self.buffers, grads)
         torch._foreach_div_(m, c)
-        if self.adam_bc:
+        if self.adam_direction:
             if self.second_moment is None:
                 self.second_moment = [torch.zeros_like(g) for g in grads]
             v = self.second_moment
@@ -242,22 +245,17 @@ def check_filter_base(base: str, optimizer: torch.optim.Optimizer, argument: str
     if base not in LOWPASS_BASES:
         raise ValueError(f"{argument} must be one of {LOWPASS_BASES}, got {base!r}.")
     name = type(optimizer).__name__
-    if base == "adam_bc" or base == "sgd":
+    if base in ("adam", "adam_bc", "sgd"):
         plain = isinstance(optimizer, torch.optim.SGD) and all(
             g.get("momentum", 0) == 0 and not g.get("nesterov", False) for g in optimizer.param_groups
         )
         if not plain:
-            what = "the LP-DPAdamBC direction itself and" if base == "adam_bc" else "LP-DPSGD and"
+            what = "LP-DPSGD and" if base == "sgd" else f"the {'LP-DPAdamBC' if base == 'adam_bc' else 'LP-DPAdam'} direction itself and"
             raise ValueError(
                 f"{argument}={base!r} computes {what} needs plain SGD (momentum 0) as the wrapped optimizer, got "
                 f"{name}. Use optim='sgd' in the TrainingArguments (or base=torch.optim.SGD), or "
                 f"{argument}='optimizer' to hand the filtered gradient to {name}."
             )
-    if base == "adam" and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(
-            f"{argument}='adam' needs Adam/AdamW as the wrapped optimizer, got {name}. Use optim='adamw_torch' "
-            f"(or base=torch.optim.AdamW), or {argument}='optimizer'."
-        )
 
 
 __all__ = ["FILTER_PRESETS", "LowPassFilter", "LowPassPostprocessor", "check_filter_base"]

@@ -8,6 +8,10 @@ parameters and K - 1 stored copies) and weights w_j = beta^j / sum_{l<K} beta^l 
     m_hat_t = DOPPLER filter of vbar_t with bias correction        (hf_dpfilter.optimizers.filters)
     x_{t+1} = BaseOptimizerUpdate(x_t, m_hat_t)                    (the paper: plain SGD)
 
+``pmlf_base`` chooses how m_hat_t is used, as DOPPLER's ``doppler_base``: ``"optimizer"`` (the paper; with SGD)
+or, as an extension not in the PMLF paper, DOPPLER's Adam variants ``"adam"``/``"adam_bc"`` (the filter
+replaces Adam's first moment; needs ``optim="sgd"``).
+
 The K forwards run on the same examples with the same dropout masks and are merged per example by the
 clipping engine (the "virtual sequence" of K times the tokens), so each example contributes one vector of
 norm <= C: the sensitivity is C and the accounting is DP-SGD's (unlike the public code, which clips each copy
@@ -26,7 +30,7 @@ from torch import nn
 
 from hf_dpfilter.optimizers import register_method
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.filters import LowPassFilter, LowPassPostprocessor
+from hf_dpfilter.optimizers.filters import LowPassFilter, LowPassPostprocessor, check_filter_base
 
 
 @register_method
@@ -39,6 +43,8 @@ class PMLFOptimizer(DPOptimizer):
         pmlf_beta: the per-sample momentum decay beta >= 0 (weight beta^lag, normalized).
         pmlf_preset: a named filter (``FILTER_PRESETS``); ignored when ``pmlf_b`` is given.
         pmlf_b, pmlf_a: explicit filter coefficients ``[b_0, ...]`` and ``[a_1, ...]`` (scipy convention).
+        pmlf_base, pmlf_beta2, pmlf_eps: how the filtered gradient is used, as ``doppler_base``/``doppler_beta2``/
+            ``doppler_eps`` of :class:`~hf_dpfilter.optimizers.doppler.DopplerOptimizer`.
         **dp_kwargs: the DP settings of :class:`DPOptimizer`.
     """
 
@@ -53,6 +59,9 @@ class PMLFOptimizer(DPOptimizer):
         pmlf_preset: str = "pmlf_mnist",
         pmlf_b: Sequence[float] | None = None,
         pmlf_a: Sequence[float] | None = None,
+        pmlf_base: str = "optimizer",
+        pmlf_beta2: float = 0.999,
+        pmlf_eps: float = 1e-8,
         **dp_kwargs: Any,
     ) -> None:
         super().__init__(optimizer, **dp_kwargs)
@@ -62,7 +71,10 @@ class PMLFOptimizer(DPOptimizer):
             raise ValueError(f"pmlf_beta (the per-sample momentum decay) must be >= 0, got {pmlf_beta}.")
         self.k = int(pmlf_k)
         self.beta = float(pmlf_beta)
-        self.lowpass = LowPassPostprocessor(LowPassFilter.resolve(pmlf_preset, pmlf_b, pmlf_a, prefix="pmlf"))
+        check_filter_base(pmlf_base, optimizer, "pmlf_base")
+        self.lowpass = LowPassPostprocessor(
+            LowPassFilter.resolve(pmlf_preset, pmlf_b, pmlf_a, prefix="pmlf"), base=pmlf_base, beta2=pmlf_beta2, eps=pmlf_eps
+        )
         self._snapshots: list[list[torch.Tensor]] = []  # x_{t-1}, x_{t-2}, ... (most recent first)
 
     def point_weights(self) -> list[float]:
@@ -93,7 +105,7 @@ class PMLFOptimizer(DPOptimizer):
                 oldest = self._snapshots.pop()
                 torch._foreach_copy_(oldest, current)
                 self._snapshots.insert(0, oldest)
-        filtered = self.lowpass(list(grads.values()))
+        filtered = self.lowpass(list(grads.values()), noise_variance=self.noise_variance())
         return dict(zip(grads, filtered))
 
     def method_state_dict(self) -> dict[str, Any]:
