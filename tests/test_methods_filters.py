@@ -436,3 +436,12 @@ def test_bad_hyperparameters_give_clear_errors():
         make_dp_optimizer(params, method="doppler", doppler_preset="nope", **common)
     with pytest.raises(ValueError, match="pmlf_b"):
         make_dp_optimizer(params, method="pmlf", pmlf_a=[-0.9], **common)
+
+
+def test_filtered_gradient_into_adam_warns_and_names_the_paper_variant():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    common = {"lr": 0.1, "noise_multiplier": 1.0, "max_grad_norm": 1.0, "expected_batch_size": 4}
+    with pytest.warns(UserWarning, match="doppler_base='adam'"):
+        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", **common)
+    with pytest.warns(UserWarning, match="pmlf_base='adam'"):
+        make_dp_optimizer(params, base=torch.optim.Adam, method="pmlf", **common)
