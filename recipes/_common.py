@@ -103,6 +103,15 @@ def parse_method_args(pairs: list[str]) -> dict[str, Any]:
 
 
 
+# The recipes' optimizer is Adam(W). The low-pass filters then use DOPPLER's Adam variant (LP-DPAdam, Alg. 3): the
+# filter replaces Adam's first moment, applied by plain SGD. Handing the filtered gradient to AdamW instead
+# collapsed to chance on SST-2 (docs/results.md). --method_args doppler_base=... (pmlf_base=...) replaces both.
+ADAM_FILTER_FIELDS = {
+    "doppler": {"doppler_base": "adam", "optim": "sgd"},
+    "pmlf": {"pmlf_base": "adam", "optim": "sgd"},
+}
+
+
 def apply_user_overrides(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Command-line values that were given win over the preset / recipe defaults in ``settings``."""
     for key in ("logical_batch_size", "epochs", "learning_rate", "lr_scheduler", "clipping_fn", "clipping_norm",
@@ -110,7 +119,11 @@ def apply_user_overrides(settings: dict[str, Any], args: argparse.Namespace) -> 
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
-    settings["method_fields"].update(parse_method_args(args.method_args))
+    user_fields = parse_method_args(args.method_args)
+    defaults = ADAM_FILTER_FIELDS.get(args.method, {})
+    if any(name.endswith("_base") for name in user_fields):
+        defaults = {}  # the user chose how the filter is applied (and, if needed, the optimizer)
+    settings["method_fields"] = {**defaults, **settings["method_fields"], **user_fields}
     return settings
 
 def _parse_value(value: str) -> Any:
@@ -187,7 +200,7 @@ def training_arguments(
         privacy = {"noise_multiplier": args.noise_multiplier}
     else:
         privacy = {"target_epsilon": args.epsilon}
-    return DPTrainingArguments(
+    fields: dict[str, Any] = dict(
         output_dir=args.output_dir,
         dp_method=args.method,
         target_delta=args.delta,
@@ -216,8 +229,9 @@ def training_arguments(
         remove_unused_columns=False,
         disable_tqdm=False,
         **privacy,
-        **(method_fields or {}),
     )
+    # method fields (and the optimizer a method variant needs, e.g. optim='sgd') win over the defaults above
+    return DPTrainingArguments(**{**fields, **(method_fields or {})})
 
 
 def final_evaluation(trainer: DPTrainer) -> dict[str, Any]:

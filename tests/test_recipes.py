@@ -125,6 +125,19 @@ def test_glue_paper_preset():
     assert (s["logical_batch_size"], s["epochs"], s["learning_rate"], s["clipping_norm"]) == (2000, 6, 1e-3, 0.1)
 
 
+def test_recipes_use_the_adam_variant_of_the_low_pass_filters(tmp_path):
+    import _common
+
+    args = glue.build_parser().parse_args(["--method", "doppler", "--output_dir", str(tmp_path), "--use_cpu"])
+    settings = glue.resolve_settings(args)
+    assert settings["method_fields"] == {"doppler_base": "adam", "optim": "sgd"}
+    training_args = _common.training_arguments(args, settings, n_train=512)
+    assert (training_args.doppler_base, training_args.optim) == ("adam", "sgd")
+    # choosing the base yourself replaces the default pair (the optimizer stays AdamW unless you set it)
+    args = glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "pmlf_base=optimizer"])
+    assert glue.resolve_settings(args)["method_fields"] == {"pmlf_base": "optimizer"}
+
+
 @needs_e2e
 def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path):
     out = tmp_path / "e2e"
