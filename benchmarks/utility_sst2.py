@@ -59,6 +59,9 @@ def evaluate(model: torch.nn.Module, dev: dict, tokenizer, batch_size: int = 128
     return correct / len(dev["labels"])
 
 
+DEFAULT_LEARNING_RATE = 2e-3  # the DP-Adam search's choice (docs/results.md); other rates give reference rows
+
+
 def method_hyperparameters(method: str, args: argparse.Namespace) -> dict:
     """The few settings a method needs beyond the shared ones (everything else: the paper defaults)."""
     settings: dict[str, Any] = {}
@@ -90,8 +93,9 @@ def setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def row_key(method: str, epsilon: float, args: argparse.Namespace) -> str:
-    """``method@eps`` for the table; runs with ``--settings`` are reference rows prefixed by them."""
-    return " ".join([*args.settings, f"{method}@{epsilon:g}"])
+    """``method@eps`` for the table; runs at another learning rate or with ``--settings`` are reference rows."""
+    prefix = [] if args.learning_rate == DEFAULT_LEARNING_RATE else [f"lr={args.learning_rate:g}"]
+    return " ".join([*prefix, *args.settings, f"{method}@{epsilon:g}"])
 
 
 def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train: dict, dev: dict, tokenizer) -> dict:
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--logical_batch_size", type=int, default=256)
     parser.add_argument("--micro_batch_size", type=int, default=64)
-    parser.add_argument("--learning_rate", type=float, default=2e-3, help="shared; chosen by --search")
+    parser.add_argument("--learning_rate", type=float, default=DEFAULT_LEARNING_RATE, help="shared; chosen by --search")
     parser.add_argument("--max_grad_norm", type=float, default=0.1)
     parser.add_argument("--diff2_difference_max_grad_norm", type=float, default=0.05,
                         help="DIFF2's C2: the difference threshold is C2 * ||x_{r-1} - x_{r-2}||")
