@@ -93,8 +93,9 @@ def setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def row_key(method: str, epsilon: float, args: argparse.Namespace) -> str:
-    """``method@eps`` for the table; runs at another learning rate or with ``--settings`` are reference rows."""
+    """``method@eps`` for the table; runs at another learning rate or seed or with ``--settings`` are reference rows."""
     prefix = [] if args.learning_rate == DEFAULT_LEARNING_RATE else [f"lr={args.learning_rate:g}"]
+    prefix += [] if args.seed == 0 else [f"seed={args.seed}"]
     return " ".join([*prefix, *args.settings, f"{method}@{epsilon:g}"])
 
 
@@ -276,7 +277,7 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
         lines += ["", "Reference rows: other settings (`--settings`, or another learning rate), same scale and seed:", "",
                   "| run | settings | learning rate | C | accuracy | wall s (threads) |", "|---|---|---|---|---|---|"]
         for k, r in sorted(other.items(), key=lambda kv: (kv[0].split()[-1], kv[0])):
-            settings = " ".join(f"`{s}`" for s in k.split()[:-1] if not s.startswith("lr="))
+            settings = " ".join(f"`{s}`" for s in k.split()[:-1] if not s.startswith("lr="))  # seed=... shown
             lines.append(f"| {k.split()[-1]} | {settings or '–'} | {r['learning_rate']:g} | {r['max_grad_norm']:g} "
                          f"| {100 * r['accuracy']:.1f}% | {r['seconds']:.0f} ({r.get('torch_threads', 2)}) |")
     lines.append(END)
