@@ -147,7 +147,8 @@ class DPTrainingArguments(TrainingArguments):
     disk_kappa: float = field(
         default=0.7,
         metadata={"help": "DiSK: Kalman gain kappa in (0, 1], the weight on the new privatized gradient "
-                  "(g~_t = (1-kappa) g~_{t-1} + kappa g_t). 1 = the base DP optimizer."},
+                  "(g~_t = (1-kappa) g~_{t-1} + kappa g_t). 1 = the base DP optimizer. With Adam, multiply a "
+                  "DP-Adam-tuned learning rate by sqrt(kappa/(2-kappa)) (0.73 at 0.7; docs/results.md)."},
     )
     disk_gamma: float | None = field(
         default=None,
