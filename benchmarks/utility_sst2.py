@@ -274,7 +274,7 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
             lines.append(f"| {lr:g} | {c:g} | {100 * r['accuracy']:.1f}% | {r['seconds']:.0f} ({r.get('torch_threads', 2)}) |")
     other = {k: v for k, v in results.items() if " " in k and not k.startswith("search ")}
     if other:
-        lines += ["", "Reference rows: other settings (`--settings`, or another learning rate), same scale and seed:", "",
+        lines += ["", "Reference rows: other settings (`--settings`, another learning rate or seed), same scale:", "",
                   "| run | settings | learning rate | C | accuracy | wall s (threads) |", "|---|---|---|---|---|---|"]
         for k, r in sorted(other.items(), key=lambda kv: (kv[0].split()[-1], kv[0])):
             settings = " ".join(f"`{s}`" for s in k.split()[:-1] if not s.startswith("lr="))  # seed=... shown
