@@ -28,6 +28,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))
+
+from _common import parse_method_args  # noqa: E402  (the recipes' NAME=VALUE parser, checked against the fields)
 
 from hf_dpfilter.demo import minilm_path, read_glue_tsv  # noqa: E402
 
@@ -77,19 +80,7 @@ def method_hyperparameters(method: str, args: argparse.Namespace) -> dict:
         # plain SGD. Handing the filtered gradient to AdamW instead filters twice and divides by the filtered
         # gradient's small second moment (the `doppler_base=optimizer` reference rows: chance accuracy).
         settings = {f"{method}_base": "adam", "optim": "sgd"}
-    return {**settings, **setting_overrides(args)}
-
-
-def setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """``--settings name=value ...`` parsed (numbers and booleans as such): DPTrainingArguments overrides."""
-    overrides: dict[str, Any] = {}
-    for item in args.settings:
-        name, _, value = item.partition("=")
-        try:
-            overrides[name] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[name] = value
-    return overrides
+    return {**settings, **parse_method_args(args.settings)}
 
 
 def row_key(method: str, epsilon: float, args: argparse.Namespace) -> str:
