@@ -19,6 +19,8 @@ _EXPORTS = {
     "PerExampleGradients": "hf_dpfilter.engine",
     "PoissonBatchSampler": "hf_dpfilter.sampling",
     "PrivacyAccountant": "hf_dpfilter.accounting",
+    "PrivacyPlan": "hf_dpfilter.plan",
+    "UnprivatizedGradientError": "hf_dpfilter.optimizers",
     "UnsupportedLayerError": "hf_dpfilter.engine",
     "available_methods": "hf_dpfilter.optimizers",
     "calibrate_noise_multiplier": "hf_dpfilter.accounting",

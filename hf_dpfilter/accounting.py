@@ -351,6 +351,7 @@ class PrivacyAccountant:
         """Create an empty accountant using backend ``accountant`` (one of ``ACCOUNTANTS``)."""
         self.accountant: str = _check_accountant(accountant)
         self.history: list[list] = []
+        self._steps = 0  # logical (optimizer) steps; one step may compose several mechanisms
 
     def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
         """Record ``num_steps`` applications of the Poisson-subsampled Gaussian mechanism.
@@ -360,18 +361,31 @@ class PrivacyAccountant:
             sample_rate: Poisson sampling probability q in (0, 1]; 1.0 means no subsampling.
             num_steps: number of steps (>= 0; 0 records nothing).
         """
+        self._compose(noise_multiplier, sample_rate, num_steps)
+        self._steps += int(num_steps)
+
+    def record_step(self, mechanisms: Iterable) -> None:
+        """Record ONE logical step that releases each of ``mechanisms`` (objects with ``noise_multiplier`` and
+        ``sample_rate``, e.g. :class:`hf_dpfilter.optimizers.method_config.Mechanism`); ``steps`` grows by 1."""
+        for m in mechanisms:
+            self._compose(m.noise_multiplier, m.sample_rate, 1, merge_anywhere=True)
+        self._steps += 1
+
+    def _compose(self, noise_multiplier: float, sample_rate: float, num_steps: int, merge_anywhere: bool = False):
         sigma, q, n = _check_mechanism(noise_multiplier, sample_rate, num_steps)
         if n == 0:
             return
-        if self.history and self.history[-1][0] == sigma and self.history[-1][1] == q:
-            self.history[-1][2] += n
-        else:
-            self.history.append([sigma, q, n])
+        entries = self.history if merge_anywhere else self.history[-1:]
+        for entry in entries:  # composition commutes: equal mechanisms share one entry
+            if entry[0] == sigma and entry[1] == q:
+                entry[2] += n
+                return
+        self.history.append([sigma, q, n])
 
     @property
     def steps(self) -> int:
-        """Total number of steps recorded."""
-        return sum(int(n) for _, _, n in self.history)
+        """Number of logical steps recorded (a step may release several mechanisms, e.g. DiceSGD's two)."""
+        return self._steps
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon spent so far at ``delta`` (upper bound; ``inf`` if any noise_multiplier is 0, 0.0 if no steps)."""
@@ -382,6 +396,7 @@ class PrivacyAccountant:
         return {
             "accountant": self.accountant,
             "history": [[float(s), float(q), int(n)] for s, q, n in self.history],
+            "steps": int(self._steps),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -395,12 +410,16 @@ class PrivacyAccountant:
                     f"history entries must be [noise_multiplier, sample_rate, num_steps], got {entry!r}"
                 )
             fresh.step(*entry)
-        self.accountant, self.history = fresh.accountant, fresh.history
+        steps = state.get("steps", fresh.steps)  # older states counted one mechanism per step
+        if isinstance(steps, bool) or int(steps) != steps or steps < 0:
+            raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+        self.accountant, self.history, self._steps = fresh.accountant, fresh.history, int(steps)
 
     def copy(self) -> PrivacyAccountant:
         """An independent copy (same backend and history)."""
         other = PrivacyAccountant(self.accountant)
         other.history = _copy.deepcopy(self.history)
+        other._steps = self._steps
         return other
 
     def __repr__(self) -> str:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
 from hf_dpfilter.accounting import ACCOUNTANTS
 from hf_dpfilter.clipping import CLIPPING_FNS
+from hf_dpfilter.optimizers.registry import METHOD_NAMES, method_names, method_spec
 
 logger = logging.getLogger(__name__)
 
-DP_METHODS = ("none", "dpsgd", "disk", "doppler", "pmlf", "dicesgd", "diff2")
+#: the methods ``dp_method`` accepts (the registry's list; "none" trains non-privately)
+DP_METHODS = METHOD_NAMES
 
 
 @dataclass
@@ -23,7 +28,9 @@ class DPTrainingArguments(TrainingArguments):
     ``noise_multiplier``. ``logical_batch_size`` is the expected number of examples per optimizer step;
     ``per_device_train_batch_size`` is only the physical micro-batch the step is computed in.
     ``max_grad_norm`` (the Trainer's batch-level clipping) is set to 0: DP clips per example with
-    ``per_sample_max_grad_norm``.
+    ``per_sample_max_grad_norm``. The method's own settings go in ``dp_method_args`` (a dict of the fields of
+    the method's config, e.g. ``{"kappa": 0.7}`` for DiSK; see docs/configuration.md); the flat names of
+    earlier versions (``disk_kappa=0.7``) still work, with a deprecation warning.
     """
 
     dp_method: str = field(
@@ -32,6 +39,14 @@ class DPTrainingArguments(TrainingArguments):
             "help": "DP method: 'dpsgd' (DP-SGD, or DP-Adam with an Adam optimizer), 'disk', 'doppler', 'pmlf', "
             "'dicesgd', 'diff2'; 'none' trains non-privately through the same code path, for comparisons.",
             "choices": list(DP_METHODS),
+        },
+    )
+    dp_method_args: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Settings of the chosen dp_method, as a dict or a JSON string of its config's fields, e.g. "
+            "{\"kappa\": 0.7, \"gamma\": 0.5} for disk (DiSKConfig), {\"restart_every\": 10, "
+            "\"difference_max_grad_norm\": 1.0} for diff2 (Diff2Config). Unset fields keep the method's defaults."
         },
     )
     target_epsilon: float | None = field(
@@ -82,13 +97,17 @@ class DPTrainingArguments(TrainingArguments):
     dp_seed: int | None = field(
         default=None,
         metadata={
-            "help": "Seed of the noise generator and the Poisson sampler. Default: derived from `seed`. Two runs "
-            "with the same dp_seed draw the same noise (do not reuse seeds across published runs)."
+            "help": "Secret seed of the noise generator and the Poisson sampler (separate streams). Default: a "
+            "fresh random seed per run, independent of `seed`. Anyone who knows it can regenerate the noise and "
+            "the batches: keep it secret, never publish it, and prefer secure_noise=True for published runs."
         },
     )
     secure_noise: bool = field(
         default=False,
-        metadata={"help": "Draw the noise from the operating system's cryptographically secure generator."},
+        metadata={
+            "help": "Draw the noise AND the Poisson sampling from the operating system's cryptographically secure "
+            "generator (os.urandom). Recommended for every run whose results are published; not reproducible."
+        },
     )
     dp_verify_first_step: bool = field(
         default=True,
@@ -97,127 +116,6 @@ class DPTrainingArguments(TrainingArguments):
             "gradients add up to the ordinary gradient for every trainable parameter."
         },
     )
-    # --- DiceSGD / DIFF2 ---
-    dice_error_max_grad_norm: float | None = field(
-        default=None,
-        metadata={"help": "DiceSGD: clip norm C2 of the error-feedback buffer e (mean scale, as in Alg. 2). "
-                  "Default (None): C2 = per_sample_max_grad_norm. The noise scales with C1 + 2 B C2; "
-                  "C2 = r C1 / B is the paper's sum-scale reading. See docs/privacy.md."},
-    )
-    dice_accounting: str = field(
-        default="default",
-        metadata={"help": "DiceSGD noise calibration for target_epsilon: 'default' (the library's sound bound, "
-                  "docs/privacy.md) or 'paper' (Zhang et al. 2024 Thm 3.7 formula, an unverified claim; the "
-                  "reported epsilon stays the sound bound, the claim is reported as epsilon_paper_claim).",
-                  "choices": ["default", "paper"]},
-    )
-    dice_save_error_buffer: bool = field(
-        default=False,
-        metadata={"help": "DiceSGD: also save the error buffer (a NON-private function of the data) in "
-                  "checkpoints, for exact resumption. Such checkpoints must not be published. Default: not "
-                  "saved; resuming restarts the buffer at zero with a warning."},
-    )
-    diff2_restart_every: int = field(
-        default=10,
-        metadata={"help": "DIFF2: restart period T (optimizer steps): a clipped full gradient every T steps, "
-                  "clipped gradient differences in between. 1 = DP-GD / DP-SGD."},
-    )
-    diff2_difference_max_grad_norm: float | None = field(
-        default=None,
-        metadata={"help": "DIFF2: coefficient C2 of the difference threshold C2 * ||x_{r-1} - x_{r-2}||. "
-                  "Required when diff2_restart_every > 1."},
-    )
-    diff2_difference_noise_multiplier: float | None = field(
-        default=None,
-        metadata={"help": "DIFF2: noise multiplier of the difference steps when noise_multiplier is given "
-                  "(default: the same). With target_epsilon both are calibrated (diff2_budget_split)."},
-    )
-    diff2_budget_split: float = field(
-        default=1.25,
-        metadata={"help": "DIFF2: the paper's budget split u > 1 (restarts get 1/u of it); fixes the ratio of "
-                  "the two noise multipliers when calibrating for target_epsilon."},
-    )
-    diff2_neighbouring: str = field(
-        default="add_remove",
-        metadata={"help": "DIFF2: neighbouring relation, 'add_remove' (library default) or 'replace_one' (the "
-                  "paper; doubles the sensitivity and the noise; full batch only).",
-                  "choices": ["add_remove", "replace_one"]},
-    )
-    # --- DOPPLER / DiSK / DP-PMLF ---
-    disk_kappa: float = field(
-        default=0.7,
-        metadata={"help": "DiSK: Kalman gain kappa in (0, 1], the weight on the new privatized gradient "
-                  "(g~_t = (1-kappa) g~_{t-1} + kappa g_t). 1 = the base DP optimizer. With Adam, multiply a "
-                  "DP-Adam-tuned learning rate by sqrt(kappa/(2-kappa)) (0.73 at 0.7; docs/results.md)."},
-    )
-    disk_gamma: float | None = field(
-        default=None,
-        metadata={"help": "DiSK: finite-difference step gamma (!= 0). Default (None): (1-kappa)/kappa, one "
-                  "gradient pass at x_t + gamma d_{t-1}. Other values (the paper: 0.5) evaluate two points."},
-    )
-    doppler_preset: str = field(
-        default="first_order_v1",
-        metadata={"help": "DOPPLER: named low-pass filter (hf_dpfilter.optimizers.filters.FILTER_PRESETS: "
-                  "'first_order_v1' b=[1/11,1/11] a=[-9/11], 'first_order_v2', 'second_order', 'momentum', "
-                  "'sgd', 'f1'..'f6'). Ignored when doppler_b is given."},
-    )
-    doppler_b: list[float] | None = field(
-        default=None,
-        metadata={"help": "DOPPLER: filter numerator [b_0, ..., b_nb] (scipy.signal.lfilter convention); "
-                  "overrides doppler_preset. Needs unit DC gain sum(b) - sum(a) = 1."},
-    )
-    doppler_a: list[float] | None = field(
-        default=None,
-        metadata={"help": "DOPPLER: filter denominator without the leading 1, [a_1, ..., a_na] (momentum 0.9 is "
-                  "[-0.9]); poles must lie inside the unit circle. Omit for an FIR filter."},
-    )
-    doppler_base: str = field(
-        default="optimizer",
-        metadata={"help": "DOPPLER: 'optimizer' hands the filtered gradient to the Trainer's optimizer ('sgd': "
-                  "the same, checking it is plain SGD; LP-DPSGD). 'adam' (LP-DPAdam) and 'adam_bc' (LP-DPAdamBC) "
-                  "are the paper's Adam variants: the filter replaces Adam's first moment, the second moment is "
-                  "of the unfiltered gradient (needs optim='sgd'). Use them rather than 'optimizer' with AdamW, "
-                  "which filters twice and normalizes by the filtered gradient's second moment.",
-                  "choices": ["optimizer", "sgd", "adam", "adam_bc"]},
-    )
-    doppler_beta2: float = field(
-        default=0.999, metadata={"help": "DOPPLER adam_bc: decay of the second moment of the unfiltered gradient."}
-    )
-    doppler_eps: float = field(
-        default=1e-8,
-        metadata={"help": "DOPPLER adam/adam_bc: floor of sqrt(v_hat) (adam, the literal Alg. 3) or of "
-                  "v_hat - (sigma C / B)^2 (adam_bc, DPAdamBC)."},
-    )
-    pmlf_k: int = field(
-        default=2,
-        metadata={"help": "DP-PMLF: number of parameter points per step (current + k-1 past copies; k forward/"
-                  "backward passes). 1 = DOPPLER."},
-    )
-    pmlf_beta: float = field(
-        default=0.1, metadata={"help": "DP-PMLF: per-sample momentum decay; weights beta^lag, normalized to sum 1."}
-    )
-    pmlf_preset: str = field(
-        default="pmlf_mnist",
-        metadata={"help": "DP-PMLF: named low-pass filter ('pmlf_mnist' b=[0.1] a=[-0.9], 'pmlf_cifar' "
-                  "b=[0.15,-0.05] a=[-0.9], or any DOPPLER preset). Ignored when pmlf_b is given."},
-    )
-    pmlf_b: list[float] | None = field(
-        default=None, metadata={"help": "DP-PMLF: filter numerator [b_0, ...]; overrides pmlf_preset."}
-    )
-    pmlf_a: list[float] | None = field(
-        default=None, metadata={"help": "DP-PMLF: filter denominator without the leading 1, [a_1, ...]."}
-    )
-    pmlf_base: str = field(
-        default="optimizer",
-        metadata={"help": "DP-PMLF: how the filtered gradient is used, as doppler_base ('optimizer' is the paper, "
-                  "with optim='sgd'; 'adam'/'adam_bc' are DOPPLER's Adam variants, an extension; they need "
-                  "optim='sgd').", "choices": ["optimizer", "sgd", "adam", "adam_bc"]},
-    )
-    pmlf_beta2: float = field(
-        default=0.999, metadata={"help": "DP-PMLF adam/adam_bc: decay of the second moment (as doppler_beta2)."}
-    )
-    pmlf_eps: float = field(default=1e-8, metadata={"help": "DP-PMLF adam/adam_bc: floor (as doppler_eps)."})
-
     def __post_init__(self) -> None:
         self._validate_dp_fields()
         accumulation = self.gradient_accumulation_steps
@@ -244,8 +142,20 @@ class DPTrainingArguments(TrainingArguments):
             self.gradient_accumulation_steps = 1
 
     def _validate_dp_fields(self) -> None:
-        if self.dp_method not in DP_METHODS:
-            raise ValueError(f"dp_method must be one of {DP_METHODS}, got {self.dp_method!r}.")
+        if self.dp_method not in method_names():
+            raise ValueError(f"dp_method must be one of {method_names()}, got {self.dp_method!r}.")
+        if isinstance(self.dp_method_args, str):
+            try:
+                self.dp_method_args = json.loads(self.dp_method_args) if self.dp_method_args.strip() else None
+            except json.JSONDecodeError as err:
+                raise ValueError(f"dp_method_args is not valid JSON ({err}): {self.dp_method_args!r}.") from None
+        if self.dp_method_args is not None and not isinstance(self.dp_method_args, dict):
+            raise ValueError(f"dp_method_args must be a dict (or a JSON object string), got {self.dp_method_args!r}.")
+        # Validate the method's settings now (clear errors before any model is loaded); stored as a plain dict.
+        config = method_spec(self.dp_method).config_class.from_args(self.dp_method_args)
+        if self.dp_method_args is not None:
+            self.dp_method_args = {k: v for k, v in config.to_dict().items() if k in
+                                   {config.canonical_name(n) for n in self.dp_method_args}}
         if self.fp16:
             raise ValueError(
                 "fp16 is not supported by hf_dpfilter yet (fp16 loss scaling interacts with per-example "
@@ -287,3 +197,31 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"target_delta must be in (0, 1/N), got {self.target_delta}. Leave it unset for the default N^-1.1."
             )
+
+
+# The flat method fields of earlier versions (``disk_kappa``, ``dice_accounting``, ``diff2_restart_every``, ...)
+# are no longer dataclass fields (a new method must not add fields here); the constructor still accepts them,
+# warns, and moves them into ``dp_method_args``. Wrapping the generated ``__init__`` is the one way a dataclass
+# can accept names that are not fields.
+_generated_init = DPTrainingArguments.__init__
+
+
+@functools.wraps(_generated_init)
+def _init_accepting_legacy_method_fields(self: DPTrainingArguments, *args: Any, **kwargs: Any) -> None:
+    legacy_owner = {
+        legacy for name in method_names() for legacy in method_spec(name).config_class.legacy_names()
+    }
+    legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in legacy_owner}
+    if legacy:
+        from hf_dpfilter.plan import split_legacy_method_args
+
+        config_class = method_spec(kwargs.get("dp_method", "dpsgd")).config_class
+        mapped, _ = split_legacy_method_args(config_class, legacy)
+        given = kwargs.get("dp_method_args")
+        if isinstance(given, str):
+            given = json.loads(given) if given.strip() else None
+        kwargs["dp_method_args"] = {**mapped, **(given or {})}
+    _generated_init(self, *args, **kwargs)
+
+
+DPTrainingArguments.__init__ = _init_accepting_legacy_method_fields

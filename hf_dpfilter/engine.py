@@ -1,13 +1,12 @@
-"""The clipping engine: per-example gradient norms and clipped sums by ghost clipping, in one backward.
+"""The clipping engine: per-example gradients in compact (ghost) form, from one backward.
 
-Usage without the Trainer (custom loops)::
+The engine computes; it never clips. Clipping, noise and accounting belong to the DP optimizer, which drives
+the engine (one call per micro-batch)::
 
-    engine = GhostClippingEngine(model, max_grad_norm=1.0, clipping_fn="abadi")
-    for batch in loader:
-        with engine.record(batch_size=len(batch["labels"])):
-            losses = per_example_loss(model(**inputs), labels)        # shape (B,), one loss per example
-        norms = engine.clip_and_accumulate(losses)                    # p.grad += sum_i clip(g_i)
-        ...  # add noise once per logical step, divide by the expected batch size, step (see DPOptimizer)
+    engine = plan.make_engine(model)                      # or GhostClippingEngine(model)
+    optimizer = plan.make_optimizer(model.parameters(), base=torch.optim.AdamW, lr=1e-3)
+    optimizer.accumulate(engine, loss_fn, batch_size)     # forward(s), backward, clip per example, sum
+    optimizer.step()                                      # noise once, account, base optimizer step
 
 How it works. Forward hooks on every module that owns a trainable parameter save the module's input ``A``
 and keep a handle on its output ``Z``. :meth:`per_example_gradients` then runs **one** backward,
@@ -37,11 +36,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.grad_rules import DenseTerm, IndexTerm, OuterTerm, Term, find_grad_rule
 
 __all__ = ["GhostClippingEngine", "PerExampleGradients", "UnsupportedLayerError"]
@@ -123,14 +122,31 @@ class PerExampleGradients:
     """Per-example gradients of one recorded batch, kept in compact (ghost) form.
 
     ``squared_norms()`` gives ``||g_i||^2`` over all trainable parameters; ``weighted_sum(c)`` gives
-    ``{param: sum_i c_i g_i[param]}``.
+    ``{param: sum_i c_i g_i[param]}``; ``clipping_norms()`` gives the norms to clip with.
+
+    ``precise=True`` is for combinations with cancellation (a per-example *difference* of gradients at two
+    points, as DIFF2's difference rounds, or any combination with a negative weight). The ghost identity sums
+    products of token terms whose cross terms cancel, so its relative error grows like
+    ``u (||g(x)|| / ||g(x) - g(x')||)^2``; a squared norm that rounds to <= 0 would give clip factor 1 and
+    let the example in unclipped. In precise mode every term is promoted to float64 (exact for float32 and
+    bfloat16 inputs), and :meth:`clipping_norms` returns an upper bound ``sqrt(max(n^2, 0) + E)`` where
+    ``E = 2 u (L + K^2 + 4) s^2`` per parameter, ``u = 2^-53``, ``s = sum_k ||piece_k||`` over the example's
+    pieces (token terms ``b_t a_t^T``, embedding rows, dense gradients), ``K`` their number and ``L`` the
+    longest inner product: the standard bound for dot products and sums of ``n`` floating-point terms
+    (``|fl(sum) - sum| <= n u sum |terms|``) applied to the Gram entries, their products and the final sum
+    (docs/privacy.md, "Precision of the clip"). The clip then holds for the exact per-example combination
+    whatever the cancellation; when cancellation dominates, the example is clipped harder, never less.
     """
 
-    def __init__(self, terms: dict[nn.Parameter, list[Term]], batch_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, terms: dict[nn.Parameter, list[Term]], batch_size: int, dtype: torch.dtype, precise: bool = False
+    ) -> None:
         self.batch_size = batch_size
-        self.dtype = dtype
-        self._merged = {p: _merge_terms(ts, dtype) for p, ts in terms.items()}
+        self.precise = precise
+        self.dtype = torch.float64 if precise else dtype
+        self._merged = {p: _merge_terms(ts, self.dtype) for p, ts in terms.items()}
         self._squared_norms: torch.Tensor | None = None
+        self._error_bounds: torch.Tensor | None = None
         self._released = False
 
     @property
@@ -177,20 +193,60 @@ class PerExampleGradients:
                 total = total + 2 * (rows * index.right).sum(dim=(1, 2))
         return total
 
+    def _param_error_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bound on the rounding error of this parameter's squared norm, s^2) per example; precise mode."""
+        outer, index, dense = self._merged[param]
+        s = torch.zeros(self.batch_size, dtype=torch.float64, device=param.device)
+        pieces, length = 0, 1
+        if outer is not None:
+            s = s + (outer.left.norm(dim=2) * outer.right.norm(dim=2)).sum(dim=1)
+            pieces += outer.left.shape[1]
+            length = max(length, outer.left.shape[2], outer.right.shape[2])
+        if index is not None:
+            s = s + index.right.norm(dim=2).sum(dim=1)
+            pieces += index.right.shape[1]
+            length = max(length, index.right.shape[2])
+        if dense is not None:
+            s = s + dense.grad.reshape(self.batch_size, -1).norm(dim=1)
+            pieces += 1
+            length = max(length, dense.grad[0].numel())
+        unit = 2.0**-53
+        return 2.0 * unit * (length + pieces**2 + 4) * s * s, s * s
+
     def squared_norms(self) -> torch.Tensor:
-        """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models)."""
+        """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models / precise)."""
         if self._squared_norms is None:
             total = None
+            bound = torch.zeros(self.batch_size, dtype=torch.float64)
+            scale = torch.zeros(self.batch_size, dtype=torch.float64)
             for param in self._merged:
                 sq = self._param_squared_norms(param)
                 total = sq if total is None else total + sq.to(total.device)
+                if self.precise:
+                    b, s2 = self._param_error_bound(param)
+                    bound, scale = bound + b.cpu(), scale + s2.cpu()
             if total is None:
                 total = torch.zeros(self.batch_size, dtype=self.dtype)
             self._squared_norms = total
+            if self.precise:
+                # the sum over parameters adds at most n u sum_p |sq_p| <= n u sum_p s_p^2 (+ the bounds)
+                unit = 2.0**-53
+                self._error_bounds = bound * (1 + 4 * unit * (len(self._merged) + 1)) + (
+                    2 * unit * (len(self._merged) + 1) * scale
+                )
         return self._squared_norms
 
     def norms(self) -> torch.Tensor:
+        """The computed per-example norms (for reporting; clip with :meth:`clipping_norms`)."""
         return self.squared_norms().clamp_min(0).sqrt()
+
+    def clipping_norms(self) -> torch.Tensor:
+        """Norms to clip with: :meth:`norms`, or in precise mode a proven upper bound of the exact norm."""
+        if not self.precise:
+            return self.norms()
+        squared = self.squared_norms()
+        bound = self._error_bounds.to(device=squared.device)
+        return (squared.clamp_min(0) + bound).sqrt() * (1.0 + 2.0**-50)
 
     def zero_examples(self, drop: torch.Tensor) -> None:
         """Replace the gradients of the examples where ``drop`` (bool, shape (B,)) is True by exact zeros.
@@ -212,6 +268,7 @@ class PerExampleGradients:
                 None if dense is None else DenseTerm(keep(dense.grad)),
             )
         self._squared_norms = None
+        self._error_bounds = None
 
     def weighted_sum(self, coefficients: torch.Tensor, release: bool = False) -> dict[nn.Parameter, torch.Tensor]:
         """``sum_i coefficients[i] * g_i``, per parameter, in the accumulation dtype.
@@ -248,30 +305,33 @@ class PerExampleGradients:
         return out
 
 
+_OWNED_BY_THE_OPTIMIZER = (
+    "The clipping engine no longer clips: the DP optimizer is the only owner of the clipping norm, the noise "
+    "and the accounting, so the noise can never be sized for a different C than the one the sum was clipped "
+    "at. Build the pair from one plan (engine, optimizer = plan.build(model, base=...)) or create "
+    "GhostClippingEngine(model) without a norm, and call optimizer.accumulate(engine, loss_fn, batch_size) once "
+    "per micro-batch, then optimizer.step() (README, 'Without the Trainer')."
+)
+
+
 class GhostClippingEngine:
-    """Attaches per-example gradient hooks to ``model`` and clips per example (see module docstring).
+    """Attaches per-example gradient hooks to ``model`` (see module docstring). It computes, it never clips.
 
     Args:
         model: the model whose trainable parameters are trained privately. Attach after PEFT wrapping and
             after moving the model to its device; the engine never wraps or patches the model.
-        max_grad_norm: the clipping norm C.
-        clipping_fn: ``"abadi"`` (``min(1, C/||g||)``) or ``"automatic"`` (``C/(||g||+0.01)``).
         verify_first_backward: on the first backward, also compute the ordinary (unclipped) gradient with
             autograd and check that the engine's unclipped sum matches it for every trainable parameter.
             This catches parameters that receive gradient through a path the hooks do not see.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        max_grad_norm: float = 1.0,
-        clipping_fn: str = "abadi",
-        verify_first_backward: bool = True,
-    ) -> None:
+    def __init__(self, model: nn.Module, *args: Any, verify_first_backward: bool = True, **kwargs: Any) -> None:
+        removed = [name for name in ("max_grad_norm", "clipping_fn") if name in kwargs]
+        if args or removed:
+            raise TypeError(f"GhostClippingEngine({', '.join(removed) or 'a clipping norm'}=...): {_OWNED_BY_THE_OPTIMIZER}")
+        if kwargs:
+            raise TypeError(f"GhostClippingEngine got unexpected arguments {sorted(kwargs)}.")
         self.model = model
-        self.max_grad_norm = float(max_grad_norm)
-        self.clipping_fn = clipping_fn
-        clip_factors(torch.ones(1), self.max_grad_norm, clipping_fn)  # validates the name early
         self.verify_first_backward = verify_first_backward
         self._records: list[_Record] = []
         self._recording = False
@@ -371,9 +431,24 @@ class GhostClippingEngine:
     def clear(self) -> None:
         self._records = []
 
+    def call_model(self, param_values: dict[nn.Parameter, torch.Tensor] | None, *args: Any, **kwargs: Any) -> Any:
+        """``model(*args, **kwargs)`` at other values of some trainable parameters (None: the current ones).
+
+        The ``loss_fn`` that :meth:`DPOptimizer.accumulate` calls receives such values for methods that
+        evaluate several parameter points (DiSK, DP-PMLF, DIFF2); a functional call, the model is untouched.
+        """
+        if not param_values:
+            return self.model(*args, **kwargs)
+        values = {self.parameter_name(p): v for p, v in param_values.items()}
+        return torch.func.functional_call(self.model, values, args=args, kwargs=kwargs, strict=False)
+
     # ---------------------------------------------------------------------------------------- backward
-    def per_example_gradients(self, per_example_loss: torch.Tensor) -> PerExampleGradients:
-        """One backward of ``sum_i loss_i`` to the recorded layer outputs; returns the compact per-example grads."""
+    def per_example_gradients(self, per_example_loss: torch.Tensor, precise: bool = False) -> PerExampleGradients:
+        """One backward of ``sum_i loss_i`` to the recorded layer outputs; returns the compact per-example grads.
+
+        ``precise=True``: float64 terms and proven norm bounds, for combinations with cancellation (see
+        :class:`PerExampleGradients`).
+        """
         if per_example_loss.dim() != 1:
             raise ValueError(
                 f"per_example_loss must have shape (batch,), got {tuple(per_example_loss.shape)}: reduce each "
@@ -400,7 +475,7 @@ class GhostClippingEngine:
             module_params = dict(record.module.named_parameters(recurse=False))
             for param_name, term in rule(record.module, record.activations, grad_output).items():
                 terms.setdefault(module_params[param_name], []).append(term)
-        grads = PerExampleGradients(terms, batch, dtype)
+        grads = PerExampleGradients(terms, batch, dtype, precise=precise)
         if reference is not None:
             low_precision = any(r.output.dtype in (torch.float16, torch.bfloat16) for r in records)
             self._verify(grads, reference, low_precision)
@@ -430,20 +505,6 @@ class GhostClippingEngine:
                     "change of a layer output). Freeze it or register a grad rule for the module that uses it."
                 )
 
-    def clip_and_accumulate(self, per_example_loss: torch.Tensor) -> torch.Tensor:
-        """Backward, clip each example's gradient, add ``sum_i clip(g_i)`` into ``p.grad``; return the norms."""
-        grads = self.per_example_gradients(per_example_loss)
-        norms = grads.norms()
-        factors = clip_factors(norms, self.max_grad_norm, self.clipping_fn)
-        accumulate_into_grad(grads.weighted_sum(factors, release=True))
-        return norms
-
-
-def accumulate_into_grad(sums: dict[nn.Parameter, torch.Tensor]) -> None:
-    """``p.grad += sums[p]`` (creating ``p.grad`` if needed)."""
-    for param, value in sums.items():
-        value = value.to(param.dtype)
-        if param.grad is None:
-            param.grad = value
-        else:
-            param.grad.add_(value)
+    def clip_and_accumulate(self, *args: Any, **kwargs: Any) -> None:
+        """Removed: the optimizer clips (``optimizer.accumulate(engine, loss_fn, batch_size)``)."""
+        raise RuntimeError(f"engine.clip_and_accumulate(...) was removed. {_OWNED_BY_THE_OPTIMIZER}")

@@ -6,15 +6,17 @@ Thin glue over the Trainer's own loop, through its hooks:
 * ``training_step`` splits it into micro-batches of ``per_device_train_batch_size``, computes per-example
   losses (:mod:`hf_dpfilter.losses`), and lets the DP optimizer accumulate the clipped per-example
   (combinations of) gradients via the clipping engine (:mod:`hf_dpfilter.engine`);
-* ``create_optimizer`` wraps the Trainer's optimizer in the DP optimizer of ``dp_method``, which adds the
-  noise once per step and records the step with the accountant;
+* ``create_optimizer`` wraps the Trainer's optimizer in the DP optimizer of ``dp_method``, which alone clips,
+  adds the noise once per step and records the step with the accountant;
+
+Everything about the privacy of the run (N, q, steps, delta, sigma, the method's mechanisms, the sampler and
+the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once from the arguments.
 * ``log`` adds the epsilon spent so far to every log line (progress bar, TensorBoard, W&B, ...).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,17 +25,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
-from hf_dpfilter.accounting import (
-    PrivacyAccountant,
-    calibrate_noise_multiplier,
-    default_delta,
-    validate_privacy_parameters,
-)
+from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPTrainingArguments
 from hf_dpfilter.engine import GhostClippingEngine
 from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.optimizers import DPOptimizer, make_dp_optimizer
-from hf_dpfilter.sampling import PoissonBatchSampler
+from hf_dpfilter.optimizers import DPOptimizer
+from hf_dpfilter.plan import PrivacyPlan
 
 logger = logging.getLogger(__name__)
 
@@ -61,27 +58,6 @@ class _LogicalBatchLoader(DataLoader):
             self.batch_sampler.set_epoch(epoch)
 
 
-class _ShuffledBatchSampler(torch.utils.data.Sampler[list[int]]):
-    """Fixed-size shuffled batches (poisson_sampling=False), deterministic per (seed, epoch)."""
-
-    def __init__(self, num_samples: int, batch_size: int, steps_per_epoch: int, seed: int, rank: int, world: int):
-        self.num_samples, self.batch_size, self.steps_per_epoch = num_samples, batch_size, steps_per_epoch
-        self.seed, self.rank, self.world, self.epoch = seed, rank, world, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.num_samples, generator=generator)
-        for step in range(self.steps_per_epoch):
-            batch = order[step * self.batch_size : (step + 1) * self.batch_size]
-            yield batch[self.rank :: self.world].tolist()
-
-
 class _PrivacyCallback(TrainerCallback):
     def __init__(self, trainer: DPTrainer) -> None:
         self.trainer = trainer
@@ -98,19 +74,6 @@ class _PrivacyCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.trainer.dp_optimizer is not None:
             self.trainer._write_privacy_ledger(self.trainer.dp_optimizer, in_flight=False)
-
-
-def _sum_gradients_across_processes(model: nn.Module) -> None:
-    """Sum ``p.grad`` over all processes (non-private runs only; the DP optimizer does it for DP runs)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
@@ -180,65 +143,46 @@ class DPTrainer(Trainer):
         self._refuse_sharded_training()
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise ValueError("DPTrainer needs a train_dataset with a length (N sets the sample rate and delta).")
-        self.num_train_examples = len(self.train_dataset)
-        if self.num_train_examples == 0:
+        if len(self.train_dataset) == 0:
             raise ValueError("The training set is empty.")
-        world = max(1, args.world_size)
-        self.logical_batch_size = args.logical_batch_size or args.per_device_train_batch_size * world
-        self.sample_rate = self.logical_batch_size / self.num_train_examples
-        if self.sample_rate > 1:
-            raise ValueError(
-                f"logical_batch_size={self.logical_batch_size} is larger than the training set "
-                f"(N={self.num_train_examples}), so the sample rate q would be > 1. Use logical_batch_size <= N."
-            )
-        self.steps_per_epoch = max(1, int(1 / self.sample_rate + 1e-9))
-        if args.max_steps > 0:
-            self.planned_steps = args.max_steps
-        else:
-            self.planned_steps = math.ceil(args.num_train_epochs * self.steps_per_epoch)
-        self.delta = args.target_delta if args.target_delta is not None else default_delta(self.num_train_examples)
-        self.dp_seed = args.dp_seed if args.dp_seed is not None else args.seed
+        self.privacy_plan = PrivacyPlan.from_training_args(args, len(self.train_dataset))
         self._causal_lm = _is_causal_lm(self.model)
-        self.noise_settings: dict[str, Any] = {}  # extra noise settings from a method's own calibration
-        if args.dp_method == "none":
-            self.noise_multiplier = 0.0
-            self.accountant = PrivacyAccountant(args.accountant)
-            return
-        if args.target_epsilon is not None:
-            validate_privacy_parameters(args.target_epsilon, self.delta, self.sample_rate, self.num_train_examples)
-            from hf_dpfilter.optimizers import METHODS, available_methods
-
-            available_methods()
-            method_calibrate = getattr(METHODS[args.dp_method], "calibrate", None)
-            if method_calibrate is not None:
-                # Methods whose mechanism is not DP-SGD's (DiceSGD, DIFF2) calibrate their own noise.
-                self.noise_settings = dict(
-                    method_calibrate(
-                        args.target_epsilon, self.delta, self.sample_rate, self.planned_steps,
-                        accountant=args.accountant, max_grad_norm=args.per_sample_max_grad_norm,
-                        expected_batch_size=self.logical_batch_size, **self.method_hyperparameters(),
-                    )
-                )
-                self.noise_multiplier = float(self.noise_settings.pop("noise_multiplier"))
-            else:
-                self.noise_multiplier = calibrate_noise_multiplier(
-                    args.target_epsilon, self.delta, self.sample_rate, self.planned_steps, accountant=args.accountant
-                )
-        else:
-            validate_privacy_parameters(1.0, self.delta, self.sample_rate, self.num_train_examples)
-            self.noise_multiplier = float(args.noise_multiplier)
-        if not args.poisson_sampling:
+        self.accountant = PrivacyAccountant(self.privacy_plan.accountant)
+        if self.privacy_plan.is_private and not args.poisson_sampling:
             logger.warning(
                 "poisson_sampling=False: batches are shuffled fixed-size batches; the reported epsilon assumes "
                 "Poisson sampling and is not a proven guarantee for this run."
             )
-        self.accountant = PrivacyAccountant(args.accountant)
-        self.engine = GhostClippingEngine(
-            self.model,
-            max_grad_norm=args.per_sample_max_grad_norm,
-            clipping_fn=args.clipping_fn,
-            verify_first_backward=args.dp_verify_first_step,
-        )
+        self.engine = self.privacy_plan.make_engine(self.model, verify_first_backward=args.dp_verify_first_step)
+
+    # The plan's numbers, under the names Trainer users look for.
+    @property
+    def num_train_examples(self) -> int:
+        return self.privacy_plan.num_examples
+
+    @property
+    def logical_batch_size(self) -> int:
+        return int(round(self.privacy_plan.expected_batch_size))
+
+    @property
+    def sample_rate(self) -> float:
+        return self.privacy_plan.sample_rate
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.privacy_plan.steps_per_epoch
+
+    @property
+    def planned_steps(self) -> int:
+        return self.privacy_plan.steps
+
+    @property
+    def delta(self) -> float:
+        return self.privacy_plan.delta
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.privacy_plan.noise_multiplier
 
     def _refuse_sharded_training(self) -> None:
         """DeepSpeed and FSDP shard gradients across processes: per-example clipping cannot work there."""
@@ -259,44 +203,15 @@ class DPTrainer(Trainer):
                 "smaller per_device_train_batch_size (the logical batch is accumulated inside each DP step)."
             )
 
-    def method_hyperparameters(self) -> dict[str, Any]:
-        """The DPTrainingArguments fields the chosen method takes (same names as its constructor)."""
-        import inspect
-
-        from hf_dpfilter.optimizers import METHODS, available_methods
-
-        available_methods()
-        cls = METHODS[self.args.dp_method]
-        shared = set(inspect.signature(DPOptimizer.__init__).parameters)
-        names = set()
-        for klass in cls.__mro__:
-            if isinstance(klass, type) and issubclass(klass, DPOptimizer) and klass is not DPOptimizer:
-                names |= set(inspect.signature(klass.__init__).parameters) - shared
-        return {name: getattr(self.args, name) for name in sorted(names) if hasattr(self.args, name)}
-
     # ------------------------------------------------------------------------ optimizer
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.dp_optimizer is not None:
             return self.optimizer
         base = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        if self.args.dp_method == "none":
-            return base
-        self.dp_optimizer = make_dp_optimizer(
-            None,
-            base=base,
-            method=self.args.dp_method,
-            noise_multiplier=self.noise_multiplier,
-            max_grad_norm=self.args.per_sample_max_grad_norm,
-            expected_batch_size=self.logical_batch_size,
-            sample_rate=self.sample_rate,
-            clipping_fn=self.args.clipping_fn,
-            seed=self.dp_seed,
-            secure_noise=self.args.secure_noise,
-            accountant=self.accountant,
-            **{**self.method_hyperparameters(), **self.noise_settings},
-        )
+        self.dp_optimizer = self.privacy_plan.make_optimizer(None, base=base, accountant=self.accountant)
         self.optimizer = self.dp_optimizer
-        self.dp_optimizer.pre_release_hooks.append(self._write_privacy_ledger)
+        if self.privacy_plan.is_private:
+            self.dp_optimizer.pre_release_hooks.append(self._write_privacy_ledger)
         return self.optimizer
 
     # ----------------------------------------------------------------- budget and ledger
@@ -332,8 +247,7 @@ class DPTrainer(Trainer):
 
         history = optimizer.accountant.copy()
         if in_flight:
-            for sigma, q, n in optimizer.next_step_history():
-                history.step(sigma, q, n)
+            history.record_step(optimizer.mechanisms())  # the step about to be released counts already
         ledger = {
             "status": "step_in_flight" if in_flight else "finished",
             "steps": history.steps,
@@ -343,7 +257,7 @@ class DPTrainer(Trainer):
             "target_epsilon": self.args.target_epsilon,
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
-            "method": self.args.dp_method,
+            "method": self.privacy_plan.method,
             "nonfinite_examples_zeroed": optimizer.nonfinite_examples,
         }
         os.makedirs(self.args.output_dir, exist_ok=True)
@@ -369,14 +283,7 @@ class DPTrainer(Trainer):
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
-        if self.args.poisson_sampling and self.args.dp_method != "none":
-            sampler = PoissonBatchSampler(
-                len(dataset), self.sample_rate, self.steps_per_epoch, seed=self.dp_seed, rank=rank, world_size=world
-            )
-        else:
-            sampler = _ShuffledBatchSampler(
-                len(dataset), self.logical_batch_size, self.steps_per_epoch, self.dp_seed, rank, world
-            )
+        sampler = self.privacy_plan.make_sampler(rank=rank, world_size=world)
         return _LogicalBatchLoader(
             dataset,
             batch_sampler=sampler,
@@ -394,13 +301,7 @@ class DPTrainer(Trainer):
         param_values: dict[nn.Parameter, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Per-example losses, shape (B,), optionally at other parameter values (a functional call)."""
-        if param_values:
-            names = {p: self.engine.parameter_name(p) for p in param_values}
-            outputs = torch.func.functional_call(
-                model, {names[p]: v for p, v in param_values.items()}, args=(), kwargs=inputs, strict=False
-            )
-        else:
-            outputs = model(**inputs)
+        outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
         problem_type = getattr(getattr(model, "config", None), "problem_type", None)
         return per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type)
@@ -444,16 +345,10 @@ class DPTrainer(Trainer):
         batch = labels.shape[0]
         _check_sequence_length(model, inputs)
         total = torch.zeros((), device=self.args.device)
-        if self.args.dp_method == "none":
-            for micro, micro_labels in self._micro_batches(inputs, labels) if batch > 0 else ():
-                with self.compute_loss_context_manager():
-                    losses = self.compute_per_example_loss(model, micro, micro_labels)
-                (losses.sum() / self.logical_batch_size).backward()
-                total = total + losses.detach().sum()
-            _sum_gradients_across_processes(model)  # DDP's reducer is bypassed (unwrapped model): sum here
-            return total / max(batch, 1)
         if batch == 0:
-            return total  # an empty Poisson batch: the optimizer step still adds noise and is accounted
+            # an empty Poisson batch, declared as such: the optimizer step still adds noise and is accounted
+            self.dp_optimizer.accumulate(self.engine, None, batch_size=0)
+            return total
         for micro, micro_labels in self._micro_batches(inputs, labels):
 
             def loss_fn(values, micro=micro, micro_labels=micro_labels):
@@ -466,34 +361,38 @@ class DPTrainer(Trainer):
 
     # ----------------------------------------------------------------------- reporting
     def current_epsilon(self) -> float:
-        if self.args.dp_method == "none":
+        if not self.privacy_plan.is_private:
             return float("inf")
         return self.accountant.get_epsilon(self.delta)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        if self.args.dp_method != "none" and self.accountant.steps > 0:
+        if self.privacy_plan.is_private and self.accountant.steps > 0:
             logs = dict(logs)
             logs["epsilon"] = round(self.current_epsilon(), 4)
         super().log(logs, *args, **kwargs)
 
     def privacy_report(self) -> dict[str, Any]:
-        """epsilon spent so far and everything needed to interpret it."""
+        """epsilon spent so far and everything needed to interpret it (never the DP seed)."""
+        plan = self.privacy_plan
         return {
             "epsilon": self.current_epsilon(),
             "delta": self.delta,
-            "target_epsilon": self.args.target_epsilon,
-            "noise_multiplier": self.noise_multiplier,
-            "sample_rate": self.sample_rate,
+            "target_epsilon": plan.target_epsilon,
+            "noise_multiplier": plan.noise_multiplier,
+            "sample_rate": plan.sample_rate,
             "logical_batch_size": self.logical_batch_size,
-            "num_train_examples": self.num_train_examples,
+            "num_train_examples": plan.num_examples,
             "steps": self.accountant.steps,
-            "planned_steps": self.planned_steps,
-            "accountant": self.args.accountant,
-            "max_grad_norm": self.args.per_sample_max_grad_norm,
-            "clipping_fn": self.args.clipping_fn,
-            "method": self.args.dp_method,
-            "poisson_sampling": self.args.poisson_sampling,
+            "planned_steps": plan.steps,
+            "accountant": plan.accountant,
+            "max_grad_norm": plan.max_grad_norm,
+            "clipping_fn": plan.clipping_fn,
+            "method": plan.method,
+            "method_args": plan.config.to_dict(),
+            "poisson_sampling": plan.poisson_sampling,
+            "randomness": plan.randomness,
             "neighbouring_relation": "add/remove one example",
+            "accountant_history": [list(e) for e in self.accountant.history],
             # Method-specific accounting details (DiceSGD, DIFF2) extend or refine the entries above.
-            **(self.dp_optimizer.privacy_details(self.delta) if hasattr(self.dp_optimizer, "privacy_details") else {}),
+            **plan.config.report(plan.noise, plan, self.accountant.steps, self.delta),
         }

@@ -91,7 +91,7 @@ TASKS: dict[str, dict[str, Any]] = {
 }
 TASK_ALIASES = {"sst-2": "sst2", "sst_2": "sst2", "mnli-m": "mnli", "mnli_matched": "mnli"}
 
-# The papers' settings (docs: /work/shared/notes/disk.md sec. 4.2, doppler.md; Li et al. 2022 run_wrapper):
+# The papers' settings (Li et al. 2022 run_wrapper, which DiSK and DOPPLER (App. C.3) say they follow):
 # B = 1000 x factor, epochs = 3 x factor, lr 5e-4, AdamW (0.9, 0.999, 1e-8), weight decay 0, linear decay,
 # no warm-up, max_seq_len 256. Clipping: automatic with C = 1 where the method's paper used it (DiSK,
 # DOPPLER), otherwise Li et al.'s Abadi clipping with C = 0.1 (DP-PMLF and DiceSGD papers: C = 1).

@@ -52,7 +52,7 @@ from _common import (  # noqa: E402
 Pairs = list[tuple[str, str]]
 Groups = list[tuple[str, list[str]]]
 
-# Li et al. 2022 (private-transformers examples/table2text/run.sh) and the DiSK notes (disk.md sec. 4.2):
+# Li et al. 2022 (private-transformers examples/table2text/run.sh), reused by DiSK (Zhang et al. 2024):
 # E2E lr 2e-3, 10 epochs, max_seq_len 100, delta 8e-6; DART lr 5e-4, 15 epochs, max_seq_len 120, delta 1e-5;
 # B = 1024, AdamW, constant lr. Clipping: automatic C = 1 for DiSK/DOPPLER (their papers), Abadi C = 0.1 else.
 PAPER = {

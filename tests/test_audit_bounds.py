@@ -1,6 +1,7 @@
 """Tests of the one-run audit statistics (hf_dpfilter.audit.bounds).
 
-Reference numbers come from /work/shared/notes/audit.md; each test cites the section it reproduces.
+Reference numbers are those of docs/audit.md (and the papers it cites); each test cites the section it
+reproduces.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from hf_dpfilter.audit import (
 )
 
 DELTA = 1e-5
-MU_EPS1 = gdp_mu_for_epsilon(1.0, DELTA)  # 0.26805 (notes section 3)
+MU_EPS1 = gdp_mu_for_epsilon(1.0, DELTA)  # 0.26805 (docs/audit.md §3)
 
 
 def _close(x: float, expected: float, rel: float = 0.02, abs_: float = 0.01) -> bool:
@@ -43,20 +44,20 @@ def _close(x: float, expected: float, rel: float = 0.02, abs_: float = 0.01) -> 
 @pytest.mark.parametrize(
     ("m", "r", "v", "delta", "expected"),
     [
-        # notes section 4.2: printed in Steinke et al. Appendix D
+        # printed in Steinke et al. 2023, Appendix D (docs/audit.md §4)
         (1000, 100, 75, 1e-4, 0.673),
-        # notes section 4.2: printed in Steinke et al. arXiv v1 section 7
+        # printed in Steinke et al. 2023, arXiv v1 section 7 (docs/audit.md §4)
         (10**5, 1510, 1439, 1e-5, 2.675),
-        # notes section 4.2 (NOTE pins)
+        # pins of this implementation (docs/audit.md §4)
         (1000, 100, 99, 1e-5, 3.003),
         (1000, 100, 100, 1e-5, 3.465),
         (1000, 1000, 1000, 0.0, 5.809),
-        # notes section 4.3, sensitivity to delta at m = 1000, r = 100
+        # docs/audit.md §5: sensitivity to delta at m = 1000, r = 100
         (1000, 100, 81, 0.0, 1.01),
         (1000, 100, 99, 1e-4, 2.84),
         (1000, 100, 100, 2.3e-4, 2.73),
         (1000, 100, 100, 1e-3, 0.81),
-        # notes section 10.2 step 4: Steinke bounds at v = 97 / 98 (k+ = k- = 50)
+        # docs/audit.md §9.1: Steinke bounds at v = 97 / 98 (k+ = k- = 50)
         (1000, 100, 97, 1e-5, 2.49),
         (1000, 100, 98, 1e-5, 2.71),
     ],
@@ -91,18 +92,18 @@ def test_steinke_p_value_increases_with_epsilon():
 
 @pytest.mark.parametrize("m", [100, 200, 500, 1000, 2000, 5000, 10000])
 def test_ceiling_delta_zero_closed_form(m):
-    # notes section 4.3: all r = m guesses correct, delta = 0: eps_max = -ln(beta^(-1/m) - 1)
+    # docs/audit.md §5: all r = m guesses correct, delta = 0: eps_max = -ln(beta^(-1/m) - 1)
     expected = -math.log(0.05 ** (-1.0 / m) - 1.0)
     assert one_run_epsilon_lower_bound(m, m, m, delta=0.0) == pytest.approx(expected, abs=1e-6)
 
 
 def _steinke_ceiling(m: int, delta: float) -> float:
-    rs = {m, m // 2, m // 4, m // 10, max(m // 100, 1)}  # notes section 4.3: best of these r
+    rs = {m, m // 2, m // 4, m // 10, max(m // 100, 1)}  # docs/audit.md §5: best of these r
     return max(one_run_epsilon_lower_bound(r, r, m, delta=delta) for r in rs)
 
 
 def test_ceiling_table_and_monotone_in_m():
-    # notes section 4.3 table (95%): delta = 1e-5 column
+    # docs/audit.md §5 table (95%): delta = 1e-5 column
     table = {100: 3.49, 500: 5.10, 1000: 5.78, 5000: 7.28, 10000: 7.83}
     ceilings = []
     for m, expected in table.items():
@@ -147,7 +148,7 @@ def test_bad_arguments_raise():
 
 
 def test_gdp_conversions():
-    # notes section 3: at delta = 1e-5, eps = 1 <=> mu = 0.26805, eps = 4 <=> 0.92493, eps = 8 <=> 1.66603,
+    # docs/audit.md §3: at delta = 1e-5, eps = 1 <=> mu = 0.26805, eps = 4 <=> 0.92493, eps = 8 <=> 1.66603,
     # mu = 1 <=> eps = 4.3772; T = 100 full batch gives sigma = sqrt(T)/mu = 37.31 / 10.81 / 6.002
     assert MU_EPS1 == pytest.approx(0.26805, abs=2e-5)
     assert gdp_mu_for_epsilon(4.0, DELTA) == pytest.approx(0.92493, abs=2e-5)
@@ -163,11 +164,11 @@ def test_gdp_conversions():
 @pytest.mark.parametrize(
     ("m", "c_prime", "c", "expected"),
     [
-        # notes section 5.2 (NOTE pins of the f-DP code)
+        # docs/audit.md §6.2: pins of this implementation of the f-DP bound
         (1000, 100, 99, 4.727),
         (1000, 100, 100, 5.549),
         (10**5, 1500, 1429, 3.299),
-        # notes section 10.2 step 4: f-DP GDP bounds at v = 97 / 98
+        # docs/audit.md §9.1: f-DP GDP bounds at v = 97 / 98
         (1000, 100, 97, 3.86),
         (1000, 100, 98, 4.23),
     ],
@@ -178,13 +179,13 @@ def test_fdp_reference_values(m, c_prime, c, expected):
 
 
 def test_fdp_ceiling_and_dominance():
-    # notes section 4.3 table, f-DP column (delta = 1e-5): m = 100 -> 8.22, m = 1000 -> 12.34
-    for m, expected in [(100, 8.22), (1000, 12.34)]:
+    # docs/audit.md §5 table, f-DP column (delta = 1e-5): m = 100 -> 8.22, m = 1000 -> 12.33
+    for m, expected in [(100, 8.22), (1000, 12.33)]:
         rs = {m, m // 2, m // 4, m // 10, max(m // 100, 1)}
         c = max(fdp_epsilon_lower_bound(r, r, m, delta=DELTA) for r in rs)
         assert _close(c, expected), (m, c, expected)
-    # notes section 5.2: (10^5, 1500, 1429) gives 3.30 with f-DP but only 2.68 with the (eps, delta) bound
-    assert _close(one_run_epsilon_lower_bound(1500, 1429, 10**5, delta=DELTA), 2.68)
+    # docs/audit.md §6.2: (10^5, 1500, 1429) gives 3.30 with f-DP but only 2.67 with the (eps, delta) bound
+    assert _close(one_run_epsilon_lower_bound(1500, 1429, 10**5, delta=DELTA), 2.67)
     # rejection is monotone in mu, and mu_lb is the boundary
     mu_lb = gdp_mu_lower_bound(100, 90, 1000)
     assert gdp_hypothesis_rejected(mu_lb, 100, 90, 1000)
@@ -242,10 +243,10 @@ def _sim_bounds(mu_mult: float, seeds, **kw) -> np.ndarray:
 
 @pytest.mark.parametrize("kw", [dict(guess_counts=[50]), dict()], ids=["k50", "grid"])
 def test_simulated_full_batch_audit_power(kw):
-    """Notes section 10.2: claimed eps = 1 (delta = 1e-5), m = 1000, full batch: mu = 0.268 honest, 7 mu for noise/7.
+    """docs/audit.md §9: claimed eps = 1 (delta = 1e-5), m = 1000, full batch: mu = 0.268 honest, 7 mu for noise/7.
 
-    Expected (400 runs in the notes, k = 50): honest median 0.21 (95% quantile 0.51, P[> 1] = 0); noise/7 median 3.00
-    (5% quantile 2.71); sensitivity x4 median 1.81 (P[> 1] = 1).
+    Expected (400 simulated runs, k = 50): honest median 0.21 (95% quantile 0.56, P[> 1] = 0.003); noise/7 median
+    3.00 (5% quantile 2.49); sensitivity x4 median 1.81 (P[> 1] = 1.00).
     """
     seeds = range(20)
     honest = _sim_bounds(1.0, seeds, **kw)
@@ -258,7 +259,7 @@ def test_simulated_full_batch_audit_power(kw):
 
 
 def test_simulated_full_batch_fdp_audit_power():
-    # notes section 10.2: f-DP expected 0.27 honest and 4.7 for noise/7 (k = 50)
+    # docs/audit.md §9: f-DP expected about 0.3 honest and 4.7 for noise/7 (k = 50)
     seeds = range(20)
     honest = _sim_bounds(1.0, seeds, guess_counts=[50], method="fdp_gdp")
     assert np.sum(honest > 1.0) <= 1
@@ -270,7 +271,7 @@ def test_false_alarm_rate_at_the_claim():
     # the idealized honest mechanism is exactly at its claim: the 95% bound may exceed it in at most ~5% of runs
     steinke = _sim_bounds(1.0, range(100, 300), guess_counts=[50])
     assert np.mean(steinke > 1.0) <= 0.05
-    # a tight claim at eps = 4 with the f-DP bound (notes section 10.1: 0-2% exceedances)
+    # a tight claim at eps = 4 with the f-DP bound (docs/audit.md §9: a few % exceedances at most)
     out = []
     mu4 = gdp_mu_for_epsilon(4.0, DELTA)
     for seed in range(100):
@@ -280,7 +281,7 @@ def test_false_alarm_rate_at_the_claim():
 
 
 def test_simulated_poisson_audit_power():
-    # notes section 10.2: q = 0.1, T = 100, sigma = 3.942: honest median 0.21, noise/7 median 2.71 (both P as stated)
+    # docs/audit.md §9.3: q = 0.1, T = 100, sigma = 3.942: honest P[> 1] = 0, noise/7 median 2.71 with P[> 1] = 1
     honest, broken = [], []
     for seed in range(20):
         rng = np.random.default_rng(seed)
@@ -302,7 +303,7 @@ def test_dpsgd_simulation_full_batch_matches_gaussian_model():
 
 
 def test_gaussian_estimate_is_a_diagnostic():
-    # notes section 6: honest median ~0.6 at 95% (so below 1 at 99%), noise/7 median ~8.5
+    # docs/audit.md §10: honest median ~0.6 at 95% (so below 1 at 99%), noise/7 median ~8.5
     rng = np.random.default_rng(3)
     s, inc = simulate_gaussian_canary_scores(1000, MU_EPS1, rng)
     assert gaussian_epsilon_estimate(s, inc, delta=DELTA)["epsilon_estimate"] < 1.0

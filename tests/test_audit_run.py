@@ -1,6 +1,6 @@
 """The empirical one-run audit through the real DPTrainer: honest runs stay below the claim, broken ones do not.
 
-Pre-registered design (audit notes section 10.2): claimed eps = 1, delta = 1e-5, m = 1000 Dirac canaries,
+Pre-registered design (docs/audit.md §8 and §9): claimed eps = 1, delta = 1e-5, m = 1000 Dirac canaries,
 full batch (q = 1), T = 100, k+ = k- = 50, 95% confidence, fixed seeds. Expected: honest ~0.2; noise / 7 ~3.0;
 four separately clipped pieces (sensitivity 4C under noise calibrated for C) ~1.8.
 """

@@ -67,8 +67,8 @@ HAS_JAVA = shutil.which("java") is not None
 def _data_dir() -> Path | None:
     candidates = [
         os.environ.get("HF_DPFILTER_DATA_DIR"),
+        # the documented default: ../shared/data beside the checkout
         Path(__file__).resolve().parents[2] / "shared" / "data",
-        "/work/shared/data",
     ]
     for c in candidates:
         if c and Path(c).is_dir():

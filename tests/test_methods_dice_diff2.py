@@ -431,7 +431,7 @@ def test_diff2_heterogeneous_composition_equals_manual():
     mu = math.sqrt(3 / z1**2 + 4 / z2**2)  # q = 1: exact mu-GDP composition
     assert eps == pytest.approx(_gdp_epsilon(mu, delta), rel=0.01)
     assert eps >= _gdp_epsilon(mu, delta) - 1e-9  # an upper bound, never below the exact value
-    # calibration keeps the paper's split and matches the notes' exact-GDP table (eps 3, T 20, R 2000)
+    # keeps the paper's split; exact mu-GDP eps <= 3 (eps 3, T 20, R 2000: docs/privacy.md, DIFF2 example)
     settings = Diff2.calibrate(3.0, 1e-5, 1.0, 2000, "rdp", diff2_restart_every=20)
     ratio = settings["diff2_difference_noise_multiplier"] / settings["noise_multiplier"]
     assert ratio == pytest.approx(math.sqrt(1900 / (100 * 0.25)))

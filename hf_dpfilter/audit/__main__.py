@@ -113,7 +113,7 @@ def render(results: list[AuditResult], total_seconds: float) -> str:
         "wrong privacy analysis; the two BROKEN rows are deliberately broken optimizers that must show it. A lower "
         "bound below the claim proves nothing: the audit is one-sided, and with m = 1000 canaries the (epsilon, "
         "delta) bound can never exceed about 5.8, so at eps = 8 only a gross bug could be detected. Expected values "
-        "for a correct full-batch DP-SGD at eps = 1, 4, 8 (idealized simulation, audit notes section 10.1): median "
+        "for a correct full-batch DP-SGD at eps = 1, 4, 8 (idealized simulation, docs/audit.md §9): median "
         "eps_lb about 0.2, 1.5 and 3.0. " + 'DP-SGD, DiSK, DOPPLER and DP-PMLF share the privatization core and are scored before their filters; with the same seeds and a parameter-independent canary gradient their released probe coordinates are identical, hence identical rows. DIFF2 is scored on its restart rounds only: a constant canary has a zero gradient difference, so the difference rounds are not exercised by this audit. ' + "DiceSGD's error buffer is never read: its canaries (lambda = 4 C1) leave "
         "clipping residuals in the buffer, which the released updates feed back; a bound above the claim under the "
         "paper's calibration would be a finding about that calibration (see the DiceSGD accounting section).",

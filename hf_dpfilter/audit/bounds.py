@@ -109,7 +109,7 @@ def steinke_p_value(
     """p-value of observing >= ``num_correct`` correct guesses under the hypothesis "(epsilon, delta)-DP".
 
     Implements the right-hand side of the main (epsilon, delta) theorem of Steinke, Nasr & Jagielski (2023) (the
-    quantity evaluated by the paper's Appendix D reference code; audit notes section 4.1): if the algorithm is
+    quantity evaluated by the paper's Appendix D reference code; docs/audit.md §4): if the algorithm is
     (epsilon, delta)-DP, m canaries are included by independent fair coins, r = k+ + k- guesses are made (abstaining
     otherwise) and W is the number of correct guesses, then for all v
 
@@ -143,7 +143,7 @@ def one_run_epsilon_lower_bound(
 ) -> float:
     """Empirical epsilon lower bound from one run (Steinke, Nasr & Jagielski 2023, main (epsilon, delta) theorem).
 
-    Statement implemented (audit notes section 4.1): for an (epsilon, delta)-DP algorithm audited with m =
+    Statement implemented (docs/audit.md §4): for an (epsilon, delta)-DP algorithm audited with m =
     ``num_canaries`` canaries, each included independently with probability 1/2, r = ``num_guesses`` = k+ + k-
     guesses (abstention allowed) and W correct guesses,
 
@@ -238,7 +238,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
 def gdp_mu_for_epsilon(epsilon: float, delta: float) -> float:
     """The mu whose mu-GDP curve passes through (epsilon, delta); e.g. (1, 1e-5) -> 0.26805.
 
-    For full-batch DP-SGD with T steps, mu = sqrt(T) / sigma (audit notes section 3), so sigma = sqrt(T) / mu.
+    For full-batch DP-SGD with T steps, mu = sqrt(T) / sigma (docs/audit.md §3), so sigma = sqrt(T) / mu.
     """
     if not 0.0 < delta < 1.0 or epsilon < 0:
         raise ValueError("need epsilon >= 0 and 0 < delta < 1")
@@ -337,7 +337,7 @@ def fdp_epsilon_lower_bound(
     Returns eps_GDP(mu_lb, delta), where mu_lb is :func:`gdp_mu_lower_bound`, the boundary between rejected and
     non-rejected GDP hypotheses, converted to epsilon at ``delta`` with the mu-GDP privacy profile.
 
-    Valid ONLY when the claimed trade-off curve is mu-GDP (audit notes sections 5.3 and 11.15): full-batch (q = 1)
+    Valid ONLY when the claimed trade-off curve is mu-GDP (docs/audit.md §6.3 and §11): full-batch (q = 1)
     DP-SGD / DIFF2-GD with Gaussian noise, all iterates observed (mu = sqrt(T)/sigma).  Then "eps_lb > eps_claimed"
     at the claim's delta is equivalent to "mu_lb > mu_claimed" and the test has level 1 - ``confidence``.  For
     Poisson-subsampled runs use :func:`one_run_epsilon_lower_bound` (or :func:`fdp_hypothesis_rejected` with the
@@ -357,8 +357,9 @@ def fdp_epsilon_lower_bound(
 def default_guess_counts(num_canaries: int) -> tuple[int, ...]:
     """Default grid of k (k+ = k- = k): m/40, m/20, m/10 -> (25, 50, 100) for m = 1000.
 
-    Audit notes section 8.3: for m = 1000 and claimed eps <= 2 the pre-registered choice is k = 50, with simulations
-    putting the best k between 25 and 150; the grid brackets that and costs a Bonferroni factor of only 3.
+    docs/audit.md §7: for m = 1000 and claimed eps <= 2 the pre-registered choice is k = 50, with idealized
+    simulations putting the best k between 25 and 150; the grid brackets that and costs a Bonferroni factor of
+    only 3.
     """
     m = int(num_canaries)
     if m < 2:
@@ -418,7 +419,7 @@ def best_guess_bound(
     delta:
         delta of the claim under test (set it explicitly; keep 2 * m * delta << 1).
     confidence:
-        Overall confidence of the returned bound (0.95 default; the notes recommend 0.99 in CI).
+        Overall confidence of the returned bound (0.95 default; docs/audit.md §7 recommends 0.99 in CI).
     guess_counts:
         Grid K of guess counts.  An int k means k+ = k- = k (Steinke et al. Algorithm 1: +1 on the k+ largest
         scores, -1 on the k- smallest, abstain elsewhere); a pair (k+, k-) allows asymmetric guessing (useful when
@@ -428,7 +429,7 @@ def best_guess_bound(
         ``"steinke"`` (default, :func:`one_run_epsilon_lower_bound`, valid for any (eps, delta) claim) or ``"fdp_gdp"``
         (:func:`fdp_epsilon_lower_bound`, valid only for full-batch Gaussian claims, needs delta > 0).
 
-    Multiplicity (audit notes sections 8.3 and 11.1): choosing k after looking at the scores of the same run
+    Multiplicity (docs/audit.md §7): choosing k after looking at the scores of the same run
     invalidates the confidence level.  Every k in the grid is therefore tested at level (1 - confidence)/|K|
     (Bonferroni), and the maximum over the grid is returned: by the union bound, P[max_k eps_lb(k) > eps_true] <=
     sum_k (1 - confidence)/|K| = 1 - confidence.  With a single k this is the plain, pre-registered bound.
@@ -495,7 +496,7 @@ def best_guess_bound(
 def gaussian_epsilon_estimate(
     scores: np.ndarray, included: np.ndarray, delta: float = 1e-5, confidence: float = 0.99
 ) -> dict[str, float]:
-    """Parametric Gaussian-fit *estimate* in the spirit of Agrawal et al. ("Let's Ask Gauss", 2026); notes section 6.
+    """Parametric Gaussian-fit *estimate* after Agrawal et al. ("Let's Ask Gauss", 2026); see docs/audit.md §10.
 
     NOT a rigorous bound: it assumes IN ~ N(mu, s^2) and OUT ~ N(0, s^2) (exact only for the full-batch audit probe).
     mu_hat = (mean_IN - mean_OUT) / pooled sd, SE = sqrt(1/n_IN + 1/n_OUT + mu_hat^2 / (2 (n_IN + n_OUT - 2))),
@@ -531,7 +532,7 @@ def simulate_gaussian_canary_scores(
     """Idealized full-batch white-box scores: IN ~ N(mu, 1), OUT ~ N(0, 1), membership ~ Bernoulli(include_prob).
 
     This is the normalized Dirac-canary score sum_t <g~_t, u_i> / (sigma C sqrt(T)) of full-batch DP-SGD with clip C,
-    noise sigma*C and T steps (audit notes sections 10.1 and 10.2, assumption A4): mu = sqrt(T)/sigma * (signal/C).
+    noise sigma*C and T steps (docs/audit.md §9, assumption A4): mu = sqrt(T)/sigma * (signal/C).
     For a claim (eps, delta) use ``mu = gdp_mu_for_epsilon(eps, delta)``; a noise multiplier k times too small gives
     k * mu, a k-fold sensitivity bug gives k * mu as well.  Returns (scores, included) with included boolean.
     """
@@ -549,7 +550,7 @@ def simulate_dpsgd_canary_scores(
     signal: float = 1.0,
     include_prob: float = 0.5,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Idealized Poisson-subsampled DP-SGD white-box sum scores in units of the clip norm C (notes section 10.1).
+    """Idealized Poisson-subsampled DP-SGD white-box sum scores in units of the clip norm C (docs/audit.md §9).
 
     IN canary: signal * Binomial(steps, sampling_rate) + N(0, steps * noise_multiplier^2); OUT canary: the noise
     only.  ``signal`` = 1 for a correctly clipped canary, 4 for lambda = 4C with the clip missing; divide

@@ -1,6 +1,6 @@
 """The one-run empirical privacy audit of a DP method, run through the real :class:`~hf_dpfilter.DPTrainer`.
 
-Design (audit notes ``/work/shared/notes/audit.md`` sections 8 and 10; Steinke, Nasr & Jagielski 2023):
+Design (Steinke, Nasr & Jagielski 2023; the project's write-up is ``docs/audit.md`` §8 and §9):
 
 * **Model.** :class:`AuditModel` is a tiny classifier (``head``: ``nn.Linear``) plus an ``audit_probe``
   ``nn.Linear(d_a, 1, bias=False)`` with ``d_a = m + spare`` coordinates that real examples never read

@@ -9,36 +9,52 @@ with v_i = grad f(x_t; xi_i) and Delta = C for DP-SGD (Abadi et al., 2016). With
 this is DP-Adam(W). The base optimizer and ``postprocess`` (filters, momentum) only see the privatized
 g_t, so they are post-processing.
 
-Extension points for the methods (``hf_dpfilter/optimizers/<method>.py``):
+**One owner.** The optimizer is the only code that clips, adds noise and records a step. Its
+:meth:`accumulate` drives the clipping engine (forward(s) at the method's parameter points, one backward,
+per-example clipping of the combination) and keeps the clipped sum in a buffer of its own; :meth:`step`
+privatizes that buffer and refuses to run if no :meth:`accumulate` call (an empty micro-batch is declared with
+``batch_size=0``) built it in this step, or if ``p.grad`` holds a gradient it did not build (an ordinary
+``loss.backward()``). Its settings come from one :class:`hf_dpfilter.plan.PrivacyPlan`.
+
+Extension points for the methods (``hf_dpfilter/optimizers/<method>.py``; their privacy is declared by
+their :class:`~hf_dpfilter.optimizers.method_config.MethodConfig`):
 
 * :meth:`gradient_points` -- the parameter points and weights of the per-example *combination* that is
   clipped (DiSK's two points, DP-PMLF's k snapshots, DIFF2's differences). One point, weight 1, here.
-* :meth:`accumulate` -- how one recorded micro-batch adds to the pre-noise sums (DiceSGD also needs the
-  unclipped sum).
+  A combination with a negative weight has cancellation and is computed in precise mode (float64 terms and
+  proven norm bounds, :class:`hf_dpfilter.engine.PerExampleGradients`).
+* :meth:`accumulate_per_example` -- how one micro-batch's per-example gradients add to the pre-noise sums
+  (DiceSGD also keeps the residual sum).
 * :meth:`sensitivity` / :meth:`privatize` -- the noise, calibrated to the real L2 sensitivity.
 * :meth:`postprocess` -- the filter applied to the privatized gradient.
 * :meth:`method_state_dict` / :meth:`load_method_state_dict` -- extra state, saved with checkpoints.
 
-Noise is drawn from a seedable ``torch.Generator`` (or a CSPRNG with ``secure_noise=True``). Under several
-processes the clipped sums are all-reduced and every process adds the *same* noise draw (same seed), so
-noise enters once in total and all replicas stay identical.
+Noise comes from a torch generator seeded from the plan's secret seed (its own stream,
+:func:`hf_dpfilter.secure_rng.derive_seed`), or from the OS CSPRNG with ``secure_noise=True``. Under several
+processes the clipped sums are summed through the plan's collectives and every process adds the *same*
+noise draw, so noise enters once in total and all replicas stay identical.
 """
 
 from __future__ import annotations
 
-import secrets
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hf_dpfilter.accounting import PrivacyAccountant
-from hf_dpfilter.clipping import CLIPPING_FNS, clip_factors
-from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients, accumulate_into_grad
+from hf_dpfilter.clipping import clip_factors
+from hf_dpfilter.collectives import Collectives, default_collectives
+from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
+from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig
+from hf_dpfilter.secure_rng import derive_seed
+
+if TYPE_CHECKING:
+    from hf_dpfilter.plan import PrivacyPlan
 
 LossFn = Callable[[dict[nn.Parameter, torch.Tensor] | None], torch.Tensor]
 
@@ -47,12 +63,22 @@ class PrivacyBudgetExceededError(RuntimeError):
     """A step would take the epsilon spent above ``target_epsilon``; the step was not taken."""
 
 
-class DPOptimizer(torch.optim.Optimizer):
-    """Wraps a base ``torch.optim.Optimizer`` and privatizes the gradient it is given (DP-SGD / DP-Adam).
+class UnprivatizedGradientError(RuntimeError):
+    """``step()`` was asked to release a gradient that the DP optimizer's own accumulation did not build."""
 
-    ``p.grad`` is expected to hold the *sum* of clipped per-example gradients of the logical batch (as
-    :meth:`accumulate` or :meth:`GhostClippingEngine.clip_and_accumulate` leave it); ``step()`` adds the
-    noise, divides by the expected batch size, post-processes and calls the base optimizer.
+
+@dataclass(frozen=True)
+class DPSGDConfig(MethodConfig):
+    """DP-SGD / DP-Adam has no settings of its own (everything is in the plan)."""
+
+    name = "dpsgd"
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps a base ``torch.optim.Optimizer``; clips, privatizes and accounts (DP-SGD / DP-Adam).
+
+    Build it from a plan (``plan.make_optimizer(params, base=...)``) or with :func:`make_dp_optimizer`. Per
+    step: one :meth:`accumulate` per micro-batch, then :meth:`step` (noise once, account, base step).
     """
 
     method_name = "dpsgd"
@@ -60,38 +86,26 @@ class DPOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
+        plan: PrivacyPlan,
         *,
-        noise_multiplier: float,
-        max_grad_norm: float,
-        expected_batch_size: float,
-        sample_rate: float | None = None,
-        clipping_fn: str = "abadi",
-        seed: int | None = None,
-        secure_noise: bool = False,
         accountant: PrivacyAccountant | None = None,
+        collectives: Collectives | None = None,
         target_epsilon: float | None = None,
         target_delta: float | None = None,
     ) -> None:
-        if noise_multiplier < 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
-        if max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm (the clipping norm C) must be > 0, got {max_grad_norm}.")
-        if expected_batch_size <= 0:
-            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}.")
-        if clipping_fn not in CLIPPING_FNS:
-            raise ValueError(f"clipping_fn must be one of {CLIPPING_FNS}, got {clipping_fn!r}.")
+        if plan.method != self.method_name:
+            raise ValueError(f"{type(self).__name__} implements {self.method_name!r}, the plan is for {plan.method!r}.")
         self.original_optimizer = optimizer
-        self.noise_multiplier = float(noise_multiplier)
-        self.max_grad_norm = float(max_grad_norm)
-        self.expected_batch_size = float(expected_batch_size)
-        self.sample_rate = sample_rate
-        self.clipping_fn = clipping_fn
-        self.secure_noise = secure_noise
-        self.accountant = accountant if accountant is not None else PrivacyAccountant("prv")
-        self.seed = secrets.randbits(62) if seed is None else int(seed)
+        self.plan = plan
+        self.accountant = accountant if accountant is not None else PrivacyAccountant(plan.accountant)
+        self.collectives = collectives if collectives is not None else default_collectives()
+        self.seed = plan.seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self.dp_steps = 0
-        self.examples_in_step = 0
+        # The step token: set by accumulate(), consumed by step(). Nothing else fills the buffer.
+        self._accumulated = False
+        self._sums: dict[nn.Parameter, torch.Tensor] = {}
+        self._engine_checked: GhostClippingEngine | None = None
         # Budget guard (opt-in): refuse a step that would take epsilon(target_delta) above target_epsilon.
         if (target_epsilon is None) != (target_delta is None):
             raise ValueError("Give both target_epsilon and target_delta (the budget guard needs both), or neither.")
@@ -111,6 +125,35 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    # ------------------------------------------------------------------------- the plan's settings
+    @property
+    def config(self) -> MethodConfig:
+        return self.plan.config
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.plan.noise.noise_multiplier
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.plan.max_grad_norm
+
+    @property
+    def clipping_fn(self) -> str:
+        return self.plan.clipping_fn
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.plan.expected_batch_size
+
+    @property
+    def sample_rate(self) -> float | None:
+        return self.plan.sample_rate
+
+    @property
+    def secure_noise(self) -> bool:
+        return self.plan.secure_rng
 
     # --------------------------------------------------------------- torch.optim.Optimizer surface
     @property
@@ -148,7 +191,10 @@ class DPOptimizer(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` and the clipped sums accumulated since the last step (torch semantics)."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self._sums = {}
+        self._accumulated = False
 
     # ---------------------------------------------------------------------------- method hooks
     def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
@@ -163,13 +209,41 @@ class DPOptimizer(torch.optim.Optimizer):
         """Per-coordinate variance of the noise in the averaged privatized gradient, (sigma Delta / B)^2 (public)."""
         return (self.noise_multiplier * self.sensitivity() / self.expected_batch_size) ** 2
 
-    def accumulate(self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int) -> torch.Tensor:
-        """Record a micro-batch at every gradient point, clip each example's combination, add to ``p.grad``.
+    def mechanisms(self) -> list[Mechanism]:
+        """The mechanisms the next step releases, as the method's config declares them."""
+        return self.config.mechanisms(self.dp_steps, self.plan.noise, self.plan)
 
-        ``loss_fn(param_values)`` runs the forward at the given parameter values (None: the current ones)
-        and returns the per-example losses. Returns the per-example losses at the current point (detached).
+    # ------------------------------------------------------------------------ accumulation
+    def _check_engine(self, engine: GhostClippingEngine) -> None:
+        if engine is self._engine_checked:
+            return
+        if not isinstance(engine, GhostClippingEngine):
+            raise TypeError(f"accumulate() needs the GhostClippingEngine attached to the model, got {engine!r}.")
+        mine, theirs = set(self.params), set(engine.trainable_parameters)
+        if mine != theirs:
+            raise ValueError(
+                f"The engine's model has {len(theirs)} trainable parameters and the optimizer {len(mine)} "
+                f"({len(theirs - mine)} only in the model, {len(mine - theirs)} only in the optimizer). Every "
+                "trainable parameter must be clipped and noised by this optimizer: build both from the same model "
+                "(engine, optimizer = plan.build(model, base=...)) or freeze the parameters you do not train."
+            )
+        self._engine_checked = engine
+
+    def accumulate(self, engine: GhostClippingEngine | None, loss_fn: LossFn, batch_size: int) -> torch.Tensor:
+        """Add one micro-batch to this step: forward at every gradient point, clip each example's combination.
+
+        ``loss_fn(param_values)`` runs the forward at the given parameter values (None: the current ones; use
+        ``engine.call_model(param_values, **inputs)``) and returns the per-example losses, shape
+        ``(batch_size,)``. ``batch_size=0`` declares an empty micro-batch (an empty Poisson sample): nothing is
+        run, and the step then adds noise to a zero sum. Returns the per-example losses at the current point
+        (detached).
         """
+        if batch_size == 0:
+            self._accumulated = True
+            return torch.zeros(0)
+        self._check_engine(engine)
         points = self.gradient_points()
+        precise = any(weight < 0 for weight, _ in points)
         losses_here = None
         with engine.record(batch_size=batch_size):
             combined = None
@@ -191,20 +265,36 @@ class DPOptimizer(torch.optim.Optimizer):
                     if values is None:
                         losses_here = losses
                     combined = losses * weight if combined is None else combined + losses * weight
-        grads = engine.per_example_gradients(combined)
+        grads = engine.per_example_gradients(combined, precise=precise)
         dropped = self._zero_nonfinite(grads, combined.detach())
         if dropped is not None and losses_here is not None:
             losses_here = torch.where(dropped, torch.zeros_like(losses_here), losses_here)
         self.accumulate_per_example(grads)
+        self._accumulated = True
         if losses_here is None:
             losses_here = combined
         return losses_here.detach()
 
+    def clip_factors(self, grads: PerExampleGradients, max_grad_norm: float | None = None) -> torch.Tensor:
+        """Per-example factors with ``||factor_i g_i|| <= max_grad_norm`` (default C) for the exact g_i."""
+        norm = self.max_grad_norm if max_grad_norm is None else max_grad_norm
+        return clip_factors(grads.clipping_norms(), norm, self.clipping_fn)
+
     def accumulate_per_example(self, grads: PerExampleGradients) -> None:
-        """Add ``sum_i clip(g_i)`` to ``p.grad`` (the only private quantity DP-SGD keeps)."""
-        factors = clip_factors(grads.norms(), self.max_grad_norm, self.clipping_fn)
-        accumulate_into_grad(grads.weighted_sum(factors, release=True))  # frees A, B as the sums are built
-        self.examples_in_step += grads.batch_size
+        """Add ``sum_i clip(g_i)`` to the step's clipped sum (the only private quantity DP-SGD keeps)."""
+        self.add_to_sums(grads.weighted_sum(self.clip_factors(grads), release=True))  # frees A, B as it goes
+
+    def add_to_sums(self, sums: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Add to the step's clipped-sum buffer (kept in the dtype of the first contribution, fp32 or fp64)."""
+        for param, value in sums.items():
+            if param in self._sums:
+                self._sums[param].add_(value.to(self._sums[param].dtype))
+            else:
+                self._sums[param] = value
+
+    def _local_sums(self) -> dict[nn.Parameter, torch.Tensor]:
+        """This process's pre-noise sums of the step so far (private; for tests)."""
+        return dict(self._sums)
 
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """Post-processing of the privatized gradient (identity for DP-SGD)."""
@@ -223,7 +313,8 @@ class DPOptimizer(torch.optim.Optimizer):
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             generator = torch.Generator(device=device)
-            generator.manual_seed(self.seed)
+            # The same stream on every process (and device): all processes must draw the same noise.
+            generator.manual_seed(derive_seed(self.seed, "gaussian-noise"))
             self._generators[device] = generator
         return self._generators[device]
 
@@ -235,8 +326,7 @@ class DPOptimizer(torch.optim.Optimizer):
             from hf_dpfilter.secure_rng import secure_gaussian
 
             noise = secure_gaussian(shape, std, dtype=like.dtype, device=like.device)
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.broadcast(noise, src=0)  # OS randomness differs per process: use the main process's draw
+            self.collectives.share_(noise)  # OS randomness differs per process: use the main process's draw
             return noise
         noise = torch.empty(shape, dtype=like.dtype, device=like.device)
         return noise.normal_(0.0, std, generator=self._generator(like.device))  # one pass: draw and scale
@@ -251,14 +341,24 @@ class DPOptimizer(torch.optim.Optimizer):
         batch = self.expected_batch_size
         return self.gaussian_noise(summed.shape, std / batch, summed).add_(summed, alpha=1.0 / batch)
 
-    def summed_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
-        """The pre-noise sums of this step (zeros for an empty batch), all-reduced across processes."""
+    def _summed_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The step's pre-noise sums (zeros for an empty batch), summed across processes. Private."""
+        foreign = [p for p in self.params if p.grad is not None]
+        if foreign:
+            raise UnprivatizedGradientError(
+                f"{len(foreign)} trainable parameter(s) hold a .grad that the DP optimizer did not build (an "
+                "ordinary loss.backward(), or a gradient written by other code). The DP optimizer only releases "
+                "the clipped sums of its own accumulate(); call optimizer.zero_grad() and use "
+                "optimizer.accumulate(engine, loss_fn, batch_size) instead of backward()."
+            )
         sums = {}
         for p in self.params:
-            sums[p] = p.grad if p.grad is not None else torch.zeros_like(p)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            for tensor in sums.values():
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            if p in self._sums:
+                sums[p] = self._sums[p]
+            else:
+                sums[p] = torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
+                                      device=p.device)
+        self.collectives.sum_(list(sums.values()))
         return sums
 
     def privatize(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
@@ -267,9 +367,9 @@ class DPOptimizer(torch.optim.Optimizer):
         return {p: self.noisy_average(s, std) for p, s in sums.items()}
 
     def record_privacy_step(self) -> None:
-        """Tell the accountant about the step just taken (one Poisson-subsampled Gaussian mechanism)."""
+        """Tell the accountant about the step just taken: the mechanisms the method's config declares."""
         if self.sample_rate is not None:
-            self.accountant.step(self.noise_multiplier, self.sample_rate)
+            self.accountant.record_step(self.mechanisms())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -277,17 +377,28 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._accumulated:
+            raise UnprivatizedGradientError(
+                f"{type(self).__name__}.step() was called without optimizer.accumulate(...) in this step, so there "
+                "is no clipped sum to privatize (the DP optimizer never releases a gradient it did not build). "
+                "Call optimizer.accumulate(engine, loss_fn, batch_size) for every micro-batch of the logical batch; "
+                "for an empty Poisson batch call optimizer.accumulate(engine, loss_fn, batch_size=0), which "
+                "declares the empty step (it still adds noise and is accounted)."
+            )
         self.check_budget()
         for hook in self.pre_release_hooks:
             hook(self)
-        noisy = self.privatize(self.summed_gradients())
+        noisy = self.privatize(self._summed_gradients())
+        self._sums = {}
         for p, g in self.postprocess(noisy).items():
             p.grad = g.to(p.dtype)
         self.original_optimizer.step()
+        for p in self.params:
+            p.grad = None  # consumed: a stale privatized gradient must not look like a new one
         self.after_step()
         self.record_privacy_step()
         self.dp_steps += 1
-        self.examples_in_step = 0
+        self._accumulated = False
         return loss
 
     # ------------------------------------------------------------------------- faults and budget
@@ -313,33 +424,25 @@ class DPOptimizer(torch.optim.Optimizer):
         return bad.to(losses.device)
 
     def next_step_history(self) -> list[list]:
-        """The accountant entries the next step will add: a dry run of :meth:`record_privacy_step` on a scratch
-        accountant (the optimizer's own attributes are restored afterwards)."""
-        saved = dict(self.__dict__)
-        scratch = PrivacyAccountant(self.accountant.accountant)
-        self.accountant = scratch
-        try:
-            self.record_privacy_step()
-        finally:
-            self.__dict__.clear()
-            self.__dict__.update(saved)
-        return scratch.history
+        """The accountant entries the next step will add (read from the method's declaration, nothing run)."""
+        if self.sample_rate is None:
+            return []
+        return [[m.noise_multiplier, m.sample_rate, 1] for m in self.mechanisms()]
 
     def check_budget(self) -> None:
         """Raise :class:`PrivacyBudgetExceededError` if the next step would spend more than ``target_epsilon``.
 
         Only with ``target_epsilon``/``target_delta`` given. The epsilon is evaluated a few steps ahead (doubling
-        horizon, assuming the next steps cost what the next one does) so that the accountant is not run at every
-        step; near the end of the budget it is checked step by step.
+        horizon, from the method's declared mechanisms) so that the accountant is not run at every step; near
+        the end of the budget it is checked step by step.
         """
         if self.target_epsilon is None or self.sample_rate is None or self.dp_steps < self._budget_safe_until:
             return
-        step = self.next_step_history()
         horizon = self._budget_horizon
         while True:
             projected = self.accountant.copy()
-            for sigma, q, n in step:
-                projected.step(sigma, q, n * horizon)
+            for sigma, q, n in self.config.history(self.plan.noise, self.plan, horizon, start=self.dp_steps):
+                projected.step(sigma, q, n)
             if projected.get_epsilon(self.target_delta) <= self.target_epsilon:
                 self._budget_safe_until = self.dp_steps + horizon
                 self._budget_horizon = 2 * horizon
@@ -434,4 +537,11 @@ def build_base_optimizer(
     raise TypeError(f"base must be a torch.optim.Optimizer class or instance, got {base!r}.")
 
 
-__all__ = ["DPOptimizer", "LossFn", "PrivacyBudgetExceededError", "build_base_optimizer"]
+__all__ = [
+    "DPOptimizer",
+    "DPSGDConfig",
+    "LossFn",
+    "PrivacyBudgetExceededError",
+    "UnprivatizedGradientError",
+    "build_base_optimizer",
+]

@@ -21,8 +21,9 @@ must not be published). Without it, resuming from a checkpoint restarts the buff
 uninterrupted one).
 
 **Accounting** (docs/privacy.md, "Accounting of DiceSGD and DIFF2"). The paper's Thm 3.7 noise formula is
-not justified as stated (it applies subsampling amplification to the hidden buffer, whose dependence on a
-sampled example persists; see /work/shared/notes/dicesgd.md 3.6). The default accounting here:
+not justified as stated: it applies subsampling amplification to the hidden buffer, whose dependence on a
+sampled example persists in every later step whether or not the example is sampled again (docs/privacy.md,
+"Accounting of DiceSGD and DIFF2"). The default accounting here:
 
 * sum-scale release ``U = S_clip + B clip(e, C2) + N(0, sigma^2 I)`` with ``sigma = noise_multiplier * Delta``
   and ``Delta = C1 + 2 B C2`` (:meth:`sensitivity`): S_clip moves by <= C1, the feedback term by <= 2 B C2
@@ -32,7 +33,7 @@ sampled example persists; see /work/shared/notes/dicesgd.md 3.6). The default ac
   history the first is a Poisson-subsampled Gaussian (fresh coin), the second a mixture (over the hidden
   past coins) of Gaussians each shifted by <= 2 B C2, hence dominated by a Gaussian mechanism without
   amplification. The accountant composes, per step, ``(z sqrt(1 + k), q)`` and ``(z sqrt(1 + 1/k), 1)`` with
-  ``k = 2 B C2 / C1`` (:func:`dicesgd_history`).
+  ``k = 2 B C2 / C1`` (:func:`dicesgd_history`), declared per step by :meth:`DiceSGDConfig.mechanisms`.
 
 ``dice_accounting="paper"`` calibrates sigma with the paper's formula
 ``sigma_mean^2 = 32 T G~ log(1/delta) / (N^2 eps^2)``, ``G~ = C1^2 + 2 (B C2)^2`` (Thm 3.7 with its constant
@@ -45,21 +46,29 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from hf_dpfilter.accounting import PrivacyAccountant, calibrate_scale
-from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.engine import PerExampleGradients, accumulate_into_grad
-from hf_dpfilter.optimizers import register_method
+from hf_dpfilter.engine import PerExampleGradients
 from hf_dpfilter.optimizers.base import DPOptimizer
+from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings
+
+if TYPE_CHECKING:
+    from hf_dpfilter.plan import PrivacyPlan
 
 DICE_ACCOUNTINGS = ("default", "paper")
 
-__all__ = ["DICE_ACCOUNTINGS", "DiceSGD", "dicesgd_history", "dicesgd_paper_epsilon", "dicesgd_paper_sigma"]
+__all__ = [
+    "DICE_ACCOUNTINGS",
+    "DiceSGD",
+    "DiceSGDConfig",
+    "dicesgd_history",
+    "dicesgd_paper_epsilon",
+    "dicesgd_paper_sigma",
+]
 
 
 def dicesgd_history(
@@ -75,6 +84,80 @@ def dicesgd_history(
     if kappa == 0:
         return [(z, sample_rate, steps)]
     return [(z * math.sqrt(1.0 + kappa), sample_rate, steps), (z * math.sqrt(1.0 + 1.0 / kappa), 1.0, steps)]
+
+
+@dataclass(frozen=True)
+class DiceSGDConfig(MethodConfig):
+    """DiceSGD's settings and privacy declaration.
+
+    Args:
+        error_max_grad_norm: C2, the clip norm of the error buffer on the mean scale (None: C2 = C1).
+        accounting: ``"default"`` (the library's sound bound) or ``"paper"`` (sigma from the paper's Thm 3.7
+            formula; the reported epsilon stays the sound bound, the claim is reported beside it).
+        save_error_buffer: keep the (non-private) buffer in ``state_dict()`` for exact resumption.
+    """
+
+    name = "dicesgd"
+    legacy_prefix = "dice_"
+
+    error_max_grad_norm: float | None = None
+    accounting: str = "default"
+    save_error_buffer: bool = False
+
+    def __post_init__(self) -> None:
+        c2 = self.error_max_grad_norm
+        if c2 is not None and not (math.isfinite(c2) and c2 >= 0):
+            raise ValueError(
+                f"dice_error_max_grad_norm (C2) must be a finite number >= 0, got {c2}; leave it unset for "
+                "C2 = per_sample_max_grad_norm."
+            )
+        if self.accounting not in DICE_ACCOUNTINGS:
+            raise ValueError(f"dice_accounting must be one of {DICE_ACCOUNTINGS}, got {self.accounting!r}.")
+
+    def c2(self, plan: PrivacyPlan) -> float:
+        return plan.max_grad_norm if self.error_max_grad_norm is None else float(self.error_max_grad_norm)
+
+    def kappa(self, plan: PrivacyPlan) -> float:
+        """2 B C2 / C1: the feedback term's sensitivity relative to the clipped sum's."""
+        return 2.0 * plan.expected_batch_size * self.c2(plan) / plan.max_grad_norm
+
+    def sensitivity(self, plan: PrivacyPlan) -> float:
+        """Sum-scale L2 sensitivity of the released ``S_clip + B clip(e, C2)``: ``C1 + 2 B C2``."""
+        return plan.max_grad_norm + 2.0 * plan.expected_batch_size * self.c2(plan)
+
+    def mechanisms(self, step: int, noise: NoiseSettings, plan: PrivacyPlan) -> list[Mechanism]:
+        return [Mechanism(s, q) for s, q, _ in dicesgd_history(noise.noise_multiplier, plan.sample_rate, 1,
+                                                               self.kappa(plan))]
+
+    def calibrate(self, target_epsilon: float, delta: float, plan: PrivacyPlan) -> NoiseSettings:
+        if self.accounting == "paper":
+            batch = plan.expected_batch_size
+            sigma_mean = dicesgd_paper_sigma(target_epsilon, delta, plan.steps, batch / plan.sample_rate,
+                                             plan.max_grad_norm, self.c2(plan), batch)
+            return NoiseSettings(sigma_mean * batch / self.sensitivity(plan))
+        return super().calibrate(target_epsilon, delta, plan)
+
+    def report(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, delta: float) -> dict[str, Any]:
+        sigma_sum = noise.noise_multiplier * self.sensitivity(plan)
+        details: dict[str, Any] = {
+            "dice_accounting": self.accounting,
+            "epsilon_basis": "library bound (docs/privacy.md): clipped sum as a Poisson-subsampled Gaussian "
+            "(sensitivity C1) composed with the error feedback as a Gaussian without amplification "
+            "(sensitivity 2 B C2)",
+            "sensitivity": self.sensitivity(plan),
+            "noise_std_sum_scale": sigma_sum,
+            "dice_error_max_grad_norm": self.c2(plan),
+        }
+        if plan.sample_rate is not None:
+            details["epsilon_paper_claim"] = dicesgd_paper_epsilon(
+                sigma_sum / plan.expected_batch_size, delta, steps, plan.expected_batch_size / plan.sample_rate,
+                plan.max_grad_norm, self.c2(plan), plan.expected_batch_size,
+            )
+            details["epsilon_paper_claim_note"] = (
+                "per Zhang et al. 2024 Thm 3.7 with G~ = C1^2 + 2 (B C2)^2; NOT independently verified (it "
+                "applies subsampling amplification to the hidden error buffer)"
+            )
+        return details
 
 
 def _gtilde(max_grad_norm: float, error_max_grad_norm: float, batch_size: float) -> float:
@@ -105,50 +188,21 @@ def dicesgd_paper_epsilon(
 
 
 
-def _record(accountant: PrivacyAccountant, noise_multiplier: float, sample_rate: float) -> None:
-    """One step of a mechanism, merged into an equal entry anywhere in the history (composition commutes),
-    so the two alternating mechanisms of DiceSGD keep the history at two entries."""
-    for entry in accountant.history:
-        if entry[0] == noise_multiplier and entry[1] == sample_rate:
-            entry[2] += 1
-            return
-    accountant.step(noise_multiplier, sample_rate)
-
-
-@register_method
 class DiceSGD(DPOptimizer):
     """DiceSGD (clipped error feedback) around any base optimizer; see the module docstring.
 
-    Args (besides :class:`DPOptimizer`'s; ``max_grad_norm`` is C1 and ``noise_multiplier`` is relative to
-    :meth:`sensitivity` = C1 + 2 B C2):
-        dice_error_max_grad_norm: C2, the clip norm of the buffer on the mean scale (None: C2 = C1).
-        dice_accounting: ``"default"`` or ``"paper"`` -- only changes :meth:`calibrate` and the report.
-        dice_save_error_buffer: keep the (non-private) buffer in ``state_dict()`` for exact resumption.
+    Settings: :class:`DiceSGDConfig`. The plan's ``max_grad_norm`` is C1 and its ``noise_multiplier`` is relative
+    to :meth:`sensitivity` = C1 + 2 B C2.
     """
 
     method_name = "dicesgd"
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        dice_error_max_grad_norm: float | None = None,
-        dice_accounting: str = "default",
-        dice_save_error_buffer: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(optimizer, **kwargs)
-        c2 = self.max_grad_norm if dice_error_max_grad_norm is None else float(dice_error_max_grad_norm)
-        if not (math.isfinite(c2) and c2 >= 0):
-            raise ValueError(
-                f"dice_error_max_grad_norm (C2) must be a finite number >= 0, got {dice_error_max_grad_norm}; "
-                "leave it unset for C2 = per_sample_max_grad_norm."
-            )
-        if dice_accounting not in DICE_ACCOUNTINGS:
-            raise ValueError(f"dice_accounting must be one of {DICE_ACCOUNTINGS}, got {dice_accounting!r}.")
-        self.error_max_grad_norm = c2
-        self.dice_accounting = dice_accounting
-        self.save_error_buffer = bool(dice_save_error_buffer)
+    def __init__(self, optimizer: torch.optim.Optimizer, plan: Any, **kwargs: Any) -> None:
+        super().__init__(optimizer, plan, **kwargs)
+        config: DiceSGDConfig = self.config
+        self.error_max_grad_norm = config.c2(plan)
+        self.dice_accounting = config.accounting
+        self.save_error_buffer = bool(config.save_error_buffer)
         if self.save_error_buffer:
             warnings.warn(
                 "dice_save_error_buffer=True: checkpoints will contain DiceSGD's error buffer, a NON-private "
@@ -159,78 +213,13 @@ class DiceSGD(DPOptimizer):
         self._error: dict[nn.Parameter, torch.Tensor] = {}
         self._residual: dict[nn.Parameter, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------------------ accounting
     @property
     def kappa(self) -> float:
-        """2 B C2 / C1: the feedback term's sensitivity relative to the clipped sum's."""
-        return 2.0 * self.expected_batch_size * self.error_max_grad_norm / self.max_grad_norm
+        return self.config.kappa(self.plan)
 
     def sensitivity(self) -> float:
         """Sum-scale L2 sensitivity of the released ``S_clip + B clip(e, C2)``: ``C1 + 2 B C2``."""
-        return self.max_grad_norm + 2.0 * self.expected_batch_size * self.error_max_grad_norm
-
-    def record_privacy_step(self) -> None:
-        if self.sample_rate is None:
-            return
-        for sigma, q, _ in dicesgd_history(self.noise_multiplier, self.sample_rate, 1, self.kappa):
-            _record(self.accountant, sigma, q)
-
-    @classmethod
-    def calibrate(
-        cls,
-        target_epsilon: float,
-        delta: float,
-        sample_rate: float,
-        steps: int,
-        accountant: str = "prv",
-        *,
-        max_grad_norm: float,
-        expected_batch_size: float,
-        dice_error_max_grad_norm: float | None = None,
-        dice_accounting: str = "default",
-        **_: Any,
-    ) -> dict[str, float]:
-        """Noise settings (``{"noise_multiplier": z}``) reaching ``target_epsilon`` after ``steps`` steps."""
-        c1 = float(max_grad_norm)
-        c2 = c1 if dice_error_max_grad_norm is None else float(dice_error_max_grad_norm)
-        batch = float(expected_batch_size)
-        delta_sum = c1 + 2.0 * batch * c2
-        if dice_accounting == "paper":
-            sigma_mean = dicesgd_paper_sigma(target_epsilon, delta, steps, batch / sample_rate, c1, c2, batch)
-            return {"noise_multiplier": sigma_mean * batch / delta_sum}
-        if dice_accounting != "default":
-            raise ValueError(f"dice_accounting must be one of {DICE_ACCOUNTINGS}, got {dice_accounting!r}.")
-        kappa = 2.0 * batch * c2 / c1
-        z = calibrate_scale(
-            lambda s: dicesgd_history(s, sample_rate, steps, kappa), target_epsilon, delta, accountant
-        )
-        return {"noise_multiplier": z}
-
-    def privacy_details(self, delta: float) -> dict[str, Any]:
-        """Entries for DPTrainer.privacy_report: how the epsilon was obtained, and the paper's claim."""
-        sigma_sum = self.noise_multiplier * self.sensitivity()
-        details: dict[str, Any] = {
-            "steps": self.dp_steps,
-            "dice_accounting": self.dice_accounting,
-            "epsilon_basis": "library bound (docs/privacy.md): clipped sum as a Poisson-subsampled Gaussian "
-            "(sensitivity C1) composed with the error feedback as a Gaussian without amplification "
-            "(sensitivity 2 B C2)",
-            "sensitivity": self.sensitivity(),
-            "noise_std_sum_scale": sigma_sum,
-            "dice_error_max_grad_norm": self.error_max_grad_norm,
-            "accountant_history": [list(e) for e in self.accountant.history],
-        }
-        if self.sample_rate is not None:
-            details["epsilon_paper_claim"] = dicesgd_paper_epsilon(
-                sigma_sum / self.expected_batch_size, delta, self.dp_steps,
-                self.expected_batch_size / self.sample_rate, self.max_grad_norm, self.error_max_grad_norm,
-                self.expected_batch_size,
-            )
-            details["epsilon_paper_claim_note"] = (
-                "per Zhang et al. 2024 Thm 3.7 with G~ = C1^2 + 2 (B C2)^2; NOT independently verified (it "
-                "applies subsampling amplification to the hidden error buffer)"
-            )
-        return details
+        return self.config.sensitivity(self.plan)
 
     # ------------------------------------------------------------------------------ the buffer
     def _buffer(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -257,26 +246,29 @@ class DiceSGD(DPOptimizer):
 
     # ------------------------------------------------------------------------------ the step
     def accumulate_per_example(self, grads: PerExampleGradients) -> None:
-        factors = clip_factors(grads.norms(), self.max_grad_norm, self.clipping_fn)
-        accumulate_into_grad(grads.weighted_sum(factors))
+        factors = self.clip_factors(grads)
+        self.add_to_sums(grads.weighted_sum(factors))
         for p, r in grads.weighted_sum(1.0 - factors).items():
             if p in self._residual:
                 self._residual[p].add_(r)
             else:
                 self._residual[p] = r
-        self.examples_in_step += grads.batch_size
 
     def _summed_residual(self) -> dict[nn.Parameter, torch.Tensor]:
         residual, self._residual = self._residual, {}
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.collectives.world_size > 1:
             full = {}
             for p in self.params:
                 dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
                 r = residual.get(p)
                 full[p] = torch.zeros(p.shape, dtype=dtype, device=p.device) if r is None else r.to(dtype)
-                dist.all_reduce(full[p], op=dist.ReduceOp.SUM)
+            self.collectives.sum_(list(full.values()))
             residual = full
         return residual
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._residual = {}
 
     def privatize(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """``u = (S_clip + N(0, sigma^2)) / B + alpha_e e``, then ``e <- (1 - alpha_e) e + S_res / B``."""

@@ -13,7 +13,10 @@ with ``D1 = C1`` and ``D2 = C_{2,r}`` under add/remove neighbours, ``2 C1`` and 
 replace-one (the paper's relation): the noise is relative to the real sensitivity, so replace-one doubles it.
 The per-example difference is ONE combination clipped once: :meth:`gradient_points` returns the current
 parameters with weight +1 and x_{r-2} with weight -1, and the engine clips each example's combined gradient
-(same micro-batch, same dropout masks at both points). A zero threshold (no movement) clips everything to 0
+(same micro-batch, same dropout masks at both points). The difference has cancellation, so the engine computes
+it in precise mode (float64 terms, a proven upper bound of each norm; see
+:class:`hf_dpfilter.engine.PerExampleGradients` and docs/privacy.md, "Precision of the clip"): the clip holds in
+float32 and under bf16 autocast for any step size. A zero threshold (no movement) clips everything to 0
 and adds no noise. Difference rounds always use min-clipping (the absolute 0.01 of automatic clipping has no
 meaning at the scale of a difference); restart rounds use ``clipping_fn`` like DP-SGD.
 
@@ -26,8 +29,8 @@ Under several processes each process is a client: the clipped sums are all-reduc
 once per round (base class); v~ and x_{r-2} are identical replicas.
 
 **Accounting.** Restart and difference rounds are separate Gaussian mechanisms, composed heterogeneously:
-the accountant records ``(z1, q)`` per restart round and ``(z2, q)`` per difference round. With
-``target_epsilon``, :meth:`calibrate` keeps the paper's budget split u (Prop. 4.1: z2 / z1 =
+:meth:`Diff2Config.mechanisms` declares ``(z1, q)`` for a restart round and ``(z2, q)`` for a difference round.
+With ``target_epsilon``, the calibration (:meth:`Diff2Config.noise_for_scale`) keeps the paper's budget split u (Prop. 4.1: z2 / z1 =
 sqrt((R - k) / (k (u - 1))), k = ceil(R / T) restarts in R steps) and bisects z1 with the exact accountant
 instead of the paper's loose RDP conversion.
 """
@@ -37,20 +40,21 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from hf_dpfilter.accounting import calibrate_noise_multiplier, calibrate_scale
-from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.engine import PerExampleGradients, accumulate_into_grad
-from hf_dpfilter.optimizers import register_method
+from hf_dpfilter.engine import PerExampleGradients
 from hf_dpfilter.optimizers.base import DPOptimizer
+from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings
+
+if TYPE_CHECKING:
+    from hf_dpfilter.plan import PrivacyPlan
 
 DIFF2_NEIGHBOURINGS = ("add_remove", "replace_one")
 
-__all__ = ["DIFF2_NEIGHBOURINGS", "Diff2", "diff2_history"]
+__all__ = ["DIFF2_NEIGHBOURINGS", "Diff2", "Diff2Config", "diff2_history"]
 
 
 def diff2_history(
@@ -72,70 +76,59 @@ def _difference_factors(norms: torch.Tensor, threshold: float) -> torch.Tensor:
     return (threshold / (norms * (1.0 + 1e-6))).clamp(max=1.0)
 
 
-@dataclass
-class _Round:
-    step: int
-    restart: bool
-    threshold: float  # C1 (restart) or C_{2,r} (difference), before the replace-one factor
+@dataclass(frozen=True)
+class Diff2Config(MethodConfig):
+    """DIFF2's settings and privacy declaration.
 
-
-@register_method
-class Diff2(DPOptimizer):
-    """DIFF2 around any base optimizer; see the module docstring.
-
-    Args (besides :class:`DPOptimizer`'s; ``max_grad_norm`` is C1, ``noise_multiplier`` is z1):
-        diff2_restart_every: restart period T (1 = DP-SGD / DP-GD).
-        diff2_difference_max_grad_norm: C2, the coefficient of the threshold C2 ||x_{r-1} - x_{r-2}||.
-        diff2_difference_noise_multiplier: z2 (None: z1).
-        diff2_budget_split: u > 1, used by :meth:`calibrate` (reported here).
-        diff2_neighbouring: ``"add_remove"`` or ``"replace_one"`` (doubles the sensitivity; full batch only).
+    Args:
+        restart_every: restart period T (1 = DP-SGD / DP-GD).
+        difference_max_grad_norm: C2, the coefficient of the threshold C2 ||x_{r-1} - x_{r-2}||.
+        difference_noise_multiplier: z2 when the noise multiplier is fixed (None: z1). With target_epsilon both
+            are calibrated (``budget_split``).
+        budget_split: u > 1, the paper's split (restarts get 1/u of the budget; Prop. 4.1).
+        neighbouring: ``"add_remove"`` or ``"replace_one"`` (the paper; doubles the sensitivity; full batch only).
     """
 
-    method_name = "diff2"
+    name = "diff2"
+    legacy_prefix = "diff2_"
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        diff2_restart_every: int = 10,
-        diff2_difference_max_grad_norm: float | None = None,
-        diff2_difference_noise_multiplier: float | None = None,
-        diff2_budget_split: float = 1.25,
-        diff2_neighbouring: str = "add_remove",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(optimizer, **kwargs)
-        if isinstance(diff2_restart_every, bool) or int(diff2_restart_every) != diff2_restart_every or (
-            diff2_restart_every < 1
-        ):
-            raise ValueError(f"diff2_restart_every (T) must be an integer >= 1, got {diff2_restart_every}.")
-        self.restart_every = int(diff2_restart_every)
-        if self.restart_every > 1:
-            if diff2_difference_max_grad_norm is None:
-                raise ValueError(
-                    "DIFF2 needs diff2_difference_max_grad_norm (C2, the threshold per unit of parameter "
-                    "movement) when diff2_restart_every > 1; tune it (e.g. a high quantile of "
-                    "||g_i(x) - g_i(x')|| / ||x - x'|| on public data)."
-                )
-            if not (math.isfinite(diff2_difference_max_grad_norm) and diff2_difference_max_grad_norm > 0):
-                raise ValueError(
-                    f"diff2_difference_max_grad_norm must be a finite number > 0, got {diff2_difference_max_grad_norm}."
-                )
-        self.difference_max_grad_norm = (
-            None if diff2_difference_max_grad_norm is None else float(diff2_difference_max_grad_norm)
-        )
-        z2 = self.noise_multiplier if diff2_difference_noise_multiplier is None else diff2_difference_noise_multiplier
-        if not z2 >= 0:
-            raise ValueError(f"diff2_difference_noise_multiplier must be >= 0, got {diff2_difference_noise_multiplier}.")
-        self.difference_noise_multiplier = float(z2)
-        if not diff2_budget_split > 1:
-            raise ValueError(f"diff2_budget_split (u) must be > 1, got {diff2_budget_split}.")
-        self.budget_split = float(diff2_budget_split)
-        if diff2_neighbouring not in DIFF2_NEIGHBOURINGS:
-            raise ValueError(f"diff2_neighbouring must be one of {DIFF2_NEIGHBOURINGS}, got {diff2_neighbouring!r}.")
-        self.neighbouring = diff2_neighbouring
-        self.full_batch = self.sample_rate is not None and self.sample_rate >= 1.0
-        if self.sample_rate is not None and not self.full_batch:
+    restart_every: int = 10
+    difference_max_grad_norm: float | None = None
+    difference_noise_multiplier: float | None = None
+    budget_split: float = 1.25
+    neighbouring: str = "add_remove"
+
+    def __post_init__(self) -> None:
+        t = self.restart_every
+        if isinstance(t, bool) or int(t) != t or t < 1:
+            raise ValueError(f"diff2_restart_every (T) must be an integer >= 1, got {t}.")
+        c2 = self.difference_max_grad_norm
+        if c2 is not None and not (math.isfinite(c2) and c2 > 0):
+            raise ValueError(f"diff2_difference_max_grad_norm must be a finite number > 0, got {c2}.")
+        z2 = self.difference_noise_multiplier
+        if z2 is not None and not z2 >= 0:
+            raise ValueError(f"diff2_difference_noise_multiplier must be >= 0, got {z2}.")
+        if not self.budget_split > 1:
+            raise ValueError(f"diff2_budget_split (u) must be > 1, got {self.budget_split}.")
+        if self.neighbouring not in DIFF2_NEIGHBOURINGS:
+            raise ValueError(f"diff2_neighbouring must be one of {DIFF2_NEIGHBOURINGS}, got {self.neighbouring!r}.")
+
+    @property
+    def mechanism_period(self) -> int:  # type: ignore[override]
+        return int(self.restart_every)
+
+    def is_restart(self, step: int) -> bool:
+        return step % int(self.restart_every) == 0
+
+    def check_plan(self, plan: PrivacyPlan) -> None:
+        if self.restart_every > 1 and self.difference_max_grad_norm is None:
+            raise ValueError(
+                "DIFF2 needs diff2_difference_max_grad_norm (C2, the threshold per unit of parameter movement; "
+                "dp_method_args={'difference_max_grad_norm': ...}) when restart_every > 1; tune it (e.g. a high "
+                "quantile of ||g_i(x) - g_i(x')|| / ||x - x'|| on public data)."
+            )
+        full_batch = plan.sample_rate is not None and plan.sample_rate >= 1.0
+        if plan.sample_rate is not None and not full_batch:
             if self.neighbouring == "replace_one":
                 raise ValueError(
                     "diff2_neighbouring='replace_one' is only supported for full-batch DIFF2 (sample rate 1, "
@@ -144,12 +137,77 @@ class Diff2(DPOptimizer):
                 )
             if self.restart_every > 1:
                 warnings.warn(
-                    f"DIFF2 with Poisson minibatches (sample rate {self.sample_rate:.3g} < 1) is an unanalysed "
+                    f"DIFF2 with Poisson minibatches (sample rate {plan.sample_rate:.3g} < 1) is an unanalysed "
                     "extension of the paper's full-batch DIFF2-GD: the accounting holds, the utility theory "
                     "does not. Use logical_batch_size = N for the paper's algorithm.",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=4,
                 )
+
+    def mechanisms(self, step: int, noise: NoiseSettings, plan: PrivacyPlan) -> list[Mechanism]:
+        if self.is_restart(step):
+            return [Mechanism(noise.noise_multiplier, plan.sample_rate)]
+        z2 = noise.get("difference_noise_multiplier", noise.noise_multiplier)
+        return [Mechanism(z2, plan.sample_rate)]
+
+    def fixed_noise(self, noise_multiplier: float, plan: PrivacyPlan) -> NoiseSettings:
+        z2 = noise_multiplier if self.difference_noise_multiplier is None else self.difference_noise_multiplier
+        return NoiseSettings(noise_multiplier, (("difference_noise_multiplier", float(z2)),))
+
+    def noise_for_scale(self, scale: float, plan: PrivacyPlan) -> NoiseSettings:
+        """z1 = scale and z2 / z1 = sqrt((R - k) / (k (u - 1))), k = ceil(R / T) restarts in R steps (Prop. 4.1).
+
+        The noise multipliers are relative to the sensitivity, so they are the same for both relations."""
+        steps = plan.steps
+        restarts = math.ceil(steps / self.restart_every)
+        ratio = 1.0 if restarts == steps else math.sqrt((steps - restarts) / (restarts * (self.budget_split - 1.0)))
+        return NoiseSettings(float(scale), (("difference_noise_multiplier", ratio * float(scale)),))
+
+    def report(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, delta: float) -> dict[str, Any]:
+        restarts = math.ceil(steps / self.restart_every) if steps else 0
+        full_batch = plan.sample_rate is not None and plan.sample_rate >= 1.0
+        details: dict[str, Any] = {
+            "neighbouring_relation": "replace one example" if self.neighbouring == "replace_one"
+            else "add/remove one example",
+            "diff2_restart_every": self.restart_every,
+            "diff2_restart_noise_multiplier": noise.noise_multiplier,
+            "diff2_difference_noise_multiplier": noise.get("difference_noise_multiplier"),
+            "diff2_difference_max_grad_norm": self.difference_max_grad_norm,
+            "diff2_budget_split": self.budget_split,
+            "diff2_full_batch": full_batch,
+            "diff2_restart_rounds": restarts,
+            "diff2_difference_rounds": steps - restarts,
+        }
+        if not full_batch:
+            details["diff2_note"] = (
+                "Poisson-minibatch DIFF2 is an unanalysed extension of the paper's full-batch DIFF2-GD "
+                "(accounting holds; no utility theory)"
+            )
+        return details
+
+
+@dataclass
+class _Round:
+    step: int
+    restart: bool
+    threshold: float  # C1 (restart) or C_{2,r} (difference), before the replace-one factor
+
+
+class Diff2(DPOptimizer):
+    """DIFF2 around any base optimizer; see the module docstring. Settings: :class:`Diff2Config` (the plan's
+    ``max_grad_norm`` is C1, its ``noise_multiplier`` z1)."""
+
+    method_name = "diff2"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, plan: Any, **kwargs: Any) -> None:
+        super().__init__(optimizer, plan, **kwargs)
+        config: Diff2Config = self.config
+        self.restart_every = int(config.restart_every)
+        self.difference_max_grad_norm = config.difference_max_grad_norm
+        self.difference_noise_multiplier = float(plan.noise.get("difference_noise_multiplier", self.noise_multiplier))
+        self.budget_split = float(config.budget_split)
+        self.neighbouring = config.neighbouring
+        self.full_batch = self.sample_rate is not None and self.sample_rate >= 1.0
         self._estimate: dict[nn.Parameter, torch.Tensor] | None = None  # v~_{r-1}
         self._previous: dict[nn.Parameter, torch.Tensor] | None = None  # x_{r-2}
         self._pending_previous: dict[nn.Parameter, torch.Tensor] | None = None
@@ -161,10 +219,15 @@ class Diff2(DPOptimizer):
         """Kind and threshold of the round in progress (fixed at its first use, before the update)."""
         if self._round_cache is not None and self._round_cache.step == self.dp_steps:
             return self._round_cache
-        restart = self.dp_steps % self.restart_every == 0 or self._previous is None or self._estimate is None
+        restart = self.config.is_restart(self.dp_steps)
         if restart:
             threshold = self.max_grad_norm
         else:
+            if self._previous is None or self._estimate is None:
+                raise RuntimeError(
+                    f"DIFF2 step {self.dp_steps} is a difference round but the optimizer holds no previous point "
+                    "or estimate (a checkpoint without the method state?). Resume from a full DPOptimizer state_dict."
+                )
             movement = math.sqrt(
                 sum(float((p.detach().double() - self._previous[p].double()).pow(2).sum()) for p in self.params)
             )
@@ -189,16 +252,17 @@ class Diff2(DPOptimizer):
         return self._relation_factor * self.current_round().threshold
 
     def round_noise_multiplier(self) -> float:
-        return self.noise_multiplier if self.current_round().restart else self.difference_noise_multiplier
+        """This round's noise multiplier, as the config declares the round's mechanism."""
+        return self.mechanisms()[0].noise_multiplier
 
     def accumulate_per_example(self, grads: PerExampleGradients) -> None:
         rnd = self.current_round()
         if rnd.restart:
-            factors = clip_factors(grads.norms(), self.max_grad_norm, self.clipping_fn)
+            factors = self.clip_factors(grads)
         else:
-            factors = _difference_factors(grads.norms(), rnd.threshold)
-        accumulate_into_grad(grads.weighted_sum(factors))
-        self.examples_in_step += grads.batch_size
+            # precise mode (the points have weights +1 and -1): clipping_norms() bounds the exact difference
+            factors = _difference_factors(grads.clipping_norms(), rnd.threshold)
+        self.add_to_sums(grads.weighted_sum(factors, release=True))
 
     def privatize(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         rnd = self.current_round()
@@ -221,64 +285,7 @@ class Diff2(DPOptimizer):
 
     def record_privacy_step(self) -> None:
         self.restart_rounds += int(self.current_round().restart)
-        if self.sample_rate is not None:
-            self.accountant.step(self.round_noise_multiplier(), self.sample_rate)
-
-    # ------------------------------------------------------------------------------ accounting
-    @classmethod
-    def calibrate(
-        cls,
-        target_epsilon: float,
-        delta: float,
-        sample_rate: float,
-        steps: int,
-        accountant: str = "prv",
-        *,
-        diff2_restart_every: int = 10,
-        diff2_budget_split: float = 1.25,
-        **_: Any,
-    ) -> dict[str, float]:
-        """``{"noise_multiplier": z1, "diff2_difference_noise_multiplier": z2}`` reaching ``target_epsilon``.
-
-        The ratio z2 / z1 = sqrt((R - k) / (k (u - 1))) is the paper's budget split (Prop. 4.1); z1 is then
-        the smallest value whose heterogeneous composition reaches the target. The noise multipliers are
-        relative to the sensitivity, so they are the same for both neighbouring relations.
-        """
-        restarts = math.ceil(steps / diff2_restart_every)
-        if restarts == steps:
-            z = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, accountant=accountant)
-            return {"noise_multiplier": z, "diff2_difference_noise_multiplier": z}
-        if not diff2_budget_split > 1:
-            raise ValueError(f"diff2_budget_split (u) must be > 1, got {diff2_budget_split}.")
-        ratio = math.sqrt((steps - restarts) / (restarts * (diff2_budget_split - 1.0)))
-
-        def history(z1: float) -> list[tuple[float, float, int]]:
-            return diff2_history(z1, ratio * z1, sample_rate, steps, diff2_restart_every)
-
-        z1 = calibrate_scale(history, target_epsilon, delta, accountant)
-        return {"noise_multiplier": z1, "diff2_difference_noise_multiplier": ratio * z1}
-
-    def privacy_details(self, delta: float) -> dict[str, Any]:
-        details: dict[str, Any] = {
-            "steps": self.dp_steps,
-            "neighbouring_relation": "replace one example" if self.neighbouring == "replace_one"
-            else "add/remove one example",
-            "diff2_restart_every": self.restart_every,
-            "diff2_restart_noise_multiplier": self.noise_multiplier,
-            "diff2_difference_noise_multiplier": self.difference_noise_multiplier,
-            "diff2_difference_max_grad_norm": self.difference_max_grad_norm,
-            "diff2_budget_split": self.budget_split,
-            "diff2_full_batch": self.full_batch,
-            "diff2_restart_rounds": self.restart_rounds,
-            "diff2_difference_rounds": self.dp_steps - self.restart_rounds,
-            "accountant_history": [list(e) for e in self.accountant.history],
-        }
-        if not self.full_batch:
-            details["diff2_note"] = (
-                "Poisson-minibatch DIFF2 is an unanalysed extension of the paper's full-batch DIFF2-GD "
-                "(accounting holds; no utility theory)"
-            )
-        return details
+        super().record_privacy_step()
 
     # ------------------------------------------------------------------------------ state
     def method_state_dict(self) -> dict[str, Any]:

@@ -24,51 +24,61 @@ DP-Adam should therefore be multiplied by sqrt(kappa / (2 - kappa)) (docs/result
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from hf_dpfilter.optimizers import register_method
 from hf_dpfilter.optimizers.base import DPOptimizer
+from hf_dpfilter.optimizers.method_config import MethodConfig
 
 
-@register_method
-class DiSKOptimizer(DPOptimizer):
-    """DiSK around any base optimizer.
+@dataclass(frozen=True)
+class DiSKConfig(MethodConfig):
+    """DiSK's settings. Privacy: DP-SGD's (one clipped vector per example, one subsampled Gaussian per step).
 
     Args:
-        optimizer: the wrapped base optimizer.
-        disk_kappa: the Kalman gain kappa in (0, 1], the weight on the new privatized gradient (paper: 0.7).
-        disk_gamma: the finite-difference step gamma (!= 0). None: (1 - kappa) / kappa, one gradient pass.
-            The paper's two-point setting is 0.5.
-        **dp_kwargs: the DP settings of :class:`DPOptimizer`.
+        kappa: the Kalman gain in (0, 1], the weight on the new privatized gradient (paper: 0.7). 1 = the base
+            DP optimizer. With Adam, multiply a DP-Adam-tuned learning rate by sqrt(kappa / (2 - kappa)).
+        gamma: the finite-difference step (!= 0). None: (1 - kappa) / kappa, one gradient pass. The paper's
+            two-point setting is 0.5.
     """
+
+    name = "disk"
+    legacy_prefix = "disk_"
+
+    kappa: float = 0.7
+    gamma: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.kappa <= 1.0:
+            raise ValueError(
+                f"disk_kappa (the Kalman gain, weight on the new gradient) must be in (0, 1], got {self.kappa}."
+            )
+        if self.gamma is not None and (self.gamma == 0 or not math.isfinite(self.gamma)):
+            raise ValueError(
+                f"disk_gamma must be a finite non-zero number, got {self.gamma}. Leave it unset (None) for the "
+                f"one-pass default (1 - kappa) / kappa = {self.one_pass_gamma:.6g}."
+            )
+
+    @property
+    def one_pass_gamma(self) -> float:
+        return (1.0 - self.kappa) / self.kappa
+
+
+class DiSKOptimizer(DPOptimizer):
+    """DiSK around any base optimizer (settings: :class:`DiSKConfig`)."""
 
     method_name = "disk"
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        disk_kappa: float = 0.7,
-        disk_gamma: float | None = None,
-        **dp_kwargs: Any,
-    ) -> None:
-        super().__init__(optimizer, **dp_kwargs)
-        if not 0.0 < disk_kappa <= 1.0:
-            raise ValueError(f"disk_kappa (the Kalman gain, weight on the new gradient) must be in (0, 1], got {disk_kappa}.")
-        one_pass_gamma = (1.0 - disk_kappa) / disk_kappa
-        if disk_gamma is None:
-            disk_gamma = one_pass_gamma
-        elif disk_gamma == 0 or not math.isfinite(disk_gamma):
-            raise ValueError(
-                f"disk_gamma must be a finite non-zero number, got {disk_gamma}. Leave it unset (None) for the "
-                f"one-pass default (1 - kappa) / kappa = {one_pass_gamma:.6g}."
-            )
-        self.kappa = float(disk_kappa)
-        self.gamma = float(disk_gamma)
-        if disk_kappa == 1.0:
+    def __init__(self, optimizer: torch.optim.Optimizer, plan: Any, **kwargs: Any) -> None:
+        super().__init__(optimizer, plan, **kwargs)
+        config: DiSKConfig = self.config
+        one_pass_gamma = config.one_pass_gamma
+        self.kappa = float(config.kappa)
+        self.gamma = float(one_pass_gamma if config.gamma is None else config.gamma)
+        if config.kappa == 1.0:
             self.look_ahead_weight = 0.0  # no prediction term: the base DP optimizer
         elif math.isclose(self.gamma, one_pass_gamma, rel_tol=1e-9):
             self.look_ahead_weight = 1.0
@@ -131,4 +141,4 @@ class DiSKOptimizer(DPOptimizer):
         self._delta = None if state["delta"] is None else [state["delta"][p] for p in params]
 
 
-__all__ = ["DiSKOptimizer"]
+__all__ = ["DiSKConfig", "DiSKOptimizer"]

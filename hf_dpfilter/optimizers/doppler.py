@@ -21,56 +21,62 @@ DP-SGD: same sensitivity C, same accounting.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from hf_dpfilter.optimizers import register_method
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.filters import LowPassFilter, LowPassPostprocessor, check_filter_base
+from hf_dpfilter.optimizers.filters import LOWPASS_BASES, LowPassFilter, LowPassPostprocessor, check_filter_base
+from hf_dpfilter.optimizers.method_config import MethodConfig, as_tuple
 
 
-@register_method
-class DopplerOptimizer(DPOptimizer):
-    """DP-SGD/DP-Adam with DOPPLER's low-pass filter on the privatized gradient.
+@dataclass(frozen=True)
+class DopplerConfig(MethodConfig):
+    """DOPPLER's settings. Privacy: DP-SGD's (the filter is post-processing).
 
     Args:
-        optimizer: the wrapped base optimizer.
-        doppler_preset: a named filter (``hf_dpfilter.optimizers.filters.FILTER_PRESETS``); ignored when
-            ``doppler_b`` is given.
-        doppler_b, doppler_a: explicit coefficients ``[b_0, ..., b_nb]`` and ``[a_1, ..., a_na]`` (a may be
-            omitted: an FIR filter).
-        doppler_base: ``"optimizer"``, ``"sgd"`` (the same, with a check of the wrapped optimizer's type),
-            ``"adam"`` (LP-DPAdam) or ``"adam_bc"`` (LP-DPAdamBC); the last two need plain SGD as the wrapped
-            optimizer.
-        doppler_beta2, doppler_eps: the Adam variants' second-moment decay and floor (of ``sqrt(v_hat)`` for
-            ``"adam"``, of ``v_hat - Phi`` for ``"adam_bc"``).
-        **dp_kwargs: the DP settings of :class:`DPOptimizer`.
+        preset: a named filter (``hf_dpfilter.optimizers.filters.FILTER_PRESETS``); ignored when ``b`` is given.
+        b, a: explicit coefficients ``[b_0, ..., b_nb]`` and ``[a_1, ..., a_na]`` (a may be omitted: FIR).
+        base: ``"optimizer"``, ``"sgd"`` (the same, with a check of the wrapped optimizer's type), ``"adam"``
+            (LP-DPAdam) or ``"adam_bc"`` (LP-DPAdamBC); the last two need plain SGD as the wrapped optimizer.
+        beta2, eps: the Adam variants' second-moment decay and floor (of ``sqrt(v_hat)`` for ``"adam"``, of
+            ``v_hat - Phi`` for ``"adam_bc"``).
     """
+
+    name = "doppler"
+    legacy_prefix = "doppler_"
+
+    preset: str = "first_order_v1"
+    b: tuple[float, ...] | None = None
+    a: tuple[float, ...] | None = None
+    base: str = "optimizer"
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "b", as_tuple(self.b))
+        object.__setattr__(self, "a", as_tuple(self.a))
+        if self.base not in LOWPASS_BASES:
+            raise ValueError(f"doppler_base must be one of {LOWPASS_BASES}, got {self.base!r}.")
+        LowPassFilter.resolve(self.preset, self.b, self.a, prefix="doppler")  # validates the filter early
+
+
+class DopplerOptimizer(DPOptimizer):
+    """DP-SGD/DP-Adam with DOPPLER's low-pass filter on the privatized gradient (settings: :class:`DopplerConfig`)."""
 
     method_name = "doppler"
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        doppler_preset: str = "first_order_v1",
-        doppler_b: Sequence[float] | None = None,
-        doppler_a: Sequence[float] | None = None,
-        doppler_base: str = "optimizer",
-        doppler_beta2: float = 0.999,
-        doppler_eps: float = 1e-8,
-        **dp_kwargs: Any,
-    ) -> None:
-        super().__init__(optimizer, **dp_kwargs)
-        check_filter_base(doppler_base, optimizer, "doppler_base")
+    def __init__(self, optimizer: torch.optim.Optimizer, plan: Any, **kwargs: Any) -> None:
+        super().__init__(optimizer, plan, **kwargs)
+        config: DopplerConfig = self.config
+        check_filter_base(config.base, optimizer, "doppler_base")
         self.lowpass = LowPassPostprocessor(
-            LowPassFilter.resolve(doppler_preset, doppler_b, doppler_a, prefix="doppler"),
-            base=doppler_base,
-            beta2=doppler_beta2,
-            eps=doppler_eps,
+            LowPassFilter.resolve(config.preset, config.b, config.a, prefix="doppler"),
+            base=config.base,
+            beta2=config.beta2,
+            eps=config.eps,
         )
 
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
@@ -84,4 +90,4 @@ class DopplerOptimizer(DPOptimizer):
         self.lowpass.load_state_dict(state["lowpass"], self.params)
 
 
-__all__ = ["DopplerOptimizer"]
+__all__ = ["DopplerConfig", "DopplerOptimizer"]

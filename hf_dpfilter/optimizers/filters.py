@@ -269,4 +269,4 @@ def check_filter_base(base: str, optimizer: torch.optim.Optimizer, argument: str
             )
 
 
-__all__ = ["FILTER_PRESETS", "LowPassFilter", "LowPassPostprocessor", "check_filter_base"]
+__all__ = ["FILTER_PRESETS", "LOWPASS_BASES", "LowPassFilter", "LowPassPostprocessor", "check_filter_base"]

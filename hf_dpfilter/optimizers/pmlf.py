@@ -22,58 +22,67 @@ plus the filter's buffers; compute: K forward/backward passes per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from hf_dpfilter.optimizers import register_method
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.filters import LowPassFilter, LowPassPostprocessor, check_filter_base
+from hf_dpfilter.optimizers.filters import LOWPASS_BASES, LowPassFilter, LowPassPostprocessor, check_filter_base
+from hf_dpfilter.optimizers.method_config import MethodConfig, as_tuple
 
 
-@register_method
-class PMLFOptimizer(DPOptimizer):
-    """DP-PMLF around any base optimizer.
+@dataclass(frozen=True)
+class PMLFConfig(MethodConfig):
+    """DP-PMLF's settings. Privacy: DP-SGD's (the k points are combined per example before clipping).
 
     Args:
-        optimizer: the wrapped base optimizer (the paper uses plain SGD).
-        pmlf_k: the number of parameter points k >= 1 (current + k - 1 past copies).
-        pmlf_beta: the per-sample momentum decay beta >= 0 (weight beta^lag, normalized).
-        pmlf_preset: a named filter (``FILTER_PRESETS``); ignored when ``pmlf_b`` is given.
-        pmlf_b, pmlf_a: explicit filter coefficients ``[b_0, ...]`` and ``[a_1, ...]`` (scipy convention).
-        pmlf_base, pmlf_beta2, pmlf_eps: how the filtered gradient is used, as ``doppler_base``/``doppler_beta2``/
-            ``doppler_eps`` of :class:`~hf_dpfilter.optimizers.doppler.DopplerOptimizer`.
-        **dp_kwargs: the DP settings of :class:`DPOptimizer`.
+        k: the number of parameter points k >= 1 (current + k - 1 past copies; k forward/backward passes).
+        beta: the per-sample momentum decay beta >= 0 (weight beta^lag, normalized).
+        preset: a named filter (``FILTER_PRESETS``); ignored when ``b`` is given.
+        b, a: explicit filter coefficients ``[b_0, ...]`` and ``[a_1, ...]`` (scipy convention).
+        base, beta2, eps: how the filtered gradient is used, as :class:`~hf_dpfilter.optimizers.doppler.DopplerConfig`.
     """
+
+    name = "pmlf"
+    legacy_prefix = "pmlf_"
+
+    k: int = 2
+    beta: float = 0.1
+    preset: str = "pmlf_mnist"
+    b: tuple[float, ...] | None = None
+    a: tuple[float, ...] | None = None
+    base: str = "optimizer"
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "b", as_tuple(self.b))
+        object.__setattr__(self, "a", as_tuple(self.a))
+        if isinstance(self.k, bool) or int(self.k) != self.k or self.k < 1:
+            raise ValueError(f"pmlf_k (the number of parameter points) must be an integer >= 1, got {self.k}.")
+        if not self.beta >= 0:
+            raise ValueError(f"pmlf_beta (the per-sample momentum decay) must be >= 0, got {self.beta}.")
+        if self.base not in LOWPASS_BASES:
+            raise ValueError(f"pmlf_base must be one of {LOWPASS_BASES}, got {self.base!r}.")
+        LowPassFilter.resolve(self.preset, self.b, self.a, prefix="pmlf")  # validates the filter early
+
+
+class PMLFOptimizer(DPOptimizer):
+    """DP-PMLF around any base optimizer (settings: :class:`PMLFConfig`)."""
 
     method_name = "pmlf"
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        pmlf_k: int = 2,
-        pmlf_beta: float = 0.1,
-        pmlf_preset: str = "pmlf_mnist",
-        pmlf_b: Sequence[float] | None = None,
-        pmlf_a: Sequence[float] | None = None,
-        pmlf_base: str = "optimizer",
-        pmlf_beta2: float = 0.999,
-        pmlf_eps: float = 1e-8,
-        **dp_kwargs: Any,
-    ) -> None:
-        super().__init__(optimizer, **dp_kwargs)
-        if int(pmlf_k) != pmlf_k or pmlf_k < 1:
-            raise ValueError(f"pmlf_k (the number of parameter points) must be an integer >= 1, got {pmlf_k}.")
-        if not pmlf_beta >= 0:
-            raise ValueError(f"pmlf_beta (the per-sample momentum decay) must be >= 0, got {pmlf_beta}.")
-        self.k = int(pmlf_k)
-        self.beta = float(pmlf_beta)
-        check_filter_base(pmlf_base, optimizer, "pmlf_base")
+    def __init__(self, optimizer: torch.optim.Optimizer, plan: Any, **kwargs: Any) -> None:
+        super().__init__(optimizer, plan, **kwargs)
+        config: PMLFConfig = self.config
+        self.k = int(config.k)
+        self.beta = float(config.beta)
+        check_filter_base(config.base, optimizer, "pmlf_base")
         self.lowpass = LowPassPostprocessor(
-            LowPassFilter.resolve(pmlf_preset, pmlf_b, pmlf_a, prefix="pmlf"), base=pmlf_base, beta2=pmlf_beta2, eps=pmlf_eps
+            LowPassFilter.resolve(config.preset, config.b, config.a, prefix="pmlf"), base=config.base,
+            beta2=config.beta2, eps=config.eps,
         )
         self._snapshots: list[list[torch.Tensor]] = []  # x_{t-1}, x_{t-2}, ... (most recent first)
 
@@ -121,4 +130,4 @@ class PMLFOptimizer(DPOptimizer):
         self.lowpass.load_state_dict(state["lowpass"], params)
 
 
-__all__ = ["PMLFOptimizer"]
+__all__ = ["PMLFConfig", "PMLFOptimizer"]

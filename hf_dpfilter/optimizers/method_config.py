@@ -1,0 +1,183 @@
+"""Method settings as data: the base class of every DP method's config.
+
+Each method (one file in :mod:`hf_dpfilter.optimizers`) defines a frozen dataclass subclass of
+:class:`MethodConfig` that holds its hyperparameters and their defaults (once), validates them, and declares
+its privacy as data:
+
+* :meth:`MethodConfig.mechanisms` -- the Gaussian mechanisms one logical step releases, a pure function of the
+  step index, the noise settings and the plan (no optimizer state), so the privacy plan, the accountant, the
+  budget guard and the ledger all read the same declaration;
+* :meth:`MethodConfig.noise_for_scale` -- the one-parameter family of noise settings that calibration searches
+  (DP-SGD: ``sigma = z``; DiceSGD: one z for both parts; DIFF2: ``z2 = ratio * z1``);
+* :meth:`MethodConfig.calibrate` -- by default the smallest scale whose composed history reaches the target
+  epsilon; a method overrides it only when its calibration is not an accountant search (DiceSGD's "paper").
+
+The DP settings shared by all methods (sigma, C, q, B, ...) live in :class:`hf_dpfilter.plan.PrivacyPlan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from hf_dpfilter.accounting import calibrate_scale
+
+if TYPE_CHECKING:
+    from hf_dpfilter.plan import PrivacyPlan
+
+__all__ = ["Mechanism", "MethodConfig", "NoiseSettings", "aggregate_history"]
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One Gaussian mechanism: noise std / L2 sensitivity, and its Poisson sample rate (1.0 = not subsampled)."""
+
+    noise_multiplier: float
+    sample_rate: float
+
+
+@dataclass(frozen=True)
+class NoiseSettings:
+    """The calibrated noise of a run: ``noise_multiplier`` plus any method-specific multipliers (by name)."""
+
+    noise_multiplier: float
+    extra: tuple[tuple[str, float], ...] = ()
+
+    def get(self, name: str, default: float | None = None) -> float | None:
+        return dict(self.extra).get(name, default)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"noise_multiplier": self.noise_multiplier, **dict(self.extra)}
+
+
+def aggregate_history(mechanisms_per_step: list[list[Mechanism]]) -> list[tuple[float, float, int]]:
+    """``[(sigma, q, count), ...]`` with equal mechanisms merged (composition commutes)."""
+    counts: dict[tuple[float, float], int] = {}
+    for mechanisms in mechanisms_per_step:
+        for m in mechanisms:
+            key = (float(m.noise_multiplier), float(m.sample_rate))
+            counts[key] = counts.get(key, 0) + 1
+    return [(s, q, n) for (s, q), n in counts.items()]
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Base of the per-method configs; the defaults describe DP-SGD (one subsampled Gaussian per step)."""
+
+    #: the method's name in the registry (``dp_method``)
+    name: ClassVar[str] = ""
+    #: the flat ``DPTrainingArguments`` fields of earlier versions were ``legacy_prefix + field name``
+    legacy_prefix: ClassVar[str] = ""
+    #: ``mechanisms(step)`` only depends on ``step % mechanism_period`` (lets long histories be built fast)
+    mechanism_period: ClassVar[int] = 1
+
+    # ------------------------------------------------------------------------------ construction
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def legacy_names(cls) -> dict[str, str]:
+        """``{old flat name: field name}``, e.g. ``{"disk_kappa": "kappa"}``."""
+        if not cls.legacy_prefix:
+            return {}
+        return {cls.legacy_prefix + name: name for name in cls.field_names()}
+
+    @classmethod
+    def canonical_name(cls, name: str) -> str:
+        """The field name for ``name`` (a field name, or its legacy prefixed name); ValueError otherwise."""
+        if name in cls.field_names():
+            return name
+        legacy = cls.legacy_names()
+        if name in legacy:
+            return legacy[name]
+        valid = ", ".join(cls.field_names()) or "(none)"
+        raise ValueError(
+            f"{name!r} is not a setting of dp_method={cls.name!r}. Its settings are: {valid} "
+            f"(see {cls.__name__} or docs/configuration.md)."
+        )
+
+    @classmethod
+    def from_args(cls, values: MethodConfig | Mapping[str, Any] | None = None) -> MethodConfig:
+        """A config from an instance (returned as is), a mapping of field (or legacy) names, or None."""
+        if isinstance(values, cls):
+            return values
+        if isinstance(values, MethodConfig):
+            raise TypeError(f"dp_method={cls.name!r} needs a {cls.__name__}, got a {type(values).__name__}.")
+        kwargs: dict[str, Any] = {}
+        for key, value in dict(values or {}).items():
+            name = cls.canonical_name(key)
+            if name in kwargs:
+                raise ValueError(f"The setting {name!r} of dp_method={cls.name!r} was given twice ({key!r}).")
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> MethodConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---------------------------------------------------------------------------------- privacy
+    def check_plan(self, plan: PrivacyPlan) -> None:
+        """Raise ValueError if the method cannot run under ``plan`` (e.g. a relation it cannot certify)."""
+
+    def mechanisms(self, step: int, noise: NoiseSettings, plan: PrivacyPlan) -> list[Mechanism]:
+        """The Gaussian mechanisms logical step ``step`` (0-based) releases (DP-SGD: one, subsampled)."""
+        return [Mechanism(noise.noise_multiplier, plan.sample_rate)]
+
+    def history(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, start: int = 0) -> list[tuple]:
+        """Aggregated accountant history of steps ``start .. start + steps - 1``."""
+        period = max(1, int(self.mechanism_period))
+        counts: dict[tuple[float, float], int] = {}
+        if steps <= 0:
+            return []
+        for residue in range(period):
+            # how many steps s in [start, start + steps) have s % period == residue
+            first = start + ((residue - start) % period)
+            if first >= start + steps:
+                continue
+            repeats = (start + steps - 1 - first) // period + 1
+            for m in self.mechanisms(first, noise, plan):
+                key = (float(m.noise_multiplier), float(m.sample_rate))
+                counts[key] = counts.get(key, 0) + repeats
+        return [(s, q, n) for (s, q), n in counts.items()]
+
+    def noise_for_scale(self, scale: float, plan: PrivacyPlan) -> NoiseSettings:
+        """The noise settings calibration tries for one scale parameter (DP-SGD: sigma = scale)."""
+        return NoiseSettings(float(scale))
+
+    def fixed_noise(self, noise_multiplier: float, plan: PrivacyPlan) -> NoiseSettings:
+        """The noise settings when the user fixes ``noise_multiplier`` instead of a target epsilon."""
+        return NoiseSettings(float(noise_multiplier))
+
+    def calibrate(self, target_epsilon: float, delta: float, plan: PrivacyPlan) -> NoiseSettings:
+        """The smallest noise (along :meth:`noise_for_scale`) whose run spends at most ``target_epsilon``."""
+        if plan.steps is None or plan.sample_rate is None:
+            raise ValueError("Calibrating the noise needs the number of steps and the sample rate of the plan.")
+        scale = calibrate_scale(
+            lambda z: self.history(self.noise_for_scale(z, plan), plan, plan.steps),
+            target_epsilon,
+            delta,
+            plan.accountant,
+        )
+        return self.noise_for_scale(scale, plan)
+
+    def report(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, delta: float) -> dict[str, Any]:
+        """Method-specific entries of ``privacy_report()`` (how the epsilon was obtained, extra claims)."""
+        return {}
+
+
+def as_tuple(values: Any) -> tuple[float, ...] | None:
+    """Coefficient lists are kept as tuples so that configs stay hashable and immutable."""
+    return None if values is None else tuple(float(v) for v in values)
+
+
+def check_finite_positive(value: float, name: str, allow_zero: bool = False) -> None:
+    ok = value is not None and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value}.")

@@ -1,0 +1,363 @@
+"""The privacy plan: one frozen object that says what a DP run will do, and builds what runs it.
+
+A :class:`PrivacyPlan` holds N, the expected batch B and the sample rate q = B / N, the number of steps, delta,
+the accountant, the method and its config (which declares the method's mechanisms), the clipping norm and
+function, the calibrated noise, the sampling and the source of randomness. Everything that needs one of these
+reads it from the plan -- ``DPTrainer``, the recipes, the benchmarks, the audit and custom loops -- and the
+plan builds a consistent engine + optimizer pair (:meth:`PrivacyPlan.build`) and the batch sampler, so no
+caller re-derives the step count or sigma, and the noise can never be sized for another C than the clip.
+
+``dp_method="none"`` is the null plan: no noise, no accounting (epsilon = inf), the same training path.
+
+Example (custom loop)::
+
+    plan = PrivacyPlan.create(num_examples=len(dataset), logical_batch_size=256, epochs=3, target_epsilon=8.0,
+                              max_grad_norm=1.0, method="disk", secure_rng=True)
+    engine, optimizer = plan.build(model, base=torch.optim.AdamW, lr=1e-3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hf_dpfilter.accounting import ACCOUNTANTS, compute_epsilon, default_delta, validate_privacy_parameters
+from hf_dpfilter.clipping import CLIPPING_FNS
+from hf_dpfilter.collectives import Collectives, default_collectives
+from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings
+from hf_dpfilter.optimizers.registry import method_names, method_spec
+from hf_dpfilter.secure_rng import fresh_seed
+
+if TYPE_CHECKING:
+    from hf_dpfilter.accounting import PrivacyAccountant
+    from hf_dpfilter.engine import GhostClippingEngine
+    from hf_dpfilter.optimizers.base import DPOptimizer
+
+__all__ = ["PrivacyPlan", "split_legacy_method_args"]
+
+SEEDED_RANDOMNESS_NOTE = (
+    "seeded generators: the noise and the Poisson batches are reproducible from the DP seed, so the guarantee "
+    "assumes that the seed stays secret (it is never written to results; set secure_noise=True to draw both "
+    "from the OS CSPRNG instead)"
+)
+SECURE_RANDOMNESS_NOTE = "OS CSPRNG: the noise and the Poisson batches are drawn from os.urandom (not reproducible)"
+
+
+def split_legacy_method_args(
+    config_class: type[MethodConfig], values: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``values`` into this method's settings under their earlier flat names (warned about) and the rest.
+
+    A flat name of *another* method (``disk_kappa`` with ``dp_method="dpsgd"``) is an error, never ignored.
+    """
+    owners: dict[str, str] = {}
+    for name in method_names():
+        for legacy in method_spec(name).config_class.legacy_names():
+            owners[legacy] = name
+    mine = config_class.legacy_names()
+    legacy_values, rest = {}, {}
+    for key, value in values.items():
+        if key in mine:
+            warnings.warn(
+                f"{key}=... is deprecated: pass the method's settings as dp_method_args={{'{mine[key]}': ...}} "
+                f"(or make_dp_optimizer(..., method_args={{'{mine[key]}': ...}})).",
+                FutureWarning,
+                stacklevel=3,
+            )
+            legacy_values[mine[key]] = value
+        elif key in owners:
+            raise ValueError(
+                f"{key} is a setting of dp_method={owners[key]!r}, but the method is {config_class.name!r}. Remove it "
+                f"or choose dp_method={owners[key]!r}."
+            )
+        else:
+            rest[key] = value
+    return legacy_values, rest
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """What a DP run does (see the module docstring). Build with :meth:`create`, :meth:`from_training_args` or
+    :meth:`for_optimizer`; never edit (it is frozen)."""
+
+    method: str
+    config: MethodConfig
+    noise: NoiseSettings
+    max_grad_norm: float
+    clipping_fn: str
+    expected_batch_size: float
+    sample_rate: float | None
+    num_examples: int | None = None
+    steps: int | None = None
+    steps_per_epoch: int | None = None
+    delta: float | None = None
+    target_epsilon: float | None = None
+    accountant: str = "prv"
+    poisson_sampling: bool = True
+    secure_rng: bool = False
+    #: the secret DP seed of the seeded generators (never printed, compared or written to results)
+    seed: int = field(default=0, repr=False, compare=False)
+
+    # ------------------------------------------------------------------------------ construction
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_examples: int,
+        logical_batch_size: int,
+        epochs: float | None = None,
+        max_steps: int | None = None,
+        method: str = "dpsgd",
+        method_args: MethodConfig | Mapping[str, Any] | None = None,
+        target_epsilon: float | None = None,
+        noise_multiplier: float | None = None,
+        target_delta: float | None = None,
+        max_grad_norm: float = 1.0,
+        clipping_fn: str = "abadi",
+        accountant: str = "prv",
+        poisson_sampling: bool = True,
+        secure_rng: bool = False,
+        seed: int | None = None,
+        collectives: Collectives | None = None,
+    ) -> PrivacyPlan:
+        """The plan of a run over ``num_examples`` examples, calibrated for ``target_epsilon`` (or with a fixed
+        ``noise_multiplier``). ``seed=None`` draws a fresh secret seed (agreed on by all processes)."""
+        spec = method_spec(method)
+        config = spec.config_class.from_args(method_args)
+        if isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1:
+            raise ValueError(f"The training set is empty or its size is invalid (N = {num_examples}).")
+        if logical_batch_size is None or not logical_batch_size >= 1:
+            raise ValueError(f"logical_batch_size must be >= 1, got {logical_batch_size}.")
+        sample_rate = logical_batch_size / num_examples
+        if sample_rate > 1:
+            raise ValueError(
+                f"logical_batch_size={logical_batch_size} is larger than the training set (N={num_examples}), so the "
+                "sample rate q would be > 1. Use logical_batch_size <= N."
+            )
+        steps_per_epoch = max(1, int(1 / sample_rate + 1e-9))
+        if max_steps is not None and max_steps > 0:
+            steps = int(max_steps)
+        elif epochs is not None and epochs > 0:
+            steps = math.ceil(epochs * steps_per_epoch)
+        else:
+            raise ValueError("Give a positive number of epochs or max_steps: the noise is calibrated for the run length.")
+        delta = target_delta if target_delta is not None else default_delta(int(num_examples))
+        if seed is None:
+            seed = (collectives or default_collectives()).agree_on_seed(fresh_seed())
+        _check_common(max_grad_norm, clipping_fn, accountant)
+        plan = cls(
+            method=method, config=config, noise=NoiseSettings(0.0), max_grad_norm=float(max_grad_norm),
+            clipping_fn=clipping_fn, expected_batch_size=float(logical_batch_size), sample_rate=sample_rate,
+            num_examples=int(num_examples), steps=steps, steps_per_epoch=steps_per_epoch, delta=delta,
+            target_epsilon=target_epsilon, accountant=accountant, poisson_sampling=poisson_sampling,
+            secure_rng=bool(secure_rng), seed=int(seed),
+        )
+        if not plan.is_private:
+            return plan
+        if (target_epsilon is None) == (noise_multiplier is None):
+            given = "both" if target_epsilon is not None else "neither"
+            raise ValueError(
+                f"Give exactly one of target_epsilon and noise_multiplier ({given} was given): target_epsilon "
+                "calibrates the noise to a budget; noise_multiplier fixes sigma and reports the epsilon spent."
+            )
+        config.check_plan(plan)
+        if target_epsilon is not None:
+            validate_privacy_parameters(target_epsilon, delta, sample_rate, int(num_examples))
+            noise = config.calibrate(float(target_epsilon), delta, plan)
+        else:
+            validate_privacy_parameters(1.0, delta, sample_rate, int(num_examples))
+            if not noise_multiplier >= 0:
+                raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
+            noise = config.fixed_noise(float(noise_multiplier), plan)
+        return dataclasses.replace(plan, noise=noise)
+
+    @classmethod
+    def from_training_args(cls, args: Any, num_examples: int) -> PrivacyPlan:
+        """The plan of a ``DPTrainer`` run: :class:`~hf_dpfilter.DPTrainingArguments` and the training-set size."""
+        world = max(1, args.world_size)
+        return cls.create(
+            num_examples=num_examples,
+            logical_batch_size=args.logical_batch_size or args.per_device_train_batch_size * world,
+            epochs=args.num_train_epochs,
+            max_steps=args.max_steps,
+            method=args.dp_method,
+            method_args=args.dp_method_args,
+            target_epsilon=args.target_epsilon,
+            noise_multiplier=args.noise_multiplier,
+            target_delta=args.target_delta,
+            max_grad_norm=args.per_sample_max_grad_norm,
+            clipping_fn=args.clipping_fn,
+            accountant=args.accountant,
+            poisson_sampling=args.poisson_sampling,
+            secure_rng=args.secure_noise,
+            seed=args.dp_seed,
+        )
+
+    @classmethod
+    def for_optimizer(
+        cls,
+        *,
+        method: str = "dpsgd",
+        method_args: MethodConfig | Mapping[str, Any] | None = None,
+        noise_multiplier: float = 0.0,
+        max_grad_norm: float = 1.0,
+        expected_batch_size: float = 1.0,
+        sample_rate: float | None = None,
+        clipping_fn: str = "abadi",
+        seed: int | None = None,
+        secure_noise: bool = False,
+        accountant: str = "prv",
+    ) -> PrivacyPlan:
+        """A plan without a data set (no N, no planned steps): a fixed noise multiplier, accounted per step when
+        ``sample_rate`` is given. What :func:`hf_dpfilter.make_dp_optimizer` builds."""
+        spec = method_spec(method)
+        config = spec.config_class.from_args(method_args)
+        if not noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
+        if not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm (the clipping norm C) must be > 0, got {max_grad_norm}.")
+        if not expected_batch_size > 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}.")
+        if sample_rate is not None and not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}.")
+        _check_common(max_grad_norm, clipping_fn, accountant)
+        plan = cls(
+            method=method, config=config, noise=NoiseSettings(0.0), max_grad_norm=float(max_grad_norm),
+            clipping_fn=clipping_fn, expected_batch_size=float(expected_batch_size), sample_rate=sample_rate,
+            accountant=accountant, secure_rng=bool(secure_noise),
+            seed=int(seed) if seed is not None else fresh_seed(),
+        )
+        if plan.is_private:
+            config.check_plan(plan)
+            plan = dataclasses.replace(plan, noise=config.fixed_noise(float(noise_multiplier), plan))
+        return plan
+
+    # ------------------------------------------------------------------------------ what it says
+    @property
+    def is_private(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.noise.noise_multiplier
+
+    @property
+    def randomness(self) -> str:
+        return SECURE_RANDOMNESS_NOTE if self.secure_rng else SEEDED_RANDOMNESS_NOTE
+
+    def mechanisms(self, step: int) -> list[Mechanism]:
+        """The mechanisms step ``step`` (0-based) releases, as the method declares them."""
+        if not self.is_private or self.sample_rate is None:
+            return []
+        return self.config.mechanisms(step, self.noise, self)
+
+    def history(self, steps: int | None = None) -> list[tuple[float, float, int]]:
+        """Accountant history of the first ``steps`` steps (default: the planned run)."""
+        steps = self.steps if steps is None else steps
+        if not self.is_private or self.sample_rate is None or not steps:
+            return []
+        return self.config.history(self.noise, self, steps)
+
+    def epsilon(self, steps: int | None = None, delta: float | None = None) -> float:
+        """The epsilon the run spends after ``steps`` steps (default: all planned); inf without privacy."""
+        if not self.is_private:
+            return math.inf
+        delta = self.delta if delta is None else delta
+        return compute_epsilon(self.history(steps), delta, self.accountant)
+
+    def noise_std(self, sensitivity: float | None = None) -> float:
+        """Noise std on the sum scale, sigma * Delta (Delta defaults to C)."""
+        return self.noise_multiplier * (self.max_grad_norm if sensitivity is None else sensitivity)
+
+    def summary(self) -> dict[str, Any]:
+        """The public description of the plan (JSON-able; never the seed)."""
+        return {
+            "method": self.method,
+            "method_args": self.config.to_dict(),
+            "num_train_examples": self.num_examples,
+            "logical_batch_size": self.expected_batch_size,
+            "sample_rate": self.sample_rate,
+            "planned_steps": self.steps,
+            "delta": self.delta,
+            "target_epsilon": self.target_epsilon,
+            **{k: v for k, v in self.noise.as_dict().items()},
+            "accountant": self.accountant,
+            "max_grad_norm": self.max_grad_norm,
+            "clipping_fn": self.clipping_fn,
+            "poisson_sampling": self.poisson_sampling,
+            "randomness": self.randomness,
+        }
+
+    # ------------------------------------------------------------------------------ what it builds
+    def make_engine(self, model: nn.Module, verify_first_backward: bool = True) -> GhostClippingEngine | None:
+        """The clipping engine for ``model`` (None for the null plan: non-private runs need no hooks)."""
+        if not self.is_private:
+            return None
+        from hf_dpfilter.engine import GhostClippingEngine
+
+        return GhostClippingEngine(model, verify_first_backward=verify_first_backward)
+
+    def make_optimizer(
+        self,
+        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]] | None,
+        base: type[torch.optim.Optimizer] | torch.optim.Optimizer = torch.optim.SGD,
+        *,
+        accountant: PrivacyAccountant | None = None,
+        collectives: Collectives | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        **base_kwargs: Any,
+    ) -> DPOptimizer:
+        """The method's DP optimizer around ``base`` (a class built on ``params`` with ``base_kwargs``, or an
+        instance). ``target_epsilon``/``target_delta`` turn on the budget guard."""
+        from hf_dpfilter.optimizers.base import build_base_optimizer
+
+        optimizer = build_base_optimizer(params, base, **base_kwargs)
+        cls = method_spec(self.method).optimizer_class
+        return cls(
+            optimizer, self, accountant=accountant, collectives=collectives, target_epsilon=target_epsilon,
+            target_delta=target_delta,
+        )
+
+    def build(
+        self,
+        model: nn.Module,
+        base: type[torch.optim.Optimizer] = torch.optim.SGD,
+        verify_first_backward: bool = True,
+        **optimizer_kwargs: Any,
+    ) -> tuple[GhostClippingEngine | None, DPOptimizer]:
+        """A consistent ``(engine, optimizer)`` pair for ``model``'s trainable parameters."""
+        engine = self.make_engine(model, verify_first_backward=verify_first_backward)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return engine, self.make_optimizer(params, base=base, **optimizer_kwargs)
+
+    def make_sampler(self, rank: int = 0, world_size: int = 1) -> torch.utils.data.Sampler:
+        """The batch sampler of the run: Poisson (secure or seeded), or shuffled fixed-size batches."""
+        from hf_dpfilter.sampling import PoissonBatchSampler, ShuffledBatchSampler
+
+        if self.num_examples is None or self.sample_rate is None or self.steps_per_epoch is None:
+            raise ValueError("This plan has no data set (N); build it with PrivacyPlan.create(num_examples=...).")
+        if self.is_private and self.poisson_sampling:
+            return PoissonBatchSampler(
+                self.num_examples, self.sample_rate, self.steps_per_epoch, seed=self.seed, rank=rank,
+                world_size=world_size, secure=self.secure_rng,
+            )
+        return ShuffledBatchSampler(
+            self.num_examples, int(round(self.expected_batch_size)), self.steps_per_epoch, self.seed, rank, world_size
+        )
+
+
+def _check_common(max_grad_norm: float, clipping_fn: str, accountant: str) -> None:
+    if max_grad_norm is None or not max_grad_norm > 0:
+        raise ValueError(f"per_sample_max_grad_norm must be > 0, got {max_grad_norm}: it is the per-example clipping norm C.")
+    if clipping_fn not in CLIPPING_FNS:
+        raise ValueError(f"clipping_fn must be one of {CLIPPING_FNS}, got {clipping_fn!r}.")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}.")
