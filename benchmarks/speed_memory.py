@@ -148,18 +148,14 @@ def nonprivate_step(model: nn.Module, inputs: dict, labels: torch.Tensor) -> Ste
 def hf_dpfilter_step(
     model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bool, method: str = "dpsgd", **method_kwargs
 ) -> tuple[Step, object]:
-    engine = GhostClippingEngine(model, max_grad_norm=CLIP, verify_first_backward=True)
+    engine = GhostClippingEngine(model, verify_first_backward=True)
     opt = make_dp_optimizer(
         trainable(model), base=torch.optim.AdamW, method=method, lr=LR, noise_multiplier=NOISE,
         max_grad_norm=CLIP, expected_batch_size=labels.shape[0], seed=0, **method_kwargs,
     )  # fmt: skip
 
     def loss_fn(values):
-        if values:
-            names = {p: engine.parameter_name(p) for p in values}
-            out = torch.func.functional_call(model, {names[p]: v for p, v in values.items()}, (), inputs, strict=False)
-        else:
-            out = model(**inputs)
+        out = engine.call_model(values, **inputs)
         return per_example_loss(out.logits, labels, causal_lm=causal)
 
     def step() -> float:
@@ -367,14 +363,14 @@ def run_case(case: Case, rounds: int, memory: bool, opacus: bool, timeout: float
 def method_overheads(case: Case, rounds: int, log) -> list[dict]:
     """DiSK / DOPPLER optimizer-step cost and DP-PMLF's k-point cost, against DP-SGD, interleaved."""
     methods = available_methods()
-    wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"pmlf_k": 2}), ("pmlf", {"pmlf_k": 3})]
+    wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"k": 2}), ("pmlf", {"k": 3})]
     wanted = [(m, kw) for m, kw in wanted if m in methods]
     inputs, labels, causal = make_batch(case)
     runners = {}
     for method, kwargs in wanted:
         name = method + "".join(f" k={v}" for v in kwargs.values())
         model = build_model(case.model, case.mode)
-        step, opt = hf_dpfilter_step(model, inputs, labels, causal, method=method, **kwargs)
+        step, opt = hf_dpfilter_step(model, inputs, labels, causal, method=method, method_args=kwargs)
         step()
         runners[name] = (step, opt)
     # Time the whole step and, within it, the optimizer step (noise + filter + AdamW on the real clipped sums).

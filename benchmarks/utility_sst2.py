@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))
 
-from _common import parse_method_args  # noqa: E402  (the recipes' NAME=VALUE parser, checked against the fields)
+from _common import parse_method_args, trainer_overrides  # noqa: E402  (the recipes' NAME=VALUE parser)
 
 from hf_dpfilter.demo import minilm_path, read_glue_tsv  # noqa: E402
 
@@ -66,21 +66,25 @@ DEFAULT_LEARNING_RATE = 2e-3  # the DP-Adam search's choice (docs/results.md); o
 
 
 def method_hyperparameters(method: str, args: argparse.Namespace) -> dict:
-    """The few settings a method needs beyond the shared ones (everything else: the paper defaults)."""
-    settings: dict[str, Any] = {}
+    """The few settings a method needs beyond the shared ones (everything else: the paper defaults), as
+    DPTrainingArguments fields: ``dp_method_args`` and the optimizer a filter variant needs."""
+    method_args: dict[str, Any] = {}
     if method == "dicesgd":
         # C2 = C1 / B, the paper's sum-scale reading (r = 1): Delta = C1 + 2 B C2 = 3 C1 under the library's
         # sound accounting. The mean-scale default C2 = C1 would make Delta = (1 + 2B) C1 (noise x 513 here).
-        settings = {"dice_error_max_grad_norm": args.max_grad_norm / args.logical_batch_size}
+        method_args = {"error_max_grad_norm": args.max_grad_norm / args.logical_batch_size}
     elif method == "diff2":
-        settings = {"diff2_difference_max_grad_norm": args.diff2_difference_max_grad_norm}
+        method_args = {"difference_max_grad_norm": args.diff2_difference_max_grad_norm}
     elif method in ("doppler", "pmlf"):
         # The shared optimizer is Adam, so the low-pass filters use DOPPLER's Adam variant (Alg. 3, LP-DPAdam): the
         # filter replaces Adam's first moment and the second moment is of the unfiltered gradient, applied by
         # plain SGD. Handing the filtered gradient to AdamW instead filters twice and divides by the filtered
-        # gradient's small second moment (the `doppler_base=optimizer` reference rows: chance accuracy).
-        settings = {f"{method}_base": "adam", "optim": "sgd"}
-    return {**settings, **parse_method_args(args.settings)}
+        # gradient's small second moment (the `base=optimizer` reference rows: chance accuracy).
+        method_args = {"base": "adam"}
+    if method != "none":
+        method_args = {**method_args, **parse_method_args(args.settings, method)}
+    extra = {"dp_method_args": method_args or None, **trainer_overrides(method_args)}
+    return extra
 
 
 def row_key(method: str, epsilon: float, args: argparse.Namespace) -> str:
@@ -114,7 +118,7 @@ def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train
         report_to=[],
         use_cpu=True,
         seed=args.seed,
-        dp_seed=args.seed,
+        dp_seed=args.seed,  # a benchmark must be reproducible; its seed is published, so its runs are not private
         disable_tqdm=True,
     )
     method_settings = method_hyperparameters(method, args)

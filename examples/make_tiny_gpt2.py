@@ -3,7 +3,7 @@
 No pretrained GPT-2 can be downloaded on the CI machines; this makes a stand-in that
 ``recipes/table2text.py --model <folder>`` loads like ``gpt2``::
 
-    python examples/make_tiny_gpt2.py --data_dir ../shared/data/e2e --output_dir /tmp/tiny-gpt2
+    python examples/make_tiny_gpt2.py --data_dir ../shared/data/e2e --output_dir outputs/tiny-gpt2
 """
 
 from __future__ import annotations

@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lora_r", type=int, default=8, help="LoRA rank for --train lora")
     parser.add_argument("--output_dir", default="outputs/demo")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--secure_noise", action="store_true",
+        help="noise and Poisson sampling from the OS CSPRNG (recommended whenever results are published)",
+    )
     args = parser.parse_args(argv)
 
     train_file = os.path.join(args.data_dir, "train.tsv")
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         report_to=[],
         use_cpu=True,
         seed=args.seed,
+        secure_noise=args.secure_noise,
         disable_tqdm=not sys.stderr.isatty(),
     )
 

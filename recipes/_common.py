@@ -7,15 +7,15 @@ plain scripts under ``python``, ``torchrun`` and ``accelerate launch``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import time
 from typing import Any
 
-from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan
 from hf_dpfilter.arguments import DP_METHODS
+from hf_dpfilter.optimizers.registry import method_spec
 
 _UNSUPPORTED_ENV = {
     "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
@@ -59,8 +59,14 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_model: str,
     g.add_argument("--clipping_fn", default=None, choices=["abadi", "automatic"], help="Per-example clipping function.")
     g.add_argument("--accountant", default="prv", choices=["prv", "rdp", "pld"])
     g.add_argument(
+        "--secure_noise", action="store_true",
+        help="Draw the noise and the Poisson sampling from the OS CSPRNG (recommended for published runs). "
+        "Without it they come from a secret random DP seed, which is never written to results.json.",
+    )
+    g.add_argument(
         "--method_args", nargs="*", default=[], metavar="NAME=VALUE",
-        help="Method hyperparameters as DPTrainingArguments fields, e.g. disk_kappa=0.7 disk_gamma=0.5.",
+        help="The method's settings (fields of its config, e.g. kappa=0.7 gamma=0.5 for disk; the older "
+        "prefixed names such as disk_kappa=0.7 are accepted too).",
     )
     g = parser.add_argument_group("optimisation")
     g.add_argument("--learning_rate", type=float, default=None, help=f"AdamW learning rate (default {default_lr}).")
@@ -85,31 +91,32 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_model: str,
     g.add_argument("--no_plots", action="store_true", help="Do not write the PNG plots.")
 
 
-def parse_method_args(pairs: list[str]) -> dict[str, Any]:
-    """``["disk_kappa=0.7", ...]`` -> ``{"disk_kappa": 0.7}`` checked against DPTrainingArguments fields."""
-    fields = {f.name: f for f in dataclasses.fields(DPTrainingArguments)}
+def parse_method_args(pairs: list[str], method: str) -> dict[str, Any]:
+    """``["kappa=0.7", ...]`` -> ``{"kappa": 0.7}``, checked against the fields of ``method``'s config.
+
+    The prefixed names of earlier versions (``disk_kappa=0.7``) are mapped to the field names.
+    """
+    config_class = method_spec(method).config_class
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
             raise ValueError(f"--method_args expects NAME=VALUE, got {pair!r}.")
         name, value = pair.split("=", 1)
-        if name not in fields:
-            raise ValueError(
-                f"--method_args: {name!r} is not a DPTrainingArguments field; method fields are named like "
-                "disk_kappa, doppler_..., see `python -c 'import hf_dpfilter; help(hf_dpfilter.DPTrainingArguments)'`."
-            )
-        out[name] = _parse_value(value)
+        out[config_class.canonical_name(name)] = _parse_value(value)
     return out
-
 
 
 # The recipes' optimizer is Adam(W). The low-pass filters then use DOPPLER's Adam variant (LP-DPAdam, Alg. 3): the
 # filter replaces Adam's first moment, applied by plain SGD. Handing the filtered gradient to AdamW instead
-# collapsed to chance on SST-2 (docs/results.md). --method_args doppler_base=... (pmlf_base=...) replaces both.
-ADAM_FILTER_FIELDS = {
-    "doppler": {"doppler_base": "adam", "optim": "sgd"},
-    "pmlf": {"pmlf_base": "adam", "optim": "sgd"},
-}
+# collapsed to chance on SST-2 (docs/results.md). --method_args base=... replaces it.
+ADAM_FILTER_ARGS = {"doppler": {"base": "adam"}, "pmlf": {"base": "adam"}}
+#: filter bases that compute their own direction and need plain SGD as the Trainer's optimizer
+PLAIN_SGD_BASES = ("adam", "adam_bc", "sgd")
+
+
+def trainer_overrides(method_args: dict[str, Any]) -> dict[str, Any]:
+    """TrainingArguments a method's settings imply (the filters' Adam variants are applied by plain SGD)."""
+    return {"optim": "sgd"} if method_args.get("base") in PLAIN_SGD_BASES else {}
 
 
 def apply_user_overrides(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -119,11 +126,12 @@ def apply_user_overrides(settings: dict[str, Any], args: argparse.Namespace) -> 
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
-    user_fields = parse_method_args(args.method_args)
-    defaults = ADAM_FILTER_FIELDS.get(args.method, {})
-    if any(name.endswith("_base") for name in user_fields):
-        defaults = {}  # the user chose how the filter is applied (and, if needed, the optimizer)
-    settings["method_fields"] = {**defaults, **settings["method_fields"], **user_fields}
+    user_args = parse_method_args(args.method_args, args.method)
+    defaults = ADAM_FILTER_ARGS.get(args.method, {})
+    if "base" in user_args:
+        defaults = {}  # the user chose how the filter is applied
+    preset = {k: v for k, v in settings.get("method_args", {}).items()}
+    settings["method_args"] = {**defaults, **preset, **user_args}
     return settings
 
 def _parse_value(value: str) -> Any:
@@ -137,12 +145,6 @@ def _parse_value(value: str) -> Any:
         except ValueError:
             pass
     return value
-
-
-def known_method_fields(values: dict[str, Any]) -> dict[str, Any]:
-    """Keep only the keys that are DPTrainingArguments fields (method fields may not exist yet)."""
-    names = {f.name for f in dataclasses.fields(DPTrainingArguments)}
-    return {k: v for k, v in values.items() if k in names}
 
 
 def apply_lora(model: Any, args: argparse.Namespace, task_type: str, modules_to_save: list[str] | None) -> Any:
@@ -167,14 +169,6 @@ def count_parameters(model: Any) -> tuple[int, int]:
     return trainable, total
 
 
-def planned_steps(n_train: int, logical_batch_size: int, epochs: float, max_steps: int) -> int:
-    """The number of optimizer steps DPTrainer will take (same rule as DPTrainer)."""
-    if max_steps > 0:
-        return max_steps
-    steps_per_epoch = max(1, int(n_train / logical_batch_size + 1e-9))
-    return math.ceil(epochs * steps_per_epoch)
-
-
 def training_arguments(
     args: argparse.Namespace,
     settings: dict[str, Any],
@@ -190,8 +184,12 @@ def training_arguments(
     clipping_norm = settings["clipping_norm"]
     clipping_fn = settings["clipping_fn"]
     lr_scheduler = settings["lr_scheduler"]
-    method_fields = settings["method_fields"]
-    steps = planned_steps(n_train, logical_batch_size, epochs, args.max_steps)
+    method_args = settings["method_args"]
+    # The run length comes from the privacy plan (the same rule DPTrainer uses); no noise is calibrated here.
+    steps = PrivacyPlan.create(
+        num_examples=n_train, logical_batch_size=min(logical_batch_size, n_train), epochs=epochs,
+        max_steps=args.max_steps, method="none", seed=0,
+    ).steps
     logging_steps = args.logging_steps or max(1, steps // 20)
     eval_steps = max(1, math.ceil(steps / max(1, args.num_evals)))
     if args.method == "none":
@@ -226,12 +224,13 @@ def training_arguments(
         seed=args.seed,
         bf16=args.bf16,
         use_cpu=args.use_cpu,
+        secure_noise=args.secure_noise,
         remove_unused_columns=False,
         disable_tqdm=False,
         **privacy,
     )
-    # method fields (and the optimizer a method variant needs, e.g. optim='sgd') win over the defaults above
-    return DPTrainingArguments(**{**fields, **(method_fields or {})})
+    # the optimizer a method variant needs (optim='sgd' for the filters' Adam variants) wins over the default
+    return DPTrainingArguments(**{**fields, **trainer_overrides(method_args)}, dp_method_args=method_args or None)
 
 
 def final_evaluation(trainer: DPTrainer) -> dict[str, Any]:
@@ -275,6 +274,7 @@ def format_privacy_report(report: dict[str, Any]) -> str:
         f"of N = {report['num_train_examples']})",
         f"  steps             : {report['steps']} (planned {report['planned_steps']})",
         f"  accountant        : {report['accountant']}",
+        f"  randomness        : {report.get('randomness', '')}",
         f"  clipping          : {report['clipping_fn']}, C = {report['max_grad_norm']}",
         f"  neighbouring      : {report['neighbouring_relation']}"
         + ("" if report.get("poisson_sampling", True) else "  [shuffled batches: epsilon is NOT a proven bound]"),
@@ -308,7 +308,7 @@ def finish_run(
         "wall_time_seconds": wall,
         "world_size": trainer.args.world_size,
         "settings": settings,
-        "arguments": vars(args),
+        "arguments": {k: v for k, v in vars(args).items() if k != "dp_seed"},  # never the DP seed
         "log_history": trainer.state.log_history,
     }
     os.makedirs(args.output_dir, exist_ok=True)

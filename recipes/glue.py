@@ -37,7 +37,6 @@ from _common import (  # noqa: E402
     count_parameters,
     final_evaluation,
     finish_run,
-    known_method_fields,
     refuse_sharded_training,
     training_arguments,
 )
@@ -104,7 +103,7 @@ PAPER_CLIPPING = {
     "diff2": ("abadi", 0.1),
     "none": ("abadi", 1.0),
 }
-PAPER_METHOD_FIELDS = {"disk": {"disk_kappa": 0.7, "disk_gamma": 0.5}}  # decision 2: the paper's two points
+PAPER_METHOD_ARGS = {"disk": {"kappa": 0.7, "gamma": 0.5}}  # decision 2: the paper's two points
 PAPER_LORA = {"lora_alpha_factor": 2, "lora_dropout": 0.01}  # r = 16, alpha = 32 in the DiSK author code
 
 
@@ -203,7 +202,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             "clipping_fn": clip_fn,
             "clipping_norm": clip_norm,
             "max_seq_length": 256,
-            "method_fields": dict(PAPER_METHOD_FIELDS.get(args.method, {})),
+            "method_args": dict(PAPER_METHOD_ARGS.get(args.method, {})),
         }
         if args.lora_r and args.lora_alpha is None:
             args.lora_alpha = PAPER_LORA["lora_alpha_factor"] * args.lora_r
@@ -216,13 +215,9 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             "clipping_fn": "abadi",
             "clipping_norm": 1.0,
             "max_seq_length": 128,
-            "method_fields": {},
+            "method_args": {},
         }
     apply_user_overrides(settings, args)
-    dropped = set(settings["method_fields"]) - set(known_method_fields(settings["method_fields"]))
-    if dropped:
-        print(f"[glue] note: {sorted(dropped)} are not DPTrainingArguments fields in this version; ignored.")
-    settings["method_fields"] = known_method_fields(settings["method_fields"])
     return settings
 
 

@@ -8,7 +8,7 @@ Examples::
         --model gpt2 --method disk --preset paper --epsilon 8
 
     # offline, a small GPT-2 built from a config (examples/make_tiny_gpt2.py), the local E2E files
-    python recipes/table2text.py --dataset e2e --data_dir ../shared/data/e2e --model /tmp/tiny-gpt2 \\
+    python recipes/table2text.py --dataset e2e --data_dir ../shared/data/e2e --model outputs/tiny-gpt2 \\
         --max_train_samples 2000 --max_eval_samples 50
 
 Format (Li et al.'s "cat" mode): ``table <bos> text <eos>``; the loss is on the text tokens only (the table
@@ -44,7 +44,6 @@ from _common import (  # noqa: E402
     count_parameters,
     final_evaluation,
     finish_run,
-    known_method_fields,
     refuse_sharded_training,
     training_arguments,
 )
@@ -60,7 +59,7 @@ PAPER = {
     "dart": {"learning_rate": 5e-4, "epochs": 15, "max_seq_length": 120, "delta": 1e-5},
 }
 PAPER_CLIPPING = {"disk": ("automatic", 1.0), "doppler": ("automatic", 1.0)}
-PAPER_METHOD_FIELDS = {"disk": {"disk_kappa": 0.7, "disk_gamma": 0.5}}
+PAPER_METHOD_ARGS = {"disk": {"kappa": 0.7, "gamma": 0.5}}
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -231,7 +230,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             "clipping_fn": clip_fn,
             "clipping_norm": clip_norm,
             "max_seq_length": paper["max_seq_length"],
-            "method_fields": dict(PAPER_METHOD_FIELDS.get(args.method, {})),
+            "method_args": dict(PAPER_METHOD_ARGS.get(args.method, {})),
         }
         if args.delta is None:
             args.delta = paper["delta"]
@@ -244,10 +243,9 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             "clipping_fn": "abadi",
             "clipping_norm": 1.0,
             "max_seq_length": 100 if args.dataset == "e2e" else 120,
-            "method_fields": {},
+            "method_args": {},
         }
     apply_user_overrides(settings, args)
-    settings["method_fields"] = known_method_fields(settings["method_fields"])
     return settings
 
 

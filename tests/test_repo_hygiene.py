@@ -31,7 +31,7 @@ _NOTE_FILES = "|".join(["audit", "disk", "doppler", "dicesgd", "diff2", "pmlf", 
 _CHECKS: list[tuple[str, re.Pattern[str]]] = [
     ("path into the private working-material folder", re.compile(re.escape("shared" + "/" + _NOTES))),
     # An absolute path starting at the work area's root: not preceded by a word character, a dot
-    # (a relative "../"), a colon or a slash (URLs such as https://host/x/work/ have a word character before).
+    # (a relative "../"), a colon or a slash (inside a URL the path has a word character before it).
     ("absolute path into the machine's work area", re.compile(r"(?<![\w.:/~-])/" + _WORK + r"/")),
     # Citations of the working material: "<topic> N", "the N", "N section 4.1", "N' table" with N = _NOTES.
     ("citation of private working material",

@@ -131,6 +131,7 @@ class SeparatelyClippedPiecesDPSGD(DPOptimizer):
                 piece = loss_fn(None)
             self.accumulate_per_example(engine.per_example_gradients(piece))
             losses = piece.detach()
+        self._accumulated = True
         return losses
 
 
@@ -146,13 +147,7 @@ class _AuditTrainer(DPTrainer):
         super().__init__(*args, **kwargs)
 
     def compute_per_example_loss(self, model, inputs, labels, param_values=None):
-        if param_values:
-            names = {p: self.engine.parameter_name(p) for p in param_values}
-            outputs = torch.func.functional_call(
-                model, {names[p]: v for p, v in param_values.items()}, args=(), kwargs=inputs, strict=False
-            )
-        else:
-            outputs = model(**inputs)
+        outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
         real = (~inputs["is_canary"]).to(outputs["logits"].dtype)
         cross_entropy = F.cross_entropy(outputs["logits"], labels, reduction="none")
         return cross_entropy * real + self.canary_gradient_norm * outputs["probe"]
@@ -226,7 +221,7 @@ class AuditConfig:
     learning_rate: float = 0.05
     optim: str = "sgd"
     accountant: str = "prv"
-    method_hyperparameters: dict = field(default_factory=dict)
+    method_hyperparameters: dict = field(default_factory=dict)  # the method's dp_method_args
     optimizer_override: type | None = None
     label: str | None = None
 
@@ -288,10 +283,10 @@ def _run_audit(config: AuditConfig, output_dir: str | None) -> AuditResult:
     hyper = dict(config.method_hyperparameters)
     if config.method == "dicesgd":
         # Paper App. C.4 reading: C2 = C1 / B (mean scale), i.e. G~ = 3 C1^2 and sensitivity 3 C1.
-        hyper.setdefault("dice_error_max_grad_norm", config.max_grad_norm / logical)
+        hyper.setdefault("error_max_grad_norm", config.max_grad_norm / logical)
     if config.method == "diff2":
         # Any threshold is valid for the audit (constant canaries have zero differences); this one is typical.
-        hyper.setdefault("diff2_difference_max_grad_norm", 1.0)
+        hyper.setdefault("difference_max_grad_norm", 1.0)
     with tempfile.TemporaryDirectory() as tmp:
         args = DPTrainingArguments(
             output_dir=output_dir or tmp,
@@ -316,7 +311,7 @@ def _run_audit(config: AuditConfig, output_dir: str | None) -> AuditResult:
             dp_seed=config.seed + 1,
             seed=config.seed,
             dp_verify_first_step=False,
-            **hyper,
+            dp_method_args=hyper or None,
         )
         trainer = _AuditTrainer(
             model=model,

@@ -28,7 +28,12 @@ import torch
 from torch import nn
 
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.filters import LOWPASS_BASES, LowPassFilter, LowPassPostprocessor, check_filter_base
+from hf_dpfilter.optimizers.filters import (
+    LOWPASS_BASES,
+    LowPassFilter,
+    LowPassPostprocessor,
+    check_filter_base,
+)
 from hf_dpfilter.optimizers.method_config import MethodConfig, as_tuple
 
 
