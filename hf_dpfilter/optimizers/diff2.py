@@ -242,9 +242,10 @@ class Diff2(DPOptimizer):
     def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
         if self.current_round().restart:
             return [(1.0, None)]
-        # x_{r-2} exactly (no x - (x - x') rounding), as leaves that require grad so the clipping hooks see
-        # the forward at that point too; their own gradients are never computed.
-        previous = {p: v.detach().requires_grad_(True) for p, v in self._previous.items()}
+        # x_{r-2} exactly (no x - (x - x') rounding): "+ (p - p.detach())" (= 0) keeps the value and makes it
+        # differentiable in x, so the clipping hooks see that forward too and the first-backward check (an
+        # ordinary backward of the combined loss) sees the difference g(x) - g(x_{r-2}) the engine clips.
+        previous = {p: v + (p - p.detach()) for p, v in self._previous.items()}
         return [(1.0, None), (-1.0, previous)]
 
     def sensitivity(self) -> float:
