@@ -85,7 +85,7 @@ def test_dicesgd_paper_accounting_is_audited():
         pytest.skip("DiceSGD not available")
     result = run_audit(
         AuditConfig(method="dicesgd", target_epsilon=1.0, steps=50, canary_gradient_multiple=4.0,
-                    method_hyperparameters={"dice_accounting": "paper"})
+                    method_hyperparameters={"accounting": "paper"})
     )
     # The reported epsilon is the library's sound bound (not the paper's claim); the audit must stay below it.
     assert result.epsilon_lower_bound <= result.claimed_epsilon

@@ -18,7 +18,6 @@ from scipy.signal import lfilter
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine, make_dp_optimizer
 from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.engine import accumulate_into_grad
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.optimizers.filters import FILTER_PRESETS, LowPassFilter, LowPassPostprocessor
 
@@ -39,24 +38,22 @@ def _loss_fn(model, engine, batch):
     inputs = {k: v for k, v in batch.items() if k != "labels"}
 
     def loss_fn(values):
-        if values:
-            names = {engine.parameter_name(p): v for p, v in values.items()}
-            out = torch.func.functional_call(model, names, args=(), kwargs=inputs, strict=False)
-        else:
-            out = model(**inputs)
+        out = engine.call_model(values, **inputs)  # model(**inputs) at the given parameter values
         return per_example_loss(out.logits, batch["labels"], causal_lm=False)
 
     return loss_fn
 
 
-def _setup(method, base=torch.optim.SGD, num_labels=1, noise=0.5, max_grad_norm=1.0, verify=True, **kw):
+def _setup(method, base=torch.optim.SGD, num_labels=1, noise=0.5, max_grad_norm=1.0, verify=True, method_args=None,
+           **kw):
+    """Model, engine and DP optimizer; ``method_args`` are the method's settings, ``kw`` the base optimizer's."""
     model = tiny_roberta(num_labels=num_labels)
     model.eval()  # no dropout (the tiny models have p = 0 anyway)
-    engine = GhostClippingEngine(model, max_grad_norm=max_grad_norm, verify_first_backward=verify)
+    engine = GhostClippingEngine(model, verify_first_backward=verify)  # the clipping norm is the optimizer's
     kw.setdefault("lr", 0.05)
     opt = make_dp_optimizer(
-        model.parameters(), base=base, method=method, noise_multiplier=noise, max_grad_norm=max_grad_norm,
-        expected_batch_size=4, seed=7, **kw,
+        model.parameters(), base=base, method=method, method_args=method_args, noise_multiplier=noise,
+        max_grad_norm=max_grad_norm, expected_batch_size=4, seed=7, **kw,
     )
     return model, engine, opt
 
@@ -72,10 +69,12 @@ def _params(model):
 
 
 def _presum(model, engine, opt, batch, accumulate=None):
-    """The pre-noise aggregate that accumulate leaves in p.grad (flattened)."""
+    """The pre-noise aggregate that accumulate leaves in the optimizer's own buffer (flattened)."""
     opt.zero_grad()
     (accumulate or opt.accumulate)(engine, _loss_fn(model, engine, batch), batch["labels"].shape[0])
-    out = flat([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in _params(model)])
+    assert all(p.grad is None for p in _params(model))  # the clipped sum never goes through p.grad
+    sums = opt._local_sums()
+    out = flat([sums[p].clone() if p in sums else torch.zeros_like(p) for p in _params(model)])
     opt.zero_grad()
     return out
 
@@ -139,7 +138,7 @@ def _record_privatized(opt):
 
 
 def test_doppler_momentum_preset_is_bias_corrected_ema():
-    model, engine, opt = _setup("doppler", doppler_preset="momentum", lr=0.1)
+    model, engine, opt = _setup("doppler", method_args={"preset": "momentum"}, lr=0.1)
     privatized = _record_privatized(opt)
     ema = None
     for t in range(5):
@@ -153,7 +152,7 @@ def test_doppler_momentum_preset_is_bias_corrected_ema():
 
 
 def test_disk_filter_starts_at_g0_and_weights_kappa_on_the_new_gradient():
-    model, engine, opt = _setup("disk", disk_kappa=0.7, lr=0.1)
+    model, engine, opt = _setup("disk", method_args={"kappa": 0.7}, lr=0.1)
     privatized = _record_privatized(opt)
     filtered = None
     for t in range(4):
@@ -191,7 +190,7 @@ def _trajectory(method, steps=4, base=torch.optim.AdamW, **kw):
 def test_disk_kappa_one_equals_base_dp_optimizer_exactly():
     reference = _trajectory("dpsgd")
     for gamma in (None, 0.5):
-        got = _trajectory("disk", disk_kappa=1.0, disk_gamma=gamma)
+        got = _trajectory("disk", method_args={"kappa": 1.0, "gamma": gamma})
         for p, q in zip(got, reference):
             assert torch.equal(p, q)
 
@@ -200,22 +199,22 @@ def test_doppler_adam_with_the_momentum_filter_is_dp_adam():
     # LP-DPAdam: the filter replaces Adam's first moment, so the EMA filter b = [0.1], a = [-0.9] is DP-Adam
     # (up to where eps enters: max(sqrt(v_hat), eps) here, sqrt(v_hat) + eps in torch; both negligible).
     reference = _trajectory("dpsgd", base=torch.optim.Adam, eps=0.0)
-    got = _trajectory("doppler", base=torch.optim.SGD, doppler_preset="momentum", doppler_base="adam", doppler_eps=1e-300)
+    got = _trajectory("doppler", base=torch.optim.SGD, method_args={"preset": "momentum", "base": "adam", "eps": 1e-300})
     for p, q in zip(got, reference):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("base", ["optimizer", "adam", "adam_bc"])
 def test_pmlf_k_one_equals_doppler_exactly(base):
-    reference = _trajectory("doppler", base=torch.optim.SGD, doppler_preset="f1", doppler_base=base)
-    got = _trajectory("pmlf", base=torch.optim.SGD, pmlf_k=1, pmlf_preset="f1", pmlf_base=base)
+    reference = _trajectory("doppler", base=torch.optim.SGD, method_args={"preset": "f1", "base": base})
+    got = _trajectory("pmlf", base=torch.optim.SGD, method_args={"k": 1, "preset": "f1", "base": base})
     for p, q in zip(got, reference):
         assert torch.equal(p, q)
 
 
 def test_pmlf_beta_changes_the_update():
-    a = _trajectory("pmlf", pmlf_k=2, pmlf_beta=0.1)
-    b = _trajectory("pmlf", pmlf_k=2, pmlf_beta=0.9)
+    a = _trajectory("pmlf", method_args={"k": 2, "beta": 0.1})
+    b = _trajectory("pmlf", method_args={"k": 2, "beta": 0.9})
     assert not all(torch.equal(p, q) for p, q in zip(a, b))
 
 
@@ -246,26 +245,26 @@ def _reference_sum(model, batch, points, max_grad_norm):
 @pytest.mark.parametrize(
     "method,kw",
     [
-        ("disk", {"disk_kappa": 0.7, "disk_gamma": 0.5}),  # c = 6/7
-        ("disk", {"disk_kappa": 0.7, "disk_gamma": 0.2}),  # c = 15/7 > 1 (extrapolation)
-        ("disk", {"disk_kappa": 0.7}),  # one pass at x + (3/7) d
-        ("pmlf", {"pmlf_k": 3, "pmlf_beta": 0.5}),
+        ("disk", {"kappa": 0.7, "gamma": 0.5}),  # c = 6/7
+        ("disk", {"kappa": 0.7, "gamma": 0.2}),  # c = 15/7 > 1 (extrapolation)
+        ("disk", {"kappa": 0.7}),  # one pass at x + (3/7) d
+        ("pmlf", {"k": 3, "beta": 0.5}),
     ],
 )
 def test_one_step_clipped_sum_equals_per_example_reference(method, kw):
-    model, engine, opt = _setup(method, base=torch.optim.AdamW, noise=0.3, max_grad_norm=0.5, lr=0.05, **kw)
+    model, engine, opt = _setup(method, base=torch.optim.AdamW, noise=0.3, max_grad_norm=0.5, lr=0.05, method_args=kw)
     history = [[p.detach().clone() for p in _params(model)]]
     for t in range(3):
         _step(model, engine, opt, _regression_batch(4, seed=10 + t))
         history.append([p.detach().clone() for p in _params(model)])
     x = history[-1]
     if method == "disk":
-        kappa, gamma = kw["disk_kappa"], kw.get("disk_gamma", (1 - kw["disk_kappa"]) / kw["disk_kappa"])
+        kappa, gamma = kw["kappa"], kw.get("gamma", (1 - kw["kappa"]) / kw["kappa"])
         c = (1 - kappa) / (kappa * gamma)
         shifted = [torch.add(xt, xt - xp, alpha=gamma) for xt, xp in zip(x, history[-2])]  # d = real change
         points = [(1 - c, x), (c, shifted)]
     else:
-        weights = [0.5**j for j in range(kw["pmlf_k"])]
+        weights = [0.5**j for j in range(kw["k"])]
         points = [(w / sum(weights), history[-1 - j]) for j, w in enumerate(weights)]
     batch = _regression_batch(5, seed=99)
     got = _presum(model, engine, opt, batch)
@@ -277,11 +276,11 @@ def test_one_step_clipped_sum_equals_per_example_reference(method, kw):
 # -------------------------------------------------------------------------------------- 2. sensitivity
 
 MODES = [
-    ("disk", {"disk_kappa": 0.7}),  # one pass
-    ("disk", {"disk_kappa": 0.7, "disk_gamma": 0.2}),  # two points, c > 1
-    ("disk", {"disk_kappa": 0.7, "disk_gamma": 0.5}),  # two points, c < 1
-    ("pmlf", {"pmlf_k": 2, "pmlf_beta": 0.5}),
-    ("pmlf", {"pmlf_k": 3, "pmlf_beta": 0.9}),
+    ("disk", {"kappa": 0.7}),  # one pass
+    ("disk", {"kappa": 0.7, "gamma": 0.2}),  # two points, c > 1
+    ("disk", {"kappa": 0.7, "gamma": 0.5}),  # two points, c < 1
+    ("pmlf", {"k": 2, "beta": 0.5}),
+    ("pmlf", {"k": 3, "beta": 0.9}),
     ("doppler", {}),
 ]
 
@@ -294,8 +293,8 @@ def _broken_accumulate(opt):
             with engine.record(batch_size=batch_size):
                 losses = loss_fn(values)
             grads = engine.per_example_gradients(losses)
-            factors = clip_factors(grads.norms(), opt.max_grad_norm, opt.clipping_fn)
-            accumulate_into_grad(grads.weighted_sum(factors))
+            factors = clip_factors(grads.clipping_norms(), opt.max_grad_norm, opt.clipping_fn)
+            opt.add_to_sums(grads.weighted_sum(factors))  # into the optimizer's own buffer, like accumulate()
 
     return accumulate
 
@@ -303,12 +302,12 @@ def _broken_accumulate(opt):
 @pytest.mark.parametrize("method,kw", MODES)
 def test_remove_one_example_moves_presum_by_at_most_C(method, kw):
     C = 1.0
-    model, engine, opt = _setup(method, base=torch.optim.SGD, noise=1.0, max_grad_norm=C, lr=0.2, **kw)
+    model, engine, opt = _setup(method, base=torch.optim.SGD, noise=1.0, max_grad_norm=C, lr=0.2, method_args=kw)
     for t in range(2):  # build up d / snapshots / filter state
         _step(model, engine, opt, _regression_batch(4, seed=20 + t, extreme=30.0))
     assert opt.sensitivity() == C  # no rescaling of the noise
     points = opt.gradient_points()
-    assert len(points) == {"disk": 2 if "disk_gamma" in kw else 1, "pmlf": min(kw.get("pmlf_k", 1), 3), "doppler": 1}[method]
+    assert len(points) == {"disk": 2 if "gamma" in kw else 1, "pmlf": min(kw.get("k", 1), 3), "doppler": 1}[method]
     batch = _regression_batch(5, seed=5, extreme=1e4)  # example 0: a wildly wrong label, a huge gradient
     full = _presum(model, engine, opt, batch)
     moves = [(full - _presum(model, engine, opt, _drop(batch, i))).norm().item() for i in (0, 3)]
@@ -323,19 +322,20 @@ def test_remove_one_example_moves_presum_by_at_most_C(method, kw):
 
 # ----------------------------------------------------------------------------------- 3. checkpoints
 
-CHECKPOINT_CASES = [
-    ("disk", torch.optim.AdamW, {"disk_kappa": 0.7}),
-    ("disk", torch.optim.SGD, {"disk_kappa": 0.6, "disk_gamma": 0.5, "momentum": 0.9}),
-    ("doppler", torch.optim.SGD, {"doppler_preset": "second_order", "doppler_base": "adam_bc"}),
-    ("doppler", torch.optim.SGD, {"doppler_preset": "f6", "doppler_base": "adam"}),
-    ("doppler", torch.optim.Adam, {"doppler_preset": "f6"}),
-    ("pmlf", torch.optim.SGD, {"pmlf_k": 3, "pmlf_beta": 0.5, "pmlf_preset": "pmlf_cifar"}),
-    ("pmlf", torch.optim.SGD, {"pmlf_k": 2, "pmlf_base": "adam_bc"}),
+CHECKPOINT_CASES = [  # (method, base, method_args, base optimizer settings)
+    ("disk", torch.optim.AdamW, {"kappa": 0.7}, {}),
+    ("disk", torch.optim.SGD, {"kappa": 0.6, "gamma": 0.5}, {"momentum": 0.9}),
+    ("doppler", torch.optim.SGD, {"preset": "second_order", "base": "adam_bc"}, {}),
+    ("doppler", torch.optim.SGD, {"preset": "f6", "base": "adam"}, {}),
+    ("doppler", torch.optim.Adam, {"preset": "f6"}, {}),
+    ("pmlf", torch.optim.SGD, {"k": 3, "beta": 0.5, "preset": "pmlf_cifar"}, {}),
+    ("pmlf", torch.optim.SGD, {"k": 2, "base": "adam_bc"}, {}),
 ]
 
 
-@pytest.mark.parametrize("method,base,kw", CHECKPOINT_CASES)
-def test_checkpoint_round_trip_resumes_exactly(method, base, kw):
+@pytest.mark.parametrize("method,base,method_args,kw", CHECKPOINT_CASES)
+def test_checkpoint_round_trip_resumes_exactly(method, base, method_args, kw):
+    kw = {**kw, "method_args": method_args}
     batches = [_regression_batch(3 + t % 2, seed=40 + t) for t in range(6)]
     model, engine, opt = _setup(method, base=base, **kw)
     for batch in batches:
@@ -375,7 +375,12 @@ def _train(out_dir, method, kw, resume=None):
 
 
 @pytest.mark.parametrize(
-    "method,kw", [("disk", {"disk_gamma": 0.5}), ("doppler", {"doppler_preset": "second_order"}), ("pmlf", {"pmlf_k": 3})]
+    "method,kw",
+    [
+        ("disk", {"dp_method_args": {"gamma": 0.5}}),
+        ("doppler", {"dp_method_args": {"preset": "second_order"}}),
+        ("pmlf", {"dp_method_args": {"k": 3}}),
+    ],
 )
 def test_dptrainer_checkpoint_resume_is_exact(method, kw, tmp_path):
     uninterrupted, _ = _train(str(tmp_path / "a"), method, kw)
@@ -392,9 +397,9 @@ def test_dptrainer_checkpoint_resume_is_exact(method, kw, tmp_path):
     "method,kw",
     [
         ("disk", {}),
-        ("disk", {"disk_gamma": 0.5}),
+        ("disk", {"dp_method_args": {"gamma": 0.5}}),
         ("doppler", {}),
-        ("doppler", {"doppler_base": "adam_bc", "optim": "sgd", "learning_rate": 0.1}),
+        ("doppler", {"dp_method_args": {"base": "adam_bc"}, "optim": "sgd", "learning_rate": 0.1}),
         ("pmlf", {}),
     ],
 )
@@ -421,21 +426,27 @@ def test_bad_hyperparameters_give_clear_errors():
     params = [torch.nn.Parameter(torch.zeros(2))]
     common = {"lr": 0.1, "noise_multiplier": 1.0, "max_grad_norm": 1.0, "expected_batch_size": 4}
     with pytest.raises(ValueError, match="disk_kappa"):
-        make_dp_optimizer(params, method="disk", disk_kappa=0.0, **common)
+        make_dp_optimizer(params, method="disk", method_args={"kappa": 0.0}, **common)
     with pytest.raises(ValueError, match="disk_gamma"):
-        make_dp_optimizer(params, method="disk", disk_gamma=0.0, **common)
+        make_dp_optimizer(params, method="disk", method_args={"gamma": 0.0}, **common)
     with pytest.raises(ValueError, match="pmlf_k"):
-        make_dp_optimizer(params, method="pmlf", pmlf_k=0, **common)
+        make_dp_optimizer(params, method="pmlf", method_args={"k": 0}, **common)
     with pytest.raises(ValueError, match="optim='sgd'"):
-        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", doppler_base="adam_bc", **common)
+        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", method_args={"base": "adam_bc"}, **common)
     with pytest.raises(ValueError, match="LP-DPAdam direction.*optim='sgd'"):
-        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", doppler_base="adam", **common)
+        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", method_args={"base": "adam"}, **common)
     with pytest.raises(ValueError, match="pmlf_base='adam'.*optim='sgd'"):
-        make_dp_optimizer(params, base=torch.optim.Adam, method="pmlf", pmlf_base="adam", **common)
+        make_dp_optimizer(params, base=torch.optim.Adam, method="pmlf", method_args={"base": "adam"}, **common)
     with pytest.raises(ValueError, match="doppler_preset"):
-        make_dp_optimizer(params, method="doppler", doppler_preset="nope", **common)
+        make_dp_optimizer(params, method="doppler", method_args={"preset": "nope"}, **common)
     with pytest.raises(ValueError, match="pmlf_b"):
-        make_dp_optimizer(params, method="pmlf", pmlf_a=[-0.9], **common)
+        make_dp_optimizer(params, method="pmlf", method_args={"a": [-0.9]}, **common)
+    # The earlier flat names still work (with a FutureWarning) and mean the same settings.
+    with pytest.warns(FutureWarning, match="disk_kappa"), pytest.raises(ValueError, match="disk_kappa"):
+        make_dp_optimizer(params, method="disk", disk_kappa=0.0, **common)
+    with pytest.warns(FutureWarning, match="pmlf_k"):
+        legacy = make_dp_optimizer(params, method="pmlf", pmlf_k=3, **common)
+    assert legacy.config == make_dp_optimizer(params, method="pmlf", method_args={"k": 3}, **common).config
 
 
 def test_filtered_gradient_into_adam_warns_and_names_the_paper_variant():

@@ -130,12 +130,24 @@ def test_recipes_use_the_adam_variant_of_the_low_pass_filters(tmp_path):
 
     args = glue.build_parser().parse_args(["--method", "doppler", "--output_dir", str(tmp_path), "--use_cpu"])
     settings = glue.resolve_settings(args)
-    assert settings["method_fields"] == {"doppler_base": "adam", "optim": "sgd"}
+    assert settings["method_args"] == {"base": "adam"}
     training_args = _common.training_arguments(args, settings, n_train=512)
-    assert (training_args.doppler_base, training_args.optim) == ("adam", "sgd")
-    # choosing the base yourself replaces the default pair (the optimizer stays AdamW unless you set it)
-    args = glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "pmlf_base=optimizer"])
-    assert glue.resolve_settings(args)["method_fields"] == {"pmlf_base": "optimizer"}
+    assert (training_args.dp_method_args, training_args.optim) == ({"base": "adam"}, "sgd")
+    # choosing the base yourself replaces the default (base='optimizer' keeps the AdamW); old names still map
+    args = glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "pmlf_base=optimizer", "k=3"])
+    settings = glue.resolve_settings(args)
+    assert settings["method_args"] == {"base": "optimizer", "k": 3}
+    assert _common.training_arguments(args, settings, n_train=512).optim != "sgd"
+    with pytest.raises(ValueError, match="not a setting of dp_method='pmlf'"):
+        glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "kappa=0.5"]))
+
+
+def test_results_never_contain_the_dp_seed_and_secure_noise_is_one_flag():
+    args = glue.build_parser().parse_args(["--method", "dpsgd", "--secure_noise", "--use_cpu"])
+    import _common
+
+    training_args = _common.training_arguments(args, glue.resolve_settings(args), n_train=512)
+    assert training_args.secure_noise and training_args.dp_seed is None
 
 
 @needs_e2e
