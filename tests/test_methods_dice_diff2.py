@@ -16,10 +16,10 @@ from helpers import ListDataset, PadCollator, make_examples
 from models import VOCAB, padded_batch, tiny_roberta
 from scipy.stats import norm as normal
 
-from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine, make_dp_optimizer
+from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine, PrivacyPlan, make_dp_optimizer
 from hf_dpfilter.accounting import compute_epsilon
 from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.optimizers.dicesgd import DiceSGD, dicesgd_history, dicesgd_paper_epsilon
+from hf_dpfilter.optimizers.dicesgd import DiceSGD, DiceSGDConfig, dicesgd_history, dicesgd_paper_epsilon
 from hf_dpfilter.optimizers.diff2 import Diff2
 
 EXTREME = 1e4
@@ -46,11 +46,26 @@ def _loss_fn(model, batch, scale=None):
     return loss_fn
 
 
-def _setup(method, seed=0, base=torch.optim.SGD, lr=0.5, **kw):
+def _setup(method, seed=0, base=torch.optim.SGD, lr=0.5, method_args=None, verify=False, **kw):
+    """Model, engine and DP optimizer; ``method_args`` are the method's settings, ``kw`` the DP settings."""
     model = tiny_roberta()
-    engine = GhostClippingEngine(model, max_grad_norm=kw.get("max_grad_norm", 1.0), verify_first_backward=False)
-    opt = make_dp_optimizer(model.parameters(), base=base, method=method, lr=lr, seed=seed, **kw)
+    engine = GhostClippingEngine(model, verify_first_backward=verify)  # the clipping norm is the optimizer's
+    opt = make_dp_optimizer(model.parameters(), base=base, method=method, method_args=method_args, lr=lr, seed=seed,
+                            **kw)
     return model, engine, opt
+
+
+def _own_sums(opt):
+    """The optimizer's pre-noise sums of the step so far (its own buffer; p.grad stays None)."""
+    assert all(p.grad is None for p in opt.params)
+    sums = opt._local_sums()
+    return {p: sums[p].clone() if p in sums else torch.zeros_like(p) for p in opt.params}
+
+
+def _optimizer(cls, model, method_args, **dp):
+    """``cls`` (a method's optimizer class, or a broken subclass of it) around SGD, from the method's plan."""
+    plan = PrivacyPlan.for_optimizer(method=cls.method_name, method_args=method_args, **dp)
+    return cls(torch.optim.SGD(model.parameters(), lr=0.5), plan)
 
 
 def _step(model, engine, opt, batch, scale=None):
@@ -76,7 +91,7 @@ def test_diff2_restart_every_round_equals_dp_gd():
     batch = padded_batch(6, seed=1)
     common = dict(noise_multiplier=0.7, max_grad_norm=0.3, expected_batch_size=6, sample_rate=1.0)
     m1, e1, dpgd = _setup("dpsgd", **common)
-    m2, e2, diff2 = _setup("diff2", diff2_restart_every=1, **common)
+    m2, e2, diff2 = _setup("diff2", method_args={"restart_every": 1}, **common)
     for _ in range(4):
         _step(m1, e1, dpgd, batch)
         _step(m2, e2, diff2, batch)
@@ -88,7 +103,7 @@ def test_diff2_without_noise_or_clipping_is_full_batch_gd():
     batch = padded_batch(6, seed=1)
     common = dict(noise_multiplier=0.0, max_grad_norm=1e9, expected_batch_size=6, sample_rate=1.0)
     m1, e1, gd = _setup("dpsgd", **common)
-    m2, e2, diff2 = _setup("diff2", diff2_restart_every=3, diff2_difference_max_grad_norm=1e12, **common)
+    m2, e2, diff2 = _setup("diff2", method_args={"restart_every": 3, "difference_max_grad_norm": 1e12}, **common)
     for _ in range(5):  # restart, difference, difference, restart, difference (telescoping sum)
         _step(m1, e1, gd, batch)
         _step(m2, e2, diff2, batch)
@@ -100,7 +115,7 @@ def test_diff2_without_noise_or_clipping_is_full_batch_gd():
 def test_dicesgd_without_feedback_equals_dp_sgd():
     common = dict(noise_multiplier=0.7, max_grad_norm=0.3, expected_batch_size=6, sample_rate=0.3)
     m1, e1, dpsgd = _setup("dpsgd", **common)
-    m2, e2, dice = _setup("dicesgd", dice_error_max_grad_norm=0.0, **common)
+    m2, e2, dice = _setup("dicesgd", method_args={"error_max_grad_norm": 0.0}, **common)
     for batch in _batches(4):
         _step(m1, e1, dpsgd, batch)
         _step(m2, e2, dice, batch)
@@ -112,9 +127,7 @@ def test_dicesgd_without_feedback_equals_dp_sgd():
 
 # ------------------------------------------------------------------------------------------------ 2
 class _UnclippedFeedbackDice(DiceSGD):
-    """Broken on purpose: feeds the raw buffer back (while claiming the same sensitivity)."""
-
-    method_name = "broken_dice"
+    """Broken on purpose: feeds the raw buffer back (while claiming the same sensitivity). Runs DiceSGD's plan."""
 
     def feedback_factor(self) -> float:
         return 1.0
@@ -128,19 +141,18 @@ def _dice_max_ratio(cls, c1=0.3, c2=None, steps=3):
     models, engines, opts = [], [], []
     for _ in range(2):
         model = tiny_roberta()
-        base = torch.optim.SGD(model.parameters(), lr=0.5)
-        opt = cls(base, noise_multiplier=0.0, max_grad_norm=c1, expected_batch_size=6, sample_rate=0.5,
-                  dice_error_max_grad_norm=c2)
+        opt = _optimizer(cls, model, {"error_max_grad_norm": c2}, noise_multiplier=0.0, max_grad_norm=c1,
+                         expected_batch_size=6, sample_rate=0.5)
         models.append(model)
-        engines.append(GhostClippingEngine(model, max_grad_norm=c1, verify_first_backward=False))
+        engines.append(GhostClippingEngine(model, verify_first_backward=False))
         opts.append(opt)
     worst = 0.0
     for _ in range(steps):
         aggregates = []
         for model, engine, opt, b, s in zip(models, engines, opts, (d, d_plus), (None, scale)):
             opt.accumulate(engine, _loss_fn(model, b, s), batch_size=b["labels"].shape[0])
-            feedback = opt.feedback()
-            aggregates.append({p: p.grad + opt.expected_batch_size * feedback[p] for p in opt.params})
+            feedback, sums = opt.feedback(), _own_sums(opt)
+            aggregates.append({p: sums[p] + opt.expected_batch_size * feedback[p] for p in opt.params})
         worst = max(worst, _flat_diff(*aggregates) / opts[0].sensitivity())
         for opt in opts:
             opt.step()
@@ -177,18 +189,17 @@ def _diff2_run(cls, relation="add_remove", c1=0.3, c2=1.0, steps=4):
     models, engines, opts = [], [], []
     for _ in range(2):
         model = tiny_roberta()
-        base = torch.optim.SGD(model.parameters(), lr=0.5)
-        opt = cls(base, noise_multiplier=0.0, max_grad_norm=c1, expected_batch_size=6, sample_rate=1.0,
-                  diff2_restart_every=3, diff2_difference_max_grad_norm=c2, diff2_neighbouring=relation)
+        opt = _optimizer(cls, model, {"restart_every": 3, "difference_max_grad_norm": c2, "neighbouring": relation},
+                         noise_multiplier=0.0, max_grad_norm=c1, expected_batch_size=6, sample_rate=1.0)
         models.append(model)
-        engines.append(GhostClippingEngine(model, max_grad_norm=c1, verify_first_backward=False))
+        engines.append(GhostClippingEngine(model, verify_first_backward=False))
         opts.append(opt)
     ratios = {True: 0.0, False: 0.0}
     for _ in range(steps):
         sums = []
         for model, engine, opt, (b, s) in zip(models, engines, opts, data):
             opt.accumulate(engine, _loss_fn(model, b, s), batch_size=b["labels"].shape[0])
-            sums.append({p: p.grad.clone() for p in opt.params})
+            sums.append(_own_sums(opt))
         assert opts[0].sensitivity() == opts[1].sensitivity()
         restart = opts[0].current_round().restart
         ratios[restart] = max(ratios[restart], _flat_diff(*sums) / opts[0].sensitivity())
@@ -202,18 +213,13 @@ def _diff2_run(cls, relation="add_remove", c1=0.3, c2=1.0, steps=4):
 
 
 class _UnscaledThresholdDiff2(Diff2):
-    """Broken on purpose: clips differences at C2 instead of C2 ||x_{r-1} - x_{r-2}||."""
-
-    method_name = "broken_diff2"
+    """Broken on purpose: clips differences at C2 instead of C2 ||x_{r-1} - x_{r-2}||. Runs DIFF2's plan."""
 
     def accumulate_per_example(self, grads):
         if self.current_round().restart:
             return super().accumulate_per_example(grads)
-        factors = (self.difference_max_grad_norm / grads.norms()).clamp(max=1.0)
-        self.examples_in_step += grads.batch_size
-        from hf_dpfilter.engine import accumulate_into_grad
-
-        accumulate_into_grad(grads.weighted_sum(factors))
+        factors = (self.difference_max_grad_norm / grads.clipping_norms()).clamp(max=1.0)
+        self.add_to_sums(grads.weighted_sum(factors, release=True))
 
 
 def test_diff2_sensitivity_restart_and_difference_rounds_with_teeth():
@@ -230,10 +236,11 @@ def test_diff2_replace_one_doubles_the_sensitivity():
     assert ratios[True] > 0.9 and ratios[False] > 0.9  # the add/remove Delta would be exceeded twofold
     # Same data and trajectory (no noise): exactly a factor 2 in both kinds of round.
     batch = padded_batch(6, seed=1)
-    common = dict(max_grad_norm=0.3, expected_batch_size=6, sample_rate=1.0, diff2_restart_every=2,
-                  diff2_difference_max_grad_norm=1.0, lr=1.0)
-    m1, e1, o1 = _setup("diff2", noise_multiplier=0.0, **common)
-    m2, e2, o2 = _setup("diff2", noise_multiplier=0.0, diff2_neighbouring="replace_one", **common)
+    common = dict(max_grad_norm=0.3, expected_batch_size=6, sample_rate=1.0, lr=1.0)
+    settings = {"restart_every": 2, "difference_max_grad_norm": 1.0}
+    m1, e1, o1 = _setup("diff2", noise_multiplier=0.0, method_args=settings, **common)
+    m2, e2, o2 = _setup("diff2", noise_multiplier=0.0, method_args={**settings, "neighbouring": "replace_one"},
+                        **common)
     for _ in range(3):
         o1.gradient_points(), o2.gradient_points()
         assert o2.sensitivity() == 2 * o1.sensitivity() > 0
@@ -242,14 +249,15 @@ def test_diff2_replace_one_doubles_the_sensitivity():
     # ... and the same noise multiplier means twice the noise std (same seed, one restart step).
     moves = []
     for z, relation in ((0.0, "add_remove"), (1.0, "add_remove"), (1.0, "replace_one")):
-        model, engine, opt = _setup("diff2", noise_multiplier=z, diff2_neighbouring=relation, **common)
+        model, engine, opt = _setup("diff2", noise_multiplier=z, method_args={**settings, "neighbouring": relation},
+                                    **common)
         before = _params(model)
         _step(model, engine, opt, batch)
         moves.append(torch.cat([(a - b).reshape(-1) for a, b in zip(_params(model), before)]))
     assert torch.allclose(moves[2] - moves[0], 2 * (moves[1] - moves[0]), rtol=1e-10, atol=1e-14)
     with pytest.raises(ValueError, match="full-batch"):
         _setup("diff2", noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=6, sample_rate=0.5,
-               diff2_restart_every=1, diff2_neighbouring="replace_one")
+               method_args={"restart_every": 1, "neighbouring": "replace_one"})
 
 
 # ------------------------------------------------------------------------------------------------ 3
@@ -276,8 +284,8 @@ def _resume_matches(method, steps_before, steps_after, base=torch.optim.Adam, **
 
 
 def test_diff2_checkpoint_round_trip_is_exact():
-    same, ref, resumed = _resume_matches("diff2", 2, 3, sample_rate=1.0, diff2_restart_every=3,
-                                         diff2_difference_max_grad_norm=2.0)
+    same, ref, resumed = _resume_matches("diff2", 2, 3, sample_rate=1.0,
+                                         method_args={"restart_every": 3, "difference_max_grad_norm": 2.0})
     assert same
     assert ref.accountant.history == resumed.accountant.history
     assert ref.restart_rounds == resumed.restart_rounds == 2
@@ -285,7 +293,8 @@ def test_diff2_checkpoint_round_trip_is_exact():
 
 def test_dicesgd_checkpoint_round_trip_with_opt_in_is_exact():
     with pytest.warns(UserWarning, match="NON-private"):
-        same, ref, resumed = _resume_matches("dicesgd", 2, 2, sample_rate=0.3, dice_save_error_buffer=True)
+        same, ref, resumed = _resume_matches("dicesgd", 2, 2, sample_rate=0.3,
+                                             method_args={"save_error_buffer": True})
     assert same
     assert ref.accountant.history == resumed.accountant.history
 
@@ -352,7 +361,7 @@ def test_dicesgd_buffer_not_logged_nor_checkpointed(tmp_path, caplog):
 
 def test_dicesgd_trainer_calibrates_with_its_own_accounting(tmp_path):
     examples = make_examples(20, VOCAB, causal=False, seed=3)
-    args = _dice_args(tmp_path, target_epsilon=4.0, save_strategy="no", dice_error_max_grad_norm=0.05)
+    args = _dice_args(tmp_path, target_epsilon=4.0, save_strategy="no", dp_method_args={"error_max_grad_norm": 0.05})
     trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(examples),
                         data_collator=PadCollator(1))
     trainer.train()
@@ -367,8 +376,8 @@ def test_diff2_through_trainer_full_batch(tmp_path):
         output_dir=str(tmp_path), dp_method="diff2", target_epsilon=3.0, per_sample_max_grad_norm=0.3,
         logical_batch_size=8, per_device_train_batch_size=4, max_steps=4, optim="sgd", learning_rate=0.1,
         lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
-        dp_seed=0, accountant="rdp", diff2_restart_every=2, diff2_difference_max_grad_norm=1.0,
-        diff2_neighbouring="replace_one",
+        dp_seed=0, accountant="rdp",
+        dp_method_args={"restart_every": 2, "difference_max_grad_norm": 1.0, "neighbouring": "replace_one"},
     )
     trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(examples),
                         data_collator=PadCollator(1))
@@ -393,11 +402,16 @@ def test_dicesgd_documented_epsilons():
     assert dicesgd_paper_epsilon(sigma_mean, delta, t, n, c1, c2, b) == pytest.approx(1.108, abs=0.001)
     assert compute_epsilon([(z, b / n, t)], delta, "pld") == pytest.approx(0.357, abs=0.001)  # DP-SGD
     # The paper's calibration meets its own claim exactly; the default calibration its bound.
-    paper = DiceSGD.calibrate(8.0, delta, b / n, t, "pld", max_grad_norm=c1, expected_batch_size=b,
-                              dice_error_max_grad_norm=c2, dice_accounting="paper")["noise_multiplier"]
+    def calibrated(target, **settings):
+        plan = PrivacyPlan.create(num_examples=n, logical_batch_size=b, max_steps=t, method="dicesgd",
+                                  method_args={"error_max_grad_norm": c2, **settings}, target_epsilon=target,
+                                  target_delta=delta, max_grad_norm=c1, accountant="pld", seed=0)
+        assert plan.noise == DiceSGDConfig(error_max_grad_norm=c2, **settings).calibrate(target, delta, plan)
+        return plan.noise.noise_multiplier
+
+    paper = calibrated(8.0, accounting="paper")
     assert dicesgd_paper_epsilon(paper * 3 * c1 / b, delta, t, n, c1, c2, b) == pytest.approx(8.0)
-    default = DiceSGD.calibrate(4.0, delta, b / n, t, "pld", max_grad_norm=c1, expected_batch_size=b,
-                                dice_error_max_grad_norm=c2)["noise_multiplier"]
+    default = calibrated(4.0)
     assert 0.99 * 4.0 <= compute_epsilon(dicesgd_history(default, b / n, t, kappa), delta, "pld") <= 4.0
     # The split is never worse than treating the whole release as one unamplified Gaussian (Delta = C1 + 2BC2).
     assert compute_epsilon(history, delta, "pld") <= compute_epsilon([(z, 1.0, t)], delta, "pld") + 1e-6
@@ -416,8 +430,9 @@ def test_diff2_heterogeneous_composition_equals_manual():
     batch = padded_batch(6, seed=1)
     z1, z2 = 3.0, 7.0
     model, engine, opt = _setup("diff2", noise_multiplier=z1, max_grad_norm=0.3, expected_batch_size=6,
-                                sample_rate=1.0, diff2_restart_every=3, diff2_difference_max_grad_norm=1.0,
-                                diff2_difference_noise_multiplier=z2, accountant=None)
+                                sample_rate=1.0, accountant=None,
+                                method_args={"restart_every": 3, "difference_max_grad_norm": 1.0,
+                                             "difference_noise_multiplier": z2})
     for _ in range(7):  # restarts at steps 0, 3, 6
         _step(model, engine, opt, batch)
     manual = [(z1, 1.0, 3), (z2, 1.0, 4)]
@@ -432,8 +447,12 @@ def test_diff2_heterogeneous_composition_equals_manual():
     assert eps == pytest.approx(_gdp_epsilon(mu, delta), rel=0.01)
     assert eps >= _gdp_epsilon(mu, delta) - 1e-9  # an upper bound, never below the exact value
     # keeps the paper's split; exact mu-GDP eps <= 3 (eps 3, T 20, R 2000: docs/privacy.md, DIFF2 example)
-    settings = Diff2.calibrate(3.0, 1e-5, 1.0, 2000, "rdp", diff2_restart_every=20)
-    ratio = settings["diff2_difference_noise_multiplier"] / settings["noise_multiplier"]
+    # (full batch, q = 1; C2 is needed to run DIFF2 but plays no part in the calibration)
+    plan = PrivacyPlan.create(num_examples=1000, logical_batch_size=1000, max_steps=2000, method="diff2",
+                              method_args={"restart_every": 20, "difference_max_grad_norm": 1.0}, target_epsilon=3.0,
+                              target_delta=1e-5, accountant="rdp", seed=0)
+    settings = plan.noise
+    ratio = settings.get("difference_noise_multiplier") / settings.noise_multiplier
     assert ratio == pytest.approx(math.sqrt(1900 / (100 * 0.25)))
-    z1 = settings["noise_multiplier"]
+    z1 = settings.noise_multiplier
     assert _gdp_epsilon(math.sqrt(100 / z1**2 + 1900 / (ratio * z1) ** 2), 1e-5) <= 3.0
