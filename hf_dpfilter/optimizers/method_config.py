@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from hf_dpfilter.accounting import calibrate_scale
+from hf_dpfilter.accounting import calibrate_noise_multiplier, calibrate_scale
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
@@ -158,6 +158,11 @@ class MethodConfig:
         """The smallest noise (along :meth:`noise_for_scale`) whose run spends at most ``target_epsilon``."""
         if plan.steps is None or plan.sample_rate is None:
             raise ValueError("Calibrating the noise needs the number of steps and the sample rate of the plan.")
+        unit = self.history(self.noise_for_scale(1.0, plan), plan, plan.steps)
+        if unit == [(1.0, float(plan.sample_rate), plan.steps)]:
+            # DP-SGD's history (one subsampled Gaussian per step, sigma = scale): its dedicated search
+            scale = calibrate_noise_multiplier(target_epsilon, delta, plan.sample_rate, plan.steps, plan.accountant)
+            return self.noise_for_scale(scale, plan)
         scale = calibrate_scale(
             lambda z: self.history(self.noise_for_scale(z, plan), plan, plan.steps),
             target_epsilon,
