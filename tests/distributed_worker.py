@@ -35,7 +35,7 @@ def run(out: str, method: str, sigma: float) -> None:
     examples = make_examples(N_EXAMPLES, VOCAB, causal=False, seed=5)
     privacy = {} if method == "none" else {"noise_multiplier": sigma}
     if method == "diff2":
-        privacy["diff2_difference_max_grad_norm"] = 5.0  # DIFF2 needs its difference threshold C2
+        privacy["dp_method_args"] = {"difference_max_grad_norm": 5.0}  # DIFF2 needs its difference threshold C2
     args = DPTrainingArguments(
         output_dir=os.path.join(out, f"trainer_rank{rank}"),
         dp_method=method,

@@ -190,11 +190,17 @@ def test_step_merging_and_state_dict_round_trip():
     assert acc.steps == 16
 
     state = json.loads(json.dumps(acc.state_dict()))
-    assert state == {"accountant": "pld", "history": [[1.0, 0.01, 10], [2.0, 0.01, 5], [1.0, 0.01, 1]]}
+    assert state == {
+        "accountant": "pld", "history": [[1.0, 0.01, 10], [2.0, 0.01, 5], [1.0, 0.01, 1]], "steps": 16,
+    }
     restored = PrivacyAccountant()
     restored.load_state_dict(state)
-    assert restored.accountant == "pld" and restored.history == acc.history
+    assert restored.accountant == "pld" and restored.history == acc.history and restored.steps == 16
     assert restored.get_epsilon(1e-5) == acc.get_epsilon(1e-5)
+    # a state written before "steps" existed counted one mechanism per step
+    older = PrivacyAccountant()
+    older.load_state_dict({"accountant": "pld", "history": state["history"]})
+    assert older.steps == 16 and older.history == acc.history
 
     clone = acc.copy()
     clone.step(1.0, 0.01)
@@ -202,6 +208,30 @@ def test_step_merging_and_state_dict_round_trip():
 
     with pytest.raises(ValueError, match="allowed values"):
         restored.load_state_dict({"accountant": "gdp", "history": []})
+    with pytest.raises(ValueError, match="steps must be an integer >= 0"):
+        restored.load_state_dict({"accountant": "pld", "history": [], "steps": -1})
+
+
+def test_record_step_counts_logical_steps_and_merges_equal_mechanisms():
+    """One logical step may release several mechanisms (DiceSGD: two); ``steps`` counts logical steps."""
+    from types import SimpleNamespace as Mechanism
+
+    acc = PrivacyAccountant("pld")
+    two = [Mechanism(noise_multiplier=2.0, sample_rate=0.01), Mechanism(noise_multiplier=3.0, sample_rate=1.0)]
+    for _ in range(3):
+        acc.record_step(two)
+    assert acc.steps == 3
+    # equal mechanisms share one entry wherever it is in the history (composition commutes)
+    assert acc.history == [[2.0, 0.01, 3], [3.0, 1.0, 3]]
+    acc.record_step([])  # a step that releases no mechanism still counts as a step
+    assert acc.steps == 4 and acc.history == [[2.0, 0.01, 3], [3.0, 1.0, 3]]
+    assert acc.get_epsilon(1e-5) == compute_epsilon([(2.0, 0.01, 3), (3.0, 1.0, 3)], 1e-5, "pld")
+    clone = acc.copy()
+    clone.record_step(two[:1])
+    assert clone.steps == 5 and acc.steps == 4 and clone.history[0] == [2.0, 0.01, 4]
+    restored = PrivacyAccountant()
+    restored.load_state_dict(json.loads(json.dumps(acc.state_dict())))
+    assert restored.steps == 4 and restored.history == acc.history
 
 
 def test_get_epsilon_is_cached():

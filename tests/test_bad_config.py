@@ -100,7 +100,7 @@ OPTIMIZER_ERRORS = [
     (dict(expected_batch_size=0), "expected_batch_size must be > 0"),
     (dict(clipping_fn="soft"), "clipping_fn must be one of"),
     (dict(target_epsilon=1.0), "Give both target_epsilon and target_delta"),
-    (dict(method="dp-fancy"), "Unknown dp method"),
+    (dict(method="dp-fancy"), "Unknown dp_method 'dp-fancy'"),
 ]
 
 

@@ -25,11 +25,13 @@ def _args(tmp_path, **kw) -> DPTrainingArguments:
 def _linear_step(x: torch.Tensor, make_loss) -> tuple[torch.Tensor, object]:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2).double()
-    engine = GhostClippingEngine(model, max_grad_norm=1.0, verify_first_backward=False)
+    engine = GhostClippingEngine(model, verify_first_backward=False)
     opt = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0,
                             expected_batch_size=1.0)
     opt.accumulate(engine, lambda values: make_loss(model(x)), batch_size=x.shape[0])
-    return flat([p.grad for p in model.parameters()]), opt
+    assert all(p.grad is None for p in model.parameters())  # the clipped sum is in the optimizer's own buffer
+    sums = opt._local_sums()
+    return flat([sums[p] for p in model.parameters()]), opt
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -147,6 +149,7 @@ def test_empty_logical_batch_training_step(tmp_path):
     loss = trainer.training_step(trainer.model, empty)
     assert float(loss) == 0.0
     assert all(p.grad is None for p in trainer.model.parameters())
+    assert trainer.dp_optimizer._local_sums() == {}  # nothing accumulated, but the empty batch is declared
     before = flat([p.detach().clone() for p in trainer.model.parameters()])
     trainer.dp_optimizer.step()
     assert trainer.accountant.steps == 1

@@ -230,6 +230,20 @@ def test_diff2_sensitivity_restart_and_difference_rounds_with_teeth():
     assert broken[False] > 10.0
 
 
+def test_diff2_first_backward_check_holds_in_a_difference_round():
+    """The engine's first-backward check (an ordinary backward of the combined loss) also passes when it runs
+    in a difference round (e.g. after an empty first Poisson batch): the x_{r-2} point is differentiable in x,
+    so the ordinary gradient is the difference g(x) - g(x_{r-2}) that the engine computes and clips."""
+    batch = padded_batch(6, seed=1)
+    model, engine, opt = _setup("diff2", noise_multiplier=0.5, max_grad_norm=0.3, expected_batch_size=6,
+                                sample_rate=1.0, method_args={"restart_every": 3, "difference_max_grad_norm": 1.0})
+    _step(model, engine, opt, batch)  # restart round
+    assert not opt.current_round().restart and len(opt.gradient_points()) == 2
+    engine.verify_first_backward = True  # check the next backward: the difference round's
+    _step(model, engine, opt, batch)
+    assert not engine.verify_first_backward  # the check ran, and passed
+
+
 def test_diff2_replace_one_doubles_the_sensitivity():
     ratios = _diff2_run(Diff2, relation="replace_one", steps=3)
     assert ratios[True] <= 1.0 + 1e-9 and ratios[False] <= 1.0 + 1e-9

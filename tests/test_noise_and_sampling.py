@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from helpers import ListDataset, PadCollator, flat, make_examples
 from models import VOCAB, tiny_roberta
 
-from hf_dpfilter import DPTrainer, DPTrainingArguments, PoissonBatchSampler, make_dp_optimizer
+from hf_dpfilter import (
+    DPTrainer,
+    DPTrainingArguments,
+    PoissonBatchSampler,
+    UnprivatizedGradientError,
+    make_dp_optimizer,
+)
 from hf_dpfilter.accounting import compute_epsilon
 
 
@@ -61,7 +68,11 @@ def test_noise_of_the_optimizer_directly():
     param = torch.nn.Parameter(torch.zeros(200_000, dtype=torch.float64))
     opt = make_dp_optimizer([param], base=torch.optim.SGD, lr=1.0, noise_multiplier=2.0, max_grad_norm=0.25,
                             expected_batch_size=10, sample_rate=0.01, seed=7)
-    opt.step()  # an empty batch: p.grad is None -> a noise-only step
+    with pytest.raises(UnprivatizedGradientError):
+        opt.step()  # nothing accumulated (not even an empty batch): nothing to release
+    assert opt.accountant.steps == 0 and not param.detach().any()
+    opt.accumulate(None, None, batch_size=0)  # an empty batch, declared: a noise-only step
+    opt.step()
     std = 2.0 * 0.25 / 10
     assert abs(param.detach().std().item() / std - 1) < 0.03
     assert opt.accountant.steps == 1

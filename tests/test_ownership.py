@@ -17,7 +17,13 @@ import pytest
 import torch
 from models import tiny_bert
 
-from hf_dpfilter import GhostClippingEngine, PrivacyPlan, UnprivatizedGradientError, make_dp_optimizer, per_example_loss
+from hf_dpfilter import (
+    GhostClippingEngine,
+    PrivacyPlan,
+    UnprivatizedGradientError,
+    make_dp_optimizer,
+    per_example_loss,
+)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -74,10 +74,10 @@ def _params(trainer: DPTrainer) -> torch.Tensor:
 @pytest.mark.parametrize("method", available_methods())
 def test_resume_reproduces_uninterrupted_run(method, tmp_path):
     # DiceSGD's error buffer is private and not checkpointed by default (it restarts at zero, with a warning);
-    # exact resumption needs dice_save_error_buffer=True (checkpoints then stay inside the trust boundary).
-    extra = {"dice_save_error_buffer": True} if method == "dicesgd" else {}
+    # exact resumption needs its save_error_buffer=True (checkpoints then stay inside the trust boundary).
+    extra = {"dp_method_args": {"save_error_buffer": True}} if method == "dicesgd" else {}
     if method == "diff2":
-        extra = {"diff2_restart_every": 3, "diff2_difference_max_grad_norm": 2.0}
+        extra = {"dp_method_args": {"restart_every": 3, "difference_max_grad_norm": 2.0}}
     full = _train(tmp_path / "full", method, max_steps=7, **extra)
     # The interrupted run: the same configuration, resumed from its step-3 checkpoint (mid-epoch).
     resumed = _train(tmp_path / "full", method, max_steps=7, resume=str(tmp_path / "full" / "checkpoint-3"), **extra)
@@ -169,7 +169,7 @@ def test_optimizer_refuses_step_beyond_target():
     steps = 0
     with pytest.raises(PrivacyBudgetExceededError, match="target_epsilon=1.5"):
         for _ in range(1000):
-            p.grad = torch.zeros(3)
+            opt.accumulate(None, None, batch_size=0)  # noise-only steps (empty batches), accounted all the same
             opt.step()
             steps += 1
     assert steps >= 10  # the guard stops at the budget, not before

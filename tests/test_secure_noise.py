@@ -39,6 +39,16 @@ def test_training_arguments_secure_noise_uses_the_csprng(tmp_path, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(secure_rng, "secure_gaussian", counting)
+    import hf_dpfilter.sampling as sampling
+
+    coins = []
+    original_uniform = sampling.secure_uniform
+
+    def counting_uniform(count):
+        coins.append(count)
+        return original_uniform(count)
+
+    monkeypatch.setattr(sampling, "secure_uniform", counting_uniform)
     args = DPTrainingArguments(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
         noise_multiplier=1.0, logical_batch_size=4, max_steps=1, secure_noise=True, accountant="rdp",
@@ -51,3 +61,4 @@ def test_training_arguments_secure_noise_uses_the_csprng(tmp_path, monkeypatch):
     assert len(calls) == n_params  # every parameter's noise came from the CSPRNG
     with pytest.raises(AssertionError):
         assert trainer.dp_optimizer._generators  # the seeded generator was never used
+    assert coins == [8]  # the Poisson coins of the one step (one per example) came from the CSPRNG too
