@@ -117,8 +117,7 @@ def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train
         save_strategy="no",
         report_to=[],
         use_cpu=True,
-        seed=args.seed,
-        dp_seed=args.seed,  # a benchmark must be reproducible; its seed is published, so its runs are not private
+        seed=args.seed,  # model init and dropout; the DP seed stays a fresh secret (never in the published JSON)
         disable_tqdm=True,
     )
     method_settings = method_hyperparameters(method, args)
