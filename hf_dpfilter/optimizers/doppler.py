@@ -28,44 +28,16 @@ import torch
 from torch import nn
 
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.filters import (
-    LOWPASS_BASES,
-    LowPassFilter,
-    LowPassPostprocessor,
-    check_filter_base,
-)
-from hf_dpfilter.optimizers.method_config import MethodConfig, as_tuple
+from hf_dpfilter.optimizers.filters import LowPassConfig
 
 
 @dataclass(frozen=True)
-class DopplerConfig(MethodConfig):
-    """DOPPLER's settings. Privacy: DP-SGD's (the filter is post-processing).
-
-    Args:
-        preset: a named filter (``hf_dpfilter.optimizers.filters.FILTER_PRESETS``); ignored when ``b`` is given.
-        b, a: explicit coefficients ``[b_0, ..., b_nb]`` and ``[a_1, ..., a_na]`` (a may be omitted: FIR).
-        base: ``"optimizer"``, ``"sgd"`` (the same, with a check of the wrapped optimizer's type), ``"adam"``
-            (LP-DPAdam) or ``"adam_bc"`` (LP-DPAdamBC); the last two need plain SGD as the wrapped optimizer.
-        beta2, eps: the Adam variants' second-moment decay and floor (of ``sqrt(v_hat)`` for ``"adam"``, of
-            ``v_hat - Phi`` for ``"adam_bc"``).
-    """
+class DopplerConfig(LowPassConfig):
+    """DOPPLER's settings (the filter's, :class:`~hf_dpfilter.optimizers.filters.LowPassConfig`; default filter
+    ``"first_order_v1"``). Privacy: DP-SGD's (the filter is post-processing)."""
 
     name = "doppler"
     legacy_prefix = "doppler_"
-
-    preset: str = "first_order_v1"
-    b: tuple[float, ...] | None = None
-    a: tuple[float, ...] | None = None
-    base: str = "optimizer"
-    beta2: float = 0.999
-    eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "b", as_tuple(self.b))
-        object.__setattr__(self, "a", as_tuple(self.a))
-        if self.base not in LOWPASS_BASES:
-            raise ValueError(f"doppler_base must be one of {LOWPASS_BASES}, got {self.base!r}.")
-        LowPassFilter.resolve(self.preset, self.b, self.a, prefix="doppler")  # validates the filter early
 
 
 class DopplerOptimizer(DPOptimizer):
@@ -75,14 +47,7 @@ class DopplerOptimizer(DPOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, plan: Any, **kwargs: Any) -> None:
         super().__init__(optimizer, plan, **kwargs)
-        config: DopplerConfig = self.config
-        check_filter_base(config.base, optimizer, "doppler_base")
-        self.lowpass = LowPassPostprocessor(
-            LowPassFilter.resolve(config.preset, config.b, config.a, prefix="doppler"),
-            base=config.base,
-            beta2=config.beta2,
-            eps=config.eps,
-        )
+        self.lowpass = self.config.make_postprocessor(optimizer)
 
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         filtered = self.lowpass(list(grads.values()), noise_variance=self.noise_variance())

@@ -35,11 +35,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from hf_dpfilter.optimizers.method_config import MethodConfig, as_tuple
 
 # Name -> (b, a) in the paper's convention (a without the leading 1). DOPPLER Tables 2 and 4, DP-PMLF App. E.
 FILTER_PRESETS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
@@ -269,4 +272,41 @@ def check_filter_base(base: str, optimizer: torch.optim.Optimizer, argument: str
             )
 
 
-__all__ = ["FILTER_PRESETS", "LOWPASS_BASES", "LowPassFilter", "LowPassPostprocessor", "check_filter_base"]
+@dataclass(frozen=True)
+class LowPassConfig(MethodConfig):
+    """The low-pass filter settings DOPPLER and DP-PMLF share (their configs extend this one).
+
+    ``preset`` names a filter (``FILTER_PRESETS``), ignored when ``b`` is given; ``b``/``a`` are explicit
+    coefficients ``[b_0, ...]``/``[a_1, ...]``; ``base`` is how the filtered gradient is used (``"optimizer"``,
+    ``"sgd"``, ``"adam"`` = LP-DPAdam, ``"adam_bc"`` = LP-DPAdamBC); ``beta2``/``eps`` are the Adam variants'
+    second-moment decay and floor.
+    """
+
+    preset: str = "first_order_v1"
+    b: tuple[float, ...] | None = None
+    a: tuple[float, ...] | None = None
+    base: str = "optimizer"
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    @property
+    def argument_prefix(self) -> str:
+        return self.legacy_prefix.rstrip("_")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "b", as_tuple(self.b))
+        object.__setattr__(self, "a", as_tuple(self.a))
+        if self.base not in LOWPASS_BASES:
+            raise ValueError(f"{self.argument_prefix}_base must be one of {LOWPASS_BASES}, got {self.base!r}.")
+        self.lowpass_filter()  # validates the filter early
+
+    def lowpass_filter(self) -> LowPassFilter:
+        return LowPassFilter.resolve(self.preset, self.b, self.a, prefix=self.argument_prefix)
+
+    def make_postprocessor(self, optimizer: torch.optim.Optimizer) -> LowPassPostprocessor:
+        """The filter state for ``optimizer``'s parameters (checks that the wrapped optimizer fits ``base``)."""
+        check_filter_base(self.base, optimizer, f"{self.argument_prefix}_base")
+        return LowPassPostprocessor(self.lowpass_filter(), base=self.base, beta2=self.beta2, eps=self.eps)
+
+
+__all__ = ["FILTER_PRESETS", "LOWPASS_BASES", "LowPassConfig", "LowPassFilter", "LowPassPostprocessor", "check_filter_base"]

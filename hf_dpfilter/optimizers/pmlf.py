@@ -29,49 +29,33 @@ import torch
 from torch import nn
 
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.filters import (
-    LOWPASS_BASES,
-    LowPassFilter,
-    LowPassPostprocessor,
-    check_filter_base,
-)
-from hf_dpfilter.optimizers.method_config import MethodConfig, as_tuple
+from hf_dpfilter.optimizers.filters import LowPassConfig
 
 
 @dataclass(frozen=True)
-class PMLFConfig(MethodConfig):
+class PMLFConfig(LowPassConfig):
     """DP-PMLF's settings. Privacy: DP-SGD's (the k points are combined per example before clipping).
 
     Args:
         k: the number of parameter points k >= 1 (current + k - 1 past copies; k forward/backward passes).
         beta: the per-sample momentum decay beta >= 0 (weight beta^lag, normalized).
-        preset: a named filter (``FILTER_PRESETS``); ignored when ``b`` is given.
-        b, a: explicit filter coefficients ``[b_0, ...]`` and ``[a_1, ...]`` (scipy convention).
-        base, beta2, eps: how the filtered gradient is used, as :class:`~hf_dpfilter.optimizers.doppler.DopplerConfig`.
+        preset, b, a, base, beta2, eps: the low-pass filter, as
+            :class:`~hf_dpfilter.optimizers.filters.LowPassConfig` (default filter ``"pmlf_mnist"``).
     """
 
     name = "pmlf"
     legacy_prefix = "pmlf_"
 
+    preset: str = "pmlf_mnist"
     k: int = 2
     beta: float = 0.1
-    preset: str = "pmlf_mnist"
-    b: tuple[float, ...] | None = None
-    a: tuple[float, ...] | None = None
-    base: str = "optimizer"
-    beta2: float = 0.999
-    eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "b", as_tuple(self.b))
-        object.__setattr__(self, "a", as_tuple(self.a))
+        super().__post_init__()
         if isinstance(self.k, bool) or int(self.k) != self.k or self.k < 1:
             raise ValueError(f"pmlf_k (the number of parameter points) must be an integer >= 1, got {self.k}.")
         if not self.beta >= 0:
             raise ValueError(f"pmlf_beta (the per-sample momentum decay) must be >= 0, got {self.beta}.")
-        if self.base not in LOWPASS_BASES:
-            raise ValueError(f"pmlf_base must be one of {LOWPASS_BASES}, got {self.base!r}.")
-        LowPassFilter.resolve(self.preset, self.b, self.a, prefix="pmlf")  # validates the filter early
 
 
 class PMLFOptimizer(DPOptimizer):
@@ -81,14 +65,9 @@ class PMLFOptimizer(DPOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, plan: Any, **kwargs: Any) -> None:
         super().__init__(optimizer, plan, **kwargs)
-        config: PMLFConfig = self.config
-        self.k = int(config.k)
-        self.beta = float(config.beta)
-        check_filter_base(config.base, optimizer, "pmlf_base")
-        self.lowpass = LowPassPostprocessor(
-            LowPassFilter.resolve(config.preset, config.b, config.a, prefix="pmlf"), base=config.base,
-            beta2=config.beta2, eps=config.eps,
-        )
+        self.k = int(self.config.k)
+        self.beta = float(self.config.beta)
+        self.lowpass = self.config.make_postprocessor(optimizer)
         self._snapshots: list[list[torch.Tensor]] = []  # x_{t-1}, x_{t-2}, ... (most recent first)
 
     def point_weights(self) -> list[float]:
