@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=accuracy,
     )
+    print(trainer.privacy_plan.describe(trainer.trainable_parameter_count()), flush=True)
     start = time.time()
     trainer.train()
     train_seconds = time.time() - start

@@ -47,6 +47,10 @@ SEEDED_RANDOMNESS_NOTE = (
     "assumes that the seed stays secret (it is never written to results; set secure_noise=True to draw both "
     "from the OS CSPRNG instead)"
 )
+#: below this many steps a private run rarely leaves the noise floor (learnability_warnings)
+MIN_LEARNING_STEPS = 50
+#: above this best-case noise-to-signal over the run, the plan is flagged (learnability_warnings)
+MAX_RUN_NOISE_TO_SIGNAL = 2.0
 SECURE_RANDOMNESS_NOTE = "OS CSPRNG: the noise and the Poisson batches are drawn from os.urandom (not reproducible)"
 
 
@@ -294,6 +298,71 @@ class PrivacyPlan:
             "poisson_sampling": self.poisson_sampling,
             "randomness": self.randomness,
         }
+
+    # ------------------------------------------------------------------------------ can it learn?
+    def noise_to_signal(self, trainable_parameters: int | None = None) -> dict[str, float] | None:
+        """How loud the noise is against the clipped signal, for ``d`` trainable parameters.
+
+        ``per_step`` = sigma sqrt(d) / B: the norm of the noise in one averaged privatized gradient over the
+        largest possible signal, the clipped mean (norm <= C); ``per_run`` = per_step / sqrt(T): the same for
+        the sum over the T steps of a gradient that points the same way at every step (the best case).
+        Both count every trainable coordinate, so they overstate the harm for real gradients, which live in a
+        few directions; they are a first check (Li et al. 2022 and De et al. 2022 use large B, many steps).
+        """
+        if not self.is_private or not trainable_parameters or not self.steps:
+            return None
+        per_step = self.noise_multiplier * math.sqrt(trainable_parameters) / self.expected_batch_size
+        return {"per_step": per_step, "per_run": per_step / math.sqrt(self.steps)}
+
+    def learnability_warnings(self, trainable_parameters: int | None = None) -> list[str]:
+        """Plans that cannot rise above the noise, each with the fix the DP fine-tuning literature gives."""
+        if not self.is_private or self.steps is None:
+            return []
+        out = []
+        if self.steps < MIN_LEARNING_STEPS:
+            out.append(
+                f"Only {self.steps} optimizer steps: DP fine-tuning needs a few hundred noisy steps for the signal to "
+                f"rise above the noise (this plan: {self.num_examples} examples, logical batch "
+                f"{self.expected_batch_size:g}). Train more epochs (num_train_epochs) or on more data, keeping the "
+                "logical batch large (it divides the noise); then re-tune the learning rate (DP-Adam: 5e-4 to 2e-3)."
+            )
+        ratio = self.noise_to_signal(trainable_parameters)
+        if ratio is not None and ratio["per_run"] > MAX_RUN_NOISE_TO_SIGNAL:
+            out.append(
+                f"sigma = {self.noise_multiplier:.3g} is large for the batch: even a gradient pointing the same way "
+                f"at every step would stay {ratio['per_run']:.1f}x below the noise accumulated over the run "
+                f"(sigma sqrt(d) / (B sqrt(T)) with d = {trainable_parameters:,} trainable parameters). Use a larger "
+                "logical_batch_size (the noise per example falls as 1/B), more epochs, fewer trainable parameters "
+                "(LoRA), or a larger epsilon."
+            )
+        return out
+
+    def _changed_settings(self) -> dict[str, Any]:
+        defaults = type(self.config)().to_dict()
+        return {k: v for k, v in self.config.to_dict().items() if v != defaults.get(k)}
+
+    def describe(self, trainable_parameters: int | None = None) -> str:
+        """The plan a practitioner checks before training (a printable block; never the seed)."""
+        if not self.is_private:
+            return (f"Privacy plan: none (non-private run), N = {self.num_examples}, logical batch "
+                    f"{self.expected_batch_size:g}, {self.steps} steps")
+        lines = [
+            f"Privacy plan: {self.method} ({self._changed_settings() or 'default settings'})",
+            f"  N = {self.num_examples}, logical batch B = {self.expected_batch_size:g}, q = {self.sample_rate:.4g}, "
+            f"{self.steps} steps ({self.steps_per_epoch} per epoch)",
+            f"  sigma = {self.noise_multiplier:.4g}, C = {self.max_grad_norm:g} ({self.clipping_fn}), "
+            f"epsilon = {self.epsilon():.4g} at delta = {self.delta:.3g} ({self.accountant})"
+            + (f", target {self.target_epsilon:g}" if self.target_epsilon is not None else ""),
+        ]
+        ratio = self.noise_to_signal(trainable_parameters)
+        if ratio is not None:
+            lines.append(
+                f"  noise-to-signal: {ratio['per_step']:.3g} per step, {ratio['per_run']:.3g} over the run "
+                f"(sigma sqrt(d) / B, / sqrt(T); d = {trainable_parameters:,})"
+            )
+        lines.append(f"  randomness: {self.randomness}")
+        lines += [f"  WARNING: {w}" for w in self.learnability_warnings(trainable_parameters)]
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------------------ what it builds
     def make_engine(self, model: nn.Module, verify_first_backward: bool = True) -> GhostClippingEngine | None:

@@ -3,7 +3,8 @@
 * ``epsilon.png``: the epsilon spent against optimizer steps (the ``epsilon`` that :class:`DPTrainer` adds
   to every log line), with the target epsilon as a dashed line when one was given;
 * ``training.png``: the training loss against steps, and beside it every evaluation metric logged
-  (``eval_loss``, ``eval_accuracy``, ``eval_bleu``, ...) against steps.
+  (``eval_loss``, ``eval_accuracy``, ``eval_bleu``, ...) against steps, with the majority-class baseline as a
+  dashed line when one is given and the epsilon spent on a second axis, so progress reads against both.
 
 Only post-processed, logged quantities are plotted (nothing private). Needs ``matplotlib``
 (``pip install hf_dpfilter[plots]``).
@@ -72,9 +73,15 @@ def plot_epsilon(
 
 
 def plot_training_curves(
-    log_history: Sequence[dict[str, Any]], path: str | os.PathLike[str], title: str | None = None
+    log_history: Sequence[dict[str, Any]],
+    path: str | os.PathLike[str],
+    title: str | None = None,
+    baseline: float | None = None,
 ) -> str | None:
-    """Training loss (left) and evaluation metrics (right) against steps; None if nothing was logged."""
+    """Training loss (left) and evaluation metrics (right) against steps; None if nothing was logged.
+
+    ``baseline``: the majority-class accuracy, drawn on the metrics panel; the epsilon spent (if logged) is
+    drawn on that panel's second axis."""
     train_steps, train_loss = _series(log_history, "loss")
     eval_keys = sorted(
         {k for e in log_history for k in e if k.startswith("eval_") and k not in _SKIP_EVAL and isinstance(e[k], (int, float))}
@@ -103,11 +110,25 @@ def plot_training_curves(
         if steps:
             ax.plot(steps, values, marker="s", markersize=4, label=key[len("eval_") :])
             plotted = True
+    if baseline is not None:
+        ax.axhline(baseline, color="gray", linestyle="--", label=f"majority-class baseline ({baseline:.3f})")
+        plotted = True
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("metric")
     ax.grid(alpha=0.3)
+    eps_steps, eps_values = _series(log_history, "epsilon")
+    if eps_steps:
+        twin = ax.twinx()
+        twin.plot(eps_steps, eps_values, color="tab:red", alpha=0.6, linewidth=1.5, label="epsilon spent")
+        twin.set_ylabel("epsilon spent", color="tab:red")
+        twin.tick_params(axis="y", colors="tab:red")
+        twin.set_ylim(bottom=0)
     if plotted:
-        ax.legend()
+        handles, labels = ax.get_legend_handles_labels()
+        if eps_steps:
+            more_handles, more_labels = twin.get_legend_handles_labels()
+            handles, labels = handles + more_handles, labels + more_labels
+        ax.legend(handles, labels, fontsize=8)
     else:
         ax.text(0.5, 0.5, "no evaluation metrics logged", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("Evaluation")
@@ -125,11 +146,12 @@ def plot_run(
     target_epsilon: float | None = None,
     delta: float | None = None,
     title: str | None = None,
+    baseline: float | None = None,
 ) -> list[str]:
     """Write ``epsilon.png`` and ``training.png`` into ``output_dir``; returns the files written."""
     os.makedirs(output_dir, exist_ok=True)
     written = [
         plot_epsilon(log_history, os.path.join(output_dir, "epsilon.png"), target_epsilon, delta, title),
-        plot_training_curves(log_history, os.path.join(output_dir, "training.png"), title),
+        plot_training_curves(log_history, os.path.join(output_dir, "training.png"), title, baseline),
     ]
     return [p for p in written if p is not None]

@@ -17,6 +17,7 @@ the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,7 @@ class _PrivacyCallback(TrainerCallback):
                 "Do not change num_train_epochs/max_steps after creating the DPTrainer."
             )
         self.trainer._check_resumed_budget()
+        self.trainer._announce_plan()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.trainer.dp_optimizer is not None:
@@ -213,6 +215,18 @@ class DPTrainer(Trainer):
         if self.privacy_plan.is_private:
             self.dp_optimizer.pre_release_hooks.append(self._write_privacy_ledger)
         return self.optimizer
+
+    def trainable_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def _announce_plan(self) -> None:
+        """Log the privacy plan and warn, with the fix, when it cannot rise above the noise."""
+        if not self.is_world_process_zero():
+            return
+        count = self.trainable_parameter_count()
+        logger.info("%s", self.privacy_plan.describe(count))
+        for message in self.privacy_plan.learnability_warnings(count):
+            warnings.warn(message, UserWarning, stacklevel=2)
 
     # ----------------------------------------------------------------- budget and ledger
     def _check_resumed_budget(self) -> None:

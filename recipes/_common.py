@@ -260,6 +260,15 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+def left_baseline(log_history: list[dict[str, Any]], baseline: dict[str, Any]) -> dict[str, Any]:
+    """Did any evaluation rise above the baseline by more than two standard errors of a proportion?"""
+    values = [e[baseline["metric"]] for e in log_history if isinstance(e.get(baseline["metric"]), (int, float))]
+    p, n = baseline["value"], max(1, int(baseline.get("n_eval") or 1))
+    margin = 2.0 * math.sqrt(max(p * (1 - p), 1e-12) / n)
+    best = max(values) if values else None
+    return {"best": best, "margin": margin, "left_baseline": best is not None and best > p + margin}
+
+
 def format_privacy_report(report: dict[str, Any]) -> str:
     """A short human-readable block for the end of a run."""
     eps = report["epsilon"]
@@ -290,8 +299,13 @@ def finish_run(
     start_time: float,
     settings: dict[str, Any],
     title: str,
+    baseline: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """Print the privacy report; on the main process write results.json and the plots. Returns the results."""
+    """Print the privacy report; on the main process write results.json and the plots. Returns the results.
+
+    ``baseline`` (``{"metric": "eval_accuracy", "value": majority-class accuracy, "n_eval": ...}``) is marked on
+    the training plot, and results.json says whether the run ever rose above it (by more than two standard
+    errors of the evaluation), so a run that never left it says so."""
     report = trainer.privacy_report()
     wall = time.time() - start_time
     if not trainer.is_world_process_zero():
@@ -311,6 +325,16 @@ def finish_run(
         "arguments": {k: v for k, v in vars(args).items() if k != "dp_seed"},  # never the DP seed
         "log_history": trainer.state.log_history,
     }
+    if baseline is not None:
+        results["baseline"] = {**baseline, **left_baseline(trainer.state.log_history, baseline)}
+        if not results["baseline"]["left_baseline"]:
+            warnings = trainer.privacy_plan.learnability_warnings(trainer.trainable_parameter_count())
+            results["baseline"]["note"] = (
+                f"The run never rose above the majority-class baseline ({baseline['value']:.4f}) on "
+                f"{baseline['metric']}: it learned nothing measurable. "
+                + (" ".join(warnings) if warnings else "Check the learning rate and the clipping norm.")
+            )
+            print(f"NOTE: {results['baseline']['note']}", flush=True)
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, "results.json")
     with open(path, "w") as f:
@@ -320,7 +344,8 @@ def finish_run(
         from hf_dpfilter.plotting import plot_run
 
         target = report["target_epsilon"] if report["method"] != "none" else None
-        plots = plot_run(trainer.state.log_history, args.output_dir, target, report["delta"], title)
+        plots = plot_run(trainer.state.log_history, args.output_dir, target, report["delta"], title,
+                         baseline=None if baseline is None else baseline["value"])
     print(f"results: {path}" + (f"\nplots: {', '.join(plots)}" if plots else ""), flush=True)
     if args.save_model:
         trainer.save_model(os.path.join(args.output_dir, "model"))

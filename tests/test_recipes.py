@@ -86,6 +86,43 @@ def test_glue_recipe_runs(tiny_bert_dir, tmp_path, capsys, lora_r):
     assert "Privacy report" in capsys.readouterr().out
 
 
+@needs_sst2
+@pytest.mark.parametrize("method", ["diff2", "dicesgd", "disk", "doppler", "pmlf"])
+def test_every_listed_method_runs_with_its_defaults_and_a_short_plan_warns(tiny_bert_dir, tmp_path, capsys, method):
+    """The issue's command, scaled down: defaults only (no --method_args), a 9-step plan on 2,000 examples."""
+    out = tmp_path / method
+    glue.main([
+        "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"), "--method", method,
+        "--epsilon", "8", "--max_train_samples", "2000", "--max_eval_samples", "32", "--max_seq_length", "16",
+        "--epochs", "1.25", "--num_evals", "1", "--output_dir", str(out), "--use_cpu", "--secure_noise",
+    ])
+    printed = capsys.readouterr().out
+    results = _check_outputs(out, method)
+    assert results["steps"] == 9 and results["privacy"]["planned_steps"] == 9
+    assert "WARNING: Only 9 optimizer steps" in printed and "more epochs" in printed
+    assert "noise-to-signal" in printed and "OS CSPRNG" in printed
+    baseline = results["baseline"]
+    assert baseline["metric"] == "eval_accuracy" and 0.5 <= baseline["value"] <= 1.0
+    if not baseline["left_baseline"]:
+        assert "never rose above the majority-class baseline" in baseline["note"]
+
+
+def test_training_plot_marks_the_baseline_and_epsilon(tmp_path):
+    from hf_dpfilter.plotting import plot_training_curves
+
+    history = [{"step": s, "loss": 0.7, "epsilon": 0.5 * s, "eval_accuracy": 0.5} for s in (1, 2, 3)]
+    path = plot_training_curves(history, tmp_path / "t.png", "t", baseline=0.51)
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG
+    import _common
+
+    never = _common.left_baseline(history, {"metric": "eval_accuracy", "value": 0.51, "n_eval": 872})
+    assert never["left_baseline"] is False
+    learned = _common.left_baseline(history + [{"step": 4, "eval_accuracy": 0.8}],
+                                    {"metric": "eval_accuracy", "value": 0.51, "n_eval": 872})
+    assert learned["left_baseline"] is True
+
+
 def _write_tsv(path, header, rows):
     with open(path, "w") as f:
         f.write("\t".join(header) + "\n")

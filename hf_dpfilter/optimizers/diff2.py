@@ -82,7 +82,11 @@ class Diff2Config(MethodConfig):
 
     Args:
         restart_every: restart period T (1 = DP-SGD / DP-GD).
-        difference_max_grad_norm: C2, the coefficient of the threshold C2 ||x_{r-1} - x_{r-2}||.
+        difference_max_grad_norm: C2, the coefficient of the threshold C2 ||x_{r-1} - x_{r-2}||. None (default):
+            C2 = C1 / m_1 with m_1 the parameter movement ||x_1 - x_0|| seen by the first difference round, so
+            difference thresholds start at C1 and shrink in proportion to the movement. m_1 is a function of
+            released outputs (public), so the rule costs no privacy; tune C2 for better utility (e.g. a high
+            quantile of ||g_i(x) - g_i(x')|| / ||x - x'|| on public data).
         difference_noise_multiplier: z2 when the noise multiplier is fixed (None: z1). With target_epsilon both
             are calibrated (``budget_split``).
         budget_split: u > 1, the paper's split (restarts get 1/u of the budget; Prop. 4.1).
@@ -121,12 +125,6 @@ class Diff2Config(MethodConfig):
         return step % int(self.restart_every) == 0
 
     def check_plan(self, plan: PrivacyPlan) -> None:
-        if self.restart_every > 1 and self.difference_max_grad_norm is None:
-            raise ValueError(
-                "DIFF2 needs diff2_difference_max_grad_norm (C2, the threshold per unit of parameter movement; "
-                "dp_method_args={'difference_max_grad_norm': ...}) when restart_every > 1; tune it (e.g. a high "
-                "quantile of ||g_i(x) - g_i(x')|| / ||x - x'|| on public data)."
-            )
         full_batch = plan.sample_rate is not None and plan.sample_rate >= 1.0
         if plan.sample_rate is not None and not full_batch:
             if self.neighbouring == "replace_one":
@@ -212,6 +210,7 @@ class Diff2(DPOptimizer):
         self._previous: dict[nn.Parameter, torch.Tensor] | None = None  # x_{r-2}
         self._pending_previous: dict[nn.Parameter, torch.Tensor] | None = None
         self._round_cache: _Round | None = None
+        self._reference_movement: float | None = None  # m_1 of the default C2 rule (public)
         self.restart_rounds = 0
 
     # ------------------------------------------------------------------------------ the round
@@ -231,9 +230,17 @@ class Diff2(DPOptimizer):
             movement = math.sqrt(
                 sum(float((p.detach().double() - self._previous[p].double()).pow(2).sum()) for p in self.params)
             )
-            threshold = self.difference_max_grad_norm * movement
+            threshold = self.difference_coefficient(movement) * movement
         self._round_cache = _Round(self.dp_steps, restart, threshold)
         return self._round_cache
+
+    def difference_coefficient(self, movement: float) -> float:
+        """C2: the configured value, or C1 / (the movement of the first difference round) by default."""
+        if self.difference_max_grad_norm is not None:
+            return self.difference_max_grad_norm
+        if self._reference_movement is None:
+            self._reference_movement = movement
+        return self.max_grad_norm / self._reference_movement if self._reference_movement > 0 else 0.0
 
     @property
     def _relation_factor(self) -> float:
@@ -291,7 +298,8 @@ class Diff2(DPOptimizer):
     # ------------------------------------------------------------------------------ state
     def method_state_dict(self) -> dict[str, Any]:
         # v~ and x_{r-2} are functions of released outputs (post-processing): safe to save.
-        return {"estimate": self._estimate, "previous": self._previous, "restart_rounds": self.restart_rounds}
+        return {"estimate": self._estimate, "previous": self._previous, "restart_rounds": self.restart_rounds,
+                "reference_movement": self._reference_movement}
 
     def load_method_state_dict(self, state: dict[str, Any]) -> None:
         self._estimate = state.get("estimate")
@@ -299,4 +307,5 @@ class Diff2(DPOptimizer):
         self._pending_previous = None
         self._round_cache = None
         self.restart_rounds = int(state.get("restart_rounds", 0))
+        self._reference_movement = state.get("reference_movement")
 
