@@ -23,6 +23,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check hf_dpfilter tests recipes benchmarks
 	$(PY) -m pytest -q -m "not slow" tests
+	# smoke stage: the README's other command runs as written, so it cannot rot
+	$(MAKE) demo
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow" tests

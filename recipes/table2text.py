@@ -3,13 +3,14 @@ ROUGE-L and CIDEr against all references of each input.
 
 Examples::
 
-    # GPT-2 on E2E at epsilon 8 (the Li et al. 2022 / DiSK setting with --preset paper)
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/table2text.py --dataset e2e \\
-        --model gpt2 --method disk --preset paper --epsilon 8
+    # offline on CPU: a small GPT-2 built from a config (examples/make_tiny_gpt2.py), the local E2E files
+    python examples/make_tiny_gpt2.py --data_dir ../shared/data/e2e --output_dir outputs/tiny-gpt2
+    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/table2text.py --dataset e2e \\
+        --data_dir ../shared/data/e2e --model outputs/tiny-gpt2 --method dpsgd --epsilon 8 \\
+        --max_train_samples 1000 --max_eval_samples 10 --epochs 1 --secure_noise --output_dir outputs/e2e-dpsgd
 
-    # offline, a small GPT-2 built from a config (examples/make_tiny_gpt2.py), the local E2E files
-    python recipes/table2text.py --dataset e2e --data_dir ../shared/data/e2e --model outputs/tiny-gpt2 \\
-        --max_train_samples 2000 --max_eval_samples 50
+GPT-2 on E2E at epsilon 8 in the Li et al. 2022 / DiSK setting needs a GPU and the Hub:
+``--config_file accelerate_configs/single_gpu.yaml --model gpt2 --method disk --preset paper --epsilon 8``.
 
 Format (Li et al.'s "cat" mode): ``table <bos> text <eos>``; the loss is on the text tokens only (the table
 and the separator are labelled -100) and each example's loss is the mean over its own text tokens.
@@ -250,7 +251,10 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],  # the examples, under --help
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--dataset", default="e2e", choices=["e2e", "dart"])
     parser.add_argument(
         "--preset", default=None, choices=["paper"],
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_dpfilter import DPTrainer
-    from hf_dpfilter.generation_metrics import compute_generation_metrics
+    from hf_dpfilter.metrics import load as load_metric
 
     train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction, args.seed)
     if args.max_train_samples is not None:
@@ -309,13 +313,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             f"q={trainer.sample_rate:.4g} steps={trainer.planned_steps} settings={settings}",
             flush=True,
         )
+        print(trainer.privacy_plan.describe(trainable), flush=True)  # the plan, and warnings with their fixes
     trainer.train()
     metrics = final_evaluation(trainer)
     if trainer.is_world_process_zero():  # decoding is post-processing of the released model: main process only
         t0 = time.time()
         sources = [s for s, _ in eval_groups]
         predictions = generate(trainer.model, fmt, sources, args, trainer.args.device)
-        scores = compute_generation_metrics(predictions, [refs for _, refs in eval_groups])
+        # the packaged, offline evaluate module "table2text" (hf_dpfilter.generation_metrics behind it)
+        scores = load_metric("table2text").compute(predictions=predictions, references=[refs for _, refs in eval_groups])
         metrics.update({f"eval_{k}": v for k, v in scores.items()})
         metrics["generation_seconds"] = time.time() - t0
         trainer.log({f"eval_{k}": v for k, v in scores.items()})
