@@ -12,7 +12,7 @@ from transformers import TrainingArguments
 
 from hf_dpfilter.accounting import ACCOUNTANTS
 from hf_dpfilter.clipping import CLIPPING_FNS
-from hf_dpfilter.optimizers.registry import METHOD_NAMES, method_names, method_spec
+from hf_dpfilter.optimizers.registry import METHOD_NAMES, legacy_setting_owners, method_names, method_spec
 
 logger = logging.getLogger(__name__)
 
@@ -208,10 +208,8 @@ _generated_init = DPTrainingArguments.__init__
 
 @functools.wraps(_generated_init)
 def _init_accepting_legacy_method_fields(self: DPTrainingArguments, *args: Any, **kwargs: Any) -> None:
-    legacy_owner = {
-        legacy for name in method_names() for legacy in method_spec(name).config_class.legacy_names()
-    }
-    legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in legacy_owner}
+    owners = legacy_setting_owners()
+    legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in owners}
     if legacy:
         from hf_dpfilter.plan import split_legacy_method_args
 

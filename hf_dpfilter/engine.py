@@ -216,19 +216,18 @@ class PerExampleGradients:
     def squared_norms(self) -> torch.Tensor:
         """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models / precise)."""
         if self._squared_norms is None:
-            total = None
-            bound = torch.zeros(self.batch_size, dtype=torch.float64)
-            scale = torch.zeros(self.batch_size, dtype=torch.float64)
+            total = bound = scale = None
             for param in self._merged:
                 sq = self._param_squared_norms(param)
                 total = sq if total is None else total + sq.to(total.device)
                 if self.precise:
                     b, s2 = self._param_error_bound(param)
-                    bound, scale = bound + b.cpu(), scale + s2.cpu()
+                    bound = b if bound is None else bound + b.to(bound.device)
+                    scale = s2 if scale is None else scale + s2.to(scale.device)
             if total is None:
                 total = torch.zeros(self.batch_size, dtype=self.dtype)
             self._squared_norms = total
-            if self.precise:
+            if self.precise and bound is not None:
                 # the sum over parameters adds at most n u sum_p |sq_p| <= n u sum_p s_p^2 (+ the bounds)
                 unit = 2.0**-53
                 self._error_bounds = bound * (1 + 4 * unit * (len(self._merged) + 1)) + (
@@ -245,7 +244,7 @@ class PerExampleGradients:
         if not self.precise:
             return self.norms()
         squared = self.squared_norms()
-        bound = self._error_bounds.to(device=squared.device)
+        bound = 0.0 if self._error_bounds is None else self._error_bounds.to(device=squared.device)
         return (squared.clamp_min(0) + bound).sqrt() * (1.0 + 2.0**-50)
 
     def zero_examples(self, drop: torch.Tensor) -> None:

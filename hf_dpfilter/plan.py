@@ -32,7 +32,7 @@ from hf_dpfilter.accounting import ACCOUNTANTS, compute_epsilon, default_delta, 
 from hf_dpfilter.clipping import CLIPPING_FNS
 from hf_dpfilter.collectives import Collectives, default_collectives
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings
-from hf_dpfilter.optimizers.registry import method_names, method_spec
+from hf_dpfilter.optimizers.registry import legacy_setting_owners, method_spec
 from hf_dpfilter.secure_rng import fresh_seed
 
 if TYPE_CHECKING:
@@ -61,10 +61,7 @@ def split_legacy_method_args(
 
     A flat name of *another* method (``disk_kappa`` with ``dp_method="dpsgd"``) is an error, never ignored.
     """
-    owners: dict[str, str] = {}
-    for name in method_names():
-        for legacy in method_spec(name).config_class.legacy_names():
-            owners[legacy] = name
+    owners = legacy_setting_owners()
     mine = config_class.legacy_names()
     legacy_values, rest = {}, {}
     for key, value in values.items():
@@ -145,13 +142,7 @@ class PrivacyPlan:
                 f"logical_batch_size={logical_batch_size} is larger than the training set (N={num_examples}), so the "
                 "sample rate q would be > 1. Use logical_batch_size <= N."
             )
-        steps_per_epoch = max(1, int(1 / sample_rate + 1e-9))
-        if max_steps is not None and max_steps > 0:
-            steps = int(max_steps)
-        elif epochs is not None and epochs > 0:
-            steps = math.ceil(epochs * steps_per_epoch)
-        else:
-            raise ValueError("Give a positive number of epochs or max_steps: the noise is calibrated for the run length.")
+        steps_per_epoch, steps = cls.run_length(num_examples, logical_batch_size, epochs, max_steps)
         delta = target_delta if target_delta is not None else default_delta(int(num_examples))
         if seed is None:
             seed = (collectives or default_collectives()).agree_on_seed(fresh_seed())
@@ -181,6 +172,18 @@ class PrivacyPlan:
                 raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
             noise = config.fixed_noise(float(noise_multiplier), plan)
         return dataclasses.replace(plan, noise=noise)
+
+    @staticmethod
+    def run_length(
+        num_examples: int, logical_batch_size: int, epochs: float | None = None, max_steps: int | None = None
+    ) -> tuple[int, int]:
+        """(steps per epoch, planned steps): ``max_steps`` if > 0, else ``ceil(epochs * floor(N / B))``."""
+        steps_per_epoch = max(1, int(num_examples / logical_batch_size + 1e-9))
+        if max_steps is not None and max_steps > 0:
+            return steps_per_epoch, int(max_steps)
+        if epochs is not None and epochs > 0:
+            return steps_per_epoch, math.ceil(epochs * steps_per_epoch)
+        raise ValueError("Give a positive number of epochs or max_steps: the noise is calibrated for the run length.")
 
     @classmethod
     def from_training_args(cls, args: Any, num_examples: int) -> PrivacyPlan:

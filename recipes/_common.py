@@ -201,11 +201,8 @@ def training_arguments(
     clipping_fn = settings["clipping_fn"]
     lr_scheduler = settings["lr_scheduler"]
     method_args = settings["method_args"]
-    # The run length comes from the privacy plan (the same rule DPTrainer uses); no noise is calibrated here.
-    steps = PrivacyPlan.create(
-        num_examples=n_train, logical_batch_size=min(logical_batch_size, n_train), epochs=epochs,
-        max_steps=args.max_steps, method="none", seed=0,
-    ).steps
+    # The run length comes from the privacy plan's rule (the one DPTrainer uses).
+    _, steps = PrivacyPlan.run_length(n_train, min(logical_batch_size, n_train), epochs, args.max_steps)
     logging_steps = args.logging_steps or max(1, steps // 20)
     eval_steps = max(1, math.ceil(steps / max(1, args.num_evals)))
     if args.method == "none":

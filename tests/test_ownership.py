@@ -48,6 +48,8 @@ METHOD_CASES = {
     "pmlf k=2": ("pmlf", {"k": 2}),
     "dicesgd": ("dicesgd", {"error_max_grad_norm": 0.05}),
     "diff2 difference round": ("diff2", {"restart_every": 10, "difference_max_grad_norm": 2.0}),
+    # the default C2 = C1 / (movement of the first difference round): a threshold set from released outputs
+    "diff2 default threshold": ("diff2", {"restart_every": 10}),
 }
 
 
@@ -98,7 +100,7 @@ def test_custom_loop_moves_the_pre_noise_aggregate_by_at_most_the_calibrated_sen
     assert delta > 0
     assert moved <= delta * (1 + 1e-9), f"{case}: aggregate moved by {moved:.6g} > sensitivity {delta:.6g}"
     assert moved > 0.5 * delta, f"{case}: x should be clipped at (close to) the bound"
-    if case == "diff2 difference round":
+    if case.startswith("diff2"):
         assert not opt.current_round().restart
 
 

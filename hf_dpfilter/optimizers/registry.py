@@ -19,7 +19,14 @@ if TYPE_CHECKING:
     from hf_dpfilter.optimizers.base import DPOptimizer
     from hf_dpfilter.optimizers.method_config import MethodConfig
 
-__all__ = ["METHOD_NAMES", "MethodSpec", "method_names", "method_spec", "register_method"]
+__all__ = [
+    "METHOD_NAMES",
+    "MethodSpec",
+    "legacy_setting_owners",
+    "method_names",
+    "method_spec",
+    "register_method",
+]
 
 _REGISTRY: dict[str, tuple[str, str, str]] = {
     "none": ("hf_dpfilter.optimizers.nonprivate", "NonPrivateConfig", "NonPrivateOptimizer"),
@@ -59,6 +66,11 @@ def method_spec(name: str) -> MethodSpec:
     module_name, config_name, optimizer_name = _REGISTRY[name]
     module = importlib.import_module(module_name)
     return MethodSpec(name, getattr(module, config_name), getattr(module, optimizer_name))
+
+
+def legacy_setting_owners() -> dict[str, str]:
+    """``{earlier flat name: method}`` for every method's settings (``"disk_kappa": "disk"``, ...)."""
+    return {legacy: name for name in method_names() for legacy in method_spec(name).config_class.legacy_names()}
 
 
 def register_method(name: str, config_class: type[MethodConfig], optimizer_class: type[DPOptimizer]) -> None:
