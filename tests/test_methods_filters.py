@@ -195,6 +195,26 @@ def test_disk_kappa_one_equals_base_dp_optimizer_exactly():
             assert torch.equal(p, q)
 
 
+def test_disk_adam_step_match_is_the_scaled_learning_rate():
+    # The lr rule sqrt(kappa / (2 - kappa)) applied by the optimizer equals the user scaling the lr by hand, and
+    # leaves the user's lr in param_groups (LR schedulers and checkpoints see their own values).
+    factor = math.sqrt(0.7 / 1.3)
+    matched = _trajectory("disk", method_args={"kappa": 0.7, "adam_step_match": True}, lr=0.05, noise=0.0)
+    by_hand = _trajectory("disk", method_args={"kappa": 0.7}, lr=0.05 * factor, noise=0.0)
+    unmatched = _trajectory("disk", method_args={"kappa": 0.7}, lr=0.05, noise=0.0)
+    for p, q, r in zip(matched, by_hand, unmatched):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert not all(torch.allclose(p, r) for p, r in zip(matched, unmatched))
+    model, engine, opt = _setup("disk", base=torch.optim.AdamW, method_args={"adam_step_match": True}, lr=0.05)
+    _step(model, engine, opt, _regression_batch(3, seed=0))
+    assert [g["lr"] for g in opt.param_groups] == [0.05]
+    with pytest.raises(ValueError, match="disk_adam_step_match.*SGD"):
+        _setup("disk", base=torch.optim.SGD, method_args={"adam_step_match": True})
+    args = DPTrainingArguments(output_dir="unused", dp_method="disk", noise_multiplier=1.0,
+                               dp_method_args={"adam_step_match": True}, report_to=[], use_cpu=True)
+    assert args.dp_method_args["adam_step_match"] is True
+
+
 def test_doppler_adam_with_the_momentum_filter_is_dp_adam():
     # LP-DPAdam: the filter replaces Adam's first moment, so the EMA filter b = [0.1], a = [-0.9] is DP-Adam
     # (up to where eps enters: max(sqrt(v_hat), eps) here, sqrt(v_hat) + eps in torch; both negligible).

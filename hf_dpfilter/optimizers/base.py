@@ -300,6 +300,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """Post-processing of the privatized gradient (identity for DP-SGD)."""
         return grads
 
+    def base_step(self) -> None:
+        """The base optimizer's update on the privatized (and post-processed) gradients in ``p.grad``."""
+        self.original_optimizer.step()
+
     def after_step(self) -> None:
         """Called after the base optimizer's step (DiSK records the real parameter change here)."""
 
@@ -392,7 +396,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._sums = {}
         for p, g in self.postprocess(noisy).items():
             p.grad = g.to(p.dtype)
-        self.original_optimizer.step()
+        self.base_step()
         for p in self.params:
             p.grad = None  # consumed: a stale privatized gradient must not look like a new one
         self.after_step()

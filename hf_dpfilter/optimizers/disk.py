@@ -18,7 +18,8 @@ kappa = 1 is the base DP optimizer.
 With Adam(W) as the base, the filter lowers the noise variance Adam's second moment sees to kappa / (2 - kappa)
 of DP-Adam's, so each step is sqrt((2 - kappa) / kappa) times longer (1.36x at kappa = 0.7) while the noise
 left in Adam's first moment barely changes (Adam's beta1 already averages it). A learning rate tuned for
-DP-Adam should therefore be multiplied by sqrt(kappa / (2 - kappa)) (docs/results.md measures this on SST-2).
+DP-Adam should therefore be multiplied by sqrt(kappa / (2 - kappa)) (docs/results.md measures this on SST-2);
+``adam_step_match=True`` does it at every step, so DP-Adam's tuned learning rate carries over unchanged.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class DiSKConfig(MethodConfig):
             DP optimizer. With Adam, multiply a DP-Adam-tuned learning rate by sqrt(kappa / (2 - kappa)).
         gamma: the finite-difference step (!= 0). None: (1 - kappa) / kappa, one gradient pass. The paper's
             two-point setting is 0.5.
+        adam_step_match: scale the base optimizer's learning rate by sqrt(kappa / (2 - kappa)) at every step
+            (Adam-family bases only), so that DiSK takes DP-Adam's step length at a learning rate tuned for
+            DP-Adam. Post-processing: it changes no privacy figure.
     """
 
     name = "disk"
@@ -50,6 +54,7 @@ class DiSKConfig(MethodConfig):
 
     kappa: float = 0.7
     gamma: float | None = None
+    adam_step_match: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kappa <= 1.0:
@@ -65,6 +70,11 @@ class DiSKConfig(MethodConfig):
     @property
     def one_pass_gamma(self) -> float:
         return (1.0 - self.kappa) / self.kappa
+
+    @property
+    def adam_lr_factor(self) -> float:
+        """sqrt(kappa / (2 - kappa)): the ratio of DiSK's filtered noise std to DP-Adam's, for white noise."""
+        return math.sqrt(self.kappa / (2.0 - self.kappa))
 
 
 class DiSKOptimizer(DPOptimizer):
@@ -87,6 +97,28 @@ class DiSKOptimizer(DPOptimizer):
         self._filtered: list[torch.Tensor] | None = None  # g~_{t-1}
         self._delta: list[torch.Tensor] | None = None  # d_{t-1}; holds x_t between postprocess and after_step
         self._step_params: list[nn.Parameter] = []
+        self.lr_factor = config.adam_lr_factor if config.adam_step_match else 1.0
+        if config.adam_step_match and not all("betas" in group for group in self.original_optimizer.param_groups):
+            raise ValueError(
+                f"disk_adam_step_match=True rescales an Adam-family optimizer's learning rate, but the base "
+                f"optimizer is {type(self.original_optimizer).__name__} (no `betas`). Use optim='adamw_torch' (or "
+                "another Adam), or leave disk_adam_step_match off: with SGD the filter does not lengthen the steps."
+            )
+
+    def base_step(self) -> None:
+        if self.lr_factor == 1.0:
+            self.original_optimizer.step()
+            return
+        # Scale only for this update and restore, so LR schedulers and state_dict keep the user's values.
+        groups = self.original_optimizer.param_groups
+        saved = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = group["lr"] * self.lr_factor
+        try:
+            self.original_optimizer.step()
+        finally:
+            for group, lr in zip(groups, saved):
+                group["lr"] = lr
 
     @property
     def one_pass(self) -> bool:
