@@ -262,7 +262,19 @@ class PerExampleGradients:
         self._input_dtypes = {
             p: next((t.left.dtype for t in ts if isinstance(t, OuterTerm)), self.dtype) for p, ts in terms.items()
         }
-        self._merged = {p: _merge_terms(ts, self.dtype) for p, ts in terms.items()}
+        merged = {p: _merge_terms(ts, self.dtype) for p, ts in terms.items()}
+        # Parameters with only a dense per-example gradient (biases, LayerNorm: most tensors of a transformer)
+        # are handled together: one (B, N) matrix per device, so their norms and weighted sums cost a few
+        # kernels in all instead of a few per parameter.
+        self._dense_params: dict[torch.device, list[nn.Parameter]] = {}
+        for param, (outer, index, dense) in merged.items():
+            if outer is None and index is None and dense is not None:
+                self._dense_params.setdefault(dense.grad.device, []).append(param)
+        self._dense_groups: dict[torch.device, torch.Tensor] = {
+            device: torch.cat([merged.pop(p)[2].grad.reshape(batch_size, -1) for p in params], dim=1)
+            for device, params in self._dense_params.items()
+        }
+        self._merged = merged
         self._squared_norms: torch.Tensor | None = None
         self._squared_norms64: torch.Tensor | None = None
         self._error_bounds: torch.Tensor | None = None
@@ -270,7 +282,15 @@ class PerExampleGradients:
 
     @property
     def parameters(self) -> list[nn.Parameter]:
-        return list(self._merged)
+        return list(self._merged) + [p for params in self._dense_params.values() for p in params]
+
+    def _dense_group_squared_norms(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(squared norms, error bound) in float64 of each dense group: a sum of squares, no cancellation."""
+        out = []
+        for grad in self._dense_groups.values():
+            squared = torch.linalg.vector_norm(grad, dim=1, dtype=torch.float64).square()
+            out.append((squared, squared * (4 * _gamma(grad.shape[1] + 4, 2.0**-52))))
+        return out
 
     def _materialize(self, param: nn.Parameter) -> None:
         """Replace the outer term by the dense per-example gradient ``B_i^T A_i`` (frees A and B)."""
@@ -316,9 +336,9 @@ class PerExampleGradients:
             total = total + part
         return total
 
-    def _param_error_bound(self, param: nn.Parameter) -> torch.Tensor:
-        """Bound on the rounding error of this parameter's squared norm, per example (float64); call it before
-        :meth:`_param_squared_norms` (the pieces are those of the unmaterialized terms)."""
+    def _param_error_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, float]:
+        """``(s, factor)``: the rounding error of this parameter's squared norm is at most ``factor * s^2`` per
+        example. Call it before :meth:`_param_squared_norms` (the pieces are those of the unmaterialized terms)."""
         outer, index, dense = self._merged[param]
         norm_dtype = self.dtype
         s = None
@@ -326,7 +346,7 @@ class PerExampleGradients:
         if outer is not None:
             left = torch.linalg.vector_norm(outer.left, dim=2, dtype=norm_dtype)
             right = torch.linalg.vector_norm(outer.right, dim=2, dtype=norm_dtype)
-            s = (left * right).sum(dim=1)
+            s = torch.linalg.vecdot(left, right)
             longest = max(longest, *outer.left.shape[1:], outer.right.shape[2])
         if index is not None:
             rows = torch.linalg.vector_norm(index.right, dim=2, dtype=norm_dtype).sum(dim=1)
@@ -344,25 +364,31 @@ class PerExampleGradients:
         s_scale = (1 + _gamma(4 * max(longest, norm_length) + 8, unit)) ** 2
         eps = (1 + input_unit) ** 2 * (1 + _gamma(longest, unit)) * (1 + unit) - 1
         factor = (1 + eps) ** 2 * (1 + _gamma(2 * longest + 8, unit)) - 1
-        return s.double().square() * (s_scale * factor)
+        return s, s_scale * factor
 
     def squared_norms(self) -> torch.Tensor:
         """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models / precise)."""
         if self._squared_norms is None:
-            per_param, bounds = [], []
+            per_param, scales, factors = [], [], []
             for param in self._merged:
-                bounds.append(self._param_error_bound(param))
+                scale, factor = self._param_error_bound(param)
+                scales.append(scale)
+                factors.append(factor)
                 per_param.append(self._param_squared_norms(param))
-            if not per_param:
-                total = torch.zeros(self.batch_size, dtype=torch.float64)
-                bound = torch.zeros(self.batch_size, dtype=torch.float64)
-            else:
-                device = per_param[0].device
-                # the sum over parameters in float64: one stacked reduction, error <= gamma_n(2^-53) sum |terms|
-                total = torch.stack([sq.to(device) for sq in per_param]).double().sum(dim=0)
-                bound = torch.stack([b.to(device) for b in bounds]).sum(dim=0)
-                magnitude = total.abs() + bound
-                bound = bound + _gamma(len(per_param) + 1, 2.0**-52) * magnitude
+            groups = self._dense_group_squared_norms()
+            device = (per_param or [g[0] for g in groups] or [torch.zeros(0)])[0].device
+            total = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
+            bound = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
+            if per_param:
+                # a constant number of kernels for all parameters: stack, then reduce over parameters in float64
+                # (error <= gamma_n(2^-52) times the summed magnitudes, added below)
+                total = total + torch.stack([sq.to(device) for sq in per_param]).double().sum(dim=0)
+                weights = torch.tensor(factors, dtype=torch.float64, device=device).unsqueeze(1)
+                bound = bound + torch.stack([s.to(device) for s in scales]).double().square_().mul_(weights).sum(0)
+            for squared, group_bound in groups:
+                total = total + squared.to(device)
+                bound = bound + group_bound.to(device)
+            bound = bound + _gamma(len(per_param) + len(groups) + 1, 2.0**-52) * (total.abs() + bound)
             self._squared_norms64 = total
             self._error_bounds = bound
             self._squared_norms = total.to(self.dtype)
@@ -399,6 +425,8 @@ class PerExampleGradients:
                 None if index is None else IndexTerm(ids=index.ids, right=keep(index.right), num_rows=index.num_rows),
                 None if dense is None else DenseTerm(keep(dense.grad)),
             )
+        for device, grad in self._dense_groups.items():
+            self._dense_groups[device] = keep(grad)
         self._squared_norms = None
         self._squared_norms64 = None
         self._error_bounds = None
@@ -438,6 +466,15 @@ class PerExampleGradients:
                 rows.index_add_(0, index.ids.reshape(-1), weighted)
             out[param] = total
             del outer, index, dense
+        for device in list(self._dense_groups):
+            grad, params = self._dense_groups[device], self._dense_params[device]
+            if release:
+                del self._dense_groups[device]
+            c = coefficients.to(device=device, dtype=self.dtype)
+            flat = torch.mv(grad.t(), c)  # one GEMV for every dense-only parameter on this device
+            del grad
+            for param, piece in zip(params, flat.split([p.numel() for p in params])):
+                out[param] = piece.view(param.shape)
         return out
 
 

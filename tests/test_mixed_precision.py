@@ -68,6 +68,8 @@ def _exact_norms(grads) -> torch.Tensor:
                 rows = g[i].view(index.num_rows, -1)
                 rows.index_add_(0, index.ids[i], index.right[i].double())
         total += (g * g).sum(dim=1)
+    for grad in grads._dense_groups.values():  # the parameters with only a dense gradient, stored together
+        total += grad.double().pow(2).sum(dim=1)
     return total.sqrt()
 
 
