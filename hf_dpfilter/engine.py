@@ -205,6 +205,30 @@ def _weighted_outer(outer: OuterTerm, c: torch.Tensor, dtype: torch.dtype) -> to
     return _mm(other.t(), scaled, dtype)
 
 
+_CHUNK_ABOVE = 4096  # Gram matrices over longer dot products (vocabulary-sized) are accumulated in chunks
+_CHUNK = 1024
+
+
+def _gram(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x x^T`` per example, (B, T, T) in ``dtype``. A dot product longer than ``_CHUNK_ABOVE`` (GPT-2's
+    ``lm_head`` output gradient: 50257) is summed in chunks of ``_CHUNK``, so its error bound grows with
+    ``chunk + chunks`` (~1100) instead of its length (see :meth:`PerExampleGradients._param_norm_and_bound`)."""
+    length = x.shape[2]
+    if length <= _CHUNK_ABOVE:
+        return _bmm(x, x.transpose(1, 2), dtype)
+    gram = None
+    for start in range(0, length, _CHUNK):
+        part = x[:, :, start : start + _CHUNK]
+        chunk = _bmm(part, part.transpose(1, 2), dtype)
+        gram = chunk if gram is None else gram.add_(chunk)
+    return gram
+
+
+def _quadratic(n: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``n_i^T M_i n_i`` per example for n (B, T) and M (B, T, T)."""
+    return torch.bmm(n.unsqueeze(1), torch.bmm(m, n.unsqueeze(2))).reshape(-1)
+
+
 def _gamma(n: int, unit: float) -> float:
     """Higham's ``gamma_n = n u / (1 - n u)``: bound on the relative error of ``n`` roundings."""
     return n * unit / (1.0 - n * unit)
@@ -292,89 +316,131 @@ class PerExampleGradients:
             out.append((squared, squared * (4 * _gamma(grad.shape[1] + 4, 2.0**-52))))
         return out
 
-    def _materialize(self, param: nn.Parameter) -> None:
-        """Replace the outer term by the dense per-example gradient ``B_i^T A_i`` (frees A and B)."""
-        outer, index, dense = self._merged[param]
-        grad = _bmm(outer.left.transpose(1, 2), outer.right, self.dtype).reshape(self.batch_size, *param.shape)
-        if dense is not None:
-            grad = grad + dense.grad.reshape(grad.shape)
-        self._merged[param] = (None, index, DenseTerm(grad))
+    def _param_norm_and_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(n^2, E)`` per example for one parameter: its computed squared norm and a bound on the rounding error.
 
-    def _param_squared_norms(self, param: nn.Parameter) -> torch.Tensor:
-        outer = self._merged[param][0]
-        if outer is not None and not _use_ghost(outer):
-            self._materialize(param)
+        Every block of the squared norm is bounded by what it sums (docs/privacy.md, "Mixed precision"):
+
+        * ghost blocks (``sum_ts G_ts H_ts`` with computed Gram matrices ``G``, ``H``) *a posteriori*:
+          ``|G^ H^ - G H| <= dG N_G |H^| + dH N_H |G^| + dG dH N_G N_H`` entrywise, ``N_G[t,s] = ||x_t|| ||x_s||``
+          and ``dG`` the dot-product error of the Gram (``gamma`` of its length, or of chunk + chunks for long
+          dot products), plus ``(u + gamma_R)`` times ``sum |G^ H^|`` for the product and the two-stage sum;
+        * the other blocks (tied cross term, a dense gradient with token terms) by their pieces:
+          ``((1 + eps)^2 (1 + gamma_R) - 1)`` times the sum of the products of the pieces' norms;
+        * a materialized gradient ``B_i^T A_i`` is formed and squared in float64.
+        """
         outer, index, dense = self._merged[param]
+        batch, dtype = self.batch_size, self.dtype
+        unit, input_unit = _rounding_units(dtype, param.device, self._input_dtypes.get(param, dtype))
+        f64 = torch.float64
         parts: list[torch.Tensor] = []
+        bound = torch.zeros(batch, dtype=f64, device=param.device)
+        depth, dot, norm_length = 8, 1, 1  # longest reduction, longest dot product, longest norm
+        s_outer = s_index = dense_norm = None
+
+        def norms(x: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.vector_norm(x, dim=2, dtype=dtype)
+
+        def dot_error(length: int) -> float:
+            chunk, chunks = (length, 1) if length <= _CHUNK_ABOVE else (_CHUNK, -(-length // _CHUNK))
+            return (1 + input_unit) ** 2 * (1 + _gamma(chunk + chunks, unit)) - 1
+
         if outer is not None:
-            left_gram = _bmm(outer.left, outer.left.transpose(1, 2), self.dtype)
-            right_gram = _bmm(outer.right, outer.right.transpose(1, 2), self.dtype)
-            parts.append(_sum_tokens(left_gram.mul_(right_gram)))
-            del left_gram, right_gram
+            tokens, p, q = outer.left.shape[1], outer.left.shape[2], outer.right.shape[2]
+            depth, norm_length = max(depth, 2 * tokens + 8), max(norm_length, p, q)
+            n_left, n_right = norms(outer.left), norms(outer.right)
+            s_outer = torch.linalg.vecdot(n_left, n_right).double()
+            if not _use_ghost(outer):
+                # narrow layer (LoRA, or T large): materialize in float64 (cheap here), store in the sum's dtype
+                grad = _bmm(outer.left.transpose(1, 2), outer.right, f64)
+                if dense is not None:
+                    grad = grad + dense.grad.reshape(grad.shape).to(f64)
+                parts.append(_sum_tokens(grad * grad))
+                extra = 0.0 if dense is None else torch.linalg.vector_norm(dense.grad.reshape(batch, -1), dim=1,
+                                                                           dtype=f64)
+                scale = s_outer + extra
+                bound += ((1 + _gamma(tokens + 2, 2.0**-52)) ** 2 * (1 + _gamma(p + q + 8, 2.0**-52)) - 1) * scale * scale
+                dense = DenseTerm(grad.to(dtype).reshape(batch, *param.shape))
+                self._merged[param] = (None, index, dense)
+                outer = None
+                dense_done = True
+            else:
+                dense_done = False
+                left_gram, d_left = _gram(outer.left, dtype), dot_error(p)
+                right_gram, d_right = _gram(outer.right, dtype), dot_error(q)
+                product = left_gram * right_gram
+                parts.append(_sum_tokens(product))
+                magnitude = _sum_tokens(product.abs_())
+                del product
+                weighted_left = _quadratic(n_left, right_gram.abs_())
+                weighted_right = _quadratic(n_right, left_gram.abs_())
+                del left_gram, right_gram
+                bound += (
+                    d_left * weighted_left.double()
+                    + d_right * weighted_right.double()
+                    + d_left * d_right * s_outer * s_outer
+                    + (unit + _gamma(depth, unit) * (1 + unit)) * magnitude.double()
+                )
+        else:
+            dense_done = False
         if index is not None:
+            tokens, q = index.right.shape[1], index.right.shape[2]
+            depth, norm_length = max(depth, 2 * tokens + 8), max(norm_length, q)
+            n_rows = norms(index.right)
+            s_index = n_rows.sum(dim=1).double()
             same_row = index.ids.unsqueeze(2) == index.ids.unsqueeze(1)
-            right_gram = _bmm(index.right, index.right.transpose(1, 2), self.dtype)
-            parts.append(_sum_tokens(right_gram.masked_fill_(~same_row, 0)))
+            right_gram = _gram(index.right, dtype).masked_fill_(~same_row, 0)
+            parts.append(_sum_tokens(right_gram))
+            magnitude = _sum_tokens(right_gram.abs_())
+            del right_gram
+            pairs = _sum_tokens((n_rows.unsqueeze(2) * n_rows.unsqueeze(1)).masked_fill_(~same_row, 0))
+            bound += dot_error(q) * pairs.double() + (unit + _gamma(depth, unit) * (1 + unit)) * magnitude.double()
+        cross_pieces = torch.zeros(batch, dtype=f64, device=param.device)
         if outer is not None and index is not None:
             # Tied weights: 2 <sum_s l_s r_s^T, sum_t e_{id_t} r'_t^T> = 2 sum_{s,t} l_s[id_t] (r_s . r'_t)
             steps = outer.left.shape[1]
+            dot = max(dot, outer.right.shape[2])
             gathered = outer.left.gather(2, index.ids.unsqueeze(1).expand(-1, steps, -1))
-            cross = _bmm(outer.right, index.right.transpose(1, 2), self.dtype)
+            cross = _bmm(outer.right, index.right.transpose(1, 2), dtype)
             parts.append(2 * _sum_tokens(cross.mul_(gathered)))
+            cross_pieces += 2 * s_outer * s_index
         if dense is not None:
-            grad = dense.grad.reshape(self.batch_size, dense.grad.shape[1] if dense.grad.dim() > 2 else 1, -1)
-            parts.append(_sum_tokens(grad * grad))
+            flat = dense.grad.reshape(batch, -1)
+            dense_norm = torch.linalg.vector_norm(flat, dim=1, dtype=dtype).double()
+            first = dense.grad.shape[1] if dense.grad.dim() > 2 else 1
+            depth = max(depth, 2 * max(first, flat.shape[1] // first) + 8)
+            norm_length = max(norm_length, flat.shape[1])
+            if not dense_done:
+                grad = dense.grad.reshape(batch, first, -1)
+                parts.append(_sum_tokens(grad * grad))
+                cross_pieces += dense_norm * dense_norm
             if outer is not None:
-                d = dense.grad.reshape(self.batch_size, outer.left.shape[2], outer.right.shape[2])
-                parts.append(2 * _sum_tokens(_bmm(outer.left, d, self.dtype).mul_(outer.right)))
+                dot = max(dot, outer.left.shape[2])
+                d = dense.grad.reshape(batch, outer.left.shape[2], outer.right.shape[2])
+                parts.append(2 * _sum_tokens(_bmm(outer.left, d, dtype).mul_(outer.right)))
+                cross_pieces += 2 * dense_norm * s_outer
             if index is not None:
-                d = dense.grad.reshape(self.batch_size, index.num_rows, -1)
+                d = dense.grad.reshape(batch, index.num_rows, -1)
                 rows = d.gather(1, index.ids.unsqueeze(-1).expand(-1, -1, d.shape[2]))
                 parts.append(2 * _sum_tokens(rows.mul_(index.right)))
+                cross_pieces += 2 * dense_norm * s_index
+        eps = (1 + input_unit) ** 2 * (1 + _gamma(dot, unit)) * (1 + unit) - 1
+        bound += ((1 + eps) ** 2 * (1 + _gamma(depth, unit)) - 1) * cross_pieces
+        # the bound's own ingredients are rounded: norms of <= norm_length terms, sums of <= depth positive terms
+        bound *= (1 + _gamma(2 * norm_length + 2 * depth + 16, unit)) ** 4
         total = parts[0]
         for part in parts[1:]:
-            total = total + part
-        return total
-
-    def _param_error_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, float]:
-        """``(s, factor)``: the rounding error of this parameter's squared norm is at most ``factor * s^2`` per
-        example. Call it before :meth:`_param_squared_norms` (the pieces are those of the unmaterialized terms)."""
-        outer, index, dense = self._merged[param]
-        norm_dtype = self.dtype
-        s = None
-        longest = norm_length = 1
-        if outer is not None:
-            left = torch.linalg.vector_norm(outer.left, dim=2, dtype=norm_dtype)
-            right = torch.linalg.vector_norm(outer.right, dim=2, dtype=norm_dtype)
-            s = torch.linalg.vecdot(left, right)
-            longest = max(longest, *outer.left.shape[1:], outer.right.shape[2])
-        if index is not None:
-            rows = torch.linalg.vector_norm(index.right, dim=2, dtype=norm_dtype).sum(dim=1)
-            s = rows if s is None else s + rows
-            longest = max(longest, *index.right.shape[1:])
-        if dense is not None:
-            flat = dense.grad.reshape(self.batch_size, -1)
-            whole = torch.linalg.vector_norm(flat, dim=1, dtype=norm_dtype)
-            s = whole if s is None else s + whole
-            first = dense.grad.shape[1] if dense.grad.dim() > 2 else 1
-            longest = max(longest, first, flat.shape[1] // first)
-            norm_length = flat.shape[1]
-        unit, input_unit = _rounding_units(self.dtype, param.device, self._input_dtypes.get(param, self.dtype))
-        # s itself is rounded: norms of <= max(longest, norm_length) terms, their products, a sum over tokens
-        s_scale = (1 + _gamma(4 * max(longest, norm_length) + 8, unit)) ** 2
-        eps = (1 + input_unit) ** 2 * (1 + _gamma(longest, unit)) * (1 + unit) - 1
-        factor = (1 + eps) ** 2 * (1 + _gamma(2 * longest + 8, unit)) - 1
-        return s, s_scale * factor
+            total = total + part.to(total.dtype)
+        return total, bound
 
     def squared_norms(self) -> torch.Tensor:
         """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models / precise)."""
         if self._squared_norms is None:
-            per_param, scales, factors = [], [], []
+            per_param, bounds = [], []
             for param in self._merged:
-                scale, factor = self._param_error_bound(param)
-                scales.append(scale)
-                factors.append(factor)
-                per_param.append(self._param_squared_norms(param))
+                squared, bound = self._param_norm_and_bound(param)
+                per_param.append(squared)
+                bounds.append(bound)
             groups = self._dense_group_squared_norms()
             device = (per_param or [g[0] for g in groups] or [torch.zeros(0)])[0].device
             total = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
@@ -382,9 +448,8 @@ class PerExampleGradients:
             if per_param:
                 # a constant number of kernels for all parameters: stack, then reduce over parameters in float64
                 # (error <= gamma_n(2^-52) times the summed magnitudes, added below)
-                total = total + torch.stack([sq.to(device) for sq in per_param]).double().sum(dim=0)
-                weights = torch.tensor(factors, dtype=torch.float64, device=device).unsqueeze(1)
-                bound = bound + torch.stack([s.to(device) for s in scales]).double().square_().mul_(weights).sum(0)
+                total = total + torch.stack([sq.to(device=device, dtype=torch.float64) for sq in per_param]).sum(0)
+                bound = bound + torch.stack([b.to(device) for b in bounds]).sum(dim=0)
             for squared, group_bound in groups:
                 total = total + squared.to(device)
                 bound = bound + group_bound.to(device)
