@@ -316,8 +316,9 @@ class PerExampleGradients:
             out.append((squared, squared * (4 * _gamma(grad.shape[1] + 4, 2.0**-52))))
         return out
 
-    def _param_norm_and_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(n^2, E)`` per example for one parameter: its computed squared norm and a bound on the rounding error.
+    def _param_norm_and_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]:
+        """``(n^2, [(c_k, t_k)])`` for one parameter: its computed squared norm per example, and the terms of a
+        bound ``E = sum_k c_k t_k`` on its rounding error (summed later for all parameters in one reduction).
 
         Every block of the squared norm is bounded by what it sums (docs/privacy.md, "Mixed precision"):
 
@@ -334,7 +335,7 @@ class PerExampleGradients:
         unit, input_unit = _rounding_units(dtype, param.device, self._input_dtypes.get(param, dtype))
         f64 = torch.float64
         parts: list[torch.Tensor] = []
-        bound = torch.zeros(batch, dtype=f64, device=param.device)
+        terms: list[tuple[float, torch.Tensor]] = []
         depth, dot, norm_length = 8, 1, 1  # longest reduction, longest dot product, longest norm
         s_outer = s_index = dense_norm = None
 
@@ -349,7 +350,7 @@ class PerExampleGradients:
             tokens, p, q = outer.left.shape[1], outer.left.shape[2], outer.right.shape[2]
             depth, norm_length = max(depth, 2 * tokens + 8), max(norm_length, p, q)
             n_left, n_right = norms(outer.left), norms(outer.right)
-            s_outer = torch.linalg.vecdot(n_left, n_right).double()
+            s_outer = torch.linalg.vecdot(n_left, n_right)
             if not _use_ghost(outer):
                 # narrow layer (LoRA, or T large): materialize in float64 (cheap here), store in the sum's dtype
                 grad = _bmm(outer.left.transpose(1, 2), outer.right, f64)
@@ -357,9 +358,10 @@ class PerExampleGradients:
                     grad = grad + dense.grad.reshape(grad.shape).to(f64)
                 parts.append(_sum_tokens(grad * grad))
                 extra = 0.0 if dense is None else torch.linalg.vector_norm(dense.grad.reshape(batch, -1), dim=1,
-                                                                           dtype=f64)
+                                                                           dtype=dtype)
                 scale = s_outer + extra
-                bound += ((1 + _gamma(tokens + 2, 2.0**-52)) ** 2 * (1 + _gamma(p + q + 8, 2.0**-52)) - 1) * scale * scale
+                factor = (1 + _gamma(tokens + 2, 2.0**-52)) ** 2 * (1 + _gamma(p + q + 8, 2.0**-52)) - 1
+                terms.append((factor, scale * scale))
                 dense = DenseTerm(grad.to(dtype).reshape(batch, *param.shape))
                 self._merged[param] = (None, index, dense)
                 outer = None
@@ -375,27 +377,27 @@ class PerExampleGradients:
                 weighted_left = _quadratic(n_left, right_gram.abs_())
                 weighted_right = _quadratic(n_right, left_gram.abs_())
                 del left_gram, right_gram
-                bound += (
-                    d_left * weighted_left.double()
-                    + d_right * weighted_right.double()
-                    + d_left * d_right * s_outer * s_outer
-                    + (unit + _gamma(depth, unit) * (1 + unit)) * magnitude.double()
-                )
+                terms += [
+                    (d_left, weighted_left),
+                    (d_right, weighted_right),
+                    (d_left * d_right, s_outer * s_outer),
+                    (unit + _gamma(depth, unit) * (1 + unit), magnitude),
+                ]
         else:
             dense_done = False
         if index is not None:
             tokens, q = index.right.shape[1], index.right.shape[2]
             depth, norm_length = max(depth, 2 * tokens + 8), max(norm_length, q)
             n_rows = norms(index.right)
-            s_index = n_rows.sum(dim=1).double()
+            s_index = n_rows.sum(dim=1)
             same_row = index.ids.unsqueeze(2) == index.ids.unsqueeze(1)
             right_gram = _gram(index.right, dtype).masked_fill_(~same_row, 0)
             parts.append(_sum_tokens(right_gram))
             magnitude = _sum_tokens(right_gram.abs_())
             del right_gram
             pairs = _sum_tokens((n_rows.unsqueeze(2) * n_rows.unsqueeze(1)).masked_fill_(~same_row, 0))
-            bound += dot_error(q) * pairs.double() + (unit + _gamma(depth, unit) * (1 + unit)) * magnitude.double()
-        cross_pieces = torch.zeros(batch, dtype=f64, device=param.device)
+            terms += [(dot_error(q), pairs), (unit + _gamma(depth, unit) * (1 + unit), magnitude)]
+        cross_pieces: list[torch.Tensor] = []
         if outer is not None and index is not None:
             # Tied weights: 2 <sum_s l_s r_s^T, sum_t e_{id_t} r'_t^T> = 2 sum_{s,t} l_s[id_t] (r_s . r'_t)
             steps = outer.left.shape[1]
@@ -403,57 +405,67 @@ class PerExampleGradients:
             gathered = outer.left.gather(2, index.ids.unsqueeze(1).expand(-1, steps, -1))
             cross = _bmm(outer.right, index.right.transpose(1, 2), dtype)
             parts.append(2 * _sum_tokens(cross.mul_(gathered)))
-            cross_pieces += 2 * s_outer * s_index
+            cross_pieces.append(2 * s_outer * s_index)
         if dense is not None:
             flat = dense.grad.reshape(batch, -1)
-            dense_norm = torch.linalg.vector_norm(flat, dim=1, dtype=dtype).double()
+            dense_norm = torch.linalg.vector_norm(flat, dim=1, dtype=dtype)
             first = dense.grad.shape[1] if dense.grad.dim() > 2 else 1
             depth = max(depth, 2 * max(first, flat.shape[1] // first) + 8)
             norm_length = max(norm_length, flat.shape[1])
             if not dense_done:
                 grad = dense.grad.reshape(batch, first, -1)
                 parts.append(_sum_tokens(grad * grad))
-                cross_pieces += dense_norm * dense_norm
+                cross_pieces.append(dense_norm * dense_norm)
             if outer is not None:
                 dot = max(dot, outer.left.shape[2])
                 d = dense.grad.reshape(batch, outer.left.shape[2], outer.right.shape[2])
                 parts.append(2 * _sum_tokens(_bmm(outer.left, d, dtype).mul_(outer.right)))
-                cross_pieces += 2 * dense_norm * s_outer
+                cross_pieces.append(2 * dense_norm * s_outer)
             if index is not None:
                 d = dense.grad.reshape(batch, index.num_rows, -1)
                 rows = d.gather(1, index.ids.unsqueeze(-1).expand(-1, -1, d.shape[2]))
                 parts.append(2 * _sum_tokens(rows.mul_(index.right)))
-                cross_pieces += 2 * dense_norm * s_index
+                cross_pieces.append(2 * dense_norm * s_index)
         eps = (1 + input_unit) ** 2 * (1 + _gamma(dot, unit)) * (1 + unit) - 1
-        bound += ((1 + eps) ** 2 * (1 + _gamma(depth, unit)) - 1) * cross_pieces
+        terms += [((1 + eps) ** 2 * (1 + _gamma(depth, unit)) - 1, piece) for piece in cross_pieces]
         # the bound's own ingredients are rounded: norms of <= norm_length terms, sums of <= depth positive terms
-        bound *= (1 + _gamma(2 * norm_length + 2 * depth + 16, unit)) ** 4
+        safety = (1 + _gamma(2 * norm_length + 2 * depth + 16, unit)) ** 4
         total = parts[0]
         for part in parts[1:]:
             total = total + part.to(total.dtype)
-        return total, bound
+        return total, [(c * safety, t) for c, t in terms]
 
     def squared_norms(self) -> torch.Tensor:
         """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models / precise)."""
         if self._squared_norms is None:
-            per_param, bounds = [], []
+            per_param, coefficients, pieces = [], [], []
             for param in self._merged:
-                squared, bound = self._param_norm_and_bound(param)
+                squared, terms = self._param_norm_and_bound(param)
                 per_param.append(squared)
-                bounds.append(bound)
+                coefficients += [c for c, _ in terms]
+                pieces += [t for _, t in terms]
             groups = self._dense_group_squared_norms()
             device = (per_param or [g[0] for g in groups] or [torch.zeros(0)])[0].device
             total = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
             bound = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
+            magnitude = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
             if per_param:
-                # a constant number of kernels for all parameters: stack, then reduce over parameters in float64
-                # (error <= gamma_n(2^-52) times the summed magnitudes, added below)
-                total = total + torch.stack([sq.to(device=device, dtype=torch.float64) for sq in per_param]).sum(0)
-                bound = bound + torch.stack([b.to(device) for b in bounds]).sum(dim=0)
+                # a constant number of kernels for all parameters: stack (each squared norm rounded to this dtype
+                # once), then reduce over parameters in float64; both roundings are bounded below
+                stacked_norms = torch.stack([sq.to(device=device, dtype=self.dtype) for sq in per_param]).double()
+                total = total + stacked_norms.sum(dim=0)
+                magnitude = stacked_norms.abs().sum(dim=0)
+            if pieces:
+                # every parameter's bound terms in one reduction: sum_k c_k t_k in float64
+                weights = torch.tensor(coefficients, dtype=torch.float64, device=device).unsqueeze(1)
+                stacked = torch.stack([t.to(device=device, dtype=self.dtype) for t in pieces]).double()
+                bound = bound + stacked.mul_(weights).sum(dim=0)
             for squared, group_bound in groups:
                 total = total + squared.to(device)
                 bound = bound + group_bound.to(device)
-            bound = bound + _gamma(len(per_param) + len(groups) + 1, 2.0**-52) * (total.abs() + bound)
+            cast_unit = 2.0**-52 if self.dtype == torch.float64 else 2.0**-23
+            count = len(per_param) + len(groups) + 1
+            bound = bound + (cast_unit + _gamma(count, 2.0**-52)) * (magnitude + total.abs() + bound)
             self._squared_norms64 = total
             self._error_bounds = bound
             self._squared_norms = total.to(self.dtype)
