@@ -262,14 +262,12 @@ class PerExampleGradients:
     clip" and "Mixed precision: the norm under bf16").
 
     The terms are kept in the dtype the layers computed in (bf16 under autocast; no fp32 copies) and every
-    product accumulates in fp32 (fp64 for fp64 models and precise mode). Rounding can move the computed
-    squared norm ``n^2`` away from the exact one by at most, per parameter,
-    ``E = ((1 + eps)^2 (1 + gamma_{2m+8}) - 1) s^2`` with ``eps = (1 + u_in)^2 (1 + gamma_m)(1 + u) - 1``,
-    ``gamma_k = k u / (1 - k u)``, ``u`` twice the accumulation unit roundoff, ``u_in`` the input rounding of
-    the products (0, or ``2^-10`` under TF32), ``m`` the longest inner product or reduction (tokens, widths),
-    ``s = sum_k ||piece_k||`` over the example's pieces (token terms ``b_t a_t^T``, embedding rows, a dense
-    gradient). :meth:`clipping_norms` returns ``sqrt(max(n^2, 0) + sum_p E_p)`` (times ``1 + 2^-20`` in fp32
-    for the last roundings), so the clip holds for the exact per-example gradient whatever the cancellation.
+    product accumulates in fp32 (fp64 for fp64 models and precise mode). :meth:`clipping_norms` returns
+    ``sqrt(max(n^2, 0) + E) (1 + 2^-20)`` (``2^-50`` in float64), where ``n^2`` is the computed squared norm
+    and ``E`` a proven bound on its rounding error, built per parameter by :meth:`_param_norm_and_bound`
+    (a posteriori for the ghost Gram products, from the pieces' norms for the other blocks; docs/privacy.md,
+    "Mixed precision: the norm under bf16"), so the clip holds for the exact per-example gradient of the
+    stored terms whatever the scale or the cancellation.
 
     ``precise=True`` is for combinations with cancellation (a per-example *difference* of gradients at two
     points, as DIFF2's difference rounds, or any combination with a negative weight): every term is promoted
