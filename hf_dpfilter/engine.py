@@ -401,9 +401,18 @@ class PerExampleGradients:
             steps = outer.left.shape[1]
             dot = max(dot, outer.right.shape[2])
             gathered = outer.left.gather(2, index.ids.unsqueeze(1).expand(-1, steps, -1))
-            cross = _bmm(outer.right, index.right.transpose(1, 2), dtype)
-            parts.append(2 * _sum_tokens(cross.mul_(gathered)))
-            cross_pieces.append(2 * s_outer * s_index)
+            cross = _bmm(outer.right, index.right.transpose(1, 2), dtype).mul_(gathered)
+            parts.append(2 * _sum_tokens(cross))
+            # a posteriori: |l_s[id_t]| d_Q ||r_s|| ||r'_t|| per pair, and the product and sum roundings
+            weighted = torch.linalg.vecdot(
+                torch.bmm(gathered.abs().to(dtype).transpose(1, 2), n_right.unsqueeze(2)).squeeze(2), n_rows
+            )
+            magnitude = _sum_tokens(cross.abs_())
+            del cross, gathered
+            terms += [
+                (2 * dot_error(outer.right.shape[2]) * (1 + unit), weighted),
+                (2 * (unit + _gamma(depth, unit) * (1 + unit)), magnitude),
+            ]
         if dense is not None:
             flat = dense.grad.reshape(batch, -1)
             dense_norm = torch.linalg.vector_norm(flat, dim=1, dtype=dtype)
