@@ -23,16 +23,29 @@ the model and one warm-up step, the peak-RSS counter is reset (``/proc/self/clea
 steps run. Reported: peak RSS of those steps minus the RSS after model build, i.e. gradients, optimizer
 state, activations and every temporary of a steady-state step (the weights themselves are excluded).
 
+GPU (``--device cuda``): the model, batch and optimizers live on the GPU; ``--bf16`` runs every forward
+under ``torch.autocast("cuda", dtype=torch.bfloat16)`` (weights stay fp32, as with ``Trainer(bf16=True)``).
+Each timed step is bracketed by ``torch.cuda.synchronize()``; the interleaving and the per-round median
+ratio are the same as on CPU. Memory = ``torch.cuda.max_memory_allocated()`` over two steady-state steps
+(after a warm-up step and ``reset_peak_memory_stats``) minus the memory allocated after building the
+model (its weights), each variant in its own process. Without ``--points``, the CUDA cases are those of
+the table in the GPU issue: RoBERTa-base/large full B=32 T=128, RoBERTa-base LoRA, GPT-2 small (tied and
+untied) full and LoRA B=16 T=512, GPT-2 medium/large full B=8 T=512, GPT-2 small full B=8 T=1024; the
+methods run on RoBERTa-base full B=32 T=128.
+
 Usage::
 
     python benchmarks/speed_memory.py              # default points (~10-15 min on 2 idle cores)
     python benchmarks/speed_memory.py --quick      # smoke version (1-2 min)
     python benchmarks/speed_memory.py --out docs/performance.md
+    python benchmarks/speed_memory.py --device cuda --bf16 --out docs/performance.md   # H100, bf16 autocast
+    python benchmarks/speed_memory.py --device cuda --cases roberta:full:32x128 --out docs/performance.md  # fp32
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -63,6 +76,31 @@ LR = 1e-5
 NOISE = 1.0
 CLIP = 1.0
 NUM_LABELS = 2
+#: where and in what precision the steps run (set once by main(); memory workers get it on their command line)
+SETTINGS = {"device": "cpu", "bf16": False}
+#: the cases of the GPU issue's table (model, mode, batch, tokens)
+CUDA_CASES = [
+    ("roberta", "full", 32, 128), ("roberta-large", "full", 32, 128), ("roberta", "lora", 32, 128),
+    ("gpt2", "full", 16, 512), ("gpt2-untied", "full", 16, 512), ("gpt2", "lora", 16, 512),
+    ("gpt2-medium", "full", 8, 512), ("gpt2-large", "full", 8, 512), ("gpt2", "full", 8, 1024),
+]
+
+
+def device() -> torch.device:
+    return torch.device(SETTINGS["device"])
+
+
+def autocast() -> contextlib.AbstractContextManager:
+    """bf16 autocast around a forward (weights stay fp32), or nothing."""
+    if SETTINGS["bf16"]:
+        return torch.autocast(device().type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def synchronize() -> None:
+    """Wait for the GPU, so that a wall-clock interval covers the kernels launched in it."""
+    if device().type == "cuda":
+        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------------------------------ set-ups
@@ -88,13 +126,17 @@ def build_model(name: str, mode: str, seed: int = 0) -> nn.Module:
     tiny = os.environ.get("HF_DPFILTER_BENCH_TINY") == "1"
     small = {"n_layer": 2, "n_embd": 64, "n_head": 4} if tiny else {}
     small_bert = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+    gpt2_sizes = {"gpt2-medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
+                  "gpt2-large": {"n_layer": 36, "n_embd": 1280, "n_head": 20}}
+    roberta_large = {"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096}
     if name.startswith("gpt2"):
-        model = GPT2LMHeadModel(GPT2Config(**small))
+        model = GPT2LMHeadModel(GPT2Config(**(small if tiny else gpt2_sizes.get(name, {}))))
         if name == "gpt2-untied":
             model.config.tie_word_embeddings = False
             model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
-    elif name == "roberta":
-        model = RobertaForSequenceClassification(RobertaConfig(num_labels=NUM_LABELS, **(small_bert if tiny else {})))
+    elif name in ("roberta", "roberta-large"):
+        size = small_bert if tiny else (roberta_large if name == "roberta-large" else {})
+        model = RobertaForSequenceClassification(RobertaConfig(num_labels=NUM_LABELS, **size))
     else:
         raise ValueError(f"unknown model {name!r}")
     if mode == "lora":
@@ -108,7 +150,7 @@ def build_model(name: str, mode: str, seed: int = 0) -> nn.Module:
             )
         model = get_peft_model(model, config)
     model.train()
-    return model
+    return model.to(device())
 
 
 def make_batch(case: Case, seed: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
@@ -119,7 +161,7 @@ def make_batch(case: Case, seed: int = 1) -> tuple[dict[str, torch.Tensor], torc
     if case.model == "gpt2-untied":
         inputs["position_ids"] = torch.arange(case.seq).expand(case.batch, -1).contiguous()
     labels = ids.clone() if causal else torch.randint(0, NUM_LABELS, (case.batch,), generator=g)
-    return inputs, labels, causal
+    return {k: v.to(device()) for k, v in inputs.items()}, labels.to(device()), causal
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -134,9 +176,12 @@ def nonprivate_step(model: nn.Module, inputs: dict, labels: torch.Tensor) -> Ste
     opt = torch.optim.AdamW(trainable(model), lr=LR)
 
     def step() -> float:
+        synchronize()
         t0 = time.perf_counter()
-        loss = model(**inputs, labels=labels).loss
+        with autocast():
+            loss = model(**inputs, labels=labels).loss
         loss.backward()
+        synchronize()
         elapsed = time.perf_counter() - t0
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -155,12 +200,15 @@ def hf_dpfilter_step(
     )  # fmt: skip
 
     def loss_fn(values):
-        out = engine.call_model(values, **inputs)
-        return per_example_loss(out.logits, labels, causal_lm=causal)
+        with autocast():
+            out = engine.call_model(values, **inputs)
+        return per_example_loss(out.logits.float(), labels, causal_lm=causal)
 
     def step() -> float:
+        synchronize()
         t0 = time.perf_counter()
         opt.accumulate(engine, loss_fn, labels.shape[0])
+        synchronize()
         elapsed = time.perf_counter() - t0
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -193,8 +241,10 @@ def opacus_step(model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bo
             criterion = made[2] if mode == "ghost" else nn.CrossEntropyLoss()
 
             def step(dp_model=dp_model, dp_opt=dp_opt, criterion=criterion, mode=mode) -> float:
+                synchronize()
                 t0 = time.perf_counter()
-                logits = dp_model(**inputs).logits
+                with autocast():
+                    logits = dp_model(**inputs).logits.float()
                 if causal:
                     flat = logits[:, :-1].reshape(-1, logits.shape[-1])
                     target = labels[:, 1:].reshape(-1)
@@ -205,6 +255,7 @@ def opacus_step(model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bo
                 else:
                     loss = criterion(logits, labels)
                 loss.backward()
+                synchronize()
                 elapsed = time.perf_counter() - t0
                 dp_opt.step()
                 dp_opt.zero_grad(set_to_none=True)
@@ -264,6 +315,18 @@ def memory_worker(variant: str, case: Case) -> dict:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     baseline = None
     try:
+        if device().type == "cuda":
+            step, note = build_variant(variant, case)
+            synchronize()
+            weights = torch.cuda.memory_allocated()
+            step()  # warm-up: Adam state, first-step verification, Opacus set-up
+            synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(2):
+                step()
+            synchronize()
+            return {"peak_mb": (torch.cuda.max_memory_allocated() - weights) / 2**20, "note": note, "reset": True,
+                    "model_mb": weights / 2**20}
         model_rss = current_rss_kb()
         step, note = build_variant(variant, case)
         baseline = current_rss_kb()
@@ -284,7 +347,8 @@ def memory_worker(variant: str, case: Case) -> dict:
 
 def measure_memory(variant: str, case: Case, timeout: float) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, os.path.abspath(__file__), "--_memory_worker", json.dumps([variant, case.__dict__])]
+    cmd = [sys.executable, os.path.abspath(__file__), "--_memory_worker",
+           json.dumps([variant, case.__dict__, SETTINGS])]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -302,8 +366,10 @@ def time_interleaved(steps: dict[str, Step], rounds: int) -> dict[str, dict]:
     grad_times: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(rounds):
         for n in names:
+            synchronize()
             t0 = time.perf_counter()
             grad_times[n].append(steps[n]())
+            synchronize()
             times[n].append(time.perf_counter() - t0)
     ref, grad_ref = times[names[0]], grad_times[names[0]]
     return {
@@ -363,7 +429,7 @@ def run_case(case: Case, rounds: int, memory: bool, opacus: bool, timeout: float
 def method_overheads(case: Case, rounds: int, log) -> list[dict]:
     """DiSK / DOPPLER optimizer-step cost and DP-PMLF's k-point cost, against DP-SGD, interleaved."""
     methods = available_methods()
-    wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"k": 2}), ("pmlf", {"k": 3})]
+    wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"k": 2}), ("pmlf", {"k": 3}), ("dicesgd", {})]
     wanted = [(m, kw) for m, kw in wanted if m in methods]
     inputs, labels, causal = make_batch(case)
     runners = {}
@@ -378,8 +444,10 @@ def method_overheads(case: Case, rounds: int, log) -> list[dict]:
     opt_only: dict[str, list[float]] = {n: [] for n in runners}
     for _ in range(rounds):
         for n, (step, _opt) in runners.items():
+            synchronize()
             t0 = time.perf_counter()
             grad_seconds = step()  # accumulate (timed inside) + optimizer.step() on the real clipped sums
+            synchronize()
             total[n].append(time.perf_counter() - t0)
             opt_only[n].append(total[n][-1] - grad_seconds)
     rows = []
@@ -415,22 +483,31 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 def markdown(rows: list[dict], method_rows: list[dict], command: str, elapsed: float, threads: str = "") -> str:
     threads = threads or str(torch.get_num_threads())
+    if device().type == "cuda":
+        machine = (f"Machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                   f"{'bf16 autocast (fp32 weights)' if SETTINGS['bf16'] else 'float32'}, dropout on, AdamW. "
+                   f"Run time {elapsed / 60:.1f} min.")
+        memory = ("Memory = `torch.cuda.max_memory_allocated()` of two steady-state steps minus the memory "
+                  "allocated after model build (the weights), each variant in its own process.")
+    else:
+        machine = (f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
+                   f"({threads} torch threads), float32, dropout on, AdamW. Run time {elapsed / 60:.1f} min "
+                   "(summed over the runs merged here).")
+        memory = ("Memory = peak RSS of two steady-state steps minus the RSS after model build "
+                  "(gradients, optimizer state, activations, temporaries), each variant in its own process.")
     lines = [
-        "## Measured: private vs non-private training steps",
+        "## Measured: private vs non-private training steps" + (" (GPU)" if device().type == "cuda" else ""),
         "",
         "Generated by `benchmarks/speed_memory.py` (see its docstring for the method). Command:",
         "",
         f"    {command}",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
-        f"({threads} torch threads), float32, dropout on, AdamW. Run time {elapsed / 60:.1f} min "
-        "(summed over the runs merged here).",
+        machine,
         "",
         "Time = median seconds per step; ratio = median over interleaved rounds of time / non-private time of "
         "the same round. fwd+bwd ratio = the same for the part before `optimizer.step()` (forward, backward, "
         "clipping): the per-micro-batch cost under gradient accumulation, where the noise and AdamW cost of "
-        "`step()` is paid once per logical batch. Memory = peak RSS of two steady-state steps minus the RSS after model build "
-        "(gradients, optimizer state, activations, temporaries), each variant in its own process.",
+        "`step()` is paid once per logical batch. " + memory,
         "",
         "| model / mode / batch | variant | time per step | time ratio | fwd+bwd ratio | peak memory | memory ratio "
         "| note |",
@@ -466,10 +543,24 @@ def markdown(rows: list[dict], method_rows: list[dict], command: str, elapsed: f
 
 
 BEGIN, END = "<!-- BEGIN GENERATED by benchmarks/speed_memory.py -->", "<!-- END GENERATED -->"
+BEGIN_CUDA, END_CUDA = "<!-- BEGIN GENERATED by benchmarks/speed_memory.py --device cuda -->", "<!-- END GENERATED CUDA -->"
 
 
 def write_markdown(path: str, text: str) -> None:
-    """Write the tables into ``path``; if it has the GENERATED markers, replace only what is between them."""
+    """Write the tables into ``path``; if it has the GENERATED markers, replace only what is between them.
+
+    CPU runs fill the CPU markers, CUDA runs the CUDA ones; a CUDA run never overwrites a file without them.
+    """
+    begin, end = (BEGIN_CUDA, END_CUDA) if device().type == "cuda" else (BEGIN, END)
+    if device().type == "cuda":
+        with open(path) as f:
+            old = f.read()
+        if begin not in old or end not in old:
+            raise SystemExit(f"{path} has no {begin} ... {end} markers: add them where the GPU table goes.")
+        head, rest = old.split(begin, 1)
+        with open(path, "w") as f:
+            f.write(head + begin + "\n" + text + rest[rest.index(end) :])
+        return
     if os.path.exists(path):
         with open(path) as f:
             old = f.read()
@@ -497,8 +588,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--from-json", default=None, help="comma-separated JSON files of earlier runs: merge them into one table"
     )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the steps run")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for every forward (weights stay fp32)")
+    parser.add_argument(
+        "--cases", default=None,
+        help="explicit cases 'model:mode:BxT,...' (e.g. 'roberta:full:32x128,gpt2:lora:16x512'); "
+        "default on CUDA: the GPU issue's table; on CPU: --models x --modes x --points",
+    )
     parser.add_argument("--_memory_worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False).")
+    SETTINGS.update(device=args.device, bf16=args.bf16)
 
     if args.from_json:
         rows, method_rows, commands, elapsed, threads = [], [], [], 0.0, set()
@@ -517,23 +618,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args._memory_worker:
-        variant, fields = json.loads(args._memory_worker)
+        variant, fields, settings = json.loads(args._memory_worker)
+        SETTINGS.update(settings)
         print("RESULT " + json.dumps(memory_worker(variant, Case(**fields))), flush=True)
         return 0
 
     warnings.filterwarnings("ignore")
     points = args.points or ("2x64" if args.quick else "4x128,2x256")
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or (2 if args.quick else (10 if args.device == "cuda" else 3))
     pts = [tuple(int(x) for x in p.split("x")) for p in points.split(",")]
     models = args.models.split(",")
     modes = args.modes.split(",")
     cases = []
-    for model in models:
-        for mode in modes:
-            for b, t in pts if mode == "full" else pts[:1]:
-                cases.append(Case(model, mode, b, t))
-                if model == "gpt2" and mode == "full" and not args.no_opacus and (b, t) == pts[0]:
-                    cases.append(Case("gpt2-untied", mode, b, t))
+    if args.cases or (args.device == "cuda" and not args.points):
+        explicit = [c.split(":") for c in args.cases.split(",")] if args.cases else None
+        for model, mode, b, t in (
+            [(m, mode, *(int(x) for x in bt.split("x"))) for m, mode, bt in explicit] if explicit else CUDA_CASES
+        ):
+            cases.append(Case(model, mode, b, t))
+        pts = [(cases[0].batch, cases[0].seq)] if explicit else [(32, 128)]
+    else:
+        for model in models:
+            for mode in modes:
+                for b, t in pts if mode == "full" else pts[:1]:
+                    cases.append(Case(model, mode, b, t))
+                    if model == "gpt2" and mode == "full" and not args.no_opacus and (b, t) == pts[0]:
+                        cases.append(Case("gpt2-untied", mode, b, t))
 
     def log(msg: str) -> None:
         print(msg, flush=True)

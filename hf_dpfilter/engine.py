@@ -61,29 +61,96 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A term tensor as the engine keeps it: low-precision (bf16/fp16) tensors stay as the layer computed them
+    when the accumulation dtype is fp32 (products then accumulate in fp32, see :func:`_bmm`); anything else is
+    converted to the accumulation dtype (float64 in precise mode: exact for fp32/bf16/fp16 values)."""
+    if t.dtype == dtype or (dtype == torch.float32 and t.dtype in _LOW_PRECISION):
+        return t
+    return t.to(dtype)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` (batched) with the result in ``dtype``, accumulating in ``dtype``.
+
+    Low-precision inputs keep their dtype: on CUDA the product runs on tensor cores with fp32 accumulation and
+    an fp32 output (``torch.bmm(..., out_dtype=torch.float32)``); elsewhere (no such kernel on CPU) each
+    product upcasts its two operands for its own duration only, so nothing larger is kept.
+    """
+    if a.dtype == dtype and b.dtype == dtype:
+        return torch.bmm(a, b)
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in _LOW_PRECISION and dtype == torch.float32:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.to(dtype), b.to(dtype))
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` with the result in ``dtype``; low-precision inputs as in :func:`_bmm`."""
+    if a.dtype == dtype and b.dtype == dtype:
+        return torch.mm(a, b)
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in _LOW_PRECISION and dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.to(dtype), b.to(dtype))
+
+
+def _split_bf16(x: torch.Tensor) -> list[torch.Tensor]:
+    """Three bf16 tensors whose fp32 sum is ``x`` (fp32) to a relative error of at most ``2^-27`` per element.
+
+    bf16 keeps fp32's exponent range, so each residual is exact in fp32 and at most ``2^-9`` of the previous
+    one. Lets a bf16 GEMM with fp32 accumulation multiply by fp32-scaled values (clip factors) on tensor cores
+    without rounding the scale to bf16 (which would move a clipped contribution by up to ``2^-9`` of it).
+    """
+    hi = x.to(torch.bfloat16)
+    rest = x - hi.float()
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    return [hi, mid, lo]
+
+
+def _sum_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Sum a (B, m, n) tensor over its last two axes in two reductions (n, then m terms).
+
+    Any order of summing k terms errs by at most ``(k-1) u`` times the sum of their magnitudes; in two stages
+    each term passes through at most ``m + n - 2`` additions, where one flat reduction would allow ``m n - 1``
+    (the error bound of :meth:`PerExampleGradients.clipping_norms` counts on this).
+    """
+    return x.sum(dim=2).sum(dim=1)
+
+
 def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | None, IndexTerm | None, DenseTerm | None]:
     """Combine every use of one parameter into at most one term of each kind (concatenating along tokens)."""
     outers = [t for t in terms if isinstance(t, OuterTerm)]
     indexes = [t for t in terms if isinstance(t, IndexTerm)]
     denses = [t for t in terms if isinstance(t, DenseTerm)]
     outer = index = dense = None
+
+    def same_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        stored = [_stored(t, dtype) for t in tensors]
+        if len({t.dtype for t in stored}) > 1:  # uses in different dtypes: concatenate in the accumulation dtype
+            stored = [t.to(dtype) for t in stored]
+        return stored
+
     # A single use (the common case) is kept as it is: torch.cat would copy every activation and output grad.
     if len(outers) == 1:
-        outer = OuterTerm(left=outers[0].left.to(dtype), right=outers[0].right.to(dtype))
+        outer = OuterTerm(left=_stored(outers[0].left, dtype), right=_stored(outers[0].right, dtype))
     elif outers:
         outer = OuterTerm(
-            left=torch.cat([t.left.to(dtype) for t in outers], dim=1),
-            right=torch.cat([t.right.to(dtype) for t in outers], dim=1),
+            left=torch.cat(same_dtype([t.left for t in outers]), dim=1),
+            right=torch.cat(same_dtype([t.right for t in outers]), dim=1),
         )
     if len(indexes) == 1:
-        index = IndexTerm(ids=indexes[0].ids, right=indexes[0].right.to(dtype), num_rows=indexes[0].num_rows)
+        index = IndexTerm(ids=indexes[0].ids, right=_stored(indexes[0].right, dtype), num_rows=indexes[0].num_rows)
     elif indexes:
         index = IndexTerm(
             ids=torch.cat([t.ids for t in indexes], dim=1),
-            right=torch.cat([t.right.to(dtype) for t in indexes], dim=1),
+            right=torch.cat(same_dtype([t.right for t in indexes]), dim=1),
             num_rows=indexes[0].num_rows,
         )
     if denses:
+        # dense gradients (biases, norms) are small: always kept in the accumulation dtype
         grad = denses[0].grad.to(dtype)
         for t in denses[1:]:
             grad = grad + t.grad.to(dtype)
@@ -106,36 +173,106 @@ def _use_ghost(outer: OuterTerm) -> bool:
     return p * q > tokens * (p + q)
 
 
-def _weighted_outer(outer: OuterTerm, c: torch.Tensor) -> torch.Tensor:
-    """``sum_i c_i sum_t left[i,t] (outer) right[i,t]`` as one GEMM, scaling the narrower side by c."""
+def _weighted_outer(outer: OuterTerm, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_i c_i sum_t left[i,t] (outer) right[i,t]`` as one GEMM, scaling the narrower side by c.
+
+    The scaled side is formed in ``dtype`` (the clip factor is never rounded to bf16). With a bf16 other side
+    on CUDA, the scaled side is split into three bf16 pieces (:func:`_split_bf16`) so the GEMMs run on tensor
+    cores with fp32 accumulation; otherwise both sides are in ``dtype``.
+    """
     batch, tokens, p = outer.left.shape
     q = outer.right.shape[2]
     scale = c.reshape(batch, 1, 1)
     if p <= q:
-        left, right = outer.left * scale, outer.right
+        scaled, other = outer.left.to(dtype) * scale, outer.right
     else:
-        left, right = outer.left, outer.right * scale
-    return torch.mm(left.reshape(batch * tokens, p).t(), right.reshape(batch * tokens, q))
+        scaled, other = outer.right.to(dtype) * scale, outer.left
+    scaled = scaled.reshape(batch * tokens, -1)
+    other = other.reshape(batch * tokens, -1)
+    if other.is_cuda and other.dtype == torch.bfloat16 and dtype == torch.float32:
+        pieces = _split_bf16(scaled)
+        if p <= q:
+            total = _mm(pieces[0].t(), other, dtype)
+            for piece in pieces[1:]:
+                total.add_(_mm(piece.t(), other, dtype))
+        else:
+            total = _mm(other.t(), pieces[0], dtype)
+            for piece in pieces[1:]:
+                total.add_(_mm(other.t(), piece, dtype))
+        return total
+    if p <= q:
+        return _mm(scaled.t(), other, dtype)
+    return _mm(other.t(), scaled, dtype)
+
+
+_CHUNK_ABOVE = 4096  # Gram matrices over longer dot products (vocabulary-sized) are accumulated in chunks
+_CHUNK = 1024
+
+
+def _gram(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x x^T`` per example, (B, T, T) in ``dtype``. A dot product longer than ``_CHUNK_ABOVE`` (GPT-2's
+    ``lm_head`` output gradient: 50257) is summed in chunks of ``_CHUNK``, so its error bound grows with
+    ``chunk + chunks`` (~1100) instead of its length (see :meth:`PerExampleGradients._param_norm_and_bound`)."""
+    length = x.shape[2]
+    if length <= _CHUNK_ABOVE:
+        return _bmm(x, x.transpose(1, 2), dtype)
+    gram = None
+    for start in range(0, length, _CHUNK):
+        part = x[:, :, start : start + _CHUNK]
+        chunk = _bmm(part, part.transpose(1, 2), dtype)
+        gram = chunk if gram is None else gram.add_(chunk)
+    return gram
+
+
+def _quadratic(n: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``n_i^T M_i n_i`` per example for n (B, T) and M (B, T, T)."""
+    return torch.bmm(n.unsqueeze(1), torch.bmm(m, n.unsqueeze(2))).reshape(-1)
+
+
+def _gamma(n: int, unit: float) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``: bound on the relative error of ``n`` roundings."""
+    return n * unit / (1.0 - n * unit)
+
+
+def _rounding_units(dtype: torch.dtype, device: torch.device, input_dtype: torch.dtype) -> tuple[float, float]:
+    """(accumulation unit, input-rounding unit) of the engine's products in ``dtype`` on ``device``.
+
+    The accumulation unit is twice the unit roundoff (``2^-23`` for fp32, ``2^-52`` for fp64), which also
+    covers accumulators that truncate instead of rounding to nearest (tensor cores do; Fasi, Higham, Mikaitis
+    & Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021). Products of two fp32, bf16 or fp16
+    values are exact in fp32 accumulation only if the inputs are not rounded first: with TF32 allowed for
+    fp32 matmuls on CUDA, inputs lose 13 bits (unit ``2^-10`` with truncation).
+    """
+    accumulation = 2.0**-52 if dtype == torch.float64 else 2.0**-23
+    tf32 = (
+        device.type == "cuda"
+        and input_dtype == torch.float32
+        and dtype == torch.float32
+        and (torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest")
+    )
+    return accumulation, (2.0**-10 if tf32 else 0.0)
 
 
 class PerExampleGradients:
     """Per-example gradients of one recorded batch, kept in compact (ghost) form.
 
     ``squared_norms()`` gives ``||g_i||^2`` over all trainable parameters; ``weighted_sum(c)`` gives
-    ``{param: sum_i c_i g_i[param]}``; ``clipping_norms()`` gives the norms to clip with.
+    ``{param: sum_i c_i g_i[param]}``; ``clipping_norms()`` gives the norms to clip with: a proven upper bound
+    of the exact norm of the per-example gradient the terms describe (docs/privacy.md, "Precision of the
+    clip" and "Mixed precision: the norm under bf16").
+
+    The terms are kept in the dtype the layers computed in (bf16 under autocast; no fp32 copies) and every
+    product accumulates in fp32 (fp64 for fp64 models and precise mode). :meth:`clipping_norms` returns
+    ``sqrt(max(n^2, 0) + E) (1 + 2^-20)`` (``2^-50`` in float64), where ``n^2`` is the computed squared norm
+    and ``E`` a proven bound on its rounding error, built per parameter by :meth:`_param_norm_and_bound`
+    (a posteriori for the ghost Gram products, from the pieces' norms for the other blocks; docs/privacy.md,
+    "Mixed precision: the norm under bf16"), so the clip holds for the exact per-example gradient of the
+    stored terms whatever the scale or the cancellation.
 
     ``precise=True`` is for combinations with cancellation (a per-example *difference* of gradients at two
-    points, as DIFF2's difference rounds, or any combination with a negative weight). The ghost identity sums
-    products of token terms whose cross terms cancel, so its relative error grows like
-    ``u (||g(x)|| / ||g(x) - g(x')||)^2``; a squared norm that rounds to <= 0 would give clip factor 1 and
-    let the example in unclipped. In precise mode every term is promoted to float64 (exact for float32 and
-    bfloat16 inputs), and :meth:`clipping_norms` returns an upper bound ``sqrt(max(n^2, 0) + E)`` where
-    ``E = 2 u (L + K^2 + 4) s^2`` per parameter, ``u = 2^-53``, ``s = sum_k ||piece_k||`` over the example's
-    pieces (token terms ``b_t a_t^T``, embedding rows, dense gradients), ``K`` their number and ``L`` the
-    longest inner product: the standard bound for dot products and sums of ``n`` floating-point terms
-    (``|fl(sum) - sum| <= n u sum |terms|``) applied to the Gram entries, their products and the final sum
-    (docs/privacy.md, "Precision of the clip"). The clip then holds for the exact per-example combination
-    whatever the cancellation; when cancellation dominates, the example is clipped harder, never less.
+    points, as DIFF2's difference rounds, or any combination with a negative weight): every term is promoted
+    to float64 (exact for float32 and bfloat16 inputs), so ``u = 2^-52`` and the bound is tight enough that
+    even a squared norm dominated by cancellation is clipped correctly (never less, at worst harder).
     """
 
     def __init__(
@@ -144,95 +281,201 @@ class PerExampleGradients:
         self.batch_size = batch_size
         self.precise = precise
         self.dtype = torch.float64 if precise else dtype
-        self._merged = {p: _merge_terms(ts, self.dtype) for p, ts in terms.items()}
+        self._input_dtypes = {
+            p: next((t.left.dtype for t in ts if isinstance(t, OuterTerm)), self.dtype) for p, ts in terms.items()
+        }
+        merged = {p: _merge_terms(ts, self.dtype) for p, ts in terms.items()}
+        # Parameters with only a dense per-example gradient (biases, LayerNorm: most tensors of a transformer)
+        # are handled together: one (B, N) matrix per device, so their norms and weighted sums cost a few
+        # kernels in all instead of a few per parameter.
+        self._dense_params: dict[torch.device, list[nn.Parameter]] = {}
+        for param, (outer, index, dense) in merged.items():
+            if outer is None and index is None and dense is not None:
+                self._dense_params.setdefault(dense.grad.device, []).append(param)
+        self._dense_groups: dict[torch.device, torch.Tensor] = {
+            device: torch.cat([merged.pop(p)[2].grad.reshape(batch_size, -1) for p in params], dim=1)
+            for device, params in self._dense_params.items()
+        }
+        self._merged = merged
         self._squared_norms: torch.Tensor | None = None
+        self._squared_norms64: torch.Tensor | None = None
         self._error_bounds: torch.Tensor | None = None
         self._released = False
 
     @property
     def parameters(self) -> list[nn.Parameter]:
-        return list(self._merged)
+        return list(self._merged) + [p for params in self._dense_params.values() for p in params]
 
-    def _materialize(self, param: nn.Parameter) -> None:
-        """Replace the outer term by the dense per-example gradient ``B_i^T A_i`` (frees A and B)."""
-        outer, index, dense = self._merged[param]
-        grad = torch.bmm(outer.left.transpose(1, 2), outer.right).reshape(self.batch_size, *param.shape)
-        if dense is not None:
-            grad = grad + dense.grad.reshape(grad.shape)
-        self._merged[param] = (None, index, DenseTerm(grad))
+    def _dense_group_squared_norms(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(squared norms, error bound) in float64 of each dense group: a sum of squares, no cancellation."""
+        out = []
+        for grad in self._dense_groups.values():
+            squared = torch.linalg.vector_norm(grad, dim=1, dtype=torch.float64).square()
+            out.append((squared, squared * (4 * _gamma(grad.shape[1] + 4, 2.0**-52))))
+        return out
 
-    def _param_squared_norms(self, param: nn.Parameter) -> torch.Tensor:
-        outer = self._merged[param][0]
-        if outer is not None and not _use_ghost(outer):
-            self._materialize(param)
+    def _param_norm_and_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]:
+        """``(n^2, [(c_k, t_k)])`` for one parameter: its computed squared norm per example, and the terms of a
+        bound ``E = sum_k c_k t_k`` on its rounding error (summed later for all parameters in one reduction).
+
+        Every block of the squared norm is bounded by what it sums (docs/privacy.md, "Mixed precision"):
+
+        * ghost blocks (``sum_ts G_ts H_ts`` with computed Gram matrices ``G``, ``H``) *a posteriori*:
+          ``|G^ H^ - G H| <= dG N_G |H^| + dH N_H |G^| + dG dH N_G N_H`` entrywise, ``N_G[t,s] = ||x_t|| ||x_s||``
+          and ``dG`` the dot-product error of the Gram (``gamma`` of its length, or of chunk + chunks for long
+          dot products), plus ``(u + gamma_R)`` times ``sum |G^ H^|`` for the product and the two-stage sum;
+        * the other blocks (tied cross term, a dense gradient with token terms) by their pieces:
+          ``((1 + eps)^2 (1 + gamma_R) - 1)`` times the sum of the products of the pieces' norms;
+        * a materialized gradient ``B_i^T A_i`` is formed and squared in float64.
+        """
         outer, index, dense = self._merged[param]
-        total = torch.zeros(self.batch_size, dtype=self.dtype, device=param.device)
+        batch, dtype = self.batch_size, self.dtype
+        unit, input_unit = _rounding_units(dtype, param.device, self._input_dtypes.get(param, dtype))
+        f64 = torch.float64
+        parts: list[torch.Tensor] = []
+        terms: list[tuple[float, torch.Tensor]] = []
+        depth, dot, norm_length = 8, 1, 1  # longest reduction, longest dot product, longest norm
+        s_outer = s_index = dense_norm = None
+
+        def norms(x: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.vector_norm(x, dim=2, dtype=dtype)
+
+        def dot_error(length: int) -> float:
+            chunk, chunks = (length, 1) if length <= _CHUNK_ABOVE else (_CHUNK, -(-length // _CHUNK))
+            return (1 + input_unit) ** 2 * (1 + _gamma(chunk + chunks, unit)) - 1
+
         if outer is not None:
-            left_gram = torch.bmm(outer.left, outer.left.transpose(1, 2))
-            right_gram = torch.bmm(outer.right, outer.right.transpose(1, 2))
-            total = total + (left_gram * right_gram).sum(dim=(1, 2))
+            tokens, p, q = outer.left.shape[1], outer.left.shape[2], outer.right.shape[2]
+            depth, norm_length = max(depth, 2 * tokens + 8), max(norm_length, p, q)
+            n_left, n_right = norms(outer.left), norms(outer.right)
+            s_outer = torch.linalg.vecdot(n_left, n_right)
+            if not _use_ghost(outer):
+                # narrow layer (LoRA, or T large): materialize in float64 (cheap here), store in the sum's dtype
+                grad = _bmm(outer.left.transpose(1, 2), outer.right, f64)
+                if dense is not None:
+                    grad = grad + dense.grad.reshape(grad.shape).to(f64)
+                parts.append(_sum_tokens(grad * grad))
+                extra = 0.0 if dense is None else torch.linalg.vector_norm(dense.grad.reshape(batch, -1), dim=1,
+                                                                           dtype=dtype)
+                scale = s_outer + extra
+                factor = (1 + _gamma(tokens + 2, 2.0**-52)) ** 2 * (1 + _gamma(p + q + 8, 2.0**-52)) - 1
+                terms.append((factor, scale * scale))
+                dense = DenseTerm(grad.to(dtype).reshape(batch, *param.shape))
+                self._merged[param] = (None, index, dense)
+                outer = None
+                dense_done = True
+            else:
+                dense_done = False
+                left_gram, d_left = _gram(outer.left, dtype), dot_error(p)
+                right_gram, d_right = _gram(outer.right, dtype), dot_error(q)
+                product = left_gram * right_gram
+                parts.append(_sum_tokens(product))
+                magnitude = _sum_tokens(product.abs_())
+                del product
+                weighted_left = _quadratic(n_left, right_gram.abs_())
+                weighted_right = _quadratic(n_right, left_gram.abs_())
+                del left_gram, right_gram
+                terms += [
+                    (d_left, weighted_left),
+                    (d_right, weighted_right),
+                    (d_left * d_right, s_outer * s_outer),
+                    (unit + _gamma(depth, unit) * (1 + unit), magnitude),
+                ]
+        else:
+            dense_done = False
         if index is not None:
-            same_row = (index.ids.unsqueeze(2) == index.ids.unsqueeze(1)).to(self.dtype)
-            right_gram = torch.bmm(index.right, index.right.transpose(1, 2))
-            total = total + (same_row * right_gram).sum(dim=(1, 2))
+            tokens, q = index.right.shape[1], index.right.shape[2]
+            depth, norm_length = max(depth, 2 * tokens + 8), max(norm_length, q)
+            n_rows = norms(index.right)
+            s_index = n_rows.sum(dim=1)
+            same_row = index.ids.unsqueeze(2) == index.ids.unsqueeze(1)
+            right_gram = _gram(index.right, dtype).masked_fill_(~same_row, 0)
+            parts.append(_sum_tokens(right_gram))
+            magnitude = _sum_tokens(right_gram.abs_())
+            del right_gram
+            pairs = _sum_tokens((n_rows.unsqueeze(2) * n_rows.unsqueeze(1)).masked_fill_(~same_row, 0))
+            terms += [(dot_error(q), pairs), (unit + _gamma(depth, unit) * (1 + unit), magnitude)]
+        cross_pieces: list[torch.Tensor] = []
         if outer is not None and index is not None:
             # Tied weights: 2 <sum_s l_s r_s^T, sum_t e_{id_t} r'_t^T> = 2 sum_{s,t} l_s[id_t] (r_s . r'_t)
             steps = outer.left.shape[1]
+            dot = max(dot, outer.right.shape[2])
             gathered = outer.left.gather(2, index.ids.unsqueeze(1).expand(-1, steps, -1))
-            cross = torch.bmm(outer.right, index.right.transpose(1, 2))
-            total = total + 2 * (gathered * cross).sum(dim=(1, 2))
+            cross = _bmm(outer.right, index.right.transpose(1, 2), dtype).mul_(gathered)
+            parts.append(2 * _sum_tokens(cross))
+            # a posteriori: |l_s[id_t]| d_Q ||r_s|| ||r'_t|| per pair, and the product and sum roundings
+            weighted = torch.linalg.vecdot(
+                torch.bmm(gathered.abs().to(dtype).transpose(1, 2), n_right.unsqueeze(2)).squeeze(2), n_rows
+            )
+            magnitude = _sum_tokens(cross.abs_())
+            del cross, gathered
+            terms += [
+                (2 * dot_error(outer.right.shape[2]) * (1 + unit), weighted),
+                (2 * (unit + _gamma(depth, unit) * (1 + unit)), magnitude),
+            ]
         if dense is not None:
-            flat = dense.grad.reshape(self.batch_size, -1)
-            total = total + (flat * flat).sum(dim=1)
+            flat = dense.grad.reshape(batch, -1)
+            dense_norm = torch.linalg.vector_norm(flat, dim=1, dtype=dtype)
+            first = dense.grad.shape[1] if dense.grad.dim() > 2 else 1
+            depth = max(depth, 2 * max(first, flat.shape[1] // first) + 8)
+            norm_length = max(norm_length, flat.shape[1])
+            if not dense_done:
+                grad = dense.grad.reshape(batch, first, -1)
+                parts.append(_sum_tokens(grad * grad))
+                cross_pieces.append(dense_norm * dense_norm)
             if outer is not None:
-                d = dense.grad.reshape(self.batch_size, outer.left.shape[2], outer.right.shape[2])
-                total = total + 2 * torch.einsum("bpq,btq,btp->b", d, outer.right, outer.left)
+                dot = max(dot, outer.left.shape[2])
+                d = dense.grad.reshape(batch, outer.left.shape[2], outer.right.shape[2])
+                parts.append(2 * _sum_tokens(_bmm(outer.left, d, dtype).mul_(outer.right)))
+                cross_pieces.append(2 * dense_norm * s_outer)
             if index is not None:
-                d = dense.grad.reshape(self.batch_size, index.num_rows, -1)
+                d = dense.grad.reshape(batch, index.num_rows, -1)
                 rows = d.gather(1, index.ids.unsqueeze(-1).expand(-1, -1, d.shape[2]))
-                total = total + 2 * (rows * index.right).sum(dim=(1, 2))
-        return total
-
-    def _param_error_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bound on the rounding error of this parameter's squared norm, s^2) per example; precise mode."""
-        outer, index, dense = self._merged[param]
-        s = torch.zeros(self.batch_size, dtype=torch.float64, device=param.device)
-        pieces, length = 0, 1
-        if outer is not None:
-            s = s + (outer.left.norm(dim=2) * outer.right.norm(dim=2)).sum(dim=1)
-            pieces += outer.left.shape[1]
-            length = max(length, outer.left.shape[2], outer.right.shape[2])
-        if index is not None:
-            s = s + index.right.norm(dim=2).sum(dim=1)
-            pieces += index.right.shape[1]
-            length = max(length, index.right.shape[2])
-        if dense is not None:
-            s = s + dense.grad.reshape(self.batch_size, -1).norm(dim=1)
-            pieces += 1
-            length = max(length, dense.grad[0].numel())
-        unit = 2.0**-53
-        return 2.0 * unit * (length + pieces**2 + 4) * s * s, s * s
+                parts.append(2 * _sum_tokens(rows.mul_(index.right)))
+                cross_pieces.append(2 * dense_norm * s_index)
+        eps = (1 + input_unit) ** 2 * (1 + _gamma(dot, unit)) * (1 + unit) - 1
+        terms += [((1 + eps) ** 2 * (1 + _gamma(depth, unit)) - 1, piece) for piece in cross_pieces]
+        # the bound's own ingredients are rounded: norms of <= norm_length terms, sums of <= depth positive terms
+        safety = (1 + _gamma(2 * norm_length + 2 * depth + 16, unit)) ** 4
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part.to(total.dtype)
+        return total, [(c * safety, t) for c, t in terms]
 
     def squared_norms(self) -> torch.Tensor:
         """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models / precise)."""
         if self._squared_norms is None:
-            total = bound = scale = None
+            per_param, coefficients, pieces = [], [], []
             for param in self._merged:
-                sq = self._param_squared_norms(param)
-                total = sq if total is None else total + sq.to(total.device)
-                if self.precise:
-                    b, s2 = self._param_error_bound(param)
-                    bound = b if bound is None else bound + b.to(bound.device)
-                    scale = s2 if scale is None else scale + s2.to(scale.device)
-            if total is None:
-                total = torch.zeros(self.batch_size, dtype=self.dtype)
-            self._squared_norms = total
-            if self.precise and bound is not None:
-                # the sum over parameters adds at most n u sum_p |sq_p| <= n u sum_p s_p^2 (+ the bounds)
-                unit = 2.0**-53
-                self._error_bounds = bound * (1 + 4 * unit * (len(self._merged) + 1)) + (
-                    2 * unit * (len(self._merged) + 1) * scale
-                )
+                squared, terms = self._param_norm_and_bound(param)
+                per_param.append(squared)
+                coefficients += [c for c, _ in terms]
+                pieces += [t for _, t in terms]
+            groups = self._dense_group_squared_norms()
+            device = (per_param or [g[0] for g in groups] or [torch.zeros(0)])[0].device
+            total = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
+            bound = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
+            magnitude = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
+            if per_param:
+                # a constant number of kernels for all parameters: stack (each squared norm rounded to this dtype
+                # once), then reduce over parameters in float64; both roundings are bounded below
+                stacked_norms = torch.stack([sq.to(device=device, dtype=self.dtype) for sq in per_param]).double()
+                total = total + stacked_norms.sum(dim=0)
+                magnitude = stacked_norms.abs().sum(dim=0)
+            if pieces:
+                # every parameter's bound terms in one reduction: sum_k c_k t_k in float64
+                weights = torch.tensor(coefficients, dtype=torch.float64, device=device).unsqueeze(1)
+                stacked = torch.stack([t.to(device=device, dtype=self.dtype) for t in pieces]).double()
+                bound = bound + stacked.mul_(weights).sum(dim=0)
+            for squared, group_bound in groups:
+                total = total + squared.to(device)
+                bound = bound + group_bound.to(device)
+            cast_unit = 2.0**-52 if self.dtype == torch.float64 else 2.0**-23
+            count = len(per_param) + len(groups) + 1
+            bound = bound + (cast_unit + _gamma(count, 2.0**-52)) * (magnitude + total.abs() + bound)
+            self._squared_norms64 = total
+            self._error_bounds = bound
+            self._squared_norms = total.to(self.dtype)
         return self._squared_norms
 
     def norms(self) -> torch.Tensor:
@@ -240,12 +483,12 @@ class PerExampleGradients:
         return self.squared_norms().clamp_min(0).sqrt()
 
     def clipping_norms(self) -> torch.Tensor:
-        """Norms to clip with: :meth:`norms`, or in precise mode a proven upper bound of the exact norm."""
-        if not self.precise:
-            return self.norms()
-        squared = self.squared_norms()
-        bound = 0.0 if self._error_bounds is None else self._error_bounds.to(device=squared.device)
-        return (squared.clamp_min(0) + bound).sqrt() * (1.0 + 2.0**-50)
+        """Norms to clip with: a proven upper bound of the exact per-example norm (see the class docstring)."""
+        self.squared_norms()
+        bound = (self._squared_norms64.clamp_min(0) + self._error_bounds).sqrt()
+        # margin for the square root in float64, the cast to self.dtype and the clip factor's own rounding
+        margin = 2.0**-50 if self.dtype == torch.float64 else 2.0**-20
+        return (bound * (1.0 + margin)).to(self.dtype)
 
     def zero_examples(self, drop: torch.Tensor) -> None:
         """Replace the gradients of the examples where ``drop`` (bool, shape (B,)) is True by exact zeros.
@@ -266,7 +509,10 @@ class PerExampleGradients:
                 None if index is None else IndexTerm(ids=index.ids, right=keep(index.right), num_rows=index.num_rows),
                 None if dense is None else DenseTerm(keep(dense.grad)),
             )
+        for device, grad in self._dense_groups.items():
+            self._dense_groups[device] = keep(grad)
         self._squared_norms = None
+        self._squared_norms64 = None
         self._error_bounds = None
 
     def weighted_sum(self, coefficients: torch.Tensor, release: bool = False) -> dict[nn.Parameter, torch.Tensor]:
@@ -282,14 +528,17 @@ class PerExampleGradients:
             self.squared_norms()  # norms need every term; compute them before anything is freed
             self._released = True
         out: dict[nn.Parameter, torch.Tensor] = {}
+        converted: dict[torch.device, torch.Tensor] = {}
         for param in list(self._merged):
             outer, index, dense = self._merged[param]
             if release:
                 del self._merged[param]
-            c = coefficients.to(device=param.device, dtype=self.dtype)
+            c = converted.get(param.device)
+            if c is None:
+                c = converted[param.device] = coefficients.to(device=param.device, dtype=self.dtype)
             total = None
             if outer is not None:
-                total = _weighted_outer(outer, c).reshape(param.shape)
+                total = _weighted_outer(outer, c, self.dtype).reshape(param.shape)
             if dense is not None:
                 g = torch.mv(dense.grad.reshape(self.batch_size, -1).t(), c).reshape(param.shape)
                 total = g if total is None else total.add_(g)
@@ -297,10 +546,19 @@ class PerExampleGradients:
                 total = torch.zeros(param.shape, dtype=self.dtype, device=param.device)
             if index is not None:
                 rows = total.view(index.num_rows, -1)
-                weighted = (index.right * c[:, None, None]).reshape(-1, rows.shape[1])
+                weighted = (index.right.to(self.dtype) * c[:, None, None]).reshape(-1, rows.shape[1])
                 rows.index_add_(0, index.ids.reshape(-1), weighted)
             out[param] = total
             del outer, index, dense
+        for device in list(self._dense_groups):
+            grad, params = self._dense_groups[device], self._dense_params[device]
+            if release:
+                del self._dense_groups[device]
+            c = coefficients.to(device=device, dtype=self.dtype)
+            flat = torch.mv(grad.t(), c)  # one GEMV for every dense-only parameter on this device
+            del grad
+            for param, piece in zip(params, flat.split([p.numel() for p in params])):
+                out[param] = piece.view(param.shape)
         return out
 
 
@@ -398,6 +656,16 @@ class GhostClippingEngine:
         if not output.requires_grad:
             return None
         activations = inputs[0].detach() if inputs else None
+        if (
+            activations is not None
+            and output.dtype in _LOW_PRECISION
+            and activations.is_floating_point()
+            and activations.dtype != output.dtype
+        ):
+            # The layer computed in bf16/fp16 (autocast): it multiplied the input rounded to that dtype, which
+            # is exactly this cast. Keeping the rounded copy instead of the wider input halves what we hold and
+            # makes the per-example gradient the one the layer's own backward computes with.
+            activations = activations.to(output.dtype)
         batch = self._batch_size
         if batch is None:
             batch = output.shape[0]

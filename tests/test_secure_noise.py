@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -57,8 +59,9 @@ def test_training_arguments_secure_noise_uses_the_csprng(tmp_path, monkeypatch):
                         data_collator=PadCollator(1))
     trainer.train()
     assert trainer.dp_optimizer.secure_noise is True
-    n_params = sum(1 for p in trainer.model.parameters() if p.requires_grad)
-    assert len(calls) == n_params  # every parameter's noise came from the CSPRNG
+    n_coordinates = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    # every coordinate's noise came from the CSPRNG, in one draw for the whole step
+    assert len(calls) == 1 and sum(math.prod(shape) for shape in calls) == n_coordinates
     with pytest.raises(AssertionError):
         assert trainer.dp_optimizer._generators  # the seeded generator was never used
     assert coins == [8]  # the Poisson coins of the one step (one per example) came from the CSPRNG too

@@ -233,7 +233,9 @@ class DiceSGD(DPOptimizer):
         """alpha_e = min(1, C2 / ||e||) for the current buffer (0 when C2 = 0)."""
         if self.error_max_grad_norm == 0:
             return 0.0
-        norm = math.sqrt(sum(float(e.double().pow(2).sum()) for e in self._buffer().values()))
+        # one host sync for all tensors (float64 accumulation, as the margin below assumes)
+        norms = torch._foreach_norm(list(self._buffer().values()), 2, dtype=torch.float64)
+        norm = float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
         if norm <= self.error_max_grad_norm:
             return 1.0
         # The small margin keeps ||alpha_e e|| <= C2 despite rounding in fp32.
@@ -276,19 +278,18 @@ class DiceSGD(DPOptimizer):
         alpha = self.feedback_factor()
         std = self.noise_multiplier * self.sensitivity()
         batch = self.expected_batch_size
-        released = {}
-        for p, s in sums.items():
-            u = self.noisy_average(s, std)
-            if alpha > 0:
-                u = u + (error[p] * alpha).to(u.dtype)
-            released[p] = u
+        released = self.noisy_averages(sums, std)
+        if alpha > 0:
+            params = list(released)
+            torch._foreach_add_([released[p] for p in params], [error[p].to(released[p].dtype) for p in params],
+                                alpha=alpha)
         residual = self._summed_residual()
-        for p, e in error.items():
-            if alpha > 0:
-                e.mul_(1.0 - alpha)
-            r = residual.get(p)
-            if r is not None:
-                e.add_(r.to(e.dtype), alpha=1.0 / batch)
+        if alpha > 0:
+            torch._foreach_mul_(list(error.values()), 1.0 - alpha)
+        with_residual = [p for p in error if p in residual]
+        if with_residual:
+            torch._foreach_add_([error[p] for p in with_residual],
+                                [residual[p].to(error[p].dtype) for p in with_residual], alpha=1.0 / batch)
         return released
 
     # ------------------------------------------------------------------------------ state

@@ -277,8 +277,7 @@ class Diff2(DPOptimizer):
         std = self.round_noise_multiplier() * self.sensitivity()
         self._pending_previous = {p: p.detach().clone() for p in self.params}  # x_{r-1}, before the update
         estimate = {} if rnd.restart else self._estimate
-        for p, s in sums.items():
-            increment = self.noisy_average(s, std)
+        for p, increment in self.noisy_averages(sums, std).items():
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             if rnd.restart:
                 estimate[p] = increment.to(dtype)

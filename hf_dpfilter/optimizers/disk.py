@@ -129,7 +129,8 @@ class DiSKOptimizer(DPOptimizer):
         if self._delta is None or c == 0.0:
             return [(1.0, None)]  # d_{-1} = 0: both points are x_t
         # x_t + gamma d_{t-1}, kept differentiable in x (Jacobian I) so an ordinary backward sees the combination.
-        shifted = {p: torch.add(p, d, alpha=self.gamma) for p, d in zip(self.params, self._delta)}
+        params = self.params
+        shifted = dict(zip(params, torch._foreach_add(params, self._delta, alpha=self.gamma)))
         if c == 1.0:
             return [(1.0, shifted)]
         return [(1.0 - c, None), (c, shifted)]

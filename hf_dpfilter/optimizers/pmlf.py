@@ -82,10 +82,11 @@ class PMLFOptimizer(DPOptimizer):
             return [(1.0, None)]
         points: list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]] = [(weights[0], None)]
         params = self.params
+        # "p - p.detach()" (= 0) keeps each point differentiable in x with value = the stored copy exactly, so
+        # an ordinary backward of the combined loss equals the engine's per-example combination.
+        zeros = torch._foreach_sub(params, [p.detach() for p in params])
         for weight, snapshot in zip(weights[1:], self._snapshots):
-            # Value = the stored copy exactly; "+ (p - p.detach())" (= 0) keeps it differentiable in x, so an
-            # ordinary backward of the combined loss equals the engine's per-example combination.
-            points.append((weight, {p: x + (p - p.detach()) for p, x in zip(params, snapshot)}))
+            points.append((weight, dict(zip(params, torch._foreach_add(snapshot, zeros)))))
         return points
 
     @torch.no_grad()

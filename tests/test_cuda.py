@@ -1,0 +1,110 @@
+"""CUDA checks: CPU/CUDA parity of every method in float64, the noise on CUDA, bf16 autocast on CUDA.
+
+Runs only where a CUDA device is visible; elsewhere every test is skipped with the reason shown by
+``pytest -rs``. The CUDA-specific code paths it covers: products of bf16 terms with fp32 accumulation on
+tensor cores (``torch.bmm(..., out_dtype=torch.float32)``), the clipped sum's three-piece bf16 split, the
+one-draw noise on a CUDA generator, and DPTrainer's device placement.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ListDataset, PadCollator, flat, make_examples
+from models import VOCAB, tiny_gpt2, tiny_roberta
+
+from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
+from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.optimizers import available_methods, make_dp_optimizer
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device visible (torch.cuda.is_available() is False): the CUDA parity, noise and bf16 "
+    "checks need a GPU; run `python -m pytest -rs tests/test_cuda.py` on one",
+)
+
+METHOD_ARGS = {"pmlf": {"k": 2}}
+
+
+def _train(method: str, cuda: bool, tmp_path, dtype=torch.float64, bf16: bool = False, steps: int = 3):
+    """Parameters after a short DPTrainer run (noise 0, fixed data order) on CPU or on the GPU."""
+    model = tiny_roberta(dtype=dtype)
+    examples = make_examples(16, VOCAB, causal=False, seed=1)
+    args = DPTrainingArguments(
+        output_dir=str(tmp_path), dp_method=method, dp_method_args=METHOD_ARGS.get(method),
+        noise_multiplier=0.0, per_sample_max_grad_norm=0.05, logical_batch_size=4, per_device_train_batch_size=2,
+        max_steps=steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        report_to=[], use_cpu=not cuda, save_strategy="no", remove_unused_columns=False, dp_seed=0, seed=3,
+        bf16=bf16,
+    )
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    before = flat([p.detach().cpu().clone() for p in model.parameters()])
+    trainer.train()
+    device = next(model.parameters()).device
+    assert device.type == ("cuda" if cuda else "cpu"), device
+    return before, flat([p.detach().cpu() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("method", available_methods())
+def test_cpu_cuda_parity_float64(method, tmp_path):
+    start, on_cpu = _train(method, cuda=False, tmp_path=tmp_path / "cpu")
+    _, on_cuda = _train(method, cuda=True, tmp_path=tmp_path / "cuda")
+    moved = (on_cpu - start).norm()
+    assert moved > 0
+    assert (on_cuda - on_cpu).norm() <= 1e-8 * moved, ((on_cuda - on_cpu).norm(), moved)
+
+
+def test_noise_std_on_cuda():
+    param = torch.nn.Parameter(torch.zeros(200_000, device="cuda"))
+    optimizer = make_dp_optimizer(
+        [param], base=torch.optim.SGD, lr=1.0, noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=4,
+        sample_rate=0.01, seed=0,
+    )
+    optimizer.accumulate(None, lambda values: torch.zeros(0), batch_size=0)
+    optimizer.step()
+    # SGD with lr 1 from 0: the parameter is minus the privatized gradient, N(0, (sigma C / B)^2) per coordinate
+    std = float(param.detach().double().std())
+    expected = 2.0 * 0.5 / 4
+    assert abs(std - expected) < 0.01 * expected, (std, expected)
+    assert abs(float(param.detach().double().mean())) < 5 * expected / 200_000**0.5
+
+
+def test_bf16_autocast_close_to_fp32_on_cuda(tmp_path):
+    start, full = _train("dpsgd", cuda=True, tmp_path=tmp_path / "fp32", dtype=torch.float32, steps=1)
+    _, mixed = _train("dpsgd", cuda=True, tmp_path=tmp_path / "bf16", dtype=torch.float32, bf16=True, steps=1)
+    rel = ((mixed - full).norm() / (full - start).norm()).item()
+    assert rel < 0.05, rel
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_bf16_clip_contract_on_cuda(tf32):
+    """The precision contract (docs/privacy.md) on the tensor-core path: bound >= float64 norm, c_i ||g_i|| <= C."""
+    from test_mixed_precision import _exact_norms
+
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        for model in (tiny_roberta(dtype=torch.float32).cuda(), tiny_gpt2(dtype=torch.float32).cuda()):
+            engine = GhostClippingEngine(model, verify_first_backward=False)
+            ids = torch.randint(3, VOCAB, (4, 9), generator=torch.Generator().manual_seed(1)).cuda()
+            ids[1, 5:] = ids[1, :4]
+            with torch.autocast("cuda", dtype=torch.bfloat16), engine.record(batch_size=4):
+                logits = model(input_ids=ids).logits.float()
+                if hasattr(model, "lm_head"):
+                    losses = per_example_loss(logits, ids, causal_lm=True)
+                else:
+                    losses = per_example_loss(logits, torch.tensor([0, 1, 0, 1], device="cuda"), causal_lm=False)
+            grads = engine.per_example_gradients(losses)
+            exact = _exact_norms(grads)
+            bounds = grads.clipping_norms().double()
+            assert bool((bounds >= exact).all()), (bounds, exact)
+            factors = (1e-2 / (grads.clipping_norms() + 1e-6)).clamp(max=1.0)
+            assert bool((factors.double() * exact <= 1e-2).all())
+            for i in range(4):
+                coefficient = torch.zeros(4, device="cuda")
+                coefficient[i] = factors[i]
+                released = grads.weighted_sum(coefficient)
+                norm = sum(float(v.double().pow(2).sum()) for v in released.values()) ** 0.5
+                assert norm <= 1e-2 * (1 + 1e-3), (i, norm)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
