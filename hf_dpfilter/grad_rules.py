@@ -12,7 +12,7 @@ Three kinds of term cover the layers real language models use:
   gradient, right = input), GPT-2 ``Conv1D`` (the transpose: left = input, right = output gradient).
 * :class:`IndexTerm` -- ``G_i = sum_t onehot(ids[i, t]) (outer) right[i, t]``: ``nn.Embedding``; rows equal
   to ``padding_idx`` are zeroed as PyTorch does.
-* :class:`DenseTerm` -- the materialized per-example gradient ``(B, *param.shape)``: biases, LayerNorm.
+* :class:`DenseTerm` -- the materialized per-example gradient ``(B, *param.shape)``: biases, LayerNorm, RMSNorm.
 
 Tied weights (GPT-2's ``wte``/``lm_head``) are one parameter with an ``IndexTerm`` and an ``OuterTerm``;
 the engine computes the cross term between them exactly.

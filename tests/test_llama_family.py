@@ -206,7 +206,7 @@ def test_bf16_base_fp32_adapters_norms_match_float64_under_autocast():
                 for ids, mask, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])]
     _, reference = reference_clipped_sum(reference_model, examples, True, max_grad_norm=1.0)
     rel = ((norms.double() - reference).abs() / reference).max().item()
-    assert rel < 5e-2, f"bf16 per-example norms off by {rel:.3e} (relative) from float64"
+    assert rel < 3e-2, f"bf16 per-example norms off by {rel:.3e} (relative) from float64"
 
 
 def test_bf16_base_fp32_adapters_train_with_dptrainer(tmp_path):
