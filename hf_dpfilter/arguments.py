@@ -161,11 +161,12 @@ class DPTrainingArguments(TrainingArguments):
                 "fp16 is not supported by hf_dpfilter yet (fp16 loss scaling interacts with per-example "
                 "clipping and is untested). Use bf16=True (bf16 autocast with fp32 norms and sums) or fp32."
             )
-        if getattr(self, "gradient_checkpointing", False):
+        if _uses_reentrant_checkpointing(self):
             raise ValueError(
-                "gradient_checkpointing is not supported with per-example clipping (the recomputed layers "
-                "are invisible to the clipping hooks). Set gradient_checkpointing=False and reduce "
-                "per_device_train_batch_size to save memory instead."
+                "gradient_checkpointing with use_reentrant=True is not supported with per-example clipping: "
+                "reentrant checkpointing runs the first forward of each checkpointed layer without autograd, so "
+                "the clipping hooks never see those layers. Use the non-reentrant kind: "
+                "gradient_checkpointing_kwargs={'use_reentrant': False} (the default when no kwargs are given)."
             )
         if self.clipping_fn not in CLIPPING_FNS:
             raise ValueError(f"clipping_fn must be one of {CLIPPING_FNS}, got {self.clipping_fn!r}.")
@@ -197,6 +198,23 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"target_delta must be in (0, 1/N), got {self.target_delta}. Leave it unset for the default N^-1.1."
             )
+
+
+def _uses_reentrant_checkpointing(args: DPTrainingArguments) -> bool:
+    """Whether the arguments ask for reentrant gradient checkpointing (read before TrainingArguments resolves
+    its deprecated ``gradient_checkpointing*`` aliases, so both names are read)."""
+    on = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
+    if not on:
+        return False
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
+    if isinstance(kwargs, str) and kwargs.strip().startswith("{"):
+        kwargs = json.loads(kwargs)
+    if not isinstance(kwargs, dict):
+        return False
+    # transformers takes these two out; with nothing left it passes use_reentrant=False, else torch's default
+    # (reentrant) applies unless use_reentrant is given.
+    checkpoint_kwargs = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}
+    return bool(checkpoint_kwargs) and bool(checkpoint_kwargs.get("use_reentrant", True))
 
 
 # The flat method fields of earlier versions (``disk_kappa``, ``dice_accounting``, ``diff2_restart_every``, ...)

@@ -29,12 +29,26 @@ cross term between the embedding and the output-layer use.
 Learned position embeddings whose ids arrive broadcast as ``(1, T)`` (BERT, GPT-2) would return a gradient
 summed over the batch; the forward hook expands such outputs to ``(B, T, d)`` (a view; it changes no
 values) so their gradient stays per example.
+
+Gradient checkpointing (transformers' non-reentrant ``torch.utils.checkpoint``). A checkpointed layer runs
+its forward twice: once in the forward pass and again inside the backward, to rebuild the tensors autograd
+needs. The hooks fire both times; only the first counts. A forward hook that fires inside a backward (an
+autograd graph task) is a recomputation: it records nothing, so every layer call is recorded once per
+gradient point, however many backwards replay it. Records hold the layer's *gradient edge*
+(:func:`torch.autograd.graph.get_gradient_edge`), not its output tensor, so a checkpointed layer's output is
+freed as checkpointing intends, and the backward still delivers that output's gradient. A forward at other
+parameter values (:meth:`GhostClippingEngine.call_model`, DiSK/DP-PMLF/DIFF2) must be recomputed at the same
+values: the engine wraps the checkpoint function transformers keeps on each checkpointed layer
+(``_gradient_checkpointing_func``) so that its recomputation runs at the values of its original forward.
+Reentrant checkpointing (``use_reentrant=True``) runs the first forward without autograd, so the hooks never
+see those layers: it is refused, and a recomputation of a layer that was never recorded raises.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +57,7 @@ from torch import nn
 
 from hf_dpfilter.grad_rules import DenseTerm, IndexTerm, OuterTerm, Term, find_grad_rule
 
-__all__ = ["GhostClippingEngine", "PerExampleGradients", "UnsupportedLayerError"]
+__all__ = ["CheckpointingError", "GhostClippingEngine", "PerExampleGradients", "UnsupportedLayerError"]
 
 
 class UnsupportedLayerError(TypeError):
@@ -54,7 +68,71 @@ class UnsupportedLayerError(TypeError):
 class _Record:
     module: nn.Module
     activations: torch.Tensor
-    output: torch.Tensor
+    # Where the output's gradient arrives. Not the output tensor itself: holding it would keep every
+    # checkpointed layer's output alive (checkpointing frees them) and would follow in-place changes of it.
+    output_edge: torch.autograd.graph.GradientEdge
+    output_dtype: torch.dtype
+
+
+def _inside_backward() -> bool:
+    """True while autograd runs a backward (where checkpointed layers are recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class CheckpointingError(RuntimeError):
+    """Gradient checkpointing set up in a way per-example clipping cannot see (reentrant, or unknown)."""
+
+
+_REENTRANT_REFUSED = (
+    "Reentrant gradient checkpointing (use_reentrant=True) is not supported with per-example clipping: it runs "
+    "the first forward of every checkpointed layer without autograd, so the clipping hooks never see those "
+    "layers. Use the non-reentrant kind: gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' "
+    "default when no kwargs are given), or model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    "{'use_reentrant': False})."
+)
+
+
+def checkpoint_function_is_reentrant(function: Callable) -> bool | None:
+    """Whether transformers' checkpoint function (a ``functools.partial`` of ``torch.utils.checkpoint``)
+    is reentrant: True/False when its keywords say, True when unset (torch's default), None when unknown."""
+    while isinstance(function, _CheckpointAtRecordedValues):
+        function = function.checkpoint
+    if not isinstance(function, functools.partial):
+        return None
+    return bool(function.keywords.get("use_reentrant", True))
+
+
+class _CheckpointAtRecordedValues:
+    """transformers' per-layer checkpoint function, with the recomputation run at the parameter values of the
+    original forward (those given to :meth:`GhostClippingEngine.call_model`, or the current ones)."""
+
+    def __init__(self, checkpoint: Callable, engine: GhostClippingEngine) -> None:
+        self.checkpoint = checkpoint
+        self.engine = engine
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        values = engine._active_values  # None: the current values, which are in place at recomputation too
+
+        def at_recorded_values(*inner_args: Any, **inner_kwargs: Any) -> Any:
+            if not _inside_backward():
+                return function(*inner_args, **inner_kwargs)  # the original forward: the values are in place
+            from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
+
+            engine._replaying_values += 1
+            try:
+                if values is None:
+                    return function(*inner_args, **inner_kwargs)
+                with _reparametrize_module(engine.model, dict(values), tie_weights=True, strict=False):
+                    return function(*inner_args, **inner_kwargs)
+            finally:
+                engine._replaying_values -= 1
+
+        return self.checkpoint(at_recorded_values, *args, **kwargs)
+
+
+def _term_dtype(term: Term) -> torch.dtype:
+    return term.left.dtype if isinstance(term, OuterTerm) else term.right.dtype if isinstance(term, IndexTerm) else term.grad.dtype
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -592,6 +670,12 @@ class GhostClippingEngine:
         self.verify_first_backward = verify_first_backward
         self._records: list[_Record] = []
         self._recording = False
+        self._recorded_modules: set[int] = set()  # ids of the modules recorded since record() began
+        self._ran_without_autograd: set[int] = set()  # ... and of those that ran under no_grad there
+        self._active_values: dict[str, torch.Tensor] | None = None  # call_model's values, during its forward
+        self._recorded_at_other_values = False
+        self._replaying_values = 0
+        self._in_own_backward = False
         self._batch_size: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
@@ -641,6 +725,22 @@ class GhostClippingEngine:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for module in self.model.modules():
+            function = module.__dict__.get("_gradient_checkpointing_func")
+            if isinstance(function, _CheckpointAtRecordedValues) and function.engine is self:
+                module._gradient_checkpointing_func = function.checkpoint
+
+    def _adopt_checkpointing(self) -> None:
+        """Check transformers' gradient checkpointing (refuse reentrant) and make its recomputations run at the
+        parameter values of their original forward (see the module docstring)."""
+        for module in self.model.modules():
+            function = module.__dict__.get("_gradient_checkpointing_func")
+            if function is None or not getattr(module, "gradient_checkpointing", False):
+                continue
+            if checkpoint_function_is_reentrant(function):
+                raise CheckpointingError(_REENTRANT_REFUSED)
+            if not isinstance(function, _CheckpointAtRecordedValues):
+                module._gradient_checkpointing_func = _CheckpointAtRecordedValues(function, self)
 
     @property
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -651,9 +751,18 @@ class GhostClippingEngine:
 
     # --------------------------------------------------------------------------------------- recording
     def _forward_hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor):
-        if not self._recording or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+        if not torch.is_grad_enabled():
+            if self._recording:
+                self._ran_without_autograd.add(id(module))
             return None
-        if not output.requires_grad:
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return None
+        if _inside_backward():
+            # A checkpointed layer recomputed by the backward: already recorded by its original forward.
+            if self._in_own_backward:
+                self._check_recomputation(module)
+            return None
+        if not self._recording:
             return None
         activations = inputs[0].detach() if inputs else None
         if (
@@ -681,13 +790,41 @@ class GhostClippingEngine:
                 f"while recording a batch of {batch} examples. Per-example clipping needs batch-first "
                 "tensors; pass batch_size to engine.record() if the first layer's input is not batch-first."
             )
-        self._records.append(_Record(module=module, activations=activations, output=output))
+        self._records.append(
+            _Record(
+                module=module,
+                activations=activations,
+                output_edge=torch.autograd.graph.get_gradient_edge(output),
+                output_dtype=output.dtype,
+            )
+        )
+        self._recorded_modules.add(id(module))
         return output
+
+    def _check_recomputation(self, module: nn.Module) -> None:
+        if id(module) not in self._recorded_modules:
+            raise CheckpointingError(
+                f"Module {type(module).__name__} was recomputed during the backward but its forward was never "
+                f"recorded: its first forward ran without autograd, as reentrant checkpointing does. "
+                f"{_REENTRANT_REFUSED}"
+            )
+        if self._recorded_at_other_values and not self._replaying_values:
+            raise CheckpointingError(
+                f"Module {type(module).__name__} was recomputed by a gradient checkpoint that the engine does not "
+                "know (not transformers' gradient checkpointing) after a forward at other parameter values "
+                "(engine.call_model, used by disk/pmlf/diff2): the recomputation would run at the current values "
+                "and give wrong gradients. Use transformers' model.gradient_checkpointing_enable(...) (or "
+                "TrainingArguments(gradient_checkpointing=True)), or a method with one gradient point (dpsgd)."
+            )
 
     @contextlib.contextmanager
     def record(self, batch_size: int | None = None) -> Iterator[None]:
         """Record the forward passes run inside the block (one or several, e.g. at several parameter points)."""
+        self._adopt_checkpointing()
         self._records = []
+        self._recorded_modules = set()
+        self._ran_without_autograd = set()
+        self._recorded_at_other_values = False
         self._batch_size = batch_size
         self._recording = True
         try:
@@ -707,7 +844,13 @@ class GhostClippingEngine:
         if not param_values:
             return self.model(*args, **kwargs)
         values = {self.parameter_name(p): v for p, v in param_values.items()}
-        return torch.func.functional_call(self.model, values, args=args, kwargs=kwargs, strict=False)
+        if self._recording:
+            self._recorded_at_other_values = True
+        previous, self._active_values = self._active_values, values  # for checkpointed layers' recomputation
+        try:
+            return torch.func.functional_call(self.model, values, args=args, kwargs=kwargs, strict=False)
+        finally:
+            self._active_values = previous
 
     # ---------------------------------------------------------------------------------------- backward
     def per_example_gradients(self, per_example_loss: torch.Tensor, precise: bool = False) -> PerExampleGradients:
@@ -726,14 +869,30 @@ class GhostClippingEngine:
             raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has {self._batch_size}.")
         records, self._records = self._records, []
         if not records:
-            raise RuntimeError("Nothing was recorded: run the forward pass inside `with engine.record():`.")
+            raise RuntimeError(
+                "Nothing was recorded: run the forward pass inside `with engine.record():` (with autograd on; "
+                "reentrant gradient checkpointing runs it without, see CheckpointingError)."
+            )
+        hidden = self._ran_without_autograd - self._recorded_modules
+        if hidden:
+            names = sorted({n for n, m in self.model.named_modules() if id(m) in hidden})
+            raise CheckpointingError(
+                f"Modules with trainable parameters ran without autograd inside engine.record() ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}): their gradients would be invisible to per-example clipping. "
+                "Reentrant gradient checkpointing does this; "
+                f"{_REENTRANT_REFUSED} If these layers are meant to get no gradient, freeze their parameters."
+            )
         dtype = _accumulation_dtype(per_example_loss.dtype)
         total = per_example_loss.sum()
         reference = None
-        if self.verify_first_backward:
-            params = self.trainable_parameters
-            reference = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
-        output_grads = torch.autograd.grad(total, [r.output for r in records], allow_unused=True)
+        self._in_own_backward = True
+        try:
+            if self.verify_first_backward:
+                params = self.trainable_parameters
+                reference = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
+            output_grads = torch.autograd.grad(total, [r.output_edge for r in records], allow_unused=True)
+        finally:
+            self._in_own_backward = False
         terms: dict[nn.Parameter, list[Term]] = {}
         for record, grad_output in zip(records, output_grads):
             if grad_output is None:
@@ -742,15 +901,22 @@ class GhostClippingEngine:
             module_params = dict(record.module.named_parameters(recurse=False))
             for param_name, term in rule(record.module, record.activations, grad_output).items():
                 terms.setdefault(module_params[param_name], []).append(term)
+        # Parameters whose gradient the forward itself computes in float32 inside a float64 model (Gemma's
+        # RMSNorm multiplies in float32): autograd's gradient is then only float32-accurate, and so is the check.
+        float32_terms = {param for param, ts in terms.items() if any(_term_dtype(t) == torch.float32 for t in ts)}
         grads = PerExampleGradients(terms, batch, dtype, precise=precise)
         if reference is not None:
-            low_precision = any(r.output.dtype in (torch.float16, torch.bfloat16) for r in records)
-            self._verify(grads, reference, low_precision)
+            low_precision = any(r.output_dtype in (torch.float16, torch.bfloat16) for r in records)
+            self._verify(grads, reference, low_precision, float32_terms)
             self.verify_first_backward = False
         return grads
 
     def _verify(
-        self, grads: PerExampleGradients, reference: tuple[torch.Tensor | None, ...], low_precision: bool = False
+        self,
+        grads: PerExampleGradients,
+        reference: tuple[torch.Tensor | None, ...],
+        low_precision: bool = False,
+        float32_terms: set[nn.Parameter] | None = None,
     ) -> None:
         ours = grads.weighted_sum(torch.ones(grads.batch_size))
         # Some gradients are zero in exact arithmetic (attention key biases: softmax is shift-invariant) and
@@ -764,6 +930,8 @@ class GhostClippingEngine:
             scale = ref.norm().item()
             # autograd's own gradient is computed in bf16 under autocast: compare at that precision.
             tol = 5e-2 if low_precision else (1e-3 if ref.dtype != torch.float64 else 1e-8)
+            if ref.dtype == torch.float64 and float32_terms and param in float32_terms:
+                tol = max(tol, 1e-5)
             if err > tol * scale + tol * 1e-4 * total + 1e-12:
                 raise RuntimeError(
                     f"Per-example gradients of '{self.parameter_name(param)}' do not add up to its ordinary "

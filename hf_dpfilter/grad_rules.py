@@ -12,7 +12,7 @@ Three kinds of term cover the layers real language models use:
   gradient, right = input), GPT-2 ``Conv1D`` (the transpose: left = input, right = output gradient).
 * :class:`IndexTerm` -- ``G_i = sum_t onehot(ids[i, t]) (outer) right[i, t]``: ``nn.Embedding``; rows equal
   to ``padding_idx`` are zeroed as PyTorch does.
-* :class:`DenseTerm` -- the materialized per-example gradient ``(B, *param.shape)``: biases, LayerNorm.
+* :class:`DenseTerm` -- the materialized per-example gradient ``(B, *param.shape)``: biases, LayerNorm, RMSNorm.
 
 Tied weights (GPT-2's ``wte``/``lm_head``) are one parameter with an ``IndexTerm`` and an ``OuterTerm``;
 the engine computes the cross term between them exactly.
@@ -89,10 +89,17 @@ def register_grad_rule(*layer_types: type) -> Callable[[GradRule], GradRule]:
 
 
 def find_grad_rule(module: nn.Module) -> GradRule | None:
-    """The rule for ``module``'s exact type, else for the nearest registered base class, else None."""
-    for cls in type(module).__mro__:
-        if cls in _GRAD_RULES:
-            return _GRAD_RULES[cls]
+    """The rule for ``module``'s exact type, else from a structural check (see "structural checks" below),
+    else for the nearest registered base class, else None."""
+    cls = type(module)
+    if cls in _GRAD_RULES:
+        return _GRAD_RULES[cls]
+    decided, rule = _structural_rule(module)
+    if decided:
+        return rule
+    for base in cls.__mro__[1:]:
+        if base in _GRAD_RULES:
+            return _GRAD_RULES[base]
     return None
 
 
@@ -166,3 +173,167 @@ def _layer_norm(module: nn.LayerNorm, activations: torch.Tensor, grad_output: to
         grad = grad_output.sum(dim=reduce_dims) if reduce_dims else grad_output
         terms["bias"] = DenseTerm(grad.reshape(batch, *module.bias.shape))
     return terms
+
+
+# ------------------------------------------------------------------------------------------------ RMSNorm
+# Every RMSNorm computes y = n(x) * s(w) with n(x) = x / sqrt(mean(x^2) + eps) over the last dimension(s), and
+# either s(w) = w (torch.nn.RMSNorm, Llama, Mistral, Qwen2/3, Phi-3: "scale" form) or s(w) = 1 + w (Gemma,
+# Gemma2: "offset" form). Both have the per-example weight gradient sum_t B_t * n(x_t). The rules recompute
+# n(x) from the hooked input exactly as each forward does (transformers normalizes in float32 whatever the
+# input dtype; the scale form casts n(x) back to the input dtype before the product, the offset form
+# multiplies in float32), so the per-example sums add up to autograd's gradient to the last bit.
+
+
+def _tokens_and_features(grad: torch.Tensor, batch: int, weight: torch.Tensor) -> torch.Tensor:
+    """Sum ``grad`` (B, ..., *weight.shape) over every dimension between the batch and the weight's."""
+    return grad.reshape(batch, -1, weight.numel()).sum(dim=1).reshape(batch, *weight.shape)
+
+
+@register_grad_rule(nn.RMSNorm)
+def _torch_rms_norm(module: nn.RMSNorm, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    if module.weight is None or not module.weight.requires_grad:
+        return {}
+    normalized = F.rms_norm(activations, module.normalized_shape, None, module.eps)
+    grad = grad_output * normalized
+    return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
+
+
+def _hf_rms_normalized(module: nn.Module, activations: torch.Tensor) -> torch.Tensor:
+    """transformers' ``n(x)``, computed in float32 as its forwards do (the eps attribute name varies)."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        eps = module.eps
+    x = activations.to(torch.float32)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _hf_scale_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: weight * n(x).to(input_dtype)
+    if not module.weight.requires_grad:
+        return {}
+    normalized = _hf_rms_normalized(module, activations).to(activations.dtype)
+    grad = grad_output * normalized
+    return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
+
+
+def _hf_offset_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: (n(x) * (1 + weight.float())).type_as(x): the product and its gradient are float32.
+    if not module.weight.requires_grad:
+        return {}
+    # The term stays float32, the precision this forward gives the gradient (the engine's first-step check
+    # compares at that precision).
+    grad = grad_output.to(torch.float32) * _hf_rms_normalized(module, activations)
+    return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
+
+
+def _register_importable(rule: GradRule, *qualified_names: str) -> None:
+    """Register ``rule`` for each ``module.Class`` that this transformers version has (others are skipped)."""
+    import importlib
+
+    for qualified in qualified_names:
+        module_name, _, class_name = qualified.rpartition(".")
+        try:
+            layer_type = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        register_grad_rule(layer_type)(rule)
+
+
+_SCALE_FORM_RMS_NORMS = (
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm",
+    "transformers.models.mistral.modeling_mistral.MistralRMSNorm",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm",
+    "transformers.models.phi3.modeling_phi3.Phi3RMSNorm",
+)
+_OFFSET_FORM_RMS_NORMS = (
+    "transformers.models.gemma.modeling_gemma.GemmaRMSNorm",
+    "transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm",
+)
+_register_importable(_hf_scale_rms_norm, *_SCALE_FORM_RMS_NORMS)
+_register_importable(_hf_offset_rms_norm, *_OFFSET_FORM_RMS_NORMS)
+
+
+# ------------------------------------------------------------------------------------ structural checks
+# Layer classes are many (transformers has ~180 RMSNorm classes and ~36 scaled embeddings, one per model
+# family) but their forwards are few. A module whose type has no rule gets one from a *structural check* when
+# its parameters AND its forward match a known form:
+#
+# * RMSNorm-like: exactly one trainable parameter, a 1-D ``weight``, an ``eps`` or ``variance_epsilon``
+#   attribute, and ``module.forward`` on a probe input equals the scale form ``w * n(x)`` or the offset form
+#   ``n(x) * (1 + w)`` (checked once per class, on float64 copies of the probe and the module's weight);
+# * scaled word embedding: an ``nn.Embedding`` subclass with an ``embed_scale`` attribute whose forward
+#   equals ``embedding(ids) * embed_scale`` on a probe (Gemma's ``sqrt(hidden)``, BART's, ...).
+#
+# Anything else stays without a rule, and the engine refuses it (UnsupportedLayerError) rather than train it
+# with a guessed gradient.
+
+
+def _probe_rms_norm_form(module: nn.Module) -> tuple[bool, GradRule | None]:
+    own = list(module.named_parameters(recurse=False))
+    if len(own) != 1 or own[0][0] != "weight" or own[0][1].dim() != 1:
+        return False, None
+    if not isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)), float):
+        return False, None
+    weight = own[0][1]
+    if weight.device.type == "meta":
+        return False, None
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(2, 3, weight.shape[0], generator=generator).to(device=weight.device, dtype=weight.dtype)
+    try:
+        with torch.no_grad():
+            out = module.forward(probe).to(torch.float32)
+    except Exception:  # noqa: BLE001 -- a forward that fails on the probe is not a form we know
+        return False, None
+    normalized = _hf_rms_normalized(module, probe)
+    w = weight.detach().to(torch.float32)
+    low = weight.dtype in (torch.float16, torch.bfloat16)
+    tolerance = {"rtol": 2e-2, "atol": 1e-2} if low else {"rtol": 1e-5, "atol": 1e-6}
+    scale_form = out.shape == normalized.shape and torch.allclose(out, normalized * w, **tolerance)
+    offset_form = out.shape == normalized.shape and torch.allclose(out, normalized * (1.0 + w), **tolerance)
+    if scale_form == offset_form:  # neither form (both cannot hold: w and 1 + w differ by 1 everywhere)
+        return False, None
+    return True, _hf_scale_rms_norm if scale_form else _hf_offset_rms_norm
+
+
+def _scaled_embedding(module: nn.Embedding, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: embedding(ids) * embed_scale, so d out / d row = embed_scale (in the weight's dtype, as there).
+    scale = module.embed_scale
+    scale = scale.to(module.weight.dtype) if isinstance(scale, torch.Tensor) else float(scale)
+    return _embedding(module, activations, grad_output * scale)
+
+
+def _probe_scaled_embedding(module: nn.Module) -> tuple[bool, GradRule | None]:
+    """An ``nn.Embedding`` subclass with ``embed_scale`` is decided here: the scaled rule, or no rule at all
+    (never ``nn.Embedding``'s, which would be off by the scale)."""
+    if not isinstance(module, nn.Embedding) or not hasattr(module, "embed_scale"):
+        return False, None
+    ids = torch.arange(min(5, module.num_embeddings), device=module.weight.device).reshape(1, -1)
+    try:
+        with torch.no_grad():
+            out = module.forward(ids)
+            scale = module.embed_scale
+            scale = scale.to(module.weight.dtype) if isinstance(scale, torch.Tensor) else float(scale)
+            expected = F.embedding(ids, module.weight, module.padding_idx) * scale
+        matches = out.shape == expected.shape and bool(torch.equal(out, expected))
+    except Exception:  # noqa: BLE001 -- a forward that fails on the probe is not a form we know
+        matches = False
+    return True, (_scaled_embedding if matches else None)
+
+
+_STRUCTURAL_CHECKS = (_probe_scaled_embedding, _probe_rms_norm_form)
+_STRUCTURAL_RULES: dict[type, GradRule] = {}  # per class, once matched: the forms are properties of the forward
+
+
+def _structural_rule(module: nn.Module) -> tuple[bool, GradRule | None]:
+    """(decided, rule): whether a structural check recognised ``module``'s kind, and the rule it found."""
+    cls = type(module)
+    if cls in _STRUCTURAL_RULES:
+        return True, _STRUCTURAL_RULES[cls]
+    for check in _STRUCTURAL_CHECKS:
+        decided, rule = check(module)
+        if decided:
+            if rule is not None:
+                _STRUCTURAL_RULES[cls] = rule
+            return True, rule
+    return False, None

@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan
 from hf_dpfilter.arguments import DP_METHODS
 from hf_dpfilter.optimizers.registry import method_spec
@@ -62,6 +64,16 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_model: str,
     g.add_argument(
         "--lora_target_modules", nargs="*", default=None,
         help="Modules that get LoRA adapters (default: PEFT's choice for the model type, e.g. query/value).",
+    )
+    g.add_argument(
+        "--base_dtype", default="float32", choices=["float32", "bfloat16"],
+        help="dtype of the frozen base weights with LoRA (bfloat16 halves their memory; the adapters and any "
+        "trained head stay float32). Use with --bf16 (autocast).",
+    )
+    g.add_argument(
+        "--gradient_checkpointing", action="store_true",
+        help="Recompute each layer's activations in the backward (transformers' non-reentrant checkpointing): "
+        "less activation memory, about one more forward of compute.",
     )
     g = parser.add_argument_group("privacy")
     g.add_argument("--method", default="dpsgd", choices=list(DP_METHODS), help="DP method ('none' = non-private).")
@@ -175,8 +187,23 @@ def apply_lora(model: Any, args: argparse.Namespace, task_type: str, modules_to_
         modules_to_save=modules_to_save,
         task_type=task_type,
     )
-    model = get_peft_model(model, config)
+    model = get_peft_model(model, config)  # PEFT keeps the adapters float32 on a bfloat16 base
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()  # a trained head copied from a bf16 base (modules_to_save)
     return model
+
+
+def base_model_dtype(args: argparse.Namespace) -> Any:
+    """The dtype to load the base weights in (``--base_dtype``, LoRA only: full fine-tuning trains in float32)."""
+    if args.base_dtype == "float32":
+        return torch.float32
+    if not args.lora_r:
+        raise SystemExit(
+            "--base_dtype bfloat16 needs LoRA (--lora_r > 0): trained weights stay float32 (full fine-tuning "
+            "of bfloat16 weights is not supported); only a frozen base can be held in bfloat16."
+        )
+    return torch.bfloat16
 
 
 def count_parameters(model: Any) -> tuple[int, int]:
@@ -236,6 +263,8 @@ def training_arguments(
         report_to=[],
         seed=args.seed,
         bf16=args.bf16,
+        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         use_cpu=args.use_cpu,
         secure_noise=args.secure_noise,
         remove_unused_columns=False,

@@ -34,6 +34,7 @@ from _common import (  # noqa: E402
     add_common_arguments,
     apply_lora,
     apply_user_overrides,
+    base_model_dtype,
     count_parameters,
     final_evaluation,
     finish_run,
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         settings["logical_batch_size"] = max(1, n_train // 4)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=len(spec["labels"]))
+    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=len(spec["labels"]), dtype=base_model_dtype(args))
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if args.lora_r:

@@ -42,6 +42,7 @@ from _common import (  # noqa: E402
     add_common_arguments,
     apply_lora,
     apply_user_overrides,
+    base_model_dtype,
     count_parameters,
     final_evaluation,
     finish_run,
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         settings["logical_batch_size"] = max(1, n_train // 4)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=base_model_dtype(args))
     fmt = Seq2SeqAsLM(tokenizer, settings["max_seq_length"])
     if model.config.pad_token_id is None:
         model.config.pad_token_id = fmt.pad_id

@@ -63,3 +63,40 @@ def padded_batch(batch_size: int, max_len: int = 9, pad_id: int = 1, seed: int =
     else:
         labels = torch.randint(0, 2, (batch_size,), generator=g)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+# Current decoder families (rotary positions, grouped-query attention with fewer key/value heads than query
+# heads, SwiGLU/GeGLU MLPs, RMSNorm); tiny configs, built without a download.
+DECODER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+
+
+def tiny_decoder(family: str, dtype=torch.float64, seed: int = 0, tie_word_embeddings: bool | None = None):
+    """A 2-layer causal LM of ``family`` with hidden size 16, 4 query heads and 2 key/value heads."""
+    import transformers
+
+    classes = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    }
+    config_name, model_name = classes[family]
+    kwargs = dict(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attention_dropout=0.0,
+    )
+    if tie_word_embeddings is not None:
+        kwargs["tie_word_embeddings"] = tie_word_embeddings
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(dtype)
+    # RMSNorm weights start at 1 (or 0 for Gemma's 1 + w): perturb them so their gradients are generic.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model

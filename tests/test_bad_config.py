@@ -23,7 +23,10 @@ def _args(tmp_path, **kw):
 
 
 ARGUMENT_ERRORS = [
-    (dict(noise_multiplier=1.0, gradient_checkpointing=True), "gradient_checkpointing is not supported"),
+    (dict(noise_multiplier=1.0, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}),
+     "use_reentrant=True is not supported"),
+    (dict(noise_multiplier=1.0, activation_checkpointing=True, activation_checkpointing_kwargs={"preserve_rng_state": True}),
+     "use_reentrant=True is not supported"),
     (dict(noise_multiplier=1.0, accountant="moments"), "accountant must be one of"),
     (dict(noise_multiplier=1.0, per_sample_max_grad_norm=0.0), "per_sample_max_grad_norm must be > 0"),
     (dict(noise_multiplier=1.0, per_sample_max_grad_norm=-1.0), "per_sample_max_grad_norm must be > 0"),

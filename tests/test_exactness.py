@@ -36,7 +36,7 @@ MODELS = {
 }
 
 
-def run_one_step(model, examples, causal, pad_id, tmp_path, clipping_fn, max_grad_norm, micro=3):
+def run_one_step(model, examples, causal, pad_id, tmp_path, clipping_fn, max_grad_norm, micro=3, **extra_args):
     args = DPTrainingArguments(
         output_dir=str(tmp_path),
         dp_method="dpsgd",
@@ -55,6 +55,7 @@ def run_one_step(model, examples, causal, pad_id, tmp_path, clipping_fn, max_gra
         save_strategy="no",
         remove_unused_columns=False,
         dp_seed=0,
+        **extra_args,
     )
     trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(pad_id))
     before = {p: p.detach().clone() for p in model.parameters() if p.requires_grad}
