@@ -211,7 +211,7 @@ class DPTrainer(Trainer):
         if plugin is not None:
             return int(getattr(plugin, "fsdp_version", 1) or 1)
         config = getattr(self.args, "fsdp_config", None) or {}
-        return int(config.get("version", config.get("fsdp_version", 1)) or 1)
+        return int(config.get("version", 2))  # transformers' default for `fsdp=...` in the TrainingArguments
 
     def _attach_engine_to_prepared_model(self) -> None:
         """Re-attach the engine when Accelerate replaced the parameters (FSDP2's ``fully_shard`` makes DTensors).

@@ -43,6 +43,10 @@ def whole(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if is_sharded(param) else param
 
 
+def local(param: torch.Tensor) -> torch.Tensor:
+    return param.detach().to_local() if is_sharded(param) else param.detach()
+
+
 def shard(model: nn.Module) -> None:
     """FSDP2 as Accelerate's TRANSFORMER_BASED_WRAP applies it: each transformer layer, then the root."""
     from torch.distributed.fsdp import fully_shard
@@ -101,22 +105,24 @@ def noise(out: str, secure: bool) -> None:
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 101), nn.Linear(101, 7)).double()  # odd shapes: uneven shards
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if dist.is_initialized():
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
     sigma, clip, batch = 1.5, 0.5, 4.0
     optimizer = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, lr=1.0, noise_multiplier=sigma,
                                   max_grad_norm=clip, expected_batch_size=batch, sample_rate=0.1, seed=11,
                                   secure_noise=secure)
     updates = []
     for _ in range(3):
-        before = [p.detach().to_local().clone() for p in model.parameters()]
+        before = [local(p).clone() for p in model.parameters()]
         optimizer.accumulate(None, None, batch_size=0)  # an empty Poisson batch: the update is the noise
         optimizer.step()
-        updates.append([(a - p.detach().to_local()).clone() for a, p in zip(before, model.parameters())])
+        updates.append([(a - local(p)).clone() for a, p in zip(before, model.parameters())])
     torch.save({"updates": updates, "std": sigma * clip / batch, "epsilon": optimizer.accountant.get_epsilon(1e-5),
                 "shapes": [tuple(p.shape) for p in model.parameters()]},
-               os.path.join(out, f"rank{dist.get_rank()}.pt"))
+               os.path.join(out, f"rank{rank}.pt"))
 
 
 def run_trainer(out: str, method: str, sigma: float) -> None:
