@@ -6,8 +6,8 @@ total), the sum of any other per-process private sum (DiceSGD's clipping residua
 that are split over processes.
 
 :class:`ProcessGroupCollectives` is data parallelism over ``torch.distributed``: replicated parameters (DDP)
-get the sum by a bucketed all-reduce (a few flat buffers of about :data:`BUCKET_BYTES`, as DDP does, instead
-of one call per parameter tensor); parameters sharded by FSDP2 (``fully_shard``: DTensors with a ``Shard(0)``
+get the sum by an all-reduce, bucketed under NCCL (a few flat buffers of about :data:`BUCKET_BYTES`, as DDP
+does, instead of one call per parameter tensor); parameters sharded by FSDP2 (``fully_shard``: DTensors with a ``Shard(0)``
 placement on a one-dimensional mesh over all processes) get only their own shard of the sum, by a bucketed
 reduce-scatter. With one process it does nothing.
 """
@@ -102,6 +102,10 @@ class Collectives:
         """Process 0's ``seed`` on every process."""
         return int(seed)
 
+    def max_over_processes(self, value: int) -> int:
+        """The largest ``value`` of all processes (FSDP2: every process runs as many micro-batches as the most)."""
+        return int(value)
+
     def sum_as_params(self, params: Sequence[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Sum whole-size ``tensors`` (one per parameter) over processes, each returned laid out like its parameter.
 
@@ -152,10 +156,17 @@ class ProcessGroupCollectives(Collectives):
     """Data parallelism over the default ``torch.distributed`` process group.
 
     Args:
-        bucket_bytes: the size of one flat buffer of the all-reduce / reduce-scatter (0: one call per tensor).
+        bucket_bytes: the size of one flat buffer of the all-reduce (0: one call per tensor). None (default):
+            :data:`BUCKET_BYTES` under NCCL, where each call has a fixed latency that many small tensors would
+            pay again and again; one call per tensor under gloo, where the copies into and out of the flat
+            buffers cost more than the calls save (2 CPU processes: bucketing is 1.5-2x slower,
+            benchmarks/allreduce_bucketing.py). The FSDP2 reduce-scatter is always bucketed (its send buffer
+            is a copy anyway, in FSDP2's own layout).
     """
 
-    def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, bucket_bytes: int | None = None) -> None:
+        if bucket_bytes is None:
+            bucket_bytes = BUCKET_BYTES if dist.get_backend() == "nccl" else 0
         self.bucket_bytes = int(bucket_bytes)
 
     @property
@@ -187,6 +198,11 @@ class ProcessGroupCollectives(Collectives):
         value = torch.tensor([int(seed)], dtype=torch.int64, device=self._device())
         dist.broadcast(value, src=0)
         return int(value.item())
+
+    def max_over_processes(self, value: int) -> int:
+        tensor = torch.tensor([int(value)], dtype=torch.int64, device=self._device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
 
     def _device(self) -> torch.device:
         backend = dist.get_backend()
@@ -222,8 +238,7 @@ class ProcessGroupCollectives(Collectives):
         widths = [math.prod(p.shape[1:]) for p in params]
         padded = [r * w for r, w in zip(rows, widths)]
         results: list[torch.Tensor | None] = [None] * len(params)
-        limit = self.bucket_bytes * world if self.bucket_bytes > 0 else 0
-        for bucket in _buckets(tensors, [world * n for n in padded], limit):
+        for bucket in _buckets(tensors, [world * n for n in padded], BUCKET_BYTES * world):
             segment = sum(padded[i] for i in bucket)
             first = tensors[bucket[0]]
             send = torch.zeros(world * segment, dtype=first.dtype, device=first.device)

@@ -391,7 +391,11 @@ class GhostClippingEngine:
                 self._sharded_modules.add(module)
             if all(module is not m for m in hooked):
                 hooked.append(module)
-                self._handles.append(module.register_forward_hook(self._forward_hook))
+                # Before FSDP2's own post-forward hook on a sharded unit, which swaps the gathered parameters
+                # back to the shards: the first-backward check needs the tensors the forward used.
+                self._handles.append(
+                    module.register_forward_hook(self._forward_hook, prepend=module in self._sharded_modules)
+                )
         if not self._owners:
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
 

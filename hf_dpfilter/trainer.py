@@ -317,10 +317,11 @@ class DPTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description="training")
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         sampler = self.privacy_plan.make_sampler(rank=rank, world_size=world)
+        self._padding_collator = _EmptySafeCollator(collator, dataset)
         return _LogicalBatchLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=_EmptySafeCollator(collator, dataset),
+            collate_fn=self._padding_collator,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
@@ -378,19 +379,39 @@ class DPTrainer(Trainer):
         batch = labels.shape[0]
         _check_sequence_length(model, inputs)
         total = torch.zeros((), device=self.args.device)
+        micro_batches = list(self._micro_batches(inputs, labels)) if batch else []
+        rounds = len(micro_batches)
+        if self.dp_optimizer.sharded:
+            # FSDP2 gathers parameters with collectives in every forward and backward: every process runs as
+            # many micro-batches as the process with the largest share of the Poisson sample.
+            rounds = self.dp_optimizer.collectives.max_over_processes(rounds)
         if batch == 0:
             # an empty Poisson batch, declared as such: the optimizer step still adds noise and is accounted
             self.dp_optimizer.accumulate(self.engine, None, batch_size=0)
-            return total
-        for micro, micro_labels in self._micro_batches(inputs, labels):
+        for index in range(rounds):
+            micro, micro_labels = micro_batches[min(index, len(micro_batches) - 1)] if micro_batches else (
+                self._padding_micro_batch()
+            )
 
             def loss_fn(values, micro=micro, micro_labels=micro_labels):
                 with self.compute_loss_context_manager():
                     return self.compute_per_example_loss(model, micro, micro_labels, values)
 
+            if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
+                self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=micro_labels.shape[0])
+                continue
             losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=micro_labels.shape[0])
             total = total + losses.sum()
-        return total / batch
+        return total / max(batch, 1)
+
+    def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
+        """One training example as a micro-batch, for a process with no example of its own under FSDP2.
+
+        Its forward and backward only keep the processes' collectives in step; the result is discarded.
+        """
+        collator: _EmptySafeCollator = self._padding_collator
+        inputs = dict(self._prepare_inputs(collator.collate_fn([collator.dataset[0]])))
+        return inputs, inputs.pop("labels")
 
     # ----------------------------------------------------------------------- reporting
     def current_epsilon(self) -> float:

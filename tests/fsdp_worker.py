@@ -125,6 +125,27 @@ def noise(out: str, secure: bool) -> None:
                os.path.join(out, f"rank{rank}.pt"))
 
 
+def enable_fsdp2_on_cpu(trainer: DPTrainer) -> None:
+    """Give a CPU (MULTI_CPU, gloo) run the FSDP2 state that `accelerate launch` with fsdp.yaml gives a GPU run.
+
+    Accelerate 1.15 attaches its FSDP plugin only to GPU-type process groups, so on CPU this test sets it on the
+    shared state itself; everything after (Accelerate's fully_shard preparation, the parameter switch in the
+    optimizer, the DPTrainer glue) is the unmodified GPU code path.
+    """
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["RobertaLayer"],
+        reshard_after_forward=True,
+        state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False,
+    )
+    state = trainer.accelerator.state
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
+
+
 def run_trainer(out: str, method: str, sigma: float) -> None:
     """The same kind of run through DPTrainer (under `accelerate launch` with an FSDP2 config on GPUs)."""
     os.makedirs(out, exist_ok=True)
@@ -137,10 +158,13 @@ def run_trainer(out: str, method: str, sigma: float) -> None:
         output_dir=os.path.join(out, f"trainer_rank{rank}"), dp_method=method, logical_batch_size=LOGICAL_BATCH,
         per_device_train_batch_size=MICRO, max_steps=STEPS, optim="sgd", learning_rate=LR,
         lr_scheduler_type="constant", weight_decay=0.0, report_to=[], save_strategy="no",
+        use_cpu=os.environ.get("FSDP_ON_CPU") == "1" or not torch.cuda.is_available(),
         remove_unused_columns=False, dp_seed=7, logging_steps=1, disable_tqdm=True, **privacy,
     )
     trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(make_examples(N_EXAMPLES, VOCAB, False, 5)),
                         data_collator=PadCollator(1))
+    if os.environ.get("FSDP_ON_CPU") == "1":
+        enable_fsdp2_on_cpu(trainer)
     trainer.train()
     torch.save(
         {

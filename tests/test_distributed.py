@@ -136,3 +136,34 @@ def test_deepspeed_and_fsdp1_are_refused_fsdp2_is_not(tmp_path):
         refuse_sharded_training()  # FSDP2 launches go through
     finally:
         del os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_VERSION"]
+
+
+def _bucketed_sum_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from hf_dpfilter.collectives import ProcessGroupCollectives
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    shapes = [(7, 3), (5,), (40, 40), (2, 2), (300,), (1,)]
+    tensors = [torch.randn(s, dtype=torch.float64 if i % 3 == 0 else torch.float32) for i, s in enumerate(shapes)]
+    per_tensor = [t.clone() for t in tensors]
+    ProcessGroupCollectives(bucket_bytes=0).sum_(per_tensor)
+    bucketed = [t.clone() for t in tensors]
+    ProcessGroupCollectives(bucket_bytes=1000).sum_(bucketed)  # several buckets, one tensor larger than a bucket
+    torch.save({"per_tensor": per_tensor, "bucketed": bucketed, "default": ProcessGroupCollectives().bucket_bytes},
+               os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_bucketed_all_reduce_equals_one_call_per_tensor(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_bucketed_sum_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["default"] == 0  # gloo: one call per tensor by default (NCCL: 25 MiB buckets)
+        for a, b in zip(got["per_tensor"], got["bucketed"]):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a, b)

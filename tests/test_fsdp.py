@@ -10,9 +10,10 @@
   noise and no step repeats an earlier one; with ``secure_noise`` the std is right and the shards are
   independent.
 
-``accelerate launch`` with accelerate_configs/fsdp.yaml (the DPTrainer path) cannot run here: Accelerate 1.15
-enables FSDP only for GPU process groups (a CPU launch becomes MULTI_CPU, i.e. DDP, and ``--cpu`` starts one
-process); that path is exercised on a GPU machine (docs/performance.md, "FSDP2").
+* the DPTrainer path (Accelerate's FSDP2 preparation) equals the one-process DPTrainer run. ``accelerate launch``
+  with accelerate_configs/fsdp.yaml cannot start it on CPU: Accelerate 1.15 attaches its FSDP plugin only to GPU
+  process groups (a CPU launch becomes MULTI_CPU, i.e. DDP; ``--cpu`` starts one process), so the worker sets
+  the plugin on the state as the launcher would on GPUs.
 """
 
 from __future__ import annotations
@@ -120,3 +121,36 @@ def test_sharded_noise_has_the_right_std_and_no_repeats(runs, kind):
         if step:
             for r in range(2):
                 assert abs(_corr(vectors[r][step], vectors[r][step - 1])) < 0.1, "a step repeated earlier noise"
+
+
+def test_dptrainer_under_accelerate_fsdp2_equals_one_process(tmp_path):
+    """The DPTrainer path: Accelerate's FSDP2 preparation (fully_shard, the optimizer's parameter switch), Poisson
+    shards of different sizes (padding micro-batches keep the gathers in step), noise included.
+
+    Accelerate attaches its FSDP plugin only to GPU process groups, so the worker sets the plugin that
+    `accelerate launch --config_file accelerate_configs/fsdp.yaml` would set (FSDP_ON_CPU=1); the rest is
+    the unmodified code path.
+    """
+    configs = ["trainer", "dpsgd:1.0", "pmlf:0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(_free_port()), WORKER, str(tmp_path / "two"), *configs,
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(env, FSDP_ON_CPU="1"))
+    one = subprocess.run([sys.executable, WORKER, str(tmp_path / "one"), *configs], capture_output=True, text=True,
+                         env=env)
+    output, _ = proc.communicate(timeout=900)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert proc.returncode == 0, output[-5000:]
+    for config in configs[1:]:
+        name = config.replace(":", "_")
+        ref = torch.load(tmp_path / "one" / name / "rank0.pt")
+        for r in range(2):
+            got = torch.load(tmp_path / "two" / name / f"rank{r}.pt")
+            assert got["world_size"] == 2 and got["sharded"] == sorted(ref["params"])
+            diff = max((got["params"][k] - ref["params"][k]).abs().max().item() for k in ref["params"])
+            assert diff <= 1e-10, f"{config}: rank {r} differs from the one-process DPTrainer run by {diff:.2e}"
+            assert got["steps"] == ref["steps"] and got["epsilon"] == ref["epsilon"]

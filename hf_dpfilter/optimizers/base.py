@@ -243,12 +243,26 @@ class DPOptimizer(torch.optim.Optimizer):
             self._accumulated = True
             return torch.zeros(0)
         self._check_engine(engine)
+        return self._accumulate_gradients(*self._per_example_pass(engine, loss_fn, batch_size))
+
+    def run_without_contributing(self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int) -> None:
+        """Run a micro-batch's forwards and backwards as :meth:`accumulate` does, and discard them.
+
+        Nothing enters the step's sums (nothing is released). Under FSDP2 every forward and backward gathers
+        parameters with collectives, so all processes must run the same number of micro-batches: a process
+        whose share of the Poisson sample is smaller runs this for the difference (DPTrainer does).
+        """
+        self._check_engine(engine)
+        self._per_example_pass(engine, loss_fn, batch_size)
+
+    def _per_example_pass(
+        self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int
+    ) -> tuple[PerExampleGradients, torch.Tensor, torch.Tensor | None]:
+        """Forward(s) at the gradient points and the backward: (per-example gradients, combined losses, losses)."""
         points = self.gradient_points()
         precise = any(weight < 0 for weight, _ in points)
         if self.sharded and any(values is not None for _, values in points):
-            grads, combined, losses_here = self._gradients_at_points_in_shards(engine, loss_fn, points, batch_size,
-                                                                               precise)
-            return self._accumulate_gradients(grads, combined, losses_here)
+            return self._gradients_at_points_in_shards(engine, loss_fn, points, batch_size, precise)
         losses_here = None
         with engine.record(batch_size=batch_size):
             combined = None
@@ -270,8 +284,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     if values is None:
                         losses_here = losses
                     combined = losses * weight if combined is None else combined + losses * weight
-        grads = engine.per_example_gradients(combined, precise=precise)
-        return self._accumulate_gradients(grads, combined, losses_here)
+        return engine.per_example_gradients(combined, precise=precise), combined, losses_here
 
     def _accumulate_gradients(
         self, grads: PerExampleGradients, combined: torch.Tensor, losses_here: torch.Tensor | None
@@ -450,7 +463,7 @@ class DPOptimizer(torch.optim.Optimizer):
                              device=p.device)
             for p in params
         ]
-        # replicated parameters get the whole sum (bucketed all-reduce), sharded ones their shard (reduce-scatter)
+        # replicated parameters get the whole sum (all-reduce), sharded ones their shard (reduce-scatter)
         return dict(zip(params, self.collectives.sum_as_params(params, sums)))
 
     def privatize(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
