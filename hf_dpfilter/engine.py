@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.grad_rules import DenseTerm, IndexTerm, OuterTerm, Term, find_grad_rule
 
 __all__ = ["CheckpointingError", "GhostClippingEngine", "PerExampleGradients", "UnsupportedLayerError"]
@@ -72,6 +73,8 @@ class _Record:
     # checkpointed layer's output alive (checkpointing frees them) and would follow in-place changes of it.
     output_edge: torch.autograd.graph.GradientEdge
     output_dtype: torch.dtype
+    #: the tensors the forward used for the module's sharded parameters (FSDP2 gathers whole ones), for the check
+    used: dict[str, torch.Tensor] | None = None
 
 
 def _inside_backward() -> bool:
@@ -680,6 +683,12 @@ class GhostClippingEngine:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
         self._param_names: dict[nn.Parameter, str] = {}
+        self._module_params: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        self._sharded_modules: set[nn.Module] = set()
+        self._pending_terms: dict[nn.Parameter, list[Term]] = {}
+        self._pending_reference: dict[nn.Parameter, torch.Tensor] | None = None
+        self._pending_low_precision = False
+        self._pending_dtype = torch.float32
         self.attach()
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -688,6 +697,8 @@ class GhostClippingEngine:
         self.detach()
         self._owners = {}
         self._param_names = {}
+        self._module_params = {}
+        self._sharded_modules = set()
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if param.requires_grad:
                 self._param_names.setdefault(param, name)
@@ -715,9 +726,18 @@ class GhostClippingEngine:
                 )
             for param_name, param in own:
                 self._owners.setdefault(param, []).append((module, param_name))
+            # The module's parameters as attached: under FSDP2 the module holds other (gathered) tensors while
+            # it runs, so the terms of a recorded call are keyed by these, the optimizer's parameters.
+            self._module_params[module] = dict(own)
+            if any(is_sharded(param) for _, param in own):
+                self._sharded_modules.add(module)
             if all(module is not m for m in hooked):
                 hooked.append(module)
-                self._handles.append(module.register_forward_hook(self._forward_hook))
+                # Before FSDP2's own post-forward hook on a sharded unit, which swaps the gathered parameters
+                # back to the shards: the first-backward check needs the tensors the forward used.
+                self._handles.append(
+                    module.register_forward_hook(self._forward_hook, prepend=module in self._sharded_modules)
+                )
         if not self._owners:
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
 
@@ -790,12 +810,16 @@ class GhostClippingEngine:
                 f"while recording a batch of {batch} examples. Per-example clipping needs batch-first "
                 "tensors; pass batch_size to engine.record() if the first layer's input is not batch-first."
             )
+        used = None
+        if module in self._sharded_modules and self.verify_first_backward:
+            used = {name: getattr(module, name) for name in self._module_params[module]}
         self._records.append(
             _Record(
                 module=module,
                 activations=activations,
                 output_edge=torch.autograd.graph.get_gradient_edge(output),
                 output_dtype=output.dtype,
+                used=used,
             )
         )
         self._recorded_modules.add(id(module))
@@ -825,6 +849,9 @@ class GhostClippingEngine:
         self._recorded_modules = set()
         self._ran_without_autograd = set()
         self._recorded_at_other_values = False
+        self._pending_terms = {}
+        self._pending_reference = None
+        self._pending_low_precision = False
         self._batch_size = batch_size
         self._recording = True
         try:
@@ -859,6 +886,16 @@ class GhostClippingEngine:
         ``precise=True``: float64 terms and proven norm bounds, for combinations with cancellation (see
         :class:`PerExampleGradients`).
         """
+        self.backward_recorded(per_example_loss)
+        return self.recorded_gradients(precise=precise)
+
+    def backward_recorded(self, per_example_loss: torch.Tensor) -> None:
+        """One backward of ``sum_i loss_i`` to the layer outputs recorded since the last call; keeps their terms.
+
+        Several calls (one per forward) add up to what one backward of the summed losses gives: the terms of
+        every call are kept until :meth:`recorded_gradients`. The DP optimizer uses this under FSDP2, where
+        each parameter point is written into the shards and needs its own forward and backward.
+        """
         if per_example_loss.dim() != 1:
             raise ValueError(
                 f"per_example_loss must have shape (batch,), got {tuple(per_example_loss.shape)}: reduce each "
@@ -867,6 +904,7 @@ class GhostClippingEngine:
         batch = per_example_loss.shape[0]
         if self._batch_size is not None and batch != self._batch_size:
             raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has {self._batch_size}.")
+        self._batch_size = batch
         records, self._records = self._records, []
         if not records:
             raise RuntimeError(
@@ -882,33 +920,61 @@ class GhostClippingEngine:
                 "Reentrant gradient checkpointing does this; "
                 f"{_REENTRANT_REFUSED} If these layers are meant to get no gradient, freeze their parameters."
             )
-        dtype = _accumulation_dtype(per_example_loss.dtype)
+        self._pending_dtype = _accumulation_dtype(per_example_loss.dtype)
         total = per_example_loss.sum()
-        reference = None
         self._in_own_backward = True
         try:
             if self.verify_first_backward:
-                params = self.trainable_parameters
-                reference = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
+                self._pending_low_precision |= any(r.output_dtype in (torch.float16, torch.bfloat16) for r in records)
+                self._add_reference(total, records)
             output_grads = torch.autograd.grad(total, [r.output_edge for r in records], allow_unused=True)
         finally:
             self._in_own_backward = False
-        terms: dict[nn.Parameter, list[Term]] = {}
         for record, grad_output in zip(records, output_grads):
             if grad_output is None:
                 continue
             rule = find_grad_rule(record.module)
-            module_params = dict(record.module.named_parameters(recurse=False))
+            module_params = self._module_params[record.module]
             for param_name, term in rule(record.module, record.activations, grad_output).items():
-                terms.setdefault(module_params[param_name], []).append(term)
+                self._pending_terms.setdefault(module_params[param_name], []).append(term)
+
+    def _add_reference(self, total: torch.Tensor, records: list[_Record]) -> None:
+        """Add autograd's ordinary gradient of ``total`` to the reference of the first-backward check.
+
+        A sharded parameter (FSDP2) is not in the autograd graph: the forward used a gathered whole tensor,
+        recorded by the hook, so the reference is the gradient with respect to that tensor.
+        """
+        params = self.trainable_parameters
+        used: dict[nn.Parameter, torch.Tensor] = {}
+        for record in records:
+            for name, tensor in (record.used or {}).items():
+                used.setdefault(self._module_params[record.module][name], tensor)
+        targets = [used.get(p, p) for p in params]
+        grads = torch.autograd.grad(total, targets, retain_graph=True, allow_unused=True)
+        reference = self._pending_reference if self._pending_reference is not None else {}
+        for param, grad in zip(params, grads):
+            if grad is None:
+                continue
+            grad = grad.full_tensor() if is_sharded(grad) else grad
+            reference[param] = grad if param not in reference else reference[param] + grad
+        self._pending_reference = reference
+
+    def recorded_gradients(self, precise: bool = False) -> PerExampleGradients:
+        """The per-example gradients of every backward since the last call (see :meth:`backward_recorded`)."""
+        terms, self._pending_terms = self._pending_terms, {}
+        if self._batch_size is None:
+            raise RuntimeError("No backward was run: call backward_recorded() after the recorded forward.")
         # Parameters whose gradient the forward itself computes in float32 inside a float64 model (Gemma's
         # RMSNorm multiplies in float32): autograd's gradient is then only float32-accurate, and so is the check.
         float32_terms = {param for param, ts in terms.items() if any(_term_dtype(t) == torch.float32 for t in ts)}
-        grads = PerExampleGradients(terms, batch, dtype, precise=precise)
-        if reference is not None:
-            low_precision = any(r.output_dtype in (torch.float16, torch.bfloat16) for r in records)
-            self._verify(grads, reference, low_precision, float32_terms)
+        grads = PerExampleGradients(terms, self._batch_size, self._pending_dtype, precise=precise)
+        if self.verify_first_backward:
+            reference = self._pending_reference or {}
+            self._verify(grads, tuple(reference.get(p) for p in self.trainable_parameters), self._pending_low_precision,
+                         float32_terms)
             self.verify_first_backward = False
+        self._pending_reference = None
+        self._pending_low_precision = False
         return grads
 
     def _verify(
@@ -923,7 +989,7 @@ class GhostClippingEngine:
         # only rounding noise in practice, so the tolerance has a floor relative to the whole gradient.
         total = sum(float(r.double().norm()) ** 2 for r in reference if r is not None) ** 0.5
         for param, ref in zip(self.trainable_parameters, reference):
-            ref = torch.zeros_like(param) if ref is None else ref
+            ref = torch.zeros(param.shape, dtype=param.dtype, device=param.device) if ref is None else ref
             mine = ours.get(param)
             mine = torch.zeros(param.shape, dtype=ref.dtype, device=ref.device) if mine is None else mine
             err = (mine.to(ref.dtype) - ref).norm().item()

@@ -70,6 +70,7 @@ class _PrivacyCallback(TrainerCallback):
                 f"The Trainer plans {state.max_steps} optimizer steps but the noise was calibrated for {planned}. "
                 "Do not change num_train_epochs/max_steps after creating the DPTrainer."
             )
+        self.trainer._attach_engine_to_prepared_model()
         self.trainer._check_resumed_budget()
         self.trainer._announce_plan()
 
@@ -187,23 +188,41 @@ class DPTrainer(Trainer):
         return self.privacy_plan.noise_multiplier
 
     def _refuse_sharded_training(self) -> None:
-        """DeepSpeed and FSDP shard gradients across processes: per-example clipping cannot work there."""
-        sharded = [
-            name
-            for name, on in (
-                ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False) or bool(getattr(self.args, "deepspeed", None))),
-                ("FSDP", getattr(self, "is_fsdp_enabled", False) or bool(getattr(self.args, "fsdp", None))),
-            )
-            if on
-        ]
-        if sharded:
+        """Refuse DeepSpeed and FSDP1; FSDP2 (``fully_shard``, accelerate's ``fsdp_version: 2``) is supported."""
+        deepspeed = getattr(self, "is_deepspeed_enabled", False) or bool(getattr(self.args, "deepspeed", None))
+        if deepspeed:
             raise ValueError(
-                f"{sharded[0]} is not supported by DPTrainer: it shards parameters and gradients across processes, "
-                "but per-example clipping needs each example's whole gradient on one process and the noise must "
-                "be added once to the complete clipped sum. Use DDP instead (plain `accelerate launch` / torchrun "
-                "with several processes, e.g. accelerate_configs/multi_gpu.yaml) and save memory with LoRA or a "
-                "smaller per_device_train_batch_size (the logical batch is accumulated inside each DP step)."
+                "DeepSpeed is not supported by DPTrainer: ZeRO partitions and reduces the gradients inside its own "
+                "engine, where the DP optimizer cannot take each example's gradient from the whole layer "
+                "activations, reduce-scatter the clipped sums and add the noise once. Shard with FSDP2 instead "
+                "(accelerate launch --config_file accelerate_configs/fsdp.yaml, README 'Large models: FSDP2'), or "
+                "use DDP (accelerate_configs/multi_gpu.yaml) with LoRA."
             )
+        fsdp = getattr(self, "is_fsdp_enabled", False) or bool(getattr(self.args, "fsdp", None))
+        if fsdp and self._fsdp_version() != 2:
+            raise ValueError(
+                "FSDP (version 1) is not supported by DPTrainer: it flattens the parameters into one buffer per "
+                "unit, so the DP optimizer cannot clip, reduce-scatter and noise them per parameter. Use FSDP2: "
+                "accelerate launch --config_file accelerate_configs/fsdp.yaml (fsdp_version: 2), or DDP."
+            )
+
+    def _fsdp_version(self) -> int:
+        plugin = getattr(getattr(getattr(self, "accelerator", None), "state", None), "fsdp_plugin", None)
+        if plugin is not None:
+            return int(getattr(plugin, "fsdp_version", 1) or 1)
+        config = getattr(self.args, "fsdp_config", None) or {}
+        return int(config.get("version", 2))  # transformers' default for `fsdp=...` in the TrainingArguments
+
+    def _attach_engine_to_prepared_model(self) -> None:
+        """Re-attach the engine when Accelerate replaced the parameters (FSDP2's ``fully_shard`` makes DTensors).
+
+        The optimizer's parameters were switched to the sharded ones by Accelerate; the engine must key its
+        terms by the same objects (the optimizer checks that both hold the same set).
+        """
+        if self.engine is not None and set(self.engine.trainable_parameters) != {
+            p for p in self.model.parameters() if p.requires_grad
+        }:
+            self.engine.attach()
 
     # ------------------------------------------------------------------------ optimizer
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -298,10 +317,11 @@ class DPTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description="training")
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         sampler = self.privacy_plan.make_sampler(rank=rank, world_size=world)
+        self._padding_collator = _EmptySafeCollator(collator, dataset)
         return _LogicalBatchLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=_EmptySafeCollator(collator, dataset),
+            collate_fn=self._padding_collator,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
@@ -359,19 +379,39 @@ class DPTrainer(Trainer):
         batch = labels.shape[0]
         _check_sequence_length(model, inputs)
         total = torch.zeros((), device=self.args.device)
+        micro_batches = list(self._micro_batches(inputs, labels)) if batch else []
+        rounds = len(micro_batches)
+        if self.dp_optimizer.sharded:
+            # FSDP2 gathers parameters with collectives in every forward and backward: every process runs as
+            # many micro-batches as the process with the largest share of the Poisson sample.
+            rounds = self.dp_optimizer.collectives.max_over_processes(rounds)
         if batch == 0:
             # an empty Poisson batch, declared as such: the optimizer step still adds noise and is accounted
             self.dp_optimizer.accumulate(self.engine, None, batch_size=0)
-            return total
-        for micro, micro_labels in self._micro_batches(inputs, labels):
+        for index in range(rounds):
+            micro, micro_labels = micro_batches[min(index, len(micro_batches) - 1)] if micro_batches else (
+                self._padding_micro_batch()
+            )
 
             def loss_fn(values, micro=micro, micro_labels=micro_labels):
                 with self.compute_loss_context_manager():
                     return self.compute_per_example_loss(model, micro, micro_labels, values)
 
+            if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
+                self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=micro_labels.shape[0])
+                continue
             losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=micro_labels.shape[0])
             total = total + losses.sum()
-        return total / batch
+        return total / max(batch, 1)
+
+    def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
+        """One training example as a micro-batch, for a process with no example of its own under FSDP2.
+
+        Its forward and backward only keep the processes' collectives in step; the result is discarded.
+        """
+        collator: _EmptySafeCollator = self._padding_collator
+        inputs = dict(self._prepare_inputs(collator.collate_fn([collator.dataset[0]])))
+        return inputs, inputs.pop("labels")
 
     # ----------------------------------------------------------------------- reporting
     def current_epsilon(self) -> float:

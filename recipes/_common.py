@@ -19,23 +19,25 @@ from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan
 from hf_dpfilter.arguments import DP_METHODS
 from hf_dpfilter.optimizers.registry import method_spec
 
-_UNSUPPORTED_ENV = {
-    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
-    "ACCELERATE_USE_FSDP": "FSDP",
-}
-
 
 def refuse_sharded_training() -> None:
-    """Refuse DeepSpeed / FSDP launches before anything is loaded (the DPTrainer checks again)."""
-    for var, name in _UNSUPPORTED_ENV.items():
-        if os.environ.get(var, "").lower() in ("1", "true", "yes"):
-            raise ValueError(
-                f"{name} is not supported by hf_dpfilter: it shards parameters and gradients, but per-example "
-                "clipping needs each example's whole gradient on one process, and the noise must be added once "
-                "to the complete clipped sum. Launch with DDP instead (accelerate_configs/multi_gpu.yaml, or "
-                "accelerate_configs/single_gpu.yaml / cpu.yaml), and use LoRA (--lora_r) or a smaller "
-                "--per_device_train_batch_size to save memory."
-            )
+    """Refuse DeepSpeed and FSDP1 launches before anything is loaded (the DPTrainer checks again).
+
+    FSDP2 (``fsdp_version: 2``, accelerate_configs/fsdp.yaml) is supported.
+    """
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes"):
+        raise ValueError(
+            "DeepSpeed is not supported by hf_dpfilter: ZeRO reduces the gradients inside its own engine, where "
+            "the DP optimizer cannot clip each example's gradient and add the noise once. Shard with FSDP2 "
+            "(accelerate_configs/fsdp.yaml) or launch with DDP (accelerate_configs/multi_gpu.yaml) and LoRA."
+        )
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+    if fsdp and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ValueError(
+            "FSDP (version 1) is not supported by hf_dpfilter: it flattens the parameters into one buffer per "
+            "unit, so they cannot be clipped and noised per parameter. Use FSDP2 (fsdp_version: 2, "
+            "accelerate_configs/fsdp.yaml) or DDP (accelerate_configs/multi_gpu.yaml)."
+        )
 
 
 PACKAGED_MINILM = "packaged-minilm"

@@ -5,7 +5,7 @@
   so two processes end at the same float64 parameters as one process on the same logical batches, with and
   without noise, for DP-SGD, the non-private path and each available noise-reducing method;
 * every process reports the same epsilon and step count; only the main process writes results and plots;
-* DeepSpeed / FSDP are refused with a clear error.
+* DeepSpeed and FSDP1 are refused with a clear error (FSDP2: tests/test_fsdp.py).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_two_processes_equal_one_process(tmp_path):
     assert max((noisy[k] - clean[k]).abs().max().item() for k in clean) > 1e-3
 
 
-def test_deepspeed_and_fsdp_are_refused(tmp_path):
+def test_deepspeed_and_fsdp1_are_refused_fsdp2_is_not(tmp_path):
     sys.path.insert(0, HERE)
     from helpers import ListDataset, PadCollator, make_examples
     from models import VOCAB, tiny_roberta
@@ -102,17 +102,68 @@ def test_deepspeed_and_fsdp_are_refused(tmp_path):
         model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
         data_collator=PadCollator(1),
     )
-    for flag, name in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
-        setattr(trainer, flag, True)
-        with pytest.raises(ValueError, match=f"{name} is not supported.*DDP"):
-            trainer._refuse_sharded_training()
-        setattr(trainer, flag, False)
+    trainer.is_deepspeed_enabled = True
+    with pytest.raises(ValueError, match="DeepSpeed is not supported.*FSDP2"):
+        trainer._refuse_sharded_training()
+    trainer.is_deepspeed_enabled = False
+    trainer.is_fsdp_enabled = True
+    trainer.args.fsdp_config = {"version": 1}
+    with pytest.raises(ValueError, match=r"FSDP \(version 1\) is not supported.*FSDP2"):
+        trainer._refuse_sharded_training()
+    trainer.args.fsdp_config = {"version": 2}
+    trainer._refuse_sharded_training()  # FSDP2 is supported (tests/test_fsdp.py)
+    trainer.is_fsdp_enabled = False
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
     from _common import refuse_sharded_training
 
-    os.environ["ACCELERATE_USE_FSDP"] = "true"
+    for env, message in (
+        ({"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed is not supported"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, r"FSDP \(version 1\) is not supported"),
+    ):
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            with pytest.raises(ValueError, match=message):
+                refuse_sharded_training()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+    os.environ.update({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
     try:
-        with pytest.raises(ValueError, match="FSDP is not supported"):
-            refuse_sharded_training()
+        refuse_sharded_training()  # FSDP2 launches go through
     finally:
-        del os.environ["ACCELERATE_USE_FSDP"]
+        del os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_VERSION"]
+
+
+def _bucketed_sum_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from hf_dpfilter.collectives import ProcessGroupCollectives
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    shapes = [(7, 3), (5,), (40, 40), (2, 2), (300,), (1,)]
+    tensors = [torch.randn(s, dtype=torch.float64 if i % 3 == 0 else torch.float32) for i, s in enumerate(shapes)]
+    per_tensor = [t.clone() for t in tensors]
+    ProcessGroupCollectives(bucket_bytes=0).sum_(per_tensor)
+    bucketed = [t.clone() for t in tensors]
+    ProcessGroupCollectives(bucket_bytes=1000).sum_(bucketed)  # several buckets, one tensor larger than a bucket
+    torch.save({"per_tensor": per_tensor, "bucketed": bucketed, "default": ProcessGroupCollectives().bucket_bytes},
+               os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_bucketed_all_reduce_equals_one_call_per_tensor(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_bucketed_sum_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["default"] == 0  # gloo: one call per tensor by default (NCCL: 25 MiB buckets)
+        for a, b in zip(got["per_tensor"], got["bucketed"]):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a, b)

@@ -48,7 +48,7 @@ from torch import nn
 
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.collectives import Collectives, default_collectives
+from hf_dpfilter.collectives import Collectives, as_layout_of, default_collectives, is_sharded
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig
 from hf_dpfilter.secure_rng import derive_seed
@@ -106,6 +106,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._accumulated = False
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
         self._engine_checked: GhostClippingEngine | None = None
+        self._sharded: bool | None = None
         # Budget guard (opt-in): refuse a step that would take epsilon(target_delta) above target_epsilon.
         if (target_epsilon is None) != (target_delta is None):
             raise ValueError("Give both target_epsilon and target_delta (the budget guard needs both), or neither.")
@@ -242,8 +243,26 @@ class DPOptimizer(torch.optim.Optimizer):
             self._accumulated = True
             return torch.zeros(0)
         self._check_engine(engine)
+        return self._accumulate_gradients(*self._per_example_pass(engine, loss_fn, batch_size))
+
+    def run_without_contributing(self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int) -> None:
+        """Run a micro-batch's forwards and backwards as :meth:`accumulate` does, and discard them.
+
+        Nothing enters the step's sums (nothing is released). Under FSDP2 every forward and backward gathers
+        parameters with collectives, so all processes must run the same number of micro-batches: a process
+        whose share of the Poisson sample is smaller runs this for the difference (DPTrainer does).
+        """
+        self._check_engine(engine)
+        self._per_example_pass(engine, loss_fn, batch_size)
+
+    def _per_example_pass(
+        self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int
+    ) -> tuple[PerExampleGradients, torch.Tensor, torch.Tensor | None]:
+        """Forward(s) at the gradient points and the backward: (per-example gradients, combined losses, losses)."""
         points = self.gradient_points()
         precise = any(weight < 0 for weight, _ in points)
+        if self.sharded and any(values is not None for _, values in points):
+            return self._gradients_at_points_in_shards(engine, loss_fn, points, batch_size, precise)
         losses_here = None
         with engine.record(batch_size=batch_size):
             combined = None
@@ -265,7 +284,11 @@ class DPOptimizer(torch.optim.Optimizer):
                     if values is None:
                         losses_here = losses
                     combined = losses * weight if combined is None else combined + losses * weight
-        grads = engine.per_example_gradients(combined, precise=precise)
+        return engine.per_example_gradients(combined, precise=precise), combined, losses_here
+
+    def _accumulate_gradients(
+        self, grads: PerExampleGradients, combined: torch.Tensor, losses_here: torch.Tensor | None
+    ) -> torch.Tensor:
         dropped = self._zero_nonfinite(grads, combined.detach())
         if dropped is not None and losses_here is not None:
             losses_here = torch.where(dropped, torch.zeros_like(losses_here), losses_here)
@@ -274,6 +297,60 @@ class DPOptimizer(torch.optim.Optimizer):
         if losses_here is None:
             losses_here = combined
         return losses_here.detach()
+
+    @property
+    def sharded(self) -> bool:
+        """True when FSDP2 shards the trainable parameters (DTensors) over the processes."""
+        if self._sharded is None:
+            self._sharded = any(is_sharded(p) for p in self.params)
+        return self._sharded
+
+    def _gradients_at_points_in_shards(
+        self, engine: GhostClippingEngine, loss_fn: LossFn, points: list, batch_size: int, precise: bool
+    ) -> tuple[PerExampleGradients, torch.Tensor, torch.Tensor | None]:
+        """The per-example combination of the gradient points under FSDP2: one forward and backward per point.
+
+        FSDP2 gathers each layer's parameters from the shards when the layer runs (in the forward and again in
+        the backward), so a functional call at other values would be overwritten by the gathered current ones.
+        Each point's values are therefore written into this process's shards, its forward and backward run
+        (the backward gives that point's output gradients, weighted), and the shards are restored exactly; the
+        engine merges the terms of all points per example as one recorded forward would.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp_modules = [m for m in engine.model.modules() if isinstance(m, FSDPModule)]
+        devices = sorted({p.device for p in self.params if p.device.type == "cuda"}, key=str)
+        cpu_state = torch.get_rng_state()
+        cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+        current = {p: p.detach().clone() for p in self.params}  # x_t, this process's shards
+        combined = losses_here = None
+        try:
+            with engine.record(batch_size=batch_size):
+                for weight, values in points:
+                    # The same dropout masks at every point: replay the RNG state of the first forward.
+                    torch.set_rng_state(cpu_state)
+                    for d, state in zip(devices, cuda_states):
+                        torch.cuda.set_rng_state(state, d)
+                    with torch.no_grad():
+                        for p, value in (values or {}).items():
+                            p.detach().copy_(value.detach())
+                    for module in fsdp_modules:
+                        module.reshard()  # the next forward gathers the shards as they are now
+                    losses = loss_fn(None)
+                    engine.backward_recorded(losses * weight if weight != 1.0 else losses)
+                    if values is None:
+                        losses_here = losses
+                    combined = losses.detach() * weight if combined is None else combined + losses.detach() * weight
+                    with torch.no_grad():
+                        for p in values or {}:
+                            p.detach().copy_(current[p])
+        finally:
+            with torch.no_grad():
+                for p, value in current.items():
+                    p.detach().copy_(value)
+            for module in fsdp_modules:
+                module.reshard()
+        return engine.recorded_gradients(precise=precise), combined, losses_here
 
     def clip_factors(self, grads: PerExampleGradients, max_grad_norm: float | None = None) -> torch.Tensor:
         """Per-example factors with ``||factor_i g_i|| <= max_grad_norm`` (default C) for the exact g_i."""
@@ -323,7 +400,13 @@ class DPOptimizer(torch.optim.Optimizer):
         return self._generators[device]
 
     def gaussian_noise(self, shape: torch.Size, std: float, like: torch.Tensor) -> torch.Tensor:
-        """N(0, std^2) noise of the given shape, from the seeded generator or a CSPRNG."""
+        """N(0, std^2) noise of the given shape, from the seeded generator or a CSPRNG.
+
+        For a sharded ``like`` (FSDP2), ``shape`` is the whole shape and the result this process's shard of one
+        whole draw: :meth:`sharded_gaussian_noise`.
+        """
+        if is_sharded(like):
+            return self.sharded_gaussian_noise(shape, std, like)
         if std == 0:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
         if self.secure_noise:
@@ -334,6 +417,28 @@ class DPOptimizer(torch.optim.Optimizer):
             return noise
         noise = torch.empty(shape, dtype=like.dtype, device=like.device)
         return noise.normal_(0.0, std, generator=self._generator(like.device))  # one pass: draw and scale
+
+    def sharded_gaussian_noise(self, shape: torch.Size, std: float, like: torch.Tensor) -> torch.Tensor:
+        """This process's shard of one N(0, std^2 I) draw of the whole ``shape`` (docs/privacy.md, "Sharded noise").
+
+        Seeded noise: every process draws the whole tensor from the shared stream, as one process would, and
+        keeps its own rows. The shards are then disjoint pieces of exactly the one-process draw (no piece twice,
+        none repeated across processes), and a sharded run releases bit for bit what one process releases.
+        Drawing only one's own rows would need a stream keyed by (step, parameter, offset), which ties the noise
+        to the shard layout; the whole draw costs each process what one process pays, as under DDP. With
+        ``secure_noise`` each process draws its own rows from its own OS CSPRNG: independent draws, so the
+        whole vector is again one Gaussian draw, with nothing to exchange.
+        """
+        local = like.to_local()
+        if std == 0:
+            return as_layout_of(like, torch.zeros_like(local))
+        if self.secure_noise:
+            from hf_dpfilter.secure_rng import secure_gaussian
+
+            return as_layout_of(like, secure_gaussian(local.shape, std, dtype=local.dtype, device=local.device))
+        whole = torch.empty(shape, dtype=local.dtype, device=local.device)
+        whole.normal_(0.0, std, generator=self._generator(local.device))
+        return self.collectives.shard_of(like, whole)
 
     def noisy_average(self, summed: torch.Tensor, std: float) -> torch.Tensor:
         """``(summed + N(0, std^2 I)) / B`` as a new tensor, in two memory passes.
@@ -379,15 +484,15 @@ class DPOptimizer(torch.optim.Optimizer):
                 "the clipped sums of its own accumulate(); call optimizer.zero_grad() and use "
                 "optimizer.accumulate(engine, loss_fn, batch_size) instead of backward()."
             )
-        sums = {}
-        for p in self.params:
-            if p in self._sums:
-                sums[p] = self._sums[p]
-            else:
-                sums[p] = torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
-                                      device=p.device)
-        self.collectives.sum_(list(sums.values()))
-        return sums
+        params = self.params
+        sums = [
+            self._sums[p] if p in self._sums
+            else torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
+                             device=p.device)
+            for p in params
+        ]
+        # replicated parameters get the whole sum (all-reduce), sharded ones their shard (reduce-scatter)
+        return dict(zip(params, self.collectives.sum_as_params(params, sums)))
 
     def privatize(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """``(sum + N(0, sigma^2 Delta^2)) / B`` -- the one noise draw of the step."""
@@ -525,6 +630,15 @@ class DPOptimizer(torch.optim.Optimizer):
         self.load_method_state_dict(_index_to_params(dp_state["method_state"], params))
 
 
+def copy_all_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair: one fused call, or one call each for FSDP2's DTensors (no fused copy)."""
+    if any(is_sharded(d) for d in destinations):
+        for d, s in zip(destinations, sources):
+            d.copy_(s)
+    else:
+        torch._foreach_copy_(destinations, sources)
+
+
 def _params_to_index(obj: Any, index: dict[nn.Parameter, int]) -> Any:
     """Replace parameter keys by their position so method state survives pickling and reloading."""
     if isinstance(obj, dict):
@@ -572,4 +686,5 @@ __all__ = [
     "PrivacyBudgetExceededError",
     "UnprivatizedGradientError",
     "build_base_optimizer",
+    "copy_all_",
 ]

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine import PerExampleGradients
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings
@@ -226,16 +227,16 @@ class DiceSGD(DPOptimizer):
         for p in self.params:
             if p not in self._error:
                 dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-                self._error[p] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                # laid out like p: under FSDP2 each process keeps the buffer's rows of its own shard
+                self._error[p] = (torch.zeros_like(p, dtype=dtype) if is_sharded(p)
+                                  else torch.zeros(p.shape, dtype=dtype, device=p.device))
         return self._error
 
     def feedback_factor(self) -> float:
         """alpha_e = min(1, C2 / ||e||) for the current buffer (0 when C2 = 0)."""
         if self.error_max_grad_norm == 0:
             return 0.0
-        # one host sync for all tensors (float64 accumulation, as the margin below assumes)
-        norms = torch._foreach_norm(list(self._buffer().values()), 2, dtype=torch.float64)
-        norm = float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
+        norm = math.sqrt(self.collectives.squared_norm(list(self._buffer().values())))
         if norm <= self.error_max_grad_norm:
             return 1.0
         # The small margin keeps ||alpha_e e|| <= C2 despite rounding in fp32.
@@ -258,14 +259,14 @@ class DiceSGD(DPOptimizer):
 
     def _summed_residual(self) -> dict[nn.Parameter, torch.Tensor]:
         residual, self._residual = self._residual, {}
-        if self.collectives.world_size > 1:
-            full = {}
-            for p in self.params:
+        if self.collectives.world_size > 1 or self.sharded:
+            params = self.params
+            full = []
+            for p in params:
                 dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
                 r = residual.get(p)
-                full[p] = torch.zeros(p.shape, dtype=dtype, device=p.device) if r is None else r.to(dtype)
-            self.collectives.sum_(list(full.values()))
-            residual = full
+                full.append(torch.zeros(p.shape, dtype=dtype, device=p.device) if r is None else r.to(dtype))
+            residual = dict(zip(params, self.collectives.sum_as_params(params, full)))
         return residual
 
     def zero_grad(self, set_to_none: bool = True) -> None:

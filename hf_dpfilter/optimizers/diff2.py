@@ -227,9 +227,9 @@ class Diff2(DPOptimizer):
                     f"DIFF2 step {self.dp_steps} is a difference round but the optimizer holds no previous point "
                     "or estimate (a checkpoint without the method state?). Resume from a full DPOptimizer state_dict."
                 )
-            movement = math.sqrt(
-                sum(float((p.detach().double() - self._previous[p].double()).pow(2).sum()) for p in self.params)
-            )
+            movement = math.sqrt(self.collectives.squared_norm(
+                [p.detach().double() - self._previous[p].double() for p in self.params]
+            ))
             threshold = self.difference_coefficient(movement) * movement
         self._round_cache = _Round(self.dp_steps, restart, threshold)
         return self._round_cache

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_dpfilter.optimizers.base import DPOptimizer
+from hf_dpfilter.optimizers.base import DPOptimizer, copy_all_
 from hf_dpfilter.optimizers.method_config import MethodConfig
 
 
@@ -143,14 +143,14 @@ class DiSKOptimizer(DPOptimizer):
         else:
             torch._foreach_mul_(self._filtered, 1.0 - self.kappa)
             torch._foreach_add_(self._filtered, noisy, alpha=self.kappa)
-        torch._foreach_copy_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
+        copy_all_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
         # Remember x_t so after_step can form d_t = x_{t+1} - x_t in the same buffer.
         self._step_params = list(grads)
         current = [p.detach() for p in self._step_params]
         if self._delta is None:
             self._delta = [x.clone() for x in current]
         else:
-            torch._foreach_copy_(self._delta, current)
+            copy_all_(self._delta, current)
         return grads
 
     @torch.no_grad()

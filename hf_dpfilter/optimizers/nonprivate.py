@@ -40,6 +40,17 @@ class NonPrivateOptimizer(DPOptimizer):
         if batch_size == 0:
             self._accumulated = True
             return torch.zeros(0)
+        if self.sharded:
+            # FSDP2's shards are not in the autograd graph (the forward uses gathered tensors): take the plain
+            # sum from the engine, whole-size, which the step reduce-scatters like a clipped sum.
+            if engine is None:
+                raise ValueError("Under FSDP2 the non-private path needs the clipping engine: accumulate(engine, ...).")
+            with engine.record(batch_size=batch_size):
+                losses = loss_fn(None)
+            grads = engine.per_example_gradients(losses)
+            self.add_to_sums(grads.weighted_sum(torch.ones(batch_size, dtype=grads.dtype), release=True))
+            self._accumulated = True
+            return losses.detach()
         losses = loss_fn(None)
         params = self.params
         grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)

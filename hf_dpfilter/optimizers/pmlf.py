@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_dpfilter.optimizers.base import DPOptimizer
+from hf_dpfilter.optimizers.base import DPOptimizer, copy_all_
 from hf_dpfilter.optimizers.filters import LowPassConfig
 
 
@@ -97,7 +97,7 @@ class PMLFOptimizer(DPOptimizer):
                 self._snapshots.insert(0, [x.clone() for x in current])
             else:
                 oldest = self._snapshots.pop()
-                torch._foreach_copy_(oldest, current)
+                copy_all_(oldest, current)
                 self._snapshots.insert(0, oldest)
         filtered = self.lowpass(list(grads.values()), noise_variance=self.noise_variance())
         return dict(zip(grads, filtered))
