@@ -467,12 +467,33 @@ class DPOptimizer(torch.optim.Optimizer):
         out: dict[nn.Parameter, torch.Tensor] = {}
         for params in groups.values():
             values = [sums[p] for p in params]
-            sizes = [v.numel() for v in values]
+            sizes = [v.numel() for v in values]  # whole sizes, also for sharded (FSDP2) sums
+            if any(is_sharded(v) for v in values):
+                out.update(zip(params, self._sharded_noisy_averages(values, sizes, std / batch, 1.0 / batch)))
+                continue
             flat = self.gaussian_noise(torch.Size([sum(sizes)]), std / batch, values[0])
             noisy = [piece.view(v.shape) for piece, v in zip(flat.split(sizes), values)]
             torch._foreach_add_(noisy, values, alpha=1.0 / batch)
             out.update(zip(params, noisy))
         return {p: out[p] for p in sums}
+
+    def _sharded_noisy_averages(
+        self, values: list[torch.Tensor], sizes: list[int], std: float, scale: float
+    ) -> list[torch.Tensor]:
+        """:meth:`noisy_averages` when some sums are shards (FSDP2): seeded noise is the one-process flat draw of
+        the whole group, of which each process keeps its parameters' rows (so a sharded run releases exactly what
+        one process releases); CSPRNG noise is each process's own draw of its rows (independent, no exchange)."""
+        if std == 0 or self.secure_noise:
+            noisy = [self.gaussian_noise(v.shape, std, v) for v in values]
+        else:
+            local = values[0].to_local() if is_sharded(values[0]) else values[0]
+            whole = torch.empty(sum(sizes), dtype=local.dtype, device=local.device)
+            whole.normal_(0.0, std, generator=self._generator(local.device))
+            pieces = [piece.view(v.shape) for piece, v in zip(whole.split(sizes), values)]
+            noisy = [self.collectives.shard_of(v, piece) if is_sharded(v) else piece for piece, v in zip(pieces, values)]
+        for n, v in zip(noisy, values):
+            n.add_(v, alpha=scale)
+        return noisy
 
     def _summed_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
         """The step's pre-noise sums (zeros for an empty batch), summed across processes. Private."""
