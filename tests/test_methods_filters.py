@@ -202,7 +202,7 @@ def test_disk_adam_step_match_is_the_scaled_learning_rate():
     matched = _trajectory("disk", method_args={"kappa": 0.7, "adam_step_match": True}, lr=0.05, noise=0.0)
     by_hand = _trajectory("disk", method_args={"kappa": 0.7}, lr=0.05 * factor, noise=0.0)
     unmatched = _trajectory("disk", method_args={"kappa": 0.7}, lr=0.05, noise=0.0)
-    for p, q, r in zip(matched, by_hand, unmatched):
+    for p, q in zip(matched, by_hand):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
     assert not all(torch.allclose(p, r) for p, r in zip(matched, unmatched))
     model, engine, opt = _setup("disk", base=torch.optim.AdamW, method_args={"adam_step_match": True}, lr=0.05)
