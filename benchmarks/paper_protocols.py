@@ -98,8 +98,14 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "common": {"clipping_fn": "abadi", "max_grad_norm": 1.0, "batch": "full", "epochs": 100,
                    "schedule": "constant", "optim": "sgd"},
         "grid": {"learning_rate": [0.5, 2.0, 8.0]},
+        # the same 6-point budget: DP-GD searches (lr, C1), DIFF2-GD searches (lr, C2, the coefficient of the
+        # difference threshold C2 ||x_{r-1} - x_{r-2}||; the paper says C2 must be tuned)
+        "method_grids": {"DP-GD": {"max_grad_norm": [0.3, 1.0]},
+                         "DIFF2-GD": {"difference_max_grad_norm": [2.0, 10.0]}},
         "methods": {"DP-GD": {"dp_method": "dpsgd"},
                     "DIFF2-GD": {"dp_method": "diff2", "dp_method_args": {"restart_every": 10}}},
+        # measured before the C2 search, with the library's default C2 = C1 / (first movement) and lr searched
+        "extra_labels": ["DIFF2-GD (default C2 rule)"],
     },
     "dicesgd": {
         "paper": "DiceSGD (Zhang et al.): no GLUE result (its language results are GPT-2 on E2E); best utility "
@@ -249,6 +255,8 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
     method_args = dict(method.get("dp_method_args", {}))
     if "error_fraction" in point:  # DiceSGD's C2 on the mean scale, as a fraction of C1 / B
         method_args["error_max_grad_norm"] = point["error_fraction"] * max_grad_norm / batch
+    if "difference_max_grad_norm" in point:  # DIFF2's C2
+        method_args["difference_max_grad_norm"] = point["difference_max_grad_norm"]
     training_args = DPTrainingArguments(
         output_dir=os.path.join(args.work_dir, f"run{os.getpid()}"), dp_method=method["dp_method"], target_epsilon=epsilon,
         dp_method_args=method_args or None, per_sample_max_grad_norm=max_grad_norm,
@@ -309,6 +317,8 @@ def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
     protocol = PROTOCOLS[name]
     data = scale_data(protocol["scale"], args)
     for epsilon in protocol["epsilons"]:
+        if args.epsilons and epsilon not in args.epsilons:
+            continue
         chosen: dict[str, dict[str, float]] = {}
         for label, method in protocol["methods"].items():
             best, best_acc = None, -1.0
@@ -378,7 +388,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
               "| protocol | method | ε (sound) | accuracy | seeds | chosen on validation | σ | steps | s/run |",
               "|---|---|---|---|---|---|---|---|---|"]
     for name, protocol in PROTOCOLS.items():
-        labels = list(protocol["methods"]) + list(protocol.get("reference", {}))
+        labels = list(protocol["methods"]) + list(protocol.get("reference", {})) + protocol.get("extra_labels", [])
         baseline, method = labels[0], labels[1]
         for epsilon in protocol["epsilons"]:
             base_rows, method_rows = seed_rows(results, name, baseline, epsilon), seed_rows(results, name, method, epsilon)
@@ -433,7 +443,7 @@ def plot(results: dict[str, Any]) -> None:
 
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
     for ax, (name, protocol) in zip(axes.flat, PROTOCOLS.items()):
-        labels = list(protocol["methods"]) + list(protocol.get("reference", {}))
+        labels = list(protocol["methods"]) + list(protocol.get("reference", {})) + protocol.get("extra_labels", [])
         for offset, label in zip(np.linspace(-0.08, 0.08, len(labels)), labels):
             xs, means, stds, points = [], [], [], []
             for epsilon in protocol["epsilons"]:
@@ -480,6 +490,7 @@ def main() -> None:
     parser.add_argument("--train_samples", type=int, default=20000)
     parser.add_argument("--top_train_samples", type=int, default=6000)
     parser.add_argument("--top_validation_samples", type=int, default=2000)
+    parser.add_argument("--epsilons", type=float, nargs="+", default=None, help="only these of each protocol's")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tuning_seed", type=int, default=100)
     parser.add_argument("--report", action="store_true", help="only rewrite the tables and plots")
