@@ -35,7 +35,7 @@ import sys
 import time
 
 _WORKER = r"""
-import json, os, resource, sys, time, warnings
+import json, os, sys, time, warnings
 import torch
 warnings.simplefilter("ignore")
 spec = json.loads(sys.argv[1])
@@ -43,24 +43,8 @@ torch.manual_seed(0)
 torch.set_num_threads(spec["threads"])
 device = torch.device(spec["device"])
 
-def rss_kb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-def peak_kb():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-def reset_peak():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+sys.path.insert(0, spec["benchmarks_dir"])
+from speed_memory import current_rss_kb as rss_kb, peak_rss_kb as peak_kb, reset_peak_rss as reset_peak
 
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from hf_dpfilter.engine import GhostClippingEngine
@@ -111,7 +95,7 @@ print(json.dumps({"peak_mb": peak_mb, "seconds": seconds, "peak_reset": reset,
 
 def measure(model: str, checkpointing: bool, args: argparse.Namespace) -> dict:
     spec = {"model": model, "checkpointing": checkpointing, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "device": args.device, "threads": args.threads}
+            "device": args.device, "threads": args.threads, "benchmarks_dir": os.path.dirname(os.path.abspath(__file__))}
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20), TOKENIZERS_PARALLELISM="false")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

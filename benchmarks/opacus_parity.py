@@ -265,18 +265,22 @@ def head_only(args: argparse.Namespace) -> None:
             print(f"lr {lr:g}: validation accuracy {100 * statistics.mean(accs):.2f}% "
                   f"({', '.join(f'{100 * a:.1f}' for a in accs)})", flush=True)
         return
+    for key, pipeline, seed in pending_runs(args, prefix="head "):
+        start = time.time()
+        row = run_head(pipeline, seed, args, data, "dev")
+        row["seconds"] = time.time() - start
+        print(key, row, flush=True)
+        save_row(args.json, key, row)
+    summary(args, prefix="head ")
+
+
+def pending_runs(args: argparse.Namespace, prefix: str = ""):
+    """(key, pipeline, seed) of every paired run not yet in ``args.json`` (re-read, so reruns resume)."""
     for seed in args.seeds:
         for pipeline in args.pipelines:
-            key = f"head {scale_key(args)} {pipeline} seed={seed}"
-            results = json.load(open(args.json)) if os.path.exists(args.json) else {}
-            if key in results:
-                continue
-            start = time.time()
-            row = run_head(pipeline, seed, args, data, "dev")
-            row["seconds"] = time.time() - start
-            print(key, row, flush=True)
-            save_row(args.json, key, row)
-    summary(args, prefix="head ")
+            key = f"{prefix}{scale_key(args)} {pipeline} seed={seed}"
+            if key not in (json.load(open(args.json)) if os.path.exists(args.json) else {}):
+                yield key, pipeline, seed
 
 
 def scale_key(args: argparse.Namespace) -> str:
@@ -355,21 +359,16 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     train, dev = load_data(args, tokenizer)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    for seed in args.seeds:
-        for pipeline in args.pipelines:
-            key = f"{scale_key(args)} {pipeline} seed={seed}"
-            results = json.load(open(args.json)) if os.path.exists(args.json) else {}
-            if key in results:
-                continue
-            args.seed = seed
-            start = time.time()
-            if pipeline == "opacus":
-                row = run_opacus(args.epsilon, args, train, dev, tokenizer)
-            else:
-                row = run_hf_dpfilter("dpsgd", args.epsilon, args, train, dev, tokenizer)
-            row["wall_seconds"] = time.time() - start
-            print(key, {k: row[k] for k in ("accuracy", "epsilon", "noise_multiplier", "seconds")}, flush=True)
-            save_row(args.json, key, row)
+    for key, pipeline, seed in pending_runs(args):
+        args.seed = seed
+        start = time.time()
+        if pipeline == "opacus":
+            row = run_opacus(args.epsilon, args, train, dev, tokenizer)
+        else:
+            row = run_hf_dpfilter("dpsgd", args.epsilon, args, train, dev, tokenizer)
+        row["wall_seconds"] = time.time() - start
+        print(key, {k: row[k] for k in ("accuracy", "epsilon", "noise_multiplier", "seconds")}, flush=True)
+        save_row(args.json, key, row)
     summary(args)
 
 
