@@ -13,6 +13,8 @@ Usage::
 
     python benchmarks/profile_step.py                 # dpsgd and the methods, fp32
     python benchmarks/profile_step.py --bf16          # under CPU bf16 autocast
+    python benchmarks/profile_step.py --stack-layers on --layers 24   # the CUDA default (same-shape layers
+                                                      # stacked), forced on CPU; at another depth
     python benchmarks/profile_step.py --json out.json
 """
 
@@ -69,20 +71,24 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build(method: str, width: int, seed: int = 0):
-    config = RobertaConfig(vocab_size=500, hidden_size=width, num_hidden_layers=12, num_attention_heads=4,
+def build(method: str, width: int, seed: int = 0, layers: int = 12, stack_layers: bool | None = None):
+    config = RobertaConfig(vocab_size=500, hidden_size=width, num_hidden_layers=layers, num_attention_heads=4,
                            intermediate_size=4 * width, max_position_embeddings=80, num_labels=2)
     torch.manual_seed(seed)
     model = RobertaForSequenceClassification(config).train()
     engine = GhostClippingEngine(model, verify_first_backward=False)
+    engine.stack_layers = stack_layers
     optimizer = make_dp_optimizer(model.parameters(), method=method, base=torch.optim.AdamW, lr=1e-4,
                                   noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8,
                                   sample_rate=0.01, seed=0, method_args=METHODS[method] or None)
     return model, engine, optimizer
 
 
-def count_ops(method: str, width: int, batch: int, tokens: int, steps: int, bf16: bool) -> dict[str, float]:
-    model, engine, optimizer = build(method, width)
+def count_ops(
+    method: str, width: int, batch: int, tokens: int, steps: int, bf16: bool, layers: int = 12,
+    stack_layers: bool | None = None,
+) -> dict[str, float]:
+    model, engine, optimizer = build(method, width, layers=layers, stack_layers=stack_layers)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 500, (batch, tokens), generator=g)
     labels = torch.randint(0, 2, (batch,), generator=g)
@@ -118,11 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="CPU bf16 autocast")
+    parser.add_argument("--layers", type=int, default=12, help="encoder layers (RoBERTa-base has 12)")
+    parser.add_argument(
+        "--stack-layers", default="auto", choices=("auto", "on", "off"),
+        help="stack same-shape layers into batched products (auto: on CUDA only, so off in this CPU count)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    stack = {"auto": None, "on": True, "off": False}[args.stack_layers]
     rows = {}
     for method in args.methods.split(","):
-        rows[method] = count_ops(method, args.width, args.batch, args.tokens, args.steps, args.bf16)
+        rows[method] = count_ops(method, args.width, args.batch, args.tokens, args.steps, args.bf16, args.layers,
+                                 stack)
         cells = ", ".join(f"{k} {v:.0f}" for k, v in rows[method].items())
         print(f"{method:8s} {cells}", flush=True)
     if args.json:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -254,36 +255,139 @@ def _use_ghost(outer: OuterTerm) -> bool:
     return p * q > tokens * (p + q)
 
 
-def _weighted_outer(outer: OuterTerm, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_i c_i sum_t left[i,t] (outer) right[i,t]`` as one GEMM, scaling the narrower side by c.
+def _weighted_outer(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_i c_i sum_t left[l,i,t] (outer) right[l,i,t]`` for every l, as one batched GEMM, (L, P, Q).
 
-    The scaled side is formed in ``dtype`` (the clip factor is never rounded to bf16). With a bf16 other side
-    on CUDA, the scaled side is split into three bf16 pieces (:func:`_split_bf16`) so the GEMMs run on tensor
-    cores with fp32 accumulation; otherwise both sides are in ``dtype``.
+    left (L, B, T, P), right (L, B, T, Q): L stacked layers (L = 1 for one layer). The narrower side is scaled
+    by c, formed in ``dtype`` (the clip factor is never rounded to bf16). With a bf16 other side on CUDA, the
+    scaled side is split into three bf16 pieces (:func:`_split_bf16`) so the GEMMs run on tensor cores with
+    fp32 accumulation; otherwise both sides are in ``dtype``.
     """
-    batch, tokens, p = outer.left.shape
-    q = outer.right.shape[2]
-    scale = c.reshape(batch, 1, 1)
+    layers, batch, tokens, p = left.shape
+    q = right.shape[3]
+    scale = c.reshape(1, batch, 1, 1)
     if p <= q:
-        scaled, other = outer.left.to(dtype) * scale, outer.right
+        scaled, other = left.to(dtype) * scale, right
     else:
-        scaled, other = outer.right.to(dtype) * scale, outer.left
-    scaled = scaled.reshape(batch * tokens, -1)
-    other = other.reshape(batch * tokens, -1)
+        scaled, other = right.to(dtype) * scale, left
+    scaled = scaled.reshape(layers, batch * tokens, -1)
+    other = other.reshape(layers, batch * tokens, -1)
     if other.is_cuda and other.dtype == torch.bfloat16 and dtype == torch.float32:
         pieces = _split_bf16(scaled)
-        if p <= q:
-            total = _mm(pieces[0].t(), other, dtype)
-            for piece in pieces[1:]:
-                total.add_(_mm(piece.t(), other, dtype))
+    else:
+        pieces = [scaled]
+    total = None
+    for piece in pieces:
+        part = _bmm(piece.transpose(1, 2), other, dtype) if p <= q else _bmm(other.transpose(1, 2), piece, dtype)
+        total = part if total is None else total.add_(part)
+    return total
+
+
+@dataclass
+class _OuterBlock:
+    """Weight parameters whose per-example gradients are all outer products, computed together.
+
+    ``left`` (L, B, T, P) and ``right`` (L, B, T, Q) hold L layers stacked (L = 1 unless same-shape layers are
+    stacked, see :class:`PerExampleGradients`). Layer l's ``P x Q`` gradient may be several parameters fused
+    because they share one side (the query, key and value projections read the same input): parameter k is
+    rows (``dim == 0``) or columns (``dim == 1``) ``start : start + size`` of layer ``layer``. The squared norm
+    of a fused layer is the sum of its parameters' squared norms, and its Gram matrix of the shared side is
+    computed once. ``grads`` (L, B, P, Q) replaces ``left`` and ``right`` once materialized (narrow layers).
+    """
+
+    params: list[nn.Parameter]
+    places: list[tuple[int, int, int, int]]  # per parameter: (layer, dim, start, size)
+    left: torch.Tensor | None
+    right: torch.Tensor | None
+    input_dtype: torch.dtype
+    grads: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.left, self.right, self.grads) if t is not None)
+
+
+#: A stack of same-shape layers holds at most this share of the terms' memory (and at least _STACK_MIN_BYTES):
+#: stacking copies the layers' A and B, a transient on top of what the terms hold.
+_STACK_SHARE = 0.25
+_STACK_MIN_BYTES = 16 * 2**20
+
+
+def _fuse_shared_sides(
+    outers: dict[nn.Parameter, OuterTerm], raw_sides: dict[nn.Parameter, tuple[int, int]], input_dtypes: dict
+) -> list[_OuterBlock]:
+    """One block (L = 1) per layer, fusing the weight parameters that share a side (the same recorded tensor).
+
+    ``raw_sides`` holds the ids of the (left, right) tensors the layer rules returned, before any dtype
+    conversion, so sharing is what the model did, not a coincidence of values. Linear layers keep their input
+    on the right (``weight = B^T A``), Conv1D on the left. The other sides are concatenated along features; each
+    original is dropped from ``outers`` as soon as its block is built, so the transient copy is one layer's.
+    """
+    groups: list[tuple[str, list[nn.Parameter]]] = []
+    remaining = [p for p in outers if p in raw_sides]
+    for side in ("right", "left"):
+        shared: dict[tuple, list[nn.Parameter]] = {}
+        for param in remaining:
+            outer = outers[param]
+            other = outer.left if side == "right" else outer.right
+            key = (raw_sides[param][1 if side == "right" else 0], other.shape[:2], other.dtype, other.device)
+            shared.setdefault(key, []).append(param)
+        groups += [(side, params) for params in shared.values() if len(params) > 1]
+        remaining = [p for params in shared.values() if len(params) == 1 for p in params]
+    fused = {id(p) for _, params in groups for p in params}
+    groups += [("own", [p]) for p in outers if id(p) not in fused]
+    blocks = []
+    for side, params in groups:
+        if side == "own":
+            outer = outers.pop(params[0])
+            left, right, places = outer.left, outer.right, [(0, 0, 0, outer.left.shape[2])]
+        elif side == "right":
+            sizes = [outers[p].left.shape[2] for p in params]
+            right = outers[params[0]].right
+            left = torch.cat([outers.pop(p).left for p in params], dim=2)
+            places = [(0, 0, sum(sizes[:k]), size) for k, size in enumerate(sizes)]
         else:
-            total = _mm(other.t(), pieces[0], dtype)
-            for piece in pieces[1:]:
-                total.add_(_mm(other.t(), piece, dtype))
-        return total
-    if p <= q:
-        return _mm(scaled.t(), other, dtype)
-    return _mm(other.t(), scaled, dtype)
+            sizes = [outers[p].right.shape[2] for p in params]
+            left = outers[params[0]].left
+            right = torch.cat([outers.pop(p).right for p in params], dim=2)
+            places = [(0, 1, sum(sizes[:k]), size) for k, size in enumerate(sizes)]
+        blocks.append(_OuterBlock(params, places, left.unsqueeze(0), right.unsqueeze(0), input_dtypes[params[0]]))
+    return blocks
+
+
+def _stack_blocks(blocks: list[_OuterBlock], budget: int) -> list[_OuterBlock]:
+    """Stack blocks of the same shapes, dtypes and device (same-shape layers) into blocks of several layers.
+
+    Each stack's terms and Gram matrices stay within ``budget`` bytes (stacking copies the terms while the
+    originals still exist). The kernel count of the norms and sums then no longer grows with the number of
+    layers, only with the number of distinct shapes and with the memory the terms take.
+    """
+    by_shape: dict[tuple, list[_OuterBlock]] = {}
+    for block in blocks:
+        key = (block.left.shape, block.right.shape, block.left.dtype, block.right.dtype, block.left.device,
+               block.input_dtype)
+        by_shape.setdefault(key, []).append(block)
+    out = []
+    for same in by_shape.values():
+        _, batch, tokens, _ = same[0].left.shape
+        gram_bytes = 3 * batch * tokens * tokens * 8  # two Gram matrices and their product, at most float64
+        per_layer = same[0].nbytes + gram_bytes
+        size = max(1, budget // per_layer)
+        for start in range(0, len(same), size):
+            chunk = same[start : start + size]
+            if len(chunk) == 1:
+                out.append(chunk[0])
+                continue
+            params, places = [], []
+            for layer, block in enumerate(chunk):
+                params += block.params
+                places += [(layer, dim, begin, length) for _, dim, begin, length in block.places]
+            left = torch.cat([b.left for b in chunk])
+            right = torch.cat([b.right for b in chunk])
+            for block in chunk:  # drop the per-layer terms now: only the stack holds them
+                block.left = block.right = None
+            out.append(_OuterBlock(params, places, left, right, chunk[0].input_dtype))
+    return out
 
 
 _CHUNK_ABOVE = 4096  # Gram matrices over longer dot products (vocabulary-sized) are accumulated in chunks
@@ -357,15 +461,30 @@ class PerExampleGradients:
     """
 
     def __init__(
-        self, terms: dict[nn.Parameter, list[Term]], batch_size: int, dtype: torch.dtype, precise: bool = False
+        self,
+        terms: dict[nn.Parameter, list[Term]],
+        batch_size: int,
+        dtype: torch.dtype,
+        precise: bool = False,
+        stack_layers: bool | None = None,
     ) -> None:
+        """``terms`` is consumed: its entries are removed as they are merged, so that the originals can be freed
+        as soon as a fused or stacked copy replaces them (the caller must not hold other references).
+
+        ``stack_layers``: stack same-shape layers (see :func:`_stack_blocks`); None means on CUDA only, where
+        a step of a small model is bound by kernel launches. On CPU the batched products save nothing and the
+        stack is a transient copy."""
         self.batch_size = batch_size
         self.precise = precise
         self.dtype = torch.float64 if precise else dtype
         self._input_dtypes = {
             p: next((t.left.dtype for t in ts if isinstance(t, OuterTerm)), self.dtype) for p, ts in terms.items()
         }
-        merged = {p: _merge_terms(ts, self.dtype) for p, ts in terms.items()}
+        # which tensors the layer rules returned, to find layers that share one (before dtype conversions)
+        raw_sides = {
+            p: (id(ts[0].left), id(ts[0].right)) for p, ts in terms.items() if len(ts) == 1 and isinstance(ts[0], OuterTerm)
+        }
+        merged = {p: _merge_terms(terms.pop(p), self.dtype) for p in list(terms)}
         # Parameters with only a dense per-example gradient (biases, LayerNorm: most tensors of a transformer)
         # are handled together: one (B, N) matrix per device, so their norms and weighted sums cost a few
         # kernels in all instead of a few per parameter.
@@ -377,6 +496,15 @@ class PerExampleGradients:
             device: torch.cat([merged.pop(p)[2].grad.reshape(batch_size, -1) for p in params], dim=1)
             for device, params in self._dense_params.items()
         }
+        # Parameters with only an outer-product gradient (the weights of Linear/Conv1D layers): fused where
+        # layers share an input, and stacked across same-shape layers when asked to.
+        outers = {p: terms_[0] for p, terms_ in merged.items() if terms_[1] is None and terms_[2] is None}
+        for param in outers:
+            del merged[param]
+        self._blocks = _fuse_shared_sides(outers, raw_sides, self._input_dtypes)
+        if self._blocks and (stack_layers if stack_layers is not None else self._blocks[0].left.is_cuda):
+            held = sum(block.nbytes for block in self._blocks)
+            self._blocks = _stack_blocks(self._blocks, max(_STACK_MIN_BYTES, int(_STACK_SHARE * held)))
         self._merged = merged
         self._squared_norms: torch.Tensor | None = None
         self._squared_norms64: torch.Tensor | None = None
@@ -385,7 +513,11 @@ class PerExampleGradients:
 
     @property
     def parameters(self) -> list[nn.Parameter]:
-        return list(self._merged) + [p for params in self._dense_params.values() for p in params]
+        return (
+            list(self._merged)
+            + [p for block in self._blocks for p in block.params]
+            + [p for params in self._dense_params.values() for p in params]
+        )
 
     def _dense_group_squared_norms(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(squared norms, error bound) in float64 of each dense group: a sum of squares, no cancellation."""
@@ -395,9 +527,19 @@ class PerExampleGradients:
             out.append((squared, squared * (4 * _gamma(grad.shape[1] + 4, 2.0**-52))))
         return out
 
-    def _param_norm_and_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]:
-        """``(n^2, [(c_k, t_k)])`` for one parameter: its computed squared norm per example, and the terms of a
-        bound ``E = sum_k c_k t_k`` on its rounding error (summed later for all parameters in one reduction).
+    def _norm_and_bound(
+        self,
+        outer: OuterTerm | None,
+        index: IndexTerm | None,
+        dense: DenseTerm | None,
+        batch: int,
+        device: torch.device,
+        input_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]], torch.Tensor | None]:
+        """``(n^2, [(c_k, t_k)], materialized)`` for the terms of one parameter (or of one block of fused or
+        stacked layers, whose rows are then the batch): the computed squared norm per row, the terms of a bound
+        ``E = sum_k c_k t_k`` on its rounding error (summed later for all parameters in one reduction), and the
+        per-row gradient ``(batch, P, Q)`` when the outer term was materialized (it then replaces the term).
 
         Every block of the squared norm is bounded by what it sums (docs/privacy.md, "Mixed precision"):
 
@@ -409,9 +551,9 @@ class PerExampleGradients:
           ``((1 + eps)^2 (1 + gamma_R) - 1)`` times the sum of the products of the pieces' norms;
         * a materialized gradient ``B_i^T A_i`` is formed and squared in float64.
         """
-        outer, index, dense = self._merged[param]
-        batch, dtype = self.batch_size, self.dtype
-        unit, input_unit = _rounding_units(dtype, param.device, self._input_dtypes.get(param, dtype))
+        dtype = self.dtype
+        unit, input_unit = _rounding_units(dtype, device, input_dtype)
+        materialized = None
         f64 = torch.float64
         parts: list[torch.Tensor] = []
         terms: list[tuple[float, torch.Tensor]] = []
@@ -441,8 +583,8 @@ class PerExampleGradients:
                 scale = s_outer + extra
                 factor = (1 + _gamma(tokens + 2, 2.0**-52)) ** 2 * (1 + _gamma(p + q + 8, 2.0**-52)) - 1
                 terms.append((factor, scale * scale))
-                dense = DenseTerm(grad.to(dtype).reshape(batch, *param.shape))
-                self._merged[param] = (None, index, dense)
+                materialized = grad.to(dtype)
+                dense = DenseTerm(materialized)
                 outer = None
                 dense_done = True
             else:
@@ -521,38 +663,78 @@ class PerExampleGradients:
         total = parts[0]
         for part in parts[1:]:
             total = total + part.to(total.dtype)
-        return total, [(c * safety, t) for c, t in terms]
+        return total, [(c * safety, t) for c, t in terms], materialized
+
+    def _param_norm_and_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]:
+        """:meth:`_norm_and_bound` of a parameter with an index or dense term (embeddings, tied weights)."""
+        outer, index, dense = self._merged[param]
+        total, terms, materialized = self._norm_and_bound(
+            outer, index, dense, self.batch_size, param.device, self._input_dtypes.get(param, self.dtype)
+        )
+        if materialized is not None:
+            self._merged[param] = (None, index, DenseTerm(materialized.reshape(self.batch_size, *param.shape)))
+        return total, terms
+
+    def _block_norm_and_bound(self, block: _OuterBlock) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]:
+        """:meth:`_norm_and_bound` of a block, its L layers as L times more rows: values shaped (L, B)."""
+        if block.grads is not None:  # materialized by an earlier call (norms taken again after zero_examples)
+            layers, batch, p, q = block.grads.shape
+            total, terms, _ = self._norm_and_bound(
+                None, None, DenseTerm(block.grads.reshape(layers * batch, p, q)), layers * batch,
+                block.grads.device, block.input_dtype,
+            )
+            return total.reshape(layers, batch), [(c, t.reshape(layers, batch)) for c, t in terms]
+        layers, batch, tokens, p = block.left.shape
+        q = block.right.shape[3]
+        outer = OuterTerm(left=block.left.reshape(layers * batch, tokens, p),
+                          right=block.right.reshape(layers * batch, tokens, q))
+        total, terms, materialized = self._norm_and_bound(
+            outer, None, None, layers * batch, block.left.device, block.input_dtype
+        )
+        if materialized is not None:
+            block.grads, block.left, block.right = materialized.reshape(layers, batch, p, q), None, None
+        return total.reshape(layers, batch), [(c, t.reshape(layers, batch)) for c, t in terms]
 
     def squared_norms(self) -> torch.Tensor:
         """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models / precise)."""
         if self._squared_norms is None:
-            per_param, coefficients, pieces = [], [], []
+            rows: list[torch.Tensor] = []  # (k, B): squared norms of parameters, fused layers or stacked layers
+            coefficients: list[float] = []
+            pieces: list[torch.Tensor] = []  # (k, B) each, one coefficient per row
             for param in self._merged:
                 squared, terms = self._param_norm_and_bound(param)
-                per_param.append(squared)
-                coefficients += [c for c, _ in terms]
-                pieces += [t for _, t in terms]
+                rows.append(squared.unsqueeze(0))
+                for c, t in terms:
+                    coefficients.append(c)
+                    pieces.append(t.unsqueeze(0))
+            for block in self._blocks:
+                squared, terms = self._block_norm_and_bound(block)
+                rows.append(squared)
+                for c, t in terms:
+                    coefficients += [c] * t.shape[0]
+                    pieces.append(t)
             groups = self._dense_group_squared_norms()
-            device = (per_param or [g[0] for g in groups] or [torch.zeros(0)])[0].device
+            device = (rows or [g[0] for g in groups] or [torch.zeros(0)])[0].device
             total = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
             bound = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
             magnitude = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
-            if per_param:
-                # a constant number of kernels for all parameters: stack (each squared norm rounded to this dtype
-                # once), then reduce over parameters in float64; both roundings are bounded below
-                stacked_norms = torch.stack([sq.to(device=device, dtype=self.dtype) for sq in per_param]).double()
+            count = len(groups) + 1
+            if rows:
+                # a constant number of kernels for all parameters: concatenate (each squared norm rounded to this
+                # dtype once), then reduce over the rows in float64; both roundings are bounded below
+                stacked_norms = torch.cat([r.to(device=device, dtype=self.dtype) for r in rows]).double()
                 total = total + stacked_norms.sum(dim=0)
                 magnitude = stacked_norms.abs().sum(dim=0)
+                count += stacked_norms.shape[0]
             if pieces:
                 # every parameter's bound terms in one reduction: sum_k c_k t_k in float64
                 weights = torch.tensor(coefficients, dtype=torch.float64, device=device).unsqueeze(1)
-                stacked = torch.stack([t.to(device=device, dtype=self.dtype) for t in pieces]).double()
+                stacked = torch.cat([t.to(device=device, dtype=self.dtype) for t in pieces]).double()
                 bound = bound + stacked.mul_(weights).sum(dim=0)
             for squared, group_bound in groups:
                 total = total + squared.to(device)
                 bound = bound + group_bound.to(device)
             cast_unit = 2.0**-52 if self.dtype == torch.float64 else 2.0**-23
-            count = len(per_param) + len(groups) + 1
             bound = bound + (cast_unit + _gamma(count, 2.0**-52)) * (magnitude + total.abs() + bound)
             self._squared_norms64 = total
             self._error_bounds = bound
@@ -580,8 +762,8 @@ class PerExampleGradients:
         if not bool(drop.any()):
             return
 
-        def keep(t: torch.Tensor) -> torch.Tensor:
-            mask = (~drop).to(t.device).reshape(-1, *([1] * (t.dim() - 1)))
+        def keep(t: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:
+            mask = (~drop).to(t.device).reshape(*([1] * batch_dim), -1, *([1] * (t.dim() - batch_dim - 1)))
             return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
         for param, (outer, index, dense) in self._merged.items():
@@ -592,6 +774,9 @@ class PerExampleGradients:
             )
         for device, grad in self._dense_groups.items():
             self._dense_groups[device] = keep(grad)
+        for block in self._blocks:  # (L, B, ...): the batch is the second axis
+            block.left, block.right, block.grads = (None if t is None else keep(t, 1)
+                                                    for t in (block.left, block.right, block.grads))
         self._squared_norms = None
         self._squared_norms64 = None
         self._error_bounds = None
@@ -619,7 +804,7 @@ class PerExampleGradients:
                 c = converted[param.device] = coefficients.to(device=param.device, dtype=self.dtype)
             total = None
             if outer is not None:
-                total = _weighted_outer(outer, c, self.dtype).reshape(param.shape)
+                total = _weighted_outer(outer.left[None], outer.right[None], c, self.dtype).reshape(param.shape)
             if dense is not None:
                 g = torch.mv(dense.grad.reshape(self.batch_size, -1).t(), c).reshape(param.shape)
                 total = g if total is None else total.add_(g)
@@ -631,6 +816,22 @@ class PerExampleGradients:
                 rows.index_add_(0, index.ids.reshape(-1), weighted)
             out[param] = total
             del outer, index, dense
+        for block in list(self._blocks):
+            if release:
+                self._blocks.remove(block)
+            c = converted.get(block.params[0].device)
+            if c is None:
+                c = converted[block.params[0].device] = coefficients.to(device=block.params[0].device, dtype=self.dtype)
+            if block.grads is not None:
+                layers, _, p, q = block.grads.shape
+                # (B,) @ (L, B, P Q): one batched GEMV for the block's materialized layers
+                totals = torch.matmul(c, block.grads.reshape(layers, self.batch_size, p * q)).reshape(layers, p, q)
+            else:
+                totals = _weighted_outer(block.left, block.right, c, self.dtype)
+            for param, (layer, dim, start, size) in zip(block.params, block.places):
+                piece = totals[layer].narrow(dim, start, size)
+                out[param] = piece.reshape(param.shape) if dim == 0 else piece.contiguous().reshape(param.shape)
+            del block, totals
         for device in list(self._dense_groups):
             grad, params = self._dense_groups[device], self._dense_params[device]
             if release:
@@ -686,6 +887,10 @@ class GhostClippingEngine:
         self._module_params: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self._sharded_modules: set[nn.Module] = set()
         self._pending_terms: dict[nn.Parameter, list[Term]] = {}
+        self._recorded_inputs: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+        #: stack same-shape layers into one batched product for norms and sums (None: on CUDA only; see
+        #: PerExampleGradients, where it saves kernel launches at the cost of a bounded transient copy)
+        self.stack_layers: bool | None = None
         self._pending_reference: dict[nn.Parameter, torch.Tensor] | None = None
         self._pending_low_precision = False
         self._pending_dtype = torch.float32
@@ -784,17 +989,21 @@ class GhostClippingEngine:
             return None
         if not self._recording:
             return None
-        activations = inputs[0].detach() if inputs else None
+        source = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        dtype = None
         if (
-            activations is not None
+            source is not None
             and output.dtype in _LOW_PRECISION
-            and activations.is_floating_point()
-            and activations.dtype != output.dtype
+            and source.is_floating_point()
+            and source.dtype != output.dtype
         ):
             # The layer computed in bf16/fp16 (autocast): it multiplied the input rounded to that dtype, which
             # is exactly this cast. Keeping the rounded copy instead of the wider input halves what we hold and
             # makes the per-example gradient the one the layer's own backward computes with.
-            activations = activations.to(output.dtype)
+            dtype = output.dtype
+        # Layers fed the same input (query, key and value projections) get the same tensor object, so the
+        # engine sees that they share it (PerExampleGradients fuses them) and keeps one bf16 copy, not three.
+        activations = None if source is None else self._recorded_input(source, dtype)
         batch = self._batch_size
         if batch is None:
             batch = output.shape[0]
@@ -825,6 +1034,18 @@ class GhostClippingEngine:
         self._recorded_modules.add(id(module))
         return output
 
+    def _recorded_input(self, source: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """``source.detach()`` (cast to ``dtype`` if given), made once per input tensor and version while recording."""
+        key = (id(source), source._version, dtype)
+        cached = self._recorded_inputs.get(key)
+        # a weak reference: the entry must not keep a wider input alive, and a dead one (whose id another
+        # tensor may now have) never matches
+        if cached is not None and cached[0]() is source:
+            return cached[1]
+        recorded = source.detach() if dtype is None else source.detach().to(dtype)
+        self._recorded_inputs[key] = (weakref.ref(source), recorded)
+        return recorded
+
     def _check_recomputation(self, module: nn.Module) -> None:
         if id(module) not in self._recorded_modules:
             raise CheckpointingError(
@@ -850,6 +1071,7 @@ class GhostClippingEngine:
         self._ran_without_autograd = set()
         self._recorded_at_other_values = False
         self._pending_terms = {}
+        self._recorded_inputs = {}
         self._pending_reference = None
         self._pending_low_precision = False
         self._batch_size = batch_size
@@ -861,6 +1083,7 @@ class GhostClippingEngine:
 
     def clear(self) -> None:
         self._records = []
+        self._recorded_inputs = {}
 
     def call_model(self, param_values: dict[nn.Parameter, torch.Tensor] | None, *args: Any, **kwargs: Any) -> Any:
         """``model(*args, **kwargs)`` at other values of some trainable parameters (None: the current ones).
@@ -906,6 +1129,7 @@ class GhostClippingEngine:
             raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has {self._batch_size}.")
         self._batch_size = batch
         records, self._records = self._records, []
+        self._recorded_inputs = {}  # the records hold what they need; the inputs themselves may go
         if not records:
             raise RuntimeError(
                 "Nothing was recorded: run the forward pass inside `with engine.record():` (with autograd on; "
@@ -967,7 +1191,9 @@ class GhostClippingEngine:
         # Parameters whose gradient the forward itself computes in float32 inside a float64 model (Gemma's
         # RMSNorm multiplies in float32): autograd's gradient is then only float32-accurate, and so is the check.
         float32_terms = {param for param, ts in terms.items() if any(_term_dtype(t) == torch.float32 for t in ts)}
-        grads = PerExampleGradients(terms, self._batch_size, self._pending_dtype, precise=precise)
+        grads = PerExampleGradients(
+            terms, self._batch_size, self._pending_dtype, precise=precise, stack_layers=self.stack_layers
+        )
         if self.verify_first_backward:
             reference = self._pending_reference or {}
             self._verify(grads, tuple(reference.get(p) for p in self.trainable_parameters), self._pending_low_precision,

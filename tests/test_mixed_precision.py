@@ -70,7 +70,17 @@ def _exact_norms(grads) -> torch.Tensor:
         total += (g * g).sum(dim=1)
     for grad in grads._dense_groups.values():  # the parameters with only a dense gradient, stored together
         total += grad.double().pow(2).sum(dim=1)
+    for block in grads._blocks:  # weights with only an outer product: (L, B, T, P) stacks of fused layers
+        for layer in range(block.left.shape[0]):
+            g = torch.bmm(block.left[layer].double().transpose(1, 2), block.right[layer].double())
+            total += g.pow(2).sum(dim=(1, 2))
     return total.sqrt()
+
+
+def _stored_terms(grads) -> list[torch.Tensor]:
+    """Every activation and output gradient the per-example gradients keep."""
+    terms = [t for outer, _, _ in grads._merged.values() if outer is not None for t in (outer.left, outer.right)]
+    return terms + [t for block in grads._blocks for t in (block.left, block.right) if t is not None]
 
 
 class _TokenModel(torch.nn.Module):
@@ -113,8 +123,7 @@ def _check_contract(engine, model_call, batch: int, max_grad_norm: float):
         losses = model_call()
     grads = engine.per_example_gradients(losses.float())
     exact = _exact_norms(grads)
-    assert any(t.dtype == torch.bfloat16 for outer, _, _ in grads._merged.values() if outer is not None
-               for t in (outer.left, outer.right)), "bf16 terms must stay bf16 (no fp32 copies)"
+    assert any(t.dtype == torch.bfloat16 for t in _stored_terms(grads)), "bf16 terms must stay bf16 (no fp32 copies)"
     bounds = grads.clipping_norms()
     assert bounds.dtype == torch.float32
     assert bool((bounds.double() >= exact).all()), (bounds, exact)
