@@ -3,11 +3,13 @@
 import json
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 from scipy.optimize import brentq
 from scipy.stats import norm
 
+from hf_dpfilter import accounting
 from hf_dpfilter.accounting import (
     ACCOUNTANTS,
     PrivacyAccountant,
@@ -242,6 +244,122 @@ def test_get_epsilon_is_cached():
     for _ in range(100):
         acc.get_epsilon(1e-5)
     assert time.perf_counter() - start < 0.1
+
+
+# 6b. log lines: epsilon before the horizon from one PRV discretisation -------------------------------------
+
+
+@pytest.fixture
+def prv_builds(monkeypatch):
+    """Counts the ``prv_accountant.PRVAccountant`` objects built (each one discretises its PRVs)."""
+    import prv_accountant
+
+    built = []
+
+    class Counting(prv_accountant.PRVAccountant):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs.get("max_self_compositions"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(prv_accountant, "PRVAccountant", Counting)
+    return built
+
+
+def _accountant_after(steps: int, mechanisms: list[tuple[float, float]]) -> PrivacyAccountant:
+    acc = PrivacyAccountant("prv")
+    for _ in range(steps):
+        acc.record_step([SimpleNamespace(noise_multiplier=s, sample_rate=q) for s, q in mechanisms])
+    return acc
+
+
+@pytest.mark.parametrize(
+    "mechanisms, horizon, steps",
+    [([(0.9, 0.02)], 400, [1, 40, 200, 399]), ([(1.1, 0.03), (4.0, 1.0)], 150, [30])],  # 2nd: DiceSGD-like
+)
+def test_horizon_shortcut_is_an_upper_bound_close_to_the_exact_value(mechanisms, horizon, steps, monkeypatch):
+    delta = 1e-5
+    shortcut_values = []
+    real = accounting._eps_prv_before_horizon
+
+    def spy(*args):
+        shortcut_values.append(real(*args))
+        return shortcut_values[-1]
+
+    monkeypatch.setattr(accounting, "_eps_prv_before_horizon", spy)
+    at_horizon = compute_epsilon([(s, q, horizon) for s, q in mechanisms], delta)
+    for t in steps:
+        history = [(s, q, t) for s, q in mechanisms]
+        shortcut = _accountant_after(t, mechanisms).get_epsilon(delta, horizon=horizon)
+        # both are PRV upper bounds, with eps_error 0.3 % of eps(H) here and 0.3 % of eps(t) for the exact one
+        assert abs(shortcut - compute_epsilon(history, delta)) <= 0.01 * at_horizon
+        assert shortcut >= compute_epsilon(history, delta, "pld") * 0.999
+    assert len(shortcut_values) == len(steps) and None not in shortcut_values  # the shortcut was taken
+    # at the horizon: the exact path itself, and the horizon accountant follows exactly its eps_error rule
+    full = _accountant_after(horizon, mechanisms)
+    assert full.get_epsilon(delta, horizon=horizon) == full.get_epsilon(delta) == at_horizon
+    horizon_key = tuple(sorted((s, q, horizon) for s, q in mechanisms))
+    assert real(horizon_key, delta, horizon) == at_horizon
+
+
+def test_horizon_shortcut_builds_one_accountant_for_all_log_lines(prv_builds):
+    acc, delta, horizon = PrivacyAccountant("prv"), 1e-5, 300
+    values = []
+    for _ in range(10):
+        acc.step(1.05, 0.03, num_steps=25)
+        values.append(acc.get_epsilon(delta, horizon=horizon))
+        if len(values) == 1:
+            first = list(prv_builds)
+    # built for H steps (once, or twice by the eps_error rule)
+    assert first and all(m == [horizon] for m in first)
+    assert prv_builds == first  # no further discretisation for the nine later step counts
+    assert values == sorted(values) and len(set(values)) == 10
+    assert acc.get_epsilon(delta, horizon=horizon) == values[-1]  # cached
+
+
+def test_horizon_shortcut_reuses_the_accountant_of_the_exact_value_at_the_horizon(prv_builds):
+    # DPTrainer prints the plan's epsilon for all planned steps before training: then log lines build nothing
+    delta, horizon = 1e-5, 250
+    at_horizon = compute_epsilon([(0.95, 0.025, horizon)], delta)
+    built = len(prv_builds)
+    acc = PrivacyAccountant("prv")
+    for _ in range(5):
+        acc.step(0.95, 0.025, num_steps=50)
+        acc.get_epsilon(delta, horizon=horizon)
+    assert len(prv_builds) == built and acc.get_epsilon(delta) == at_horizon
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["resumed with other noise", "steps without a release", "past the horizon", "no horizon", "rdp", "pld"],
+)
+def test_horizon_shortcut_falls_back_to_the_exact_value(case, prv_builds):
+    delta, horizon = 1e-5, 200
+    acc = PrivacyAccountant("rdp" if case == "rdp" else "pld" if case == "pld" else "prv")
+    acc.step(1.3, 0.02, num_steps=50)
+    if case == "resumed with other noise":
+        acc.step(1.4, 0.02, num_steps=30)
+    elif case == "steps without a release":
+        acc.record_step([])
+    elif case == "past the horizon":
+        horizon = 40
+    shortcut = accounting._eps_prv_before_horizon.cache_info()
+    value = acc.get_epsilon(delta, horizon=None if case == "no horizon" else horizon)
+    assert value == compute_epsilon(acc.history, delta, acc.accountant)
+    assert accounting._eps_prv_before_horizon.cache_info() == shortcut  # the shortcut was not asked
+    assert all(m != [horizon] for m in prv_builds)
+
+
+def test_horizon_shortcut_on_a_diff2_like_history_and_bad_horizons():
+    acc = PrivacyAccountant("prv")
+    for _ in range(3):
+        acc.record_step([SimpleNamespace(noise_multiplier=20.0, sample_rate=1.0)])
+        for _ in range(4):
+            acc.record_step([SimpleNamespace(noise_multiplier=1.2, sample_rate=0.05)])
+    # restarts and difference steps have different counts: the exact heterogeneous composition
+    assert acc.get_epsilon(1e-5, horizon=50) == compute_epsilon(acc.history, 1e-5)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="horizon"):
+            acc.get_epsilon(1e-5, horizon=bad)
 
 
 # 7. validation ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from hf_dpfilter import (
     UnprivatizedGradientError,
     make_dp_optimizer,
 )
-from hf_dpfilter.accounting import compute_epsilon
+from hf_dpfilter.accounting import PrivacyAccountant, compute_epsilon
 
 
 def _args(tmp_path, **overrides):
@@ -133,3 +133,29 @@ def test_calibrated_run_ends_within_one_percent_below_target(tmp_path):
     assert report["steps"] == report["planned_steps"] == 16
     assert 3.0 * 0.99 <= report["epsilon"] <= 3.0
     assert any("epsilon" in entry for entry in trainer.state.log_history)
+
+
+def test_logged_epsilon_uses_the_planned_horizon_and_matches_the_report(tmp_path, monkeypatch):
+    calls = []
+    real = PrivacyAccountant.get_epsilon
+
+    def spy(self, delta, horizon=None):
+        calls.append((self.steps, horizon))
+        return real(self, delta, horizon=horizon)
+
+    monkeypatch.setattr(PrivacyAccountant, "get_epsilon", spy)
+    examples = make_examples(40, VOCAB, causal=False, seed=7)
+    _, trainer = _train(tmp_path, examples, noise_multiplier=1.0, logical_batch_size=4, max_steps=12,
+                        logging_steps=4)
+    during_training = list(calls)
+    report = trainer.privacy_report()
+    assert calls[len(during_training):] == [(12, None)]  # the report is exact
+    entries = [entry for entry in trainer.state.log_history if "epsilon" in entry]
+    # every log line passed the planned steps; the privacy ledger written at the end stays exact
+    assert [c for c in during_training if c[1] is not None] == [(entry["step"], 12) for entry in entries]
+    assert [c for c in during_training if c[1] is None] == [(12, None)]
+    logged = {entry["step"]: entry["epsilon"] for entry in entries}
+    assert sorted(logged) == [4, 8, 12] and logged[12] == round(report["epsilon"], 4)
+    for step in (4, 8):  # before the horizon: within 1 % of eps(H) of the exact value
+        exact = compute_epsilon([(1.0, 0.1, step)], report["delta"], "prv")
+        assert abs(logged[step] - exact) <= 0.01 * report["epsilon"]
