@@ -120,7 +120,8 @@ def test_privacy_ledger_written_before_each_step(tmp_path):
     assert ledger["delta"] == trainer.delta
 
 
-def test_ledger_never_under_reports_after_a_crash(tmp_path):
+@pytest.mark.parametrize("reserve", [True, False], ids=["reserving", "no-reserve"])
+def test_ledger_never_under_reports_after_a_crash(tmp_path, reserve):
     """A crash inside a step (after the noisy release could have happened) leaves a ledger counting that step."""
 
     class Crash(RuntimeError):
@@ -143,11 +144,47 @@ def test_ledger_never_under_reports_after_a_crash(tmp_path):
         model=tiny_roberta(), args=_args(tmp_path, "dpsgd", 5), train_dataset=ListDataset(make_examples(N, VOCAB, False)),
         data_collator=PadCollator(1),
     )
+    if not reserve:
+        trainer.ledger_reserve_seconds = 0.0
     with pytest.raises(Crash):
         trainer.train()
     ledger = json.loads((tmp_path / "privacy_ledger.json").read_text())
-    assert ledger["steps"] == 3  # the third step's noise may have been released: it is counted
+    # the third step's noise may have been released: it is counted, and possibly steps reserved after it
+    assert 3 <= ledger["steps"] <= 5
     assert trainer.accountant.steps == 2
+    if not reserve:
+        assert ledger["steps"] == 3
+
+
+def test_ledger_reserves_steps_ahead_only_as_far_as_asked(tmp_path, monkeypatch):
+    """Fast steps: the ledger is rewritten only when the step in flight passes what it already counts."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerCallback
+
+    import hf_dpfilter.trainer as trainer_module
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(monotonic=lambda: 0.1 * next(clock)))
+    seen = []
+
+    class ReadLedger(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ledger = json.loads((tmp_path / "privacy_ledger.json").read_text())
+            entry = (ledger["steps"], ledger["steps_reserved_ahead"])
+            if not seen or seen[-1] != entry:
+                seen.append(entry)
+
+    trainer = DPTrainer(model=tiny_roberta(), args=_args(tmp_path, "dpsgd", 9),
+                        train_dataset=ListDataset(make_examples(N, VOCAB, causal=False, seed=11)),
+                        data_collator=PadCollator(1), callbacks=[ReadLedger()])
+    trainer.ledger_reserve_seconds = 0.25  # each ledger call is 0.1 s after the last: two steps ahead
+    trainer.train()
+    # step 1 (no step time yet), step 2 reserving 3-4, step 5 reserving 6-7, step 8 reserving 9 (the plan ends)
+    assert seen == [(1, 0), (4, 2), (7, 2), (9, 1)]
+    final = json.loads((tmp_path / "privacy_ledger.json").read_text())
+    assert final["status"] == "finished" and final["steps"] == 9 and final["steps_reserved_ahead"] == 0
+    assert final["accountant"]["history"] == trainer.accountant.state_dict()["history"]
 
 
 def test_resumed_run_cannot_exceed_target_epsilon(tmp_path):
