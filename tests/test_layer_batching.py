@@ -13,26 +13,13 @@ import pytest
 import torch
 from helpers import PadCollator, make_examples
 from models import VOCAB, tiny_decoder, tiny_gpt2, tiny_roberta
+from test_exactness import _lora_roberta
 from test_mixed_precision import _adversarial_batch, _exact_norms
 from transformers import RobertaConfig, RobertaForSequenceClassification
 
 from hf_dpfilter import engine as engine_module
 from hf_dpfilter.engine import GhostClippingEngine
 from hf_dpfilter.losses import per_example_loss
-
-
-def _lora_roberta():
-    from peft import LoraConfig, get_peft_model
-
-    model = tiny_roberta(dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0)
-    model = get_peft_model(model, config).double()
-    torch.manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0, 0.1)
-    return model
-
 
 MODELS = {
     "roberta": (tiny_roberta, False, 1),
