@@ -145,6 +145,15 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
+try:  # transformers is a dependency, but keep the engine importable without it
+    from transformers.pytorch_utils import Conv1D as _HFConv1D
+except ImportError:  # pragma: no cover
+    _HFConv1D = None
+
+#: Layers whose forward is one GEMM of their input, which autocast runs in bf16/fp16 (exact types: a subclass
+#: may do other work on its input first). Their input is cast before the call (see _autocast_pre_hook).
+_AUTOCAST_MATMUL_LAYERS = tuple(t for t in (nn.Linear, _HFConv1D) if t is not None)
+
 
 def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A term tensor as the engine keeps it: low-precision (bf16/fp16) tensors stay as the layer computed them
@@ -943,6 +952,8 @@ class GhostClippingEngine:
                 self._handles.append(
                     module.register_forward_hook(self._forward_hook, prepend=module in self._sharded_modules)
                 )
+                if type(module) in _AUTOCAST_MATMUL_LAYERS:
+                    self._handles.append(module.register_forward_pre_hook(self._autocast_pre_hook))
         if not self._owners:
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
 
@@ -1033,6 +1044,34 @@ class GhostClippingEngine:
         )
         self._recorded_modules.add(id(module))
         return output
+
+    def _autocast_pre_hook(self, module: nn.Module, args: tuple) -> tuple | None:
+        """Under autocast, hand a Linear/Conv1D its input already cast to the autocast dtype, once per input.
+
+        Autocast would make this very cast inside the layer (the GEMM runs in bf16/fp16), so the layer computes
+        the same values; but the cast is then a tensor the forward hook can keep instead of making its own copy,
+        autograd saves that same tensor for the layer's backward, and layers reading one input (query, key,
+        value) share it. Without this, every such layer's input would be held twice while recording.
+        """
+        if not self._recording or not args or not torch.is_grad_enabled() or _inside_backward():
+            return None
+        source = args[0]
+        if not isinstance(source, torch.Tensor) or source.dtype != torch.float32:
+            return None  # autocast casts only fp32 inputs
+        device_type = source.device.type
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        dtype = torch.get_autocast_dtype(device_type)
+        if dtype not in _LOW_PRECISION:
+            return None
+        key = (id(source), source._version, dtype, "graph")
+        cached = self._recorded_inputs.get(key)
+        if cached is not None and cached[0]() is source:
+            cast = cached[1]
+        else:
+            cast = source.to(dtype)  # differentiable: the gradient reaches the fp32 input as autocast's cast would
+            self._recorded_inputs[key] = (weakref.ref(source), cast)
+        return (cast, *args[1:])
 
     def _recorded_input(self, source: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         """``source.detach()`` (cast to ``dtype`` if given), made once per input tensor and version while recording."""

@@ -9,6 +9,8 @@ number of operators in the norm and sum stage must not grow with the number of l
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import PadCollator, make_examples
@@ -200,3 +202,31 @@ def test_bf16_clip_holds_for_stacked_layers_adversarial():
     assert any(b.left is not None and b.left.shape[0] == 2 and b.left.dtype == torch.bfloat16 for b in grads._blocks)
     exact = _exact_norms(grads)
     assert bool((grads.clipping_norms().double() >= exact).all())
+
+
+def test_autocast_inputs_are_held_once_and_outputs_unchanged():
+    """Under autocast a Linear's input is cast once, before the layer: autograd saves that cast and the engine
+    keeps the same tensor (no second copy), the q/k/v projections share it, and the outputs are bit-identical."""
+    examples, batch = _batch(False, 1)
+    model = tiny_roberta(dtype=torch.float32)
+
+    def forward(engine=None):
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        recording = engine.record(batch_size=len(examples)) if engine else contextlib.nullcontext()
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with recording:
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return logits, saved
+
+    plain_logits, plain_saved = forward()
+    engine = GhostClippingEngine(model, verify_first_backward=False)
+    logits, saved = forward(engine)
+    assert torch.equal(logits, plain_logits)
+    kept = {r.activations.untyped_storage().data_ptr() for r in engine._records if r.activations.is_floating_point()}
+    assert kept <= set(saved), "the engine keeps an input that autograd does not save (a second copy)"
+    assert sum(saved.values()) < sum(plain_saved.values())  # one cast for q, k and v instead of three
