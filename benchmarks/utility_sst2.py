@@ -49,15 +49,21 @@ def load_data(args: argparse.Namespace, tokenizer) -> tuple[dict, dict]:
     return train, dev
 
 
+def device_of(args: argparse.Namespace) -> torch.device:
+    """The GPU when one is visible (unless ``--use_cpu``), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
+
+
 def evaluate(model: torch.nn.Module, dev: dict, tokenizer, batch_size: int = 128) -> float:
     model.eval()
+    device = next(model.parameters()).device
     correct = 0
     with torch.no_grad():
         for start in range(0, len(dev["labels"]), batch_size):
             rows = [{k: dev[k][i] for k in ("input_ids", "attention_mask")} for i in range(start, min(start + batch_size, len(dev["labels"])))]
-            batch = tokenizer.pad(rows, return_tensors="pt")
+            batch = {k: v.to(device) for k, v in tokenizer.pad(rows, return_tensors="pt").items()}
             logits = model(**batch).logits
-            labels = torch.tensor(dev["labels"][start : start + batch_size])
+            labels = torch.tensor(dev["labels"][start : start + batch_size], device=device)
             correct += int((logits.argmax(-1) == labels).sum())
     return correct / len(dev["labels"])
 
@@ -116,7 +122,7 @@ def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train
         logging_steps=10,
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
+        use_cpu=device_of(args).type == "cpu",
         seed=args.seed,  # model init and dropout; the DP seed stays a fresh secret (never in the published JSON)
         disable_tqdm=True,
     )
@@ -140,7 +146,9 @@ def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train
 
 def run_conditions(args: argparse.Namespace) -> dict:
     """Hyperparameters and machine conditions stored with every row (wall times depend on the threads)."""
+    device = device_of(args)
     return {"learning_rate": args.learning_rate, "max_grad_norm": args.max_grad_norm,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch_threads": torch.get_num_threads(), "load_average_at_end": round(os.getloadavg()[0], 2)}
 
 
@@ -164,7 +172,8 @@ def run_opacus(epsilon: float, args: argparse.Namespace, train: dict, dev: dict,
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(args.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
+    device = device_of(args)
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2).to(device)
     n = len(train["labels"])
 
     class Rows(Dataset):
@@ -202,9 +211,10 @@ def run_opacus(epsilon: float, args: argparse.Namespace, train: dict, dev: dict,
                 if batch["labels"].numel() == 0:
                     continue
                 optimizer.zero_grad()
+                batch = {k: v.to(device) for k, v in batch.items()}
                 # explicit (B, T) position ids: Opacus cannot clip broadcast (1, T) position embeddings
                 seq = batch["input_ids"].shape[1]
-                position_ids = torch.arange(seq).unsqueeze(0).repeat(batch["input_ids"].shape[0], 1)
+                position_ids = torch.arange(seq, device=device).unsqueeze(0).repeat(batch["input_ids"].shape[0], 1)
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                position_ids=position_ids).logits
                 loss = criterion(logits, batch["labels"])
@@ -307,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                              "are saved as reference rows keyed by these settings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data_seed", type=int, default=0)
+    parser.add_argument("--use_cpu", action="store_true", help="train on the CPU even when a GPU is visible")
     parser.add_argument("--search", action="store_true", help="DP-Adam learning-rate/C search at epsilon 8")
     parser.add_argument("--output", default="docs/results.md")
     parser.add_argument("--json", default="benchmarks/results/utility_sst2.json")
