@@ -108,3 +108,21 @@ def test_bf16_clip_contract_on_cuda(tf32):
                 assert norm <= 1e-2 * (1 + 1e-3), (i, norm)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def test_same_shape_layers_are_stacked_on_cuda_and_clip_holds_in_bf16():
+    """The CUDA default stacks same-shape layers (one batched product for all of them); the bf16 clip contract
+    holds for the stacked rows on tensor cores (the float64 parity above already runs stacked on CUDA)."""
+    from test_layer_batching import _TwoSquareLayers
+    from test_mixed_precision import _adversarial_batch, _exact_norms
+
+    x, signs = _adversarial_batch()
+    model = _TwoSquareLayers(x.shape[2]).cuda()
+    engine = GhostClippingEngine(model, verify_first_backward=False)
+    assert engine.stack_layers is None  # automatic: on for CUDA tensors
+    with torch.autocast("cuda", dtype=torch.bfloat16), engine.record(batch_size=x.shape[0]):
+        losses = (model(x.cuda()) * signs.cuda()).sum(dim=1)
+    grads = engine.per_example_gradients(losses.float())
+    assert any(b.left is not None and b.left.shape[0] == 2 for b in grads._blocks), "same-shape layers not stacked"
+    exact = _exact_norms(grads)
+    assert bool((grads.clipping_norms().double() >= exact.to(grads.clipping_norms().device)).all())

@@ -54,25 +54,26 @@ def test_norms_and_sums_accumulate_in_fp32_under_bf16():
 
 
 def _exact_norms(grads) -> torch.Tensor:
-    """float64 norms of the per-example gradients the stored terms describe (call before any norm is taken)."""
+    """float64 norms (on the CPU) of the per-example gradients the stored terms describe (call before any norm is
+    taken)."""
     batch = grads.batch_size
     total = torch.zeros(batch, dtype=torch.float64)
     for param, (outer, index, dense) in grads._merged.items():
         g = torch.zeros(batch, param.numel(), dtype=torch.float64)
         if outer is not None:
-            g += torch.bmm(outer.left.double().transpose(1, 2), outer.right.double()).reshape(batch, -1)
+            g += torch.bmm(outer.left.cpu().double().transpose(1, 2), outer.right.cpu().double()).reshape(batch, -1)
         if dense is not None:
-            g += dense.grad.double().reshape(batch, -1)
+            g += dense.grad.cpu().double().reshape(batch, -1)
         if index is not None:
             for i in range(batch):
                 rows = g[i].view(index.num_rows, -1)
-                rows.index_add_(0, index.ids[i], index.right[i].double())
+                rows.index_add_(0, index.ids[i].cpu(), index.right[i].cpu().double())
         total += (g * g).sum(dim=1)
     for grad in grads._dense_groups.values():  # the parameters with only a dense gradient, stored together
-        total += grad.double().pow(2).sum(dim=1)
+        total += grad.cpu().double().pow(2).sum(dim=1)
     for block in grads._blocks:  # weights with only an outer product: (L, B, T, P) stacks of fused layers
         for layer in range(block.left.shape[0]):
-            g = torch.bmm(block.left[layer].double().transpose(1, 2), block.right[layer].double())
+            g = torch.bmm(block.left[layer].cpu().double().transpose(1, 2), block.right[layer].cpu().double())
             total += g.pow(2).sum(dim=(1, 2))
     return total.sqrt()
 
