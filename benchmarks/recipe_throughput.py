@@ -36,7 +36,7 @@ for path in (ROOT, os.path.join(ROOT, "recipes"), os.path.join(ROOT, "examples")
 
 import hf_dpfilter  # noqa: E402
 
-DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data", "e2e")
+DEFAULT_DATA = "../shared/data/e2e"  # relative to the repository root, where the benchmarks are run from
 
 
 class StepTimer(TrainerCallback):
