@@ -116,6 +116,16 @@ class DPTrainingArguments(TrainingArguments):
             "gradients add up to the ordinary gradient for every trainable parameter."
         },
     )
+    dp_stack_layers: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Stack same-shape layers (the 12 query/key/value blocks of RoBERTa-base, ...) into one batched "
+            "product for the per-example norms and clipped sums: fewer kernel launches, at the cost of a transient "
+            "copy of at most a quarter of the stored activations and output gradients. None (default): on CUDA "
+            "only. The norms and sums are the same either way (docs/performance.md)."
+        },
+    )
+
     def __post_init__(self) -> None:
         self._validate_dp_fields()
         accumulation = self.gradient_accumulation_steps

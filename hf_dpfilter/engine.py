@@ -871,9 +871,18 @@ class GhostClippingEngine:
         verify_first_backward: on the first backward, also compute the ordinary (unclipped) gradient with
             autograd and check that the engine's unclipped sum matches it for every trainable parameter.
             This catches parameters that receive gradient through a path the hooks do not see.
+        stack_layers: stack same-shape layers into one batched product for the norms and clipped sums (fewer
+            kernel launches, a bounded transient copy; see :class:`PerExampleGradients`). None: on CUDA only.
     """
 
-    def __init__(self, model: nn.Module, *args: Any, verify_first_backward: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *args: Any,
+        verify_first_backward: bool = True,
+        stack_layers: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         removed = [name for name in ("max_grad_norm", "clipping_fn") if name in kwargs]
         if args or removed:
             raise TypeError(f"GhostClippingEngine({', '.join(removed) or 'a clipping norm'}=...): {_OWNED_BY_THE_OPTIMIZER}")
@@ -897,9 +906,7 @@ class GhostClippingEngine:
         self._sharded_modules: set[nn.Module] = set()
         self._pending_terms: dict[nn.Parameter, list[Term]] = {}
         self._recorded_inputs: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
-        #: stack same-shape layers into one batched product for norms and sums (None: on CUDA only; see
-        #: PerExampleGradients, where it saves kernel launches at the cost of a bounded transient copy)
-        self.stack_layers: bool | None = None
+        self.stack_layers = stack_layers
         self._pending_reference: dict[nn.Parameter, torch.Tensor] | None = None
         self._pending_low_precision = False
         self._pending_dtype = torch.float32

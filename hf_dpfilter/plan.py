@@ -368,13 +368,15 @@ class PrivacyPlan:
         return "\n".join(lines)
 
     # ------------------------------------------------------------------------------ what it builds
-    def make_engine(self, model: nn.Module, verify_first_backward: bool = True) -> GhostClippingEngine | None:
+    def make_engine(
+        self, model: nn.Module, verify_first_backward: bool = True, stack_layers: bool | None = None
+    ) -> GhostClippingEngine | None:
         """The clipping engine for ``model`` (None for the null plan: non-private runs need no hooks)."""
         if not self.is_private:
             return None
         from hf_dpfilter.engine import GhostClippingEngine
 
-        return GhostClippingEngine(model, verify_first_backward=verify_first_backward)
+        return GhostClippingEngine(model, verify_first_backward=verify_first_backward, stack_layers=stack_layers)
 
     def make_optimizer(
         self,

@@ -159,7 +159,9 @@ class DPTrainer(Trainer):
                 "poisson_sampling=False: batches are shuffled fixed-size batches; the reported epsilon assumes "
                 "Poisson sampling and is not a proven guarantee for this run."
             )
-        self.engine = self.privacy_plan.make_engine(self.model, verify_first_backward=args.dp_verify_first_step)
+        self.engine = self.privacy_plan.make_engine(
+            self.model, verify_first_backward=args.dp_verify_first_step, stack_layers=args.dp_stack_layers
+        )
 
     # The plan's numbers, under the names Trainer users look for.
     @property

@@ -42,8 +42,7 @@ def _losses(model, batch, causal):
 
 
 def _engine_grads(model, batch, causal, stack: bool | None):
-    engine = GhostClippingEngine(model, verify_first_backward=False)
-    engine.stack_layers = stack
+    engine = GhostClippingEngine(model, verify_first_backward=False, stack_layers=stack)
     with engine.record(batch_size=batch["input_ids"].shape[0]):
         losses = _losses(model, batch, causal)
     return engine, engine.per_example_gradients(losses)
@@ -230,3 +229,17 @@ def test_autocast_inputs_are_held_once_and_outputs_unchanged():
     kept = {r.activations.untyped_storage().data_ptr() for r in engine._records if r.activations.is_floating_point()}
     assert kept <= set(saved), "the engine keeps an input that autograd does not save (a second copy)"
     assert sum(saved.values()) < sum(plain_saved.values())  # one cast for q, k and v instead of three
+
+
+def test_trainer_passes_dp_stack_layers_to_the_engine(tmp_path):
+    from helpers import ListDataset
+
+    from hf_dpfilter import DPTrainer, DPTrainingArguments
+
+    for stack in (None, True, False):
+        args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, logical_batch_size=4,
+                                   per_device_train_batch_size=4, max_steps=1, use_cpu=True, report_to=[],
+                                   dp_stack_layers=stack)
+        trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
+                            data_collator=PadCollator(1))
+        assert trainer.engine.stack_layers is stack
