@@ -243,3 +243,45 @@ def test_trainer_passes_dp_stack_layers_to_the_engine(tmp_path):
         trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
                             data_collator=PadCollator(1))
         assert trainer.engine.stack_layers is stack
+
+
+class _SharedInputs(torch.nn.Module):
+    """Two GPT-2 Conv1D layers reading one input (fused on their left side, column blocks) and a Linear reading
+    the same input (its input is on the right side: not fused with them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.first = Conv1D(6, 8)
+        self.second = Conv1D(5, 8)
+        self.linear = torch.nn.Linear(8, 4)
+        self.head = torch.nn.Linear(15, 2)
+
+    def forward(self, input_ids, attention_mask=None):
+        from types import SimpleNamespace
+
+        x = self.embed(input_ids)
+        h = torch.cat([torch.tanh(self.first(x)), self.second(x), self.linear(x)], dim=-1)
+        mask = attention_mask.unsqueeze(-1).to(h.dtype)
+        return SimpleNamespace(logits=self.head((h * mask).sum(1) / mask.sum(1)))
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
+def test_conv1d_layers_sharing_their_input_are_fused_by_columns(stack):
+    model = _SharedInputs().double()
+    examples, batch = _batch(False, 1)
+    reference = _reference(model, examples, False)
+    engine, grads = _engine_grads(model, batch, False, stack)
+    fused = _block_of(engine, grads, "first.weight")
+    assert sorted(fused) == ["first.weight", "second.weight"]
+    assert _block_of(engine, grads, "linear.weight") == ["linear.weight"]
+    expected_norms = torch.sqrt(sum(g.reshape(len(examples), -1).pow(2).sum(dim=1) for g in reference.values()))
+    torch.testing.assert_close(grads.norms(), expected_norms, rtol=1e-10, atol=1e-12)
+    coefficients = torch.linspace(0.5, 1.5, len(examples), dtype=torch.float64)
+    sums = grads.weighted_sum(coefficients, release=True)
+    for param, per_example in reference.items():
+        torch.testing.assert_close(sums[param], torch.einsum("b,b...->...", coefficients, per_example),
+                                   rtol=1e-10, atol=1e-12)
