@@ -158,3 +158,27 @@ def test_self_made_reentrant_checkpointing_raises():
         out = engine.call_model(None, x)
     with pytest.raises(CheckpointingError, match="ran without autograd inside engine.record"):
         engine.per_example_gradients(out.squeeze(1))
+
+
+def _train_bf16(tmp_path, checkpointing: bool):
+    model = tiny_decoder("llama", dtype=torch.float32)
+    examples = make_examples(6, VOCAB, causal=True, seed=3)
+    args = DPTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=0.5, logical_batch_size=6,
+        per_device_train_batch_size=2, max_steps=2, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0,
+        bf16=True, **(NON_REENTRANT if checkpointing else {}),
+    )
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
+    trainer.train()
+    return flat([p.detach() for p in model.parameters()])
+
+
+def test_bf16_autocast_with_checkpointing_equals_the_run_without(tmp_path):
+    """Under autocast the engine casts Linear inputs before the call; the recomputation (where it does not)
+    must rebuild the same tensors: checkpointing changes nothing."""
+    plain = _train_bf16(tmp_path / "plain", False)
+    checkpointed = _train_bf16(tmp_path / "ckpt", True)
+    initial = flat([p.detach() for p in tiny_decoder("llama", dtype=torch.float32).parameters()])
+    assert (plain - initial).norm() > 0
+    assert ((checkpointed - plain).norm() / (plain - initial).norm()).item() <= 1e-6
