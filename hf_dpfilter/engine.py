@@ -688,17 +688,14 @@ class PerExampleGradients:
         """:meth:`_norm_and_bound` of a block, its L layers as L times more rows: values shaped (L, B)."""
         if block.grads is not None:  # materialized by an earlier call (norms taken again after zero_examples)
             layers, batch, p, q = block.grads.shape
-            total, terms, _ = self._norm_and_bound(
-                None, None, DenseTerm(block.grads.reshape(layers * batch, p, q)), layers * batch,
-                block.grads.device, block.input_dtype,
-            )
-            return total.reshape(layers, batch), [(c, t.reshape(layers, batch)) for c, t in terms]
-        layers, batch, tokens, p = block.left.shape
-        q = block.right.shape[3]
-        outer = OuterTerm(left=block.left.reshape(layers * batch, tokens, p),
-                          right=block.right.reshape(layers * batch, tokens, q))
+            outer, dense = None, DenseTerm(block.grads.reshape(layers * batch, p, q))
+        else:
+            (layers, batch, tokens, p), q = block.left.shape, block.right.shape[3]
+            outer = OuterTerm(left=block.left.reshape(layers * batch, tokens, p),
+                              right=block.right.reshape(layers * batch, tokens, q))
+            dense = None
         total, terms, materialized = self._norm_and_bound(
-            outer, None, None, layers * batch, block.left.device, block.input_dtype
+            outer, None, dense, layers * batch, (block.grads if outer is None else block.left).device, block.input_dtype
         )
         if materialized is not None:
             block.grads, block.left, block.right = materialized.reshape(layers, batch, p, q), None, None
@@ -1071,26 +1068,27 @@ class GhostClippingEngine:
         dtype = torch.get_autocast_dtype(device_type)
         if dtype not in _LOW_PRECISION:
             return None
-        key = (id(source), source._version, dtype, "graph")
-        cached = self._recorded_inputs.get(key)
-        if cached is not None and cached[0]() is source:
-            cast = cached[1]
-        else:
-            cast = source.to(dtype)  # differentiable: the gradient reaches the fp32 input as autocast's cast would
-            self._recorded_inputs[key] = (weakref.ref(source), cast)
-        return (cast, *args[1:])
+        # differentiable: the gradient reaches the fp32 input as autocast's own cast would
+        return (self._once_per_input(source, ("cast", dtype), lambda: source.to(dtype)), *args[1:])
 
     def _recorded_input(self, source: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         """``source.detach()`` (cast to ``dtype`` if given), made once per input tensor and version while recording."""
-        key = (id(source), source._version, dtype)
+        return self._once_per_input(
+            source, ("record", dtype), lambda: source.detach() if dtype is None else source.detach().to(dtype)
+        )
+
+    def _once_per_input(self, source: torch.Tensor, kind: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, computed once per (input tensor, version, kind) while recording: layers reading one input
+        then get one tensor object (one copy in memory, and the engine can see that they share it)."""
+        key = (id(source), source._version, kind)
         cached = self._recorded_inputs.get(key)
         # a weak reference: the entry must not keep a wider input alive, and a dead one (whose id another
         # tensor may now have) never matches
         if cached is not None and cached[0]() is source:
             return cached[1]
-        recorded = source.detach() if dtype is None else source.detach().to(dtype)
-        self._recorded_inputs[key] = (weakref.ref(source), recorded)
-        return recorded
+        made = make()
+        self._recorded_inputs[key] = (weakref.ref(source), made)
+        return made
 
     def _check_recomputation(self, module: nn.Module) -> None:
         if id(module) not in self._recorded_modules:

@@ -285,3 +285,22 @@ def test_conv1d_layers_sharing_their_input_are_fused_by_columns(stack):
     for param, per_example in reference.items():
         torch.testing.assert_close(sums[param], torch.einsum("b,b...->...", coefficients, per_example),
                                    rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
+def test_removing_one_example_moves_the_clipped_sum_by_at_most_c(stack):
+    """Sensitivity with fused and stacked layers: the clipped sum with and without example j differs by <= C."""
+    from hf_dpfilter.clipping import clip_factors
+
+    max_grad_norm = 1e-3  # below every example's norm: each one is clipped
+    examples, batch = _batch(False, 1)
+    model = _roberta(3)
+    sums = []
+    for drop_index in (None, 2):
+        _, grads = _engine_grads(model, batch, False, stack)
+        if drop_index is not None:
+            grads.zero_examples(torch.arange(len(examples)) == drop_index)
+        factors = clip_factors(grads.clipping_norms(), max_grad_norm)
+        sums.append(grads.weighted_sum(factors, release=True))
+    moved = torch.sqrt(sum((sums[0][p] - sums[1][p]).pow(2).sum() for p in sums[0]))
+    assert max_grad_norm * 0.99 < moved <= max_grad_norm * (1 + 1e-9)
