@@ -115,3 +115,45 @@ def test_all_refusals_are_listed_together(tmp_path):
     with pytest.raises(TrainingFieldError) as info:
         _args(tmp_path, auto_find_batch_size=True, neftune_noise_alpha=1.0)
     assert "auto_find_batch_size" in str(info.value) and "neftune_noise_alpha" in str(info.value)
+
+
+#: for every field whose status is "refused": a value that must be refused, and what the message says
+REFUSED_EXAMPLE = {
+    "accelerator_config": (dict(accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 2}}), "num_steps"),
+    "auto_find_batch_size": (dict(auto_find_batch_size=True), "auto_find_batch_size"),
+    "train_sampling_strategy": (dict(train_sampling_strategy="sequential"), "train_sampling_strategy"),
+    "lr_scheduler_type": (dict(eval_strategy="steps", lr_scheduler_type="reduce_lr_on_plateau"), "reduce_lr"),
+    "optim": (dict(optim="adalomo"), "adalomo"),
+    "max_grad_norm": (dict(max_grad_norm=2.0), "per_sample_max_grad_norm"),
+    "label_smoothing_factor": (dict(label_smoothing_factor=0.2), "label_smoothing_factor"),
+    "neftune_noise_alpha": (dict(neftune_noise_alpha=1.0), "NEFTune"),
+    "use_liger_kernel": (dict(use_liger_kernel=True), "Liger"),
+    "fp16": (dict(fp16=True), "fp16 is not supported"),
+    "activation_checkpointing_kwargs": (
+        dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant"),
+    "gradient_checkpointing_kwargs": (
+        dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant"),
+    "torch_compile": (dict(torch_compile=True), "torch_compile"),
+    "torch_compile_backend": (dict(torch_compile_backend="inductor"), "torch_compile"),
+    "torch_compile_mode": (dict(torch_compile_mode="max-autotune"), "torch_compile"),
+    "debug": (dict(debug="underflow_overflow"), "underflow_overflow"),
+    "load_best_model_at_end": (
+        dict(eval_strategy="steps", save_strategy="steps", load_best_model_at_end=True), "dp_eval_disjoint"),
+    "metric_for_best_model": (dict(eval_strategy="steps", metric_for_best_model="accuracy"), "dp_eval_disjoint"),
+    "save_strategy": (dict(eval_strategy="steps", save_strategy="best", metric_for_best_model="loss"), "'best'"),
+    "parallelism_config": (dict(parallelism_config=object()), "parallelism_config"),
+}
+#: refused at DPTrainer creation, where the accelerator says what runs (tests/test_distributed.py)
+REFUSED_AT_THE_TRAINER = {"fsdp", "fsdp_config", "deepspeed"}
+
+
+def test_every_refused_row_refuses_a_value():
+    refused = {name for name, policy in FIELD_POLICIES.items() if policy.status == "refused"}
+    assert refused == set(REFUSED_EXAMPLE) | REFUSED_AT_THE_TRAINER, refused ^ (set(REFUSED_EXAMPLE) | REFUSED_AT_THE_TRAINER)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_EXAMPLE))
+def test_refused_row_example(tmp_path, name):
+    kwargs, message = REFUSED_EXAMPLE[name]
+    with pytest.raises(ValueError, match=message):
+        _args(tmp_path, **kwargs)
