@@ -20,12 +20,13 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import TrainOutput
 
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPTrainingArguments
@@ -144,13 +145,13 @@ class DPTrainer(Trainer):
         # What the plan was computed from; checked again when train() starts (hf_dpfilter/run_guard.py).
         self._run_guard = RunGuard(self)
 
-    def train(self, *args: Any, **kwargs: Any):
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``, after the checks of :class:`hf_dpfilter.run_guard.RunGuard` (one run per trainer;
         the arguments, batch and processes the plan was computed for)."""
         self._run_guard.before_train(self)
         return super().train(*args, **kwargs)
 
-    def hyperparameter_search(self, *args: Any, **kwargs: Any):
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise ValueError(
             "hyperparameter_search is not supported by DPTrainer: every trial trains on the private data and the "
             "choice of the best trial releases information about it, which no single run's epsilon accounts for. "
