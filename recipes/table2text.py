@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    HelpFormatter,
     add_common_arguments,
     apply_lora,
     apply_user_overrides,
@@ -254,19 +255,24 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],  # the examples, under --help
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--dataset", default="e2e", choices=["e2e", "dart"])
+    parser.add_argument("--dataset", default="e2e", choices=["e2e", "dart"], help="Table-to-text data set.")
     parser.add_argument(
         "--preset", default=None, choices=["paper"],
-        help="'paper': Li et al. 2022 / DiSK settings (B = 1024, lr 2e-3 E2E / 5e-4 DART, 10 / 15 epochs, constant "
+        help="Default: none (the recipe's settings). 'paper': Li et al. 2022 / DiSK settings (B = 1024, lr 2e-3 E2E / 5e-4 DART, 10 / 15 epochs, constant "
         "lr, delta 8e-6 / 1e-5); explicit flags still override it.",
     )
     parser.add_argument("--num_beams", type=int, default=5, help="Beam size for decoding.")
     parser.add_argument("--max_generation_length", type=int, default=100, help="Maximum new tokens per output.")
-    parser.add_argument("--generation_batch_size", type=int, default=16)
+    parser.add_argument("--generation_batch_size", type=int, default=16, help="Inputs decoded together.")
     parser.add_argument("--dart_eval_fraction", type=float, default=0.2, help="DART dev split: share of triple sets held out.")
-    add_common_arguments(parser, default_model="gpt2", default_lr=2e-3)
+    add_common_arguments(parser, default_model="gpt2", defaults={
+        "learning_rate": "2e-3 for E2E, 5e-4 for DART (the same with --preset paper)", "logical_batch_size": "256; "
+        "--preset paper: 1024", "epochs": "3; --preset paper: 10 for E2E, 15 for DART", "lr_scheduler": "constant",
+        "clipping_fn": "abadi; --preset paper: automatic for disk/doppler", "clipping_norm": "1.0; --preset paper: "
+        "1.0 for disk/doppler, 0.1 otherwise", "max_seq_length": "100 for E2E, 120 for DART",
+    })
     return parser
 
 

@@ -266,3 +266,42 @@ def test_quickstart_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "dev accuracy" in proc.stdout and "epsilon" in proc.stdout
     assert (tmp_path / "epsilon.png").exists() and (tmp_path / "training.png").exists()
+
+
+@pytest.mark.parametrize("recipe", [glue, table2text], ids=["glue", "table2text"])
+def test_help_shows_every_default(recipe):
+    """Every option that takes a value says its default under --help (argparse's value, or the recipe's)."""
+    import _common
+
+    parser = recipe.build_parser()
+    formatter = _common.HelpFormatter(prog="x")
+    for action in parser._actions:
+        if not action.option_strings or action.nargs == 0:  # --help and switches (off unless given)
+            continue
+        text = formatter._get_help_string(action) % {"default": action.default}
+        assert "default" in text.lower(), f"{action.option_strings[0]}: {text!r}"
+    printed = subprocess.run([sys.executable, recipe.__file__, "--help"], capture_output=True, text=True,
+                             check=True).stdout
+    assert "(default: 32)" in printed and "(default: prv)" in printed and "Examples::" in printed
+    assert "(default: None)" not in printed
+
+
+@pytest.mark.parametrize("recipe", [glue, table2text], ids=["glue", "table2text"])
+def test_epsilon_and_noise_multiplier_together_are_refused(recipe, tmp_path):
+    """Issue 22 item 7: sigma used to win silently over --epsilon (a run asked for epsilon 8 ended at 22.4)."""
+    import _common
+
+    argv = ["--output_dir", str(tmp_path), "--use_cpu", "--epsilon", "8", "--noise_multiplier", "0.5"]
+    with pytest.raises(SystemExit, match="both --epsilon 8 and --noise_multiplier 0.5 .* Give only one"):
+        recipe.resolve_settings(recipe.build_parser().parse_args(argv))
+    with pytest.raises(SystemExit, match="Give only one"):  # the helper the recipes call to build the args
+        _common.training_arguments(recipe.build_parser().parse_args(argv), {
+            "learning_rate": 1e-3, "logical_batch_size": 16, "epochs": 1, "clipping_norm": 1.0,
+            "clipping_fn": "abadi", "lr_scheduler": "constant", "method_args": {}}, n_train=64)
+    # one of them: it is what the run uses
+    for given, expected in (([], {"target_epsilon": 8.0}), (["--epsilon", "3"], {"target_epsilon": 3.0}),
+                            (["--noise_multiplier", "0.7"], {"noise_multiplier": 0.7})):
+        args = recipe.build_parser().parse_args(["--output_dir", str(tmp_path), "--use_cpu", *given])
+        training_args = _common.training_arguments(args, recipe.resolve_settings(args), n_train=512)
+        got = {k: getattr(training_args, k) for k in ("target_epsilon", "noise_multiplier")}
+        assert {k: v for k, v in got.items() if v is not None} == expected
