@@ -377,10 +377,15 @@ def _jsonable(obj: Any) -> Any:
 
 
 def left_baseline(log_history: list[dict[str, Any]], baseline: dict[str, Any]) -> dict[str, Any]:
-    """Did any evaluation rise above the baseline by more than two standard errors of a proportion?"""
+    """Did any evaluation rise above the baseline by more than its margin?
+
+    The margin is ``baseline["margin"]`` when given (a metric with no simple standard error, e.g. BLEU),
+    otherwise two standard errors of a proportion over ``n_eval`` examples (accuracy)."""
     values = [e[baseline["metric"]] for e in log_history if isinstance(e.get(baseline["metric"]), (int, float))]
     p, n = baseline["value"], max(1, int(baseline.get("n_eval") or 1))
-    margin = 2.0 * math.sqrt(max(p * (1 - p), 1e-12) / n)
+    margin = baseline.get("margin")
+    if margin is None:
+        margin = 2.0 * math.sqrt(max(p * (1 - p), 1e-12) / n)
     best = max(values) if values else None
     return {"best": best, "margin": margin, "left_baseline": best is not None and best > p + margin}
 
@@ -446,7 +451,8 @@ def finish_run(
         if not results["baseline"]["left_baseline"]:
             warnings = trainer.privacy_plan.learnability_warnings(trainer.trainable_parameter_count())
             results["baseline"]["note"] = (
-                f"The run never rose above the majority-class baseline ({baseline['value']:.4f}) on "
+                f"The run never rose above the {baseline.get('name', 'majority-class baseline')} "
+                f"({baseline['value']:.4f}) on "
                 f"{baseline['metric']}: it learned nothing measurable. "
                 + (" ".join(warnings) if warnings else "Check the learning rate and the clipping norm.")
             )
@@ -460,8 +466,9 @@ def finish_run(
         from hf_dpfilter.plotting import plot_run
 
         target = report["target_epsilon"] if report["method"] != "none" else None
+        drawn = baseline if baseline is not None and baseline.get("name") is None else None  # majority class
         plots = plot_run(trainer.state.log_history, args.output_dir, target, report["delta"], title,
-                         baseline=None if baseline is None else baseline["value"])
+                         baseline=None if drawn is None else drawn["value"])
     print(f"results: {path}" + (f"\nplots: {', '.join(plots)}" if plots else ""), flush=True)
     if args.save_model:
         trainer.save_model(os.path.join(args.output_dir, "model"))

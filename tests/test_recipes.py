@@ -188,18 +188,29 @@ def test_results_never_contain_the_dp_seed_and_secure_noise_is_one_flag():
 
 
 @needs_e2e
-def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path):
+@pytest.mark.parametrize("no_baseline", [False, True], ids=["baseline", "no_baseline"])
+def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path, capsys, no_baseline):
     out = tmp_path / "e2e"
     table2text.main([
         "--dataset", "e2e", "--model", tiny_gpt2_dir, "--data_dir", os.path.join(DATA, "e2e"),
         "--method", "dpsgd", "--epsilon", "8", "--max_train_samples", "64", "--max_eval_samples", "4",
         "--logical_batch_size", "16", "--per_device_train_batch_size", "8", "--max_steps", "2", "--num_evals", "1",
         "--num_beams", "2", "--max_generation_length", "8", "--output_dir", str(out), "--use_cpu",
-    ])
+    ] + (["--no_baseline"] if no_baseline else []))
     results = _check_outputs(out, "dpsgd")
     for name in ("bleu", "nist", "meteor", "rouge_l", "cider"):
         value = results["metrics"][f"eval_{name}"]
         assert isinstance(value, float) and math.isfinite(value) and value >= 0
+    if no_baseline:
+        assert "baseline" not in results
+    else:  # the non-private copy baseline, scored on the same evaluation inputs, as glue.py's majority class
+        baseline = results["baseline"]
+        assert baseline["metric"] == "eval_bleu" and baseline["n_eval"] == 4 and 0 < baseline["value"] <= 1
+        assert set(baseline["scores"]) == {f"eval_{k}" for k in ("bleu", "nist", "meteor", "rouge_l", "cider")}
+        assert baseline["left_baseline"] == (results["metrics"]["eval_bleu"] > baseline["value"])
+        if not baseline["left_baseline"]:  # two steps of a tiny model: it stays below, and says so
+            assert "never rose above the copy baseline" in baseline["note"]
+            assert "never rose above the copy baseline" in capsys.readouterr().out
     with open(out / "predictions.txt") as f:
         assert len(f.read().splitlines()) == 4
 
