@@ -10,7 +10,9 @@ import argparse
 import json
 import math
 import os
+import re
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -340,6 +342,8 @@ def training_arguments(
         activation_checkpointing=args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         use_cpu=args.use_cpu,
+        # pinned memory only helps copies to a GPU; without one torch warns at every DataLoader iterator
+        dataloader_pin_memory=torch.cuda.is_available() and not args.use_cpu and not _accelerate_cpu(),
         secure_noise=args.secure_noise,
         remove_unused_columns=False,
         disable_tqdm=False,
@@ -347,6 +351,26 @@ def training_arguments(
     )
     # the optimizer a method variant needs (optim='sgd' for the filters' Adam variants) wins over the default
     return DPTrainingArguments(**{**fields, **trainer_overrides(method_args)}, dp_method_args=method_args or None)
+
+
+def announce_and_train(trainer: DPTrainer) -> None:
+    """Print the privacy plan with its warnings and their fixes (main process), then train.
+
+    The DPTrainer raises the same warnings again when training begins; they are silenced there, so each is
+    shown once per run, beside the plan."""
+    count = trainer.trainable_parameter_count()  # the count the trainer warns with
+    shown = trainer.privacy_plan.learnability_warnings(count)
+    if trainer.is_world_process_zero():
+        print(trainer.privacy_plan.describe(count), flush=True)
+    with warnings.catch_warnings():
+        for message in shown:
+            warnings.filterwarnings("ignore", message=re.escape(message) + "$", category=UserWarning)
+        trainer.train()
+
+
+def _accelerate_cpu() -> bool:
+    """Launched by ``accelerate launch`` with a CPU config (accelerate_configs/cpu.yaml)."""
+    return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
 
 
 def final_evaluation(trainer: DPTrainer) -> dict[str, Any]:
@@ -449,14 +473,18 @@ def finish_run(
     if baseline is not None:
         results["baseline"] = {**baseline, **left_baseline(trainer.state.log_history, baseline)}
         if not results["baseline"]["left_baseline"]:
-            warnings = trainer.privacy_plan.learnability_warnings(trainer.trainable_parameter_count())
-            results["baseline"]["note"] = (
+            plan_warnings = trainer.privacy_plan.learnability_warnings(trainer.trainable_parameter_count())
+            verdict = (
                 f"The run never rose above the {baseline.get('name', 'majority-class baseline')} "
-                f"({baseline['value']:.4f}) on "
-                f"{baseline['metric']}: it learned nothing measurable. "
-                + (" ".join(warnings) if warnings else "Check the learning rate and the clipping norm.")
+                f"({baseline['value']:.4f}) on {baseline['metric']}: it learned nothing measurable."
             )
-            print(f"NOTE: {results['baseline']['note']}", flush=True)
+            results["baseline"]["note"] = verdict + " " + (
+                " ".join(plan_warnings) if plan_warnings else "Check the learning rate and the clipping norm."
+            )
+            # the plan's warnings were printed before training: point at them rather than print them twice
+            print(f"NOTE: {verdict} " + ("The plan's warnings above say why (results.json keeps them)."
+                                         if plan_warnings else "Check the learning rate and the clipping norm."),
+                  flush=True)
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, "results.json")
     with open(path, "w") as f:

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     HelpFormatter,
     add_common_arguments,
+    announce_and_train,
     apply_lora,
     apply_user_overrides,
     base_model_dtype,
@@ -317,8 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             f"steps={trainer.planned_steps} settings={settings}",
             flush=True,
         )
-        print(trainer.privacy_plan.describe(trainable), flush=True)  # the plan, and warnings with their fixes
-    trainer.train()
+    announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
     metrics = final_evaluation(trainer)
     settings.update({"n_train": n_train, "trainable_parameters": trainable, "total_parameters": total})
     return finish_run(trainer, args, metrics, start, settings, title=f"GLUE {args.task}, {args.method}",

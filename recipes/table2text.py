@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     HelpFormatter,
     add_common_arguments,
+    announce_and_train,
     apply_lora,
     apply_user_overrides,
     base_model_dtype,
@@ -337,8 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             f"q={trainer.sample_rate:.4g} steps={trainer.planned_steps} settings={settings}",
             flush=True,
         )
-        print(trainer.privacy_plan.describe(trainable), flush=True)  # the plan, and warnings with their fixes
-    trainer.train()
+    announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
     metrics = final_evaluation(trainer)
     if trainer.is_world_process_zero():  # decoding is post-processing of the released model: main process only
         t0 = time.time()

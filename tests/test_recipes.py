@@ -210,7 +210,7 @@ def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path, capsys, no_baseline):
         assert baseline["left_baseline"] == (results["metrics"]["eval_bleu"] > baseline["value"])
         if not baseline["left_baseline"]:  # two steps of a tiny model: it stays below, and says so
             assert "never rose above the copy baseline" in baseline["note"]
-            assert "never rose above the copy baseline" in capsys.readouterr().out
+            assert "NOTE: The run never rose above the copy baseline" in capsys.readouterr().out
     with open(out / "predictions.txt") as f:
         assert len(f.read().splitlines()) == 4
 
@@ -316,3 +316,27 @@ def test_epsilon_and_noise_multiplier_together_are_refused(recipe, tmp_path):
         training_args = _common.training_arguments(args, recipe.resolve_settings(args), n_train=512)
         got = {k: getattr(training_args, k) for k in ("target_epsilon", "noise_multiplier")}
         assert {k: v for k, v in got.items() if v is not None} == expected
+
+
+@needs_sst2
+def test_each_warning_of_a_recipe_run_is_shown_once(tiny_bert_dir, tmp_path, capsys):
+    """A short run prints its plan warnings once (beside the plan, not again as the trainer's UserWarning) and no
+    other warning repeats. Without --use_cpu on a CPU machine: torch's pin_memory warning came at every
+    evaluation."""
+    import collections
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning call, not Python's once-per-location default
+        glue.main([
+            "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"),
+            "--max_train_samples", "64", "--max_eval_samples", "16", "--logical_batch_size", "16",
+            "--per_device_train_batch_size", "8", "--max_steps", "3", "--num_evals", "3", "--no_plots",
+            "--output_dir", str(tmp_path),
+        ])
+    printed = capsys.readouterr().out
+    messages = [str(w.message) for w in caught]
+    assert [m for m, n in collections.Counter(messages).items() if n > 1] == []
+    assert not [m for m in messages if "pin_memory" in m or "deprecated" in m], messages
+    assert printed.count("Only 3 optimizer steps") == 1  # the plan's warning, printed with the plan
+    assert not [m for m in messages if "Only 3 optimizer steps" in m]
