@@ -4,8 +4,8 @@ ROUGE-L and CIDEr against all references of each input.
 Examples::
 
     # offline on CPU: a small GPT-2 built from a config (examples/make_tiny_gpt2.py), the local E2E files
-    python examples/make_tiny_gpt2.py --data_dir ../shared/data/e2e --output_dir outputs/tiny-gpt2
-    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/table2text.py --dataset e2e \\
+    .venv/bin/python examples/make_tiny_gpt2.py --data_dir ../shared/data/e2e --output_dir outputs/tiny-gpt2
+    .venv/bin/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/table2text.py --dataset e2e \\
         --data_dir ../shared/data/e2e --model outputs/tiny-gpt2 --method dpsgd --epsilon 8 \\
         --max_train_samples 1000 --max_eval_samples 10 --epochs 1 --secure_noise --output_dir outputs/e2e-dpsgd
 
