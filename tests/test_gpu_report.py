@@ -86,7 +86,7 @@ def test_tables_from_saved_results_go_between_the_cuda_markers(tmp_path):
     text = gpu_report.render(str(results), meta)
     assert "## GPU report: NVIDIA H100 80GB HBM3, 2026-11-25 14:00 UTC" in text
     assert "`tests/test_cuda.py`: 2 passed, 1 failed, 0 skipped -- failed: tests.test_cuda.test_c" in text
-    assert "`tests/test_cuda_sensitivity.py -k cuda`: not run" in text
+    assert "`tests/test_cuda_sensitivity.py -k 'not cpu'`: not run" in text
     assert "| roberta full B=32 T=128 | 1.20x met | 1.10x met | 2.00x | yes (1.67x) |" in text
     assert "| gpt2 full B=16 T=512 | 1.40x **missed** | 1.30x **missed** | - | - |" in text
     assert "fp32 (timed out, 7.0 min)" in text and "Not measured." in text
@@ -110,3 +110,18 @@ def test_performance_doc_says_the_gpu_figures_are_still_to_be_measured():
     if "## GPU report:" not in block:  # until a GPU run has filled the markers, the doc says so plainly
         assert re.search(r"GPU figures .* still to be measured", text), "docs/performance.md must say so"
     assert "make gpu-report" in text
+
+
+def test_the_tests_step_runs_and_its_counts_reach_the_report(tmp_path):
+    """The real `tests` step (on CPU every CUDA case skips): subprocesses, JUnit files, the counts in the tables."""
+    done = gpu_report.run_step("tests", str(tmp_path), "no-data", limit=300)
+    assert done["status"] == "ok", (tmp_path / "tests.log").read_text()[-3000:]
+    text = gpu_report.render(str(tmp_path), {"device": "d", "date": "t", "steps": [done]})
+    counts = re.findall(r"`tests/test_cuda(?:_sensitivity)?\.py[^`]*`: (\d+) passed, (\d+) failed, (\d+) skipped", text)
+    assert len(counts) == 2 and all(int(skipped) > 0 for _, _, skipped in counts), text
+    import torch
+
+    if not torch.cuda.is_available():  # only CUDA cases were selected: all skipped, none run on the CPU
+        assert [passed for passed, _, _ in counts] == ["0", "0"], text
+    skipped = gpu_report.run_step("recipe", str(tmp_path), str(tmp_path / "no-e2e"), limit=10)
+    assert skipped["status"] == "skipped" and "no E2E CSV files" in skipped["note"]
