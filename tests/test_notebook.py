@@ -114,4 +114,6 @@ def test_make_test_installs_the_notebook_runner_and_never_skips_it():
     assert re.search(r"pip install .*-e \"\.\[test", makefile), "make test no longer installs the test extra"
     test_target = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
     assert "HF_DPFILTER_NO_SKIP=1" in test_target and "HF_DPFILTER_DATA=" in test_target, test_target
-    assert "not slow" in test_target and "test_notebook" not in test_target  # the notebook test is not slow
+    assert "not slow" in test_target and "test_notebook" not in test_target
+    marks = {mark.name for mark in getattr(test_quickstart_notebook_executes, "pytestmark", [])}
+    assert "slow" not in marks  # `make test` deselects slow tests: the notebook must not be one
