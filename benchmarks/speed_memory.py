@@ -196,7 +196,7 @@ def hf_dpfilter_step(
     engine = GhostClippingEngine(model, verify_first_backward=True)
     opt = make_dp_optimizer(
         trainable(model), base=torch.optim.AdamW, method=method, lr=LR, noise_multiplier=NOISE,
-        max_grad_norm=CLIP, expected_batch_size=labels.shape[0], seed=0, **method_kwargs,
+        max_grad_norm=CLIP, expected_batch_size=labels.shape[0], sample_rate=0.01, seed=0, **method_kwargs,
     )  # fmt: skip
 
     def loss_fn(values):
@@ -427,9 +427,13 @@ def run_case(case: Case, rounds: int, memory: bool, opacus: bool, timeout: float
 
 
 def method_overheads(case: Case, rounds: int, log) -> list[dict]:
-    """DiSK / DOPPLER optimizer-step cost and DP-PMLF's k-point cost, against DP-SGD, interleaved."""
+    """DiSK / DOPPLER / DiceSGD / DIFF2 step cost and DP-PMLF's k-point cost, against DP-SGD, interleaved.
+
+    DIFF2 alternates restart rounds (one gradient point) and difference rounds (two); its median over the rounds
+    is a difference round's cost (restart_every = 10)."""
     methods = available_methods()
-    wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"k": 2}), ("pmlf", {"k": 3}), ("dicesgd", {})]
+    wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"k": 2}), ("pmlf", {"k": 3}), ("dicesgd", {}),
+              ("diff2", {})]
     wanted = [(m, kw) for m, kw in wanted if m in methods]
     inputs, labels, causal = make_batch(case)
     runners = {}

@@ -10,7 +10,9 @@ import argparse
 import json
 import math
 import os
+import re
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -52,8 +54,36 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def add_common_arguments(parser: argparse.ArgumentParser, *, default_model: str, default_lr: float) -> None:
-    """The arguments both recipes share (privacy, optimisation, LoRA, run size, output)."""
+#: the target epsilon of a recipe run that gives neither --epsilon nor --noise_multiplier
+DEFAULT_EPSILON = 8.0
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` keeps the module docstring's layout and shows every option's default.
+
+    Options whose default depends on other flags (``None`` here, resolved by the recipe's settings or the
+    preset) state it in their help text instead of printing "None"; switches (default False) need none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text.lower()
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def add_common_arguments(
+    parser: argparse.ArgumentParser, *, default_model: str, defaults: dict[str, str]
+) -> None:
+    """The arguments both recipes share (privacy, optimisation, LoRA, run size, output).
+
+    ``defaults`` describes, for ``--help``, the recipe's value of each setting that stays ``None`` on the command
+    line (learning_rate, logical_batch_size, epochs, lr_scheduler, clipping_fn, clipping_norm, max_seq_length)."""
     g = parser.add_argument_group("model")
     g.add_argument(
         "--model", default=default_model, type=resolve_model,
@@ -79,15 +109,26 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_model: str,
     )
     g = parser.add_argument_group("privacy")
     g.add_argument("--method", default="dpsgd", choices=list(DP_METHODS), help="DP method ('none' = non-private).")
-    g.add_argument("--epsilon", type=float, default=8.0, help="Target epsilon (calibrates the noise).")
-    g.add_argument("--delta", type=float, default=None, help="Target delta (default N^-1.1).")
+    g.add_argument(
+        "--epsilon", type=float, default=None,
+        help=f"Target epsilon: the noise is calibrated so that the run ends at it (default: {DEFAULT_EPSILON:g} "
+        "unless --noise_multiplier is given; giving both is refused).",
+    )
+    g.add_argument("--delta", type=float, default=None, help="Target delta (default: N^-1.1).")
     g.add_argument(
         "--noise_multiplier", type=float, default=None,
-        help="Fix sigma instead of calibrating it to --epsilon (the epsilon spent is then reported).",
+        help="Fix sigma instead of calibrating it to a target epsilon (the epsilon spent is then reported; "
+        "default: calibrated to --epsilon). Not together with --epsilon.",
     )
-    g.add_argument("--clipping_norm", type=float, default=None, help="Per-example clipping norm C.")
-    g.add_argument("--clipping_fn", default=None, choices=["abadi", "automatic"], help="Per-example clipping function.")
-    g.add_argument("--accountant", default="prv", choices=["prv", "rdp", "pld"])
+    g.add_argument(
+        "--clipping_norm", type=float, default=None,
+        help=f"Per-example clipping norm C (default: {defaults['clipping_norm']}).",
+    )
+    g.add_argument(
+        "--clipping_fn", default=None, choices=["abadi", "automatic"],
+        help=f"Per-example clipping function (default: {defaults['clipping_fn']}).",
+    )
+    g.add_argument("--accountant", default="prv", choices=["prv", "rdp", "pld"], help="Privacy accountant.")
     g.add_argument(
         "--secure_noise", action="store_true",
         help="Draw the noise and the Poisson sampling from the OS CSPRNG (recommended for published runs). "
@@ -99,19 +140,34 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_model: str,
         "prefixed names such as disk_kappa=0.7 are accepted too).",
     )
     g = parser.add_argument_group("optimisation")
-    g.add_argument("--learning_rate", type=float, default=None, help=f"AdamW learning rate (default {default_lr}).")
-    g.add_argument("--logical_batch_size", type=int, default=None, help="Expected examples per optimizer step.")
+    g.add_argument(
+        "--learning_rate", type=float, default=None,
+        help=f"AdamW learning rate (default: {defaults['learning_rate']}).",
+    )
+    g.add_argument(
+        "--logical_batch_size", type=int, default=None,
+        help=f"Expected examples per optimizer step (default: {defaults['logical_batch_size']}; N // 4 when N is "
+        "smaller).",
+    )
     g.add_argument("--per_device_train_batch_size", type=int, default=32, help="Physical micro-batch size.")
-    g.add_argument("--per_device_eval_batch_size", type=int, default=64)
-    g.add_argument("--epochs", type=float, default=None, help="Training epochs.")
-    g.add_argument("--max_steps", type=int, default=-1, help="Stop after this many optimizer steps (overrides epochs).")
-    g.add_argument("--lr_scheduler", default=None, help="HF lr scheduler type (linear, constant, ...).")
-    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--per_device_eval_batch_size", type=int, default=64, help="Evaluation batch size.")
+    g.add_argument("--epochs", type=float, default=None, help=f"Training epochs (default: {defaults['epochs']}).")
+    g.add_argument(
+        "--max_steps", type=int, default=-1, help="Stop after this many optimizer steps (overrides epochs; -1: off)."
+    )
+    g.add_argument(
+        "--lr_scheduler", default=None,
+        help=f"HF lr scheduler type: linear, constant, ... (default: {defaults['lr_scheduler']}).",
+    )
+    g.add_argument("--seed", type=int, default=42, help="Seed of the model initialisation and data order.")
     g = parser.add_argument_group("run")
-    g.add_argument("--data_dir", default=None, help="Local copy of the data (otherwise the HF Hub is used).")
-    g.add_argument("--max_train_samples", type=int, default=None, help="Use only the first N training examples.")
-    g.add_argument("--max_eval_samples", type=int, default=None, help="Use only the first N evaluation examples.")
-    g.add_argument("--max_seq_length", type=int, default=None, help="Truncate inputs to this many tokens.")
+    g.add_argument("--data_dir", default=None, help="Local copy of the data (default: none, the HF Hub is used).")
+    g.add_argument("--max_train_samples", type=int, default=None, help="Use only the first N training examples (default: all).")
+    g.add_argument("--max_eval_samples", type=int, default=None, help="Use only the first N evaluation examples (default: all).")
+    g.add_argument(
+        "--max_seq_length", type=int, default=None,
+        help=f"Truncate inputs to this many tokens (default: {defaults['max_seq_length']}).",
+    )
     g.add_argument("--num_evals", type=int, default=4, help="How many evaluations during training.")
     g.add_argument("--logging_steps", type=int, default=None, help="Log every N steps (default: ~20 logs per run).")
     g.add_argument("--output_dir", default="outputs/run", help="Where results.json and the plots go.")
@@ -149,8 +205,24 @@ def trainer_overrides(method_args: dict[str, Any]) -> dict[str, Any]:
     return {"optim": "sgd"} if method_args.get("base") in PLAIN_SGD_BASES else {}
 
 
+def resolve_privacy_target(args: argparse.Namespace) -> None:
+    """``--epsilon`` and ``--noise_multiplier`` are alternatives: refuse both, default to epsilon 8 without either.
+
+    Giving both used to let sigma win silently, so a run asked for epsilon 8 could end far above it."""
+    if args.epsilon is not None and args.noise_multiplier is not None:
+        raise SystemExit(
+            f"error: both --epsilon {args.epsilon:g} and --noise_multiplier {args.noise_multiplier:g} were given. "
+            "They are alternatives: --epsilon calibrates sigma so that the run ends at that epsilon, "
+            "--noise_multiplier fixes sigma and reports the epsilon it spends (which can exceed any target). "
+            "Give only one."
+        )
+    if args.epsilon is None and args.noise_multiplier is None:
+        args.epsilon = DEFAULT_EPSILON
+
+
 def apply_user_overrides(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Command-line values that were given win over the preset / recipe defaults in ``settings``."""
+    resolve_privacy_target(args)
     for key in ("logical_batch_size", "epochs", "learning_rate", "lr_scheduler", "clipping_fn", "clipping_norm",
                 "max_seq_length"):
         value = getattr(args, key)
@@ -234,6 +306,7 @@ def training_arguments(
     _, steps = PrivacyPlan.run_length(n_train, min(logical_batch_size, n_train), epochs, args.max_steps)
     logging_steps = args.logging_steps or max(1, steps // 20)
     eval_steps = max(1, math.ceil(steps / max(1, args.num_evals)))
+    resolve_privacy_target(args)  # idempotent; refuses --epsilon together with --noise_multiplier
     if args.method == "none":
         privacy = {}
     elif args.noise_multiplier is not None:
@@ -265,9 +338,12 @@ def training_arguments(
         report_to=[],
         seed=args.seed,
         bf16=args.bf16,
-        gradient_checkpointing=args.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
+        # transformers 5 names it activation_checkpointing (gradient_checkpointing is a deprecated alias that warns)
+        activation_checkpointing=args.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         use_cpu=args.use_cpu,
+        # pinned memory only helps copies to a GPU; without one torch warns at every DataLoader iterator
+        dataloader_pin_memory=torch.cuda.is_available() and not args.use_cpu and not _accelerate_cpu(),
         secure_noise=args.secure_noise,
         remove_unused_columns=False,
         disable_tqdm=False,
@@ -275,6 +351,26 @@ def training_arguments(
     )
     # the optimizer a method variant needs (optim='sgd' for the filters' Adam variants) wins over the default
     return DPTrainingArguments(**{**fields, **trainer_overrides(method_args)}, dp_method_args=method_args or None)
+
+
+def announce_and_train(trainer: DPTrainer) -> None:
+    """Print the privacy plan with its warnings and their fixes (main process), then train.
+
+    The DPTrainer raises the same warnings again when training begins; they are silenced there, so each is
+    shown once per run, beside the plan."""
+    count = trainer.trainable_parameter_count()  # the count the trainer warns with
+    shown = trainer.privacy_plan.learnability_warnings(count)
+    if trainer.is_world_process_zero():
+        print(trainer.privacy_plan.describe(count), flush=True)
+    with warnings.catch_warnings():
+        for message in shown:
+            warnings.filterwarnings("ignore", message=re.escape(message) + "$", category=UserWarning)
+        trainer.train()
+
+
+def _accelerate_cpu() -> bool:
+    """Launched by ``accelerate launch`` with a CPU config (accelerate_configs/cpu.yaml)."""
+    return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
 
 
 def final_evaluation(trainer: DPTrainer) -> dict[str, Any]:
@@ -305,10 +401,15 @@ def _jsonable(obj: Any) -> Any:
 
 
 def left_baseline(log_history: list[dict[str, Any]], baseline: dict[str, Any]) -> dict[str, Any]:
-    """Did any evaluation rise above the baseline by more than two standard errors of a proportion?"""
+    """Did any evaluation rise above the baseline by more than its margin?
+
+    The margin is ``baseline["margin"]`` when given (a metric with no simple standard error, e.g. BLEU),
+    otherwise two standard errors of a proportion over ``n_eval`` examples (accuracy)."""
     values = [e[baseline["metric"]] for e in log_history if isinstance(e.get(baseline["metric"]), (int, float))]
     p, n = baseline["value"], max(1, int(baseline.get("n_eval") or 1))
-    margin = 2.0 * math.sqrt(max(p * (1 - p), 1e-12) / n)
+    margin = baseline.get("margin")
+    if margin is None:
+        margin = 2.0 * math.sqrt(max(p * (1 - p), 1e-12) / n)
     best = max(values) if values else None
     return {"best": best, "margin": margin, "left_baseline": best is not None and best > p + margin}
 
@@ -372,13 +473,18 @@ def finish_run(
     if baseline is not None:
         results["baseline"] = {**baseline, **left_baseline(trainer.state.log_history, baseline)}
         if not results["baseline"]["left_baseline"]:
-            warnings = trainer.privacy_plan.learnability_warnings(trainer.trainable_parameter_count())
-            results["baseline"]["note"] = (
-                f"The run never rose above the majority-class baseline ({baseline['value']:.4f}) on "
-                f"{baseline['metric']}: it learned nothing measurable. "
-                + (" ".join(warnings) if warnings else "Check the learning rate and the clipping norm.")
+            plan_warnings = trainer.privacy_plan.learnability_warnings(trainer.trainable_parameter_count())
+            verdict = (
+                f"The run never rose above the {baseline.get('name', 'majority-class baseline')} "
+                f"({baseline['value']:.4f}) on {baseline['metric']}: it learned nothing measurable."
             )
-            print(f"NOTE: {results['baseline']['note']}", flush=True)
+            results["baseline"]["note"] = verdict + " " + (
+                " ".join(plan_warnings) if plan_warnings else "Check the learning rate and the clipping norm."
+            )
+            # the plan's warnings were printed before training: point at them rather than print them twice
+            print(f"NOTE: {verdict} " + ("The plan's warnings above say why (results.json keeps them)."
+                                         if plan_warnings else "Check the learning rate and the clipping norm."),
+                  flush=True)
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, "results.json")
     with open(path, "w") as f:
@@ -388,8 +494,9 @@ def finish_run(
         from hf_dpfilter.plotting import plot_run
 
         target = report["target_epsilon"] if report["method"] != "none" else None
+        drawn = baseline if baseline is not None and baseline.get("name") is None else None  # majority class
         plots = plot_run(trainer.state.log_history, args.output_dir, target, report["delta"], title,
-                         baseline=None if baseline is None else baseline["value"])
+                         baseline=None if drawn is None else drawn["value"])
     print(f"results: {path}" + (f"\nplots: {', '.join(plots)}" if plots else ""), flush=True)
     if args.save_model:
         trainer.save_model(os.path.join(args.output_dir, "model"))

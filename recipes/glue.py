@@ -3,7 +3,7 @@
 Examples::
 
     # offline on CPU: the packaged MiniLM on 1000 SST-2 examples, DiSK at epsilon 8 (about 30 s)
-    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/glue.py --task sst2 --method disk \\
+    .venv/bin/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/glue.py --task sst2 --method disk \\
         --model packaged-minilm --data_dir ../shared/data/glue --max_train_samples 1000 --max_eval_samples 200 \\
         --max_seq_length 32 --epochs 1 --epsilon 8 --secure_noise --output_dir outputs/glue-disk
 
@@ -31,7 +31,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    HelpFormatter,
     add_common_arguments,
+    announce_and_train,
     apply_lora,
     apply_user_overrides,
     base_model_dtype,
@@ -249,15 +251,20 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],  # the examples, under --help
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--task", default="sst2", help="sst2, qnli, qqp or mnli (matched and mismatched dev sets).")
     parser.add_argument(
         "--preset", default=None, choices=["paper"],
-        help="'paper': the DiSK/DOPPLER GLUE settings (B = 1000 x factor, 3 x factor epochs, lr 5e-4, "
+        help="Default: none (the recipe's settings). 'paper': the DiSK/DOPPLER GLUE settings (B = 1000 x factor, 3 x factor epochs, lr 5e-4, "
         "automatic clipping C = 1 for DiSK/DOPPLER); explicit flags still override it.",
     )
-    add_common_arguments(parser, default_model="roberta-base", default_lr=5e-4)
+    add_common_arguments(parser, default_model="roberta-base", defaults={
+        "learning_rate": "5e-4, 2e-3 with LoRA; --preset paper: 5e-4", "logical_batch_size": "256; --preset paper: "
+        "1000 x the task's factor", "epochs": "3; --preset paper: 3 x the task's factor", "lr_scheduler": "linear",
+        "clipping_fn": "abadi; --preset paper: the method's paper", "clipping_norm": "1.0; --preset paper: the "
+        "method's paper", "max_seq_length": "128; --preset paper: 256",
+    })
     return parser
 
 
@@ -311,8 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             f"steps={trainer.planned_steps} settings={settings}",
             flush=True,
         )
-        print(trainer.privacy_plan.describe(trainable), flush=True)  # the plan, and warnings with their fixes
-    trainer.train()
+    announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
     metrics = final_evaluation(trainer)
     settings.update({"n_train": n_train, "trainable_parameters": trainable, "total_parameters": total})
     return finish_run(trainer, args, metrics, start, settings, title=f"GLUE {args.task}, {args.method}",

@@ -188,18 +188,29 @@ def test_results_never_contain_the_dp_seed_and_secure_noise_is_one_flag():
 
 
 @needs_e2e
-def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path):
+@pytest.mark.parametrize("no_baseline", [False, True], ids=["baseline", "no_baseline"])
+def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path, capsys, no_baseline):
     out = tmp_path / "e2e"
     table2text.main([
         "--dataset", "e2e", "--model", tiny_gpt2_dir, "--data_dir", os.path.join(DATA, "e2e"),
         "--method", "dpsgd", "--epsilon", "8", "--max_train_samples", "64", "--max_eval_samples", "4",
         "--logical_batch_size", "16", "--per_device_train_batch_size", "8", "--max_steps", "2", "--num_evals", "1",
         "--num_beams", "2", "--max_generation_length", "8", "--output_dir", str(out), "--use_cpu",
-    ])
+    ] + (["--no_baseline"] if no_baseline else []))
     results = _check_outputs(out, "dpsgd")
     for name in ("bleu", "nist", "meteor", "rouge_l", "cider"):
         value = results["metrics"][f"eval_{name}"]
         assert isinstance(value, float) and math.isfinite(value) and value >= 0
+    if no_baseline:
+        assert "baseline" not in results
+    else:  # the non-private copy baseline, scored on the same evaluation inputs, as glue.py's majority class
+        baseline = results["baseline"]
+        assert baseline["metric"] == "eval_bleu" and baseline["n_eval"] == 4 and 0 < baseline["value"] <= 1
+        assert set(baseline["scores"]) == {f"eval_{k}" for k in ("bleu", "nist", "meteor", "rouge_l", "cider")}
+        assert baseline["left_baseline"] == (results["metrics"]["eval_bleu"] > baseline["value"])
+        if not baseline["left_baseline"]:  # two steps of a tiny model: it stays below, and says so
+            assert "never rose above the copy baseline" in baseline["note"]
+            assert "NOTE: The run never rose above the copy baseline" in capsys.readouterr().out
     with open(out / "predictions.txt") as f:
         assert len(f.read().splitlines()) == 4
 
@@ -266,3 +277,66 @@ def test_quickstart_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "dev accuracy" in proc.stdout and "epsilon" in proc.stdout
     assert (tmp_path / "epsilon.png").exists() and (tmp_path / "training.png").exists()
+
+
+@pytest.mark.parametrize("recipe", [glue, table2text], ids=["glue", "table2text"])
+def test_help_shows_every_default(recipe):
+    """Every option that takes a value says its default under --help (argparse's value, or the recipe's)."""
+    import _common
+
+    parser = recipe.build_parser()
+    formatter = _common.HelpFormatter(prog="x")
+    for action in parser._actions:
+        if not action.option_strings or action.nargs == 0:  # --help and switches (off unless given)
+            continue
+        text = formatter._get_help_string(action) % {"default": action.default}
+        assert "default" in text.lower(), f"{action.option_strings[0]}: {text!r}"
+    printed = subprocess.run([sys.executable, recipe.__file__, "--help"], capture_output=True, text=True,
+                             check=True).stdout
+    assert "(default: 32)" in printed and "(default: prv)" in printed and "Examples::" in printed
+    assert "(default: None)" not in printed
+
+
+@pytest.mark.parametrize("recipe", [glue, table2text], ids=["glue", "table2text"])
+def test_epsilon_and_noise_multiplier_together_are_refused(recipe, tmp_path):
+    """Issue 22 item 7: sigma used to win silently over --epsilon (a run asked for epsilon 8 ended at 22.4)."""
+    import _common
+
+    argv = ["--output_dir", str(tmp_path), "--use_cpu", "--epsilon", "8", "--noise_multiplier", "0.5"]
+    with pytest.raises(SystemExit, match="both --epsilon 8 and --noise_multiplier 0.5 .* Give only one"):
+        recipe.resolve_settings(recipe.build_parser().parse_args(argv))
+    with pytest.raises(SystemExit, match="Give only one"):  # the helper the recipes call to build the args
+        _common.training_arguments(recipe.build_parser().parse_args(argv), {
+            "learning_rate": 1e-3, "logical_batch_size": 16, "epochs": 1, "clipping_norm": 1.0,
+            "clipping_fn": "abadi", "lr_scheduler": "constant", "method_args": {}}, n_train=64)
+    # one of them: it is what the run uses
+    for given, expected in (([], {"target_epsilon": 8.0}), (["--epsilon", "3"], {"target_epsilon": 3.0}),
+                            (["--noise_multiplier", "0.7"], {"noise_multiplier": 0.7})):
+        args = recipe.build_parser().parse_args(["--output_dir", str(tmp_path), "--use_cpu", *given])
+        training_args = _common.training_arguments(args, recipe.resolve_settings(args), n_train=512)
+        got = {k: getattr(training_args, k) for k in ("target_epsilon", "noise_multiplier")}
+        assert {k: v for k, v in got.items() if v is not None} == expected
+
+
+@needs_sst2
+def test_each_warning_of_a_recipe_run_is_shown_once(tiny_bert_dir, tmp_path, capsys):
+    """A short run prints its plan warnings once (beside the plan, not again as the trainer's UserWarning) and no
+    other warning repeats. Without --use_cpu on a CPU machine: torch's pin_memory warning came at every
+    evaluation."""
+    import collections
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning call, not Python's once-per-location default
+        glue.main([
+            "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"),
+            "--max_train_samples", "64", "--max_eval_samples", "16", "--logical_batch_size", "16",
+            "--per_device_train_batch_size", "8", "--max_steps", "3", "--num_evals", "3", "--no_plots",
+            "--output_dir", str(tmp_path),
+        ])
+    printed = capsys.readouterr().out
+    messages = [str(w.message) for w in caught]
+    assert [m for m, n in collections.Counter(messages).items() if n > 1] == []
+    assert not [m for m in messages if "pin_memory" in m or "deprecated" in m], messages
+    assert printed.count("Only 3 optimizer steps") == 1  # the plan's warning, printed with the plan
+    assert not [m for m in messages if "Only 3 optimizer steps" in m]
