@@ -1,0 +1,231 @@
+"""Packed rows (padding-free batches): each example packed in a row is clipped and counted as its own example.
+
+``transformers.DataCollatorWithFlattening`` concatenates the sampled examples into one row whose
+``position_ids`` restart at every example. Per-example references in float64 (each example alone, ordinary
+autograd), a DPTrainer step equal to ``-(1/B) sum_i clip(g_i)``, sensitivity in float32 (one example more
+moves the pre-noise aggregate by at most C), micro-batches cut at example boundaries, and the refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ListDataset, flat, make_examples, reference_clipped_sum
+from models import VOCAB, tiny_bert, tiny_decoder, tiny_gpt2
+from transformers import DataCollatorWithFlattening
+
+from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
+from hf_dpfilter.batch_structure import probe_batch_structure
+from hf_dpfilter.first_step_check import PerExampleCheckError
+from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.packing import PackedLayout, PackingError, packed_token_mean_loss
+from hf_dpfilter.plan import PrivacyPlan
+
+MODELS = {"gpt2": tiny_gpt2, "llama": lambda dtype=torch.float64: tiny_decoder("llama", dtype=dtype)}
+# Llama computes its rotary tables in float32 inside a float64 model: an example alone and packed get them by
+# differently shaped float32 kernels (~1e-8 relative). GPT-2 is float64 throughout.
+ALONE_TOL = {"gpt2": 1e-10, "llama": 1e-6}
+
+
+def _alone_gradient(model, example, params):
+    ids = example["input_ids"].unsqueeze(0)
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    loss = per_example_loss(logits, example["labels"].unsqueeze(0), causal_lm=True)
+    grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+
+
+def test_layout_is_the_collators_boundaries():
+    examples = make_examples(4, VOCAB, causal=True, seed=2, min_len=1, max_len=6)
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(examples)
+    layout = PackedLayout.from_position_ids(batch["position_ids"])
+    assert layout.lengths == [len(e["input_ids"]) for e in examples]
+    layout.check_flash_boundaries(batch)
+    grouped = layout.regroup(batch["input_ids"].unsqueeze(-1)).squeeze(-1)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        assert torch.equal(grouped[i, :n], e["input_ids"]) and bool((grouped[i, n:] == 0).all())
+    bad = dict(batch, cu_seq_lens_q=torch.tensor([0, 3, int(batch["input_ids"].shape[1])], dtype=torch.int32))
+    with pytest.raises(PackingError, match="cu_seq_lens_q"):
+        layout.check_flash_boundaries(bad)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_packed_per_example_gradients_equal_each_example_alone_fp64(name):
+    model = MODELS[name]()
+    model.eval()
+    examples = make_examples(5, VOCAB, causal=True, seed=1)
+    batch = DataCollatorWithFlattening()(examples)
+    layout = PackedLayout.from_position_ids(batch["position_ids"])
+    engine = GhostClippingEngine(model)
+    with engine.packed(layout), engine.record(batch_size=layout.num_examples):
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        losses = packed_token_mean_loss(logits, batch["labels"], layout, shift=True)
+    with engine.packed(layout):
+        grads = engine.per_example_gradients(losses)
+    params = engine.trainable_parameters
+    norms = grads.norms()
+    for i, example in enumerate(examples):
+        reference = _alone_gradient(model, example, params)
+        ref_norm = flat(reference).norm()
+        assert abs(norms[i] - ref_norm) <= ALONE_TOL[name] * ref_norm, (name, i)
+        indicator = torch.zeros(len(examples), dtype=torch.float64)
+        indicator[i] = 1.0
+        mine = grads.weighted_sum(indicator)
+        got = flat([mine[p] for p in params])
+        assert (got - flat(reference)).norm() <= ALONE_TOL[name] * ref_norm, (name, i)
+
+
+def _args(tmp_path, n, micro=2, **kw):
+    base = dict(
+        output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
+        logical_batch_size=n, per_device_train_batch_size=micro, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
+        remove_unused_columns=False, dp_seed=0,
+    )
+    base.update(kw)
+    return DPTrainingArguments(**base)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_dptrainer_step_with_flattening_collator_equals_per_example_reference(name, tmp_path):
+    """One DPTrainer step (q = 1, noise 0, micro-batches of 2 examples) on DataCollatorWithFlattening batches."""
+    model = MODELS[name]()
+    model.eval()
+    examples = make_examples(5, VOCAB, causal=True, seed=3)
+    _, norms = reference_clipped_sum(model, examples, True, max_grad_norm=1.0)
+    clip = float(norms.median())  # some examples clipped, some not
+    reference, _ = reference_clipped_sum(model, examples, True, clip)
+    trainer = DPTrainer(model=model, args=_args(tmp_path, len(examples), per_sample_max_grad_norm=clip),
+                        train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
+    assert trainer._training_batch_structure().packed
+    before = {p: p.detach().clone() for p in model.parameters() if p.requires_grad}
+    trainer.train()
+    expected = flat([-reference[p] / len(examples) for p in before])
+    got = flat([p.detach() - before[p] for p in before])
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel <= ALONE_TOL[name], f"{name}: relative error {rel:.3e}"
+    assert trainer.privacy_report()["steps"] == 1
+
+
+def _packed_aggregate(examples, clip=0.5):
+    """Pre-noise aggregate of one packed batch (float32 GPT-2, noise 0), through the DP optimizer."""
+    model = tiny_gpt2(dtype=torch.float32)
+    plan = PrivacyPlan.for_optimizer(method="dpsgd", method_args={}, noise_multiplier=0.0, max_grad_norm=clip,
+                                     expected_batch_size=4.0, sample_rate=0.5, seed=0)
+    engine, optimizer = plan.build(model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
+    batch = DataCollatorWithFlattening()(examples)
+    layout = PackedLayout.from_position_ids(batch["position_ids"])
+
+    def loss_fn(values):
+        logits = engine.call_model(values, input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                   use_cache=False).logits
+        return packed_token_mean_loss(logits, batch["labels"], layout, shift=True) * 50.0  # clipping active
+
+    with engine.packed(layout):
+        optimizer.accumulate(engine, loss_fn, batch_size=layout.num_examples)
+    local = optimizer._local_sums()
+    return [local[p].detach().double() for p in optimizer.params], optimizer.sensitivity()
+
+
+@pytest.mark.parametrize("where", ["end", "middle"])
+def test_packed_sensitivity_one_example_moves_the_aggregate_by_at_most_c(where):
+    examples = make_examples(6, VOCAB, causal=True, seed=5)
+    extreme = make_examples(1, VOCAB, causal=True, seed=99, max_len=12)[0]
+    with_x = examples + [extreme] if where == "end" else examples[:3] + [extreme] + examples[3:]
+    without, delta = _packed_aggregate(examples)
+    with_, delta_with = _packed_aggregate(with_x)
+    assert delta == delta_with
+    moved = sum(float((a - b).pow(2).sum()) for a, b in zip(with_, without)) ** 0.5
+    # float32: the other examples' clipped sums are computed in differently shaped products (rounding ~1e-7)
+    assert moved <= delta * (1 + 1e-5), f"aggregate moved by {moved:.6g} > C = {delta:.6g}"
+    assert moved > 0.5 * delta  # the extreme example is clipped at (close to) C
+
+
+def test_micro_batches_cut_at_example_boundaries_with_flash_kwargs():
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+    examples = make_examples(5, VOCAB, causal=True, seed=4)
+    structure = probe_batch_structure(collator, examples[0])
+    assert structure.packed and {"input_ids", "labels", "position_ids"} <= structure.per_token
+    assert structure.boundaries == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
+    batch = collator(examples)
+    labels = batch.pop("labels")
+    micro = structure.micro_batches(batch, labels, size=2, num_examples=5)
+    assert [m[2].num_examples for m in micro] == [2, 2, 1]
+    for k, (inputs, micro_labels, _layout) in enumerate(micro):
+        expected = collator(examples[2 * k : 2 * k + 2])  # each micro-batch is what the collator packs for it
+        assert torch.equal(micro_labels, expected["labels"])
+        for key in expected:
+            if key != "labels":
+                got, want = inputs[key], expected[key]
+                assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), key
+    with pytest.raises(PackingError, match="given 4 examples"):
+        structure.micro_batches(batch, labels, size=2, num_examples=4)
+
+
+def test_packed_batch_with_attention_mask_is_refused():
+    def collate(examples):
+        batch = DataCollatorWithFlattening()(examples)
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # would make every example see the others
+        return batch
+
+    examples = make_examples(3, VOCAB, causal=True)
+    structure = probe_batch_structure(collate, examples[0])
+    batch = collate(examples)
+    labels = batch.pop("labels")
+    with pytest.raises(PackingError, match="attention_mask"):
+        structure.micro_batches(batch, labels, size=2)
+
+
+def test_packed_batch_without_position_ids_is_refused():
+    collator = DataCollatorWithFlattening(return_position_ids=False)
+    examples = make_examples(3, VOCAB, causal=True)
+    structure = probe_batch_structure(collator, examples[0])
+    batch = collator(examples)
+    labels = batch.pop("labels")
+    with pytest.raises(PackingError, match="position_ids"):
+        structure.micro_batches(batch, labels, size=2)
+
+
+def test_module_that_is_not_token_wise_on_packed_rows_is_refused():
+    """BERT's pooler (and a classification head) sees one vector per row, not per token: refused by name."""
+    model = tiny_bert()
+    examples = make_examples(3, VOCAB, causal=True)
+    batch = DataCollatorWithFlattening()(examples)
+    layout = PackedLayout.from_position_ids(batch["position_ids"])
+    engine = GhostClippingEngine(model, verify_first_backward=False)
+    with engine.packed(layout), engine.record(batch_size=layout.num_examples):
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        losses = logits.sum() * torch.ones(layout.num_examples, dtype=logits.dtype)
+    with engine.packed(layout), pytest.raises(PackingError, match="'bert.pooler.dense'.*not token-wise"):
+        engine.per_example_gradients(losses)
+    with pytest.raises(PackingError, match="sequence-classification head"):
+        packed_token_mean_loss(logits, batch["labels"], layout, shift=True)
+
+
+@pytest.mark.parametrize("leaky", [False, True])
+def test_attention_across_packed_examples_is_caught_by_the_first_step_check(leaky, tmp_path):
+    """transformers keeps packed examples apart only without a cache; a forward that creates one
+    (TrainingArguments(use_cache=True)) lets every example attend to those before it in the row. DPTrainer passes
+    use_cache=False with packed rows; with that removed, the per-example first-step check stops the run before
+    anything is released."""
+
+    class LeakyTrainer(DPTrainer):
+        def _no_cache_when_packed(self, micro_batch):
+            return micro_batch  # the model then creates a cache (config.use_cache=True): attention crosses
+
+    model = tiny_decoder("llama")
+    examples = make_examples(4, VOCAB, causal=True, seed=3)
+    cls = LeakyTrainer if leaky else DPTrainer
+    trainer = cls(model=model, args=_args(tmp_path, len(examples), micro=4, use_cache=True),
+                  train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
+    assert model.config.use_cache
+    before = [p.detach().clone() for p in model.parameters()]
+    if not leaky:
+        trainer.train()
+        assert trainer.accountant.steps == 1
+        return
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        trainer.train()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert trainer.accountant.steps == 0
