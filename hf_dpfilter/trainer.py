@@ -410,7 +410,7 @@ class DPTrainer(Trainer):
         """Declare a micro-batch's packing (or its absence) to the loss and the engine for the block."""
         previous, self._packed_layout = self._packed_layout, layout
         try:
-            with self.engine.packed(layout):
+            with self.engine.packed(layout) if self.engine is not None else contextlib.nullcontext():
                 yield
         finally:
             self._packed_layout = previous
@@ -475,7 +475,7 @@ class DPTrainer(Trainer):
             batch and labels.numel()) else []
         examples = sum(m[1].shape[0] if m[2] is None else m[2].num_examples for m in micro_batches)
         batch = examples
-        if micro_batches and not self._per_example_checked and not self.dp_optimizer.sharded:
+        if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
             self._check_first_micro_batch(model, micro_batches[0])
         rounds = len(micro_batches)
         if self.dp_optimizer.sharded:
