@@ -25,7 +25,10 @@ import torch.nn.functional as F
 
 from hf_dpfilter.losses import IGNORE_INDEX
 
-__all__ = ["PackedLayout", "PackingError", "packed_token_mean_loss", "regroup_record"]
+__all__ = [
+    "PackedLayout", "PackingError", "check_attention_stays_inside_examples", "packed_token_mean_loss",
+    "regroup_record",
+]
 
 #: Keys of FlashAttention's packed-sequence arguments (``transformers.modeling_flash_attention_utils``): they
 #: describe the boundaries of the examples, so a micro-batch gets them recomputed for its own examples.
@@ -211,3 +214,49 @@ def regroup_record(
         if grouped is None:
             grouped = cache[id(activations)] = layout.regroup(activations)
     return grouped, layout.regroup(grad_output)
+
+
+def check_attention_stays_inside_examples(
+    model: torch.nn.Module, position_start: int, extra_inputs: dict | None = None, lengths: tuple[int, int] = (5, 6)
+) -> None:
+    """Prove on synthetic tokens (no training data) that the model keeps packed examples apart, or refuse.
+
+    Two rows ``[a, b]`` and ``[a', b]`` packed as the collator packs (``position_ids`` restarting at
+    ``position_start``), with ``a != a'``: if attention stays inside each example, ``b``'s outputs do not depend
+    on ``a`` (masked positions contribute exact zeros, so they agree to rounding at most). An attention
+    implementation that ignores the restarts (an encoder's bidirectional mask, a custom kernel, a cache) makes
+    them differ. Runs in eval mode under ``no_grad``: no dropout, no gradient, no state written.
+    """
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 4:
+        return
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    first, second = lengths
+    a, a_other, b = (torch.randint(vocab // 2, vocab, (n,), generator=generator) for n in (first, first, second))
+    positions = torch.cat([torch.arange(first), torch.arange(second)]).add(position_start).unsqueeze(0).to(device)
+    modes = {module: module.training for module in model.modules()}
+    outputs = []
+    try:
+        model.eval()
+        with torch.no_grad():
+            for head in (a, a_other):
+                ids = torch.cat([head, b]).unsqueeze(0).to(device)
+                out = model(input_ids=ids, position_ids=positions, **(extra_inputs or {}))
+                logits = out["logits"] if hasattr(out, "keys") else out[0]
+                outputs.append(logits[0, first:].double())
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+    difference = float((outputs[0] - outputs[1]).norm())
+    scale = float(outputs[1].norm())
+    if difference > 1e-5 * scale:
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        raise PackingError(
+            f"The model does not keep packed examples apart (attention implementation {implementation!r}): the "
+            f"outputs of an example change when the example before it in the row changes (relative "
+            f"{difference / max(scale, 1e-30):.1e}), so each example's gradient would depend on the others packed "
+            "with it. Use a padding collator (one example per row) for this model, or an attention implementation "
+            "that keeps packed sequences apart (transformers' causal LMs with 'sdpa', 'eager' or flash attention)."
+        )

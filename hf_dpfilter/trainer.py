@@ -36,7 +36,12 @@ from hf_dpfilter.first_step_check import verify_per_example
 from hf_dpfilter.loss_policy import check_loss_policy, check_prompt_learning
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.optimizers import DPOptimizer
-from hf_dpfilter.packing import PackedLayout, PackingError, packed_token_mean_loss
+from hf_dpfilter.packing import (
+    PackedLayout,
+    PackingError,
+    check_attention_stays_inside_examples,
+    packed_token_mean_loss,
+)
 from hf_dpfilter.plan import PrivacyPlan
 
 logger = logging.getLogger(__name__)
@@ -151,6 +156,7 @@ class DPTrainer(Trainer):
         self._batch_structure: BatchStructure | None = None  # probed on the training collator
         self._packed_layout: PackedLayout | None = None  # the packed micro-batch being computed, if any
         self._per_example_checked = not self.args.dp_verify_first_step
+        self._packing_checked = False  # packed rows: attention proven to stay inside each example, once
         check_loss_policy(self, DPTrainer)
         check_prompt_learning(self.model)
         self._setup_privacy()
@@ -475,6 +481,8 @@ class DPTrainer(Trainer):
             batch and labels.numel()) else []
         examples = sum(m[1].shape[0] if m[2] is None else m[2].num_examples for m in micro_batches)
         batch = examples
+        if micro_batches and micro_batches[0][2] is not None and not self._packing_checked:
+            self._check_packed_attention(model, micro_batches[0][0])
         if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
             self._check_first_micro_batch(model, micro_batches[0])
         rounds = len(micro_batches)
@@ -512,6 +520,13 @@ class DPTrainer(Trainer):
         if layout is not None and hasattr(getattr(self.model, "config", None), "use_cache"):
             micro = {**micro, "use_cache": False}
         return micro, micro_labels, layout
+
+    def _check_packed_attention(self, model: nn.Module, micro: dict[str, Any]) -> None:
+        """Before the first packed step: prove on synthetic tokens that attention stays inside each example."""
+        extra = {"use_cache": False} if "use_cache" in micro else {}
+        start = int(micro["position_ids"].reshape(-1)[0])
+        check_attention_stays_inside_examples(model, start, extra)
+        self._packing_checked = True
 
     def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:
         """The per-example first-step check (hf_dpfilter.first_step_check), once per run, before any release."""

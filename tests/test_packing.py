@@ -203,29 +203,53 @@ def test_module_that_is_not_token_wise_on_packed_rows_is_refused():
         packed_token_mean_loss(logits, batch["labels"], layout, shift=True)
 
 
-@pytest.mark.parametrize("leaky", [False, True])
-def test_attention_across_packed_examples_is_caught_by_the_first_step_check(leaky, tmp_path):
+@pytest.mark.parametrize("case", ["no cache", "synthetic probe", "per-example check"])
+def test_attention_across_packed_examples_is_refused_before_the_first_step(case, tmp_path):
     """transformers keeps packed examples apart only without a cache; a forward that creates one
     (TrainingArguments(use_cache=True)) lets every example attend to those before it in the row. DPTrainer passes
-    use_cache=False with packed rows; with that removed, the per-example first-step check stops the run before
-    anything is released."""
+    use_cache=False with packed rows. With that removed, the attention is caught before anything is released:
+    first by the probe on synthetic tokens, and, with the probe removed too, by the per-example first-step check."""
 
     class LeakyTrainer(DPTrainer):
         def _no_cache_when_packed(self, micro_batch):
             return micro_batch  # the model then creates a cache (config.use_cache=True): attention crosses
 
+    class LeakyUnprobedTrainer(LeakyTrainer):
+        def _check_packed_attention(self, model, micro):
+            pass
+
     model = tiny_decoder("llama")
     examples = make_examples(4, VOCAB, causal=True, seed=3)
-    cls = LeakyTrainer if leaky else DPTrainer
+    cls = {"no cache": DPTrainer, "synthetic probe": LeakyTrainer, "per-example check": LeakyUnprobedTrainer}[case]
     trainer = cls(model=model, args=_args(tmp_path, len(examples), micro=4, use_cache=True),
                   train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
     assert model.config.use_cache
     before = [p.detach().clone() for p in model.parameters()]
-    if not leaky:
+    if case == "no cache":
         trainer.train()
         assert trainer.accountant.steps == 1
         return
-    with pytest.raises(PerExampleCheckError, match="couples examples"):
+    error, match = (PackingError, "does not keep packed examples apart") if case == "synthetic probe" else (
+        PerExampleCheckError, "couples examples")
+    with pytest.raises(error, match=match):
         trainer.train()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert trainer.accountant.steps == 0
+
+
+def test_encoder_whose_attention_ignores_packing_is_refused(tmp_path):
+    """BERT's bidirectional mask ignores position_ids restarts: packed examples would attend to each other."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=24, max_position_embeddings=40, pad_token_id=0, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = BertForMaskedLM(config).double()
+    model.cls.predictions.bias.requires_grad_(False)  # a bare bias parameter of the head has no rule
+    examples = make_examples(4, VOCAB, causal=True, seed=3)
+    trainer = DPTrainer(model=model, args=_args(tmp_path, len(examples)), train_dataset=ListDataset(examples),
+                        data_collator=DataCollatorWithFlattening())
+    with pytest.raises(PackingError, match="does not keep packed examples apart.*padding collator"):
+        trainer.train()
     assert trainer.accountant.steps == 0
