@@ -24,7 +24,13 @@ from hf_dpfilter.plan import PrivacyPlan
 MODELS = {"gpt2": tiny_gpt2, "llama": lambda dtype=torch.float64: tiny_decoder("llama", dtype=dtype)}
 # Llama computes its rotary tables in float32 inside a float64 model: an example alone and packed get them by
 # differently shaped float32 kernels (~1e-8 relative). GPT-2 is float64 throughout.
-ALONE_TOL = {"gpt2": 1e-10, "llama": 1e-6}
+ALONE_TOL = {"gpt2": 1e-10, "llama": 1e-6, "llama_lora": 1e-6}
+
+
+def _llama_lora():
+    from test_llama_family import lora_decoder
+
+    return lora_decoder("llama")
 
 
 def _alone_gradient(model, example, params):
@@ -87,10 +93,10 @@ def _args(tmp_path, n, micro=2, **kw):
     return DPTrainingArguments(**base)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [*MODELS, "llama_lora"])
 def test_dptrainer_step_with_flattening_collator_equals_per_example_reference(name, tmp_path):
     """One DPTrainer step (q = 1, noise 0, micro-batches of 2 examples) on DataCollatorWithFlattening batches."""
-    model = MODELS[name]()
+    model = _llama_lora() if name == "llama_lora" else MODELS[name]()
     model.eval()
     examples = make_examples(5, VOCAB, causal=True, seed=3)
     _, norms = reference_clipped_sum(model, examples, True, max_grad_norm=1.0)
@@ -106,6 +112,17 @@ def test_dptrainer_step_with_flattening_collator_equals_per_example_reference(na
     rel = ((got - expected).norm() / expected.norm()).item()
     assert rel <= ALONE_TOL[name], f"{name}: relative error {rel:.3e}"
     assert trainer.privacy_report()["steps"] == 1
+
+
+@pytest.mark.parametrize("method", ["disk", "dicesgd"])
+def test_other_methods_train_on_packed_rows(method, tmp_path):
+    """Methods with several gradient points (DiSK: a functional call at other values) and DiceSGD on packed rows."""
+    model = tiny_gpt2(dtype=torch.float32)
+    examples = make_examples(8, VOCAB, causal=True, seed=6)
+    trainer = DPTrainer(model=model, args=_args(tmp_path, 4, dp_method=method, max_steps=2, noise_multiplier=0.5),
+                        train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
+    trainer.train()
+    assert trainer.accountant.steps == 2
 
 
 def _packed_aggregate(examples, clip=0.5):
