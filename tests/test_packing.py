@@ -270,3 +270,16 @@ def test_encoder_whose_attention_ignores_packing_is_refused(tmp_path):
     with pytest.raises(PackingError, match="does not keep packed examples apart.*padding collator"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+def test_no_parameter_or_buffer_changes_outside_the_step(tmp_path):
+    """The attention probe and the per-example check run forwards of their own: with learning rate 0 and noise 0,
+    nothing in the model (parameters, buffers) changes over a packed step."""
+    model = tiny_decoder("llama")
+    examples = make_examples(4, VOCAB, causal=True, seed=3)
+    trainer = DPTrainer(model=model, args=_args(tmp_path, len(examples), learning_rate=0.0),
+                        train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer.train()
+    assert trainer.accountant.steps == 1 and trainer._per_example_checked and trainer._packing_checked
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
