@@ -43,6 +43,8 @@ class BatchStructure:
     per_token: frozenset[str]
     shared: frozenset[str]
     boundaries: frozenset[str]
+    #: packed rows: the position id the collator gives each example's first token (structure, not data)
+    position_start: int = 0
 
     @property
     def packed(self) -> bool:
@@ -222,4 +224,9 @@ def probe_batch_structure(collate_fn: Callable[[list], dict[str, Any]], example:
             f"The collator packs {sorted(per_token)} per token but returns {sorted(per_example)} one row per "
             "example: a batch is either packed or one example per row."
         )
-    return BatchStructure(frozenset(per_example), frozenset(per_token), frozenset(shared), frozenset(boundaries))
+    start = 0
+    if "position_ids" in per_token:
+        start = int(batches[0]["position_ids"].reshape(-1)[0])
+    return BatchStructure(
+        frozenset(per_example), frozenset(per_token), frozenset(shared), frozenset(boundaries), position_start=start
+    )

@@ -481,8 +481,9 @@ class DPTrainer(Trainer):
             batch and labels.numel()) else []
         examples = sum(m[1].shape[0] if m[2] is None else m[2].num_examples for m in micro_batches)
         batch = examples
-        if micro_batches and micro_batches[0][2] is not None and not self._packing_checked:
-            self._check_packed_attention(model, micro_batches[0][0])
+        if not self._packing_checked and self._training_batch_structure().packed:
+            # on every process at its first step, whatever it sampled (FSDP2 runs collectives in the forward)
+            self._check_packed_attention(model)
         if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
             self._check_first_micro_batch(model, micro_batches[0])
         rounds = len(micro_batches)
@@ -521,11 +522,13 @@ class DPTrainer(Trainer):
             micro = {**micro, "use_cache": False}
         return micro, micro_labels, layout
 
-    def _check_packed_attention(self, model: nn.Module, micro: dict[str, Any]) -> None:
-        """Before the first packed step: prove on synthetic tokens that attention stays inside each example."""
-        extra = {"use_cache": False} if "use_cache" in micro else {}
-        start = int(micro["position_ids"].reshape(-1)[0])
-        check_attention_stays_inside_examples(model, start, extra)
+    def _check_packed_attention(self, model: nn.Module) -> None:
+        """Before the first packed step: prove on synthetic tokens that attention stays inside each example,
+        with the inputs a packed micro-batch gets (``use_cache=False``, see :meth:`_no_cache_when_packed`)."""
+        probe = {"position_ids": torch.zeros(1, 1, dtype=torch.long)}
+        extra, _, _ = self._no_cache_when_packed((probe, None, PackedLayout(((0, 0, 1),), 1, 1)))
+        extra = {k: v for k, v in extra.items() if k != "position_ids"}
+        check_attention_stays_inside_examples(model, self._training_batch_structure().position_start, extra)
         self._packing_checked = True
 
     def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:

@@ -232,7 +232,7 @@ def test_attention_across_packed_examples_is_refused_before_the_first_step(case,
             return micro_batch  # the model then creates a cache (config.use_cache=True): attention crosses
 
     class LeakyUnprobedTrainer(LeakyTrainer):
-        def _check_packed_attention(self, model, micro):
+        def _check_packed_attention(self, model):
             pass
 
     model = tiny_decoder("llama")
