@@ -69,3 +69,18 @@ def test_batch_with_a_key_the_probe_did_not_see_is_refused(tmp_path):
     trainer.create_optimizer()
     with pytest.raises(BatchStructureError, match="token_type_ids"):
         trainer.training_step(trainer.model, batch)
+
+
+def test_packed_rows_with_one_label_per_example_are_refused():
+    """A sequence-level label per example next to packed tokens (a classification head on packed rows): the
+    head would pool over the whole row, mixing the examples; the structure is refused at the probe."""
+
+    def collate(examples):
+        return {
+            "input_ids": torch.cat([e["input_ids"] for e in examples]).unsqueeze(0),
+            "position_ids": torch.cat([torch.arange(len(e["input_ids"])) for e in examples]).unsqueeze(0),
+            "labels": torch.tensor([e["labels"] for e in examples]),
+        }
+
+    with pytest.raises(BatchStructureError, match="either packed or one example per row"):
+        probe_batch_structure(collate, make_examples(1, VOCAB, causal=False)[0])
