@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 from hf_dpfilter.accounting import ACCOUNTANTS
 from hf_dpfilter.clipping import CLIPPING_FNS
 from hf_dpfilter.optimizers.registry import METHOD_NAMES, legacy_setting_owners, method_names, method_spec
+from hf_dpfilter.training_fields import check_training_fields
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +126,21 @@ class DPTrainingArguments(TrainingArguments):
             "only. The norms and sums are the same either way (docs/performance.md)."
         },
     )
+    dp_eval_disjoint_from_train: bool = field(
+        default=False,
+        metadata={
+            "help": "Declare that eval_dataset shares no example with the training set (a held-out split). Needed "
+            "for evaluation-driven settings (load_best_model_at_end, metric_for_best_model, save_strategy='best', "
+            "lr_scheduler_type='reduce_lr_on_plateau', EarlyStoppingCallback): their metric picks checkpoints or "
+            "drives the run without noise, so it must not be computed on private examples. Identical rows of "
+            "datasets.Dataset train/eval sets are still looked for and refused. The eval set is not protected."
+        },
+    )
 
     def __post_init__(self) -> None:
+        # Every TrainingArguments field has a DP status (hf_dpfilter/training_fields.py); refuse before the
+        # values are rewritten below and by TrainingArguments (max_grad_norm, debug, ...).
+        check_training_fields(self, "arguments")
         self._validate_dp_fields()
         accumulation = self.gradient_accumulation_steps
         # Batch-level clipping would act on the clipped sum before the noise and change nothing useful.

@@ -8,8 +8,11 @@ unless the user supplies the per-example loss through the documented hook -- an 
 :meth:`hf_dpfilter.DPTrainer.compute_per_example_loss` -- which the first-step check
 (:mod:`hf_dpfilter.first_step_check`) then verifies example by example.
 
-``label_smoothing_factor > 0`` is supported exactly: the smoothed cross-entropy of the Trainer's
-``LabelSmoother``, token by token, averaged over each example's own tokens (not over the batch's).
+The per-example losses support label smoothing exactly (the smoothed cross-entropy of the Trainer's
+``LabelSmoother``, token by token, averaged over each example's own tokens, not over the batch's), and
+``compute_per_example_loss`` passes ``label_smoothing_factor``; the fields table
+(:mod:`hf_dpfilter.training_fields`) refuses ``label_smoothing_factor > 0`` today, so it only takes effect once
+that row honours it.
 
 PEFT prompt learning (prompt tuning, P-tuning, prefix tuning) is refused: its virtual-token parameters are
 shared by every example and broadcast inside PEFT's forward (peft 0.21 widens the prompt to the batch and

@@ -31,7 +31,7 @@ from torch import nn
 from hf_dpfilter.accounting import ACCOUNTANTS, compute_epsilon, default_delta, validate_privacy_parameters
 from hf_dpfilter.clipping import CLIPPING_FNS
 from hf_dpfilter.collectives import Collectives, default_collectives
-from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings
+from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
 from hf_dpfilter.optimizers.registry import legacy_setting_owners, method_spec
 from hf_dpfilter.secure_rng import fresh_seed
 
@@ -222,8 +222,22 @@ class PrivacyPlan:
         secure_noise: bool = False,
         accountant: str = "prv",
     ) -> PrivacyPlan:
-        """A plan without a data set (no N, no planned steps): a fixed noise multiplier, accounted per step when
-        ``sample_rate`` is given. What :func:`hf_dpfilter.make_dp_optimizer` builds."""
+        """A plan without a data set (no N, no planned steps): a fixed noise multiplier, accounted per step. What
+        :func:`hf_dpfilter.make_dp_optimizer` builds.
+
+        Without ``sample_rate`` nothing says how the batches were drawn, so no subsampling amplification can be
+        claimed: each step is accounted as a Gaussian mechanism over the whole data set (``sample_rate=1.0``, a
+        valid but loose bound, with a warning), never as a step that spends nothing."""
+        if sample_rate is None and method != "none":
+            if noise_multiplier > 0:
+                warnings.warn(
+                    "No sample_rate was given: each step is accounted as a Gaussian mechanism without subsampling "
+                    "amplification (sample_rate=1.0), a valid but much larger epsilon than Poisson sampling gets. "
+                    "Pass sample_rate=B/N when the batches are Poisson samples (hf_dpfilter.PoissonBatchSampler).",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            sample_rate = 1.0
         spec = method_spec(method)
         config = spec.config_class.from_args(method_args)
         if not noise_multiplier >= 0:
@@ -306,16 +320,26 @@ class PrivacyPlan:
     def noise_to_signal(self, trainable_parameters: int | None = None) -> dict[str, float] | None:
         """How loud the noise is against the clipped signal, for ``d`` trainable parameters.
 
-        ``per_step`` = sigma sqrt(d) / B: the norm of the noise in one averaged privatized gradient over the
-        largest possible signal, the clipped mean (norm <= C); ``per_run`` = per_step / sqrt(T): the same for
+        ``per_step`` = sigma sqrt(d) / B for DP-SGD: the norm of the noise in one averaged privatized gradient over
+        the largest possible signal, the clipped mean (norm <= C); for another method, the noise its loudest round
+        really adds over that round's signal (:meth:`noise_rounds`: DiceSGD's sigma (C1 + 2 B C2) over C1 + C2); ``per_run`` = per_step / sqrt(T): the same for
         the sum over the T steps of a gradient that points the same way at every step (the best case).
         Both count every trainable coordinate, so they overstate the harm for real gradients, which live in a
         few directions; they are a first check (Li et al. 2022 and De et al. 2022 use large B, many steps).
         """
         if not self.is_private or not trainable_parameters or not self.steps:
             return None
-        per_step = self.noise_multiplier * math.sqrt(trainable_parameters) / self.expected_batch_size
+        # The noise each round really adds (the method's sensitivity, e.g. DiceSGD's C1 + 2 B C2, each of DIFF2's
+        # rounds), over the signal that round carries; the loudest round sets the figures.
+        noise_to_clip = max(r.noise_to_clip for r in self.noise_rounds())
+        per_step = noise_to_clip * math.sqrt(trainable_parameters) / self.expected_batch_size
         return {"per_step": per_step, "per_run": per_step / math.sqrt(self.steps)}
+
+    def noise_rounds(self) -> list[NoiseRound]:
+        """The kinds of rounds the method releases, each with its real noise (:class:`NoiseRound`); [] if not private."""
+        if not self.is_private:
+            return []
+        return self.config.noise_rounds(self.noise, self)
 
     def learnability_warnings(self, trainable_parameters: int | None = None) -> list[str]:
         """Plans that cannot rise above the noise, each with the fix the DP fine-tuning literature gives."""
@@ -331,10 +355,14 @@ class PrivacyPlan:
             )
         ratio = self.noise_to_signal(trainable_parameters)
         if ratio is not None and ratio["per_run"] > MAX_RUN_NOISE_TO_SIGNAL:
+            loudest = max(self.noise_rounds(), key=lambda r: r.noise_to_clip)
+            noise = (f"sigma = {self.noise_multiplier:.3g}" if loudest.noise_to_clip == self.noise_multiplier else
+                     f"the noise of {self.method}'s {loudest.label} (sigma = {loudest.noise_multiplier:.3g} x "
+                     f"sensitivity {loudest.sensitivity}, {loudest.noise_to_clip:.3g}x the clipped signal)")
             out.append(
-                f"sigma = {self.noise_multiplier:.3g} is large for the batch: even a gradient pointing the same way "
+                f"{noise} is large for the batch: even a gradient pointing the same way "
                 f"at every step would stay {ratio['per_run']:.1f}x below the noise accumulated over the run "
-                f"(sigma sqrt(d) / (B sqrt(T)) with d = {trainable_parameters:,} trainable parameters). Use a larger "
+                f"(noise sqrt(d) / (B sqrt(T)) with d = {trainable_parameters:,} trainable parameters). Use a larger "
                 "logical_batch_size (the noise per example falls as 1/B), more epochs, fewer trainable parameters "
                 "(LoRA), or a larger epsilon."
             )
@@ -357,11 +385,16 @@ class PrivacyPlan:
             f"epsilon = {self.epsilon():.4g} at delta = {self.delta:.3g} ({self.accountant})"
             + (f", target {self.target_epsilon:g}" if self.target_epsilon is not None else ""),
         ]
+        for r in self.noise_rounds():
+            lines.append(
+                f"  noise of {r.label}: sigma = {r.noise_multiplier:.4g} x sensitivity {r.sensitivity} on the sum "
+                f"({r.noise_to_clip:.4g}x the per-example clip of the signal)"
+            )
         ratio = self.noise_to_signal(trainable_parameters)
         if ratio is not None:
             lines.append(
                 f"  noise-to-signal: {ratio['per_step']:.3g} per step, {ratio['per_run']:.3g} over the run "
-                f"(sigma sqrt(d) / B, / sqrt(T); d = {trainable_parameters:,})"
+                f"(noise sqrt(d) / B, / sqrt(T), loudest round; d = {trainable_parameters:,})"
             )
         lines.append(f"  randomness: {self.randomness}")
         lines += [f"  WARNING: {w}" for w in self.learnability_warnings(trainable_parameters)]

@@ -21,12 +21,13 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import TrainOutput
 
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPTrainingArguments
@@ -43,6 +44,7 @@ from hf_dpfilter.packing import (
     packed_token_mean_loss,
 )
 from hf_dpfilter.plan import PrivacyPlan
+from hf_dpfilter.run_guard import RunGuard
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +163,22 @@ class DPTrainer(Trainer):
         check_prompt_learning(self.model)
         self._setup_privacy()
         self.add_callback(_PrivacyCallback(self))
+        # What the plan was computed from; checked again when train() starts (hf_dpfilter/run_guard.py).
+        self._run_guard = RunGuard(self)
+
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
+        """``Trainer.train``, after the checks of :class:`hf_dpfilter.run_guard.RunGuard` (one run per trainer;
+        the arguments, batch and processes the plan was computed for)."""
+        self._run_guard.before_train(self)
+        return super().train(*args, **kwargs)
+
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(
+            "hyperparameter_search is not supported by DPTrainer: every trial trains on the private data and the "
+            "choice of the best trial releases information about it, which no single run's epsilon accounts for. "
+            "Tune on public data or on a public proxy task, or account the whole search (create one DPTrainer per "
+            "trial and add up their epsilons)."
+        )
 
     # ------------------------------------------------------------------------------ set-up
     def _setup_privacy(self) -> None:

@@ -55,7 +55,7 @@ from torch import nn
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine import PerExampleGradients
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings
+from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
@@ -129,6 +129,14 @@ class DiceSGDConfig(MethodConfig):
     def mechanisms(self, step: int, noise: NoiseSettings, plan: PrivacyPlan) -> list[Mechanism]:
         return [Mechanism(s, q) for s, q, _ in dicesgd_history(noise.noise_multiplier, plan.sample_rate, 1,
                                                                self.kappa(plan))]
+
+    def noise_rounds(self, noise: NoiseSettings, plan: PrivacyPlan) -> list[NoiseRound]:
+        """One round per step: noise sigma (C1 + 2 B C2) on the sum, against a signal of at most C1 + C2 per example
+        (the clipped gradient and, on the mean scale, the clipped feedback)."""
+        c1, c2, batch = plan.max_grad_norm, self.c2(plan), plan.expected_batch_size
+        sensitivity = f"C1 + 2 B C2 = {c1:g} + 2 x {batch:g} x {c2:g} = {self.sensitivity(plan):g} (error feedback)"
+        return [NoiseRound("every step", 1.0, noise.noise_multiplier, sensitivity,
+                           noise.noise_multiplier * self.sensitivity(plan) / (c1 + c2))]
 
     def calibrate(self, target_epsilon: float, delta: float, plan: PrivacyPlan) -> NoiseSettings:
         if self.accounting == "paper":

@@ -47,7 +47,7 @@ from torch import nn
 
 from hf_dpfilter.engine import PerExampleGradients
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings
+from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
@@ -147,6 +147,22 @@ class Diff2Config(MethodConfig):
             return [Mechanism(noise.noise_multiplier, plan.sample_rate)]
         z2 = noise.get("difference_noise_multiplier", noise.noise_multiplier)
         return [Mechanism(z2, plan.sample_rate)]
+
+    def noise_rounds(self, noise: NoiseSettings, plan: PrivacyPlan) -> list[NoiseRound]:
+        """Restart rounds (1 in T): z1 x D1 over a signal clipped to C1; difference rounds: z2 x D2 over a
+        difference clipped to C_{2,r} = C2 ||x_{r-1} - x_{r-2}||; D = the threshold, doubled under replace-one."""
+        factor = 2.0 if self.neighbouring == "replace_one" else 1.0
+        z1 = noise.noise_multiplier
+        z2 = noise.get("difference_noise_multiplier", z1)
+        relation = " x 2 (replace-one)" if factor == 2.0 else ""
+        period = int(self.restart_every)
+        rounds = [NoiseRound(f"restart rounds (1 in {period})", 1.0 / period, z1, f"C1 = {plan.max_grad_norm:g}{relation}",
+                             z1 * factor)]
+        if period > 1:
+            rounds.append(NoiseRound(
+                f"difference rounds ({period - 1} in {period})", (period - 1) / period, float(z2),
+                f"C_2,r = C2 ||x_r-1 - x_r-2||{relation}", float(z2) * factor))
+        return rounds
 
     def fixed_noise(self, noise_multiplier: float, plan: PrivacyPlan) -> NoiseSettings:
         z2 = noise_multiplier if self.difference_noise_multiplier is None else self.difference_noise_multiplier

@@ -28,7 +28,7 @@ from hf_dpfilter.accounting import calibrate_noise_multiplier, calibrate_scale
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
 
-__all__ = ["Mechanism", "MethodConfig", "NoiseSettings", "aggregate_history"]
+__all__ = ["Mechanism", "MethodConfig", "NoiseRound", "NoiseSettings", "aggregate_history"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,21 @@ class Mechanism:
 
     noise_multiplier: float
     sample_rate: float
+
+
+@dataclass(frozen=True)
+class NoiseRound:
+    """One kind of round a method releases, for the plan's diagnostics (``describe``, the noise-to-signal check).
+
+    ``noise_to_clip`` is the noise std on the sum scale (sigma x the round's sensitivity) over the largest norm one
+    example's contribution to that round's signal can have: 1 for DP-SGD (noise sigma C, signal clipped to C).
+    """
+
+    label: str
+    fraction: float  # of the steps
+    noise_multiplier: float
+    sensitivity: str  # the round's L2 sensitivity, as the method computes it
+    noise_to_clip: float
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,14 @@ class MethodConfig:
                 key = (float(m.noise_multiplier), float(m.sample_rate))
                 counts[key] = counts.get(key, 0) + repeats
         return [(s, q, n) for (s, q), n in counts.items()]
+
+    def noise_rounds(self, noise: NoiseSettings, plan: PrivacyPlan) -> list[NoiseRound]:
+        """The rounds the method releases and the real noise of each (DP-SGD: sigma C over a signal clipped to C).
+
+        A method whose noise is scaled to another sensitivity than C, or which alternates kinds of rounds, says so
+        here, so that the plan's diagnostics state the noise that is really added."""
+        return [NoiseRound("every step", 1.0, noise.noise_multiplier, f"C = {plan.max_grad_norm:g}",
+                           noise.noise_multiplier)]
 
     def noise_for_scale(self, scale: float, plan: PrivacyPlan) -> NoiseSettings:
         """The noise settings calibration tries for one scale parameter (DP-SGD: sigma = scale)."""

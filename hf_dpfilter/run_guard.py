@@ -1,0 +1,185 @@
+"""What ``DPTrainer`` checks when it is created and when ``train()`` starts, beyond the arguments themselves.
+
+The privacy plan is computed once, from the arguments and the training set as they are when the ``DPTrainer``
+is created. Everything the training loop later reads must still say the same when it runs:
+
+* the refusals of :mod:`hf_dpfilter.training_fields` (stage ``"trainer"``: values set after the arguments were
+  built, e.g. ``gradient_accumulation_steps`` written by the Trainer from ``accelerator_config``);
+* the planned DP settings, the logical batch and the world size are the planned ones;
+* one ``train()`` per trainer once a step was released (its noise was calibrated for one run);
+* no ``model_init`` (the clipping engine and the plan belong to one model);
+* an evaluation that picks checkpoints, drives the learning rate or stops the run never reads training examples:
+  ``eval_dataset`` is not the training set, and with ``dp_eval_disjoint_from_train=True`` identical rows of
+  ``datasets.Dataset`` train/eval sets are looked for.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from hf_dpfilter.training_fields import TrainingFieldError, check_training_fields, eval_driven_features
+
+if TYPE_CHECKING:
+    from hf_dpfilter.trainer import DPTrainer
+
+__all__ = ["RunGuard", "overlapping_rows"]
+
+#: DP settings the plan is built from; a change after DPTrainer creation would be silently ignored
+PLANNED_DP_FIELDS = (
+    "dp_method", "dp_method_args", "target_epsilon", "target_delta", "noise_multiplier", "per_sample_max_grad_norm",
+    "clipping_fn", "logical_batch_size", "poisson_sampling", "accountant", "dp_seed", "secure_noise",
+)
+#: fields whose values are secret: a message names the change, never the values
+SECRET_FIELDS = ("dp_seed",)
+#: columns that number the rows of a split rather than describe the example
+ID_COLUMNS = frozenset({"idx", "id", "index", "__index_level_0__"})
+
+
+class RunGuard:
+    """Snapshot of what the plan was built from (at DPTrainer creation), and the checks run before training."""
+
+    def __init__(self, trainer: DPTrainer) -> None:
+        args = trainer.args
+        self.planned = {name: copy.deepcopy(getattr(args, name, None)) for name in PLANNED_DP_FIELDS}
+        self.world_size = max(1, args.world_size)
+        self.check(trainer)
+
+    def check(self, trainer: DPTrainer) -> None:
+        """Everything that must hold before a step is released (raises with the fix)."""
+        if trainer.model_init is not None:
+            raise TrainingFieldError(
+                "model_init is not supported by DPTrainer: train() would build a new model while the clipping "
+                "engine and the privacy plan stay attached to the first one (hyperparameter_search needs it, and "
+                "each trial would be a new release of the same data). Pass model=... and create one DPTrainer per "
+                "run; account every run you publish or select from."
+            )
+        check_training_fields(trainer.args, "trainer")
+        self._check_plan_inputs(trainer)
+        self._check_evaluation(trainer)
+
+    def before_train(self, trainer: DPTrainer) -> None:
+        """Called at the start of every ``train()``: refuse a second run of the same trainer, then :meth:`check`."""
+        plan = trainer.privacy_plan
+        released = trainer.accountant.steps
+        if trainer.dp_optimizer is not None:
+            released = max(released, trainer.dp_optimizer.dp_steps)
+        if plan.is_private and released > 0:
+            raise RuntimeError(
+                f"train() was already run on this DPTrainer and released {released} noisy steps; its noise was "
+                f"calibrated for one run of {plan.steps} steps, so a second run would spend beyond the plan"
+                + (f" (target_epsilon={plan.target_epsilon})" if plan.target_epsilon is not None else "")
+                + ". Create a new DPTrainer for a new run; to continue this one, create it with the same arguments "
+                "and call train(resume_from_checkpoint=...), which restores and keeps counting the spent steps."
+            )
+        self.check(trainer)
+
+    # ------------------------------------------------------------------------------------------ checks
+    def _check_plan_inputs(self, trainer: DPTrainer) -> None:
+        args, plan = trainer.args, trainer.privacy_plan
+        for name, value in self.planned.items():
+            now = getattr(args, name, None)
+            if now != value:
+                change = "" if name in SECRET_FIELDS else f" from {value!r} to {now!r}"
+                raise TrainingFieldError(
+                    f"args.{name} was changed{change} after the DPTrainer was created, but the privacy plan (noise, "
+                    "sample rate, clipping, accounting) was computed from the value at creation. Set it before "
+                    "creating the DPTrainer (create a new DPTrainer)."
+                )
+        world = max(1, args.world_size)
+        if world != self.world_size:
+            raise TrainingFieldError(
+                f"The run has {world} processes but the privacy plan was computed for {self.world_size}. Create the "
+                "DPTrainer in the processes that train."
+            )
+        batch = args.logical_batch_size or args.per_device_train_batch_size * world
+        if float(batch) != plan.expected_batch_size:
+            raise TrainingFieldError(
+                f"The logical batch is now {batch} examples (per_device_train_batch_size="
+                f"{args.per_device_train_batch_size} x {world} processes) but the privacy plan was computed for "
+                f"{plan.expected_batch_size:g}. Set logical_batch_size (or per_device_train_batch_size) before "
+                "creating the DPTrainer; per_device_train_batch_size alone only sets the micro-batch once "
+                "logical_batch_size is given."
+            )
+        accelerator = getattr(trainer, "accelerator", None)
+        accumulation = getattr(accelerator, "gradient_accumulation_steps", 1) if accelerator is not None else 1
+        if accumulation not in (None, 1):
+            raise TrainingFieldError(
+                f"The accelerator accumulates gradients over {accumulation} batches: Poisson batches would be merged "
+                "into one noisy step, accounted once. Remove gradient accumulation from the accelerator's "
+                "configuration and set DPTrainingArguments(logical_batch_size=...) instead."
+            )
+
+    def _check_evaluation(self, trainer: DPTrainer) -> None:
+        args = trainer.args
+        evals = _eval_datasets(trainer.eval_dataset)
+        train = trainer.train_dataset
+        for name, dataset in evals:
+            if dataset is train or _same_fingerprint(dataset, train):
+                raise TrainingFieldError(
+                    f"eval_dataset{name} is the training set: its evaluation loss and metrics are computed from the "
+                    "private examples without noise and published (logs, trainer_state.json). Evaluate a held-out "
+                    "split (e.g. the validation split), or remove eval_dataset."
+                )
+        driven = eval_driven_features(args) + _early_stopping(trainer)
+        if not driven:
+            return
+        if not args.dp_eval_disjoint_from_train:
+            raise TrainingFieldError(
+                f"{', '.join(driven)}: an evaluation metric would pick checkpoints, drive the learning rate or stop "
+                "the run, unaccounted. If eval_dataset is a held-out split sharing no example with the training "
+                "set, declare it with dp_eval_disjoint_from_train=True; otherwise remove these settings."
+            )
+        for name, dataset in evals:
+            count = overlapping_rows(train, dataset)
+            if count:
+                raise TrainingFieldError(
+                    f"dp_eval_disjoint_from_train=True, but eval_dataset{name} shares {count} identical row(s) with "
+                    f"the training set, and {', '.join(driven)} would select or steer the run by their noiseless "
+                    "metric. Remove the shared examples from the eval set (deduplicate the splits), or remove the "
+                    "evaluation-driven settings."
+                )
+
+
+def _eval_datasets(eval_dataset: Any) -> list[tuple[str, Any]]:
+    if eval_dataset is None:
+        return []
+    if isinstance(eval_dataset, dict):
+        return [(f"[{key!r}]", value) for key, value in eval_dataset.items()]
+    return [("", eval_dataset)]
+
+
+def _same_fingerprint(a: Any, b: Any) -> bool:
+    fa, fb = getattr(a, "_fingerprint", None), getattr(b, "_fingerprint", None)
+    return fa is not None and fa == fb
+
+
+def _early_stopping(trainer: DPTrainer) -> list[str]:
+    from transformers import EarlyStoppingCallback
+
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+    return ["EarlyStoppingCallback"] if any(isinstance(c, EarlyStoppingCallback) for c in callbacks) else []
+
+
+def _row_digests(dataset: Any, columns: list[str]) -> Iterable[bytes]:
+    for batch in dataset.select_columns(columns).iter(batch_size=1024):
+        for values in zip(*(batch[c] for c in columns)):
+            yield hashlib.blake2b(repr(values).encode(), digest_size=16).digest()
+
+
+def overlapping_rows(train: Any, evaluation: Any) -> int:
+    """Rows of ``evaluation`` identical to a row of ``train`` on their common columns (``datasets.Dataset``s;
+    0 for other datasets, where identity cannot be checked cheaply)."""
+    import datasets
+
+    if not (isinstance(train, datasets.Dataset) and isinstance(evaluation, datasets.Dataset)):
+        return 0
+    common = set(train.column_names) & set(evaluation.column_names)
+    # The model's input identifies an example; row ids (GLUE's "idx") differ between splits and would hide it.
+    columns = ["input_ids"] if "input_ids" in common else sorted(common - ID_COLUMNS)
+    if not columns:
+        return 0
+    seen = set(_row_digests(train, columns))
+    return sum(digest in seen for digest in _row_digests(evaluation, columns))
