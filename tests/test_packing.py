@@ -93,9 +93,13 @@ def _args(tmp_path, n, micro=2, **kw):
     return DPTrainingArguments(**base)
 
 
-@pytest.mark.parametrize("name", [*MODELS, "llama_lora"])
+@pytest.mark.parametrize("name", [*MODELS, "llama_lora", "llama_flash_kwargs"])
 def test_dptrainer_step_with_flattening_collator_equals_per_example_reference(name, tmp_path):
-    """One DPTrainer step (q = 1, noise 0, micro-batches of 2 examples) on DataCollatorWithFlattening batches."""
+    """One DPTrainer step (q = 1, noise 0, micro-batches of 2 examples) on DataCollatorWithFlattening batches
+    (with FlashAttention's boundary arguments and seq_idx too, recomputed per micro-batch)."""
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) if (
+        name == "llama_flash_kwargs") else DataCollatorWithFlattening()
+    name = "llama" if name == "llama_flash_kwargs" else name
     model = _llama_lora() if name == "llama_lora" else MODELS[name]()
     model.eval()
     examples = make_examples(5, VOCAB, causal=True, seed=3)
@@ -103,7 +107,7 @@ def test_dptrainer_step_with_flattening_collator_equals_per_example_reference(na
     clip = float(norms.median())  # some examples clipped, some not
     reference, _ = reference_clipped_sum(model, examples, True, clip)
     trainer = DPTrainer(model=model, args=_args(tmp_path, len(examples), per_sample_max_grad_norm=clip),
-                        train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
+                        train_dataset=ListDataset(examples), data_collator=collator)
     assert trainer._training_batch_structure().packed
     before = {p: p.detach().clone() for p in model.parameters() if p.requires_grad}
     trainer.train()
