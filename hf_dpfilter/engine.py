@@ -58,6 +58,7 @@ from torch import nn
 
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.grad_rules import DenseTerm, IndexTerm, OuterTerm, Term, find_grad_rule
+from hf_dpfilter.packing import PackedLayout, regroup_record
 
 __all__ = ["CheckpointingError", "GhostClippingEngine", "PerExampleGradients", "UnsupportedLayerError"]
 
@@ -907,6 +908,7 @@ class GhostClippingEngine:
         self._pending_reference: dict[nn.Parameter, torch.Tensor] | None = None
         self._pending_low_precision = False
         self._pending_dtype = torch.float32
+        self._packing: PackedLayout | None = None  # declared by packed() for packed rows
         self.attach()
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -989,6 +991,9 @@ class GhostClippingEngine:
     def parameter_name(self, param: nn.Parameter) -> str:
         return self._param_names.get(param, "<unnamed>")
 
+    def _module_name(self, module: nn.Module) -> str:
+        return next((n for n, m in self.model.named_modules() if m is module), type(module).__name__)
+
     # --------------------------------------------------------------------------------------- recording
     def _forward_hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor):
         if not torch.is_grad_enabled():
@@ -1020,7 +1025,9 @@ class GhostClippingEngine:
         # engine sees that they share it (PerExampleGradients fuses them) and keeps one bf16 copy, not three.
         activations = None if source is None else self._recorded_input(source, dtype)
         batch = self._batch_size
-        if batch is None:
+        if self._packing is not None:  # packed rows: the recorded tensors' leading axis is rows, not examples
+            batch = self._packing.rows
+        elif batch is None:
             batch = output.shape[0]
             self._batch_size = batch
         if output.shape[0] == 1 and batch > 1:
@@ -1125,6 +1132,20 @@ class GhostClippingEngine:
         finally:
             self._recording = False
 
+    @contextlib.contextmanager
+    def packed(self, layout: PackedLayout | None) -> Iterator[None]:
+        """Declare that the batches recorded inside the block are packed rows with this layout (None: not packed).
+
+        The recorded tensors then have rows as their leading axis, the per-example losses one entry per example
+        of the layout, and each layer's activations and output gradients are regrouped per example before its
+        rule (:mod:`hf_dpfilter.packing`), so every example gets its own gradient and its own clip.
+        """
+        previous, self._packing = self._packing, layout
+        try:
+            yield
+        finally:
+            self._packing = previous
+
     def clear(self) -> None:
         self._records = []
         self._recorded_inputs = {}
@@ -1198,12 +1219,18 @@ class GhostClippingEngine:
             output_grads = torch.autograd.grad(total, [r.output_edge for r in records], allow_unused=True)
         finally:
             self._in_own_backward = False
+        regrouped: dict[int, torch.Tensor] = {}  # packed rows: layers sharing an input share its regrouped copy
         for record, grad_output in zip(records, output_grads):
             if grad_output is None:
                 continue
             rule = find_grad_rule(record.module)
             module_params = self._module_params[record.module]
-            for param_name, term in rule(record.module, record.activations, grad_output).items():
+            activations = record.activations
+            if self._packing is not None:
+                activations, grad_output = regroup_record(
+                    self._packing, lambda m=record.module: self._module_name(m), activations, grad_output, regrouped
+                )
+            for param_name, term in rule(record.module, activations, grad_output).items():
                 self._pending_terms.setdefault(module_params[param_name], []).append(term)
 
     def _add_reference(self, total: torch.Tensor, records: list[_Record]) -> None:

@@ -22,8 +22,34 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Mean cross-entropy over each example's own valid tokens; logits (B,T,V), labels (B,T) -> (B,)."""
+def check_token_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """Refuse logits and labels that do not have one prediction per label token (never reshape them).
+
+    PEFT's prompt tuning / P-tuning prepend virtual tokens to the logits of a causal LM but not to the labels: a
+    reshape would pair each label with another position's prediction, a meaningless loss.
+    """
+    if logits.dim() != labels.dim() + 1 or tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(
+            f"Per-example token loss: logits of shape {tuple(logits.shape)} and labels of shape {tuple(labels.shape)} "
+            "do not have one prediction per label token (the model adds or drops positions, as PEFT's prompt "
+            "tuning / P-tuning prepend virtual tokens to the logits only). Pad the labels to the logits' length "
+            "with -100 in an override of DPTrainer.compute_per_example_loss, or train without virtual tokens."
+        )
+
+
+def token_mean_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    shift: bool,
+    ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Mean cross-entropy over each example's own valid tokens; logits (B,T,V), labels (B,T) -> (B,).
+
+    ``label_smoothing`` is the Trainer's ``label_smoothing_factor`` (the smoothed cross-entropy of
+    ``transformers.trainer_pt_utils.LabelSmoother``, token by token), averaged over the example's own tokens.
+    """
+    check_token_shapes(logits, labels)
     if shift:
         # Shift the labels, not the logits (the last position gets ignore_index): slicing or transposing the
         # (B, T, V) logits would copy them and run log-softmax over a strided axis, several times slower.
@@ -32,14 +58,20 @@ def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool, ign
         logits = logits.float()  # the loss in fp32 under bf16 autocast
     batch, steps = labels.shape
     token_losses = F.cross_entropy(
-        logits.reshape(batch * steps, -1), labels.reshape(-1), ignore_index=ignore_index, reduction="none"
+        logits.reshape(batch * steps, -1), labels.reshape(-1), ignore_index=ignore_index, reduction="none",
+        label_smoothing=label_smoothing,
     ).view(batch, steps)
     valid = (labels != ignore_index).to(token_losses.dtype)
     return token_losses.sum(dim=1) / valid.sum(dim=1).clamp_min(1.0)
 
 
-def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None = None) -> torch.Tensor:
+def sequence_classification_loss(
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None = None, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """Per-example loss for sequence classification/regression; logits (B,C) -> (B,)."""
+    if labels.shape[0] != logits.shape[0]:
+        raise ValueError(f"Logits of shape {tuple(logits.shape)} and labels of shape {tuple(labels.shape)}: one "
+                         "label per example is needed.")
     num_labels = logits.shape[-1]
     if problem_type is None:
         if num_labels == 1:
@@ -48,21 +80,32 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, pro
             problem_type = "single_label_classification"
         else:
             problem_type = "multi_label_classification"
+    if label_smoothing and problem_type != "single_label_classification":
+        raise ValueError(
+            f"label_smoothing_factor={label_smoothing} applies to classification and token losses, not to "
+            f"{problem_type} (the Trainer itself disables it for multi-label problems). Set label_smoothing_factor=0."
+        )
     if problem_type == "regression":
         return (logits.squeeze(-1) - labels.to(logits.dtype).reshape(logits.shape[0])) ** 2
     if problem_type == "single_label_classification":
-        return F.cross_entropy(logits.reshape(-1, num_labels), labels.reshape(-1), reduction="none")
+        return F.cross_entropy(
+            logits.reshape(-1, num_labels), labels.reshape(-1), reduction="none", label_smoothing=label_smoothing
+        )
     if problem_type == "multi_label_classification":
         return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(dim=-1)
     raise ValueError(f"Unknown problem_type {problem_type!r}.")
 
 
 def per_example_loss(
-    logits: torch.Tensor, labels: torch.Tensor, causal_lm: bool, problem_type: str | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    causal_lm: bool,
+    problem_type: str | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Dispatch on the shape of the logits: (B, C) sequence-level, (B, T, V) token-level."""
     if logits.dim() == 2:
-        return sequence_classification_loss(logits, labels, problem_type)
+        return sequence_classification_loss(logits, labels, problem_type, label_smoothing=label_smoothing)
     if logits.dim() == 3:
-        return token_mean_loss(logits, labels, shift=causal_lm)
+        return token_mean_loss(logits, labels, shift=causal_lm, label_smoothing=label_smoothing)
     raise ValueError(f"Cannot derive a per-example loss from logits of shape {tuple(logits.shape)}.")

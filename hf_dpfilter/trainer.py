@@ -16,6 +16,7 @@ the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -30,13 +31,26 @@ from transformers.trainer_utils import TrainOutput
 
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPTrainingArguments
+from hf_dpfilter.batch_structure import BatchStructure, probe_batch_structure
 from hf_dpfilter.engine import GhostClippingEngine
+from hf_dpfilter.first_step_check import verify_per_example
+from hf_dpfilter.loss_policy import check_loss_policy, check_prompt_learning
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.optimizers import DPOptimizer
+from hf_dpfilter.packing import (
+    PackedLayout,
+    PackingError,
+    check_attention_stays_inside_examples,
+    packed_token_mean_loss,
+)
 from hf_dpfilter.plan import PrivacyPlan
 from hf_dpfilter.run_guard import RunGuard
 
 logger = logging.getLogger(__name__)
+
+#: Key under which the training collator reports how many examples it collated (popped before the forward):
+#: the number of examples a packed batch must hold, declared by the sampler's draw, not inferred from rows.
+NUM_EXAMPLES_KEY = "_dp_num_examples"
 
 
 class _EmptySafeCollator:
@@ -48,10 +62,11 @@ class _EmptySafeCollator:
 
     def __call__(self, examples: list) -> dict[str, Any]:
         if len(examples) > 0:
-            return self.collate_fn(examples)
+            return {**self.collate_fn(examples), NUM_EXAMPLES_KEY: len(examples)}
         # Collate one real example for the structure, then keep zero rows of it: nothing private is used.
         template = self.collate_fn([self.dataset[0]])
-        return {k: v[:0] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in template.items()}
+        empty = {k: v[:0] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in template.items()}
+        return {**empty, NUM_EXAMPLES_KEY: 0}
 
 
 class _LogicalBatchLoader(DataLoader):
@@ -140,6 +155,12 @@ class DPTrainer(Trainer):
             raise TypeError("DPTrainer needs DPTrainingArguments (a TrainingArguments subclass) as `args`.")
         self.dp_optimizer: DPOptimizer | None = None
         self.engine: GhostClippingEngine | None = None
+        self._batch_structure: BatchStructure | None = None  # probed on the training collator
+        self._packed_layout: PackedLayout | None = None  # the packed micro-batch being computed, if any
+        self._per_example_checked = not self.args.dp_verify_first_step
+        self._packing_checked = False  # packed rows: attention proven to stay inside each example, once
+        check_loss_policy(self, DPTrainer)
+        check_prompt_learning(self.model)
         self._setup_privacy()
         self.add_callback(_PrivacyCallback(self))
         # What the plan was computed from; checked again when train() starts (hf_dpfilter/run_guard.py).
@@ -364,6 +385,7 @@ class DPTrainer(Trainer):
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         sampler = self.privacy_plan.make_sampler(rank=rank, world_size=world)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
+        self._batch_structure = probe_batch_structure(collator, dataset[0])
         return _LogicalBatchLoader(
             dataset,
             batch_sampler=sampler,
@@ -380,52 +402,108 @@ class DPTrainer(Trainer):
         labels: torch.Tensor,
         param_values: dict[nn.Parameter, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Per-example losses, shape (B,), optionally at other parameter values (a functional call)."""
+        """Per-example losses, shape (B,), optionally at other parameter values (a functional call).
+
+        The documented hook for a loss of your own: override it to return one loss per example, each computed
+        from that example only (the first-step check verifies it example by example). For packed rows
+        (several examples per row) ``self.packed_layout`` says which tokens belong to which example.
+        """
         outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
         problem_type = getattr(getattr(model, "config", None), "problem_type", None)
-        return per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type)
+        smoothing = float(self.args.label_smoothing_factor or 0.0)
+        if self._packed_layout is not None:
+            if logits.dim() != 3:
+                raise PackingError(
+                    f"The model returns logits of shape {tuple(logits.shape)} for packed rows: a sequence-level head "
+                    "pools over the whole row, mixing the examples packed in it. Use a padding collator (one "
+                    "example per row) for this model."
+                )
+            return packed_token_mean_loss(logits, labels, self._packed_layout, shift=self._causal_lm,
+                                          label_smoothing=smoothing)
+        return per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type,
+                                label_smoothing=smoothing)
+
+    @property
+    def packed_layout(self) -> PackedLayout | None:
+        """The example boundaries of the packed micro-batch being computed (None: one example per row)."""
+        return self._packed_layout
+
+    @contextlib.contextmanager
+    def _packed(self, layout: PackedLayout | None):
+        """Declare a micro-batch's packing (or its absence) to the loss and the engine for the block."""
+        previous, self._packed_layout = self._packed_layout, layout
+        try:
+            with self.engine.packed(layout) if self.engine is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._packed_layout = previous
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # Evaluation keeps the model's own loss (no gradients, nothing private is released by training).
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
 
-    def _micro_batches(self, inputs: dict[str, Any], labels: torch.Tensor):
-        batch = labels.shape[0]
-        size = self.args.per_device_train_batch_size
-        for start in range(0, batch, size):
-            stop = min(start + size, batch)
-            micro = {
-                k: v[start:stop] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
-                for k, v in inputs.items()
-            }
-            micro_labels = labels[start:stop]
-            mask = micro.get("attention_mask")
+    def _training_batch_structure(self) -> BatchStructure:
+        """Which keys carry the example axis, probed on the training collator (see hf_dpfilter.batch_structure)."""
+        if self._batch_structure is None:
+            collator = getattr(self, "_padding_collator", None)
+            if collator is not None:
+                self._batch_structure = probe_batch_structure(collator.collate_fn, collator.dataset[0])
+            else:
+                self.get_train_dataloader()  # builds the training collator and probes it
+        return self._batch_structure
+
+    def _micro_batches(
+        self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None = None, size: int | None = None
+    ):
+        """Micro-batches of at most ``per_device_train_batch_size`` examples: ``(inputs, labels, layout)`` each.
+
+        Cut at example boundaries: rows of the keys that carry the example axis (as probed on the collator), or
+        the segments of packed rows (re-packed one row per micro-batch; ``layout`` says where each example is).
+        """
+        size = size or self.args.per_device_train_batch_size
+        structure = self._training_batch_structure()
+        for micro, micro_labels, layout in structure.micro_batches(inputs, labels, size, num_examples):
+            if layout is not None:
+                yield micro, micro_labels, layout
+                continue
+            mask = micro.get("attention_mask") if "attention_mask" in structure.per_example else None
             if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
                 # Drop trailing columns that are padding in every example of this micro-batch.
                 used = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
                 if used < mask.shape[1] and bool(mask[:, used:].eq(0).all()):
                     seq = mask.shape[1]
                     micro = {
-                        k: v[:, :used] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
+                        k: v[:, :used]
+                        if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
+                        and v.shape[1] == seq else v
                         for k, v in micro.items()
                     }
                     if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq:
                         micro_labels = micro_labels[:, :used]
-            yield micro, micro_labels
+            yield micro, micro_labels, None
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """One logical batch: micro-batches -> per-example losses -> clipped sums in ``p.grad``."""
         model = self.model  # hooks live on the unwrapped modules; DDP reduction is done by the DP optimizer
         model.train()
         inputs = dict(self._prepare_inputs(inputs))
+        num_examples = inputs.pop(NUM_EXAMPLES_KEY, None)
         labels = inputs.pop("labels", None)
         if labels is None:
             raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
         batch = labels.shape[0]
         _check_sequence_length(model, inputs)
         total = torch.zeros((), device=self.args.device)
-        micro_batches = list(self._micro_batches(inputs, labels)) if batch else []
+        micro_batches = [self._no_cache_when_packed(m) for m in self._micro_batches(inputs, labels, num_examples)] if (
+            batch and labels.numel()) else []
+        examples = sum(m[1].shape[0] if m[2] is None else m[2].num_examples for m in micro_batches)
+        batch = examples
+        if not self._packing_checked and self._training_batch_structure().packed:
+            # on every process at its first step, whatever it sampled (FSDP2 runs collectives in the forward)
+            self._check_packed_attention(model)
+        if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
+            self._check_first_micro_batch(model, micro_batches[0])
         rounds = len(micro_batches)
         if self.dp_optimizer.sharded:
             # FSDP2 gathers parameters with collectives in every forward and backward: every process runs as
@@ -435,20 +513,58 @@ class DPTrainer(Trainer):
             # an empty Poisson batch, declared as such: the optimizer step still adds noise and is accounted
             self.dp_optimizer.accumulate(self.engine, None, batch_size=0)
         for index in range(rounds):
-            micro, micro_labels = micro_batches[min(index, len(micro_batches) - 1)] if micro_batches else (
+            micro, micro_labels, layout = micro_batches[min(index, len(micro_batches) - 1)] if micro_batches else (
                 self._padding_micro_batch()
             )
+            size = micro_labels.shape[0] if layout is None else layout.num_examples
 
             def loss_fn(values, micro=micro, micro_labels=micro_labels):
                 with self.compute_loss_context_manager():
                     return self.compute_per_example_loss(model, micro, micro_labels, values)
 
-            if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
-                self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=micro_labels.shape[0])
-                continue
-            losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=micro_labels.shape[0])
+            with self._packed(layout):
+                if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
+                    self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=size)
+                    continue
+                losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size)
             total = total + losses.sum()
         return total / max(batch, 1)
+
+    def _no_cache_when_packed(self, micro_batch: tuple) -> tuple:
+        """Packed rows: ``use_cache=False``. transformers keeps attention inside each packed example only when no
+        cache is passed (``masking_utils``: packed sequences are detected from ``position_ids`` when there are
+        no past key values); a causal LM with ``config.use_cache`` would create an empty cache in its forward
+        and let every example attend to those before it in the row."""
+        micro, micro_labels, layout = micro_batch
+        if layout is not None and hasattr(getattr(self.model, "config", None), "use_cache"):
+            micro = {**micro, "use_cache": False}
+        return micro, micro_labels, layout
+
+    def _check_packed_attention(self, model: nn.Module) -> None:
+        """Before the first packed step: prove on synthetic tokens that attention stays inside each example,
+        with the inputs a packed micro-batch gets (``use_cache=False``, see :meth:`_no_cache_when_packed`)."""
+        probe = {"position_ids": torch.zeros(1, 1, dtype=torch.long)}
+        extra, _, _ = self._no_cache_when_packed((probe, None, PackedLayout(((0, 0, 1),), 1, 1)))
+        extra = {k: v for k, v in extra.items() if k != "position_ids"}
+        check_attention_stays_inside_examples(model, self._training_batch_structure().position_start, extra)
+        self._packing_checked = True
+
+    def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:
+        """The per-example first-step check (hf_dpfilter.first_step_check), once per run, before any release."""
+        micro, micro_labels, layout = micro_batch
+        singles = [self._no_cache_when_packed(m) for m in self._micro_batches(
+            {k: v for k, v in micro.items() if k != "use_cache"}, micro_labels, size=1)]
+
+        def loss_fn(inputs, labels):
+            with self.compute_loss_context_manager():
+                return self.compute_per_example_loss(model, inputs, labels)
+
+        worst = verify_per_example(
+            self.engine, model, loss_fn, micro_batch, lambda i: singles[i], self._packed,
+            low_precision=bool(self.args.bf16 or self.args.fp16),
+        )
+        self._per_example_checked = True
+        logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
 
     def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
         """One training example as a micro-batch, for a process with no example of its own under FSDP2.
@@ -457,7 +573,8 @@ class DPTrainer(Trainer):
         """
         collator: _EmptySafeCollator = self._padding_collator
         inputs = dict(self._prepare_inputs(collator.collate_fn([collator.dataset[0]])))
-        return inputs, inputs.pop("labels")
+        labels = inputs.pop("labels")
+        return self._no_cache_when_packed(next(iter(self._micro_batches(inputs, labels, 1))))
 
     # ----------------------------------------------------------------------- reporting
     def current_epsilon(self, horizon: int | None = None) -> float:

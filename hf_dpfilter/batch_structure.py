@@ -1,0 +1,232 @@
+"""Which collated tensors carry the example axis: proven on the collator, never guessed from a batch's shapes.
+
+A batch of size B may hold tensors whose leading dimension is B by coincidence (a table of B positions) or
+that are shared by every example. Slicing a micro-batch by ``shape[0] == B`` would then cut a shared tensor
+or leave a per-example one whole. Instead :func:`probe_batch_structure` collates one example, then the same
+example two and three times, and classifies every key by how it follows the number of examples:
+
+* ``per_example``: the leading dimension is the number of examples (1, 2, 3), the rest unchanged -- one row
+  per example (padding collators);
+* ``per_token``: the leading dimension stays 1 and the second grows 1x, 2x, 3x -- the examples concatenated
+  along the tokens of one row (padding-free packing: ``DataCollatorWithFlattening``, TRL's padding-free mode);
+* ``shared``: identical whatever the number of examples (passed unchanged to every micro-batch);
+* ``boundaries``: FlashAttention's ``cu_seq_lens_*``/``max_length_*`` and ``seq_idx`` of a packed batch,
+  recomputed for each micro-batch's own examples.
+
+Any other behaviour is refused with the key's name: its relation to the examples is not declared. Nothing
+computed here leaves the process: the probe only reads the structure of one training example's collation
+(the trainer already collates one for the structure of an empty Poisson batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_dpfilter.packing import FLASH_BOUNDARY_KEYS, SEQ_IDX_KEY, PackedLayout, PackingError
+
+__all__ = ["BatchStructure", "BatchStructureError", "probe_batch_structure"]
+
+
+class BatchStructureError(ValueError):
+    """A collated batch whose relation to the examples is not declared (or differs from the probed one)."""
+
+
+@dataclass(frozen=True)
+class BatchStructure:
+    """How a collator's output relates to the examples it collated (see the module docstring)."""
+
+    per_example: frozenset[str]
+    per_token: frozenset[str]
+    shared: frozenset[str]
+    boundaries: frozenset[str]
+    #: packed rows: the position id the collator gives each example's first token (structure, not data)
+    position_start: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.per_token)
+
+    @property
+    def keys(self) -> frozenset[str]:
+        return self.per_example | self.per_token | self.shared | self.boundaries
+
+    def check(self, batch: dict[str, Any]) -> None:
+        """Refuse a batch with keys the probe did not see (their relation to the examples is unknown)."""
+        unknown = sorted(set(batch) - self.keys)
+        if unknown:
+            raise BatchStructureError(
+                f"The training batch has keys {unknown} that the collator did not produce when its structure was "
+                f"probed (per example: {sorted(self.per_example)}, packed per token: {sorted(self.per_token)}, "
+                f"shared: {sorted(self.shared)}): which of them carry the example axis is not declared. Make the "
+                "collator return the same keys for every batch."
+            )
+
+    # ------------------------------------------------------------------------------- micro-batches
+    def micro_batches(
+        self, inputs: dict[str, Any], labels: torch.Tensor, size: int, num_examples: int | None = None
+    ) -> list[tuple[dict[str, Any], torch.Tensor, PackedLayout | None]]:
+        """Split a collated batch into micro-batches of at most ``size`` examples, cut at example boundaries.
+
+        Returns ``(inputs, labels, layout)`` per micro-batch; ``layout`` is None for one example per row.
+        ``num_examples`` (how many examples the collator was given) is checked against the packed layout.
+        """
+        self.check({**inputs, "labels": labels})
+        if self.packed:
+            return self._packed_micro_batches(inputs, labels, size, num_examples)
+        batch = labels.shape[0]
+        if num_examples is not None and batch != num_examples:
+            raise BatchStructureError(
+                f"The collator was given {num_examples} examples but returned {batch} rows of labels."
+            )
+        out = []
+        for start in range(0, batch, size):
+            stop = min(start + size, batch)
+            micro = {k: v[start:stop] if k in self.per_example else v for k, v in inputs.items()}
+            for key in self.per_example & set(inputs):
+                value = inputs[key]
+                if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != batch:
+                    raise BatchStructureError(
+                        f"'{key}' carries the example axis (probed on the collator) but has shape "
+                        f"{tuple(getattr(value, 'shape', ()))} in a batch of {batch} examples."
+                    )
+            out.append((micro, labels[start:stop], None))
+        return out
+
+    def _packed_micro_batches(
+        self, inputs: dict[str, Any], labels: torch.Tensor, size: int, num_examples: int | None
+    ) -> list[tuple[dict[str, Any], torch.Tensor, PackedLayout]]:
+        if "position_ids" not in self.per_token:
+            raise PackingError(
+                "The collator packs several examples into one row but returns no `position_ids`: the example "
+                "boundaries are unknown, so the examples could be neither clipped separately nor kept from "
+                "attending to each other. Use DataCollatorWithFlattening(return_position_ids=True)."
+            )
+        mask = inputs.get("attention_mask")
+        if mask is not None and "attention_mask" in self.per_token:
+            raise PackingError(
+                "A packed batch (several examples per row) with an `attention_mask`: transformers then builds the "
+                "attention from the mask alone and ignores the restarts of `position_ids`, so every example would "
+                "attend to the others in its row. Drop the attention mask from the packed batch (as "
+                "DataCollatorWithFlattening does)."
+            )
+        layout = PackedLayout.from_position_ids(inputs["position_ids"])
+        layout.check_flash_boundaries(inputs)
+        if num_examples is not None and layout.num_examples != num_examples:
+            raise PackingError(
+                f"The collator was given {num_examples} examples but `position_ids` restart "
+                f"{layout.num_examples} times: the packed rows do not hold one segment per example (an example "
+                "split across rows, or two examples whose positions continue each other). Each example must start "
+                "a new segment of `position_ids`."
+            )
+        for key in self.per_token:
+            value = inputs.get(key)
+            if value is not None and (not isinstance(value, torch.Tensor) or not layout.is_token_wise(value)):
+                raise PackingError(
+                    f"'{key}' is packed per token (probed on the collator) but has shape "
+                    f"{tuple(getattr(value, 'shape', ()))}, not ({layout.rows}, {layout.length}, ...)."
+                )
+        out = []
+        for first in range(0, layout.num_examples, size):
+            spans = layout.spans[first : first + size]
+            micro: dict[str, Any] = {}
+            for key, value in inputs.items():
+                if key in self.per_token:
+                    micro[key] = torch.cat([value[row : row + 1, start:stop] for row, start, stop in spans], dim=1)
+                elif key in self.shared:
+                    micro[key] = value
+            micro_labels = torch.cat([labels[row : row + 1, start:stop] for row, start, stop in spans], dim=1)
+            lengths = [stop - start for _, start, stop in spans]
+            micro.update(_boundaries(inputs, self.boundaries, lengths, labels.device))
+            micro_layout = PackedLayout.from_position_ids(micro["position_ids"])
+            if micro_layout.lengths != lengths:
+                raise PackingError("Re-packing a micro-batch changed its example boundaries.")
+            out.append((micro, micro_labels, micro_layout))
+        return out
+
+
+def _boundaries(inputs: dict[str, Any], keys: frozenset[str], lengths: list[int], device: torch.device) -> dict:
+    """FlashAttention's boundary arguments and ``seq_idx`` for a micro-batch of examples of these lengths (one row)."""
+    out: dict[str, Any] = {}
+    cumulative = [0]
+    for length in lengths:
+        cumulative.append(cumulative[-1] + length)
+    for key in keys:
+        value = inputs[key]
+        dtype = value.dtype if isinstance(value, torch.Tensor) else torch.int32
+        if key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            out[key] = torch.tensor(cumulative, dtype=dtype, device=getattr(value, "device", device))
+        elif key in ("max_length_q", "max_length_k"):
+            out[key] = max(lengths)
+        elif key == SEQ_IDX_KEY:
+            index = [k for k, length in enumerate(lengths) for _ in range(length)]
+            out[key] = torch.tensor([index], dtype=dtype, device=getattr(value, "device", device))
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are not the same
+        return False
+
+
+def probe_batch_structure(collate_fn: Callable[[list], dict[str, Any]], example: Any) -> BatchStructure:
+    """Collate ``example`` 1, 2 and 3 times and classify every key (see the module docstring)."""
+    batches = [dict(collate_fn([example] * n)) for n in (1, 2, 3)]
+    keys = set(batches[0])
+    if any(set(b) != keys for b in batches[1:]):
+        raise BatchStructureError(
+            "The collator returns different keys for 1, 2 and 3 examples: which tensors carry the example axis "
+            "cannot be established."
+        )
+    per_example, per_token, shared, boundaries, unknown = set(), set(), set(), set(), []
+    packed = any(
+        isinstance(b1, torch.Tensor) and b1.dim() >= 2 and b1.shape[0] == 1
+        and tuple(batches[1][k].shape[:2]) == (1, 2 * b1.shape[1]) and b1.shape[1] > 0
+        for k, b1 in batches[0].items()
+        if isinstance(batches[1][k], torch.Tensor)
+    )
+    for key in sorted(keys):
+        one, two, three = (b[key] for b in batches)
+        if packed and (key in FLASH_BOUNDARY_KEYS or key == SEQ_IDX_KEY):
+            boundaries.add(key)
+        elif _same(one, two) and _same(one, three):
+            shared.add(key)
+        elif all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in (one, two, three)) and all(
+            t.shape[0] == n and t.shape[1:] == one.shape[1:] for n, t in ((1, one), (2, two), (3, three))
+        ):
+            per_example.add(key)
+        elif all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (one, two, three)) and all(
+            t.shape[0] == 1 and t.shape[1] == n * one.shape[1] and t.shape[2:] == one.shape[2:]
+            for n, t in ((1, one), (2, two), (3, three))
+        ):
+            per_token.add(key)
+        else:
+            unknown.append(key)
+    if unknown:
+        raise BatchStructureError(
+            f"Collated keys {unknown} follow the number of examples in no declared way (not one row per example, "
+            "not packed along the tokens of one row, not shared): which part of them belongs to which example "
+            "is unknown, so micro-batches cannot be cut from them. Leave them out of the collator's output."
+        )
+    if "labels" in keys and "labels" not in per_example | per_token:
+        raise BatchStructureError("The collator's `labels` do not carry the example axis.")
+    if per_token and per_example:
+        raise BatchStructureError(
+            f"The collator packs {sorted(per_token)} per token but returns {sorted(per_example)} one row per "
+            "example: a batch is either packed or one example per row."
+        )
+    start = 0
+    if "position_ids" in per_token:
+        start = int(batches[0]["position_ids"].reshape(-1)[0])
+    return BatchStructure(
+        frozenset(per_example), frozenset(per_token), frozenset(shared), frozenset(boundaries), position_start=start
+    )

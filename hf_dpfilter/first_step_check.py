@@ -1,0 +1,163 @@
+"""The first-step check, per example: each example's loss and gradient in the batch equal those of the example alone.
+
+The engine's own first-backward check (``GhostClippingEngine(verify_first_backward=True)``) compares batch
+*sums* with autograd. A sum cannot see a per-example rule that is wrong per example but right in sum, nor a
+loss or module that couples the examples (batch statistics, in-batch negatives in an overridden
+``compute_per_example_loss``, attention across packed examples): those keep the sum of the gradients an
+ordinary gradient while each example's clipped share is not its own. So, once per run, on a few examples of
+the first micro-batch (:data:`EXAMPLES_CHECKED`), this check compares
+
+* each example's loss in the batch with its loss computed alone (the example as a batch of one; for packed
+  rows, its segment alone as its own row): a difference means the loss or the model couples examples;
+* each example's per-example gradient as the engine holds it (``weighted_sum`` with that example's indicator)
+  and its norm by the engine's norm path (ghost identity or materialised) with the ordinary autograd gradient
+  of the example alone, parameter by parameter: a difference names the parameter (its layer rule is wrong per
+  example, or its layer couples examples).
+
+A mismatch raises :class:`PerExampleCheckError` before anything is released (the check runs before the first
+micro-batch is accumulated). The check runs with dropout off (modules in eval mode) so that the two
+computations are the same function; modules with batch statistics are left as they are, so their coupling
+shows.
+
+Tolerances (relative to the example's own gradient or loss, plus a floor of 1e-3 of that relative to the
+whole gradient, for parameters whose gradient is zero up to rounding): float64 1e-6 (the computations alone
+and in the batch group the same sums differently; some models compute parts in float32 inside a float64 model,
+e.g. rotary embeddings, which moves fp64 results by ~1e-8 relative); float32 1e-4 (~1000 units of rounding
+over reductions of a few thousand terms); float32 with TF32 matmuls allowed on CUDA 2e-2 (inputs rounded to
+10 bits of mantissa); bf16 autocast 5e-2 (8 bits of mantissa). A coupling or a wrong rule moves the result by
+O(1) of the example's gradient, far above each; a weaker coupling (a little attention across packed examples)
+is checked directly, on synthetic tokens, by :func:`hf_dpfilter.packing.check_attention_stays_inside_examples`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["EXAMPLES_CHECKED", "PerExampleCheckError", "verify_per_example"]
+
+#: How many examples of the first micro-batch are recomputed alone (one extra forward and backward each).
+EXAMPLES_CHECKED = 4
+
+
+class PerExampleCheckError(RuntimeError):
+    """An example's loss or gradient in the batch differs from the example's own, computed alone."""
+
+
+@contextlib.contextmanager
+def _dropout_off(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode except those with batch statistics (whose coupling the check must see)."""
+    modes = {module: module.training for module in model.modules()}
+    try:
+        for module in model.modules():
+            if not isinstance(module, nn.modules.batchnorm._NormBase):
+                module.training = False
+        yield
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+
+
+def _tf32(device: torch.device) -> bool:
+    """float32 matmuls on CUDA may round their inputs to TF32 (10-bit mantissa; TrainingArguments(tf32=True))."""
+    return device.type == "cuda" and (
+        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    )
+
+
+def _tolerance(dtype: torch.dtype, low_precision: bool, tf32: bool = False) -> float:
+    if low_precision:
+        return 5e-2
+    if dtype == torch.float64:
+        return 1e-6
+    return 2e-2 if tf32 else 1e-4
+
+
+def verify_per_example(
+    engine: Any,
+    model: nn.Module,
+    loss_fn: Callable[[dict[str, Any], torch.Tensor], torch.Tensor],
+    batch: tuple[dict[str, Any], torch.Tensor, Any],
+    alone: Callable[[int], tuple[dict[str, Any], torch.Tensor, Any]],
+    packed: Callable[[Any], contextlib.AbstractContextManager],
+    examples: int = EXAMPLES_CHECKED,
+    low_precision: bool = False,
+) -> dict[str, float]:
+    """Run the check (see the module docstring); returns the largest relative errors found, for the log.
+
+    ``batch`` is ``(inputs, labels, layout)`` of the micro-batch; ``alone(i)`` the same for example i alone;
+    ``packed(layout)`` the context that declares a layout (None: one example per row) to the engine and to the
+    loss; ``loss_fn(inputs, labels)`` the per-example losses, shape (n,); ``low_precision``: bf16/fp16 autocast.
+    """
+    inputs, labels, layout = batch
+    params = list(engine.trainable_parameters)
+    with _dropout_off(model):
+        verify_sum, engine.verify_first_backward = engine.verify_first_backward, False
+        try:
+            with packed(layout):
+                n = layout.num_examples if layout is not None else labels.shape[0]
+                with engine.record(batch_size=n):
+                    losses = loss_fn(inputs, labels)
+                    if losses.dim() != 1 or losses.shape[0] != n:
+                        raise PerExampleCheckError(
+                            f"compute_per_example_loss returned shape {tuple(losses.shape)} for {n} examples; "
+                            "it must return one loss per example, shape (batch,)."
+                        )
+                grads = engine.per_example_gradients(losses)
+        finally:
+            engine.verify_first_backward = verify_sum
+        engine_norms = grads.norms().double()
+        worst = {"loss": 0.0, "norm": 0.0, "gradient": 0.0}
+        for i in range(min(examples, n)):
+            # one example at a time: at most two whole gradients (the engine's and the reference) are held
+            indicator = torch.zeros(n, dtype=grads.dtype, device=engine_norms.device)
+            indicator[i] = 1.0
+            ours = grads.weighted_sum(indicator)
+            one_inputs, one_labels, one_layout = alone(i)
+            with packed(one_layout):
+                loss_alone = loss_fn(one_inputs, one_labels)
+            if loss_alone.numel() != 1:
+                raise PerExampleCheckError(
+                    f"compute_per_example_loss returned {loss_alone.numel()} losses for one example alone."
+                )
+            reference = torch.autograd.grad(loss_alone.sum(), params, allow_unused=True)
+            reference = [torch.zeros_like(p) if g is None else g for g, p in zip(reference, params)]
+            dtype = losses.dtype if losses.dtype == torch.float64 else torch.float32
+            tol = _tolerance(dtype, low_precision, _tf32(losses.device))
+            in_batch, by_itself = float(losses[i].detach().double()), float(loss_alone.detach().double().sum())
+            loss_error = abs(in_batch - by_itself) / max(abs(by_itself), 1e-12)
+            worst["loss"] = max(worst["loss"], loss_error)
+            if abs(in_batch - by_itself) > tol * max(abs(by_itself), 1e-6):
+                raise PerExampleCheckError(
+                    f"Example {i} of the first micro-batch has loss {in_batch:.6g} in the batch but {by_itself:.6g} "
+                    "computed alone: the loss or the model couples examples (a loss over the batch such as in-batch "
+                    "negatives, batch statistics, or attention across the examples packed in a row). Each example's "
+                    "loss must depend on that example only; per-example clipping would not bound its influence."
+                )
+            total = sum(float(g.double().norm()) ** 2 for g in reference) ** 0.5
+            norm_error = abs(float(engine_norms[i]) - total) / max(total, 1e-30)
+            worst["norm"] = max(worst["norm"], norm_error)
+            for param, ref in zip(params, reference):
+                mine = ours.get(param)
+                mine = torch.zeros_like(ref) if mine is None else mine.to(ref.dtype)
+                err = float((mine - ref).double().norm())
+                scale = float(ref.double().norm())
+                worst["gradient"] = max(worst["gradient"], err / max(scale + 1e-3 * total, 1e-30))
+                if err > tol * scale + tol * 1e-3 * total + 1e-12:
+                    raise PerExampleCheckError(
+                        f"The per-example gradient of '{engine.parameter_name(param)}' for example {i} of the first "
+                        f"micro-batch differs from the gradient of that example computed alone (relative error "
+                        f"{err / max(scale, 1e-30):.2e}): the rule of its layer is wrong per example (even if right "
+                        "in sum), or the layer couples examples (batch statistics). Freeze the parameter, or fix or "
+                        "register the layer's rule (hf_dpfilter.register_grad_rule)."
+                    )
+            if abs(float(engine_norms[i]) - total) > tol * total + 1e-12:
+                raise PerExampleCheckError(
+                    f"The engine's norm of example {i}'s gradient ({float(engine_norms[i]):.6g}) differs from the norm "
+                    f"of its gradient computed alone ({total:.6g}): the per-example norm path is wrong."
+                )
+    return worst

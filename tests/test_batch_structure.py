@@ -1,0 +1,86 @@
+"""Which collated tensors carry the example axis is proven on the collator, never guessed from a shape.
+
+The old rule sliced every tensor whose leading dimension equalled the batch size: a tensor shared by all
+examples whose length happens to equal B was cut into micro-batches. The probe collates 1, 2 and 3 copies of
+one example and classifies each key by how it follows the number of examples.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ListDataset, PadCollator, make_examples
+from models import VOCAB, tiny_roberta
+
+from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter.batch_structure import BatchStructureError, probe_batch_structure
+
+
+class SharedTableCollator(PadCollator):
+    """Adds a table shared by every example (one entry per position): its length T may equal B by coincidence."""
+
+    def __call__(self, examples):
+        batch = super().__call__(examples)
+        batch["shared_positions"] = torch.arange(batch["input_ids"].shape[1])
+        return batch
+
+
+def test_padding_collator_keys_carry_the_example_axis():
+    examples = make_examples(3, VOCAB, causal=False)
+    structure = probe_batch_structure(PadCollator(1), examples[0])
+    assert structure.per_example == {"input_ids", "attention_mask", "labels"}
+    assert not structure.packed and not structure.shared
+
+
+def test_shared_tensor_of_batch_length_is_not_sliced():
+    """T == B: three examples of length 3. The shared table has shape (3,) and must reach every micro-batch whole."""
+    examples = [{"input_ids": torch.arange(3, 6) + i, "labels": i % 2} for i in range(3)]
+    collator = SharedTableCollator(1)
+    structure = probe_batch_structure(collator, examples[0])
+    assert structure.shared == {"shared_positions"}
+    batch = collator(examples)
+    assert batch["shared_positions"].shape[0] == batch["input_ids"].shape[0] == 3  # the coincidence
+    labels = batch.pop("labels")
+    micro = structure.micro_batches(batch, labels, size=2)
+    assert [m[1].tolist() for m in micro] == [[0, 1], [0]]
+    for inputs, _, _ in micro:
+        assert torch.equal(inputs["shared_positions"], torch.arange(3))
+
+
+def test_undeclared_structure_is_refused_with_the_key():
+    def collate(examples):
+        batch = PadCollator(1)(examples)
+        batch["pairs"] = torch.zeros(2 * len(examples) + 1)  # follows the examples in no declared way
+        return batch
+
+    with pytest.raises(BatchStructureError, match=r"\['pairs'\]"):
+        probe_batch_structure(collate, make_examples(1, VOCAB, causal=False)[0])
+
+
+def test_batch_with_a_key_the_probe_did_not_see_is_refused(tmp_path):
+    args = DPTrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+        noise_multiplier=0.0, logical_batch_size=4, max_steps=1, per_device_train_batch_size=2,
+    )
+    trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(4, VOCAB, False)),
+                        data_collator=PadCollator(1))
+    batch = trainer.get_train_dataloader().collate_fn([trainer.train_dataset[i] for i in range(4)])
+    batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    trainer.create_optimizer()
+    with pytest.raises(BatchStructureError, match="token_type_ids"):
+        trainer.training_step(trainer.model, batch)
+
+
+def test_packed_rows_with_one_label_per_example_are_refused():
+    """A sequence-level label per example next to packed tokens (a classification head on packed rows): the
+    head would pool over the whole row, mixing the examples; the structure is refused at the probe."""
+
+    def collate(examples):
+        return {
+            "input_ids": torch.cat([e["input_ids"] for e in examples]).unsqueeze(0),
+            "position_ids": torch.cat([torch.arange(len(e["input_ids"])) for e in examples]).unsqueeze(0),
+            "labels": torch.tensor([e["labels"] for e in examples]),
+        }
+
+    with pytest.raises(BatchStructureError, match="either packed or one example per row"):
+        probe_batch_structure(collate, make_examples(1, VOCAB, causal=False)[0])

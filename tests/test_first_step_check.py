@@ -1,0 +1,159 @@
+"""The first-step check verifies per example, and independence; the loss is built per example or refused.
+
+Once per run (dp_verify_first_step), a few examples of the first micro-batch are recomputed alone: their
+losses and per-example gradients must equal the in-batch ones. A rule wrong per example but right in sum (which
+a batch-sum check passes) and a loss that couples examples through the documented hook are both caught before
+any step is released. Losses defined over the batch (compute_loss override, compute_loss_func) are refused
+unless compute_per_example_loss is overridden; label smoothing is exact per example; prompt learning and
+logits/labels of different lengths are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import ListDataset, PadCollator, make_examples
+from models import VOCAB, tiny_bert, tiny_gpt2
+from torch import nn
+
+from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter.first_step_check import PerExampleCheckError
+from hf_dpfilter.grad_rules import _GRAD_RULES, OuterTerm, register_grad_rule
+from hf_dpfilter.loss_policy import LossPolicyError
+from hf_dpfilter.losses import per_example_loss
+
+
+def _args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
+        logical_batch_size=6, per_device_train_batch_size=6, max_steps=1, optim="sgd", learning_rate=1.0,
+        report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0,
+    )
+    base.update(kw)
+    return DPTrainingArguments(**base)
+
+
+def _trainer(tmp_path, model=None, cls=DPTrainer, causal=False, **kw):
+    model = model if model is not None else tiny_bert()
+    return cls(model=model, args=_args(tmp_path, **kw), train_dataset=ListDataset(make_examples(6, VOCAB, causal)),
+               data_collator=PadCollator(0))
+
+
+class RolledLinear(nn.Linear):
+    """A Linear whose (test-only) rule hands each example the gradient of the next one: right in sum only."""
+
+
+def _rolled_rule(module, activations, grad_output):
+    b, a = grad_output, activations
+    if a.dim() == 2:
+        a, b = a.unsqueeze(1), b.unsqueeze(1)
+    terms = {"weight": OuterTerm(left=b.roll(1, dims=0), right=a.roll(1, dims=0))}
+    return terms
+
+
+def test_rule_wrong_per_example_but_right_in_sum_is_caught_by_name(tmp_path):
+    register_grad_rule(RolledLinear)(_rolled_rule)
+    try:
+        model = tiny_bert()
+        head = model.classifier
+        model.classifier = RolledLinear(head.in_features, head.out_features, bias=False).double()
+        with torch.no_grad():
+            model.classifier.weight.copy_(head.weight)
+        trainer = _trainer(tmp_path, model)
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(PerExampleCheckError, match="'classifier.weight'.*wrong per example"):
+            trainer.train()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert trainer.accountant.steps == 0
+        # the same rule passes a check of batch sums only: that is why the check is per example
+        trainer = _trainer(tmp_path / "sums", model, dp_verify_first_step=False)
+        trainer.engine.verify_first_backward = True
+        trainer.train()
+    finally:
+        _GRAD_RULES.pop(RolledLinear, None)
+
+
+class ContrastiveTrainer(DPTrainer):
+    """In-batch negatives through the documented hook: each example's loss depends on the others."""
+
+    def compute_per_example_loss(self, model, inputs, labels, param_values=None):
+        logits = model(**inputs).logits
+        similarity = logits @ logits.t()
+        return -F.log_softmax(similarity, dim=1).diagonal()
+
+
+class OwnLossTrainer(DPTrainer):
+    """A per-example loss of the user's own (squared hinge), through the documented hook: accepted and verified."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        raise AssertionError("never used for training")
+
+    def compute_per_example_loss(self, model, inputs, labels, param_values=None):
+        logits = model(**inputs).logits
+        margin = logits.gather(1, labels[:, None]).squeeze(1) - logits.logsumexp(dim=1)
+        return F.relu(1.0 - margin) ** 2
+
+
+def test_loss_coupling_examples_through_the_hook_is_caught(tmp_path):
+    trainer = _trainer(tmp_path, cls=ContrastiveTrainer)
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+def test_own_per_example_loss_through_the_hook_is_accepted_and_verified(tmp_path):
+    trainer = _trainer(tmp_path, cls=OwnLossTrainer)
+    trainer.train()
+    assert trainer.accountant.steps == 1 and trainer._per_example_checked
+
+
+def test_compute_loss_override_is_refused_with_the_hook(tmp_path):
+    class Override(DPTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    with pytest.raises(LossPolicyError, match="overrides compute_loss.*compute_per_example_loss"):
+        _trainer(tmp_path, cls=Override)
+
+
+def test_compute_loss_func_is_refused(tmp_path):
+    with pytest.raises(LossPolicyError, match="compute_loss_func"):
+        DPTrainer(model=tiny_bert(), args=_args(tmp_path), train_dataset=ListDataset(make_examples(6, VOCAB, False)),
+                  data_collator=PadCollator(0), compute_loss_func=lambda outputs, labels, num_items_in_batch: 0)
+
+
+def test_label_smoothing_is_exact_per_example():
+    """label_smoothing_factor: the Trainer's LabelSmoother applied to each example alone (not to the batch)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11, dtype=torch.float64)
+    labels = torch.randint(0, 11, (3, 7))
+    labels[0, 4:] = -100
+    labels[2, :2] = -100
+    smoother = LabelSmoother(epsilon=0.1)
+    ours = per_example_loss(logits, labels, causal_lm=True, label_smoothing=0.1)
+    for i in range(3):
+        alone = smoother({"logits": logits[i : i + 1]}, labels[i : i + 1], shift_labels=True)
+        assert torch.allclose(ours[i], alone.double(), rtol=1e-6, atol=0), i
+    classes = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.tensor([0, 2, 1, 1])
+    ours = per_example_loss(classes, y, causal_lm=False, label_smoothing=0.2)
+    for i in range(4):
+        assert torch.allclose(ours[i], smoother.__class__(epsilon=0.2)({"logits": classes[i : i + 1]}, y[i : i + 1]).double())
+
+
+def test_logits_and_labels_of_different_lengths_are_refused():
+    logits = torch.randn(2, 9, 5)  # e.g. 4 virtual tokens prepended to 5 label positions
+    labels = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="one prediction per label token"):
+        per_example_loss(logits, labels, causal_lm=True)
+
+
+def test_prompt_tuning_is_refused_before_the_first_step(tmp_path):
+    from peft import PromptTuningConfig, get_peft_model
+
+    model = get_peft_model(tiny_gpt2(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(LossPolicyError, match="prompt-learning.*LoRA"):
+        _trainer(tmp_path, model, causal=True)
