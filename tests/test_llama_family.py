@@ -55,7 +55,11 @@ def assert_one_step_exact(model, tmp_path, clipping_fn, micro=2, **extra_args):
     expected = flat([-reference[p] / len(examples) for p in delta])
     got = flat(list(delta.values()))
     rel = ((got - expected).norm() / expected.norm()).item()
-    assert rel <= 1e-10, f"relative error {rel:.3e}"
+    # Gemma2's eager attention (its only kind: sdpa lacks soft-capping) takes the softmax in float32 whatever the
+    # model's dtype, so its per-example reference is float32-accurate only; where a CPU's float64 kernels round a
+    # batch of 2 and a batch of 1 differently, the cast to float32 can land on different sides (seen: 7e-8).
+    tolerance = 1e-6 if getattr(getattr(model, "config", None), "model_type", "") == "gemma2" else 1e-10
+    assert rel <= tolerance, f"relative error {rel:.3e}"
     assert trainer.privacy_report()["steps"] == 1
     return trainer
 
