@@ -56,25 +56,23 @@ def check_one_dp_run(
     if group_size is None and dist.is_available() and dist.is_initialized():
         group_size = dist.get_world_size()
     announced = launcher_world_size(env)
-    if announced > 1 and group_size is None:
+    world = max(1, trainer_world_size)
+    if announced > 1 and (group_size is None or world != announced):
+        joined = "no torch.distributed process group joins them" if group_size is None else (
+            f"the Trainer runs as {world} process(es)")
         raise RuntimeError(
-            f"The launcher started {announced} processes (WORLD_SIZE/RANK/LOCAL_RANK are set) but no "
-            "torch.distributed process group joins them: each process would be a separate DP run with its own "
-            "noise and epsilon on the same data, writing into the same output_dir. On a machine without a GPU, pass "
-            "use_cpu=True (--use_cpu in the recipes) so that Accelerate joins the processes in one gloo group; on "
-            "GPUs, check that CUDA is visible to every process. Or start a single process."
+            f"The launcher started {announced} processes (WORLD_SIZE/RANK/LOCAL_RANK are set) but {joined}: each "
+            "process would be a separate DP run with its own noise and epsilon on the same data, writing into the "
+            "same output_dir. On a machine without a GPU, pass use_cpu=True (--use_cpu in the recipes) so that "
+            "Accelerate joins the processes in one gloo process group; on GPUs, check that CUDA is visible to every "
+            "process. Or start a single process."
         )
-    if group_size is not None and group_size != max(1, trainer_world_size):
+    if group_size is not None and group_size != world:
         raise RuntimeError(
             f"The torch.distributed process group has {group_size} processes but the Trainer's world size is "
             f"{trainer_world_size}: the Poisson sample would be sharded and the noise added for another number of "
             "processes than the ones that train. Let Accelerate create the process group (launch with torchrun or "
             "accelerate launch and do not call init_process_group yourself), or start a single process."
-        )
-    if announced > 1 and group_size != announced:
-        raise RuntimeError(
-            f"The launcher announces {announced} processes but the process group has {group_size}: not one DP run. "
-            "Check WORLD_SIZE/LOCAL_WORLD_SIZE against the launcher's --nproc_per_node/--num_processes."
         )
     if announced == 1 and group_size is None and "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env:
         raise RuntimeError(

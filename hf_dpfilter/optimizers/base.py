@@ -670,9 +670,11 @@ class DPOptimizer(torch.optim.Optimizer):
         # Fresh noise after a resume: a restored generator (or one re-derived from the DP seed) would draw on the
         # branch from this checkpoint the noise another branch already released on other batches, and the two
         # noises would cancel in the difference of the branches. A seed or generator state in an older
-        # checkpoint is ignored. All processes agree on the new seed (the same noise on every process).
-        self.refresh_randomness()
-        self.restored_from_checkpoint = True
+        # checkpoint is ignored. All processes agree on the new seed (the same noise on every process). A state
+        # of no step (Accelerate's prepare() round-trips the fresh optimizer's own state) has no noise to share.
+        if self.dp_steps > 0:
+            self.refresh_randomness()
+            self.restored_from_checkpoint = True
         self.accountant.load_state_dict(dp_state["accountant"])
         params = self.params
         self.load_method_state_dict(_index_to_params(dp_state["method_state"], params))
