@@ -64,7 +64,8 @@ class PrivacyLedger:
         """
         existing = _read_on_main_process(self.path)
         self.run_id = run_id
-        same_run = existing is not None and resumed_from_step is not None and existing.get("run_id") == run_id
+        # the same run: resumed from one of its checkpoints, or train() called again on the same trainer
+        same_run = existing is not None and existing.get("run_id") == run_id
         if same_run:
             self.sessions = list(existing.get("sessions", []))
             self.earlier_runs = list(existing.get("earlier_runs", []))
