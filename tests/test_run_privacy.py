@@ -365,3 +365,52 @@ def test_accelerate_launch_two_processes_with_the_cpu_config_is_refused(tmp_path
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "TRAINED" not in output, output[-3000:]
     assert "started ONE" in output
+
+
+_RESUME_SCRIPT = """
+import sys, json, torch
+sys.path[:0] = [{tests!r}, {root!r}]
+from helpers import ListDataset, PadCollator, make_examples
+from models import VOCAB, tiny_roberta
+from hf_dpfilter import DPTrainer, DPTrainingArguments
+out = sys.argv[1]
+def run(resume):
+    args = DPTrainingArguments(output_dir=out, noise_multiplier=1.0, logical_batch_size=4, per_device_train_batch_size=2,
+                               max_steps=4, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
+                               remove_unused_columns=False, dp_seed=5, seed=3, accountant="rdp", learning_rate=0.05)
+    trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(16, VOCAB, causal=False)),
+                        data_collator=PadCollator(1))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+run(None)
+trainer = run(out + "/checkpoint-2")
+rank = torch.distributed.get_rank()
+torch.save({{"params": [p.detach() for p in trainer.model.parameters()], "steps": trainer.accountant.steps,
+            "seed": trainer.dp_optimizer.seed}}, out + f"/rank{{rank}}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_resume_with_the_same_fresh_noise_on_every_process(tmp_path):
+    """After a resume under a gloo process group, every process draws the same fresh noise (the new seed is
+    agreed on), so the replicas stay identical, and the ledger counts both branches once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = Path(__file__).resolve().parent
+    script = tmp_path / "resume_twice.py"
+    script.write_text(_RESUME_SCRIPT.format(tests=str(here), root=str(here.parent)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(script), str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["seed"] == ranks[1]["seed"] != 5  # a fresh seed, agreed on by both processes
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 4 + 2
+    ledger = json.loads((tmp_path / "out" / "privacy_ledger.json").read_text())
+    assert ledger["steps"] == 6 and [s["steps_released"] for s in ledger["sessions"]] == [4, 2]
