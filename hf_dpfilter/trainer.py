@@ -220,7 +220,8 @@ class DPTrainer(Trainer):
     def _refuse_nonprivate_statistics(self) -> None:
         """Options that publish exact statistics of the private batches need ``dp_log_nonprivate_metrics``."""
         tokens = getattr(self.args, "include_num_input_tokens_seen", "no")
-        if tokens not in ("no", False, None) and not self.args.dp_log_nonprivate_metrics:
+        private = self.args.dp_method != "none"
+        if private and tokens not in ("no", False, None) and not self.args.dp_log_nonprivate_metrics:
             raise ValueError(
                 f"include_num_input_tokens_seen={tokens!r} logs and saves (trainer_state.json, loggers) the exact "
                 "token count of every secret Poisson batch, without noise: adding one example moves it by that "

@@ -297,6 +297,16 @@ def test_launcher_processes_without_a_process_group_are_refused(env):
         check_one_dp_run(1, env=env, group_size=launcher_world_size(env))
 
 
+def test_custom_loop_optimizer_under_a_launcher_without_a_group_is_refused(monkeypatch):
+    from hf_dpfilter import make_dp_optimizer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match="separate DP run"):
+        make_dp_optimizer([torch.nn.Parameter(torch.zeros(2))], torch.optim.SGD, lr=0.1, noise_multiplier=1.0,
+                          max_grad_norm=1.0, expected_batch_size=4, sample_rate=0.1)
+
+
 def test_process_group_must_match_the_trainer_and_the_launcher():
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     check_one_dp_run(2, env=env, group_size=2)  # one DP run

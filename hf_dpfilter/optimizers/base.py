@@ -99,6 +99,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer = optimizer
         self.plan = plan
         self.accountant = accountant if accountant is not None else PrivacyAccountant(plan.accountant)
+        if collectives is None:
+            # custom loops too: processes started by a launcher are one DP run, or refused (hf_dpfilter.processes)
+            from hf_dpfilter.processes import check_one_dp_run
+
+            check_one_dp_run(torch.distributed.get_world_size() if torch.distributed.is_available()
+                             and torch.distributed.is_initialized() else 1)
         self.collectives = collectives if collectives is not None else default_collectives()
         self.seed = plan.seed
         self._generators: dict[torch.device, torch.Generator] = {}
