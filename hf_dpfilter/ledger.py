@@ -64,8 +64,11 @@ class PrivacyLedger:
         """
         existing = _read_on_main_process(self.path)
         self.run_id = run_id
-        # the same run: resumed from one of its checkpoints, or train() called again on the same trainer
-        same_run = existing is not None and existing.get("run_id") == run_id
+        # the same run: resumed from one of its checkpoints, or train() called again on the same trainer. A ledger
+        # of an earlier version (no run_id) met on a resume is taken as this run's: counting more, never fewer.
+        same_run = existing is not None and (
+            existing.get("run_id") == run_id or (existing.get("run_id") is None and resumed_from_step is not None)
+        )
         if same_run:
             self.sessions = list(existing.get("sessions", []))
             self.earlier_runs = list(existing.get("earlier_runs", []))

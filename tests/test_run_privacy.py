@@ -228,6 +228,18 @@ def test_ledger_keeps_earlier_entries_on_resume(tmp_path):
     assert after["accountant"]["history"] == trainer.accountant.state_dict()["history"]
 
 
+def test_resume_counts_a_ledger_of_an_earlier_version(tmp_path):
+    """A ledger without run_id (written before this format) met on a resume counts as the run's own history."""
+    _trainer(tmp_path, max_steps=4).train()
+    path = tmp_path / "privacy_ledger.json"
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("run_id", "sessions", "earlier_runs")}
+    path.write_text(json.dumps(old))
+    trainer = _trainer(tmp_path, max_steps=4)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert trainer.accountant.steps == 4 + 2
+    assert json.loads(path.read_text())["steps"] == 6
+
+
 def test_fresh_run_keeps_the_earlier_runs_ledger(tmp_path):
     _trainer(tmp_path, max_steps=2, save_strategy="no").train()
     earlier = json.loads((tmp_path / "privacy_ledger.json").read_text())
