@@ -101,7 +101,8 @@ print(f"noise multiplier sigma = {trainer.noise_multiplier:.3f} for {trainer.pla
 
 # %% [markdown]
 # ## Train, evaluate, and report the privacy spent
-# The progress bar and the logs show the loss and the epsilon spent so far.
+# The progress bar and the logs show the epsilon spent so far (the training loss is a noiseless statistic of
+# the private batches: it is logged only with dp_log_nonprivate_metrics=True, docs/threat_model.md).
 
 # %%
 trainer.train()

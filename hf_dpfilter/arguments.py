@@ -97,6 +97,7 @@ class DPTrainingArguments(TrainingArguments):
     )
     dp_seed: int | None = field(
         default=None,
+        repr=False,  # secret: never in repr/str, to_dict()/to_json_string() nor training_args.bin (see below)
         metadata={
             "help": "Secret seed of the noise generator and the Poisson sampler (separate streams). Default: a "
             "fresh random seed per run, independent of `seed`. Anyone who knows it can regenerate the noise and "
@@ -136,6 +137,47 @@ class DPTrainingArguments(TrainingArguments):
             "datasets.Dataset train/eval sets are still looked for and refused. The eval set is not protected."
         },
     )
+
+    dp_log_nonprivate_metrics: bool = field(
+        default=False,
+        metadata={
+            "help": "Publish NON-PRIVATE statistics of the private batches: the training loss (log lines, "
+            "trainer_state.json, loggers, model card), total_flos from the real batch sizes, "
+            "include_num_input_tokens_seen, and the count of examples zeroed for a NaN/inf loss or gradient "
+            "(privacy ledger and a per-step warning). None of them is noised or accounted: with True the reported "
+            "epsilon does not cover them (docs/threat_model.md). Default False: none is computed or written."
+        },
+    )
+
+    # ------------------------------------------------------------------ serialisation without the secret seed
+    # Everything the Trainer publishes goes through these: to_dict() feeds to_json_string() (TensorBoard's "args"
+    # text, the args JSON), to_sanitized_dict() (hparams), every report_to logger and the model card; pickling
+    # writes training_args.bin. The DP seed regenerates the noise and the batches, so none of them holds it.
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d.pop("dp_seed", None)
+        return d
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return "\n".join(line for line in text.split("\n") if not line.startswith("dp_seed="))
+
+    __repr__ = __str__
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle (training_args.bin, torch.save) and copy.copy; copy.deepcopy keeps the seed (__deepcopy__)
+        state = dict(self.__dict__)
+        state["dp_seed"] = None
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DPTrainingArguments:
+        import copy
+
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            object.__setattr__(clone, key, copy.deepcopy(value, memo))
+        return clone
 
     def __post_init__(self) -> None:
         # Every TrainingArguments field has a DP status (hf_dpfilter/training_fields.py); refuse before the

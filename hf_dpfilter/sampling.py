@@ -7,9 +7,9 @@ of rate q over the whole data set.
 
 Which examples are in a batch must stay secret (subsampling amplification assumes it). With ``secure=True``
 the coins come from the OS CSPRNG (each process flips the coins of its own shard). Otherwise they come from a
-generator seeded with ``derive_seed(seed, "poisson-sampler", epoch)``: deterministic given the secret seed
-(a resumed run that skips the batches already seen then draws the same remaining batches), and a stream of
-its own, never the noise generator's.
+generator seeded with ``derive_seed(seed, "poisson-sampler", epoch)``: deterministic given the secret seed, and
+a stream of its own, never the noise generator's. After a resume DPTrainer gives the sampler a fresh seed from
+the OS CSPRNG (no generator state is saved), so the batches after a resume are fresh draws.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from hf_dpfilter.arguments import DPTrainingArguments
 from hf_dpfilter.batch_structure import BatchStructure, probe_batch_structure
 from hf_dpfilter.engine import GhostClippingEngine
 from hf_dpfilter.first_step_check import verify_per_example
+from hf_dpfilter.ledger import PrivacyLedger
 from hf_dpfilter.loss_policy import check_loss_policy, check_prompt_learning
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.optimizers import DPOptimizer
@@ -44,6 +45,7 @@ from hf_dpfilter.packing import (
     packed_token_mean_loss,
 )
 from hf_dpfilter.plan import PrivacyPlan
+from hf_dpfilter.processes import check_one_dp_run
 from hf_dpfilter.run_guard import RunGuard
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class _PrivacyCallback(TrainerCallback):
                 "Do not change num_train_epochs/max_steps after creating the DPTrainer."
             )
         self.trainer._attach_engine_to_prepared_model()
+        self.trainer._begin_privacy_session()
         self.trainer._check_resumed_budget()
         self.trainer._announce_plan()
 
@@ -184,6 +187,8 @@ class DPTrainer(Trainer):
     def _setup_privacy(self) -> None:
         args = self.args
         self._refuse_sharded_training()
+        check_one_dp_run(args.world_size)
+        self._refuse_nonprivate_statistics()
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise ValueError("DPTrainer needs a train_dataset with a length (N sets the sample rate and delta).")
         if len(self.train_dataset) == 0:
@@ -193,6 +198,7 @@ class DPTrainer(Trainer):
         self.accountant = PrivacyAccountant(self.privacy_plan.accountant)
         self._ledger_last_call: float | None = None  # monotonic time of the last pre-release ledger call
         self._ledger_reserved_through = 0  # the steps the ledger on disk counts (see ledger_reserve_seconds)
+        self._privacy_ledger: PrivacyLedger | None = None  # the session of train() extending the ledger
         if self.privacy_plan.is_private and not args.poisson_sampling:
             logger.warning(
                 "poisson_sampling=False: batches are shuffled fixed-size batches; the reported epsilon assumes "
@@ -250,6 +256,18 @@ class DPTrainer(Trainer):
                 "accelerate launch --config_file accelerate_configs/fsdp.yaml (fsdp_version: 2), or DDP."
             )
 
+    def _refuse_nonprivate_statistics(self) -> None:
+        """Options that publish exact statistics of the private batches need ``dp_log_nonprivate_metrics``."""
+        tokens = getattr(self.args, "include_num_input_tokens_seen", "no")
+        private = self.args.dp_method != "none"
+        if private and tokens not in ("no", False, None) and not self.args.dp_log_nonprivate_metrics:
+            raise ValueError(
+                f"include_num_input_tokens_seen={tokens!r} logs and saves (trainer_state.json, loggers) the exact "
+                "token count of every secret Poisson batch, without noise: adding one example moves it by that "
+                "example's length. Leave it at 'no', or set dp_log_nonprivate_metrics=True to publish it knowingly "
+                "(docs/threat_model.md: the reported epsilon then does not cover it)."
+            )
+
     def _fsdp_version(self) -> int:
         plugin = getattr(getattr(getattr(self, "accelerator", None), "state", None), "fsdp_plugin", None)
         if plugin is not None:
@@ -275,6 +293,7 @@ class DPTrainer(Trainer):
         base = super().create_optimizer(model) if model is not None else super().create_optimizer()
         self.dp_optimizer = self.privacy_plan.make_optimizer(None, base=base, accountant=self.accountant)
         self.optimizer = self.dp_optimizer
+        self.dp_optimizer.warn_nonfinite = self.args.dp_log_nonprivate_metrics
         if self.privacy_plan.is_private:
             self.dp_optimizer.pre_release_hooks.append(self._write_privacy_ledger)
         return self.optimizer
@@ -308,6 +327,56 @@ class DPTrainer(Trainer):
                 "then counts every step, including the checkpoint's)."
             )
 
+    def _begin_privacy_session(self) -> None:
+        """At the start of every ``train()``: fresh randomness after a resume, and the ledger's session.
+
+        A restored optimizer already drew a fresh noise seed (``DPOptimizer.load_state_dict``); the sampler gets
+        one too, so the batches after a resume are not derivable from ``dp_seed`` and the step either. The
+        accountant then continues from the privacy ledger of this run (every branch's releases), and a
+        ``target_epsilon`` run whose ledger counts releases beyond the checkpoint is refused when the
+        remaining plan would take it above the target.
+        """
+        optimizer = self.dp_optimizer
+        if optimizer is None or not self.privacy_plan.is_private:
+            return
+        resumed = optimizer.restored_from_checkpoint
+        sampler = getattr(self, "_dp_sampler", None)
+        if resumed and sampler is not None and not self.privacy_plan.secure_rng:
+            from hf_dpfilter.secure_rng import fresh_seed
+
+            sampler.seed = optimizer.collectives.agree_on_seed(fresh_seed())
+        ledger = PrivacyLedger(self.args.output_dir)
+        ledger.open_session(optimizer.run_id, optimizer.accountant, optimizer.dp_steps if resumed else None)
+        self._privacy_ledger = ledger
+        self._ledger_reserved_through, self._ledger_last_call = 0, None
+        extra = ledger.steps_beyond_checkpoint
+        if extra == 0:
+            return
+        logger.warning(
+            "Resuming from a checkpoint at step %d while the privacy ledger %s counts %d steps of this run: the %d "
+            "step(s) released after this checkpoint (another branch, or before a crash) stay counted in every "
+            "epsilon reported from now on.", optimizer.dp_steps, ledger.path, optimizer.accountant.steps, extra,
+        )
+        target = self.args.target_epsilon
+        if target is None:
+            return
+        remaining = max(0, self.planned_steps - optimizer.dp_steps)
+        projected = optimizer.accountant.copy()
+        plan = self.privacy_plan
+        for sigma, q, n in plan.config.history(plan.noise, plan, remaining, start=optimizer.dp_steps):
+            projected.step(sigma, q, n)
+        epsilon = projected.get_epsilon(self.delta)
+        if epsilon > target:
+            raise ValueError(
+                f"Cannot resume from the checkpoint at step {optimizer.dp_steps}: the privacy ledger {ledger.path} "
+                f"already counts {optimizer.accountant.steps} released steps of this run ({extra} after this "
+                f"checkpoint, on another branch or before a crash), and the {remaining} remaining planned steps "
+                f"would take epsilon to {epsilon:.4g} > target_epsilon={target}. Resume from the newest checkpoint "
+                "(resume_from_checkpoint=True), or lower max_steps/num_train_epochs so that the whole history fits "
+                "the target, or pass noise_multiplier instead of target_epsilon (the reported epsilon then counts "
+                "every release)."
+            )
+
     @property
     def privacy_ledger_path(self) -> str:
         import os
@@ -327,9 +396,10 @@ class DPTrainer(Trainer):
         a crash can never leave a ledger below what was spent."""
         if not self.args.should_save:
             return
-        import json
-        import os
-
+        ledger = self._privacy_ledger
+        if ledger is None:  # the optimizer stepped outside train() (no session opened)
+            ledger = self._privacy_ledger = PrivacyLedger(self.args.output_dir)
+            ledger.open_session(optimizer.run_id, optimizer.accountant, None)
         in_flight_step, ahead = optimizer.accountant.steps + 1, 0
         if in_flight:
             now, last = time.monotonic(), self._ledger_last_call
@@ -340,30 +410,25 @@ class DPTrainer(Trainer):
             # steps are counted as what they will release.
             uniform = all(n == self.planned_steps for _, _, n in self.privacy_plan.history())
             if uniform and last is not None and now > last and self.ledger_reserve_seconds > 0:
-                remaining = max(0, self.planned_steps - in_flight_step)
+                remaining = max(0, self.planned_steps - (optimizer.dp_steps + 1))  # the plan's steps, this branch
                 ahead = min(int(self.ledger_reserve_seconds / (now - last)), remaining)
         history = optimizer.accountant.copy()
         if in_flight:
             for _ in range(1 + ahead):  # the step about to be released counts already, and the reserved ones
                 history.record_step(optimizer.mechanisms())
-        ledger = {
-            "status": "step_in_flight" if in_flight else "finished",
-            "steps": history.steps,
+        fields = {
             "steps_reserved_ahead": ahead,
-            "accountant": history.state_dict(),
             "delta": self.delta,
             "epsilon": None if in_flight else history.get_epsilon(self.delta),
             "target_epsilon": self.args.target_epsilon,
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "method": self.privacy_plan.method,
-            "nonfinite_examples_zeroed": optimizer.nonfinite_examples,
         }
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        tmp = self.privacy_ledger_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(ledger, f, indent=1)
-        os.replace(tmp, self.privacy_ledger_path)
+        if self.args.dp_log_nonprivate_metrics:
+            # a noiseless count of sampled examples with a NaN/inf loss or gradient: a membership signal
+            fields["nonfinite_examples_zeroed"] = optimizer.nonfinite_examples
+        ledger.record(fields, history, "step_in_flight" if in_flight else "finished")
         self._ledger_reserved_through = history.steps if in_flight else 0
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
@@ -384,6 +449,7 @@ class DPTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description="training")
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         sampler = self.privacy_plan.make_sampler(rank=rank, world_size=world)
+        self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
         self._batch_structure = probe_batch_structure(collator, dataset[0])
         return _LogicalBatchLoader(
@@ -576,6 +642,13 @@ class DPTrainer(Trainer):
         labels = inputs.pop("labels")
         return self._no_cache_when_packed(next(iter(self._micro_batches(inputs, labels, 1))))
 
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """0 unless ``dp_log_nonprivate_metrics``: the Trainer's count (``total_flos``) is a function of the private
+        Poisson batch sizes and token counts, and is written to trainer_state.json and the loggers."""
+        if self.privacy_plan.is_private and not self.args.dp_log_nonprivate_metrics:
+            return 0
+        return super().floating_point_ops(inputs)
+
     # ----------------------------------------------------------------------- reporting
     def current_epsilon(self, horizon: int | None = None) -> float:
         """Epsilon spent so far; ``horizon`` (planned total steps) allows the cheap log-line evaluation, see
@@ -584,7 +657,16 @@ class DPTrainer(Trainer):
             return float("inf")
         return self.accountant.get_epsilon(self.delta, horizon=horizon)
 
+    #: log keys computed from the private batches without noise (the training loss): published only with
+    #: ``dp_log_nonprivate_metrics``
+    NONPRIVATE_LOG_KEYS = ("loss", "train_loss")
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.privacy_plan.is_private and not self.args.dp_log_nonprivate_metrics:
+            # Removed from the caller's dict too: train()'s returned metrics are what scripts save
+            # (trainer.save_metrics -> train_results.json, all_results.json).
+            for key in self.NONPRIVATE_LOG_KEYS:
+                logs.pop(key, None)
         if self.privacy_plan.is_private and self.accountant.steps > 0:
             logs = dict(logs)
             # A new step count costs up to ~1 s with the PRV accountant; with the run's planned length the log

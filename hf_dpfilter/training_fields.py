@@ -402,8 +402,6 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
         "batches without noise (non-private); off by default"),
 }
 
-#: fields the table classifies ahead of their branch (issue 22 item 10 adds ``dp_log_nonprivate_metrics``)
-PENDING_FIELDS = frozenset({"dp_log_nonprivate_metrics"})
 
 
 def check_training_fields(args: Any, stage: str) -> None:

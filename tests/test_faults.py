@@ -22,12 +22,13 @@ def _args(tmp_path, **kw) -> DPTrainingArguments:
 
 
 # ------------------------------------------------------------------------------------ NaN and inf
-def _linear_step(x: torch.Tensor, make_loss) -> tuple[torch.Tensor, object]:
+def _linear_step(x: torch.Tensor, make_loss, warn: bool = True) -> tuple[torch.Tensor, object]:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2).double()
     engine = GhostClippingEngine(model, verify_first_backward=False)
     opt = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0,
                             expected_batch_size=1.0)
+    opt.warn_nonfinite = warn  # the per-step warning is opt-in (a noiseless membership signal)
     opt.accumulate(engine, lambda values: make_loss(model(x)), batch_size=x.shape[0])
     assert all(p.grad is None for p in model.parameters())  # the clipped sum is in the optimizer's own buffer
     sums = opt._local_sums()
@@ -44,6 +45,20 @@ def test_nonfinite_input_is_zeroed_counted_and_warned(bad):
     assert torch.isfinite(got).all()
     assert torch.allclose(got, clean, atol=1e-12)  # exactly the other examples' clipped sum
     assert opt.nonfinite_examples == 1
+
+
+def test_nonfinite_examples_are_not_warned_about_by_default():
+    """The count of zeroed examples is a noiseless function of the batch: no warning unless asked."""
+    import warnings
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    x[2, 1] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _, opt = _linear_step(x, lambda out: out.pow(2).sum(dim=1), warn=False)
+    assert opt.nonfinite_examples == 1  # still counted in memory (inside the trust boundary)
+    assert not make_dp_optimizer([torch.nn.Parameter(torch.zeros(1))], torch.optim.SGD, lr=1.0, noise_multiplier=0.0,
+                                 max_grad_norm=1.0, expected_batch_size=1.0).warn_nonfinite
 
 
 def test_nonfinite_loss_with_finite_gradient_is_zeroed():
@@ -72,7 +87,9 @@ def test_nan_label_in_trainer_is_zeroed_and_sensitivity_holds(tmp_path):
     def run(data, sub):
         model = tiny_roberta(num_labels=1)
         before = flat([p.detach().clone() for p in model.parameters()])
-        trainer = DPTrainer(model=model, args=_args(tmp_path / sub, logical_batch_size=7, per_device_train_batch_size=3),
+        # dp_log_nonprivate_metrics: the per-step warning with the count is published only when asked
+        trainer = DPTrainer(model=model, args=_args(tmp_path / sub, logical_batch_size=7, per_device_train_batch_size=3,
+                                                    dp_log_nonprivate_metrics=True),
                             train_dataset=ListDataset(data), data_collator=FloatLabels(1))
         trainer.train()
         return flat([p.detach() for p in model.parameters()]) - before, trainer

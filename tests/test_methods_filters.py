@@ -355,7 +355,9 @@ CHECKPOINT_CASES = [  # (method, base, method_args, base optimizer settings)
 
 @pytest.mark.parametrize("method,base,method_args,kw", CHECKPOINT_CASES)
 def test_checkpoint_round_trip_resumes_exactly(method, base, method_args, kw):
-    kw = {**kw, "method_args": method_args}
+    # noise 0: a loaded DP optimizer draws fresh noise (no generator state is saved, docs/threat_model.md),
+    # so the exact round trip of the filter state is checked without noise
+    kw = {**kw, "method_args": method_args, "noise": 0.0}
     batches = [_regression_batch(3 + t % 2, seed=40 + t) for t in range(6)]
     model, engine, opt = _setup(method, base=base, **kw)
     for batch in batches:
@@ -380,7 +382,7 @@ def test_checkpoint_round_trip_resumes_exactly(method, base, method_args, kw):
     assert opt.dp_steps == 6
 
 
-def _train(out_dir, method, kw, resume=None):
+def _train(out_dir, method, kw, resume=None, cls=DPTrainer):
     model = tiny_roberta()
     args = DPTrainingArguments(
         output_dir=out_dir, dp_method=method, noise_multiplier=1.0, logical_batch_size=4,
@@ -389,7 +391,7 @@ def _train(out_dir, method, kw, resume=None):
         dp_seed=0, seed=3, **kw,
     )
     examples = make_examples(16, VOCAB, causal=False, seed=1)
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    trainer = cls(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
     trainer.train(resume_from_checkpoint=resume)
     return [p.detach().clone() for p in model.parameters()], trainer
 
@@ -402,11 +404,28 @@ def _train(out_dir, method, kw, resume=None):
         ("pmlf", {"dp_method_args": {"k": 3}}),
     ],
 )
-def test_dptrainer_checkpoint_resume_is_exact(method, kw, tmp_path):
-    uninterrupted, _ = _train(str(tmp_path / "a"), method, kw)
-    resumed, trainer = _train(str(tmp_path / "b"), method, kw, resume=str(tmp_path / "a" / "checkpoint-3"))
-    for p, q in zip(resumed, uninterrupted):
-        assert torch.equal(p, q)
+def test_dptrainer_checkpoint_resume_restores_the_filter_state(method, kw, tmp_path):
+    """The resumed DPTrainer's optimizer holds exactly the checkpoint's state (filter, base optimizer, accountant)
+    before its first step; its noise and batches are then fresh, so the run is not bit-identical."""
+    _train(str(tmp_path / "a"), method, kw)
+    saved = torch.load(tmp_path / "a" / "checkpoint-3" / "optimizer.pt", weights_only=False)
+    loaded = {}
+
+    class Capture(DPTrainer):
+        def _begin_privacy_session(self):
+            loaded.update(copy.deepcopy(self.dp_optimizer.state_dict()))
+            return super()._begin_privacy_session()
+
+    _, trainer = _train(str(tmp_path / "b"), method, kw, resume=str(tmp_path / "a" / "checkpoint-3"), cls=Capture)
+
+    def same(a, b):
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    assert loaded["dp"]["method_state"] and same(loaded, saved)
     assert trainer.privacy_report()["steps"] == 6
 
 

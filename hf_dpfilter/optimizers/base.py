@@ -37,6 +37,7 @@ noise draw, so noise enters once in total and all replicas stay identical.
 
 from __future__ import annotations
 
+import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -98,9 +99,19 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer = optimizer
         self.plan = plan
         self.accountant = accountant if accountant is not None else PrivacyAccountant(plan.accountant)
+        if collectives is None:
+            # custom loops too: processes started by a launcher are one DP run, or refused (hf_dpfilter.processes)
+            from hf_dpfilter.processes import check_one_dp_run
+
+            check_one_dp_run(torch.distributed.get_world_size() if torch.distributed.is_available()
+                             and torch.distributed.is_initialized() else 1)
         self.collectives = collectives if collectives is not None else default_collectives()
         self.seed = plan.seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: a public random id of the run, kept in checkpoints: the privacy ledger recognises its own lineage
+        self.run_id = uuid.uuid4().hex
+        #: True once load_state_dict restored a checkpoint (its randomness was then refreshed)
+        self.restored_from_checkpoint = False
         self.dp_steps = 0
         # The step token: set by accumulate(), consumed by step(). Nothing else fills the buffer.
         self._accumulated = False
@@ -117,8 +128,12 @@ class DPOptimizer(torch.optim.Optimizer):
         #: callables ``hook(optimizer)`` run at the start of every step, before any noise is drawn or released
         #: (DPTrainer writes its privacy ledger here).
         self.pre_release_hooks: list[Callable[[DPOptimizer], None]] = []
-        #: examples whose loss or gradient was NaN/inf and whose contribution was replaced by 0
+        #: examples whose loss or gradient was NaN/inf and whose contribution was replaced by 0. A noiseless count
+        #: of sampled examples (a membership signal): kept in memory, published nowhere unless asked
         self.nonfinite_examples = 0
+        #: warn at every step that zeroes examples, with the count (off by default: the warning is that signal;
+        #: DPTrainer sets it from ``dp_log_nonprivate_metrics``)
+        self.warn_nonfinite = False
         # What torch.optim.Optimizer.__init__ would set; the base optimizer owns param_groups and state.
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -391,6 +406,17 @@ class DPOptimizer(torch.optim.Optimizer):
         pass
 
     # ------------------------------------------------------------------------------- the step
+    def refresh_randomness(self) -> None:
+        """Draw the noise from now on from a fresh secret seed (OS CSPRNG, agreed on by all processes).
+
+        The new stream is not derivable from ``dp_seed`` nor from the step: two branches resumed from one
+        checkpoint never share noise.
+        """
+        from hf_dpfilter.secure_rng import fresh_seed
+
+        self.seed = self.collectives.agree_on_seed(fresh_seed())
+        self._generators = {}
+
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             generator = torch.Generator(device=device)
@@ -557,7 +583,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- faults and budget
     def _zero_nonfinite(self, grads: PerExampleGradients, losses: torch.Tensor) -> torch.Tensor | None:
-        """Zero the contribution of examples with a NaN/inf loss or gradient norm (counted, warned about).
+        """Zero the contribution of examples with a NaN/inf loss or gradient norm (counted; warned about only
+        with ``warn_nonfinite``).
 
         The zeroed example contributes the zero vector, which is within the sensitivity bound, so the guarantee
         is unaffected; the other examples of the micro-batch are untouched (their gradients are per example).
@@ -568,6 +595,8 @@ class DPOptimizer(torch.optim.Optimizer):
         grads.zero_examples(bad)
         count = int(bad.sum())
         self.nonfinite_examples += count
+        if not self.warn_nonfinite:
+            return bad.to(losses.device)
         warnings.warn(
             f"{count} example(s) had a NaN or infinite loss or gradient; their contribution to this step was "
             f"replaced by zero ({self.nonfinite_examples} so far). Check the data (empty or corrupt examples) and "
@@ -615,14 +644,16 @@ class DPOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         param_index = {p: i for i, p in enumerate(self.params)}
         method_state = self.method_state_dict()
+        # Never the seed nor a generator state: optimizer.pt is uploaded with the checkpoints (hub_strategy
+        # "checkpoint"/"all_checkpoints"), and either would regenerate the noise. A loaded optimizer draws fresh
+        # randomness instead (load_state_dict), so a resumed run is not bit-reproducible.
         return {
             "base": self.original_optimizer.state_dict(),
             "dp": {
                 "method": self.method_name,
                 "dp_steps": self.dp_steps,
                 "noise_multiplier": self.noise_multiplier,
-                "seed": self.seed,
-                "generators": {str(d): g.get_state() for d, g in self._generators.items()},
+                "run_id": self.run_id,
                 "accountant": self.accountant.state_dict(),
                 "method_state": _params_to_index(method_state, param_index),
             },
@@ -641,11 +672,15 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.load_state_dict(state_dict["base"])
         self.dp_steps = dp_state["dp_steps"]
         self.loaded_noise_multiplier = dp_state["noise_multiplier"]
-        self.seed = dp_state["seed"]
-        self._generators = {}
-        for device_name, gen_state in dp_state["generators"].items():
-            device = torch.device(device_name)
-            self._generator(device).set_state(gen_state)
+        self.run_id = dp_state.get("run_id", self.run_id)
+        # Fresh noise after a resume: a restored generator (or one re-derived from the DP seed) would draw on the
+        # branch from this checkpoint the noise another branch already released on other batches, and the two
+        # noises would cancel in the difference of the branches. A seed or generator state in an older
+        # checkpoint is ignored. All processes agree on the new seed (the same noise on every process). A state
+        # of no step (Accelerate's prepare() round-trips the fresh optimizer's own state) has no noise to share.
+        if self.dp_steps > 0:
+            self.refresh_randomness()
+            self.restored_from_checkpoint = True
         self.accountant.load_state_dict(dp_state["accountant"])
         params = self.params
         self.load_method_state_dict(_index_to_params(dp_state["method_state"], params))
