@@ -16,6 +16,8 @@ _EXPORTS = {
     "DPTrainer": "hf_dpfilter.trainer",
     "DPTrainingArguments": "hf_dpfilter.arguments",
     "GhostClippingEngine": "hf_dpfilter.engine",
+    "ModuleProblem": "hf_dpfilter.validators",
+    "ModuleValidationError": "hf_dpfilter.validators",
     "PerExampleGradients": "hf_dpfilter.engine",
     "PoissonBatchSampler": "hf_dpfilter.sampling",
     "PrivacyAccountant": "hf_dpfilter.accounting",
@@ -29,6 +31,7 @@ _EXPORTS = {
     "packaged_model_path": "hf_dpfilter.models",
     "per_example_loss": "hf_dpfilter.losses",
     "register_grad_rule": "hf_dpfilter.grad_rules",
+    "register_module_validator": "hf_dpfilter.validators",
     "register_method": "hf_dpfilter.optimizers",
 }
 

@@ -56,8 +56,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_dpfilter.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.grad_rules import DenseTerm, IndexTerm, OuterTerm, Term, find_grad_rule
+from hf_dpfilter.validators import (
+    ModuleValidationError,
+    StateWrittenError,
+    ValidationOptions,
+    find_module_problems,
+    hold_eval_modes,
+)
 
 __all__ = ["CheckpointingError", "GhostClippingEngine", "PerExampleGradients", "UnsupportedLayerError"]
 
@@ -76,6 +84,8 @@ class _Record:
     output_dtype: torch.dtype
     #: the tensors the forward used for the module's sharded parameters (FSDP2 gathers whole ones), for the check
     used: dict[str, torch.Tensor] | None = None
+    #: why the call's batch axis is not proven (hf_dpfilter.batch_axis); refused if its output gets gradient
+    unproven: str | None = None
 
 
 def _inside_backward() -> bool:
@@ -870,6 +880,9 @@ class GhostClippingEngine:
             This catches parameters that receive gradient through a path the hooks do not see.
         stack_layers: stack same-shape layers into one batched product for the norms and clipped sums (fewer
             kernel launches, a bounded transient copy; see :class:`PerExampleGradients`). None: on CUDA only.
+        batchnorm_eval: accept frozen BatchNorms (no trainable parameter, or affine=False) and hold them in eval
+            mode, with their stored statistics, in every recorded step (:meth:`hold_eval_modes`). Without it every
+            BatchNorm is refused (:mod:`hf_dpfilter.validators`); a trainable BatchNorm is refused either way.
     """
 
     def __init__(
@@ -878,6 +891,7 @@ class GhostClippingEngine:
         *args: Any,
         verify_first_backward: bool = True,
         stack_layers: bool | None = None,
+        batchnorm_eval: bool = False,
         **kwargs: Any,
     ) -> None:
         removed = [name for name in ("max_grad_norm", "clipping_fn") if name in kwargs]
@@ -907,12 +921,24 @@ class GhostClippingEngine:
         self._pending_reference: dict[nn.Parameter, torch.Tensor] | None = None
         self._pending_low_precision = False
         self._pending_dtype = torch.float32
+        self.validation_options = ValidationOptions(batchnorm_eval=batchnorm_eval)
+        # Batch-axis verdicts per module id and call index, proven on the first recorded step (None: not yet).
+        self._axis_verdicts: dict[int, list[str]] | None = None
+        self._new_verdicts: dict[int, list[str]] = {}
+        self._call_counts: dict[int, int] = {}
+        self._tracer: BatchAxisTracer | None = None
+        self._trace_depth = 0
         self.attach()
 
     # ----------------------------------------------------------------------------------------- set-up
     def attach(self) -> None:
-        """Find every trainable parameter's module, check it has a rule, and register forward hooks."""
+        """Validate every module, find every trainable parameter's module, check it has a rule, register hooks."""
         self.detach()
+        # Every module, frozen ones too (hf_dpfilter.validators): one error listing each problem and its fix.
+        problems = find_module_problems(self.model, self.validation_options)
+        if problems:
+            raise ModuleValidationError(problems)
+        self._axis_verdicts = None  # the hooked modules may have changed: prove the batch axes again
         self._owners = {}
         self._param_names = {}
         self._module_params = {}
@@ -960,6 +986,11 @@ class GhostClippingEngine:
                     self._handles.append(module.register_forward_pre_hook(self._autocast_pre_hook))
         if not self._owners:
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
+
+    def hold_eval_modes(self) -> None:
+        """Put the modules the options hold in eval mode back there (``batchnorm_eval``); call after
+        ``model.train()`` (the DPTrainer does, and so does :meth:`record`)."""
+        hold_eval_modes(self.model, self.validation_options)
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -1023,11 +1054,17 @@ class GhostClippingEngine:
         if batch is None:
             batch = output.shape[0]
             self._batch_size = batch
-        if output.shape[0] == 1 and batch > 1:
-            # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
-            output = output.expand(batch, *output.shape[1:])
-            if activations is not None:
-                activations = activations.expand(batch, *activations.shape[1:])
+        verdict = self._call_verdict(module, source, output)
+        unproven = None
+        if verdict == BROADCAST and output.shape[0] == 1:
+            if batch > 1:
+                # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
+                output = output.expand(batch, *output.shape[1:])
+                if activations is not None:
+                    activations = activations.expand(batch, *activations.shape[1:])
+        elif verdict != BATCH:
+            # Not proven per example: kept, and refused by the backward if gradient reaches its output.
+            unproven = verdict if verdict != BROADCAST else "has an output of leading size other than 1 where the first step proved a broadcast"
         elif output.shape[0] != batch:
             raise RuntimeError(
                 f"Module {type(module).__name__} produced an output with leading dimension {output.shape[0]} "
@@ -1044,6 +1081,7 @@ class GhostClippingEngine:
                 output_edge=torch.autograd.graph.get_gradient_edge(output),
                 output_dtype=output.dtype,
                 used=used,
+                unproven=unproven,
             )
         )
         self._recorded_modules.add(id(module))
@@ -1121,9 +1159,154 @@ class GhostClippingEngine:
         self._batch_size = batch_size
         self._recording = True
         try:
-            yield
+            with self._proving_step():  # first step: batch axes traced, no state written (see _proving_step)
+                yield
         finally:
             self._recording = False
+
+    # ---------------------------------------------------------------- proven structure (first step)
+    @contextlib.contextmanager
+    def _proving_step(self) -> Iterator[None]:
+        """Hold the option-frozen modules in eval mode; on the first recorded step after attach, also prove.
+
+        Proving runs the block under :class:`~hf_dpfilter.batch_axis.BatchAxisTracer` (each layer call's batch
+        axis traced from the model's inputs, cached per module and call for later steps), checks that every
+        trainable parameter's module was recorded, and that no parameter or buffer was written (in place or
+        replaced) by the forward: all before the backward, so before anything is released.
+        """
+        self.hold_eval_modes()
+        self._call_counts = {}
+        if self._axis_verdicts is not None:
+            yield
+            return
+        snapshot = self._state_snapshot()
+        tracer = BatchAxisTracer(self._batch_size)
+        self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
+        handles = []
+        for module in self.model.modules():
+            handles.append(module.register_forward_pre_hook(self._trace_entry, prepend=True, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._trace_exit, always_call=True))
+        try:
+            with tracer:
+                yield
+        finally:
+            self._tracer = None
+            for handle in handles:
+                handle.remove()
+        if not self._recorded_modules:
+            return  # nothing ran (an empty micro-batch): prove on the next step
+        self._check_state_unchanged(snapshot)
+        self._check_every_trainable_module_recorded()
+        self._axis_verdicts = self._new_verdicts
+
+    def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""
+        tracer = self._tracer
+        if tracer is not None and self._trace_depth == 0:
+            if tracer.batch_size is None:
+                from torch.utils._pytree import tree_flatten
+
+                leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
+                if leaves:
+                    tracer.batch_size = leaves[0].shape[0]
+                    if self._batch_size is None:
+                        self._batch_size = tracer.batch_size
+            if not tracer.tag_batch_inputs(args, kwargs) and tracer.batch_size is not None:
+                raise RuntimeError(
+                    f"None of the tensors given to {type(module).__name__} has a leading dimension of "
+                    f"{tracer.batch_size}, the recorded batch size: per-example clipping needs batch-first tensors "
+                    "(the batch axis of every layer is traced from them). Pass batch_size to engine.record() equal "
+                    "to the number of examples, and give the model its inputs batch-first."
+                )
+        self._trace_depth += 1
+
+    def _trace_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._trace_depth = max(0, self._trace_depth - 1)
+
+    def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor) -> str:
+        """BATCH, BROADCAST, or why this call's batch axis is not proven (hf_dpfilter.batch_axis)."""
+        key = id(module)
+        index = self._call_counts.get(key, 0)
+        self._call_counts[key] = index + 1
+        tracer = self._tracer
+        if tracer is not None:
+            axis = tracer.axis(source if source is not None else output)
+            if axis == 0:
+                verdict = BATCH
+            elif axis is None and output.dim() >= 1 and output.shape[0] == 1:
+                verdict = BROADCAST
+            elif axis is None:
+                verdict = (
+                    "does not derive from the batch inputs (e.g. a positional table called on torch.arange(T), a "
+                    "relative position bias, an adapter applied to a weight matrix)"
+                )
+            elif axis == LOST:
+                verdict = "derives from the batch but lost its batch axis (flattened, reduced or mixed across examples)"
+            else:
+                verdict = f"has its batch axis at dimension {axis}, not the leading one"
+            self._new_verdicts.setdefault(key, []).append(verdict)
+            return verdict
+        verdicts = (self._axis_verdicts or {}).get(key)
+        if verdicts and (index < len(verdicts) or len(set(verdicts)) == 1):
+            return verdicts[min(index, len(verdicts) - 1)]
+        self._axis_verdicts = None  # a call the first step did not see: prove the batch axes again next step
+        return "was not seen by the step that proved the batch axes (run the same forward in every step)"
+
+    def _unproven_batch_axis_error(self, record: _Record) -> RuntimeError:
+        name = self._module_name(record.module)
+        params = ", ".join(self._module_params.get(record.module, {}))
+        return RuntimeError(
+            f"Module '{name}' ({type(record.module).__name__}, trainable: {params}) was called on a tensor that "
+            f"{record.unproven}: its output has no per-example batch axis, so its gradient cannot be split by "
+            "example (clipping it as if it had one would let one example move the others' contributions). Fix: "
+            "freeze it (requires_grad_(False) on its parameters), or call it on ids derived from the batch, "
+            "shaped (B, T), or broadcast as (1, T). Nothing was released."
+        )
+
+    def _module_name(self, module: nn.Module) -> str:
+        for name, candidate in self.model.named_modules(remove_duplicate=False):
+            if candidate is module:
+                return name or "<root>"
+        return type(module).__name__
+
+    def _state_snapshot(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """Every parameter and buffer with its version counter (FSDP2's shards, written by the DP optimizer's
+        own multi-point path inside the block, are left out)."""
+        tensors = list(self.model.named_parameters()) + list(self.model.named_buffers())
+        return {name: (t, t._version) for name, t in tensors if not is_sharded(t)}
+
+    def _check_state_unchanged(self, before: dict[str, tuple[torch.Tensor, int]]) -> None:
+        after = self._state_snapshot()
+        changed = []
+        for name in sorted(set(before) | set(after)):
+            if name not in before or name not in after:
+                changed.append((name, "was added" if name not in before else "was removed"))
+            elif after[name][0] is not before[name][0]:
+                changed.append((name, "was replaced by a new tensor"))
+            elif after[name][1] != before[name][1]:
+                changed.append((name, "was written in place"))
+        if changed:
+            raise StateWrittenError(
+                [(name, name.rpartition(".")[0] or "<root>", how) for name, how in changed]
+            )
+
+    def _check_every_trainable_module_recorded(self) -> None:
+        missing = [
+            param for param, owners in self._owners.items()
+            # a module that ran without autograd gets the more specific CheckpointingError from the backward
+            if not any(id(module) in self._recorded_modules | self._ran_without_autograd for module, _ in owners)
+        ]
+        if missing:
+            lines = "\n".join(
+                f"- '{self.parameter_name(p)}' (module '{self._module_name(self._owners[p][0][0])}')" for p in missing
+            )
+            raise UnsupportedLayerError(
+                "Trainable parameters whose module was never called in the first recorded forward: their gradient "
+                "(if any) reaches them through a path the per-example hooks do not see (a weight used outside its "
+                "module's forward, e.g. PEANuT's peanut_A or VeLoRA's lora_A), or they are unused and would silently "
+                f"never train.\n{lines}\nFix: freeze them (requires_grad_(False)), or call each through its "
+                "module's forward. Nothing was released."
+            )
 
     def clear(self) -> None:
         self._records = []
@@ -1201,6 +1384,8 @@ class GhostClippingEngine:
         for record, grad_output in zip(records, output_grads):
             if grad_output is None:
                 continue
+            if record.unproven is not None:
+                raise self._unproven_batch_axis_error(record)
             rule = find_grad_rule(record.module)
             module_params = self._module_params[record.module]
             for param_name, term in rule(record.module, record.activations, grad_output).items():
