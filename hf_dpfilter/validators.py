@@ -140,6 +140,8 @@ def hold_eval_modes(model: nn.Module, options: ValidationOptions) -> None:
     statistics, no buffer written). The Trainer calls ``model.train()`` at each step; the DPTrainer and the
     engine's ``record()`` call this right after.
     """
+    if not options.batchnorm_eval:
+        return  # nothing to hold: no walk over the modules in every step
     for module in model.modules():
         if _held_in_eval(module, options) and module.training:
             module.eval()

@@ -333,3 +333,178 @@ def test_t5_with_frozen_relative_bias_is_exact_and_within_sensitivity(length):
     ratio = sensitivity_ratio(model.float(), _t5_forward, {k: v for k, v in inputs.items()}, labels,
                               {"input_ids": extra, "attention_mask": torch.ones_like(extra)}, extra_label)
     assert ratio <= 1.0
+
+
+# --------------------------------------------------------------------------------------------------- PEFT
+def _bert_forward(model, inputs):
+    return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+
+
+def _bert_inputs(batch: int, length: int, seed: int = 0):
+    ids, labels = ids_batch(batch, length, vocab=90, seed=seed)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels
+
+
+def _peft_bert(config):
+    from models import tiny_bert
+    from peft import get_peft_model
+
+    return get_peft_model(tiny_bert(dtype=torch.float64), config)
+
+
+def test_peanut_is_refused_at_attach_naming_the_method_and_the_fix():
+    from peft import PeanutConfig
+
+    model = _peft_bert(PeanutConfig(r=4, target_modules=["query", "value"]))
+    with pytest.raises(ModuleValidationError, match=r"(?s)attention.self.query'.*PEANuT.*weight matrix.*Fix: use LoRA"):
+        GhostClippingEngine(model)
+
+
+def test_velora_is_refused_at_attach_naming_the_method_and_the_fix():
+    from peft import LoraConfig, VeloraConfig
+
+    model = _peft_bert(LoraConfig(r=4, target_modules=["query", "value"], velora_config=VeloraConfig(num_groups=2)))
+    with pytest.raises(ModuleValidationError, match=r"(?s)VeLoRA.*lora_velora_embed.*Fix: use plain LoRA"):
+        GhostClippingEngine(model)
+
+
+def test_alora_is_refused_at_attach_naming_the_method_and_the_fix():
+    from models import tiny_gpt2
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["c_attn"], alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM")
+    model = get_peft_model(tiny_gpt2(), config)
+    with pytest.raises(ModuleValidationError, match=r"(?s)c_attn'.*aLoRA.*flattened.*Fix: use plain LoRA"):
+        GhostClippingEngine(model)
+
+
+def test_dora_with_a_trainable_magnitude_is_refused_naming_the_fix():
+    from peft import LoraConfig
+
+    model = _peft_bert(LoraConfig(r=4, target_modules=["query", "value"], use_dora=True))
+    with pytest.raises(ModuleValidationError, match=r"(?s)lora_magnitude_vector.default'.*DoRA.*freeze the magnitude"):
+        GhostClippingEngine(model)
+
+
+@pytest.mark.parametrize("length", [4, 6], ids=["T==B", "T!=B"])
+def test_dora_with_a_frozen_magnitude_is_exact_and_within_sensitivity(length):
+    """DoRA's weight-norm path calls lora_A/lora_B on an identity matrix (no batch axis), but detached: it
+    carries no gradient, so only the per-example calls count."""
+    from peft import LoraConfig
+
+    model = _peft_bert(LoraConfig(r=4, target_modules=["query", "value"], use_dora=True, lora_dropout=0.0,
+                                  init_lora_weights=False))
+    for name, param in model.named_parameters():
+        if "lora_magnitude_vector" in name:
+            param.requires_grad_(False)
+    inputs, labels = _bert_inputs(4, length)
+    ours = clipped_sum(model, _bert_forward, inputs, labels)
+    assert relative_error(ours, reference_sum(model, _bert_forward, inputs, labels)) <= 1e-10
+    extra, extra_label = _bert_inputs(1, length, seed=1)
+    assert sensitivity_ratio(model.float(), _bert_forward, inputs, labels, extra, extra_label) <= 1.0
+
+
+def test_plain_lora_stays_exact():
+    from peft import LoraConfig
+
+    model = _peft_bert(LoraConfig(r=4, target_modules=["query", "value"], lora_dropout=0.0, init_lora_weights=False))
+    inputs, labels = _bert_inputs(4, 4)
+    ours = clipped_sum(model, _bert_forward, inputs, labels)
+    assert relative_error(ours, reference_sum(model, _bert_forward, inputs, labels)) <= 1e-10
+
+
+def test_without_the_peft_validators_the_runtime_proof_still_refuses(monkeypatch):
+    """Defence in depth: with the PEFT validators removed, the first recorded step still refuses VeLoRA (its
+    buffer is written) and PEANuT at a micro-batch equal to the layer width (peanut_A is never called)."""
+    from peft import LoraConfig, PeanutConfig, VeloraConfig
+
+    import hf_dpfilter.validators as validators
+
+    monkeypatch.setattr(validators, "_PEFT_REGISTERED", True)
+    monkeypatch.setattr(validators, "_VALIDATORS", {
+        k: v for k, v in validators._VALIDATORS.items() if not k.__module__.startswith("peft")})
+    inputs, labels = _bert_inputs(16, 5)  # 16 == hidden size: rows of the weight would look like examples
+    velora = _peft_bert(LoraConfig(r=4, target_modules=["query"], velora_config=VeloraConfig(num_groups=2)))
+    with pytest.raises(StateWrittenError, match=r"lora_velora_embed.default' \(module '.*query.lora_velora_embed'\)"):
+        clipped_sum(velora, _bert_forward, inputs, labels)
+    peanut = _peft_bert(PeanutConfig(r=4, target_modules=["query"]))
+    with pytest.raises(UnsupportedLayerError, match=r"peanut_A.default.weight"):
+        clipped_sum(peanut, _bert_forward, inputs, labels)
+
+
+# ------------------------------------------------------------------------ DPTrainer: no state outside the step
+class _PooledWithBatchNorm(nn.Module):
+    """Embedding, mean pool, a frozen BatchNorm1d (with running stats) and a classifier, returning logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(90, 8)
+        self.norm = nn.BatchNorm1d(8).requires_grad_(False)
+        self.norm.running_mean.normal_()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, input_ids, attention_mask=None):
+        return {"logits": self.head(self.norm(self.embed(input_ids).mean(1)))}
+
+
+def _trainer(tmp_path, model, **overrides):
+    from helpers import ListDataset, PadCollator, make_examples
+
+    from hf_dpfilter import DPTrainer, DPTrainingArguments
+
+    args = DPTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=1.0, per_sample_max_grad_norm=0.5, logical_batch_size=4,
+        per_device_train_batch_size=2, max_steps=3, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0,
+        **overrides,
+    )
+    examples = make_examples(8, 90, causal=False, seed=3)
+    return DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
+
+
+def test_dptrainer_refuses_batchnorm_unless_frozen_in_eval_mode(tmp_path):
+    with pytest.raises(ModuleValidationError, match="dp_batchnorm_eval=True"):
+        _trainer(tmp_path, _PooledWithBatchNorm())
+
+
+def test_dptrainer_changes_no_parameter_or_buffer_outside_the_optimizer_step(tmp_path):
+    """Snapshots at every step boundary: the forward/backward of a step writes nothing; the DP optimizer's
+    step changes only the trainable parameters; nothing changes between steps."""
+    from transformers import TrainerCallback
+
+    model = _PooledWithBatchNorm()
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    events = []
+
+    def state():
+        return {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    def changed(before):
+        return {name for name, t in state().items() if not torch.equal(t, before[name])}
+
+    class Watch(TrainerCallback):
+        snapshot = None
+
+        def on_step_begin(self, args, state_, control, **kwargs):
+            if self.snapshot is not None:
+                events.append(("between steps", changed(self.snapshot)))
+            self.snapshot = state()
+
+        def on_pre_optimizer_step(self, args, state_, control, **kwargs):
+            events.append(("forward and backward", changed(self.snapshot)))
+
+        def on_optimizer_step(self, args, state_, control, **kwargs):
+            events.append(("optimizer step", changed(self.snapshot)))
+            self.snapshot = state()
+
+    trainer = _trainer(tmp_path, model, dp_batchnorm_eval=True)
+    trainer.add_callback(Watch())
+    trainer.train()
+    assert sum(1 for what, _ in events if what == "optimizer step") == 3
+    for what, names in events:
+        if what == "optimizer step":
+            assert names <= trainable and names, names  # the step moves trainable parameters only
+        else:
+            assert names == set(), (what, names)
+    assert not model.norm.training  # held in eval mode although the Trainer calls model.train()
