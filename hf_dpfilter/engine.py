@@ -26,9 +26,15 @@ or weight sharing) contributes the sum of its calls: the calls are concatenated 
 so the *combination* is what gets clipped. Tied parameters (GPT-2's ``wte``/``lm_head``) get the exact
 cross term between the embedding and the output-layer use.
 
-Learned position embeddings whose ids arrive broadcast as ``(1, T)`` (BERT, GPT-2) would return a gradient
-summed over the batch; the forward hook expands such outputs to ``(B, T, d)`` (a view; it changes no
-values) so their gradient stays per example.
+Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.batch_axis`): the first
+recorded step after attach traces the batch axis from the model's batch-first inputs through every torch
+function, and caches a verdict per module and call. A call on a tensor that does not derive from the batch but
+whose output has leading size 1 (BERT's and GPT-2's position ids, broadcast as ``(1, T)``) would return a
+gradient summed over the batch; the forward hook expands such outputs to ``(B, T, d)`` (a view; it changes no
+values) so their gradient stays per example. Any other call without a proven batch axis (``pos_emb(arange(T))``,
+T5's relative attention bias) is refused by name as soon as the backward shows it carries gradient. The same
+first step refuses parameters and buffers written by the forward and trainable modules never called; modules
+that mix examples or write state are refused earlier, at attach (:mod:`hf_dpfilter.validators`).
 
 Gradient checkpointing (transformers' non-reentrant ``torch.utils.checkpoint``). A checkpointed layer runs
 its forward twice: once in the forward pass and again inside the backward, to rebuild the tensors autograd
