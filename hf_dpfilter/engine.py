@@ -1203,7 +1203,10 @@ class GhostClippingEngine:
             return  # nothing ran (an empty micro-batch): prove on the next step
         self._check_state_unchanged(snapshot)
         self._check_every_trainable_module_recorded()
-        self._axis_verdicts = self._new_verdicts
+        if (tracer.batch_size or 0) > 1:
+            # With one example every tensor of leading size 1 looks batch-first (an explicit (1, T) position_ids
+            # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
+            self._axis_verdicts = self._new_verdicts
 
     def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""

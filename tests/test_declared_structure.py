@@ -508,3 +508,59 @@ def test_dptrainer_changes_no_parameter_or_buffer_outside_the_optimizer_step(tmp
         else:
             assert names == set(), (what, names)
     assert not model.norm.training  # held in eval mode although the Trainer calls model.train()
+
+
+def test_a_first_step_of_one_example_does_not_fix_the_verdicts():
+    """With batch 1 an explicit (1, T) position_ids input is indistinguishable from a batch input: the next
+    step, with more examples, proves the axes again (and the broadcast is expanded, exactly)."""
+
+    class ExplicitPositions(_PositionalModel):
+        def forward(self, input_ids, position_ids):
+            return self.head(torch.tanh(self.tok(input_ids) + self.pos(position_ids)).mean(1))
+
+    torch.manual_seed(0)
+    model = ExplicitPositions(broadcast=True).double()
+    engine = GhostClippingEngine(model)
+    for batch in (1, 4, 4):
+        ids, labels = ids_batch(batch, 5, seed=batch)
+        with engine.record(batch_size=batch):
+            losses = F.cross_entropy(model(ids, torch.arange(5)[None]), labels, reduction="none")
+        engine.per_example_gradients(losses)
+    assert engine._axis_verdicts is not None
+
+
+def _tiny_t5_seq2seq(freeze_relative_bias: bool):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=20, d_model=8, d_kv=4, d_ff=12, num_layers=1, num_decoder_layers=1, num_heads=2,
+                      relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+                      feed_forward_proj="relu", pad_token_id=0, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config)
+    for name, param in model.named_parameters():
+        if "layer_norm" in name or (freeze_relative_bias and "relative_attention_bias" in name):
+            param.requires_grad_(False)  # layer norms: see _tiny_t5_classifier
+    return model
+
+
+def _seq2seq_forward(model, inputs):
+    out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                decoder_input_ids=inputs["decoder_input_ids"])
+    return out.logits[:, :, :2].mean(1)  # a per-example two-way score from the decoder's logits
+
+
+def _seq2seq_inputs(batch: int, length: int, seed: int = 0):
+    ids, labels = ids_batch(batch, length, seed=seed)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids.flip(1)}, labels
+
+
+@pytest.mark.parametrize("length", [4, 6], ids=["T==B", "T!=B"])
+def test_t5_seq2seq_relative_bias_refused_when_trainable_and_exact_when_frozen(length):
+    inputs, labels = _seq2seq_inputs(4, length)
+    with pytest.raises(RuntimeError, match=r"(?s)relative_attention_bias'.*does not derive from the batch"):
+        clipped_sum(_tiny_t5_seq2seq(False), _seq2seq_forward, inputs, labels)
+    model = _tiny_t5_seq2seq(True).double()
+    ours = clipped_sum(model, _seq2seq_forward, inputs, labels)
+    assert relative_error(ours, reference_sum(model, _seq2seq_forward, inputs, labels)) <= 1e-10
+    extra, extra_label = _seq2seq_inputs(1, length, seed=1)
+    assert sensitivity_ratio(model.float(), _seq2seq_forward, inputs, labels, extra, extra_label) <= 1.0
