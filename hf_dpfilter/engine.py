@@ -1185,7 +1185,8 @@ class GhostClippingEngine:
         if self._axis_verdicts is not None:
             yield
             return
-        snapshot = self._state_snapshot()
+        with_parameters = not self._under_fsdp()
+        snapshot = self._state_snapshot(with_parameters)
         tracer = BatchAxisTracer(self._batch_size)
         self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
         handles = []
@@ -1201,7 +1202,7 @@ class GhostClippingEngine:
                 handle.remove()
         if not self._recorded_modules:
             return  # nothing ran (an empty micro-batch): prove on the next step
-        self._check_state_unchanged(snapshot)
+        self._check_state_unchanged(snapshot, with_parameters)
         self._check_every_trainable_module_recorded()
         if (tracer.batch_size or 0) > 1:
             # With one example every tensor of leading size 1 looks batch-first (an explicit (1, T) position_ids
@@ -1278,14 +1279,23 @@ class GhostClippingEngine:
                 return name or "<root>"
         return type(module).__name__
 
-    def _state_snapshot(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """Every parameter and buffer with its version counter (FSDP2's shards, written by the DP optimizer's
-        own multi-point path inside the block, are left out)."""
-        tensors = list(self.model.named_parameters()) + list(self.model.named_buffers())
-        return {name: (t, t._version) for name, t in tensors if not is_sharded(t)}
+    def _state_snapshot(self, parameters: bool) -> dict[str, tuple[torch.Tensor, int]]:
+        """Every buffer (and parameter if asked) with its version counter."""
+        tensors = list(self.model.named_buffers()) + (list(self.model.named_parameters()) if parameters else [])
+        return {name: (t, t._version) for name, t in tensors}
 
-    def _check_state_unchanged(self, before: dict[str, tuple[torch.Tensor, int]]) -> None:
-        after = self._state_snapshot()
+    def _under_fsdp(self) -> bool:
+        """FSDP2 swaps each module's sharded parameters for gathered ones around its forward (and the DP
+        optimizer's multi-point path writes the shards inside the block): its parameters are not compared."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover
+            return False
+        return any(is_sharded(p) for p in self.model.parameters()) or any(
+            isinstance(m, FSDPModule) for m in self.model.modules())
+
+    def _check_state_unchanged(self, before: dict[str, tuple[torch.Tensor, int]], parameters: bool) -> None:
+        after = self._state_snapshot(parameters)
         changed = []
         for name in sorted(set(before) | set(after)):
             if name not in before or name not in after:
