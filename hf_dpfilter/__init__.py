@@ -22,6 +22,7 @@ _EXPORTS = {
     "PoissonBatchSampler": "hf_dpfilter.sampling",
     "PrivacyAccountant": "hf_dpfilter.accounting",
     "PrivacyPlan": "hf_dpfilter.plan",
+    "StateWrittenError": "hf_dpfilter.validators",
     "UnprivatizedGradientError": "hf_dpfilter.optimizers",
     "UnsupportedLayerError": "hf_dpfilter.engine",
     "available_methods": "hf_dpfilter.optimizers",

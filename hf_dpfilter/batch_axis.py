@@ -258,6 +258,19 @@ class BatchAxisTracer(TorchFunctionMode):
         """The batch axis of ``source[index]``."""
         items = index if isinstance(index, tuple) else (index,)
         advanced = [i for i, item in enumerate(items) if isinstance(item, (torch.Tensor, list))]
+        if axis == 0 and advanced and advanced[0] == 0 and advanced == list(range(len(advanced))):
+            # x[torch.arange(B), lengths - 1]: one row per example, in order (checked on the values, once)
+            rows = items[0]
+            if (
+                isinstance(rows, torch.Tensor)
+                and rows.dim() == 1
+                and not rows.is_floating_point()
+                and rows.dtype != torch.bool
+                and rows.shape[0] == source.shape[0]
+                and all(isinstance(items[i], torch.Tensor) and items[i].dim() <= 1 for i in advanced)
+                and bool(torch.equal(rows.cpu(), torch.arange(source.shape[0])))
+            ):
+                return 0
         if len(advanced) > 1 and advanced != list(range(advanced[0], advanced[-1] + 1)):
             return LOST  # non-adjacent advanced indices move their dimensions first
         consumed = sum(1 for item in items if item is not None and item is not Ellipsis)

@@ -564,3 +564,28 @@ def test_t5_seq2seq_relative_bias_refused_when_trainable_and_exact_when_frozen(l
     assert relative_error(ours, reference_sum(model, _seq2seq_forward, inputs, labels)) <= 1e-10
     extra, extra_label = _seq2seq_inputs(1, length, seed=1)
     assert sensitivity_ratio(model.float(), _seq2seq_forward, inputs, labels, extra, extra_label) <= 1.0
+
+
+def test_a_head_on_each_examples_last_token_is_proven_per_example():
+    """``hidden[torch.arange(B), lengths - 1]`` picks one row per example, in order: the head after it is per
+    example (checked on the index values on the first step)."""
+
+    class LastToken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(20, 8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, input_ids, attention_mask):
+            hidden = torch.tanh(self.tok(input_ids))
+            last = attention_mask.sum(1) - 1
+            return self.head(hidden[torch.arange(input_ids.shape[0]), last])
+
+    torch.manual_seed(0)
+    model = LastToken().double()
+    ids, labels = ids_batch(4, 4)
+    mask = torch.ones_like(ids)
+    mask[2, -1] = 0
+    forward = lambda m, inputs: m(inputs["input_ids"], inputs["attention_mask"])  # noqa: E731
+    ours = clipped_sum(model, forward, {"input_ids": ids, "attention_mask": mask}, labels)
+    assert relative_error(ours, reference_sum(model, forward, {"input_ids": ids, "attention_mask": mask}, labels)) <= 1e-10
