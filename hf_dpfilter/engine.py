@@ -1073,9 +1073,12 @@ class GhostClippingEngine:
             unproven = verdict if verdict != BROADCAST else "has an output of leading size other than 1 where the first step proved a broadcast"
         elif output.shape[0] != batch:
             raise RuntimeError(
-                f"Module {type(module).__name__} produced an output with leading dimension {output.shape[0]} "
-                f"while recording a batch of {batch} examples. Per-example clipping needs batch-first "
-                "tensors; pass batch_size to engine.record() if the first layer's input is not batch-first."
+                f"Module '{self._module_name(module)}' ({type(module).__name__}) produced an output with leading "
+                f"dimension {output.shape[0]} from a batch-first input while recording a batch of {batch} examples: "
+                "its output is not computed row by row from its input (e.g. a positional embedding that only reads "
+                "the shape of input_ids), so its per-example gradient is unknown. Per-example clipping needs "
+                "batch-first tensors: freeze the module (requires_grad_(False)), or pass batch_size to "
+                "engine.record() if the model's inputs are not batch-first."
             )
         used = None
         if module in self._sharded_modules and self.verify_first_backward:
