@@ -94,6 +94,17 @@ class _Record:
     unproven: str | None = None
 
 
+def _same_values(copy: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds ``copy``'s values (NaN equal to NaN); True when no copy was kept."""
+    if copy is None:
+        return True
+    if copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+        return False
+    if copy.is_floating_point() or copy.is_complex():
+        return bool(((copy == tensor) | (copy.isnan() & tensor.isnan())).all())
+    return bool(torch.equal(copy, tensor))
+
+
 def _inside_backward() -> bool:
     """True while autograd runs a backward (where checkpointed layers are recomputed)."""
     return torch._C._current_graph_task_id() != -1
@@ -1282,10 +1293,14 @@ class GhostClippingEngine:
                 return name or "<root>"
         return type(module).__name__
 
-    def _state_snapshot(self, parameters: bool) -> dict[str, tuple[torch.Tensor, int]]:
-        """Every buffer (and parameter if asked) with its version counter."""
-        tensors = list(self.model.named_buffers()) + (list(self.model.named_parameters()) if parameters else [])
-        return {name: (t, t._version) for name, t in tensors}
+    def _state_snapshot(self, parameters: bool) -> dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]:
+        """Every buffer (and parameter if asked) with its version counter; buffers also with a copy of their
+        values, since native kernels write some of them without counting a version (BatchNorm's running_mean
+        and running_var). Buffers are small next to the parameters, and this runs on one step."""
+        out = {name: (t, t._version, t.detach().clone()) for name, t in self.model.named_buffers()}
+        if parameters:
+            out.update({name: (t, t._version, None) for name, t in self.model.named_parameters()})
+        return out
 
     def _under_fsdp(self) -> bool:
         """FSDP2 swaps each module's sharded parameters for gathered ones around its forward (and the DP
@@ -1297,7 +1312,9 @@ class GhostClippingEngine:
         return any(is_sharded(p) for p in self.model.parameters()) or any(
             isinstance(m, FSDPModule) for m in self.model.modules())
 
-    def _check_state_unchanged(self, before: dict[str, tuple[torch.Tensor, int]], parameters: bool) -> None:
+    def _check_state_unchanged(
+        self, before: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]], parameters: bool
+    ) -> None:
         after = self._state_snapshot(parameters)
         changed = []
         for name in sorted(set(before) | set(after)):
@@ -1305,7 +1322,7 @@ class GhostClippingEngine:
                 changed.append((name, "was added" if name not in before else "was removed"))
             elif after[name][0] is not before[name][0]:
                 changed.append((name, "was replaced by a new tensor"))
-            elif after[name][1] != before[name][1]:
+            elif after[name][1] != before[name][1] or not _same_values(before[name][2], after[name][0]):
                 changed.append((name, "was written in place"))
         if changed:
             raise StateWrittenError(

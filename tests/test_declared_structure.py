@@ -589,3 +589,23 @@ def test_a_head_on_each_examples_last_token_is_proven_per_example():
     forward = lambda m, inputs: m(inputs["input_ids"], inputs["attention_mask"])  # noqa: E731
     ours = clipped_sum(model, forward, {"input_ids": ids, "attention_mask": mask}, labels)
     assert relative_error(ours, reference_sum(model, forward, {"input_ids": ids, "attention_mask": mask}, labels)) <= 1e-10
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "embedding_max_norm"])
+def test_without_any_validator_the_first_step_still_refuses_the_written_state(monkeypatch, kind):
+    """Defence in depth: with the registry emptied, the running statistics of a BatchNorm in train mode and the
+    in-place renormalisation of Embedding(max_norm) are caught by the first step's version check."""
+    import hf_dpfilter.validators as validators
+
+    monkeypatch.setattr(validators, "_VALIDATORS", {})
+    monkeypatch.setattr(validators, "_PEFT_REGISTERED", True)
+    if kind == "batchnorm":
+        model, inputs = _Convolutional(nn.BatchNorm1d(4).requires_grad_(False)), {"x": torch.randn(4, 4)}
+        expected = r"'norm.running_mean' \(module 'norm'\) was written in place"  # by the kernel: no version
+        forward = _bn_forward
+    else:
+        model = _PositionalModel(broadcast=True)
+        model.tok = nn.Embedding(20, 8, max_norm=0.5)
+        inputs, expected, forward = {"input_ids": ids_batch(4, 5)[0]}, r"'tok.weight' \(module 'tok'\)", _ids_forward
+    with pytest.raises(StateWrittenError, match=expected):
+        clipped_sum(model, forward, inputs, torch.randint(0, 2, (4,)))
