@@ -94,6 +94,10 @@ class BatchAxisTracer(TorchFunctionMode):
         super().__init__()
         self.batch_size = batch_size
         self._tags: dict[int, tuple[weakref.ref, int, int]] = {}
+        #: tensor id -> the broadcast layer calls (keys) its values come from, and those whose expanded output
+        #: reached an operation that mixed or dropped its batch axis (see :meth:`mark_broadcast`)
+        self._origins: dict[int, frozenset] = {}
+        self.misused: set = set()
 
     # ---------------------------------------------------------------------------------------- tags
     def tag_of(self, tensor: Any) -> tuple[int, int] | None:
@@ -112,11 +116,24 @@ class BatchAxisTracer(TorchFunctionMode):
             return None
         return tag[0] if tag[1] == 1 else LOST
 
-    def tag(self, tensor: torch.Tensor, axis: int, inner: int = 1) -> None:
+    def tag(self, tensor: torch.Tensor, axis: int, inner: int = 1, origins: frozenset = frozenset()) -> None:
         try:
             self._tags[id(tensor)] = (weakref.ref(tensor), axis, inner)
         except TypeError:  # pragma: no cover -- a tensor type without weak references: not followed
             return
+        if origins:
+            self._origins[id(tensor)] = origins
+        else:
+            self._origins.pop(id(tensor), None)
+
+    def mark_broadcast(self, expanded: torch.Tensor, key: Any) -> None:
+        """``expanded`` is a broadcast layer output expanded to the batch (one copy per example). Its gradient
+        is per example only if every use broadcasts it along the batch; an operation that mixes or drops the
+        batch axis of anything derived from it (``out[0]``, a sum over the batch) puts ``key`` in ``misused``."""
+        self.tag(expanded, 0, 1, frozenset([key]))
+
+    def _origins_of(self, tensor: torch.Tensor) -> frozenset:
+        return self._origins.get(id(tensor), frozenset()) if self.tag_of(tensor) is not None else frozenset()
 
     def tag_batch_inputs(self, args: tuple, kwargs: dict) -> bool:
         """Tag every tensor given to the model whose leading size is the batch size as batch-first; whether
@@ -141,8 +158,12 @@ class BatchAxisTracer(TorchFunctionMode):
         outputs = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
         if getattr(func, "__name__", "") == "__setitem__" and args and isinstance(args[0], torch.Tensor):
             outputs = [args[0]]  # x[...] = y writes y into x, in place
+        origins = frozenset().union(*(self._origins_of(t) for t, _ in tagged))
         for result in outputs:
-            self.tag(result, *self._result_tag(func, args, kwargs, tagged, result))
+            axis, inner = self._result_tag(func, args, kwargs, tagged, result)
+            if origins and axis == LOST:
+                self.misused |= origins
+            self.tag(result, axis, inner, origins)
         return out
 
     def _maybe_broadcast_over_batch(self, func: Any, args: tuple, out: Any) -> None:

@@ -1079,6 +1079,8 @@ class GhostClippingEngine:
                 output = output.expand(batch, *output.shape[1:])
                 if activations is not None:
                     activations = activations.expand(batch, *activations.shape[1:])
+                if self._tracer is not None:  # proven per example only if every use broadcasts it
+                    self._tracer.mark_broadcast(output, (id(module), self._call_counts[id(module)] - 1))
         elif verdict != BATCH:
             # Not proven per example: kept, and refused by the backward if gradient reaches its output.
             unproven = verdict if verdict != BROADCAST else "has an output of leading size other than 1 where the first step proved a broadcast"
@@ -1217,6 +1219,15 @@ class GhostClippingEngine:
         if not self._recorded_modules:
             return  # nothing ran (an empty micro-batch): prove on the next step
         self._check_state_unchanged(snapshot, with_parameters)
+        if tracer.misused:
+            names = sorted({self._module_name(m) for m in self.model.modules() if id(m) in {k[0] for k in tracer.misused}})
+            raise RuntimeError(
+                f"The broadcast output of {', '.join(repr(n) for n in names)} (called on ids of shape (1, T), whose "
+                "output the engine expands to one copy per example) is used along the batch axis (indexed, reduced "
+                "or flattened over the examples), so its expanded gradient would not be per example. Fix: freeze "
+                "it (requires_grad_(False)), or call it on ids shaped (B, T) and use its output per example. "
+                "Nothing was released."
+            )
         self._check_every_trainable_module_recorded()
         if (tracer.batch_size or 0) > 1:
             # With one example every tensor of leading size 1 looks batch-first (an explicit (1, T) position_ids

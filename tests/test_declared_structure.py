@@ -609,3 +609,17 @@ def test_without_any_validator_the_first_step_still_refuses_the_written_state(mo
         inputs, expected, forward = {"input_ids": ids_batch(4, 5)[0]}, r"'tok.weight' \(module 'tok'\)", _ids_forward
     with pytest.raises(StateWrittenError, match=expected):
         clipped_sum(model, forward, inputs, torch.randint(0, 2, (4,)))
+
+
+def test_a_broadcast_output_used_along_the_batch_axis_is_refused():
+    """``pos(arange(T)[None])[0]`` picks the first copy of the expanded output: its gradient would all land on
+    example 0. The first step sees the batch axis dropped from the expanded output and refuses the table."""
+
+    class FirstCopy(_PositionalModel):
+        def forward(self, input_ids):
+            positions = self.pos(torch.arange(input_ids.shape[1]).unsqueeze(0))[0]
+            return self.head(torch.tanh(self.tok(input_ids) + positions).mean(1))
+
+    ids, labels = ids_batch(4, 5)
+    with pytest.raises(RuntimeError, match=r"(?s)broadcast output of 'pos'.*Fix: freeze"):
+        clipped_sum(FirstCopy(broadcast=True), _ids_forward, {"input_ids": ids}, labels)
