@@ -21,7 +21,8 @@ A layer call is then:
 * ``BATCH`` -- its input's batch axis is the leading one: per example, as the rules assume;
 * ``BROADCAST`` -- its input carries no batch axis and its output has leading size 1 (BERT's and GPT-2's
   ``(1, T)`` position ids): the engine expands the output to the batch (a view), so the gradient stays per
-  example, exactly;
+  example, exactly, provided every use of the expanded copy broadcasts it along the batch; an operation that
+  mixes or drops its batch axis (``out[0]``, a sum over the examples) refuses the module on the first step;
 * unproven -- anything else. Such a call is recorded but refused, naming the module, as soon as the backward
   shows that it carries gradient; a call whose output gets no gradient (DoRA's weight-norm path, which is
   detached) is harmless and skipped.
