@@ -943,6 +943,7 @@ class GhostClippingEngine:
         self._axis_verdicts: dict[int, list[str]] | None = None
         self._new_verdicts: dict[int, list[str]] = {}
         self._call_counts: dict[int, int] = {}
+        self._reprove = False  # a later step made a call the proving step did not see: prove again
         self._tracer: BatchAxisTracer | None = None
         self._trace_depth = 0
         self.attach()
@@ -1198,9 +1199,10 @@ class GhostClippingEngine:
         """
         self.hold_eval_modes()
         self._call_counts = {}
-        if self._axis_verdicts is not None:
+        if self._axis_verdicts is not None and not self._reprove:
             yield
             return
+        self._reprove = False
         with_parameters = not self._under_fsdp()
         snapshot = self._state_snapshot(with_parameters)
         tracer = BatchAxisTracer(self._batch_size)
@@ -1284,7 +1286,7 @@ class GhostClippingEngine:
         verdicts = (self._axis_verdicts or {}).get(key)
         if verdicts and (index < len(verdicts) or len(set(verdicts)) == 1):
             return verdicts[min(index, len(verdicts) - 1)]
-        self._axis_verdicts = None  # a call the first step did not see: prove the batch axes again next step
+        self._reprove = True  # a call the first step did not see: prove the batch axes again next step
         return "was not seen by the step that proved the batch axes (run the same forward in every step)"
 
     def _unproven_batch_axis_error(self, record: _Record) -> RuntimeError:

@@ -623,3 +623,39 @@ def test_a_broadcast_output_used_along_the_batch_axis_is_refused():
     ids, labels = ids_batch(4, 5)
     with pytest.raises(RuntimeError, match=r"(?s)broadcast output of 'pos'.*Fix: freeze"):
         clipped_sum(FirstCopy(broadcast=True), _ids_forward, {"input_ids": ids}, labels)
+
+
+def test_a_call_the_proving_step_did_not_see_is_refused_and_proven_on_the_next_step():
+    """Verdicts are kept per module and call. A module proven with two kinds of call (a detached call on its
+    own weight, as DoRA's weight norm makes, then the batch) that is called a third time later has no verdict
+    for that call: refused by name (nothing released), and the next step proves again."""
+
+    class Repeated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(3, 3)
+            self.head = nn.Linear(3, 2)
+            self.again = False
+
+        def forward(self, x):
+            scale = self.layer(self.layer.weight).detach().norm()  # no batch axis, no gradient
+            h = self.layer(x) / scale
+            if self.again:
+                h = self.layer(h)
+            return self.head(h)
+
+    model = Repeated().double()
+    engine = GhostClippingEngine(model, verify_first_backward=False)
+
+    def step():
+        x, labels = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+        with engine.record(batch_size=4):
+            losses = F.cross_entropy(model(x), labels, reduction="none")
+        return engine.per_example_gradients(losses)
+
+    step()
+    model.again = True
+    with pytest.raises(RuntimeError, match=r"Module 'layer'.*was not seen by the step that proved"):
+        step()
+    assert step().squared_norms().shape == (4,)  # proven again, with the third call
+    assert engine._axis_verdicts is not None and len(engine._axis_verdicts[id(model.layer)]) == 3
