@@ -54,6 +54,12 @@ _REDUCTIONS = {
     "count_nonzero", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "softmax", "log_softmax",
     "sort", "argsort", "topk", "kthvalue", "unique", "unique_consecutive",
 }
+#: operations that select or reorder along a dimension: along the batch axis, rows no longer match examples
+_ALONG_DIM = {
+    "index_select", "gather", "take_along_dim", "scatter", "scatter_", "scatter_add", "scatter_add_",
+    "scatter_reduce", "scatter_reduce_", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill",
+    "index_fill_", "index_reduce", "index_reduce_", "roll", "flip", "narrow", "select", "diff", "cumulative_trapezoid",
+}
 _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
 _CONCATS = {"cat", "concat", "concatenate"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
@@ -262,6 +268,23 @@ class BatchAxisTracer(TorchFunctionMode):
             if dim is None:
                 return LOST if name not in ("softmax", "log_softmax") else None
             dims = [dim] if isinstance(dim, int) else list(dim)
+            if axis in {_normalize(d, ndim) for d in dims}:
+                return LOST
+            return None
+        if name in _ALONG_DIM:
+            if name == "flip":
+                dims = args[1] if len(args) > 1 else kwargs.get("dims")
+            elif name == "roll":
+                dims = args[2] if len(args) > 2 else kwargs.get("dims")
+                if dims is None:
+                    return LOST  # rolls the flattened tensor
+            elif name == "diff":
+                dims = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            else:
+                dims = _dims_argument(args, kwargs)
+            if dims is None:
+                return None
+            dims = [dims] if isinstance(dims, int) else list(dims)
             if axis in {_normalize(d, ndim) for d in dims}:
                 return LOST
             return None

@@ -659,3 +659,28 @@ def test_a_call_the_proving_step_did_not_see_is_refused_and_proven_on_the_next_s
         step()
     assert step().squared_norms().shape == (4,)  # proven again, with the third call
     assert engine._axis_verdicts is not None and len(engine._axis_verdicts[id(model.layer)]) == 3
+
+
+@pytest.mark.parametrize("reorder", ["flip", "index_select", "roll"])
+def test_examples_reordered_before_a_trainable_layer_are_refused(reorder):
+    """Rows reordered along the batch axis no longer match the examples: a layer after them is refused (its
+    rows would be attributed to the wrong examples, splitting one example's gradient over several units)."""
+
+    class Reordered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(3, 3)
+            self.head = nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = self.first(x)
+            if reorder == "flip":
+                h = h.flip(0)
+            elif reorder == "index_select":
+                h = h.index_select(0, torch.tensor([1, 0, 3, 2]))
+            else:
+                h = torch.roll(h, 1, 0)
+            return self.head(h)
+
+    with pytest.raises(RuntimeError, match=r"Module 'head'.*lost its batch axis"):
+        clipped_sum(Reordered(), _bn_forward, {"x": torch.randn(4, 3)}, torch.randint(0, 2, (4,)))
