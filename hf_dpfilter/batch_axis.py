@@ -60,6 +60,7 @@ _ALONG_DIM = {
     "scatter_reduce", "scatter_reduce_", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill",
     "index_fill_", "index_reduce", "index_reduce_", "roll", "flip", "narrow", "select", "diff", "cumulative_trapezoid",
 }
+_MATMULS = {"matmul", "mm", "bmm", "__matmul__", "__rmatmul__"}
 _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
 _CONCATS = {"cat", "concat", "concatenate"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
@@ -200,7 +201,15 @@ class BatchAxisTracer(TorchFunctionMode):
                 special = self._method_axis(name, first, first_tag[0], args, kwargs, result)
                 if special is not None:
                     return special, 1
-        elif name in _CONCATS and args and isinstance(args[0], (list, tuple)):
+        if name in _MATMULS and len(args) >= 2:
+            contracted = self._contracts_batch(args[0], args[1])
+            if contracted:
+                return LOST, 1
+        if name == "einsum":
+            axis = self._einsum_axis(args, tagged)
+            if axis is not None:
+                return axis, 1
+        if name in _CONCATS and args and isinstance(args[0], (list, tuple)):
             dim = _normalize(kwargs.get("dim", args[1] if len(args) > 1 else 0), result.dim())
             if any(tag[0] == LOST or tag[0] == dim for _, tag in tagged):
                 return LOST, 1
@@ -213,6 +222,35 @@ class BatchAxisTracer(TorchFunctionMode):
             if 0 <= aligned < result.dim() and result.shape[aligned] == source.shape[axis]:
                 return aligned, inner
         return LOST, 1
+
+    def _contracts_batch(self, a: Any, b: Any) -> bool:
+        """Whether ``a @ b`` sums over the batch axis of either operand (``h.T @ h``)."""
+        tag_a, tag_b = self.tag_of(a), self.tag_of(b)
+        if tag_a is not None and tag_a[0] != LOST and isinstance(a, torch.Tensor) and tag_a[0] == a.dim() - 1:
+            return True
+        if tag_b is not None and tag_b[0] != LOST and isinstance(b, torch.Tensor):
+            contracted = b.dim() - 2 if b.dim() >= 2 else 0
+            return tag_b[0] == contracted
+        return False
+
+    def _einsum_axis(self, args: tuple, tagged: list) -> int | None:
+        """The batch axis of an einsum's result from its equation (LOST if the batch letter is summed over);
+        None when the equation uses '...' or its operands are not given as separate tensors."""
+        equation = args[0] if args and isinstance(args[0], str) else None
+        operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+        if equation is None or "..." in equation or "->" not in equation:
+            return None
+        inputs, output = equation.replace(" ", "").split("->")
+        terms = inputs.split(",")
+        if len(terms) != len(operands):
+            return None
+        for term, operand in zip(terms, operands):
+            tag = self.tag_of(operand)
+            if tag is None or tag[0] == LOST or tag[1] != 1 or tag[0] >= len(term):
+                continue
+            letter = term[tag[0]]
+            return output.index(letter) if letter in output else LOST
+        return None
 
     def _reshape_tag(self, source: torch.Tensor, tag: tuple[int, int], result: torch.Tensor) -> tuple[int, int]:
         """The tag after a view/reshape: the batch stays the major part of the result dimension whose outer

@@ -684,3 +684,25 @@ def test_examples_reordered_before_a_trainable_layer_are_refused(reorder):
 
     with pytest.raises(RuntimeError, match=r"Module 'head'.*lost its batch axis"):
         clipped_sum(Reordered(), _bn_forward, {"x": torch.randn(4, 3)}, torch.randint(0, 2, (4,)))
+
+
+@pytest.mark.parametrize("mix", ["matmul", "einsum"])
+def test_a_product_summing_over_the_examples_loses_the_batch_axis_even_when_sizes_coincide(mix):
+    """``h.T @ h`` and ``einsum('bd,be->de')`` sum over the examples; with d == B their result looks batch-first
+    by shape. The trace follows the contracted axis, so the layer fed with it is refused. (A result like this
+    added back to per-example rows keeps their batch axis: whether a computation couples examples is the
+    validators' and the per-example independence check's business, not the axis trace's.)"""
+
+    class Gram(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.first(x)
+            gram = h.T @ h if mix == "matmul" else torch.einsum("bd,be->de", h, h)
+            return self.head(gram)  # (4, 4): the same shape as the batch
+
+    with pytest.raises(RuntimeError, match=r"Module 'head'"):
+        clipped_sum(Gram(), _bn_forward, {"x": torch.randn(4, 4)}, torch.randint(0, 2, (4,)))
