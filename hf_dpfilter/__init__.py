@@ -16,10 +16,13 @@ _EXPORTS = {
     "DPTrainer": "hf_dpfilter.trainer",
     "DPTrainingArguments": "hf_dpfilter.arguments",
     "GhostClippingEngine": "hf_dpfilter.engine",
+    "ModuleProblem": "hf_dpfilter.validators",
+    "ModuleValidationError": "hf_dpfilter.validators",
     "PerExampleGradients": "hf_dpfilter.engine",
     "PoissonBatchSampler": "hf_dpfilter.sampling",
     "PrivacyAccountant": "hf_dpfilter.accounting",
     "PrivacyPlan": "hf_dpfilter.plan",
+    "StateWrittenError": "hf_dpfilter.validators",
     "UnprivatizedGradientError": "hf_dpfilter.optimizers",
     "UnsupportedLayerError": "hf_dpfilter.engine",
     "available_methods": "hf_dpfilter.optimizers",
@@ -29,6 +32,7 @@ _EXPORTS = {
     "packaged_model_path": "hf_dpfilter.models",
     "per_example_loss": "hf_dpfilter.losses",
     "register_grad_rule": "hf_dpfilter.grad_rules",
+    "register_module_validator": "hf_dpfilter.validators",
     "register_method": "hf_dpfilter.optimizers",
 }
 

@@ -127,6 +127,16 @@ class DPTrainingArguments(TrainingArguments):
             "only. The norms and sums are the same either way (docs/performance.md)."
         },
     )
+    dp_batchnorm_eval: bool = field(
+        default=False,
+        metadata={
+            "help": "Accept frozen BatchNorm layers (no trainable parameter, or affine=False) and keep them in eval "
+            "mode, normalising with their stored statistics, in every training step. Without it any BatchNorm is "
+            "refused: in train mode it mixes the examples of a batch and writes running statistics from private "
+            "data. A trainable BatchNorm is refused either way (convert it to GroupNorm/LayerNorm)."
+        },
+    )
+
     dp_eval_disjoint_from_train: bool = field(
         default=False,
         metadata={

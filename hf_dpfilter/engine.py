@@ -26,9 +26,15 @@ or weight sharing) contributes the sum of its calls: the calls are concatenated 
 so the *combination* is what gets clipped. Tied parameters (GPT-2's ``wte``/``lm_head``) get the exact
 cross term between the embedding and the output-layer use.
 
-Learned position embeddings whose ids arrive broadcast as ``(1, T)`` (BERT, GPT-2) would return a gradient
-summed over the batch; the forward hook expands such outputs to ``(B, T, d)`` (a view; it changes no
-values) so their gradient stays per example.
+Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.batch_axis`): the first
+recorded step after attach traces the batch axis from the model's batch-first inputs through every torch
+function, and caches a verdict per module and call. A call on a tensor that does not derive from the batch but
+whose output has leading size 1 (BERT's and GPT-2's position ids, broadcast as ``(1, T)``) would return a
+gradient summed over the batch; the forward hook expands such outputs to ``(B, T, d)`` (a view; it changes no
+values) so their gradient stays per example. Any other call without a proven batch axis (``pos_emb(arange(T))``,
+T5's relative attention bias) is refused by name as soon as the backward shows it carries gradient. The same
+first step refuses parameters and buffers written by the forward and trainable modules never called; modules
+that mix examples or write state are refused earlier, at attach (:mod:`hf_dpfilter.validators`).
 
 Gradient checkpointing (transformers' non-reentrant ``torch.utils.checkpoint``). A checkpointed layer runs
 its forward twice: once in the forward pass and again inside the backward, to rebuild the tensors autograd
@@ -56,9 +62,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_dpfilter.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.grad_rules import DenseTerm, IndexTerm, OuterTerm, Term, find_grad_rule
 from hf_dpfilter.packing import PackedLayout, regroup_record
+from hf_dpfilter.validators import (
+    ModuleValidationError,
+    StateWrittenError,
+    ValidationOptions,
+    find_module_problems,
+    hold_eval_modes,
+)
 
 __all__ = ["CheckpointingError", "GhostClippingEngine", "PerExampleGradients", "UnsupportedLayerError"]
 
@@ -77,6 +91,19 @@ class _Record:
     output_dtype: torch.dtype
     #: the tensors the forward used for the module's sharded parameters (FSDP2 gathers whole ones), for the check
     used: dict[str, torch.Tensor] | None = None
+    #: why the call's batch axis is not proven (hf_dpfilter.batch_axis); refused if its output gets gradient
+    unproven: str | None = None
+
+
+def _same_values(copy: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds ``copy``'s values (NaN equal to NaN); True when no copy was kept."""
+    if copy is None:
+        return True
+    if copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+        return False
+    if copy.is_floating_point() or copy.is_complex():
+        return bool(((copy == tensor) | (copy.isnan() & tensor.isnan())).all())
+    return bool(torch.equal(copy, tensor))
 
 
 def _inside_backward() -> bool:
@@ -871,6 +898,9 @@ class GhostClippingEngine:
             This catches parameters that receive gradient through a path the hooks do not see.
         stack_layers: stack same-shape layers into one batched product for the norms and clipped sums (fewer
             kernel launches, a bounded transient copy; see :class:`PerExampleGradients`). None: on CUDA only.
+        batchnorm_eval: accept frozen BatchNorms (no trainable parameter, or affine=False) and hold them in eval
+            mode, with their stored statistics, in every recorded step (:meth:`hold_eval_modes`). Without it every
+            BatchNorm is refused (:mod:`hf_dpfilter.validators`); a trainable BatchNorm is refused either way.
     """
 
     def __init__(
@@ -879,6 +909,7 @@ class GhostClippingEngine:
         *args: Any,
         verify_first_backward: bool = True,
         stack_layers: bool | None = None,
+        batchnorm_eval: bool = False,
         **kwargs: Any,
     ) -> None:
         removed = [name for name in ("max_grad_norm", "clipping_fn") if name in kwargs]
@@ -909,12 +940,25 @@ class GhostClippingEngine:
         self._pending_low_precision = False
         self._pending_dtype = torch.float32
         self._packing: PackedLayout | None = None  # declared by packed() for packed rows
+        self.validation_options = ValidationOptions(batchnorm_eval=batchnorm_eval)
+        # Batch-axis verdicts per module id and call index, proven on the first recorded step (None: not yet).
+        self._axis_verdicts: dict[int, list[str]] | None = None
+        self._new_verdicts: dict[int, list[str]] = {}
+        self._call_counts: dict[int, int] = {}
+        self._reprove = False  # a later step made a call the proving step did not see: prove again
+        self._tracer: BatchAxisTracer | None = None
+        self._trace_depth = 0
         self.attach()
 
     # ----------------------------------------------------------------------------------------- set-up
     def attach(self) -> None:
-        """Find every trainable parameter's module, check it has a rule, and register forward hooks."""
+        """Validate every module, find every trainable parameter's module, check it has a rule, register hooks."""
         self.detach()
+        # Every module, frozen ones too (hf_dpfilter.validators): one error listing each problem and its fix.
+        problems = find_module_problems(self.model, self.validation_options)
+        if problems:
+            raise ModuleValidationError(problems)
+        self._axis_verdicts = None  # the hooked modules may have changed: prove the batch axes again
         self._owners = {}
         self._param_names = {}
         self._module_params = {}
@@ -962,6 +1006,11 @@ class GhostClippingEngine:
                     self._handles.append(module.register_forward_pre_hook(self._autocast_pre_hook))
         if not self._owners:
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
+
+    def hold_eval_modes(self) -> None:
+        """Put the modules the options hold in eval mode back there (``batchnorm_eval``); call after
+        ``model.train()`` (the DPTrainer does, and so does :meth:`record`)."""
+        hold_eval_modes(self.model, self.validation_options)
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -1030,16 +1079,27 @@ class GhostClippingEngine:
         elif batch is None:
             batch = output.shape[0]
             self._batch_size = batch
-        if output.shape[0] == 1 and batch > 1:
-            # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
-            output = output.expand(batch, *output.shape[1:])
-            if activations is not None:
-                activations = activations.expand(batch, *activations.shape[1:])
+        verdict = self._call_verdict(module, source, output)
+        unproven = None
+        if verdict == BROADCAST and output.shape[0] == 1:
+            if batch > 1:
+                # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
+                output = output.expand(batch, *output.shape[1:])
+                if activations is not None:
+                    activations = activations.expand(batch, *activations.shape[1:])
+                if self._tracer is not None:  # proven per example only if every use broadcasts it
+                    self._tracer.mark_broadcast(output, (id(module), self._call_counts[id(module)] - 1))
+        elif verdict != BATCH:
+            # Not proven per example: kept, and refused by the backward if gradient reaches its output.
+            unproven = verdict if verdict != BROADCAST else "has an output of leading size other than 1 where the first step proved a broadcast"
         elif output.shape[0] != batch:
             raise RuntimeError(
-                f"Module {type(module).__name__} produced an output with leading dimension {output.shape[0]} "
-                f"while recording a batch of {batch} examples. Per-example clipping needs batch-first "
-                "tensors; pass batch_size to engine.record() if the first layer's input is not batch-first."
+                f"Module '{self._module_name(module)}' ({type(module).__name__}) produced an output with leading "
+                f"dimension {output.shape[0]} from a batch-first input while recording a batch of {batch} examples: "
+                "its output is not computed row by row from its input (e.g. a positional embedding that only reads "
+                "the shape of input_ids), so its per-example gradient is unknown. Per-example clipping needs "
+                "batch-first tensors: freeze the module (requires_grad_(False)), or pass batch_size to "
+                "engine.record() if the model's inputs are not batch-first."
             )
         used = None
         if module in self._sharded_modules and self.verify_first_backward:
@@ -1051,6 +1111,7 @@ class GhostClippingEngine:
                 output_edge=torch.autograd.graph.get_gradient_edge(output),
                 output_dtype=output.dtype,
                 used=used,
+                unproven=unproven,
             )
         )
         self._recorded_modules.add(id(module))
@@ -1128,7 +1189,8 @@ class GhostClippingEngine:
         self._batch_size = batch_size
         self._recording = True
         try:
-            yield
+            with self._proving_step():  # first step: batch axes traced, no state written (see _proving_step)
+                yield
         finally:
             self._recording = False
 
@@ -1145,6 +1207,180 @@ class GhostClippingEngine:
             yield
         finally:
             self._packing = previous
+
+    # ---------------------------------------------------------------- proven structure (first step)
+    @contextlib.contextmanager
+    def _proving_step(self) -> Iterator[None]:
+        """Hold the option-frozen modules in eval mode; on the first recorded step after attach, also prove.
+
+        Proving runs the block under :class:`~hf_dpfilter.batch_axis.BatchAxisTracer` (each layer call's batch
+        axis traced from the model's inputs, cached per module and call for later steps), checks that every
+        trainable parameter's module was recorded, and that no parameter or buffer was written (in place or
+        replaced) by the forward: all before the backward, so before anything is released.
+        """
+        self.hold_eval_modes()
+        self._call_counts = {}
+        if self._axis_verdicts is not None and not self._reprove:
+            yield
+            return
+        self._reprove = False
+        with_parameters = not self._under_fsdp()
+        snapshot = self._state_snapshot(with_parameters)
+        # packed rows: the model's inputs are rows (the layout maps them to examples)
+        tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
+        self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
+        handles = []
+        for module in self.model.modules():
+            handles.append(module.register_forward_pre_hook(self._trace_entry, prepend=True, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._trace_exit, always_call=True))
+        try:
+            with tracer:
+                yield
+        finally:
+            self._tracer = None
+            for handle in handles:
+                handle.remove()
+        if not self._recorded_modules:
+            return  # nothing ran (an empty micro-batch): prove on the next step
+        self._check_state_unchanged(snapshot, with_parameters)
+        if tracer.misused:
+            names = sorted({self._module_name(m) for m in self.model.modules() if id(m) in {k[0] for k in tracer.misused}})
+            raise RuntimeError(
+                f"The broadcast output of {', '.join(repr(n) for n in names)} (called on ids of shape (1, T), whose "
+                "output the engine expands to one copy per example) is used along the batch axis (indexed, reduced "
+                "or flattened over the examples), so its expanded gradient would not be per example. Fix: freeze "
+                "it (requires_grad_(False)), or call it on ids shaped (B, T) and use its output per example. "
+                "Nothing was released."
+            )
+        self._check_every_trainable_module_recorded()
+        if (tracer.batch_size or 0) > 1:
+            # With one example every tensor of leading size 1 looks batch-first (an explicit (1, T) position_ids
+            # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
+            self._axis_verdicts = self._new_verdicts
+
+    def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""
+        tracer = self._tracer
+        if tracer is not None and self._trace_depth == 0:
+            if tracer.batch_size is None:
+                from torch.utils._pytree import tree_flatten
+
+                leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
+                if leaves:
+                    tracer.batch_size = leaves[0].shape[0]
+                    if self._batch_size is None:
+                        self._batch_size = tracer.batch_size
+            if not tracer.tag_batch_inputs(args, kwargs) and tracer.batch_size is not None:
+                raise RuntimeError(
+                    f"None of the tensors given to {type(module).__name__} has a leading dimension of "
+                    f"{tracer.batch_size}, the recorded batch size: per-example clipping needs batch-first tensors "
+                    "(the batch axis of every layer is traced from them). Pass batch_size to engine.record() equal "
+                    "to the number of examples, and give the model its inputs batch-first."
+                )
+        self._trace_depth += 1
+
+    def _trace_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._trace_depth = max(0, self._trace_depth - 1)
+
+    def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor) -> str:
+        """BATCH, BROADCAST, or why this call's batch axis is not proven (hf_dpfilter.batch_axis)."""
+        key = id(module)
+        index = self._call_counts.get(key, 0)
+        self._call_counts[key] = index + 1
+        tracer = self._tracer
+        if tracer is not None:
+            axis = tracer.axis(source if source is not None else output)
+            if axis == 0:
+                verdict = BATCH
+            elif axis is None and output.dim() >= 1 and output.shape[0] == 1:
+                verdict = BROADCAST
+            elif axis is None:
+                verdict = (
+                    "does not derive from the batch inputs (e.g. a positional table called on torch.arange(T), a "
+                    "relative position bias, an adapter applied to a weight matrix)"
+                )
+            elif axis == LOST:
+                verdict = "derives from the batch but lost its batch axis (flattened, reduced or mixed across examples)"
+            else:
+                verdict = f"has its batch axis at dimension {axis}, not the leading one"
+            self._new_verdicts.setdefault(key, []).append(verdict)
+            return verdict
+        verdicts = (self._axis_verdicts or {}).get(key)
+        if verdicts and (index < len(verdicts) or len(set(verdicts)) == 1):
+            return verdicts[min(index, len(verdicts) - 1)]
+        self._reprove = True  # a call the first step did not see: prove the batch axes again next step
+        return "was not seen by the step that proved the batch axes (run the same forward in every step)"
+
+    def _unproven_batch_axis_error(self, record: _Record) -> RuntimeError:
+        name = self._module_name(record.module)
+        params = ", ".join(self._module_params.get(record.module, {}))
+        return RuntimeError(
+            f"Module '{name}' ({type(record.module).__name__}, trainable: {params}) was called on a tensor that "
+            f"{record.unproven}: its output has no per-example batch axis, so its gradient cannot be split by "
+            "example (clipping it as if it had one would let one example move the others' contributions). Fix: "
+            "freeze it (requires_grad_(False) on its parameters), or call it on ids derived from the batch, "
+            "shaped (B, T), or broadcast as (1, T). Nothing was released."
+        )
+
+    def _module_name(self, module: nn.Module) -> str:
+        for name, candidate in self.model.named_modules(remove_duplicate=False):
+            if candidate is module:
+                return name or "<root>"
+        return type(module).__name__
+
+    def _state_snapshot(self, parameters: bool) -> dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]:
+        """Every buffer (and parameter if asked) with its version counter; buffers also with a copy of their
+        values, since native kernels write some of them without counting a version (BatchNorm's running_mean
+        and running_var). Buffers are small next to the parameters, and this runs on one step."""
+        out = {name: (t, t._version, t.detach().clone()) for name, t in self.model.named_buffers()}
+        if parameters:
+            out.update({name: (t, t._version, None) for name, t in self.model.named_parameters()})
+        return out
+
+    def _under_fsdp(self) -> bool:
+        """FSDP2 swaps each module's sharded parameters for gathered ones around its forward (and the DP
+        optimizer's multi-point path writes the shards inside the block): its parameters are not compared."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover
+            return False
+        return any(is_sharded(p) for p in self.model.parameters()) or any(
+            isinstance(m, FSDPModule) for m in self.model.modules())
+
+    def _check_state_unchanged(
+        self, before: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]], parameters: bool
+    ) -> None:
+        after = self._state_snapshot(parameters)
+        changed = []
+        for name in sorted(set(before) | set(after)):
+            if name not in before or name not in after:
+                changed.append((name, "was added" if name not in before else "was removed"))
+            elif after[name][0] is not before[name][0]:
+                changed.append((name, "was replaced by a new tensor"))
+            elif after[name][1] != before[name][1] or not _same_values(before[name][2], after[name][0]):
+                changed.append((name, "was written in place"))
+        if changed:
+            raise StateWrittenError(
+                [(name, name.rpartition(".")[0] or "<root>", how) for name, how in changed]
+            )
+
+    def _check_every_trainable_module_recorded(self) -> None:
+        missing = [
+            param for param, owners in self._owners.items()
+            # a module that ran without autograd gets the more specific CheckpointingError from the backward
+            if not any(id(module) in self._recorded_modules | self._ran_without_autograd for module, _ in owners)
+        ]
+        if missing:
+            lines = "\n".join(
+                f"- '{self.parameter_name(p)}' (module '{self._module_name(self._owners[p][0][0])}')" for p in missing
+            )
+            raise UnsupportedLayerError(
+                "Trainable parameters whose module was never called in the first recorded forward: their gradient "
+                "(if any) reaches them through a path the per-example hooks do not see (a weight used outside its "
+                "module's forward, e.g. PEANuT's peanut_A or VeLoRA's lora_A), or they are unused and would silently "
+                f"never train.\n{lines}\nFix: freeze them (requires_grad_(False)), or call each through its "
+                "module's forward. Nothing was released."
+            )
 
     def clear(self) -> None:
         self._records = []
@@ -1223,6 +1459,8 @@ class GhostClippingEngine:
         for record, grad_output in zip(records, output_grads):
             if grad_output is None:
                 continue
+            if record.unproven is not None:
+                raise self._unproven_batch_axis_error(record)
             rule = find_grad_rule(record.module)
             module_params = self._module_params[record.module]
             activations = record.activations

@@ -402,14 +402,20 @@ class PrivacyPlan:
 
     # ------------------------------------------------------------------------------ what it builds
     def make_engine(
-        self, model: nn.Module, verify_first_backward: bool = True, stack_layers: bool | None = None
+        self,
+        model: nn.Module,
+        verify_first_backward: bool = True,
+        stack_layers: bool | None = None,
+        batchnorm_eval: bool = False,
     ) -> GhostClippingEngine | None:
         """The clipping engine for ``model`` (None for the null plan: non-private runs need no hooks)."""
         if not self.is_private:
             return None
         from hf_dpfilter.engine import GhostClippingEngine
 
-        return GhostClippingEngine(model, verify_first_backward=verify_first_backward, stack_layers=stack_layers)
+        return GhostClippingEngine(
+            model, verify_first_backward=verify_first_backward, stack_layers=stack_layers, batchnorm_eval=batchnorm_eval
+        )
 
     def make_optimizer(
         self,

@@ -205,7 +205,8 @@ class DPTrainer(Trainer):
                 "Poisson sampling and is not a proven guarantee for this run."
             )
         self.engine = self.privacy_plan.make_engine(
-            self.model, verify_first_backward=args.dp_verify_first_step, stack_layers=args.dp_stack_layers
+            self.model, verify_first_backward=args.dp_verify_first_step, stack_layers=args.dp_stack_layers,
+            batchnorm_eval=args.dp_batchnorm_eval,
         )
 
     # The plan's numbers, under the names Trainer users look for.
@@ -553,6 +554,8 @@ class DPTrainer(Trainer):
         """One logical batch: micro-batches -> per-example losses -> clipped sums in ``p.grad``."""
         model = self.model  # hooks live on the unwrapped modules; DDP reduction is done by the DP optimizer
         model.train()
+        if self.engine is not None:
+            self.engine.hold_eval_modes()  # modules the options keep in eval mode (dp_batchnorm_eval)
         inputs = dict(self._prepare_inputs(inputs))
         num_examples = inputs.pop(NUM_EXAMPLES_KEY, None)
         labels = inputs.pop("labels", None)

@@ -1,0 +1,379 @@
+"""Which tensors carry the batch axis: proven by tracing the first recorded forward, never guessed from a shape.
+
+The engine treats a layer call as per example when its input is split by example along the leading axis.
+A shape cannot prove that: a positional table called as ``pos_emb(torch.arange(T))`` returns ``(T, d)``, and
+T5's relative attention bias ``(q, k, heads)``; when T equals the micro-batch size those look batch-first but
+are shared by every example. So on the first recorded step the engine runs the forward under
+:class:`BatchAxisTracer`, a :class:`torch.overrides.TorchFunctionMode` that tags the tensors given to the
+model whose leading size is the declared batch size (``input_ids``, ``attention_mask``, ``inputs_embeds``,
+...) with "batch axis 0" and propagates the tag through every torch function: a result gets a tag when one of
+its inputs has one, with the batch axis followed through transposes, permutes, broadcasting, indexing and
+reshapes (a view that merges the batch axis with the dimensions after it, as ``Conv1D``'s ``x.view(-1, d)``
+does, keeps it as the major part of the merged dimension, and a view back recovers it), and marked lost
+(``LOST``) where an operation reduces, concatenates, splits, merges into an earlier dimension or
+advanced-indexes along it. Tensors that derive only from parameters, buffers and constants (``arange``
+position ids, bucketed relative positions, a weight matrix) carry no tag, except a constant of leading size 1
+expanded to the batch size (``token_type_ids`` buffers, ``position_ids.expand(B, -1)``): one copy per example,
+batch-first by construction.
+
+A layer call is then:
+
+* ``BATCH`` -- its input's batch axis is the leading one: per example, as the rules assume;
+* ``BROADCAST`` -- its input carries no batch axis and its output has leading size 1 (BERT's and GPT-2's
+  ``(1, T)`` position ids): the engine expands the output to the batch (a view), so the gradient stays per
+  example, exactly, provided every use of the expanded copy broadcasts it along the batch; an operation that
+  mixes or drops its batch axis (``out[0]``, a sum over the examples) refuses the module on the first step;
+* unproven -- anything else. Such a call is recorded but refused, naming the module, as soon as the backward
+  shows that it carries gradient; a call whose output gets no gradient (DoRA's weight-norm path, which is
+  detached) is harmless and skipped.
+
+The verdicts are cached per module and call (the k-th call of a module in a micro-batch), so later steps pay
+nothing; a call the first step did not see is treated as unproven and makes the next step trace again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["BATCH", "BROADCAST", "LOST", "BatchAxisTracer"]
+
+BATCH = "batch"
+BROADCAST = "broadcast"
+#: the tag of a tensor derived from the batch whose batch axis could not be followed
+LOST = -1
+
+_TRANSPOSES = {"transpose", "transpose_", "swapaxes", "swapaxes_", "swapdims", "swapdims_"}
+_REDUCTIONS = {
+    "sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "max", "min", "std", "var", "std_mean",
+    "var_mean", "norm", "logsumexp", "all", "any", "argmax", "argmin", "median", "nanmedian", "mode",
+    "count_nonzero", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "softmax", "log_softmax",
+    "sort", "argsort", "topk", "kthvalue", "unique", "unique_consecutive",
+}
+#: operations that select or reorder along a dimension: along the batch axis, rows no longer match examples
+_ALONG_DIM = {
+    "index_select", "gather", "take_along_dim", "scatter", "scatter_", "scatter_add", "scatter_add_",
+    "scatter_reduce", "scatter_reduce_", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill",
+    "index_fill_", "index_reduce", "index_reduce_", "roll", "flip", "narrow", "select", "diff", "cumulative_trapezoid",
+}
+_MATMULS = {"matmul", "mm", "bmm", "__matmul__", "__rmatmul__"}
+_SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
+_CONCATS = {"cat", "concat", "concatenate"}
+_BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
+
+
+def _normalize(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+_RESHAPES = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "ravel", "_unsafe_view"}
+
+
+def _prod(sizes: Any) -> int:
+    out = 1
+    for size in sizes:
+        out *= int(size)
+    return out
+
+
+def _dims_argument(args: tuple, kwargs: dict) -> Any:
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    if "axis" in kwargs:
+        return kwargs["axis"]
+    if len(args) > 1 and isinstance(args[1], (int, tuple, list)) and not isinstance(args[1], bool):
+        return args[1]
+    return None
+
+
+class BatchAxisTracer(TorchFunctionMode):
+    """Tags tensors with their batch axis and propagates the tags (see the module docstring).
+
+    A tag is ``(axis, inner)``: the batch is the major part of dimension ``axis``, whose size is
+    ``batch * inner`` (``inner`` is 1 unless a view merged the batch with the dimensions after it), or
+    ``(LOST, 1)`` for a tensor that derives from the batch without a batch axis the tracer could follow.
+    """
+
+    def __init__(self, batch_size: int | None) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self._tags: dict[int, tuple[weakref.ref, int, int]] = {}
+        #: tensor id -> the broadcast layer calls (keys) its values come from, and those whose expanded output
+        #: reached an operation that mixed or dropped its batch axis (see :meth:`mark_broadcast`)
+        self._origins: dict[int, frozenset] = {}
+        self.misused: set = set()
+
+    # ---------------------------------------------------------------------------------------- tags
+    def tag_of(self, tensor: Any) -> tuple[int, int] | None:
+        """``(axis, inner)`` of ``tensor`` (axis LOST if lost), or None when it does not derive from the batch."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        entry = self._tags.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:  # a dead entry whose id another tensor now has
+            return None
+        return entry[1], entry[2]
+
+    def axis(self, tensor: Any) -> int | None:
+        """The batch axis of ``tensor`` if it is a whole dimension (LOST otherwise), None if not from the batch."""
+        tag = self.tag_of(tensor)
+        if tag is None:
+            return None
+        return tag[0] if tag[1] == 1 else LOST
+
+    def tag(self, tensor: torch.Tensor, axis: int, inner: int = 1, origins: frozenset = frozenset()) -> None:
+        try:
+            self._tags[id(tensor)] = (weakref.ref(tensor), axis, inner)
+        except TypeError:  # pragma: no cover -- a tensor type without weak references: not followed
+            return
+        if origins:
+            self._origins[id(tensor)] = origins
+        else:
+            self._origins.pop(id(tensor), None)
+
+    def mark_broadcast(self, expanded: torch.Tensor, key: Any) -> None:
+        """``expanded`` is a broadcast layer output expanded to the batch (one copy per example). Its gradient
+        is per example only if every use broadcasts it along the batch; an operation that mixes or drops the
+        batch axis of anything derived from it (``out[0]``, a sum over the batch) puts ``key`` in ``misused``."""
+        self.tag(expanded, 0, 1, frozenset([key]))
+
+    def _origins_of(self, tensor: torch.Tensor) -> frozenset:
+        return self._origins.get(id(tensor), frozenset()) if self.tag_of(tensor) is not None else frozenset()
+
+    def tag_batch_inputs(self, args: tuple, kwargs: dict) -> bool:
+        """Tag every tensor given to the model whose leading size is the batch size as batch-first; whether
+        there was one."""
+        found = False
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == self.batch_size:
+                found = True
+                if self.tag_of(leaf) is None:
+                    self.tag(leaf, 0)
+        return found
+
+    # --------------------------------------------------------------------------------- propagation
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        tagged = [(t, tag) for t in leaves if (tag := self.tag_of(t)) is not None]
+        if not tagged:
+            self._maybe_broadcast_over_batch(func, args, out)
+            return out
+        outputs = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+        if getattr(func, "__name__", "") == "__setitem__" and args and isinstance(args[0], torch.Tensor):
+            outputs = [args[0]]  # x[...] = y writes y into x, in place
+        origins = frozenset().union(*(self._origins_of(t) for t, _ in tagged))
+        for result in outputs:
+            axis, inner = self._result_tag(func, args, kwargs, tagged, result)
+            if origins and axis == LOST:
+                self.misused |= origins
+            self.tag(result, axis, inner, origins)
+        return out
+
+    def _maybe_broadcast_over_batch(self, func: Any, args: tuple, out: Any) -> None:
+        """A constant with leading size 1 expanded to the batch size (BERT's ``token_type_ids`` buffer,
+        ``position_ids.expand(B, -1)``) is one copy per example: its leading axis is the batch axis."""
+        if getattr(func, "__name__", "") not in _BROADCASTS or not args or not isinstance(out, torch.Tensor):
+            return
+        source = args[0]
+        if (
+            isinstance(source, torch.Tensor)
+            and self.batch_size is not None
+            and source.dim() >= 1
+            and source.shape[0] == 1
+            and out.dim() == source.dim()
+            and out.shape[0] == self.batch_size
+        ):
+            self.tag(out, 0)
+
+    def _result_tag(self, func: Any, args: tuple, kwargs: dict, tagged: list, result: torch.Tensor) -> tuple[int, int]:
+        name = getattr(func, "__name__", "")
+        first = args[0] if args else None
+        first_tag = self.tag_of(first)
+        if first_tag is not None and first_tag[0] != LOST:
+            if name in _RESHAPES:
+                return self._reshape_tag(first, first_tag, result)
+            if first_tag[1] == 1:
+                special = self._method_axis(name, first, first_tag[0], args, kwargs, result)
+                if special is not None:
+                    return special, 1
+        if name in _MATMULS and len(args) >= 2:
+            contracted = self._contracts_batch(args[0], args[1])
+            if contracted:
+                return LOST, 1
+        if name == "einsum":
+            axis = self._einsum_axis(args, tagged)
+            if axis is not None:
+                return axis, 1
+        if name in _CONCATS and args and isinstance(args[0], (list, tuple)):
+            dim = _normalize(kwargs.get("dim", args[1] if len(args) > 1 else 0), result.dim())
+            if any(tag[0] == LOST or tag[0] == dim for _, tag in tagged):
+                return LOST, 1
+        for source, (axis, inner) in tagged:  # the first input whose batch axis lines up with the result
+            if axis == LOST:
+                continue
+            if axis == 0 and result.dim() >= 1 and result.shape[0] == source.shape[0]:
+                return 0, inner
+            aligned = result.dim() - source.dim() + axis  # broadcasting aligns trailing dimensions
+            if 0 <= aligned < result.dim() and result.shape[aligned] == source.shape[axis]:
+                return aligned, inner
+        return LOST, 1
+
+    def _contracts_batch(self, a: Any, b: Any) -> bool:
+        """Whether ``a @ b`` sums over the batch axis of either operand (``h.T @ h``)."""
+        tag_a, tag_b = self.tag_of(a), self.tag_of(b)
+        if tag_a is not None and tag_a[0] != LOST and isinstance(a, torch.Tensor) and tag_a[0] == a.dim() - 1:
+            return True
+        if tag_b is not None and tag_b[0] != LOST and isinstance(b, torch.Tensor):
+            contracted = b.dim() - 2 if b.dim() >= 2 else 0
+            return tag_b[0] == contracted
+        return False
+
+    def _einsum_axis(self, args: tuple, tagged: list) -> int | None:
+        """The batch axis of an einsum's result from its equation (LOST if the batch letter is summed over);
+        None when the equation uses '...' or its operands are not given as separate tensors."""
+        equation = args[0] if args and isinstance(args[0], str) else None
+        operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+        if equation is None or "..." in equation or "->" not in equation:
+            return None
+        inputs, output = equation.replace(" ", "").split("->")
+        terms = inputs.split(",")
+        if len(terms) != len(operands):
+            return None
+        for term, operand in zip(terms, operands):
+            tag = self.tag_of(operand)
+            if tag is None or tag[0] == LOST or tag[1] != 1 or tag[0] >= len(term):
+                continue
+            letter = term[tag[0]]
+            return output.index(letter) if letter in output else LOST
+        return None
+
+    def _reshape_tag(self, source: torch.Tensor, tag: tuple[int, int], result: torch.Tensor) -> tuple[int, int]:
+        """The tag after a view/reshape: the batch stays the major part of the result dimension whose outer
+        dimensions hold as many elements as the source's outer dimensions (see the class docstring)."""
+        axis, _ = tag
+        batch = self.batch_size or 1
+        outer = _prod(source.shape[:axis])
+        if source.shape[axis] % batch:
+            return LOST, 1
+        running = 1
+        for k, size in enumerate(result.shape):
+            if running == outer and size >= batch and size % batch == 0 and size > 0:
+                return k, size // batch
+            running *= int(size)
+            if running > outer:
+                break
+        return LOST, 1
+
+    def _method_axis(
+        self, name: str, source: torch.Tensor, axis: int, args: tuple, kwargs: dict, result: torch.Tensor
+    ) -> int | None:
+        """The batch axis after an operation that moves, removes or mixes it; None: the general rule applies."""
+        ndim = source.dim()
+        if name in _TRANSPOSES:
+            dims = [kwargs.get("dim0", args[1] if len(args) > 1 else None),
+                    kwargs.get("dim1", args[2] if len(args) > 2 else None)]
+            if None in dims:
+                return None
+            d0, d1 = (_normalize(d, ndim) for d in dims)
+            return d1 if axis == d0 else d0 if axis == d1 else axis
+        if name in ("t", "t_"):
+            return (1 - axis) if ndim == 2 else axis
+        if name == "permute":
+            dims = args[1:] if len(args) > 2 or isinstance(args[1] if len(args) > 1 else None, int) else (
+                args[1] if len(args) > 1 else kwargs.get("dims"))
+            dims = [_normalize(d, ndim) for d in dims]
+            return dims.index(axis) if axis in dims else LOST
+        if name in ("movedim", "moveaxis"):
+            src = args[1] if len(args) > 1 else kwargs.get("source")
+            dst = args[2] if len(args) > 2 else kwargs.get("destination")
+            src = [src] if isinstance(src, int) else list(src)
+            dst = [dst] if isinstance(dst, int) else list(dst)
+            src = [_normalize(d, ndim) for d in src]
+            dst = [_normalize(d, ndim) for d in dst]
+            order: list[int | None] = [None] * ndim
+            for s, d in zip(src, dst):
+                order[d] = s
+            rest = iter(d for d in range(ndim) if d not in src)
+            order = [next(rest) if o is None else o for o in order]
+            return order.index(axis)
+        if name in _REDUCTIONS:
+            dim = _dims_argument(args, kwargs)
+            if dim is None:
+                return LOST if name not in ("softmax", "log_softmax") else None
+            dims = [dim] if isinstance(dim, int) else list(dim)
+            if axis in {_normalize(d, ndim) for d in dims}:
+                return LOST
+            return None
+        if name in _ALONG_DIM:
+            if name == "flip":
+                dims = args[1] if len(args) > 1 else kwargs.get("dims")
+            elif name == "roll":
+                dims = args[2] if len(args) > 2 else kwargs.get("dims")
+                if dims is None:
+                    return LOST  # rolls the flattened tensor
+            elif name == "diff":
+                dims = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            else:
+                dims = _dims_argument(args, kwargs)
+            if dims is None:
+                return None
+            dims = [dims] if isinstance(dims, int) else list(dims)
+            if axis in {_normalize(d, ndim) for d in dims}:
+                return LOST
+            return None
+        if name in _SPLITS:
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0) if name != "unbind" else kwargs.get(
+                "dim", args[1] if len(args) > 1 else 0)
+            if isinstance(dim, int) and _normalize(dim, ndim) == axis:
+                return LOST
+            return None
+        if name == "__getitem__":
+            return self._index_axis(source, axis, args[1] if len(args) > 1 else None)
+        return None
+
+    @staticmethod
+    def _index_axis(source: torch.Tensor, axis: int, index: Any) -> int:
+        """The batch axis of ``source[index]``."""
+        items = index if isinstance(index, tuple) else (index,)
+        advanced = [i for i, item in enumerate(items) if isinstance(item, (torch.Tensor, list))]
+        if axis == 0 and advanced and advanced[0] == 0 and advanced == list(range(len(advanced))):
+            # x[torch.arange(B), lengths - 1]: one row per example, in order (checked on the values, once)
+            rows = items[0]
+            if (
+                isinstance(rows, torch.Tensor)
+                and rows.dim() == 1
+                and not rows.is_floating_point()
+                and rows.dtype != torch.bool
+                and rows.shape[0] == source.shape[0]
+                and all(isinstance(items[i], torch.Tensor) and items[i].dim() <= 1 for i in advanced)
+                and bool(torch.equal(rows.cpu(), torch.arange(source.shape[0])))
+            ):
+                return 0
+        if len(advanced) > 1 and advanced != list(range(advanced[0], advanced[-1] + 1)):
+            return LOST  # non-adjacent advanced indices move their dimensions first
+        consumed = sum(1 for item in items if item is not None and item is not Ellipsis)
+        position, out_position = 0, 0
+        for item in items:
+            if item is None:
+                out_position += 1
+                continue
+            if item is Ellipsis:
+                span = source.dim() - consumed
+                if position <= axis < position + span:
+                    return out_position + axis - position
+                position += span
+                out_position += span
+                continue
+            if position == axis:
+                return out_position if isinstance(item, slice) and item == slice(None) else LOST
+            if isinstance(item, slice):
+                out_position += 1
+            elif not isinstance(item, int):
+                return LOST  # an advanced index before the batch axis
+            position += 1
+        return out_position + axis - position
