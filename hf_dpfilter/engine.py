@@ -948,6 +948,7 @@ class GhostClippingEngine:
         self._reprove = False  # a later step made a call the proving step did not see: prove again
         self._tracer: BatchAxisTracer | None = None
         self._trace_depth = 0
+        self._check_parameters = True  # whether the state checks compare parameters (not under FSDP2)
         self.attach()
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -1221,10 +1222,16 @@ class GhostClippingEngine:
         self.hold_eval_modes()
         self._call_counts = {}
         if self._axis_verdicts is not None and not self._reprove:
+            # Later steps: a forward may write state only on some steps (e.g. a dynamic RoPE replacing its
+            # inv_freq once a batch is long enough), so every step compares identities and version counters
+            # (no copies: cheap) before its backward, i.e. before anything of the step is released.
+            snapshot = self._state_snapshot(self._check_parameters, copies=False)
             yield
+            if self._recorded_modules:
+                self._check_state_unchanged(snapshot, self._check_parameters)
             return
         self._reprove = False
-        with_parameters = not self._under_fsdp()
+        with_parameters = self._check_parameters = not self._under_fsdp()
         snapshot = self._state_snapshot(with_parameters)
         # packed rows: the model's inputs are rows (the layout maps them to examples)
         tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
@@ -1328,11 +1335,16 @@ class GhostClippingEngine:
                 return name or "<root>"
         return type(module).__name__
 
-    def _state_snapshot(self, parameters: bool) -> dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]:
+    def _state_snapshot(
+        self, parameters: bool, copies: bool = True
+    ) -> dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]:
         """Every buffer (and parameter if asked) with its version counter; buffers also with a copy of their
-        values, since native kernels write some of them without counting a version (BatchNorm's running_mean
-        and running_var). Buffers are small next to the parameters, and this runs on one step."""
-        out = {name: (t, t._version, t.detach().clone()) for name, t in self.model.named_buffers()}
+        values (``copies``), since native kernels write some of them without counting a version (BatchNorm's
+        running_mean and running_var, refused by the validators). Buffers are small next to the parameters, and
+        the copies are made on the proving step only."""
+        out = {
+            name: (t, t._version, t.detach().clone() if copies else None) for name, t in self.model.named_buffers()
+        }
         if parameters:
             out.update({name: (t, t._version, None) for name, t in self.model.named_parameters()})
         return out

@@ -203,6 +203,29 @@ def _embedding_max_norm(name: str, module: nn.Module, options: ValidationOptions
     )]
 
 
+_DATA_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+@register_module_validator(nn.Module)
+def _data_dependent_rope(name: str, module: nn.Module, options: ValidationOptions) -> list[ModuleProblem]:
+    """transformers' rotary embeddings with a dynamic or LongRoPE scaling (``rope_type`` attribute, one string or
+    one per layer type): their frequencies depend on the longest position of the whole batch."""
+    rope_type = getattr(module, "rope_type", None)
+    kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    found = sorted({k for k in kinds if isinstance(k, str) and any(d in k for d in _DATA_DEPENDENT_ROPE)})
+    if not found:
+        return []
+    return [ModuleProblem(
+        name,
+        f"rotary embedding with rope_type {', '.join(repr(k) for k in found)} recomputes its frequencies from the "
+        "largest position id of the whole micro-batch (writing its inv_freq buffer, only on the steps where a batch "
+        "is long enough, so the first-step check may not see it): every example's gradient then depends on the "
+        "lengths of the other examples, and the written state carries them into later steps.",
+        "use a static scaling (rope_parameters rope_type 'default', 'linear' or 'yarn'), or keep every sequence "
+        "within original_max_position_embeddings and drop the dynamic scaling for training.",
+    )]
+
+
 # ------------------------------------------------------------------------------------------------ PEFT
 _PEFT_REGISTERED = False
 
