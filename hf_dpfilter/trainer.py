@@ -173,6 +173,7 @@ class DPTrainer(Trainer):
         """``Trainer.train``, after the checks of :class:`hf_dpfilter.run_guard.RunGuard` (one run per trainer;
         the arguments, batch and processes the plan was computed for)."""
         self._run_guard.before_train(self)
+        self._refuse_seed_to_loggers()  # callbacks may have been added since the trainer was created
         return super().train(*args, **kwargs)
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> NoReturn:
@@ -189,6 +190,7 @@ class DPTrainer(Trainer):
         self._refuse_sharded_training()
         check_one_dp_run(args.world_size)
         self._refuse_nonprivate_statistics()
+        self._refuse_seed_to_loggers()
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise ValueError("DPTrainer needs a train_dataset with a length (N sets the sample rate and delta).")
         if len(self.train_dataset) == 0:
@@ -267,6 +269,27 @@ class DPTrainer(Trainer):
                 "token count of every secret Poisson batch, without noise: adding one example moves it by that "
                 "example's length. Leave it at 'no', or set dp_log_nonprivate_metrics=True to publish it knowingly "
                 "(docs/threat_model.md: the reported epsilon then does not cover it)."
+            )
+
+    def _refuse_seed_to_loggers(self) -> None:
+        """Loggers that read the arguments field by field (not through ``to_dict()``) would upload ``dp_seed``.
+
+        transformers' ClearMLCallback copies ``getattr(args, f.name) for f in dataclasses.fields(args)`` (and
+        ``Task.connect(args)`` when run remotely) to the ClearML server: the seed regenerates the noise and the
+        batches. ``report_to="all"`` adds it whenever clearml is installed.
+        """
+        if self.args.dp_seed is None:
+            return  # nothing secret in the field: the fresh per-run seed lives in the plan only
+        try:
+            from transformers.integrations import ClearMLCallback
+        except ImportError:  # pragma: no cover -- an older transformers
+            return
+        if any(isinstance(callback, ClearMLCallback) for callback in self.callback_handler.callbacks):
+            raise ValueError(
+                "report_to includes ClearML (explicitly, or through report_to='all' with clearml installed), whose "
+                "callback uploads every field of the arguments read one by one, dp_seed included: anyone with the "
+                "logs could regenerate the noise and the batches. Leave dp_seed unset (a fresh secret seed per run, "
+                "never stored in the arguments), or drop 'clearml' from report_to."
             )
 
     def _fsdp_version(self) -> int:

@@ -97,3 +97,50 @@ def test_data_dependent_rope_is_refused_at_attach_with_the_fix(rope_type):
 @pytest.mark.parametrize("rope_type", ["linear", "yarn"])
 def test_static_rope_scalings_stay_accepted(rope_type):
     GhostClippingEngine(_llama(rope_type)).detach()
+
+
+# ------------------------------------------------------------------- the seed through a field-by-field logger
+def _trainer(out, callbacks=(), **extra):
+    from helpers import ListDataset, PadCollator, make_examples
+    from models import VOCAB, tiny_roberta
+
+    from hf_dpfilter import DPTrainer, DPTrainingArguments
+
+    base = dict(
+        output_dir=str(out), noise_multiplier=0.8, per_sample_max_grad_norm=0.5, logical_batch_size=4,
+        per_device_train_batch_size=4, max_steps=2, optim="adamw_torch", learning_rate=0.01,
+        lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no", logging_steps=1,
+        accountant="rdp", remove_unused_columns=False, seed=7,
+    )
+    base.update(extra)
+    return DPTrainer(model=tiny_roberta(), args=DPTrainingArguments(**base),
+                     train_dataset=ListDataset(make_examples(16, VOCAB, causal=False, seed=11)),
+                     data_collator=PadCollator(1), callbacks=list(callbacks))
+
+
+def _clearml_callback():
+    from transformers.integrations import ClearMLCallback
+
+    return ClearMLCallback.__new__(ClearMLCallback)  # its __init__ needs clearml installed; its setup is below
+
+
+def test_clearml_reads_the_fields_one_by_one_so_a_given_dp_seed_is_refused(tmp_path):
+    from dataclasses import fields
+
+    from transformers.integrations import ClearMLCallback
+
+    # What ClearMLCallback._copy_training_args_as_hparams uploads: every init field read with getattr.
+    trainer = _trainer(tmp_path)
+    hparams = {f.name: getattr(trainer.args, f.name) for f in fields(trainer.args) if f.init}
+    assert "dp_seed" in hparams  # to_dict() drops it; a field-by-field copy does not
+    assert "fields(training_args)" in __import__("inspect").getsource(ClearMLCallback._copy_training_args_as_hparams)
+    with pytest.raises(ValueError, match=r"(?s)ClearML.*dp_seed.*Leave dp_seed unset"):
+        _trainer(tmp_path, callbacks=[_clearml_callback()], dp_seed=12345)
+    _trainer(tmp_path, callbacks=[_clearml_callback()]).callback_handler.pop_callback(ClearMLCallback)  # no seed
+
+
+def test_a_clearml_callback_added_after_creation_is_refused_at_train(tmp_path):
+    trainer = _trainer(tmp_path, dp_seed=12345)
+    trainer.add_callback(_clearml_callback())
+    with pytest.raises(ValueError, match=r"ClearML"):
+        trainer.train()
