@@ -53,14 +53,22 @@ class PrivacyLedger:
         self.run_id: str | None = None
         self.sessions: list[dict[str, Any]] = []
         self.earlier_runs: list[dict[str, Any]] = []
+        #: ledgers of other output directories this run's history was continued from (branches resumed here)
+        self.continued_from: list[str] = []
         #: steps the ledger counted beyond the checkpoint this session resumed from (a rollback or a crash)
         self.steps_beyond_checkpoint = 0
 
-    def open_session(self, run_id: str, accountant: PrivacyAccountant, resumed_from_step: int | None) -> None:
+    def open_session(
+        self, run_id: str, accountant: PrivacyAccountant, resumed_from_step: int | None,
+        checkpoint_dir: str | None = None,
+    ) -> None:
         """Start a session of run ``run_id``; ``accountant`` (the checkpoint's, or empty) is moved to the ledger's
         history when the ledger already counts this run (same ``run_id``) beyond it.
 
-        ``resumed_from_step``: the checkpoint's step count, None for a fresh run.
+        ``resumed_from_step``: the checkpoint's step count, None for a fresh run. ``checkpoint_dir``: the
+        checkpoint resumed from; when it lies in another output directory whose ledger counts this run (a branch
+        resumed into a new ``output_dir``), that ledger's history is this one's start: the model of the origin
+        directory was released from the same data, so its steps stay counted here too.
         """
         existing = _read_on_main_process(self.path)
         self.run_id = run_id
@@ -69,18 +77,28 @@ class PrivacyLedger:
         same_run = existing is not None and (
             existing.get("run_id") == run_id or (existing.get("run_id") is None and resumed_from_step is not None)
         )
-        if same_run:
-            self.sessions = list(existing.get("sessions", []))
-            self.earlier_runs = list(existing.get("earlier_runs", []))
+        source = existing if same_run else None
+        self.continued_from = list(existing.get("continued_from", [])) if same_run else []
+        if source is None and resumed_from_step is not None and checkpoint_dir:
+            origin_path = os.path.join(os.path.dirname(os.path.abspath(os.path.normpath(checkpoint_dir))), LEDGER_FILE)
+            origin = None if os.path.abspath(origin_path) == os.path.abspath(self.path) else (
+                _read_on_main_process(origin_path))
+            if origin is not None and origin.get("run_id") == run_id:
+                source = origin
+                self.continued_from = [*origin.get("continued_from", []), origin_path]
+        if existing is not None and not same_run:
+            earlier = {k: v for k, v in existing.items() if k != "earlier_runs"}
+            self.earlier_runs = [*existing.get("earlier_runs", []), earlier]
+        if source is not None:
+            self.sessions = list(source.get("sessions", []))
+            if same_run:
+                self.earlier_runs = list(existing.get("earlier_runs", []))
             counted = PrivacyAccountant(accountant.accountant)
-            counted.load_state_dict(existing["accountant"])
+            counted.load_state_dict(source["accountant"])
             if counted.steps >= accountant.steps:
                 # every release of every branch of this run; the checkpoint's history is a prefix of it
                 self.steps_beyond_checkpoint = counted.steps - accountant.steps
                 accountant.load_state_dict(counted.state_dict())
-        elif existing is not None:
-            earlier = {k: v for k, v in existing.items() if k != "earlier_runs"}
-            self.earlier_runs = [*existing.get("earlier_runs", []), earlier]
         self.sessions.append(
             {"resumed_from_step": resumed_from_step, "steps_released": 0, "status": "started"}
         )
@@ -98,6 +116,7 @@ class PrivacyLedger:
             **fields,
             "accountant": history.state_dict(),
             "sessions": self.sessions,
+            **({"continued_from": self.continued_from} if self.continued_from else {}),
             "earlier_runs": self.earlier_runs,
         }
         os.makedirs(self.output_dir, exist_ok=True)

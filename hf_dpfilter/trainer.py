@@ -174,6 +174,9 @@ class DPTrainer(Trainer):
         the arguments, batch and processes the plan was computed for)."""
         self._run_guard.before_train(self)
         self._refuse_seed_to_loggers()  # callbacks may have been added since the trainer was created
+        checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        # a checkpoint of another output_dir: its ledger is this run's history too (PrivacyLedger.open_session)
+        self._resumed_checkpoint_dir = checkpoint if isinstance(checkpoint, str) else None
         return super().train(*args, **kwargs)
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> NoReturn:
@@ -370,7 +373,8 @@ class DPTrainer(Trainer):
 
             sampler.seed = optimizer.collectives.agree_on_seed(fresh_seed())
         ledger = PrivacyLedger(self.args.output_dir)
-        ledger.open_session(optimizer.run_id, optimizer.accountant, optimizer.dp_steps if resumed else None)
+        ledger.open_session(optimizer.run_id, optimizer.accountant, optimizer.dp_steps if resumed else None,
+                            getattr(self, "_resumed_checkpoint_dir", None))
         self._privacy_ledger = ledger
         self._ledger_reserved_through, self._ledger_last_call = 0, None
         extra = ledger.steps_beyond_checkpoint

@@ -144,3 +144,19 @@ def test_a_clearml_callback_added_after_creation_is_refused_at_train(tmp_path):
     trainer.add_callback(_clearml_callback())
     with pytest.raises(ValueError, match=r"ClearML"):
         trainer.train()
+
+
+# ------------------------------------------------------------------ a branch resumed into another output_dir
+def test_a_branch_resumed_into_another_output_dir_counts_the_origin_ledger(tmp_path):
+    import json
+
+    origin, other = tmp_path / "a", tmp_path / "b"
+    _trainer(origin, max_steps=6, save_strategy="steps", save_steps=2).train()
+    branch = _trainer(other, max_steps=6, save_strategy="steps", save_steps=2)
+    branch.train(resume_from_checkpoint=str(origin / "checkpoint-2"))
+    # both models are released from the same data: the branch counts the origin's 6 steps and its own 4
+    assert branch.accountant.steps == 6 + 4
+    ledger = json.loads((other / "privacy_ledger.json").read_text())
+    assert ledger["steps"] == 10
+    assert [s["steps_released"] for s in ledger["sessions"]] == [6, 4]
+    assert ledger["continued_from"] == [str(origin / "privacy_ledger.json")]
