@@ -91,6 +91,7 @@ class _PrivacyCallback(TrainerCallback):
                 "Do not change num_train_epochs/max_steps after creating the DPTrainer."
             )
         self.trainer._attach_engine_to_prepared_model()
+        self.trainer._refuse_resume_without_dp_state(state.global_step)
         self.trainer._begin_privacy_session()
         self.trainer._check_resumed_budget()
         self.trainer._announce_plan()
@@ -352,6 +353,25 @@ class DPTrainer(Trainer):
                 f"{self.args.target_epsilon}. Resume with the original max_steps/num_train_epochs and target_epsilon, "
                 "or re-calibrate explicitly: pass noise_multiplier instead of target_epsilon (the reported epsilon "
                 "then counts every step, including the checkpoint's)."
+            )
+
+    def _refuse_resume_without_dp_state(self, global_step: int) -> None:
+        """A resumed step count without the DP optimizer's state: its released steps would go uncounted.
+
+        The Trainer restores the model and ``trainer_state.json`` and skips a missing ``optimizer.pt`` without a
+        word (``save_only_model=True``, or the file deleted): the accountant would restart at 0 on a model that
+        already holds the checkpoint's noisy steps.
+        """
+        optimizer = self.dp_optimizer
+        if global_step == 0 or optimizer is None or not self.privacy_plan.is_private:
+            return
+        if not optimizer.restored_from_checkpoint:
+            raise ValueError(
+                f"Cannot resume from a checkpoint at step {global_step} without the DP optimizer's state "
+                "(optimizer.pt missing: save_only_model=True, or the file was removed): the model already holds "
+                f"{global_step} noisy steps that the accountant could not count, so the reported epsilon would leave "
+                "them out. Resume from a checkpoint saved with save_only_model=False, or start a fresh run from the "
+                "original model."
             )
 
     def _begin_privacy_session(self) -> None:

@@ -160,3 +160,15 @@ def test_a_branch_resumed_into_another_output_dir_counts_the_origin_ledger(tmp_p
     assert ledger["steps"] == 10
     assert [s["steps_released"] for s in ledger["sessions"]] == [6, 4]
     assert ledger["continued_from"] == [str(origin / "privacy_ledger.json")]
+
+
+# ------------------------------------------------------------ a checkpoint without the DP optimizer's state
+def test_resuming_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
+    """``save_only_model=True`` (or a deleted optimizer.pt): the Trainer resumes the model and the step count but
+    silently skips the optimizer, so the DP accountant would restart at 0 and leave the checkpoint's steps out."""
+    _trainer(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, save_only_model=True).train()
+    assert not (tmp_path / "checkpoint-2" / "optimizer.pt").exists()
+    trainer = _trainer(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, save_only_model=True)
+    with pytest.raises(ValueError, match=r"(?s)checkpoint.*step 2.*optimizer.pt.*save_only_model"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert trainer.dp_optimizer.dp_steps == 0  # nothing released
