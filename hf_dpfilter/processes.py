@@ -24,10 +24,15 @@ import torch.distributed as dist
 
 __all__ = ["check_one_dp_run", "launcher_world_size"]
 
-#: the variables launchers set to the number of processes (torchrun, Intel MPI, Open MPI, MVAPICH)
-_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "LOCAL_WORLD_SIZE")
+#: the variables launchers set to the number of processes (torchrun, Intel MPI, Open MPI, MVAPICH, SLURM's srun).
+#: SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: a batch script runs once with SLURM_NTASKS set to the allocation's
+#: task count, while srun sets the step's number of tasks in each task it starts (Accelerate reads none of SLURM's
+#: variables, so ``srun -n 2 python train.py`` would be two separate DP runs).
+_WORLD_SIZE_VARIABLES = (
+    "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_TASKS",
+)
 #: the variables launchers set to a process's index
-_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -61,11 +66,13 @@ def check_one_dp_run(
         joined = "no torch.distributed process group joins them" if group_size is None else (
             f"the Trainer runs as {world} process(es)")
         raise RuntimeError(
-            f"The launcher started {announced} processes (WORLD_SIZE/RANK/LOCAL_RANK are set) but {joined}: each "
+            f"The launcher started {announced} processes (WORLD_SIZE/RANK/LOCAL_RANK, or SLURM_STEP_NUM_TASKS/"
+            f"SLURM_PROCID, are set) but {joined}: each "
             "process would be a separate DP run with its own noise and epsilon on the same data, writing into the "
             "same output_dir. On a machine without a GPU, pass use_cpu=True (--use_cpu in the recipes) so that "
             "Accelerate joins the processes in one gloo process group; on GPUs, check that CUDA is visible to every "
-            "process. Or start a single process."
+            "process. Under SLURM, start torchrun or accelerate launch with srun (one task per node), not the script "
+            "itself in several tasks. Or start a single process."
         )
     if group_size is not None and group_size != world:
         raise RuntimeError(

@@ -172,3 +172,17 @@ def test_resuming_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"(?s)checkpoint.*step 2.*optimizer.pt.*save_only_model"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert trainer.dp_optimizer.dp_steps == 0  # nothing released
+
+
+# ------------------------------------------------------------------------------- SLURM's srun as the launcher
+def test_srun_tasks_without_a_process_group_are_refused_and_a_batch_script_is_not():
+    from hf_dpfilter.processes import check_one_dp_run
+
+    srun_task = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
+    with pytest.raises(RuntimeError, match=r"(?s)launcher started 2 processes.*SLURM.*srun"):
+        check_one_dp_run(1, srun_task, group_size=None)
+    check_one_dp_run(2, srun_task, group_size=2)  # srun tasks joined in one group (WORLD_SIZE exported)
+    # the batch script of `sbatch --ntasks 4` runs once: SLURM_NTASKS alone announces no processes
+    check_one_dp_run(1, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, group_size=None)
+    # srun starting one torchrun per node: the group is torchrun's (WORLD_SIZE), larger than the step's tasks
+    check_one_dp_run(8, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "WORLD_SIZE": "8", "RANK": "5"}, group_size=8)
