@@ -949,6 +949,7 @@ class GhostClippingEngine:
         self._tracer: BatchAxisTracer | None = None
         self._trace_depth = 0
         self._check_parameters = True  # whether the state checks compare parameters (not under FSDP2)
+        self._forward_ran = False  # a module of the model ran in the proving step
         self.attach()
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -1236,6 +1237,7 @@ class GhostClippingEngine:
         # packed rows: the model's inputs are rows (the layout maps them to examples)
         tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
         self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
+        self._forward_ran = False
         handles = []
         for module in self.model.modules():
             handles.append(module.register_forward_pre_hook(self._trace_entry, prepend=True, with_kwargs=True))
@@ -1248,6 +1250,10 @@ class GhostClippingEngine:
             for handle in handles:
                 handle.remove()
         if not self._recorded_modules:
+            if self._forward_ran:
+                # the model ran but none of its trainable modules did (e.g. LoRA through target_parameters, whose
+                # lora_A/lora_B weights are used by a parametrization): name them rather than "nothing recorded"
+                self._check_every_trainable_module_recorded()
             return  # nothing ran (an empty micro-batch): prove on the next step
         self._check_state_unchanged(snapshot, with_parameters)
         if tracer.misused:
@@ -1268,6 +1274,7 @@ class GhostClippingEngine:
     def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""
         tracer = self._tracer
+        self._forward_ran = True
         if tracer is not None and self._trace_depth == 0:
             if tracer.batch_size is None:
                 from torch.utils._pytree import tree_flatten

@@ -2,6 +2,8 @@
 
 Each test is an attack that found a hole (now closed) or that adds coverage the other files lack:
 
+* PEFT tuners other than LoRA/DoRA/PEANuT/aLoRA/VeLoRA are refused by the trainable parameter's name (LoRA
+  through ``target_parameters`` used to fail with "Nothing was recorded"); ``modules_to_save`` stays exact;
 * a forward that writes state only on some steps (after the first, proving, step): every recorded step
   compares buffer and parameter identities and versions before its backward, so the write is refused before
   that step releases anything; transformers' dynamic / LongRoPE rotary embeddings (which replace or rewrite
@@ -186,3 +188,50 @@ def test_srun_tasks_without_a_process_group_are_refused_and_a_batch_script_is_no
     check_one_dp_run(1, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, group_size=None)
     # srun starting one torchrun per node: the group is torchrun's (WORLD_SIZE), larger than the step's tasks
     check_one_dp_run(8, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "WORLD_SIZE": "8", "RANK": "5"}, group_size=8)
+
+
+# ------------------------------------------------------------------------------- PEFT tuners (peft 0.21)
+def _peft_configs():
+    import peft
+
+    query_value = ["query", "value"]
+    return {
+        "LoHa": lambda: peft.LoHaConfig(r=4, target_modules=query_value, init_weights=False),
+        "LoKr": lambda: peft.LoKrConfig(r=4, target_modules=query_value, init_weights=False),
+        "IA3": lambda: peft.IA3Config(target_modules=["query", "output.dense"], feedforward_modules=["output.dense"]),
+        "OFT": lambda: peft.OFTConfig(r=0, oft_block_size=4, target_modules=query_value, init_weights=False),
+        "BOFT": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=query_value, init_weights=False),
+        "FourierFT": lambda: peft.FourierFTConfig(n_frequency=10, target_modules=query_value),
+        "VeRA": lambda: peft.VeraConfig(r=4, target_modules=query_value),
+        "AdaLoRA": lambda: peft.AdaLoraConfig(r=4, target_modules=query_value, total_step=10),
+        "TrainableTokens": lambda: peft.TrainableTokensConfig(target_modules=["word_embeddings"], token_indices=[3, 5]),
+        "LoRA+trainable_token_indices": lambda: peft.LoraConfig(
+            r=4, target_modules=query_value, trainable_token_indices={"word_embeddings": [3, 5]}),
+        "LoRA on an Embedding": lambda: peft.LoraConfig(r=4, target_modules=["word_embeddings", "query"]),
+        "LoRA target_parameters": lambda: peft.LoraConfig(
+            r=4, target_modules=[], target_parameters=["attention.self.query.weight"]),
+    }
+
+
+@pytest.mark.parametrize("tuner", list(_peft_configs()))
+def test_peft_tuners_without_a_per_example_rule_are_refused_by_name(tuner):
+    """Each tuner keeps its trainable weights where no per-example rule reaches them (ParameterDicts of the
+    layer, weights used by a parametrization): refused by the parameter's name, before anything is released."""
+    from models import tiny_bert
+    from peft import get_peft_model
+
+    from hf_dpfilter.engine import UnsupportedLayerError
+
+    model = get_peft_model(tiny_bert(dtype=torch.float32), _peft_configs()[tuner]())
+    plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
+                              max_grad_norm=1.0, seed=0)
+    ids = torch.randint(1, 90, (4, 5))
+    labels = torch.tensor([0, 1, 0, 1])
+    with pytest.raises((UnsupportedLayerError, ModuleValidationError)) as refused:
+        engine = plan.make_engine(model)
+        optimizer = plan.make_optimizer([p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
+                                        lr=0.0)
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(
+            model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, labels, reduction="none"), batch_size=4)
+    message = str(refused.value)
+    assert "Trainable parameter" in message and "reeze" in message, message
