@@ -11,7 +11,10 @@ its inputs has one, with the batch axis followed through transposes, permutes, b
 reshapes (a view that merges the batch axis with the dimensions after it, as ``Conv1D``'s ``x.view(-1, d)``
 does, keeps it as the major part of the merged dimension, and a view back recovers it), and marked lost
 (``LOST``) where an operation reduces, concatenates, splits, merges into an earlier dimension or
-advanced-indexes along it. Tensors that derive only from parameters, buffers and constants (``arange``
+advanced-indexes along it, normalises over it (``F.batch_norm`` in training, ``F.normalize``/
+``cosine_similarity`` along it, ``group_norm``/``instance_norm``/``layer_norm`` whose statistics span it), or
+pairs two batch-derived operands example by example (``h @ h.T``, ``cdist(h, h)``, ``outer``, an einsum keeping
+two batch letters). Tensors that derive only from parameters, buffers and constants (``arange``
 position ids, bucketed relative positions, a weight matrix) carry no tag, except a constant of leading size 1
 expanded to the batch size (``token_type_ids`` buffers, ``position_ids.expand(B, -1)``): one copy per example,
 batch-first by construction.
@@ -61,6 +64,11 @@ _ALONG_DIM = {
     "index_fill_", "index_reduce", "index_reduce_", "roll", "flip", "narrow", "select", "diff", "cumulative_trapezoid",
 }
 _MATMULS = {"matmul", "mm", "bmm", "__matmul__", "__rmatmul__"}
+#: products of two tensors whose rows pair every row of one with every row of the other (a (B, B) result when
+#: both derive from the batch: in-batch similarities, minibatch discrimination)
+_PAIRWISE = {"cdist", "outer", "ger"}
+#: normalisations: (where the statistics are taken, relative to the batch axis) -> mixes the examples or not
+_BATCH_NORMS = {"batch_norm", "native_batch_norm"}
 _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
 _CONCATS = {"cat", "concat", "concatenate"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
@@ -205,6 +213,10 @@ class BatchAxisTracer(TorchFunctionMode):
             contracted = self._contracts_batch(args[0], args[1])
             if contracted:
                 return LOST, 1
+        if (name in _MATMULS or name in _PAIRWISE) and len(args) >= 2:
+            paired = self._pairs_batches(name, args[0], args[1], result)
+            if paired is not None:
+                return paired, 1
         if name == "einsum":
             axis = self._einsum_axis(args, tagged)
             if axis is not None:
@@ -233,6 +245,26 @@ class BatchAxisTracer(TorchFunctionMode):
             return tag_b[0] == contracted
         return False
 
+    def _pairs_batches(self, name: str, a: Any, b: Any, result: torch.Tensor) -> int | None:
+        """Where the batch axes of both operands of a product land in its result (LOST when they land on two
+        dimensions: ``h @ h.T``, ``cdist(h, h)``, ``outer(h, h)`` pair every example with every other); None
+        unless both operands carry a whole batch axis."""
+        tag_a, tag_b = self.tag_of(a), self.tag_of(b)
+        if tag_a is None or tag_b is None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            return None
+        if LOST in (tag_a[0], tag_b[0]) or tag_a[1] != 1 or tag_b[1] != 1:
+            return LOST
+        if name in ("outer", "ger"):
+            return LOST  # the result's rows are a's examples, its columns b's
+        if a.dim() < 2 or b.dim() < 2:
+            return None  # a vector operand: its axis is contracted (see _contracts_batch)
+        # the row dimension of a, and of b for cdist (x1 (.., P, M), x2 (.., R, M) -> (.., P, R)); the column
+        # dimension of b for a matmul; leading (batched) dimensions align from the right
+        rows_b = b.dim() - 2 if name == "cdist" else b.dim() - 1
+        land_a = result.dim() - 2 if tag_a[0] == a.dim() - 2 else result.dim() - a.dim() + tag_a[0]
+        land_b = result.dim() - 1 if tag_b[0] == rows_b else result.dim() - b.dim() + tag_b[0]
+        return land_a if land_a == land_b else LOST
+
     def _einsum_axis(self, args: tuple, tagged: list) -> int | None:
         """The batch axis of an einsum's result from its equation (LOST if the batch letter is summed over);
         None when the equation uses '...' or its operands are not given as separate tensors."""
@@ -244,13 +276,20 @@ class BatchAxisTracer(TorchFunctionMode):
         terms = inputs.split(",")
         if len(terms) != len(operands):
             return None
+        letters = set()
         for term, operand in zip(terms, operands):
             tag = self.tag_of(operand)
-            if tag is None or tag[0] == LOST or tag[1] != 1 or tag[0] >= len(term):
+            if tag is None:
                 continue
-            letter = term[tag[0]]
-            return output.index(letter) if letter in output else LOST
-        return None
+            if tag[0] == LOST or tag[1] != 1 or tag[0] >= len(term):
+                return LOST
+            letters.add(term[tag[0]])
+        if not letters:
+            return None
+        if len(letters) > 1:
+            return LOST  # two operands' examples on two letters ('bd,cd->bc'): every pair of examples
+        letter = letters.pop()
+        return output.index(letter) if letter in output else LOST
 
     def _reshape_tag(self, source: torch.Tensor, tag: tuple[int, int], result: torch.Tensor) -> tuple[int, int]:
         """The tag after a view/reshape: the batch stays the major part of the result dimension whose outer
@@ -301,6 +340,29 @@ class BatchAxisTracer(TorchFunctionMode):
             rest = iter(d for d in range(ndim) if d not in src)
             order = [next(rest) if o is None else o for o in order]
             return order.index(axis)
+        if name in _BATCH_NORMS:
+            # F.batch_norm(input, running_mean, running_var, weight, bias, training, ...) and torch.batch_norm(input,
+            # weight, bias, running_mean, running_var, training, ...): in training, statistics over every dimension
+            # but 1 (the channels), so over the examples unless the batch axis is the channel axis
+            training = kwargs.get("training", args[5] if len(args) > 5 else False)
+            return LOST if training and axis != 1 else None
+        if name in ("group_norm", "instance_norm"):
+            # statistics per entry of dimension 0 (and, for instance_norm, of the channels): examples mix unless
+            # the batch axis is dimension 0 (instance_norm: 0 or 1)
+            return LOST if axis != 0 and not (name == "instance_norm" and axis == 1) else None
+        if name == "layer_norm":
+            shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+            count = 1 if isinstance(shape, int) else len(shape) if shape is not None else 0
+            return LOST if axis >= ndim - count else None
+        if name in ("normalize", "cosine_similarity", "softmin"):
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            if dim is None and name == "normalize":
+                dim = 1
+            if dim is None and name == "cosine_similarity":
+                dim = 1
+            if dim is None:
+                return None
+            return LOST if _normalize(int(dim), ndim) == axis else None
         if name in _REDUCTIONS:
             dim = _dims_argument(args, kwargs)
             if dim is None:

@@ -2,6 +2,9 @@
 
 Each test is an attack that found a hole (now closed) or that adds coverage the other files lack:
 
+* functional calls that mix the examples with no module to validate (``F.batch_norm`` in training,
+  ``F.normalize`` over the batch, ``group_norm`` on a non-leading batch axis, ``cdist``/einsum pairings of two
+  batch-derived tensors) are refused by the batch-axis tracer before release;
 * PEFT tuners other than LoRA/DoRA/PEANuT/aLoRA/VeLoRA are refused by the trainable parameter's name (LoRA
   through ``target_parameters`` used to fail with "Nothing was recorded"); ``modules_to_save`` stays exact;
 * a forward that writes state only on some steps (after the first, proving, step): every recorded step
@@ -235,3 +238,81 @@ def test_peft_tuners_without_a_per_example_rule_are_refused_by_name(tuner):
             model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, labels, reduction="none"), batch_size=4)
     message = str(refused.value)
     assert "Trainable parameter" in message and "reeze" in message, message
+
+
+# -------------------------------------------------------------------- functional ops that mix the examples
+class _FunctionalMixer(nn.Module):
+    """No BatchNorm module, no buffer: the examples are mixed by a functional call inside a forward."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.enc = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+        self.pair = nn.Linear(1, 2)
+
+    def forward(self, x):
+        h = self.enc(x)
+        if self.kind == "F.batch_norm":
+            return self.head(F.batch_norm(h, None, None, training=True))
+        if self.kind == "torch.batch_norm":
+            return self.head(torch.batch_norm(h, None, None, None, None, True, 0.1, 1e-5, False))
+        if self.kind == "F.normalize(dim=0)":
+            return self.head(F.normalize(h, dim=0))
+        if self.kind == "F.group_norm on (T, B, C)":
+            return self.head(F.group_norm(h.unsqueeze(0), 2).squeeze(0))
+        if self.kind == "cdist (minibatch discrimination)":
+            nearest = torch.cdist(h, h).topk(2, dim=1, largest=False).values[:, 1:]
+            return self.head(h) + self.pair(nearest)
+        if self.kind == "einsum bd,cd->bc":
+            return self.head(h) + self.pair(torch.einsum("bd,cd->bc", h, h).amax(dim=1, keepdim=True))
+        raise AssertionError(self.kind)
+
+
+_MIXERS = ["F.batch_norm", "torch.batch_norm", "F.normalize(dim=0)", "F.group_norm on (T, B, C)",
+           "cdist (minibatch discrimination)", "einsum bd,cd->bc"]
+
+
+@pytest.mark.parametrize("kind", _MIXERS)
+def test_functional_ops_that_mix_examples_are_refused_before_release(kind):
+    """F.batch_norm in training moved the clipped sum by 1.23 C when one example was added (F.normalize over
+    the batch: 1.10 C); cdist/einsum pairings coupled the examples. The tracer now marks their batch axis lost."""
+    torch.manual_seed(0)
+    model = _FunctionalMixer(kind)
+    if "cdist" not in kind and "einsum" not in kind:
+        model.pair.requires_grad_(False)
+    plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
+                              max_grad_norm=0.05, seed=0)
+    engine = plan.make_engine(model)
+    optimizer = plan.make_optimizer([p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD, lr=0.0)
+    x, labels = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    with pytest.raises(RuntimeError, match=r"lost its batch axis.*Nothing was released"):
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=4)
+    assert all(float(s.abs().sum()) == 0 for s in optimizer._local_sums().values())
+
+
+def test_per_example_norms_and_products_stay_accepted():
+    """Negative controls: statistics over each example's own features, eval-mode batch norm with stored
+    statistics, attention-style products whose batch axes line up."""
+
+    class PerExample(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(3, 4)
+            self.head = nn.Linear(4, 2)
+            self.register_buffer("mean", torch.zeros(4))
+            self.register_buffer("var", torch.ones(4))
+
+        def forward(self, x):
+            h = self.enc(x)
+            h = F.normalize(h, dim=-1) + F.layer_norm(h, (4,)) + F.group_norm(h, 2)
+            h = h + F.batch_norm(h, self.mean, self.var, training=False)
+            scores = (h.unsqueeze(1) @ h.unsqueeze(2)).squeeze(-1)  # (B, 1, 4) @ (B, 4, 1): per example
+            return self.head(h * scores)
+
+    model = PerExample()
+    engine = GhostClippingEngine(model)
+    x = torch.randn(4, 3)
+    with engine.record():
+        loss = F.cross_entropy(model(x), torch.tensor([0, 1, 0, 1]), reduction="none")
+    engine.per_example_gradients(loss)
