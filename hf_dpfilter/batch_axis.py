@@ -69,6 +69,7 @@ _MATMULS = {"matmul", "mm", "bmm", "__matmul__", "__rmatmul__"}
 _PAIRWISE = {"cdist", "outer", "ger"}
 #: normalisations: (where the statistics are taken, relative to the batch axis) -> mixes the examples or not
 _BATCH_NORMS = {"batch_norm", "native_batch_norm"}
+_STATISTICS_ALONG = {"group_norm", "instance_norm", "layer_norm", "normalize", "cosine_similarity", "softmin"}
 _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
 _CONCATS = {"cat", "concat", "concatenate"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
@@ -175,12 +176,25 @@ class BatchAxisTracer(TorchFunctionMode):
         if getattr(func, "__name__", "") == "__setitem__" and args and isinstance(args[0], torch.Tensor):
             outputs = [args[0]]  # x[...] = y writes y into x, in place
         origins = frozenset().union(*(self._origins_of(t) for t, _ in tagged))
+        # An operation that mixes whole examples (batch statistics, pairings) is not a misuse of a broadcast
+        # output's expanded copy: what it feeds is refused by its own verdict (a trainable layer), and a loss
+        # that mixes examples is the first-step per-example check's and the loss policy's to refuse, by name.
+        mixing = self._mixes_examples(getattr(func, "__name__", ""), tagged)
         for result in outputs:
             axis, inner = self._result_tag(func, args, kwargs, tagged, result)
-            if origins and axis == LOST:
+            if origins and axis == LOST and not mixing:
                 self.misused |= origins
-            self.tag(result, axis, inner, origins)
+            # past a mixer the broadcast copies are mixed with whole examples: not followed further either
+            self.tag(result, axis, inner, frozenset() if mixing and axis == LOST else origins)
         return out
+
+    @staticmethod
+    def _mixes_examples(name: str, tagged: list) -> bool:
+        """Whether ``name`` is one of the whole-example mixers the tracer marks LOST (see _method_axis and
+        _pairs_batches), as opposed to an operation that drops or reorders rows of the batch axis."""
+        if name in _BATCH_NORMS or name in _PAIRWISE or name in _STATISTICS_ALONG:
+            return True
+        return (name in _MATMULS or name == "einsum") and len(tagged) >= 2
 
     def _maybe_broadcast_over_batch(self, func: Any, args: tuple, out: Any) -> None:
         """A constant with leading size 1 expanded to the batch size (BERT's ``token_type_ids`` buffer,
@@ -346,7 +360,7 @@ class BatchAxisTracer(TorchFunctionMode):
             # but 1 (the channels), so over the examples unless the batch axis is the channel axis
             training = kwargs.get("training", args[5] if len(args) > 5 else False)
             return LOST if training and axis != 1 else None
-        if name in ("group_norm", "instance_norm"):
+        if name in ("group_norm", "instance_norm"):  # (_STATISTICS_ALONG)
             # statistics per entry of dimension 0 (and, for instance_norm, of the channels): examples mix unless
             # the batch axis is dimension 0 (instance_norm: 0 or 1)
             return LOST if axis != 0 and not (name == "instance_norm" and axis == 1) else None
