@@ -1224,9 +1224,10 @@ class GhostClippingEngine:
         self._call_counts = {}
         if self._axis_verdicts is not None and not self._reprove:
             # Later steps: a forward may write state only on some steps (e.g. a dynamic RoPE replacing its
-            # inv_freq once a batch is long enough), so every step compares identities and version counters
-            # (no copies: cheap) before its backward, i.e. before anything of the step is released.
-            snapshot = self._state_snapshot(self._check_parameters, copies=False)
+            # inv_freq once a batch is long enough), so every step compares identities and version counters, and
+            # the buffers' values (a write through `.data` moves no version counter), before its backward, i.e.
+            # before anything of the step is released. Buffers are small next to the parameters.
+            snapshot = self._state_snapshot(self._check_parameters)
             yield
             if self._recorded_modules:
                 self._check_state_unchanged(snapshot, self._check_parameters)
@@ -1342,16 +1343,11 @@ class GhostClippingEngine:
                 return name or "<root>"
         return type(module).__name__
 
-    def _state_snapshot(
-        self, parameters: bool, copies: bool = True
-    ) -> dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]:
+    def _state_snapshot(self, parameters: bool) -> dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]:
         """Every buffer (and parameter if asked) with its version counter; buffers also with a copy of their
-        values (``copies``), since native kernels write some of them without counting a version (BatchNorm's
-        running_mean and running_var, refused by the validators). Buffers are small next to the parameters, and
-        the copies are made on the proving step only."""
-        out = {
-            name: (t, t._version, t.detach().clone() if copies else None) for name, t in self.model.named_buffers()
-        }
+        values, since native kernels write some of them without counting a version (BatchNorm's running_mean
+        and running_var), and so does a write through ``.data``. Buffers are small next to the parameters."""
+        out = {name: (t, t._version, t.detach().clone()) for name, t in self.model.named_buffers()}
         if parameters:
             out.update({name: (t, t._version, None) for name, t in self.model.named_parameters()})
         return out

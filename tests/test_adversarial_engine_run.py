@@ -29,22 +29,24 @@ from hf_dpfilter.validators import StateWrittenError
 class _WritesLater(nn.Module):
     """Writes a buffer from the data only when an input is large: never on the first (proving) step."""
 
-    def __init__(self, replace: bool) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
         self.proj = nn.Linear(3, 2)
-        self.replace = replace
+        self.how = how
         self.register_buffer("peak", torch.zeros(3))
 
     def forward(self, x):
         if bool(x.abs().max() > 10):
-            if self.replace:
+            if self.how == "replaced":
                 self.peak = x.detach().amax(0)
-            else:
+            elif self.how == "in_place":
                 self.peak.copy_(x.detach().amax(0))
+            else:  # through .data: its own version counter, the buffer's does not move
+                self.peak.data.copy_(x.detach().amax(0))
         return self.proj(x)
 
 
-@pytest.mark.parametrize("replace", [False, True], ids=["in_place", "replaced"])
+@pytest.mark.parametrize("replace", ["in_place", "replaced", "through .data"])
 def test_state_written_on_a_later_step_is_refused_before_that_step_releases(replace):
     torch.manual_seed(0)
     model = _WritesLater(replace)
