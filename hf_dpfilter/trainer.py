@@ -717,6 +717,10 @@ class DPTrainer(Trainer):
             # (trainer.save_metrics -> train_results.json, all_results.json).
             for key in self.NONPRIVATE_LOG_KEYS:
                 logs.pop(key, None)
+            # skip_memory_metrics=False: the memory deltas and peaks of training (train_mem_gpu_peaked_delta, ...)
+            # grow with the longest padded Poisson micro-batch: one long example moves them, without noise
+            for key in [k for k in logs if "_mem_" in k]:
+                logs.pop(key)
         if self.privacy_plan.is_private and self.accountant.steps > 0:
             logs = dict(logs)
             # A new step count costs up to ~1 s with the PRV accountant; with the run's planned length the log

@@ -318,3 +318,19 @@ def test_per_example_norms_and_products_stay_accepted():
     with engine.record():
         loss = F.cross_entropy(model(x), torch.tensor([0, 1, 0, 1]), reduction="none")
     engine.per_example_gradients(loss)
+
+
+# --------------------------------------------------------------------------- memory metrics of the training
+def test_memory_metrics_are_not_published_without_the_opt_in(tmp_path):
+    """skip_memory_metrics=False: the training's memory peaks grow with the longest padded Poisson micro-batch
+    (one long example moves them): a noiseless statistic of the private batches, like total_flos."""
+    import json
+
+    trainer = _trainer(tmp_path, skip_memory_metrics=False)
+    metrics = trainer.train().metrics
+    assert not [k for k in metrics if "_mem_" in k], metrics
+    trainer.save_state()  # output_dir/trainer_state.json, with the final metrics line
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert state["log_history"] and not [k for entry in state["log_history"] for k in entry if "_mem_" in k]
+    opted_in = _trainer(tmp_path / "opt_in", skip_memory_metrics=False, dp_log_nonprivate_metrics=True)
+    assert [k for k in opted_in.train().metrics if "_mem_" in k]
