@@ -153,7 +153,7 @@ class DPTrainingArguments(TrainingArguments):
         metadata={
             "help": "Publish NON-PRIVATE statistics of the private batches: the training loss (log lines, "
             "trainer_state.json, loggers, model card), total_flos from the real batch sizes, "
-            "include_num_input_tokens_seen, and the count of examples zeroed for a NaN/inf loss or gradient "
+            "include_num_input_tokens_seen, the training's memory metrics (skip_memory_metrics=False), and the count of examples zeroed for a NaN/inf loss or gradient "
             "(privacy ledger and a per-step warning). None of them is noised or accounted: with True the reported "
             "epsilon does not cover them (docs/threat_model.md). Default False: none is computed or written."
         },
