@@ -203,6 +203,18 @@ def _embedding_max_norm(name: str, module: nn.Module, options: ValidationOptions
     )]
 
 
+@register_module_validator(nn.Embedding)
+def _embedding_grad_by_freq(name: str, module: nn.Module, options: ValidationOptions) -> list[ModuleProblem]:
+    if not getattr(module, "scale_grad_by_freq", False) or not _trainable(module):
+        return []
+    return [ModuleProblem(
+        name,
+        f"{type(module).__name__}(scale_grad_by_freq=True) divides each row's gradient by the token's frequency in "
+        "the whole micro-batch: one example's gradient depends on the tokens of the others.",
+        "build it with scale_grad_by_freq=False (the per-example gradient is then each example's own).",
+    )]
+
+
 _DATA_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 

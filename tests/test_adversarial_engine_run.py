@@ -334,3 +334,13 @@ def test_memory_metrics_are_not_published_without_the_opt_in(tmp_path):
     assert state["log_history"] and not [k for entry in state["log_history"] for k in entry if "_mem_" in k]
     opted_in = _trainer(tmp_path / "opt_in", skip_memory_metrics=False, dp_log_nonprivate_metrics=True)
     assert [k for k in opted_in.train().metrics if "_mem_" in k]
+
+
+def test_embedding_scaling_gradients_by_batch_frequency_is_refused_at_attach():
+    """scale_grad_by_freq=True: each row's gradient is divided by the token's count in the whole micro-batch
+    (examples coupled); it used to stop at the first step with an unrelated "path the hooks do not see" error."""
+    model = nn.Sequential(nn.Embedding(20, 4, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(20, 2))
+    with pytest.raises(ModuleValidationError, match=r"(?s)'0'.*scale_grad_by_freq=True.*Fix: build it with"):
+        GhostClippingEngine(model)
+    model[0].requires_grad_(False)  # frozen: its gradient is never used
+    GhostClippingEngine(model).detach()
