@@ -92,6 +92,7 @@ class _PrivacyCallback(TrainerCallback):
             )
         self.trainer._attach_engine_to_prepared_model()
         self.trainer._refuse_resume_without_dp_state(state.global_step)
+        self.trainer._refuse_parameters_of_another_run()
         self.trainer._begin_privacy_session()
         self.trainer._check_resumed_budget()
         self.trainer._announce_plan()
@@ -324,6 +325,7 @@ class DPTrainer(Trainer):
         self.dp_optimizer.warn_nonfinite = self.args.dp_log_nonprivate_metrics
         if self.privacy_plan.is_private:
             self.dp_optimizer.pre_release_hooks.append(self._write_privacy_ledger)
+            self.dp_optimizer.pre_release_hooks.append(self._mark_parameters_released)
         return self.optimizer
 
     def trainable_parameter_count(self) -> int:
@@ -353,6 +355,34 @@ class DPTrainer(Trainer):
                 f"{self.args.target_epsilon}. Resume with the original max_steps/num_train_epochs and target_epsilon, "
                 "or re-calibrate explicitly: pass noise_multiplier instead of target_epsilon (the reported epsilon "
                 "then counts every step, including the checkpoint's)."
+            )
+
+    #: attribute set on every trainable parameter once a DP run releases a step into it: the run's id
+    RELEASED_BY_ATTRIBUTE = "_hf_dpfilter_released_by"
+
+    def _mark_parameters_released(self, optimizer: DPOptimizer) -> None:
+        """Before each release: mark the trainable parameters with this run's id (see the refusal below)."""
+        for param in optimizer.params:
+            setattr(param, self.RELEASED_BY_ATTRIBUTE, optimizer.run_id)
+
+    def _refuse_parameters_of_another_run(self) -> None:
+        """A new DPTrainer on parameters another DPTrainer of this process already released noisy steps into.
+
+        The second run's epsilon would count its own steps only, while the model it releases holds both runs'.
+        A resume loads the checkpoint's values (and its run's history) into the parameters: not refused.
+        """
+        optimizer = self.dp_optimizer
+        if optimizer is None or not self.privacy_plan.is_private or optimizer.restored_from_checkpoint:
+            return
+        earlier = {getattr(p, self.RELEASED_BY_ATTRIBUTE, None) for p in optimizer.params} - {None, optimizer.run_id}
+        if earlier:
+            raise ValueError(
+                f"The model's trainable parameters already received noisy steps from another DP run in this process "
+                f"(run_id {', '.join(sorted(earlier))}, see its privacy_ledger.json): this run's epsilon would count "
+                "only its own steps, while the model it releases holds both. Continue the earlier run by resuming from "
+                "its checkpoint (train(resume_from_checkpoint=...)), or train a fresh copy of the original model. If "
+                "the runs use disjoint data and you account them yourself, remove the mark first: "
+                f"for p in model.parameters(): p.__dict__.pop('{self.RELEASED_BY_ATTRIBUTE}', None)."
             )
 
     def _refuse_resume_without_dp_state(self, global_step: int) -> None:

@@ -344,3 +344,29 @@ def test_embedding_scaling_gradients_by_batch_frequency_is_refused_at_attach():
         GhostClippingEngine(model)
     model[0].requires_grad_(False)  # frozen: its gradient is never used
     GhostClippingEngine(model).detach()
+
+
+# ----------------------------------------------------------------- a second DPTrainer on an already DP model
+def test_a_new_dptrainer_on_parameters_of_an_earlier_run_is_refused(tmp_path):
+    """train() twice on one trainer is refused (run_guard); a NEW DPTrainer on the same model object used to run a
+    fresh accountant: its epsilon left out the first run's steps, which the released model holds."""
+    from helpers import ListDataset, PadCollator, make_examples
+    from models import VOCAB
+
+    from hf_dpfilter import DPTrainer
+
+    first = _trainer(tmp_path / "one")
+    first.train()
+    second = DPTrainer(model=first.model, args=_trainer(tmp_path / "two").args,
+                       train_dataset=ListDataset(make_examples(16, VOCAB, causal=False, seed=11)),
+                       data_collator=PadCollator(1))
+    with pytest.raises(ValueError, match=r"(?s)already received noisy steps from another DP run.*resum"):
+        second.train()
+    assert second.accountant.steps == 0
+    for p in first.model.parameters():  # the documented opt-out for disjoint data accounted by hand
+        p.__dict__.pop(DPTrainer.RELEASED_BY_ATTRIBUTE, None)
+    third = DPTrainer(model=first.model, args=_trainer(tmp_path / "three").args,
+                      train_dataset=ListDataset(make_examples(16, VOCAB, causal=False, seed=11)),
+                      data_collator=PadCollator(1))
+    third.train()
+    assert third.accountant.steps == 2
