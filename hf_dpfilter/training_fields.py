@@ -394,6 +394,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "secure_noise": FieldPolicy(_P, "noise and sampling from the OS CSPRNG"),
     "dp_verify_first_step": FieldPolicy(_H, "a check of the per-example gradients on the first micro-batch"),
     "dp_stack_layers": FieldPolicy(_H, "a speed setting; the norms and sums are the same"),
+    "dp_batchnorm_eval": FieldPolicy(
+        _H, "frozen BatchNorms run in eval mode (stored statistics) in every step; without it every BatchNorm is "
+        "refused, and a trainable one is refused either way"),
     "dp_eval_disjoint_from_train": FieldPolicy(
         _O, "the user's declaration that eval_dataset shares no example with the training set; allows "
         "evaluation-driven checkpoint selection, lr scheduling and early stopping (identical rows refused)"),
