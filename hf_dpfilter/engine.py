@@ -1229,8 +1229,8 @@ class GhostClippingEngine:
             # before anything of the step is released. Buffers are small next to the parameters.
             snapshot = self._state_snapshot(self._check_parameters)
             yield
-            if self._recorded_modules:
-                self._check_state_unchanged(snapshot, self._check_parameters)
+            if self._recorded_modules and not self._state_surely_unchanged(snapshot):
+                self._check_state_unchanged(snapshot, self._check_parameters)  # finds and names the change
             return
         self._reprove = False
         with_parameters = self._check_parameters = not self._under_fsdp()
@@ -1351,6 +1351,25 @@ class GhostClippingEngine:
         if parameters:
             out.update({name: (t, t._version, None) for name, t in self.model.named_parameters()})
         return out
+
+    def _state_surely_unchanged(self, before: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]) -> bool:
+        """The check of every later step in one device synchronisation per device: True when no tensor was
+        replaced, no version moved and every buffer holds its values (False: look closer)."""
+        after = dict(self.model.named_buffers())
+        if self._check_parameters:
+            after.update(self.model.named_parameters())
+        if after.keys() != before.keys():
+            return False
+        equal: dict[torch.device, list[torch.Tensor]] = {}
+        for name, (tensor, version, copy) in before.items():
+            if after[name] is not tensor or tensor._version != version:
+                return False
+            if copy is not None:
+                if copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+                    return False
+                same = (copy == tensor) | (copy.isnan() & tensor.isnan()) if copy.is_floating_point() else copy == tensor
+                equal.setdefault(tensor.device, []).append(same.all())
+        return all(bool(torch.stack(flags).all()) for flags in equal.values())
 
     def _under_fsdp(self) -> bool:
         """FSDP2 swaps each module's sharded parameters for gathered ones around its forward (and the DP
