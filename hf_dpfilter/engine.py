@@ -950,6 +950,8 @@ class GhostClippingEngine:
         self._trace_depth = 0
         self._check_parameters = True  # whether the state checks compare parameters (not under FSDP2)
         self._forward_ran = False  # a module of the model ran in the proving step
+        self._model_forwards = 0  # the model's forwards in the current record() block
+        self._proven_forwards = 0  # ... in the block that proved the verdicts
         self.attach()
 
     # ----------------------------------------------------------------------------------------- set-up
@@ -1008,6 +1010,9 @@ class GhostClippingEngine:
                     self._handles.append(module.register_forward_pre_hook(self._autocast_pre_hook))
         if not self._owners:
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
+        # the model's forwards inside record(): the verdicts proven for one forward extend to repeated forwards
+        # (several parameter points), never to more calls within one forward (see _call_verdict)
+        self._handles.append(self.model.register_forward_pre_hook(self._count_model_forward))
 
     def hold_eval_modes(self) -> None:
         """Put the modules the options hold in eval mode back there (``batchnorm_eval``); call after
@@ -1190,6 +1195,7 @@ class GhostClippingEngine:
         self._pending_low_precision = False
         self._batch_size = batch_size
         self._recording = True
+        self._model_forwards = 0
         try:
             with self._proving_step():  # first step: batch axes traced, no state written (see _proving_step)
                 yield
@@ -1271,6 +1277,7 @@ class GhostClippingEngine:
             # With one example every tensor of leading size 1 looks batch-first (an explicit (1, T) position_ids
             # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
             self._axis_verdicts = self._new_verdicts
+            self._proven_forwards = self._model_forwards
 
     def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""
@@ -1321,10 +1328,25 @@ class GhostClippingEngine:
             self._new_verdicts.setdefault(key, []).append(verdict)
             return verdict
         verdicts = (self._axis_verdicts or {}).get(key)
-        if verdicts and (index < len(verdicts) or len(set(verdicts)) == 1):
+        if verdicts and (index < len(verdicts) or (len(set(verdicts)) == 1 and self._repeats_proven_calls(
+                len(verdicts), index))):
             return verdicts[min(index, len(verdicts) - 1)]
         self._reprove = True  # a call the first step did not see: prove the batch axes again next step
         return "was not seen by the step that proved the batch axes (run the same forward in every step)"
+
+    def _count_model_forward(self, module: nn.Module, args: tuple) -> None:
+        if self._recording and torch.is_grad_enabled() and not _inside_backward():
+            self._model_forwards += 1
+
+    def _repeats_proven_calls(self, proven_calls: int, index: int) -> bool:
+        """Whether call ``index`` of a module proven with ``proven_calls`` same-verdict calls is one of the same
+        calls in a repeated forward (DiSK/PMLF/DIFF2 run the model at several parameter points; a DIFF2 restart
+        step runs it once) rather than an extra call within a forward: a table called on the batch ids in the
+        proving step and later also on ``torch.arange(T)`` (T == B by chance) must not inherit the verdict."""
+        proven, now = self._proven_forwards, self._model_forwards
+        if not proven or not now or proven_calls % proven:
+            return True  # the model's own forward was not seen (a loss_fn calling submodules): as proven
+        return index < proven_calls // proven * now
 
     def _unproven_batch_axis_error(self, record: _Record) -> RuntimeError:
         name = self._module_name(record.module)

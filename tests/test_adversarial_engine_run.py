@@ -370,3 +370,41 @@ def test_a_new_dptrainer_on_parameters_of_an_earlier_run_is_refused(tmp_path):
                       data_collator=PadCollator(1))
     third.train()
     assert third.accountant.steps == 2
+
+
+# ---------------------------------------------------------- a call the proving step did not see, T == B
+class _ExtraCallLater(nn.Module):
+    """Calls its positional table on the batch's ids; on long batches also on arange(T) (shared by every example)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(16, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        h = self.pos(ids)
+        if ids.shape[1] >= 4:
+            h = h + self.pos(torch.arange(ids.shape[1]))  # (T, 4): rows are positions, not examples
+        return self.head(h.mean(1))
+
+
+def test_an_extra_call_within_a_forward_does_not_inherit_the_proven_verdict_when_T_equals_B():
+    torch.manual_seed(0)
+    model = _ExtraCallLater()
+    plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
+                              max_grad_norm=1.0, seed=0)
+    engine = plan.make_engine(model)
+    optimizer = plan.make_optimizer(list(model.parameters()), base=torch.optim.SGD, lr=0.0)
+    labels = torch.tensor([0, 1, 0, 1])
+
+    def step(ids):
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(ids), labels, reduction="none"), batch_size=4)
+
+    step(torch.randint(0, 16, (4, 3)))  # proving step: one call of pos, on the batch ids
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"(?s)Module 'pos'.*was not seen by the step that proved"):
+        step(torch.randint(0, 16, (4, 4)))  # T == B == 4: the (T, 4) output looks batch-first
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"(?s)Module 'pos'.*does not derive from the batch inputs"):
+        step(torch.randint(0, 16, (4, 5)))  # proven again: the arange call is refused by name
+    assert all(float(s.abs().sum()) == 0 for s in optimizer._local_sums().values())
