@@ -10,7 +10,14 @@ Each test is an attack that found a hole (now closed) or that adds coverage the 
 * a forward that writes state only on some steps (after the first, proving, step): every recorded step
   compares buffer and parameter identities and versions before its backward, so the write is refused before
   that step releases anything; transformers' dynamic / LongRoPE rotary embeddings (which replace or rewrite
-  ``inv_freq`` from the longest position of the batch) are refused at attach by a validator.
+  ``inv_freq`` from the longest position of the batch) are refused at attach by a validator; so is a trainable
+  ``Embedding(scale_grad_by_freq=True)``;
+* a module called once per forward in the proving step and, later, also on ``arange(T)`` with T == B no longer
+  inherits the proven verdict;
+* the run: a given ``dp_seed`` with a ClearML logger (it reads the fields one by one), a branch resumed into
+  another ``output_dir`` (its ledger continues the origin's), a checkpoint without the DP optimizer's state
+  (``save_only_model``), ``srun`` tasks without a process group, the training's memory metrics, and a new
+  ``DPTrainer`` on parameters an earlier DP run of the process trained.
 """
 
 from __future__ import annotations
