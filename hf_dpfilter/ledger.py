@@ -56,13 +56,16 @@ class PrivacyLedger:
         #: steps the ledger counted beyond the checkpoint this session resumed from (a rollback or a crash)
         self.steps_beyond_checkpoint = 0
 
-    def open_session(self, run_id: str, accountant: PrivacyAccountant, resumed_from_step: int | None) -> None:
+    def open_session(
+        self, run_id: str, accountant: PrivacyAccountant, resumed_from_step: int | None, all_processes: bool = True
+    ) -> None:
         """Start a session of run ``run_id``; ``accountant`` (the checkpoint's, or empty) is moved to the ledger's
         history when the ledger already counts this run (same ``run_id``) beyond it.
 
         ``resumed_from_step``: the checkpoint's step count, None for a fresh run.
         """
-        existing = _read_on_main_process(self.path)
+        # all_processes=False: called on the saving process alone, which must not enter a collective
+        existing = _read_on_main_process(self.path) if all_processes else read_ledger_file(self.path)
         self.run_id = run_id
         # the same run: resumed from one of its checkpoints, or train() called again on the same trainer. A ledger
         # of an earlier version (no run_id) met on a resume is taken as this run's: counting more, never fewer.

@@ -96,7 +96,9 @@ class _PrivacyCallback(TrainerCallback):
         self.trainer._announce_plan()
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.trainer.dp_optimizer is not None:
+        # a non-private run (dp_method="none") releases nothing to account, and opened no ledger session (whose
+        # reading is collective: opening one here, on the saving process only, would hang the others)
+        if self.trainer.dp_optimizer is not None and self.trainer.privacy_plan.is_private:
             self.trainer._write_privacy_ledger(self.trainer.dp_optimizer, in_flight=False)
 
 
@@ -400,7 +402,7 @@ class DPTrainer(Trainer):
         ledger = self._privacy_ledger
         if ledger is None:  # the optimizer stepped outside train() (no session opened)
             ledger = self._privacy_ledger = PrivacyLedger(self.args.output_dir)
-            ledger.open_session(optimizer.run_id, optimizer.accountant, None)
+            ledger.open_session(optimizer.run_id, optimizer.accountant, None, all_processes=False)
         in_flight_step, ahead = optimizer.accountant.steps + 1, 0
         if in_flight:
             now, last = time.monotonic(), self._ledger_last_call
