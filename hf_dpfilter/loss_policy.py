@@ -6,7 +6,10 @@ one number for the whole (micro-)batch, so an example's weight could depend on t
 override, ``compute_loss_func=...``, and the model's own loss. These are refused, never silently replaced,
 unless the user supplies the per-example loss through the documented hook -- an override of
 :meth:`hf_dpfilter.DPTrainer.compute_per_example_loss` -- which the first-step check
-(:mod:`hf_dpfilter.first_step_check`) then verifies example by example.
+(:mod:`hf_dpfilter.first_step_check`) then verifies example by example. The hook with the check turned off
+(``dp_verify_first_step=False``) is refused: nothing would verify it. (A trainer class whose loss is per example
+by construction may declare so with the class attribute ``per_example_loss_verified = True``; the library's
+privacy audit does, for its canary loss.)
 
 The per-example losses support label smoothing exactly (the smoothed cross-entropy of the Trainer's
 ``LabelSmoother``, token by token, averaged over each example's own tokens, not over the batch's), and
@@ -48,6 +51,13 @@ def check_loss_policy(trainer: Any, base: type) -> None:
     cls = type(trainer)
     own_per_example = cls.compute_per_example_loss is not base.compute_per_example_loss
     if own_per_example:
+        # The hook is accepted because the first-step check verifies it; without the check nothing would.
+        if not trainer.args.dp_verify_first_step and not getattr(cls, "per_example_loss_verified", False):
+            raise LossPolicyError(
+                f"{cls.__name__} overrides compute_per_example_loss and dp_verify_first_step=False: nothing would "
+                "verify that each example's loss depends on that example only (a loss over the batch would train "
+                "silently with unbounded per-example influence). Keep dp_verify_first_step=True (the default)."
+            )
         return
     if cls.compute_loss is not base.compute_loss:
         raise LossPolicyError(

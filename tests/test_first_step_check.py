@@ -157,3 +157,10 @@ def test_prompt_tuning_is_refused_before_the_first_step(tmp_path):
     model = get_peft_model(tiny_gpt2(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(LossPolicyError, match="prompt-learning.*LoRA"):
         _trainer(tmp_path, model, causal=True)
+
+
+def test_own_loss_with_the_check_turned_off_is_refused(tmp_path):
+    """The hook is accepted because the first-step check verifies it: with the check off, a loss over the batch
+    (in-batch negatives) would train silently, so the combination is refused before anything runs."""
+    with pytest.raises(LossPolicyError, match="compute_per_example_loss and dp_verify_first_step=False"):
+        _trainer(tmp_path, cls=ContrastiveTrainer, dp_verify_first_step=False)
