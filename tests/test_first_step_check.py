@@ -164,3 +164,53 @@ def test_own_loss_with_the_check_turned_off_is_refused(tmp_path):
     (in-batch negatives) would train silently, so the combination is refused before anything runs."""
     with pytest.raises(LossPolicyError, match="compute_per_example_loss and dp_verify_first_step=False"):
         _trainer(tmp_path, cls=ContrastiveTrainer, dp_verify_first_step=False)
+
+
+class _TrainingOnlyCentering(nn.Module):
+    """A hand-written batch normalisation: centres the features over the batch, in training mode only."""
+
+    def forward(self, x):
+        return x - x.mean(dim=0, keepdim=True) if self.training else x
+
+
+class _CenteredClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.center = _TrainingOnlyCentering()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        mask = attention_mask.unsqueeze(-1).to(torch.float32)
+        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
+        return {"logits": self.head(self.center(pooled))}
+
+
+def test_coupling_only_in_training_mode_is_caught(tmp_path):
+    """A module that couples examples only under self.training (no parameter, no buffer, not a BatchNorm) moves
+    the pre-noise aggregate by 1.27 C when one example is added (float32, noise 0). The check used to run every
+    module in eval mode, where the coupling is absent, and passed; the model is deterministic in training mode,
+    so the check now runs in it and refuses before anything is released."""
+    model = _CenteredClassifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, model, per_sample_max_grad_norm=0.01)
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        trainer.train()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert trainer.accountant.steps == 0 and model.center.training
+
+
+def test_model_with_dropout_is_checked_in_eval_mode(tmp_path):
+    """With dropout (here inside BERT's sdpa attention, a kernel argument, not a module) the losses in training
+    mode are random: the check falls back to eval mode (as before) instead of refusing."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=24, max_position_embeddings=40, pad_token_id=0,
+                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.3)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config).double()
+    trainer = _trainer(tmp_path, model)
+    trainer.train()
+    assert trainer.accountant.steps == 1 and trainer._per_example_checked
