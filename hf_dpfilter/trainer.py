@@ -105,20 +105,28 @@ def _is_causal_lm(model: nn.Module) -> bool:
     return type(base).__name__ in names or type(base).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def _check_sequence_length(model: nn.Module, inputs: dict[str, Any]) -> None:
-    """Clear error for sequences longer than the model's position embeddings (instead of an index error)."""
+def _check_sequence_length(model: nn.Module, inputs: dict[str, Any], packed: bool = False) -> None:
+    """Clear error for sequences longer than the model's position embeddings (instead of an index error).
+
+    ``packed``: a row holds several examples, each with its own positions; the longest example must fit, not the
+    row (which holds the whole Poisson batch).
+    """
     config = getattr(model, "config", None)
     ids = inputs.get("input_ids")
     if config is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2:
         return
+    length = ids.shape[1]
+    positions = inputs.get("position_ids")
+    if packed and isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.numel():
+        length = PackedLayout.from_position_ids(positions).max_length
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not isinstance(limit, int):
         return
     if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert", "xlm-roberta-xl"):
         limit -= (getattr(config, "pad_token_id", 1) or 0) + 1  # positions start after the padding index
-    if ids.shape[1] > limit:
+    if length > limit:
         raise ValueError(
-            f"A batch has sequences of length {ids.shape[1]}, longer than the model's maximum of {limit} "
+            f"A batch has sequences of length {length}, longer than the model's maximum of {limit} "
             f"positions (config.max_position_embeddings). Truncate in the tokenizer (truncation=True, "
             f"max_length={limit}) or lower max_seq_length."
         )
@@ -493,7 +501,7 @@ class DPTrainer(Trainer):
         if labels is None:
             raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
         batch = labels.shape[0]
-        _check_sequence_length(model, inputs)
+        _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
         total = torch.zeros((), device=self.args.device)
         micro_batches = [self._no_cache_when_packed(m) for m in self._micro_batches(inputs, labels, num_examples)] if (
             batch and labels.numel()) else []

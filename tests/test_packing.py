@@ -287,3 +287,32 @@ def test_no_parameter_or_buffer_changes_outside_the_step(tmp_path):
     trainer.train()
     assert trainer.accountant.steps == 1 and trainer._per_example_checked and trainer._packing_checked
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("method", ["dpsgd", "disk", "doppler", "pmlf", "dicesgd", "diff2"])
+def test_every_method_on_packed_rows_equals_the_padded_run(method, tmp_path):
+    """Three steps of every method (noise 0, float64) on DataCollatorWithFlattening batches end at the same weights
+    as on padded batches of the same examples: packed rows inherit each method's per-example sensitivity (DiSK/PMLF's
+    functional calls at other weights, DiceSGD's feedback, DIFF2's differences across steps). The packed row (6
+    examples, 43 tokens) is longer than GPT-2's 40 positions while each example fits: it trains."""
+    from helpers import PadCollator
+
+    examples = make_examples(6, VOCAB, causal=True, seed=3)
+    assert sum(len(e["input_ids"]) for e in examples) > 40 >= max(len(e["input_ids"]) for e in examples)
+    weights = []
+    for collator in (PadCollator(0), DataCollatorWithFlattening()):
+        model = tiny_gpt2()
+        args = _args(tmp_path, len(examples), micro=4, dp_method=method, max_steps=3, per_sample_max_grad_norm=0.3,
+                     learning_rate=0.5, dp_method_args={"restart_every": 2} if method == "diff2" else None)
+        DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=collator).train()
+        weights.append(flat([p.detach() for p in model.parameters()]))
+    padded, packed = weights
+    assert (packed - padded).norm() <= 1e-10 * padded.norm()
+
+
+def test_packed_example_longer_than_the_positions_is_refused(tmp_path):
+    examples = make_examples(3, VOCAB, causal=True, seed=3, min_len=41, max_len=41)
+    trainer = DPTrainer(model=tiny_gpt2(), args=_args(tmp_path, len(examples)), train_dataset=ListDataset(examples),
+                        data_collator=DataCollatorWithFlattening())
+    with pytest.raises(ValueError, match="sequences of length 41, longer than the model's maximum of 40"):
+        trainer.train()
