@@ -13,6 +13,9 @@ example two and three times, and classifies every key by how it follows the numb
 * ``boundaries``: FlashAttention's ``cu_seq_lens_*``/``max_length_*`` and ``seq_idx`` of a packed batch,
   recomputed for each micro-batch's own examples.
 
+Every copy's row (or packed segment) of a per-example (per-token) key must equal the example collated alone: a
+value computed over the batch (weights normalised by the batch size) is refused with its key.
+
 Any other behaviour is refused with the key's name: its relation to the examples is not declared. Nothing
 computed here leaves the process: the probe only reads the structure of one training example's collation
 (the trainer already collates one for the structure of an empty Poisson batch).
@@ -178,6 +181,33 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _check_rows_are_their_examples(batches: list[dict[str, Any]], per_example: set, per_token: set) -> None:
+    """Each copy's row (or packed segment) must be what the example gets collated alone.
+
+    A value computed over the batch (weights normalised by the number of examples or of tokens, a rank within the
+    batch) follows the number of examples like a per-example value, but an example's row then depends on the
+    others: the micro-batches and the first-step check (which slices the batch) would carry that dependence
+    unseen. Copies of one example make it visible without comparing padded rows of different lengths.
+    """
+    one = batches[0]
+    for n, batch in zip((2, 3), batches[1:]):
+        for key in sorted(per_example | per_token):
+            value, alone = batch[key], one[key]
+            if key in per_example:
+                parts = [value[k : k + 1] for k in range(n)]
+            else:
+                width = alone.shape[1]
+                parts = [value[:, k * width : (k + 1) * width] for k in range(n)]
+            if not all(_same(part, alone) for part in parts):
+                raise BatchStructureError(
+                    f"The collator's '{key}' for an example collated with {n - 1} copies of itself differs from its "
+                    "value when the example is collated alone: it is computed over the batch (e.g. weights "
+                    "normalised by the number of examples or tokens), so each example's row depends on the others "
+                    "in its Poisson batch, which per-example clipping does not bound. Compute it from each example "
+                    "alone in the collator, or in compute_per_example_loss from that example's own inputs."
+                )
+
+
 def probe_batch_structure(collate_fn: Callable[[list], dict[str, Any]], example: Any) -> BatchStructure:
     """Collate ``example`` 1, 2 and 3 times and classify every key (see the module docstring)."""
     batches = [dict(collate_fn([example] * n)) for n in (1, 2, 3)]
@@ -224,6 +254,7 @@ def probe_batch_structure(collate_fn: Callable[[list], dict[str, Any]], example:
             f"The collator packs {sorted(per_token)} per token but returns {sorted(per_example)} one row per "
             "example: a batch is either packed or one example per row."
         )
+    _check_rows_are_their_examples(batches, per_example, per_token)
     start = 0
     if "position_ids" in per_token:
         start = int(batches[0]["position_ids"].reshape(-1)[0])
