@@ -120,3 +120,14 @@ def test_value_normalised_over_the_batch_is_refused_with_its_key(tmp_path):
     with pytest.raises(BatchStructureError, match="'loss_weights'"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+def test_masked_lm_collator_with_random_masking_is_accepted(tmp_path):
+    """Random masking differs between copies by design (independent per example): not taken for a batch value."""
+    from transformers import BertTokenizerFast, DataCollatorForLanguageModeling
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *[f"w{i}" for i in range(40)]]))
+    collator = DataCollatorForLanguageModeling(BertTokenizerFast(vocab_file=str(vocab)), mlm=True, mlm_probability=0.5)
+    structure = probe_batch_structure(collator, {"input_ids": list(range(5, 30))})
+    assert {"input_ids", "labels"} <= structure.per_example
