@@ -169,7 +169,8 @@ def verify_per_example(
                 raise PerExampleCheckError(
                     f"Example {i} of the first micro-batch has loss {in_batch:.6g} in the batch but {by_itself:.6g} "
                     "computed alone: the loss or the model couples examples (a loss over the batch such as in-batch "
-                    "negatives, batch statistics, or attention across the examples packed in a row). Each example's "
+                    "negatives, batch statistics, attention across the examples packed in a row, or left padding with a "
+                    "model that numbers positions from the first column: pad on the right). Each example's "
                     "loss must depend on that example only; per-example clipping would not bound its influence."
                 )
             total = sum(float(g.double().norm()) ** 2 for g in reference) ** 0.5

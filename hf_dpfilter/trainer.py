@@ -560,7 +560,7 @@ class DPTrainer(Trainer):
     def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:
         """The per-example first-step check (hf_dpfilter.first_step_check), once per run, before any release."""
         micro, micro_labels, layout = micro_batch
-        singles = [self._no_cache_when_packed(m) for m in self._micro_batches(
+        singles = [self._no_cache_when_packed(self._without_leading_padding(m)) for m in self._micro_batches(
             {k: v for k, v in micro.items() if k != "use_cache"}, micro_labels, size=1)]
 
         def loss_fn(inputs, labels):
@@ -573,6 +573,29 @@ class DPTrainer(Trainer):
         )
         self._per_example_checked = True
         logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
+
+    def _without_leading_padding(self, micro_batch: tuple) -> tuple:
+        """One example as it is alone: without the leading columns that are padding (``attention_mask`` 0). Left
+        padding depends on the longest example of the batch; a model that numbers positions from the first column
+        (GPT-2, BERT) then gives each example other positions depending on the others, which the first-step check
+        must see (the trailing padding is dropped by :meth:`_micro_batches`)."""
+        micro, labels, layout = micro_batch
+        structure = self._training_batch_structure()
+        mask = micro.get("attention_mask") if "attention_mask" in structure.per_example else None
+        if layout is not None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.any()):
+            return micro_batch
+        first = int(mask.any(dim=0).nonzero().min().item())
+        if first == 0:
+            return micro_batch
+        seq = mask.shape[1]
+        micro = {
+            k: v[:, first:] if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
+            and v.shape[1] == seq else v
+            for k, v in micro.items()
+        }
+        if labels.dim() >= 2 and labels.shape[1] == seq:
+            labels = labels[:, first:]
+        return micro, labels, layout
 
     def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
         """One training example as a micro-batch, for a process with no example of its own under FSDP2.

@@ -214,3 +214,37 @@ def test_model_with_dropout_is_checked_in_eval_mode(tmp_path):
     trainer = _trainer(tmp_path, model)
     trainer.train()
     assert trainer.accountant.steps == 1 and trainer._per_example_checked
+
+
+class _LeftPadCollator:
+    """Pads on the left (as for generation): an example's pad count depends on the longest example of the batch."""
+
+    def __call__(self, examples):
+        longest = max(len(e["input_ids"]) for e in examples)
+        ids = torch.zeros((len(examples), longest), dtype=torch.long)
+        mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+        for i, e in enumerate(examples):
+            n = len(e["input_ids"])
+            ids[i, longest - n :], mask[i, longest - n :], labels[i, longest - n :] = e["input_ids"], 1, e["labels"]
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_left_padding_with_absolute_positions_is_caught(tmp_path, family):
+    """GPT-2 numbers positions from the first column, so left padding gives each example positions that depend on the
+    longest example of its batch: one long example added moved the pre-noise aggregate by 3.77 C (24 short examples,
+    float32, noise 0). The check sliced the example 'alone' with the batch's pads and passed; it now drops the
+    leading padding and refuses. Llama's rotary positions are relative (shift-invariant): accepted."""
+    from models import tiny_decoder
+
+    model = tiny_gpt2() if family == "gpt2" else tiny_decoder("llama")
+    examples = make_examples(6, VOCAB, causal=True, seed=2)
+    args = _args(tmp_path)
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=_LeftPadCollator())
+    if family == "llama":
+        trainer.train()
+        assert trainer.accountant.steps == 1
+        return
+    with pytest.raises(PerExampleCheckError, match="left padding"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
