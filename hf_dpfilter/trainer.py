@@ -554,7 +554,15 @@ class DPTrainer(Trainer):
         probe = {"position_ids": torch.zeros(1, 1, dtype=torch.long)}
         extra, _, _ = self._no_cache_when_packed((probe, None, PackedLayout(((0, 0, 1),), 1, 1)))
         extra = {k: v for k, v in extra.items() if k != "position_ids"}
-        check_attention_stays_inside_examples(model, self._training_batch_structure().position_start, extra)
+        proven = check_attention_stays_inside_examples(model, self._training_batch_structure().position_start, extra)
+        if not proven and not self.args.dp_verify_first_step:
+            raise PackingError(
+                f"Packed rows with a model ({type(model).__name__}) on which the synthetic-token probe cannot run (no "
+                "vocabulary size in get_input_embeddings() or config.vocab_size, or not one output per token), and "
+                "dp_verify_first_step=False: nothing would show that its attention keeps the examples of a row apart. "
+                "Keep dp_verify_first_step=True (the per-example check then compares each example with itself alone), "
+                "or use a padding collator (one example per row)."
+            )
         self._packing_checked = True
 
     def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:

@@ -316,3 +316,33 @@ def test_packed_example_longer_than_the_positions_is_refused(tmp_path):
                         data_collator=DataCollatorWithFlattening())
     with pytest.raises(ValueError, match="sequences of length 41, longer than the model's maximum of 40"):
         trainer.train()
+
+
+class RowMixingForCausalLM(torch.nn.Module):
+    """A custom causal LM (no config, no get_input_embeddings) whose token t reads the running mean of the whole row
+    up to t, ignoring the position_ids restarts: each packed example reads the examples before it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        hidden = self.embed(input_ids)
+        steps = torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype).view(1, -1, 1)
+        return {"logits": self.head(hidden.cumsum(dim=1) / steps)}
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_custom_model_the_attention_probe_cannot_run_on(tmp_path, verify):
+    """The synthetic-token probe needs a vocabulary size; without one it used to pass silently, and with
+    dp_verify_first_step=False nothing showed that the model mixes the examples of a row. Now: caught by the
+    per-example check, or refused when that check is off."""
+    examples = make_examples(4, VOCAB, causal=True, seed=3)
+    trainer = DPTrainer(model=RowMixingForCausalLM(), args=_args(tmp_path, 4, micro=4, dp_verify_first_step=verify),
+                        train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
+    error, match = (PerExampleCheckError, "couples examples") if verify else (PackingError, "probe cannot run")
+    with pytest.raises(error, match=match):
+        trainer.train()
+    assert trainer.accountant.steps == 0
