@@ -577,7 +577,8 @@ class DPTrainer(Trainer):
 
         worst = verify_per_example(
             self.engine, model, loss_fn, micro_batch, lambda i: singles[i], self._packed,
-            low_precision=bool(self.args.bf16 or self.args.fp16),
+            # the precision the accelerator really computes in (fixed when the Trainer was created), not args.bf16 now
+            low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),
         )
         self._per_example_checked = True
         logger.info("First-step per-example check passed (largest relative errors: %s).", worst)

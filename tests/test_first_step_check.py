@@ -248,3 +248,31 @@ def test_left_padding_with_absolute_positions_is_caught(tmp_path, family):
     with pytest.raises(PerExampleCheckError, match="left padding"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+class _ShrunkLinear(nn.Linear):
+    """A Linear whose (test-only) rule gives each example 99% of its gradient: norms 1% low, clipping 1% weak."""
+
+
+def _shrunk_rule(module, activations, grad_output):
+    a, b = activations, grad_output
+    if a.dim() == 2:
+        a, b = a.unsqueeze(1), b.unsqueeze(1)
+    return {"weight": OuterTerm(left=0.99 * b, right=a)}
+
+
+def test_bf16_set_after_creation_does_not_loosen_the_check(tmp_path):
+    """The check's tolerance follows the precision the accelerator computes in: args.bf16 set after the trainer was
+    created changes no computation (fp64 here) but used to widen the tolerance to 5e-2, letting a rule 1% wrong pass."""
+    register_grad_rule(_ShrunkLinear)(_shrunk_rule)
+    try:
+        model = tiny_bert()
+        head = model.classifier
+        model.classifier = _ShrunkLinear(head.in_features, head.out_features, bias=False).double()
+        trainer = _trainer(tmp_path, model)
+        trainer.args.bf16 = True
+        with pytest.raises(PerExampleCheckError, match="'classifier.weight'"):
+            trainer.train()
+        assert trainer.accountant.steps == 0
+    finally:
+        _GRAD_RULES.pop(_ShrunkLinear, None)
