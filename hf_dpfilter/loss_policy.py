@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["LossPolicyError", "check_loss_policy", "check_prompt_learning"]
+__all__ = ["LossPolicyError", "check_hook_verified_when_sharded", "check_loss_policy", "check_prompt_learning"]
 
 
 class LossPolicyError(ValueError):
@@ -69,6 +69,20 @@ def check_loss_policy(trainer: Any, base: type) -> None:
         raise LossPolicyError(
             "compute_loss_func=... defines the loss over the whole batch (and normalises it by num_items_in_batch), "
             f"which couples examples; DPTrainer does not replace it silently. {_HOOK}"
+        )
+
+
+def check_hook_verified_when_sharded(trainer: Any, base: type) -> None:
+    """FSDP2 sharding skips the first-step check (its collectives run in every forward, which the check's extra
+    per-example forwards would put out of step): an overridden ``compute_per_example_loss`` would then train unverified."""
+    cls = type(trainer)
+    if cls.compute_per_example_loss is not base.compute_per_example_loss and not getattr(
+        cls, "per_example_loss_verified", False
+    ):
+        raise LossPolicyError(
+            f"{cls.__name__} overrides compute_per_example_loss, and the first-step check that verifies it does not "
+            "run under FSDP2 sharding: nothing would verify that each example's loss depends on that example only. "
+            "Verify the loss in an unsharded run first (one process, or LoRA with DDP), or use the library's loss."
         )
 
 

@@ -34,7 +34,7 @@ from hf_dpfilter.arguments import DPTrainingArguments
 from hf_dpfilter.batch_structure import BatchStructure, probe_batch_structure
 from hf_dpfilter.engine import GhostClippingEngine
 from hf_dpfilter.first_step_check import verify_per_example
-from hf_dpfilter.loss_policy import check_loss_policy, check_prompt_learning
+from hf_dpfilter.loss_policy import check_hook_verified_when_sharded, check_loss_policy, check_prompt_learning
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.optimizers import DPOptimizer
 from hf_dpfilter.packing import (
@@ -510,6 +510,8 @@ class DPTrainer(Trainer):
         if not self._packing_checked and self._training_batch_structure().packed:
             # on every process at its first step, whatever it sampled (FSDP2 runs collectives in the forward)
             self._check_packed_attention(model)
+        if not self._per_example_checked and self.dp_optimizer.sharded:
+            check_hook_verified_when_sharded(self, DPTrainer)  # the same on every process: all refuse together
         if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
             self._check_first_micro_batch(model, micro_batches[0])
         rounds = len(micro_batches)

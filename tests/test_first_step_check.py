@@ -276,3 +276,19 @@ def test_bf16_set_after_creation_does_not_loosen_the_check(tmp_path):
         assert trainer.accountant.steps == 0
     finally:
         _GRAD_RULES.pop(_ShrunkLinear, None)
+
+
+def test_own_loss_under_fsdp2_sharding_is_refused(tmp_path):
+    """FSDP2 sharding skips the first-step check, so an overridden compute_per_example_loss would train unverified.
+    (Sharding is simulated by marking the DP optimizer sharded; the refusal comes before any sharded code runs.)"""
+
+    class ShardedOwnLoss(ContrastiveTrainer):
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            self.dp_optimizer._sharded = True
+            return optimizer
+
+    trainer = _trainer(tmp_path, cls=ShardedOwnLoss)
+    with pytest.raises(LossPolicyError, match="does not run under FSDP2 sharding"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
