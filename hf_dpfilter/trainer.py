@@ -513,7 +513,9 @@ class DPTrainer(Trainer):
         if not self._per_example_checked and self.dp_optimizer.sharded:
             check_hook_verified_when_sharded(self, DPTrainer)  # the same on every process: all refuse together
         if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
-            self._check_first_micro_batch(model, micro_batches[0])
+            candidate = self._micro_batch_to_check(micro_batches)
+            if candidate is not None:
+                self._check_first_micro_batch(model, candidate)
         rounds = len(micro_batches)
         if self.dp_optimizer.sharded:
             # FSDP2 gathers parameters with collectives in every forward and backward: every process runs as
@@ -584,6 +586,17 @@ class DPTrainer(Trainer):
         )
         self._per_example_checked = True
         logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
+
+    def _micro_batch_to_check(self, micro_batches: list[tuple]) -> tuple | None:
+        """The first micro-batch with two examples or more: one example alone equals itself alone, so it cannot show
+        a coupling. Until one comes (Poisson batches of one example), the check waits; a micro-batch of one example
+        cannot couple examples, and a rule right in sum is right for it. With per_device_train_batch_size=1 any."""
+        need = min(2, self.args.per_device_train_batch_size)
+        for micro_batch in micro_batches:
+            count = micro_batch[1].shape[0] if micro_batch[2] is None else micro_batch[2].num_examples
+            if count >= need:
+                return micro_batch
+        return None
 
     def _without_leading_padding(self, micro_batch: tuple) -> tuple:
         """One example as it is alone: without the leading columns that are padding (``attention_mask`` 0). Left

@@ -292,3 +292,17 @@ def test_own_loss_under_fsdp2_sharding_is_refused(tmp_path):
     with pytest.raises(LossPolicyError, match="does not run under FSDP2 sharding"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+def test_check_waits_for_a_micro_batch_of_two_examples(tmp_path):
+    """A Poisson batch of one example equals itself alone: checked on it, a loss coupling examples (in-batch
+    negatives) passed and then trained unverified on every later batch. The check now waits for a micro-batch of two
+    examples or more (a micro-batch of one cannot couple examples, so the step before it is safe)."""
+    args = _args(tmp_path, logical_batch_size=2, per_device_train_batch_size=4, max_steps=2, dp_seed=0)
+    trainer = ContrastiveTrainer(model=tiny_bert(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
+                                 data_collator=PadCollator(0))
+    sizes = [len(batch) for batch in trainer.privacy_plan.make_sampler(rank=0, world_size=1)][:2]
+    assert sizes == [1, 2]  # dp_seed=0 draws one example, then two
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        trainer.train()
+    assert trainer.accountant.steps == 1
