@@ -43,13 +43,18 @@ _HOOK = (
 )
 
 
+def _overrides(trainer: Any, base: type, name: str) -> bool:
+    """The trainer's ``name`` is not the library's: a subclass method, or an attribute set on the instance."""
+    return name in vars(trainer) or getattr(type(trainer), name) is not getattr(base, name)
+
+
 def check_loss_policy(trainer: Any, base: type) -> None:
     """Refuse every batch-level loss definition unless ``compute_per_example_loss`` is overridden.
 
     ``base`` is the DPTrainer class whose methods are the library's own (a subclass overriding them is the user's).
     """
     cls = type(trainer)
-    own_per_example = cls.compute_per_example_loss is not base.compute_per_example_loss
+    own_per_example = _overrides(trainer, base, "compute_per_example_loss")
     if own_per_example:
         # The hook is accepted because the first-step check verifies it; without the check nothing would.
         if not trainer.args.dp_verify_first_step and not getattr(cls, "per_example_loss_verified", False):
@@ -59,7 +64,7 @@ def check_loss_policy(trainer: Any, base: type) -> None:
                 "silently with unbounded per-example influence). Keep dp_verify_first_step=True (the default)."
             )
         return
-    if cls.compute_loss is not base.compute_loss:
+    if _overrides(trainer, base, "compute_loss"):
         raise LossPolicyError(
             f"{cls.__name__} overrides compute_loss, which computes one loss for the whole batch: DPTrainer would "
             "not use it for training (each example needs its own loss, computed by DPTrainer."
@@ -76,9 +81,7 @@ def check_hook_verified_when_sharded(trainer: Any, base: type) -> None:
     """FSDP2 sharding skips the first-step check (its collectives run in every forward, which the check's extra
     per-example forwards would put out of step): an overridden ``compute_per_example_loss`` would then train unverified."""
     cls = type(trainer)
-    if cls.compute_per_example_loss is not base.compute_per_example_loss and not getattr(
-        cls, "per_example_loss_verified", False
-    ):
+    if _overrides(trainer, base, "compute_per_example_loss") and not getattr(cls, "per_example_loss_verified", False):
         raise LossPolicyError(
             f"{cls.__name__} overrides compute_per_example_loss, and the first-step check that verifies it does not "
             "run under FSDP2 sharding: nothing would verify that each example's loss depends on that example only. "

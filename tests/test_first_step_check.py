@@ -306,3 +306,15 @@ def test_check_waits_for_a_micro_batch_of_two_examples(tmp_path):
     with pytest.raises(PerExampleCheckError, match="couples examples"):
         trainer.train()
     assert trainer.accountant.steps == 1
+
+
+def test_loss_set_on_the_instance_is_held_to_the_same_policy(tmp_path):
+    """compute_per_example_loss assigned on the trainer object (not a subclass) after creation, with the check off:
+    the policy looked only at the class, so the in-batch-negatives loss trained unverified."""
+    import types
+
+    trainer = _trainer(tmp_path, dp_verify_first_step=False)
+    trainer.compute_per_example_loss = types.MethodType(ContrastiveTrainer.compute_per_example_loss, trainer)
+    with pytest.raises(LossPolicyError, match="dp_verify_first_step=False"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
