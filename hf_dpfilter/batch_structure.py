@@ -13,8 +13,9 @@ example two and three times, and classifies every key by how it follows the numb
 * ``boundaries``: FlashAttention's ``cu_seq_lens_*``/``max_length_*`` and ``seq_idx`` of a packed batch,
   recomputed for each micro-batch's own examples.
 
-Every copy's row (or packed segment) of a per-example (per-token) key must equal the example collated alone: a
-value computed over the batch (weights normalised by the batch size) is refused with its key.
+Every copy's row (or packed segment) of a per-example (per-token) key must equal the example collated alone, and
+so must each row of a batch of two different examples (up to padding): a value computed over the batch (weights
+normalised by the batch size or by its longest example) is refused with its key.
 
 Any other behaviour is refused with the key's name: its relation to the examples is not declared. Nothing
 computed here leaves the process: the probe only reads the structure of one training example's collation
@@ -209,8 +210,51 @@ def _check_rows_are_their_examples(batches: list[dict[str, Any]], per_example: s
                 )
 
 
-def probe_batch_structure(collate_fn: Callable[[list], dict[str, Any]], example: Any) -> BatchStructure:
-    """Collate ``example`` 1, 2 and 3 times and classify every key (see the module docstring)."""
+def _same_up_to_padding(row: torch.Tensor, alone: torch.Tensor) -> bool:
+    """``row`` (an example's row in a padded batch) equals ``alone`` on the columns they share, padded on the right
+    or on the left."""
+    if not isinstance(row, torch.Tensor) or not isinstance(alone, torch.Tensor):
+        return _same(row, alone)
+    if row.shape == alone.shape or row.dim() < 2 or row.shape[2:] != alone.shape[2:] or row.shape[0] != alone.shape[0]:
+        return _same(row, alone)
+    width = min(row.shape[1], alone.shape[1])
+    return _same(row[:, :width], alone[:, :width]) or _same(row[:, -width:], alone[:, -width:])
+
+
+def _check_pair(
+    collate_fn: Callable[[list], dict[str, Any]], example: Any, other: Any, per_example: set, per_token: set
+) -> None:
+    """Two different examples: each one's row (segment) in their batch is its collation alone, up to padding. Catches
+    values normalised by the batch's content (e.g. by its longest example), which copies of one example cannot."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        alone = [dict(collate_fn([example])), dict(collate_fn([other]))]
+        pair = dict(collate_fn([example, other]))
+    for key in sorted(per_example | per_token):
+        if key not in pair or any(key not in a for a in alone):
+            continue
+        value = pair[key]
+        if key in per_example:
+            parts = [value[k : k + 1] for k in range(2)]
+            same = all(_same_up_to_padding(part, a[key]) for part, a in zip(parts, alone))
+        else:
+            width = alone[0][key].shape[1]
+            same = _same(value[:, :width], alone[0][key]) and _same(value[:, width:], alone[1][key])
+        if not same:
+            raise BatchStructureError(
+                f"The collator's '{key}' for an example collated with another differs from its value when the example "
+                "is collated alone (beyond padding): it is computed over the batch (e.g. normalised by the longest "
+                "example or the total of tokens), so each example's row depends on the others in its Poisson batch, "
+                "which per-example clipping does not bound. Compute it from each example alone in the collator, or in "
+                "compute_per_example_loss from that example's own inputs."
+            )
+
+
+def probe_batch_structure(
+    collate_fn: Callable[[list], dict[str, Any]], example: Any, other: Any = None
+) -> BatchStructure:
+    """Collate ``example`` 1, 2 and 3 times and classify every key (see the module docstring); with ``other`` (a
+    second example), also check that each example's row in a batch of the two is its collation alone."""
     batches = [dict(collate_fn([example] * n)) for n in (1, 2, 3)]
     keys = set(batches[0])
     if any(set(b) != keys for b in batches[1:]):
@@ -263,6 +307,8 @@ def probe_batch_structure(collate_fn: Callable[[list], dict[str, Any]], example:
         second = dict(collate_fn([example]))
     random_keys = {key for key in keys if not _same(first.get(key), second.get(key))}
     _check_rows_are_their_examples(batches, per_example - random_keys, per_token - random_keys)
+    if other is not None:
+        _check_pair(collate_fn, example, other, per_example - random_keys, per_token - random_keys)
     start = 0
     if "position_ids" in per_token:
         start = int(batches[0]["position_ids"].reshape(-1)[0])

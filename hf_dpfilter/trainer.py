@@ -393,7 +393,7 @@ class DPTrainer(Trainer):
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         sampler = self.privacy_plan.make_sampler(rank=rank, world_size=world)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
-        self._batch_structure = probe_batch_structure(collator, dataset[0])
+        self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
         return _LogicalBatchLoader(
             dataset,
             batch_sampler=sampler,
@@ -456,7 +456,10 @@ class DPTrainer(Trainer):
         if self._batch_structure is None:
             collator = getattr(self, "_padding_collator", None)
             if collator is not None:
-                self._batch_structure = probe_batch_structure(collator.collate_fn, collator.dataset[0])
+                data = collator.dataset
+                self._batch_structure = probe_batch_structure(
+                    collator.collate_fn, data[0], data[1] if len(data) > 1 else None
+                )
             else:
                 self.get_train_dataloader()  # builds the training collator and probes it
         return self._batch_structure

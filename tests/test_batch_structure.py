@@ -131,3 +131,48 @@ def test_masked_lm_collator_with_random_masking_is_accepted(tmp_path):
     collator = DataCollatorForLanguageModeling(BertTokenizerFast(vocab_file=str(vocab)), mlm=True, mlm_probability=0.5)
     structure = probe_batch_structure(collator, {"input_ids": list(range(5, 30))})
     assert {"input_ids", "labels"} <= structure.per_example
+
+
+class LongestNormalisedWeightsCollator(PadCollator):
+    """Per-example weights normalised by the longest example of the batch: copies of one example all get 1."""
+
+    def __call__(self, examples):
+        batch = super().__call__(examples)
+        lengths = torch.tensor([len(e["input_ids"]) for e in examples], dtype=torch.float64)
+        batch["loss_weights"] = lengths / lengths.max()
+        return batch
+
+
+def test_value_normalised_by_the_batch_content_is_refused(tmp_path):
+    """Copies of one example cannot show a normalisation by the longest example; two different examples do."""
+    examples = make_examples(6, VOCAB, causal=False)
+    assert len(examples[1]["input_ids"]) < len(examples[0]["input_ids"])
+    probe_batch_structure(LongestNormalisedWeightsCollator(1), examples[0])  # copies alone: not seen
+    with pytest.raises(BatchStructureError, match="'loss_weights'.*collated with another"):
+        probe_batch_structure(LongestNormalisedWeightsCollator(1), examples[0], examples[1])
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, logical_batch_size=6, max_steps=1,
+                               per_device_train_batch_size=6, report_to=[], use_cpu=True, save_strategy="no",
+                               remove_unused_columns=False, dp_seed=0, optim="sgd", learning_rate=0.1)
+    trainer = WeightedLossTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(examples),
+                                  data_collator=LongestNormalisedWeightsCollator(1))
+    with pytest.raises(BatchStructureError, match="'loss_weights'"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+class _LeftPadCollator(PadCollator):
+    def __call__(self, examples):
+        out = super().__call__(examples)
+        for k, n in enumerate(out["attention_mask"].sum(1).tolist()):
+            for key in ("input_ids", "attention_mask", "labels"):
+                out[key][k] = out[key][k].roll(out[key].shape[1] - n)
+        return out
+
+
+@pytest.mark.parametrize("collator", [PadCollator(1), _LeftPadCollator(1), "flattening"])
+def test_padding_either_side_and_packing_pass_the_pair_check(collator):
+    from transformers import DataCollatorWithFlattening
+
+    collator = DataCollatorWithFlattening() if collator == "flattening" else collator
+    examples = make_examples(3, VOCAB, causal=True)
+    probe_batch_structure(collator, examples[0], examples[1])
