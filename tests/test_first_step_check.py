@@ -318,3 +318,31 @@ def test_loss_set_on_the_instance_is_held_to_the_same_policy(tmp_path):
     with pytest.raises(LossPolicyError, match="dp_verify_first_step=False"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+class _TailSwappedLinear(nn.Linear):
+    """A Linear whose (test-only) rule swaps the last two examples' gradients: right in sum, wrong at the batch's end."""
+
+
+def _tail_swapped_rule(module, activations, grad_output):
+    a, b = activations, grad_output
+    if a.dim() == 2:
+        a, b = a.unsqueeze(1), b.unsqueeze(1)
+    order = list(range(a.shape[0]))
+    order[-2:] = order[-2:][::-1]
+    return {"weight": OuterTerm(left=b[order], right=a[order])}
+
+
+def test_rule_wrong_only_at_the_end_of_the_batch_is_caught(tmp_path):
+    """Examples 4 and 5 of a micro-batch of 6 were never compared (the first 4 only); the last one now is."""
+    register_grad_rule(_TailSwappedLinear)(_tail_swapped_rule)
+    try:
+        model = tiny_bert()
+        head = model.classifier
+        model.classifier = _TailSwappedLinear(head.in_features, head.out_features, bias=False).double()
+        trainer = _trainer(tmp_path, model)
+        with pytest.raises(PerExampleCheckError, match="'classifier.weight' for example 5"):
+            trainer.train()
+        assert trainer.accountant.steps == 0
+    finally:
+        _GRAD_RULES.pop(_TailSwappedLinear, None)
