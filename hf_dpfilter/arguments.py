@@ -114,8 +114,9 @@ class DPTrainingArguments(TrainingArguments):
     dp_verify_first_step: bool = field(
         default=True,
         metadata={
-            "help": "On the first micro-batch, check with an extra ordinary backward that the per-example "
-            "gradients add up to the ordinary gradient for every trainable parameter."
+            "help": "On the first micro-batch, compare up to 4 examples' losses and per-example gradients with each "
+            "example computed alone (hf_dpfilter.first_step_check), and the batch sums with an ordinary backward. "
+            "Required (True) when compute_per_example_loss is overridden."
         },
     )
     dp_stack_layers: bool | None = field(

@@ -13,6 +13,10 @@ example two and three times, and classifies every key by how it follows the numb
 * ``boundaries``: FlashAttention's ``cu_seq_lens_*``/``max_length_*`` and ``seq_idx`` of a packed batch,
   recomputed for each micro-batch's own examples.
 
+Every copy's row (or packed segment) of a per-example (per-token) key must equal the example collated alone, and
+so must each row of a batch of two different examples (up to padding): a value computed over the batch (weights
+normalised by the batch size or by its longest example) is refused with its key.
+
 Any other behaviour is refused with the key's name: its relation to the examples is not declared. Nothing
 computed here leaves the process: the probe only reads the structure of one training example's collation
 (the trainer already collates one for the structure of an empty Poisson batch).
@@ -178,8 +182,79 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def probe_batch_structure(collate_fn: Callable[[list], dict[str, Any]], example: Any) -> BatchStructure:
-    """Collate ``example`` 1, 2 and 3 times and classify every key (see the module docstring)."""
+def _check_rows_are_their_examples(batches: list[dict[str, Any]], per_example: set, per_token: set) -> None:
+    """Each copy's row (or packed segment) must be what the example gets collated alone.
+
+    A value computed over the batch (weights normalised by the number of examples or of tokens, a rank within the
+    batch) follows the number of examples like a per-example value, but an example's row then depends on the
+    others: the micro-batches and the first-step check (which slices the batch) would carry that dependence
+    unseen. Copies of one example make it visible without comparing padded rows of different lengths. (Keys the
+    collator draws at random, e.g. masked-LM masking, are left out: their rows differ by design.)
+    """
+    one = batches[0]
+    for n, batch in zip((2, 3), batches[1:]):
+        for key in sorted(per_example | per_token):
+            value, alone = batch[key], one[key]
+            if key in per_example:
+                parts = [value[k : k + 1] for k in range(n)]
+            else:
+                width = alone.shape[1]
+                parts = [value[:, k * width : (k + 1) * width] for k in range(n)]
+            if not all(_same(part, alone) for part in parts):
+                raise BatchStructureError(
+                    f"The collator's '{key}' for an example collated with {n - 1} copies of itself differs from its "
+                    "value when the example is collated alone: it is computed over the batch (e.g. weights "
+                    "normalised by the number of examples or tokens), so each example's row depends on the others "
+                    "in its Poisson batch, which per-example clipping does not bound. Compute it from each example "
+                    "alone in the collator, or in compute_per_example_loss from that example's own inputs."
+                )
+
+
+def _same_up_to_padding(row: torch.Tensor, alone: torch.Tensor) -> bool:
+    """``row`` (an example's row in a padded batch) equals ``alone`` on the columns they share, padded on the right
+    or on the left."""
+    if not isinstance(row, torch.Tensor) or not isinstance(alone, torch.Tensor):
+        return _same(row, alone)
+    if row.shape == alone.shape or row.dim() < 2 or row.shape[2:] != alone.shape[2:] or row.shape[0] != alone.shape[0]:
+        return _same(row, alone)
+    width = min(row.shape[1], alone.shape[1])
+    return _same(row[:, :width], alone[:, :width]) or _same(row[:, -width:], alone[:, -width:])
+
+
+def _check_pair(
+    collate_fn: Callable[[list], dict[str, Any]], example: Any, other: Any, per_example: set, per_token: set
+) -> None:
+    """Two different examples: each one's row (segment) in their batch is its collation alone, up to padding. Catches
+    values normalised by the batch's content (e.g. by its longest example), which copies of one example cannot."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        alone = [dict(collate_fn([example])), dict(collate_fn([other]))]
+        pair = dict(collate_fn([example, other]))
+    for key in sorted(per_example | per_token):
+        if key not in pair or any(key not in a for a in alone):
+            continue
+        value = pair[key]
+        if key in per_example:
+            parts = [value[k : k + 1] for k in range(2)]
+            same = all(_same_up_to_padding(part, a[key]) for part, a in zip(parts, alone))
+        else:
+            width = alone[0][key].shape[1]
+            same = _same(value[:, :width], alone[0][key]) and _same(value[:, width:], alone[1][key])
+        if not same:
+            raise BatchStructureError(
+                f"The collator's '{key}' for an example collated with another differs from its value when the example "
+                "is collated alone (beyond padding): it is computed over the batch (e.g. normalised by the longest "
+                "example or the total of tokens), so each example's row depends on the others in its Poisson batch, "
+                "which per-example clipping does not bound. Compute it from each example alone in the collator, or in "
+                "compute_per_example_loss from that example's own inputs."
+            )
+
+
+def probe_batch_structure(
+    collate_fn: Callable[[list], dict[str, Any]], example: Any, other: Any = None
+) -> BatchStructure:
+    """Collate ``example`` 1, 2 and 3 times and classify every key (see the module docstring); with ``other`` (a
+    second example), also check that each example's row in a batch of the two is its collation alone."""
     batches = [dict(collate_fn([example] * n)) for n in (1, 2, 3)]
     keys = set(batches[0])
     if any(set(b) != keys for b in batches[1:]):
@@ -224,6 +299,16 @@ def probe_batch_structure(collate_fn: Callable[[list], dict[str, Any]], example:
             f"The collator packs {sorted(per_token)} per token but returns {sorted(per_example)} one row per "
             "example: a batch is either packed or one example per row."
         )
+    # keys drawn at random by the collator (masked-LM masking) differ between copies by design: not compared
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        first = dict(collate_fn([example]))
+        torch.manual_seed(1)
+        second = dict(collate_fn([example]))
+    random_keys = {key for key in keys if not _same(first.get(key), second.get(key))}
+    _check_rows_are_their_examples(batches, per_example - random_keys, per_token - random_keys)
+    if other is not None:
+        _check_pair(collate_fn, example, other, per_example - random_keys, per_token - random_keys)
     start = 0
     if "position_ids" in per_token:
         start = int(batches[0]["position_ids"].reshape(-1)[0])

@@ -60,7 +60,7 @@ class PrivacyLedger:
 
     def open_session(
         self, run_id: str, accountant: PrivacyAccountant, resumed_from_step: int | None,
-        checkpoint_dir: str | None = None,
+        checkpoint_dir: str | None = None, all_processes: bool = True,
     ) -> None:
         """Start a session of run ``run_id``; ``accountant`` (the checkpoint's, or empty) is moved to the ledger's
         history when the ledger already counts this run (same ``run_id``) beyond it.
@@ -70,7 +70,8 @@ class PrivacyLedger:
         resumed into a new ``output_dir``), that ledger's history is this one's start: the model of the origin
         directory was released from the same data, so its steps stay counted here too.
         """
-        existing = _read_on_main_process(self.path)
+        # all_processes=False: called on the saving process alone, which must not enter a collective
+        existing = _read_on_main_process(self.path) if all_processes else read_ledger_file(self.path)
         self.run_id = run_id
         # the same run: resumed from one of its checkpoints, or train() called again on the same trainer. A ledger
         # of an earlier version (no run_id) met on a resume is taken as this run's: counting more, never fewer.
@@ -82,7 +83,7 @@ class PrivacyLedger:
         if source is None and resumed_from_step is not None and checkpoint_dir:
             origin_path = os.path.join(os.path.dirname(os.path.abspath(os.path.normpath(checkpoint_dir))), LEDGER_FILE)
             origin = None if os.path.abspath(origin_path) == os.path.abspath(self.path) else (
-                _read_on_main_process(origin_path))
+                _read_on_main_process(origin_path) if all_processes else read_ledger_file(origin_path))
             if origin is not None and origin.get("run_id") == run_id:
                 source = origin
                 self.continued_from = [*origin.get("continued_from", []), origin_path]

@@ -6,7 +6,10 @@ one number for the whole (micro-)batch, so an example's weight could depend on t
 override, ``compute_loss_func=...``, and the model's own loss. These are refused, never silently replaced,
 unless the user supplies the per-example loss through the documented hook -- an override of
 :meth:`hf_dpfilter.DPTrainer.compute_per_example_loss` -- which the first-step check
-(:mod:`hf_dpfilter.first_step_check`) then verifies example by example.
+(:mod:`hf_dpfilter.first_step_check`) then verifies example by example. The hook with the check turned off
+(``dp_verify_first_step=False``) is refused: nothing would verify it. (A trainer class whose loss is per example
+by construction may declare so with the class attribute ``per_example_loss_verified = True``; the library's
+privacy audit does, for its canary loss.)
 
 The per-example losses support label smoothing exactly (the smoothed cross-entropy of the Trainer's
 ``LabelSmoother``, token by token, averaged over each example's own tokens, not over the batch's), and
@@ -26,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["LossPolicyError", "check_loss_policy", "check_prompt_learning"]
+__all__ = ["LossPolicyError", "check_hook_verified_when_sharded", "check_loss_policy", "check_prompt_learning"]
 
 
 class LossPolicyError(ValueError):
@@ -40,16 +43,28 @@ _HOOK = (
 )
 
 
+def _overrides(trainer: Any, base: type, name: str) -> bool:
+    """The trainer's ``name`` is not the library's: a subclass method, or an attribute set on the instance."""
+    return name in vars(trainer) or getattr(type(trainer), name) is not getattr(base, name)
+
+
 def check_loss_policy(trainer: Any, base: type) -> None:
     """Refuse every batch-level loss definition unless ``compute_per_example_loss`` is overridden.
 
     ``base`` is the DPTrainer class whose methods are the library's own (a subclass overriding them is the user's).
     """
     cls = type(trainer)
-    own_per_example = cls.compute_per_example_loss is not base.compute_per_example_loss
+    own_per_example = _overrides(trainer, base, "compute_per_example_loss")
     if own_per_example:
+        # The hook is accepted because the first-step check verifies it; without the check nothing would.
+        if not trainer.args.dp_verify_first_step and not getattr(cls, "per_example_loss_verified", False):
+            raise LossPolicyError(
+                f"{cls.__name__} overrides compute_per_example_loss and dp_verify_first_step=False: nothing would "
+                "verify that each example's loss depends on that example only (a loss over the batch would train "
+                "silently with unbounded per-example influence). Keep dp_verify_first_step=True (the default)."
+            )
         return
-    if cls.compute_loss is not base.compute_loss:
+    if _overrides(trainer, base, "compute_loss"):
         raise LossPolicyError(
             f"{cls.__name__} overrides compute_loss, which computes one loss for the whole batch: DPTrainer would "
             "not use it for training (each example needs its own loss, computed by DPTrainer."
@@ -59,6 +74,18 @@ def check_loss_policy(trainer: Any, base: type) -> None:
         raise LossPolicyError(
             "compute_loss_func=... defines the loss over the whole batch (and normalises it by num_items_in_batch), "
             f"which couples examples; DPTrainer does not replace it silently. {_HOOK}"
+        )
+
+
+def check_hook_verified_when_sharded(trainer: Any, base: type) -> None:
+    """FSDP2 sharding skips the first-step check (its collectives run in every forward, which the check's extra
+    per-example forwards would put out of step): an overridden ``compute_per_example_loss`` would then train unverified."""
+    cls = type(trainer)
+    if _overrides(trainer, base, "compute_per_example_loss") and not getattr(cls, "per_example_loss_verified", False):
+        raise LossPolicyError(
+            f"{cls.__name__} overrides compute_per_example_loss, and the first-step check that verifies it does not "
+            "run under FSDP2 sharding: nothing would verify that each example's loss depends on that example only. "
+            "Verify the loss in an unsharded run first (one process, or LoRA with DDP), or use the library's loss."
         )
 
 

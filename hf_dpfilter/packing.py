@@ -218,8 +218,11 @@ def regroup_record(
 
 def check_attention_stays_inside_examples(
     model: torch.nn.Module, position_start: int, extra_inputs: dict | None = None, lengths: tuple[int, int] = (5, 6)
-) -> None:
+) -> bool:
     """Prove on synthetic tokens (no training data) that the model keeps packed examples apart, or refuse.
+
+    Returns False when the proof cannot be run (no vocabulary size to draw tokens from, or not one output per
+    token): the caller must then rely on another check or refuse.
 
     Two rows ``[a, b]`` and ``[a', b]`` packed as the collator packs (``position_ids`` restarting at
     ``position_start``), with ``a != a'``: if attention stays inside each example, ``b``'s outputs do not depend
@@ -230,7 +233,7 @@ def check_attention_stays_inside_examples(
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocab = getattr(embeddings, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 4:
-        return
+        return False
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
     first, second = lengths
@@ -246,7 +249,7 @@ def check_attention_stays_inside_examples(
                 out = model(input_ids=ids, position_ids=positions, **(extra_inputs or {}))
                 logits = out["logits"] if hasattr(out, "keys") else out[0]
                 if logits.dim() < 3 or logits.shape[1] != first + second:
-                    return  # not one output per token: the per-example loss refuses such a head on packed rows
+                    return False  # not one output per token: the per-example loss refuses such a head on packed rows
                 outputs.append(logits[0, first:].double())
     finally:
         for module, mode in modes.items():
@@ -262,3 +265,4 @@ def check_attention_stays_inside_examples(
             "with it. Use a padding collator (one example per row) for this model, or an attention implementation "
             "that keeps packed sequences apart (transformers' causal LMs with 'sdpa', 'eager' or flash attention)."
         )
+    return True

@@ -7,7 +7,9 @@ is created. Everything the training loop later reads must still say the same whe
   built, e.g. ``gradient_accumulation_steps`` written by the Trainer from ``accelerator_config``);
 * the planned DP settings, the logical batch and the world size are the planned ones;
 * one ``train()`` per trainer once a step was released (its noise was calibrated for one run);
-* no ``model_init`` (the clipping engine and the plan belong to one model);
+* no ``model_init`` (the clipping engine and the plan belong to one model), and the model, the loss and the
+  size of the training set are still those of creation (``trainer.model``, ``compute_loss_func``,
+  ``train_dataset`` set afterwards are refused);
 * an evaluation that picks checkpoints, drives the learning rate or stops the run never reads training examples:
   ``eval_dataset`` is not the training set, and with ``dp_eval_disjoint_from_train=True`` identical rows of
   ``datasets.Dataset`` train/eval sets are looked for.
@@ -57,6 +59,7 @@ class RunGuard:
                 "run; account every run you publish or select from."
             )
         check_training_fields(trainer.args, "trainer")
+        self._check_model_loss_and_data(trainer)
         self._check_plan_inputs(trainer)
         self._check_evaluation(trainer)
 
@@ -77,6 +80,29 @@ class RunGuard:
         self.check(trainer)
 
     # ------------------------------------------------------------------------------------------ checks
+    def _check_model_loss_and_data(self, trainer: DPTrainer) -> None:
+        """The model, the loss and the training set the plan and the clipping engine were built for, at creation;
+        attributes set on the trainer afterwards would otherwise be used unchecked or silently ignored."""
+        from hf_dpfilter.loss_policy import check_loss_policy, check_prompt_learning
+        from hf_dpfilter.trainer import DPTrainer
+
+        engine = getattr(trainer, "engine", None)
+        if engine is not None and engine.model is not trainer.model:
+            raise TrainingFieldError(
+                "trainer.model was replaced after the DPTrainer was created: the clipping engine is attached to the "
+                "model given at creation, so the new one's per-example gradients would not be clipped. Create a new "
+                "DPTrainer for the new model."
+            )
+        check_loss_policy(trainer, DPTrainer)  # compute_loss_func set on the trainer after creation
+        check_prompt_learning(trainer.model)
+        dataset = trainer.train_dataset
+        size = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+        if size != trainer.privacy_plan.num_examples:
+            raise TrainingFieldError(
+                f"trainer.train_dataset now has {size} examples but the privacy plan (sample rate, delta, noise) was "
+                f"computed for {trainer.privacy_plan.num_examples}. Create a new DPTrainer with the training set."
+            )
+
     def _check_plan_inputs(self, trainer: DPTrainer) -> None:
         args, plan = trainer.args, trainer.privacy_plan
         for name, value in self.planned.items():

@@ -35,7 +35,7 @@ from hf_dpfilter.batch_structure import BatchStructure, probe_batch_structure
 from hf_dpfilter.engine import GhostClippingEngine
 from hf_dpfilter.first_step_check import verify_per_example
 from hf_dpfilter.ledger import PrivacyLedger
-from hf_dpfilter.loss_policy import check_loss_policy, check_prompt_learning
+from hf_dpfilter.loss_policy import check_hook_verified_when_sharded, check_loss_policy, check_prompt_learning
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.optimizers import DPOptimizer
 from hf_dpfilter.packing import (
@@ -98,7 +98,9 @@ class _PrivacyCallback(TrainerCallback):
         self.trainer._announce_plan()
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.trainer.dp_optimizer is not None:
+        # a non-private run (dp_method="none") releases nothing to account, and opened no ledger session (whose
+        # reading is collective: opening one here, on the saving process only, would hang the others)
+        if self.trainer.dp_optimizer is not None and self.trainer.privacy_plan.is_private:
             self.trainer._write_privacy_ledger(self.trainer.dp_optimizer, in_flight=False)
 
 
@@ -110,20 +112,28 @@ def _is_causal_lm(model: nn.Module) -> bool:
     return type(base).__name__ in names or type(base).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def _check_sequence_length(model: nn.Module, inputs: dict[str, Any]) -> None:
-    """Clear error for sequences longer than the model's position embeddings (instead of an index error)."""
+def _check_sequence_length(model: nn.Module, inputs: dict[str, Any], packed: bool = False) -> None:
+    """Clear error for sequences longer than the model's position embeddings (instead of an index error).
+
+    ``packed``: a row holds several examples, each with its own positions; the longest example must fit, not the
+    row (which holds the whole Poisson batch).
+    """
     config = getattr(model, "config", None)
     ids = inputs.get("input_ids")
     if config is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2:
         return
+    length = ids.shape[1]
+    positions = inputs.get("position_ids")
+    if packed and isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.numel():
+        length = PackedLayout.from_position_ids(positions).max_length
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not isinstance(limit, int):
         return
     if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert", "xlm-roberta-xl"):
         limit -= (getattr(config, "pad_token_id", 1) or 0) + 1  # positions start after the padding index
-    if ids.shape[1] > limit:
+    if length > limit:
         raise ValueError(
-            f"A batch has sequences of length {ids.shape[1]}, longer than the model's maximum of {limit} "
+            f"A batch has sequences of length {length}, longer than the model's maximum of {limit} "
             f"positions (config.max_position_embeddings). Truncate in the tokenizer (truncation=True, "
             f"max_length={limit}) or lower max_seq_length."
         )
@@ -477,7 +487,7 @@ class DPTrainer(Trainer):
         ledger = self._privacy_ledger
         if ledger is None:  # the optimizer stepped outside train() (no session opened)
             ledger = self._privacy_ledger = PrivacyLedger(self.args.output_dir)
-            ledger.open_session(optimizer.run_id, optimizer.accountant, None)
+            ledger.open_session(optimizer.run_id, optimizer.accountant, None, all_processes=False)
         in_flight_step, ahead = optimizer.accountant.steps + 1, 0
         if in_flight:
             now, last = time.monotonic(), self._ledger_last_call
@@ -529,7 +539,7 @@ class DPTrainer(Trainer):
         sampler = self.privacy_plan.make_sampler(rank=rank, world_size=world)
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
-        self._batch_structure = probe_batch_structure(collator, dataset[0])
+        self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
         return _LogicalBatchLoader(
             dataset,
             batch_sampler=sampler,
@@ -592,7 +602,10 @@ class DPTrainer(Trainer):
         if self._batch_structure is None:
             collator = getattr(self, "_padding_collator", None)
             if collator is not None:
-                self._batch_structure = probe_batch_structure(collator.collate_fn, collator.dataset[0])
+                data = collator.dataset
+                self._batch_structure = probe_batch_structure(
+                    collator.collate_fn, data[0], data[1] if len(data) > 1 else None
+                )
             else:
                 self.get_train_dataloader()  # builds the training collator and probes it
         return self._batch_structure
@@ -639,7 +652,7 @@ class DPTrainer(Trainer):
         if labels is None:
             raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
         batch = labels.shape[0]
-        _check_sequence_length(model, inputs)
+        _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
         total = torch.zeros((), device=self.args.device)
         micro_batches = [self._no_cache_when_packed(m) for m in self._micro_batches(inputs, labels, num_examples)] if (
             batch and labels.numel()) else []
@@ -648,8 +661,12 @@ class DPTrainer(Trainer):
         if not self._packing_checked and self._training_batch_structure().packed:
             # on every process at its first step, whatever it sampled (FSDP2 runs collectives in the forward)
             self._check_packed_attention(model)
+        if not self._per_example_checked and self.dp_optimizer.sharded:
+            check_hook_verified_when_sharded(self, DPTrainer)  # the same on every process: all refuse together
         if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
-            self._check_first_micro_batch(model, micro_batches[0])
+            candidate = self._micro_batch_to_check(micro_batches)
+            if candidate is not None:
+                self._check_first_micro_batch(model, candidate)
         rounds = len(micro_batches)
         if self.dp_optimizer.sharded:
             # FSDP2 gathers parameters with collectives in every forward and backward: every process runs as
@@ -692,13 +709,21 @@ class DPTrainer(Trainer):
         probe = {"position_ids": torch.zeros(1, 1, dtype=torch.long)}
         extra, _, _ = self._no_cache_when_packed((probe, None, PackedLayout(((0, 0, 1),), 1, 1)))
         extra = {k: v for k, v in extra.items() if k != "position_ids"}
-        check_attention_stays_inside_examples(model, self._training_batch_structure().position_start, extra)
+        proven = check_attention_stays_inside_examples(model, self._training_batch_structure().position_start, extra)
+        if not proven and not self.args.dp_verify_first_step:
+            raise PackingError(
+                f"Packed rows with a model ({type(model).__name__}) on which the synthetic-token probe cannot run (no "
+                "vocabulary size in get_input_embeddings() or config.vocab_size, or not one output per token), and "
+                "dp_verify_first_step=False: nothing would show that its attention keeps the examples of a row apart. "
+                "Keep dp_verify_first_step=True (the per-example check then compares each example with itself alone), "
+                "or use a padding collator (one example per row)."
+            )
         self._packing_checked = True
 
     def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:
         """The per-example first-step check (hf_dpfilter.first_step_check), once per run, before any release."""
         micro, micro_labels, layout = micro_batch
-        singles = [self._no_cache_when_packed(m) for m in self._micro_batches(
+        singles = [self._no_cache_when_packed(self._without_leading_padding(m)) for m in self._micro_batches(
             {k: v for k, v in micro.items() if k != "use_cache"}, micro_labels, size=1)]
 
         def loss_fn(inputs, labels):
@@ -707,10 +732,45 @@ class DPTrainer(Trainer):
 
         worst = verify_per_example(
             self.engine, model, loss_fn, micro_batch, lambda i: singles[i], self._packed,
-            low_precision=bool(self.args.bf16 or self.args.fp16),
+            # the precision the accelerator really computes in (fixed when the Trainer was created), not args.bf16 now
+            low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),
         )
         self._per_example_checked = True
         logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
+
+    def _micro_batch_to_check(self, micro_batches: list[tuple]) -> tuple | None:
+        """The first micro-batch with two examples or more: one example alone equals itself alone, so it cannot show
+        a coupling. Until one comes (Poisson batches of one example), the check waits; a micro-batch of one example
+        cannot couple examples, and a rule right in sum is right for it. With per_device_train_batch_size=1 any."""
+        need = min(2, self.args.per_device_train_batch_size)
+        for micro_batch in micro_batches:
+            count = micro_batch[1].shape[0] if micro_batch[2] is None else micro_batch[2].num_examples
+            if count >= need:
+                return micro_batch
+        return None
+
+    def _without_leading_padding(self, micro_batch: tuple) -> tuple:
+        """One example as it is alone: without the leading columns that are padding (``attention_mask`` 0). Left
+        padding depends on the longest example of the batch; a model that numbers positions from the first column
+        (GPT-2, BERT) then gives each example other positions depending on the others, which the first-step check
+        must see (the trailing padding is dropped by :meth:`_micro_batches`)."""
+        micro, labels, layout = micro_batch
+        structure = self._training_batch_structure()
+        mask = micro.get("attention_mask") if "attention_mask" in structure.per_example else None
+        if layout is not None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.any()):
+            return micro_batch
+        first = int(mask.any(dim=0).nonzero().min().item())
+        if first == 0:
+            return micro_batch
+        seq = mask.shape[1]
+        micro = {
+            k: v[:, first:] if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
+            and v.shape[1] == seq else v
+            for k, v in micro.items()
+        }
+        if labels.dim() >= 2 and labels.shape[1] == seq:
+            labels = labels[:, first:]
+        return micro, labels, layout
 
     def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
         """One training example as a micro-batch, for a process with no example of its own under FSDP2.

@@ -157,3 +157,192 @@ def test_prompt_tuning_is_refused_before_the_first_step(tmp_path):
     model = get_peft_model(tiny_gpt2(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(LossPolicyError, match="prompt-learning.*LoRA"):
         _trainer(tmp_path, model, causal=True)
+
+
+def test_own_loss_with_the_check_turned_off_is_refused(tmp_path):
+    """The hook is accepted because the first-step check verifies it: with the check off, a loss over the batch
+    (in-batch negatives) would train silently, so the combination is refused before anything runs."""
+    with pytest.raises(LossPolicyError, match="compute_per_example_loss and dp_verify_first_step=False"):
+        _trainer(tmp_path, cls=ContrastiveTrainer, dp_verify_first_step=False)
+
+
+class _TrainingOnlyCentering(nn.Module):
+    """A hand-written batch normalisation: centres the features over the batch, in training mode only."""
+
+    def forward(self, x):
+        return x - x.mean(dim=0, keepdim=True) if self.training else x
+
+
+class _CenteredClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.center = _TrainingOnlyCentering()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        mask = attention_mask.unsqueeze(-1).to(torch.float32)
+        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
+        return {"logits": self.head(self.center(pooled))}
+
+
+def test_coupling_only_in_training_mode_is_caught(tmp_path):
+    """A module that couples examples only under self.training (no parameter, no buffer, not a BatchNorm) moves
+    the pre-noise aggregate by 1.27 C when one example is added (float32, noise 0). The check used to run every
+    module in eval mode, where the coupling is absent, and passed; the model is deterministic in training mode,
+    so the check now runs in it and refuses before anything is released."""
+    model = _CenteredClassifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, model, per_sample_max_grad_norm=0.01)
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        trainer.train()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert trainer.accountant.steps == 0 and model.center.training
+
+
+def test_model_with_dropout_is_checked_in_eval_mode(tmp_path):
+    """With dropout (here inside BERT's sdpa attention, a kernel argument, not a module) the losses in training
+    mode are random: the check falls back to eval mode (as before) instead of refusing."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=24, max_position_embeddings=40, pad_token_id=0,
+                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.3)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config).double()
+    trainer = _trainer(tmp_path, model)
+    trainer.train()
+    assert trainer.accountant.steps == 1 and trainer._per_example_checked
+
+
+class _LeftPadCollator:
+    """Pads on the left (as for generation): an example's pad count depends on the longest example of the batch."""
+
+    def __call__(self, examples):
+        longest = max(len(e["input_ids"]) for e in examples)
+        ids = torch.zeros((len(examples), longest), dtype=torch.long)
+        mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+        for i, e in enumerate(examples):
+            n = len(e["input_ids"])
+            ids[i, longest - n :], mask[i, longest - n :], labels[i, longest - n :] = e["input_ids"], 1, e["labels"]
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_left_padding_with_absolute_positions_is_caught(tmp_path, family):
+    """GPT-2 numbers positions from the first column, so left padding gives each example positions that depend on the
+    longest example of its batch: one long example added moved the pre-noise aggregate by 3.77 C (24 short examples,
+    float32, noise 0). The check sliced the example 'alone' with the batch's pads and passed; it now drops the
+    leading padding and refuses. Llama's rotary positions are relative (shift-invariant): accepted."""
+    from models import tiny_decoder
+
+    model = tiny_gpt2() if family == "gpt2" else tiny_decoder("llama")
+    examples = make_examples(6, VOCAB, causal=True, seed=2)
+    args = _args(tmp_path)
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=_LeftPadCollator())
+    if family == "llama":
+        trainer.train()
+        assert trainer.accountant.steps == 1
+        return
+    with pytest.raises(PerExampleCheckError, match="left padding"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+class _ShrunkLinear(nn.Linear):
+    """A Linear whose (test-only) rule gives each example 99% of its gradient: norms 1% low, clipping 1% weak."""
+
+
+def _shrunk_rule(module, activations, grad_output):
+    a, b = activations, grad_output
+    if a.dim() == 2:
+        a, b = a.unsqueeze(1), b.unsqueeze(1)
+    return {"weight": OuterTerm(left=0.99 * b, right=a)}
+
+
+def test_bf16_set_after_creation_does_not_loosen_the_check(tmp_path):
+    """The check's tolerance follows the precision the accelerator computes in: args.bf16 set after the trainer was
+    created changes no computation (fp64 here) but used to widen the tolerance to 5e-2, letting a rule 1% wrong pass."""
+    register_grad_rule(_ShrunkLinear)(_shrunk_rule)
+    try:
+        model = tiny_bert()
+        head = model.classifier
+        model.classifier = _ShrunkLinear(head.in_features, head.out_features, bias=False).double()
+        trainer = _trainer(tmp_path, model)
+        trainer.args.bf16 = True
+        with pytest.raises(PerExampleCheckError, match="'classifier.weight'"):
+            trainer.train()
+        assert trainer.accountant.steps == 0
+    finally:
+        _GRAD_RULES.pop(_ShrunkLinear, None)
+
+
+def test_own_loss_under_fsdp2_sharding_is_refused(tmp_path):
+    """FSDP2 sharding skips the first-step check, so an overridden compute_per_example_loss would train unverified.
+    (Sharding is simulated by marking the DP optimizer sharded; the refusal comes before any sharded code runs.)"""
+
+    class ShardedOwnLoss(ContrastiveTrainer):
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            self.dp_optimizer._sharded = True
+            return optimizer
+
+    trainer = _trainer(tmp_path, cls=ShardedOwnLoss)
+    with pytest.raises(LossPolicyError, match="does not run under FSDP2 sharding"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+def test_check_waits_for_a_micro_batch_of_two_examples(tmp_path):
+    """A Poisson batch of one example equals itself alone: checked on it, a loss coupling examples (in-batch
+    negatives) passed and then trained unverified on every later batch. The check now waits for a micro-batch of two
+    examples or more (a micro-batch of one cannot couple examples, so the step before it is safe)."""
+    args = _args(tmp_path, logical_batch_size=2, per_device_train_batch_size=4, max_steps=2, dp_seed=0)
+    trainer = ContrastiveTrainer(model=tiny_bert(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
+                                 data_collator=PadCollator(0))
+    sizes = [len(batch) for batch in trainer.privacy_plan.make_sampler(rank=0, world_size=1)][:2]
+    assert sizes == [1, 2]  # dp_seed=0 draws one example, then two
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        trainer.train()
+    assert trainer.accountant.steps == 1
+
+
+def test_loss_set_on_the_instance_is_held_to_the_same_policy(tmp_path):
+    """compute_per_example_loss assigned on the trainer object (not a subclass) after creation, with the check off:
+    the policy looked only at the class, so the in-batch-negatives loss trained unverified."""
+    import types
+
+    trainer = _trainer(tmp_path, dp_verify_first_step=False)
+    trainer.compute_per_example_loss = types.MethodType(ContrastiveTrainer.compute_per_example_loss, trainer)
+    with pytest.raises(LossPolicyError, match="dp_verify_first_step=False"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+class _TailSwappedLinear(nn.Linear):
+    """A Linear whose (test-only) rule swaps the last two examples' gradients: right in sum, wrong at the batch's end."""
+
+
+def _tail_swapped_rule(module, activations, grad_output):
+    a, b = activations, grad_output
+    if a.dim() == 2:
+        a, b = a.unsqueeze(1), b.unsqueeze(1)
+    order = list(range(a.shape[0]))
+    order[-2:] = order[-2:][::-1]
+    return {"weight": OuterTerm(left=b[order], right=a[order])}
+
+
+def test_rule_wrong_only_at_the_end_of_the_batch_is_caught(tmp_path):
+    """Examples 4 and 5 of a micro-batch of 6 were never compared (the first 4 only); the last one now is."""
+    register_grad_rule(_TailSwappedLinear)(_tail_swapped_rule)
+    try:
+        model = tiny_bert()
+        head = model.classifier
+        model.classifier = _TailSwappedLinear(head.in_features, head.out_features, bias=False).double()
+        trainer = _trainer(tmp_path, model)
+        with pytest.raises(PerExampleCheckError, match="'classifier.weight' for example 5"):
+            trainer.train()
+        assert trainer.accountant.steps == 0
+    finally:
+        _GRAD_RULES.pop(_TailSwappedLinear, None)

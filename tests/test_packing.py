@@ -287,3 +287,62 @@ def test_no_parameter_or_buffer_changes_outside_the_step(tmp_path):
     trainer.train()
     assert trainer.accountant.steps == 1 and trainer._per_example_checked and trainer._packing_checked
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("method", ["dpsgd", "disk", "doppler", "pmlf", "dicesgd", "diff2"])
+def test_every_method_on_packed_rows_equals_the_padded_run(method, tmp_path):
+    """Three steps of every method (noise 0, float64) on DataCollatorWithFlattening batches end at the same weights
+    as on padded batches of the same examples: packed rows inherit each method's per-example sensitivity (DiSK/PMLF's
+    functional calls at other weights, DiceSGD's feedback, DIFF2's differences across steps). The packed row (6
+    examples, 43 tokens) is longer than GPT-2's 40 positions while each example fits: it trains."""
+    from helpers import PadCollator
+
+    examples = make_examples(6, VOCAB, causal=True, seed=3)
+    assert sum(len(e["input_ids"]) for e in examples) > 40 >= max(len(e["input_ids"]) for e in examples)
+    weights = []
+    for collator in (PadCollator(0), DataCollatorWithFlattening()):
+        model = tiny_gpt2()
+        args = _args(tmp_path, len(examples), micro=4, dp_method=method, max_steps=3, per_sample_max_grad_norm=0.3,
+                     learning_rate=0.5, dp_method_args={"restart_every": 2} if method == "diff2" else None)
+        DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=collator).train()
+        weights.append(flat([p.detach() for p in model.parameters()]))
+    padded, packed = weights
+    assert (packed - padded).norm() <= 1e-10 * padded.norm()
+
+
+def test_packed_example_longer_than_the_positions_is_refused(tmp_path):
+    examples = make_examples(3, VOCAB, causal=True, seed=3, min_len=41, max_len=41)
+    trainer = DPTrainer(model=tiny_gpt2(), args=_args(tmp_path, len(examples)), train_dataset=ListDataset(examples),
+                        data_collator=DataCollatorWithFlattening())
+    with pytest.raises(ValueError, match="sequences of length 41, longer than the model's maximum of 40"):
+        trainer.train()
+
+
+class RowMixingForCausalLM(torch.nn.Module):
+    """A custom causal LM (no config, no get_input_embeddings) whose token t reads the running mean of the whole row
+    up to t, ignoring the position_ids restarts: each packed example reads the examples before it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        hidden = self.embed(input_ids)
+        steps = torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype).view(1, -1, 1)
+        return {"logits": self.head(hidden.cumsum(dim=1) / steps)}
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_custom_model_the_attention_probe_cannot_run_on(tmp_path, verify):
+    """The synthetic-token probe needs a vocabulary size; without one it used to pass silently, and with
+    dp_verify_first_step=False nothing showed that the model mixes the examples of a row. Now: caught by the
+    per-example check, or refused when that check is off."""
+    examples = make_examples(4, VOCAB, causal=True, seed=3)
+    trainer = DPTrainer(model=RowMixingForCausalLM(), args=_args(tmp_path, 4, micro=4, dp_verify_first_step=verify),
+                        train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
+    error, match = (PerExampleCheckError, "couples examples") if verify else (PackingError, "probe cannot run")
+    with pytest.raises(error, match=match):
+        trainer.train()
+    assert trainer.accountant.steps == 0

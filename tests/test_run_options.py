@@ -99,6 +99,23 @@ def test_train_after_a_refusal_is_allowed(tmp_path):
     assert trainer.accountant.steps == 2
 
 
+@pytest.mark.parametrize("what", ["model", "train_dataset", "compute_loss_func"])
+def test_model_loss_or_training_set_replaced_after_creation_is_refused(tmp_path, what):
+    """Set on the trainer after creation: a new model (the clipping engine stays on the first one; the error was an
+    unclear 'Nothing was recorded'), a training set of another size (the plan's N: sample rate, delta), a
+    compute_loss_func (a loss over the batch, silently replaced by the library's own)."""
+    trainer = _trainer(tmp_path)
+    if what == "model":
+        trainer.model, match = tiny_roberta(), "trainer.model was replaced"
+    elif what == "train_dataset":
+        trainer.train_dataset, match = ListDataset(make_examples(80, VOCAB, False)), "now has 80 examples.*for 8"
+    else:
+        trainer.compute_loss_func, match = (lambda outputs, labels, num_items_in_batch=None: 0), "compute_loss_func"
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
 # ------------------------------------------------------------------- item 18: model_init, hyperparameter_search
 def test_model_init_is_refused(tmp_path):
     with pytest.raises(TrainingFieldError, match=r"model_init is not supported.*Pass model=\.\.\."):
