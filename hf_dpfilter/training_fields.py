@@ -305,7 +305,8 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "debug": FieldPolicy(
         _R, "'underflow_overflow' is refused (inspects and prints the private batch's activations); "
         "'tpu_metrics_debug' is honoured", _debug),
-    "skip_memory_metrics": FieldPolicy(_H, "memory metrics (public)"),
+    "skip_memory_metrics": FieldPolicy(
+        _H, "memory peaks grow with the longest padded private batch: published only with dp_log_nonprivate_metrics"),
     # ---- logging and reporting
     "logging_strategy": FieldPolicy(_H, "when to log (what is logged: see 'Published files')"),
     "logging_steps": FieldPolicy(_H, "when to log"),
