@@ -60,6 +60,11 @@ if TYPE_CHECKING:
 LossFn = Callable[[dict[nn.Parameter, torch.Tensor] | None], torch.Tensor]
 
 
+class CurrentPoint(dict):
+    """Values of a gradient point that IS the current point, given explicitly (DIFF2 gives it in float64): its
+    losses are the ones the step reports, as for a point given as ``None``."""
+
+
 class PrivacyBudgetExceededError(RuntimeError):
     """A step would take the epsilon spent above ``target_epsilon``; the step was not taken."""
 
@@ -296,7 +301,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     for d, s in zip(devices, cuda_states):
                         torch.cuda.set_rng_state(s, d)
                     losses = loss_fn(values)
-                    if values is None:
+                    if values is None or isinstance(values, CurrentPoint):
                         losses_here = losses
                     combined = losses * weight if combined is None else combined + losses * weight
         return engine.per_example_gradients(combined, precise=precise), combined, losses_here

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from hf_dpfilter.engine import PerExampleGradients
-from hf_dpfilter.optimizers.base import DPOptimizer
+from hf_dpfilter.optimizers.base import CurrentPoint, DPOptimizer
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
 
 if TYPE_CHECKING:
@@ -91,6 +91,14 @@ class Diff2Config(MethodConfig):
             are calibrated (``budget_split``).
         budget_split: u > 1, the paper's split (restarts get 1/u of the budget; Prop. 4.1).
         neighbouring: ``"add_remove"`` or ``"replace_one"`` (the paper; doubles the sensitivity; full batch only).
+        float64_differences: run both points of a difference round in float64 (the whole model, for that round's
+            two forwards and its backward; default True). The per-example difference g(x) - g(x') cancels all but
+            ||g(x) - g(x')|| / ||g|| of each gradient, so float32 points would carry rounding errors amplified by
+            the inverse of that ratio (10^4 and more at small step sizes), and a float32 forward's rounding depends
+            on which other examples share the batch (the kernels' blocking): a neighbouring batch would move the
+            other examples' clipped differences too, beyond the round's sensitivity. In float64 those errors are
+            2^-29 times smaller, far inside the clip's margin. Costs float64 copies of the model's tensors during
+            those rounds. Not applied under FSDP2 sharding (the points are written into the shards).
     """
 
     name = "diff2"
@@ -101,6 +109,7 @@ class Diff2Config(MethodConfig):
     difference_noise_multiplier: float | None = None
     budget_split: float = 1.25
     neighbouring: str = "add_remove"
+    float64_differences: bool = True
 
     def __post_init__(self) -> None:
         t = self.restart_every
@@ -221,6 +230,7 @@ class Diff2(DPOptimizer):
         self.difference_noise_multiplier = float(plan.noise.get("difference_noise_multiplier", self.noise_multiplier))
         self.budget_split = float(config.budget_split)
         self.neighbouring = config.neighbouring
+        self.float64_differences = bool(config.float64_differences)
         self.full_batch = self.sample_rate is not None and self.sample_rate >= 1.0
         self._estimate: dict[nn.Parameter, torch.Tensor] | None = None  # v~_{r-1}
         self._previous: dict[nn.Parameter, torch.Tensor] | None = None  # x_{r-2}
@@ -269,7 +279,11 @@ class Diff2(DPOptimizer):
         # differentiable in x, so the clipping hooks see that forward too and the first-backward check (an
         # ordinary backward of the combined loss) sees the difference g(x) - g(x_{r-2}) the engine clips.
         previous = {p: v + (p - p.detach()) for p, v in self._previous.items()}
-        return [(1.0, None), (-1.0, previous)]
+        if not self.float64_differences or self.sharded or all(p.dtype == torch.float64 for p in previous):
+            return [(1.0, None), (-1.0, previous)]
+        # both points in float64, the whole model (engine.call_model): see Diff2Config.float64_differences
+        here = CurrentPoint({p: p.double() for p in previous})
+        return [(1.0, here), (-1.0, {p: v.double() for p, v in previous.items()})]
 
     def sensitivity(self) -> float:
         """L2 sensitivity of this round's pre-noise sum: C1 or C_{2,r}, doubled under replace-one."""
