@@ -31,7 +31,7 @@ _EXPORTS = {
     "make_dp_optimizer": "hf_dpfilter.optimizers",
     "packaged_model_path": "hf_dpfilter.models",
     "per_example_loss": "hf_dpfilter.losses",
-    "register_grad_rule": "hf_dpfilter.grad_rules",
+    "register_grad_rule": "hf_dpfilter.engine",
     "register_module_validator": "hf_dpfilter.validators",
     "register_method": "hf_dpfilter.optimizers",
 }

@@ -1,6 +1,6 @@
 """Module validators: the registry of modules per-example clipping must refuse, each with its fix.
 
-The per-layer rule registry (:mod:`hf_dpfilter.grad_rules`) says how a layer's per-example gradient is
+The per-layer rule registry (:mod:`hf_dpfilter.engine.rules`) says how a layer's per-example gradient is
 computed. This registry says which modules cannot be trained privately at all, whatever their gradient rule:
 modules that mix examples (batch statistics), and modules that change state from the data outside the DP
 optimizer's step (running buffers, in-place renormalisation, adapters that write activation statistics).

@@ -18,8 +18,8 @@ from models import VOCAB, tiny_bert, tiny_gpt2
 from torch import nn
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter.engine.rules import _GRAD_RULES, OuterTerm, register_grad_rule
 from hf_dpfilter.first_step_check import PerExampleCheckError
-from hf_dpfilter.grad_rules import _GRAD_RULES, OuterTerm, register_grad_rule
 from hf_dpfilter.loss_policy import LossPolicyError
 from hf_dpfilter.losses import per_example_loss
 

@@ -1,5 +1,5 @@
 """Fewer kernels per step without changing what is clipped: layers that read the same input are fused, and
-same-shape layers are stacked into one batched product (hf_dpfilter.engine: ``_OuterBlock``).
+same-shape layers are stacked into one batched product (hf_dpfilter.engine.blocks: ``_OuterBlock``).
 
 A fused layer's squared norm is the sum of its parameters' squared norms, and a stacked block is L layers
 computed as L times more rows, so per-example norms and weighted sums must equal the one-example-at-a-time
@@ -19,8 +19,8 @@ from test_exactness import _lora_roberta
 from test_mixed_precision import _adversarial_batch, _exact_norms
 from transformers import RobertaConfig, RobertaForSequenceClassification
 
-from hf_dpfilter import engine as engine_module
 from hf_dpfilter.engine import GhostClippingEngine
+from hf_dpfilter.engine import per_example as engine_module
 from hf_dpfilter.losses import per_example_loss
 
 MODELS = {

@@ -20,7 +20,7 @@ from test_exactness import run_one_step
 from torch import nn
 
 from hf_dpfilter.engine import GhostClippingEngine, UnsupportedLayerError
-from hf_dpfilter.grad_rules import _GRAD_RULES, _hf_offset_rms_norm, _hf_scale_rms_norm, find_grad_rule
+from hf_dpfilter.engine.rules import _GRAD_RULES, _hf_offset_rms_norm, _hf_scale_rms_norm, find_grad_rule
 from hf_dpfilter.losses import per_example_loss
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

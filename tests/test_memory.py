@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.engine import GhostClippingEngine, OuterTerm, _use_ghost
+from hf_dpfilter.engine import GhostClippingEngine, OuterTerm
+from hf_dpfilter.engine.blocks import _use_ghost
 
 _WORKER = r"""
 import json, os, resource, torch

@@ -182,7 +182,7 @@ def test_bf16_hook_keeps_the_rounded_input_not_an_fp32_copy():
 
 
 def test_split_bf16_reconstructs_fp32():
-    from hf_dpfilter.engine import _split_bf16
+    from hf_dpfilter.engine.precision import _split_bf16
 
     x = torch.randn(1000) * torch.logspace(-20, 20, 1000)
     pieces = _split_bf16(x)

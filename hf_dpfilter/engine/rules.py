@@ -38,10 +38,15 @@ __all__ = [
     "IndexTerm",
     "OuterTerm",
     "Term",
+    "UnsupportedLayerError",
     "find_grad_rule",
     "register_grad_rule",
     "registered_layer_types",
 ]
+
+
+class UnsupportedLayerError(TypeError):
+    """A trainable parameter lives in a module type that has no per-example gradient rule."""
 
 
 @dataclass

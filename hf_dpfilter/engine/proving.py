@@ -1,0 +1,262 @@
+"""The proving step: what the first recorded step after attach establishes, and what every later step checks.
+
+Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.batch_axis`): the first
+recorded step traces the batch axis from the model's batch-first inputs and caches a verdict per module and
+call. The same step refuses parameters and buffers written by the forward and trainable modules never called;
+every later step checks that no state was written, before its backward (before anything is released).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hf_dpfilter.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
+from hf_dpfilter.collectives import is_sharded
+from hf_dpfilter.engine.checkpointing import _inside_backward
+from hf_dpfilter.engine.rules import UnsupportedLayerError
+from hf_dpfilter.validators import StateWrittenError
+
+if TYPE_CHECKING:
+    from hf_dpfilter.engine.recorder import _Record
+
+
+def _same_values(copy: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds ``copy``'s values (NaN equal to NaN); True when no copy was kept."""
+    if copy is None:
+        return True
+    if copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+        return False
+    if copy.is_floating_point() or copy.is_complex():
+        return bool(((copy == tensor) | (copy.isnan() & tensor.isnan())).all())
+    return bool(torch.equal(copy, tensor))
+
+
+
+class _ProvingStep:
+    """The proving step of :class:`~hf_dpfilter.engine.recorder.GhostClippingEngine` (a mixin of it)."""
+
+    @contextlib.contextmanager
+    def _proving_step(self) -> Iterator[None]:
+        """Hold the option-frozen modules in eval mode; on the first recorded step after attach, also prove.
+
+        Proving runs the block under :class:`~hf_dpfilter.batch_axis.BatchAxisTracer` (each layer call's batch
+        axis traced from the model's inputs, cached per module and call for later steps), checks that every
+        trainable parameter's module was recorded, and that no parameter or buffer was written (in place or
+        replaced) by the forward: all before the backward, so before anything is released.
+        """
+        self.hold_eval_modes()
+        self._call_counts = {}
+        if self._axis_verdicts is not None and not self._reprove:
+            # Later steps: a forward may write state only on some steps (e.g. a dynamic RoPE replacing its
+            # inv_freq once a batch is long enough), so every step compares identities and version counters, and
+            # the buffers' values (a write through `.data` moves no version counter), before its backward, i.e.
+            # before anything of the step is released. Buffers are small next to the parameters.
+            snapshot = self._state_snapshot(self._check_parameters)
+            yield
+            if self._recorded_modules and not self._state_surely_unchanged(snapshot):
+                self._check_state_unchanged(snapshot, self._check_parameters)  # finds and names the change
+            return
+        self._reprove = False
+        with_parameters = self._check_parameters = not self._under_fsdp()
+        snapshot = self._state_snapshot(with_parameters)
+        # packed rows: the model's inputs are rows (the layout maps them to examples)
+        tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
+        self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
+        self._forward_ran = False
+        handles = []
+        for module in self.model.modules():
+            handles.append(module.register_forward_pre_hook(self._trace_entry, prepend=True, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._trace_exit, always_call=True))
+        try:
+            with tracer:
+                yield
+        finally:
+            self._tracer = None
+            for handle in handles:
+                handle.remove()
+        if not self._recorded_modules:
+            if self._forward_ran:
+                # the model ran but none of its trainable modules did (e.g. LoRA through target_parameters, whose
+                # lora_A/lora_B weights are used by a parametrization): name them rather than "nothing recorded"
+                self._check_every_trainable_module_recorded()
+            return  # nothing ran (an empty micro-batch): prove on the next step
+        self._check_state_unchanged(snapshot, with_parameters)
+        if tracer.misused:
+            names = sorted({self._module_name(m) for m in self.model.modules() if id(m) in {k[0] for k in tracer.misused}})
+            raise RuntimeError(
+                f"The broadcast output of {', '.join(repr(n) for n in names)} (called on ids of shape (1, T), whose "
+                "output the engine expands to one copy per example) is used along the batch axis (indexed, reduced "
+                "or flattened over the examples), so its expanded gradient would not be per example. Fix: freeze "
+                "it (requires_grad_(False)), or call it on ids shaped (B, T) and use its output per example. "
+                "Nothing was released."
+            )
+        self._check_every_trainable_module_recorded()
+        if (tracer.batch_size or 0) > 1:
+            # With one example every tensor of leading size 1 looks batch-first (an explicit (1, T) position_ids
+            # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
+            self._axis_verdicts = self._new_verdicts
+            self._proven_forwards = self._model_forwards
+
+    def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""
+        tracer = self._tracer
+        self._forward_ran = True
+        if tracer is not None and self._trace_depth == 0:
+            if tracer.batch_size is None:
+                from torch.utils._pytree import tree_flatten
+
+                leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
+                if leaves:
+                    tracer.batch_size = leaves[0].shape[0]
+                    if self._batch_size is None:
+                        self._batch_size = tracer.batch_size
+            if not tracer.tag_batch_inputs(args, kwargs) and tracer.batch_size is not None:
+                raise RuntimeError(
+                    f"None of the tensors given to {type(module).__name__} has a leading dimension of "
+                    f"{tracer.batch_size}, the recorded batch size: per-example clipping needs batch-first tensors "
+                    "(the batch axis of every layer is traced from them). Pass batch_size to engine.record() equal "
+                    "to the number of examples, and give the model its inputs batch-first."
+                )
+        self._trace_depth += 1
+
+    def _trace_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._trace_depth = max(0, self._trace_depth - 1)
+
+    def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor) -> str:
+        """BATCH, BROADCAST, or why this call's batch axis is not proven (hf_dpfilter.batch_axis)."""
+        key = id(module)
+        index = self._call_counts.get(key, 0)
+        self._call_counts[key] = index + 1
+        tracer = self._tracer
+        if tracer is not None:
+            axis = tracer.axis(source if source is not None else output)
+            if axis == 0:
+                verdict = BATCH
+            elif axis is None and output.dim() >= 1 and output.shape[0] == 1:
+                verdict = BROADCAST
+            elif axis is None:
+                verdict = (
+                    "does not derive from the batch inputs (e.g. a positional table called on torch.arange(T), a "
+                    "relative position bias, an adapter applied to a weight matrix)"
+                )
+            elif axis == LOST:
+                verdict = "derives from the batch but lost its batch axis (flattened, reduced or mixed across examples)"
+            else:
+                verdict = f"has its batch axis at dimension {axis}, not the leading one"
+            self._new_verdicts.setdefault(key, []).append(verdict)
+            return verdict
+        verdicts = (self._axis_verdicts or {}).get(key)
+        if verdicts and (index < len(verdicts) or (len(set(verdicts)) == 1 and self._repeats_proven_calls(
+                len(verdicts), index))):
+            return verdicts[min(index, len(verdicts) - 1)]
+        self._reprove = True  # a call the first step did not see: prove the batch axes again next step
+        return "was not seen by the step that proved the batch axes (run the same forward in every step)"
+
+    def _count_model_forward(self, module: nn.Module, args: tuple) -> None:
+        if self._recording and torch.is_grad_enabled() and not _inside_backward():
+            self._model_forwards += 1
+
+    def _repeats_proven_calls(self, proven_calls: int, index: int) -> bool:
+        """Whether call ``index`` of a module proven with ``proven_calls`` same-verdict calls is one of the same
+        calls in a repeated forward (DiSK/PMLF/DIFF2 run the model at several parameter points; a DIFF2 restart
+        step runs it once) rather than an extra call within a forward: a table called on the batch ids in the
+        proving step and later also on ``torch.arange(T)`` (T == B by chance) must not inherit the verdict."""
+        proven, now = self._proven_forwards, self._model_forwards
+        if not proven or not now or proven_calls % proven:
+            return True  # the model's own forward was not seen (a loss_fn calling submodules): as proven
+        return index < proven_calls // proven * now
+
+    def _unproven_batch_axis_error(self, record: _Record) -> RuntimeError:
+        name = self._module_name(record.module)
+        params = ", ".join(self._module_params.get(record.module, {}))
+        return RuntimeError(
+            f"Module '{name}' ({type(record.module).__name__}, trainable: {params}) was called on a tensor that "
+            f"{record.unproven}: its output has no per-example batch axis, so its gradient cannot be split by "
+            "example (clipping it as if it had one would let one example move the others' contributions). Fix: "
+            "freeze it (requires_grad_(False) on its parameters), or call it on ids derived from the batch, "
+            "shaped (B, T), or broadcast as (1, T). Nothing was released."
+        )
+
+    def _module_name(self, module: nn.Module) -> str:
+        for name, candidate in self.model.named_modules(remove_duplicate=False):
+            if candidate is module:
+                return name or "<root>"
+        return type(module).__name__
+
+    def _state_snapshot(self, parameters: bool) -> dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]:
+        """Every buffer (and parameter if asked) with its version counter; buffers also with a copy of their
+        values, since native kernels write some of them without counting a version (BatchNorm's running_mean
+        and running_var), and so does a write through ``.data``. Buffers are small next to the parameters."""
+        out = {name: (t, t._version, t.detach().clone()) for name, t in self.model.named_buffers()}
+        if parameters:
+            out.update({name: (t, t._version, None) for name, t in self.model.named_parameters()})
+        return out
+
+    def _state_surely_unchanged(self, before: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]) -> bool:
+        """The check of every later step in one device synchronisation per device: True when no tensor was
+        replaced, no version moved and every buffer holds its values (False: look closer)."""
+        after = dict(self.model.named_buffers())
+        if self._check_parameters:
+            after.update(self.model.named_parameters())
+        if after.keys() != before.keys():
+            return False
+        equal: dict[torch.device, list[torch.Tensor]] = {}
+        for name, (tensor, version, copy) in before.items():
+            if after[name] is not tensor or tensor._version != version:
+                return False
+            if copy is not None:
+                if copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+                    return False
+                same = (copy == tensor) | (copy.isnan() & tensor.isnan()) if copy.is_floating_point() else copy == tensor
+                equal.setdefault(tensor.device, []).append(same.all())
+        return all(bool(torch.stack(flags).all()) for flags in equal.values())
+
+    def _under_fsdp(self) -> bool:
+        """FSDP2 swaps each module's sharded parameters for gathered ones around its forward (and the DP
+        optimizer's multi-point path writes the shards inside the block): its parameters are not compared."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover
+            return False
+        return any(is_sharded(p) for p in self.model.parameters()) or any(
+            isinstance(m, FSDPModule) for m in self.model.modules())
+
+    def _check_state_unchanged(
+        self, before: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]], parameters: bool
+    ) -> None:
+        after = self._state_snapshot(parameters)
+        changed = []
+        for name in sorted(set(before) | set(after)):
+            if name not in before or name not in after:
+                changed.append((name, "was added" if name not in before else "was removed"))
+            elif after[name][0] is not before[name][0]:
+                changed.append((name, "was replaced by a new tensor"))
+            elif after[name][1] != before[name][1] or not _same_values(before[name][2], after[name][0]):
+                changed.append((name, "was written in place"))
+        if changed:
+            raise StateWrittenError(
+                [(name, name.rpartition(".")[0] or "<root>", how) for name, how in changed]
+            )
+
+    def _check_every_trainable_module_recorded(self) -> None:
+        missing = [
+            param for param, owners in self._owners.items()
+            # a module that ran without autograd gets the more specific CheckpointingError from the backward
+            if not any(id(module) in self._recorded_modules | self._ran_without_autograd for module, _ in owners)
+        ]
+        if missing:
+            lines = "\n".join(
+                f"- '{self.parameter_name(p)}' (module '{self._module_name(self._owners[p][0][0])}')" for p in missing
+            )
+            raise UnsupportedLayerError(
+                "Trainable parameters whose module was never called in the first recorded forward: their gradient "
+                "(if any) reaches them through a path the per-example hooks do not see (a weight used outside its "
+                "module's forward, e.g. PEANuT's peanut_A or VeLoRA's lora_A), or they are unused and would silently "
+                f"never train.\n{lines}\nFix: freeze them (requires_grad_(False)), or call each through its "
+                "module's forward. Nothing was released."
+            )

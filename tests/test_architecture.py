@@ -1,0 +1,126 @@
+"""The package's layout holds: no import circle inside ``hf_dpfilter``, no file over ~600 lines.
+
+The import graph is built from the AST (top-level and function-level imports; imports under
+``if TYPE_CHECKING:`` never run and are not edges). An edge goes to the exact module named (``from
+hf_dpfilter.engine.rules import X`` is an edge to ``hf_dpfilter.engine.rules``; ``from hf_dpfilter.engine
+import rules`` to the package and to ``hf_dpfilter.engine.rules``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_dpfilter"
+MAX_LINES = 600
+
+#: Circles that exist today outside the engine/noise/optimizer rooms; the architecture work removes them and
+#: then empties this list (test_no_import_circle fails as long as it is not empty).
+KNOWN_CIRCLES = [{"hf_dpfilter.trainer", "hf_dpfilter.run_guard"}]
+
+
+def _modules(package: Path) -> dict[str, Path]:
+    out = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for statement in node.body for n in ast.walk(statement))
+    return skip
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (anywhere in its code, except under TYPE_CHECKING)."""
+    modules = _modules(package)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_only(tree)
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    package = package[: len(package) - node.level + 1]
+                    base = ".".join(package + ([base] if base else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            deps.update(t for t in targets if t in modules and t != name)
+        graph[name] = deps
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle a depth-first search meets (each as a path that returns to its start)."""
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                circles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    return circles
+
+
+def test_the_graph_sees_function_level_imports_and_skips_type_checking(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("from .leaf import x\n")
+    (package / "sub" / "leaf.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.top import y\nx = 1\n")
+    (package / "top.py").write_text("def f():\n    from pkg.sub.leaf import x\n    return x\n")
+    graph = import_graph(package)
+    assert graph == {"pkg": set(), "pkg.sub": {"pkg.sub.leaf"}, "pkg.sub.leaf": set(), "pkg.top": {"pkg.sub.leaf"}}
+    (package / "sub" / "leaf.py").write_text("import pkg.top\nx = 1\n")
+    assert import_circles(import_graph(package)) == [["pkg.sub.leaf", "pkg.top", "pkg.sub.leaf"]]
+
+
+def test_no_new_import_circle():
+    circles = import_circles(import_graph())
+    new = [c for c in circles if set(c) not in KNOWN_CIRCLES]
+    assert not new, "import circles in hf_dpfilter:\n" + "\n".join(" -> ".join(c) for c in new)
+
+
+@pytest.mark.xfail(strict=False, reason="KNOWN_CIRCLES is not empty yet (trainer <-> run_guard)")
+def test_no_import_circle():
+    circles = import_circles(import_graph())
+    assert not circles and not KNOWN_CIRCLES, "\n".join(" -> ".join(c) for c in circles)
+
+
+@pytest.mark.xfail(strict=False, reason="the architecture work brings every file under the limit; then strict")
+def test_no_file_in_the_package_over_600_lines():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_engine_files_are_within_the_limit():
+    long = {p.name: n for p in (PACKAGE / "engine").glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"engine files over {MAX_LINES} lines: {long}"
