@@ -36,7 +36,7 @@ def test_readme_custom_loop_runs_as_written():
     exec(compile(match.group(1), "README.md (custom loop)", "exec"), namespace)
     optimizer, plan = namespace["optimizer"], namespace["plan"]
     assert optimizer.accountant.steps == plan.steps == optimizer.dp_steps
-    assert optimizer.plan is plan and optimizer.secure_noise
+    assert optimizer.plan is plan and optimizer.secure_rng
 
 
 # --------------------------------------------------------------------------- sensitivity per method

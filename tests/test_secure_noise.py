@@ -58,7 +58,7 @@ def test_training_arguments_secure_noise_uses_the_csprng(tmp_path, monkeypatch):
     trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
                         data_collator=PadCollator(1))
     trainer.train()
-    assert trainer.dp_optimizer.secure_noise is True
+    assert trainer.dp_optimizer.secure_rng is True
     n_coordinates = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     # every coordinate's noise came from the CSPRNG, in one draw for the whole step
     assert len(calls) == 1 and sum(math.prod(shape) for shape in calls) == n_coordinates

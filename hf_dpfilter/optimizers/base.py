@@ -30,7 +30,7 @@ their :class:`~hf_dpfilter.optimizers.method_config.MethodConfig`):
 * :meth:`method_state_dict` / :meth:`load_method_state_dict` -- extra state, saved with checkpoints.
 
 Noise comes from a torch generator seeded from the plan's secret seed (its own stream,
-:func:`hf_dpfilter.secure_rng.derive_seed`), or from the OS CSPRNG with ``secure_noise=True``. Under several
+:func:`hf_dpfilter.noise.seeded_generator`), or from the OS CSPRNG with ``secure_rng=True``. Under several
 processes the clipped sums are summed through the plan's collectives and every process adds the *same*
 noise draw, so noise enters once in total and all replicas stay identical.
 """
@@ -49,10 +49,10 @@ from torch import nn
 
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.collectives import Collectives, as_layout_of, default_collectives, is_sharded
+from hf_dpfilter.collectives import Collectives, default_collectives, is_sharded
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
+from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig
-from hf_dpfilter.secure_rng import derive_seed
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
@@ -173,7 +173,7 @@ class DPOptimizer(torch.optim.Optimizer):
         return self.plan.sample_rate
 
     @property
-    def secure_noise(self) -> bool:
+    def secure_rng(self) -> bool:
         return self.plan.secure_rng
 
     # --------------------------------------------------------------- torch.optim.Optimizer surface
@@ -424,107 +424,19 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
-            generator = torch.Generator(device=device)
-            # The same stream on every process (and device): all processes must draw the same noise.
-            generator.manual_seed(derive_seed(self.seed, "gaussian-noise"))
-            self._generators[device] = generator
+            self._generators[device] = seeded_generator(self.seed, device)
         return self._generators[device]
 
     def gaussian_noise(self, shape: torch.Size, std: float, like: torch.Tensor) -> torch.Tensor:
-        """N(0, std^2) noise of the given shape, from the seeded generator or a CSPRNG.
+        """N(0, std^2) noise of ``shape`` (:func:`hf_dpfilter.noise.gaussian_noise`): every non-sharded draw of
+        a step passes here."""
+        return gaussian_noise(shape, std, like, secure=self.secure_rng, generator=self._generator,
+                              collectives=self.collectives)
 
-        For a sharded ``like`` (FSDP2), ``shape`` is the whole shape and the result this process's shard of one
-        whole draw: :meth:`sharded_gaussian_noise`.
-        """
-        if is_sharded(like):
-            return self.sharded_gaussian_noise(shape, std, like)
-        if std == 0:
-            return torch.zeros(shape, dtype=like.dtype, device=like.device)
-        if self.secure_noise:
-            from hf_dpfilter.secure_rng import secure_gaussian
-
-            noise = secure_gaussian(shape, std, dtype=like.dtype, device=like.device)
-            self.collectives.share_(noise)  # OS randomness differs per process: use the main process's draw
-            return noise
-        noise = torch.empty(shape, dtype=like.dtype, device=like.device)
-        return noise.normal_(0.0, std, generator=self._generator(like.device))  # one pass: draw and scale
-
-    def sharded_gaussian_noise(self, shape: torch.Size, std: float, like: torch.Tensor) -> torch.Tensor:
-        """This process's shard of one N(0, std^2 I) draw of the whole ``shape`` (docs/privacy.md, "Sharded noise").
-
-        Seeded noise: every process draws the whole tensor from the shared stream, as one process would, and
-        keeps its own rows. The shards are then disjoint pieces of exactly the one-process draw (no piece twice,
-        none repeated across processes), and a sharded run releases bit for bit what one process releases.
-        Drawing only one's own rows would need a stream keyed by (step, parameter, offset), which ties the noise
-        to the shard layout; the whole draw costs each process what one process pays, as under DDP. With
-        ``secure_noise`` each process draws its own rows from its own OS CSPRNG: independent draws, so the
-        whole vector is again one Gaussian draw, with nothing to exchange.
-        """
-        local = like.to_local()
-        if std == 0:
-            return as_layout_of(like, torch.zeros_like(local))
-        if self.secure_noise:
-            from hf_dpfilter.secure_rng import secure_gaussian
-
-            return as_layout_of(like, secure_gaussian(local.shape, std, dtype=local.dtype, device=local.device))
-        whole = torch.empty(shape, dtype=local.dtype, device=local.device)
-        whole.normal_(0.0, std, generator=self._generator(local.device))
-        return self.collectives.shard_of(like, whole)
-
-    def noisy_average(self, summed: torch.Tensor, std: float) -> torch.Tensor:
-        """``(summed + N(0, std^2 I)) / B`` as a new tensor, in two memory passes.
-
-        The noise is drawn directly at scale ``std / B`` and the sum added into it: on CPU the Gaussian draw for
-        every trainable parameter is the largest cost of a DP step after the backward (124M draws for GPT-2
-        small), so the separate scale / add / divide passes of the naive form are worth avoiding.
-        """
-        batch = self.expected_batch_size
-        return self.gaussian_noise(summed.shape, std / batch, summed).add_(summed, alpha=1.0 / batch)
-
-    def noisy_averages(
-        self, sums: dict[nn.Parameter, torch.Tensor], std: float
-    ) -> dict[nn.Parameter, torch.Tensor]:
-        """``(sum_p + N(0, std^2 I)) / B`` for every parameter: the step's one Gaussian draw, taken at once.
-
-        The noise of all parameters (per device and dtype, in the order of ``sums``) is **one** draw of
-        ``sum_p numel(p)`` coordinates from the generator (or the CSPRNG), split into views, and the sums are
-        added with one ``foreach`` kernel: a constant number of kernels per step instead of three per
-        parameter. The values are views of one buffer (contiguous, disjoint).
-        """
-        batch = self.expected_batch_size
-        groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
-        for p, s in sums.items():
-            groups.setdefault((s.device, s.dtype), []).append(p)
-        out: dict[nn.Parameter, torch.Tensor] = {}
-        for params in groups.values():
-            values = [sums[p] for p in params]
-            sizes = [v.numel() for v in values]  # whole sizes, also for sharded (FSDP2) sums
-            if any(is_sharded(v) for v in values):
-                out.update(zip(params, self._sharded_noisy_averages(values, sizes, std / batch, 1.0 / batch)))
-                continue
-            flat = self.gaussian_noise(torch.Size([sum(sizes)]), std / batch, values[0])
-            noisy = [piece.view(v.shape) for piece, v in zip(flat.split(sizes), values)]
-            torch._foreach_add_(noisy, values, alpha=1.0 / batch)
-            out.update(zip(params, noisy))
-        return {p: out[p] for p in sums}
-
-    def _sharded_noisy_averages(
-        self, values: list[torch.Tensor], sizes: list[int], std: float, scale: float
-    ) -> list[torch.Tensor]:
-        """:meth:`noisy_averages` when some sums are shards (FSDP2): seeded noise is the one-process flat draw of
-        the whole group, of which each process keeps its parameters' rows (so a sharded run releases exactly what
-        one process releases); CSPRNG noise is each process's own draw of its rows (independent, no exchange)."""
-        if std == 0 or self.secure_noise:
-            noisy = [self.gaussian_noise(v.shape, std, v) for v in values]
-        else:
-            local = values[0].to_local() if is_sharded(values[0]) else values[0]
-            whole = torch.empty(sum(sizes), dtype=local.dtype, device=local.device)
-            whole.normal_(0.0, std, generator=self._generator(local.device))
-            pieces = [piece.view(v.shape) for piece, v in zip(whole.split(sizes), values)]
-            noisy = [self.collectives.shard_of(v, piece) if is_sharded(v) else piece for piece, v in zip(pieces, values)]
-        for n, v in zip(noisy, values):
-            n.add_(v, alpha=scale)
-        return noisy
+    def noise_source(self) -> NoiseSource:
+        """Where this optimizer's noise comes from, for the functions of :mod:`hf_dpfilter.noise`."""
+        return NoiseSource(draw=self.gaussian_noise, generator=self._generator, secure=self.secure_rng,
+                           collectives=self.collectives)
 
     def _summed_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
         """The step's pre-noise sums (zeros for an empty batch), summed across processes. Private."""
@@ -549,7 +461,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def privatize(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """``(sum + N(0, sigma^2 Delta^2)) / B`` -- the one noise draw of the step."""
         std = self.noise_multiplier * self.sensitivity()
-        return self.noisy_averages(sums, std)
+        return noisy_averages(sums, std, self.expected_batch_size, self.noise_source())
 
     def record_privacy_step(self) -> None:
         """Tell the accountant about the step just taken: the mechanisms the method's config declares."""

@@ -54,6 +54,7 @@ from torch import nn
 
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine import PerExampleGradients
+from hf_dpfilter.noise import noisy_averages
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
 
@@ -287,7 +288,7 @@ class DiceSGD(DPOptimizer):
         alpha = self.feedback_factor()
         std = self.noise_multiplier * self.sensitivity()
         batch = self.expected_batch_size
-        released = self.noisy_averages(sums, std)
+        released = noisy_averages(sums, std, batch, self.noise_source())
         if alpha > 0:
             params = list(released)
             torch._foreach_add_([released[p] for p in params], [error[p].to(released[p].dtype) for p in params],

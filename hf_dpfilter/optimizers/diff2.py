@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from hf_dpfilter.engine import PerExampleGradients
+from hf_dpfilter.noise import noisy_averages
 from hf_dpfilter.optimizers.base import CurrentPoint, DPOptimizer
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
 
@@ -307,7 +308,7 @@ class Diff2(DPOptimizer):
         std = self.round_noise_multiplier() * self.sensitivity()
         self._pending_previous = {p: p.detach().clone() for p in self.params}  # x_{r-1}, before the update
         estimate = {} if rnd.restart else self._estimate
-        for p, increment in self.noisy_averages(sums, std).items():
+        for p, increment in noisy_averages(sums, std, self.expected_batch_size, self.noise_source()).items():
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             if rnd.restart:
                 estimate[p] = increment.to(dtype)
