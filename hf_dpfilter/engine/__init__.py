@@ -16,6 +16,7 @@ The engine computes; it never clips (the DP optimizer clips, adds noise and acco
 
 from hf_dpfilter.engine.checkpointing import CheckpointingError, checkpoint_function_is_reentrant
 from hf_dpfilter.engine.per_example import PerExampleGradients
+from hf_dpfilter.engine.points import CurrentPoint, LossFn, Point, per_example_combination
 from hf_dpfilter.engine.recorder import GhostClippingEngine, UnsupportedLayerError
 from hf_dpfilter.engine.rules import (
     DenseTerm,
@@ -29,15 +30,19 @@ from hf_dpfilter.engine.rules import (
 
 __all__ = [
     "CheckpointingError",
+    "CurrentPoint",
     "DenseTerm",
     "GhostClippingEngine",
     "IndexTerm",
+    "LossFn",
     "OuterTerm",
     "PerExampleGradients",
+    "Point",
     "Term",
     "UnsupportedLayerError",
     "checkpoint_function_is_reentrant",
     "find_grad_rule",
+    "per_example_combination",
     "register_grad_rule",
     "registered_layer_types",
 ]

@@ -21,8 +21,8 @@ their :class:`~hf_dpfilter.optimizers.method_config.MethodConfig`):
 
 * :meth:`gradient_points` -- the parameter points and weights of the per-example *combination* that is
   clipped (DiSK's two points, DP-PMLF's k snapshots, DIFF2's differences). One point, weight 1, here.
-  A combination with a negative weight has cancellation and is computed in precise mode (float64 terms and
-  proven norm bounds, :class:`hf_dpfilter.engine.PerExampleGradients`).
+  The engine's service :func:`hf_dpfilter.engine.points.per_example_combination` runs the passes (RNG
+  replayed at every point; precise mode for a negative weight) and returns the combination, clipped once.
 * :meth:`accumulate_per_example` -- how one micro-batch's per-example gradients add to the pre-noise sums
   (DiceSGD also keeps the residual sum).
 * :meth:`sensitivity` / :meth:`privatize` -- the noise, calibrated to the real L2 sensitivity.
@@ -51,19 +51,12 @@ from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.collectives import Collectives, default_collectives, is_sharded
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
+from hf_dpfilter.engine.points import LossFn, per_example_combination
 from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
-
-LossFn = Callable[[dict[nn.Parameter, torch.Tensor] | None], torch.Tensor]
-
-
-class CurrentPoint(dict):
-    """Values of a gradient point that IS the current point, given explicitly (DIFF2 gives it in float64): its
-    losses are the ones the step reports, as for a point given as ``None``."""
-
 
 class PrivacyBudgetExceededError(RuntimeError):
     """A step would take the epsilon spent above ``target_epsilon``; the step was not taken."""
@@ -278,33 +271,9 @@ class DPOptimizer(torch.optim.Optimizer):
     def _per_example_pass(
         self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int
     ) -> tuple[PerExampleGradients, torch.Tensor, torch.Tensor | None]:
-        """Forward(s) at the gradient points and the backward: (per-example gradients, combined losses, losses)."""
-        points = self.gradient_points()
-        precise = any(weight < 0 for weight, _ in points)
-        if self.sharded and any(values is not None for _, values in points):
-            return self._gradients_at_points_in_shards(engine, loss_fn, points, batch_size, precise)
-        losses_here = None
-        with engine.record(batch_size=batch_size):
-            combined = None
-            if len(points) == 1:
-                weight, values = points[0]
-                losses = loss_fn(values)
-                combined = losses * weight if weight != 1.0 else losses
-                losses_here = losses
-            else:
-                # The same dropout masks at every point: replay the RNG state of the first forward.
-                devices = sorted({p.device for p in self.params if p.device.type == "cuda"}, key=str)
-                cpu_state = torch.get_rng_state()
-                cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
-                for weight, values in points:
-                    torch.set_rng_state(cpu_state)
-                    for d, s in zip(devices, cuda_states):
-                        torch.cuda.set_rng_state(s, d)
-                    losses = loss_fn(values)
-                    if values is None or isinstance(values, CurrentPoint):
-                        losses_here = losses
-                    combined = losses * weight if combined is None else combined + losses * weight
-        return engine.per_example_gradients(combined, precise=precise), combined, losses_here
+        """The engine's pass at the method's gradient points: (per-example gradients of the combination,
+        combined losses, losses at the current point); :func:`hf_dpfilter.engine.points.per_example_combination`."""
+        return per_example_combination(engine, loss_fn, self.gradient_points(), batch_size, self.params, self.sharded)
 
     def _accumulate_gradients(
         self, grads: PerExampleGradients, combined: torch.Tensor, losses_here: torch.Tensor | None
@@ -324,53 +293,6 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._sharded is None:
             self._sharded = any(is_sharded(p) for p in self.params)
         return self._sharded
-
-    def _gradients_at_points_in_shards(
-        self, engine: GhostClippingEngine, loss_fn: LossFn, points: list, batch_size: int, precise: bool
-    ) -> tuple[PerExampleGradients, torch.Tensor, torch.Tensor | None]:
-        """The per-example combination of the gradient points under FSDP2: one forward and backward per point.
-
-        FSDP2 gathers each layer's parameters from the shards when the layer runs (in the forward and again in
-        the backward), so a functional call at other values would be overwritten by the gathered current ones.
-        Each point's values are therefore written into this process's shards, its forward and backward run
-        (the backward gives that point's output gradients, weighted), and the shards are restored exactly; the
-        engine merges the terms of all points per example as one recorded forward would.
-        """
-        from torch.distributed.fsdp import FSDPModule
-
-        fsdp_modules = [m for m in engine.model.modules() if isinstance(m, FSDPModule)]
-        devices = sorted({p.device for p in self.params if p.device.type == "cuda"}, key=str)
-        cpu_state = torch.get_rng_state()
-        cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
-        current = {p: p.detach().clone() for p in self.params}  # x_t, this process's shards
-        combined = losses_here = None
-        try:
-            with engine.record(batch_size=batch_size):
-                for weight, values in points:
-                    # The same dropout masks at every point: replay the RNG state of the first forward.
-                    torch.set_rng_state(cpu_state)
-                    for d, state in zip(devices, cuda_states):
-                        torch.cuda.set_rng_state(state, d)
-                    with torch.no_grad():
-                        for p, value in (values or {}).items():
-                            p.detach().copy_(value.detach())
-                    for module in fsdp_modules:
-                        module.reshard()  # the next forward gathers the shards as they are now
-                    losses = loss_fn(None)
-                    engine.backward_recorded(losses * weight if weight != 1.0 else losses)
-                    if values is None:
-                        losses_here = losses
-                    combined = losses.detach() * weight if combined is None else combined + losses.detach() * weight
-                    with torch.no_grad():
-                        for p in values or {}:
-                            p.detach().copy_(current[p])
-        finally:
-            with torch.no_grad():
-                for p, value in current.items():
-                    p.detach().copy_(value)
-            for module in fsdp_modules:
-                module.reshard()
-        return engine.recorded_gradients(precise=precise), combined, losses_here
 
     def clip_factors(self, grads: PerExampleGradients, max_grad_norm: float | None = None) -> torch.Tensor:
         """Per-example factors with ``||factor_i g_i|| <= max_grad_norm`` (default C) for the exact g_i."""

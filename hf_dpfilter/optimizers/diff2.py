@@ -46,8 +46,9 @@ import torch
 from torch import nn
 
 from hf_dpfilter.engine import PerExampleGradients
+from hf_dpfilter.engine.points import CurrentPoint
 from hf_dpfilter.noise import noisy_averages
-from hf_dpfilter.optimizers.base import CurrentPoint, DPOptimizer
+from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
 
 if TYPE_CHECKING:
