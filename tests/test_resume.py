@@ -245,7 +245,7 @@ def test_resumed_run_cannot_exceed_target_epsilon(tmp_path):
 
 def test_optimizer_refuses_step_beyond_target():
     from hf_dpfilter import PrivacyAccountant, make_dp_optimizer
-    from hf_dpfilter.optimizers.base import PrivacyBudgetExceededError
+    from hf_dpfilter.budget import PrivacyBudgetExceededError
 
     p = torch.nn.Parameter(torch.zeros(3))
     opt = make_dp_optimizer([p], torch.optim.SGD, lr=0.1, noise_multiplier=2.0, max_grad_norm=1.0,

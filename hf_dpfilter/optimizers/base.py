@@ -48,19 +48,17 @@ import torch
 from torch import nn
 
 from hf_dpfilter.accounting import PrivacyAccountant
+from hf_dpfilter.budget import BudgetGuard, PrivacyBudgetExceededError
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.collectives import Collectives, default_collectives, is_sharded
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
 from hf_dpfilter.engine.points import LossFn, per_example_combination
 from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig
+from hf_dpfilter.optimizers.method_state import index_to_params, params_to_index
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
-
-class PrivacyBudgetExceededError(RuntimeError):
-    """A step would take the epsilon spent above ``target_epsilon``; the step was not taken."""
-
 
 class UnprivatizedGradientError(RuntimeError):
     """``step()`` was asked to release a gradient that the DP optimizer's own accumulation did not build."""
@@ -116,13 +114,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
         self._engine_checked: GhostClippingEngine | None = None
         self._sharded: bool | None = None
-        # Budget guard (opt-in): refuse a step that would take epsilon(target_delta) above target_epsilon.
-        if (target_epsilon is None) != (target_delta is None):
-            raise ValueError("Give both target_epsilon and target_delta (the budget guard needs both), or neither.")
-        self.target_epsilon = target_epsilon
-        self.target_delta = target_delta
-        self._budget_safe_until = 0  # dp_steps up to which the budget is known to hold
-        self._budget_horizon = 1
+        #: opt-in: refuse a step that would take epsilon(target_delta) above target_epsilon (hf_dpfilter.budget)
+        self.budget = BudgetGuard(target_epsilon, target_delta)
         #: callables ``hook(optimizer)`` run at the start of every step, before any noise is drawn or released
         #: (DPTrainer writes its privacy ledger here).
         self.pre_release_hooks: list[Callable[[DPOptimizer], None]] = []
@@ -404,7 +397,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "for an empty Poisson batch call optimizer.accumulate(engine, loss_fn, batch_size=0), which "
                 "declares the empty step (it still adds noise and is accounted)."
             )
-        self.check_budget()
+        self.budget.check(self.accountant, self.plan, self.dp_steps)
         for hook in self.pre_release_hooks:
             hook(self)
         noisy = self.privatize(self._summed_gradients())
@@ -451,34 +444,6 @@ class DPOptimizer(torch.optim.Optimizer):
             return []
         return [[m.noise_multiplier, m.sample_rate, 1] for m in self.mechanisms()]
 
-    def check_budget(self) -> None:
-        """Raise :class:`PrivacyBudgetExceededError` if the next step would spend more than ``target_epsilon``.
-
-        Only with ``target_epsilon``/``target_delta`` given. The epsilon is evaluated a few steps ahead (doubling
-        horizon, from the method's declared mechanisms) so that the accountant is not run at every step; near
-        the end of the budget it is checked step by step.
-        """
-        if self.target_epsilon is None or self.sample_rate is None or self.dp_steps < self._budget_safe_until:
-            return
-        horizon = self._budget_horizon
-        while True:
-            projected = self.accountant.copy()
-            for sigma, q, n in self.config.history(self.plan.noise, self.plan, horizon, start=self.dp_steps):
-                projected.step(sigma, q, n)
-            if projected.get_epsilon(self.target_delta) <= self.target_epsilon:
-                self._budget_safe_until = self.dp_steps + horizon
-                self._budget_horizon = 2 * horizon
-                return
-            if horizon == 1:
-                raise PrivacyBudgetExceededError(
-                    f"Step {self.dp_steps + 1} would take epsilon above target_epsilon={self.target_epsilon} "
-                    f"(delta={self.target_delta}): {self.dp_steps} steps were already spent. Stop training here, "
-                    "or recalibrate the noise for a larger budget (calibrate_noise_multiplier(..., extra_history="
-                    "accountant.history)) and say so when you report epsilon."
-                )
-            horizon //= 2
-            self._budget_horizon = horizon
-
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         param_index = {p: i for i, p in enumerate(self.params)}
@@ -494,7 +459,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "noise_multiplier": self.noise_multiplier,
                 "run_id": self.run_id,
                 "accountant": self.accountant.state_dict(),
-                "method_state": _params_to_index(method_state, param_index),
+                "method_state": params_to_index(method_state, param_index),
             },
         }
 
@@ -522,7 +487,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self.restored_from_checkpoint = True
         self.accountant.load_state_dict(dp_state["accountant"])
         params = self.params
-        self.load_method_state_dict(_index_to_params(dp_state["method_state"], params))
+        self.load_method_state_dict(index_to_params(dp_state["method_state"], params))
 
 
 def copy_all_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -532,31 +497,6 @@ def copy_all_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> 
             d.copy_(s)
     else:
         torch._foreach_copy_(destinations, sources)
-
-
-def _params_to_index(obj: Any, index: dict[nn.Parameter, int]) -> Any:
-    """Replace parameter keys by their position so method state survives pickling and reloading."""
-    if isinstance(obj, dict):
-        if obj and all(isinstance(k, nn.Parameter) for k in obj):
-            return {"__param_keyed__": {index[k]: _params_to_index(v, index) for k, v in obj.items()}}
-        return {k: _params_to_index(v, index) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_params_to_index(v, index) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    return obj
-
-
-def _index_to_params(obj: Any, params: list[nn.Parameter]) -> Any:
-    if isinstance(obj, dict):
-        if "__param_keyed__" in obj:
-            return {params[int(i)]: _index_to_params(v, params) for i, v in obj["__param_keyed__"].items()}
-        return {k: _index_to_params(v, params) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_index_to_params(v, params) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    return obj
 
 
 def build_base_optimizer(

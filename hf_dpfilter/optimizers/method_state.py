@@ -1,0 +1,35 @@
+"""A method's extra state in a checkpoint: parameter keys replaced by their position, and back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["index_to_params", "params_to_index"]
+
+
+def params_to_index(obj: Any, index: dict[nn.Parameter, int]) -> Any:
+    """Replace parameter keys by their position so method state survives pickling and reloading."""
+    if isinstance(obj, dict):
+        if obj and all(isinstance(k, nn.Parameter) for k in obj):
+            return {"__param_keyed__": {index[k]: params_to_index(v, index) for k, v in obj.items()}}
+        return {k: params_to_index(v, index) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [params_to_index(v, index) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    return obj
+
+
+def index_to_params(obj: Any, params: list[nn.Parameter]) -> Any:
+    if isinstance(obj, dict):
+        if "__param_keyed__" in obj:
+            return {params[int(i)]: index_to_params(v, params) for i, v in obj["__param_keyed__"].items()}
+        return {k: index_to_params(v, params) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [index_to_params(v, params) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    return obj
