@@ -7,7 +7,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from hf_dpfilter.engine import PerExampleGradients
 
 CLIPPING_FNS = ("abadi", "automatic")
 AUTOMATIC_CLIPPING_STABILITY = 0.01
@@ -21,3 +26,17 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float, clipping_fn: str = "
     if clipping_fn == "automatic":
         return max_grad_norm / (norms + AUTOMATIC_CLIPPING_STABILITY)
     raise ValueError(f"clipping_fn must be one of {CLIPPING_FNS}, got {clipping_fn!r}.")
+
+
+def zero_nonfinite_examples(grads: PerExampleGradients, losses: torch.Tensor) -> torch.Tensor | None:
+    """Zero the contribution of examples with a NaN/inf loss or gradient norm; their mask (on ``losses``'
+    device), or None when every example is finite.
+
+    The zeroed example contributes the zero vector, which is within the sensitivity bound, so the guarantee
+    is unaffected; the other examples of the micro-batch are untouched (their gradients are per example).
+    """
+    bad = ~torch.isfinite(grads.norms()) | ~torch.isfinite(losses.to(grads.norms().device))
+    if not bool(bad.any()):
+        return None
+    grads.zero_examples(bad)
+    return bad.to(losses.device)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import uuid
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,16 +48,18 @@ from torch import nn
 
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.budget import BudgetGuard, PrivacyBudgetExceededError
-from hf_dpfilter.clipping import clip_factors
+from hf_dpfilter.clipping import clip_factors, zero_nonfinite_examples
 from hf_dpfilter.collectives import Collectives, default_collectives, is_sharded
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
 from hf_dpfilter.engine.points import LossFn, per_example_combination
 from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig
 from hf_dpfilter.optimizers.method_state import index_to_params, params_to_index
+from hf_dpfilter.optimizers.wrapped import WrappedOptimizer
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
+
 
 class UnprivatizedGradientError(RuntimeError):
     """``step()`` was asked to release a gradient that the DP optimizer's own accumulation did not build."""
@@ -71,7 +72,7 @@ class DPSGDConfig(MethodConfig):
     name = "dpsgd"
 
 
-class DPOptimizer(torch.optim.Optimizer):
+class DPOptimizer(WrappedOptimizer):
     """Wraps a base ``torch.optim.Optimizer``; clips, privatizes and accounts (DP-SGD / DP-Adam).
 
     Build it from a plan (``plan.make_optimizer(params, base=...)``) or with :func:`make_dp_optimizer`. Per
@@ -92,7 +93,7 @@ class DPOptimizer(torch.optim.Optimizer):
     ) -> None:
         if plan.method != self.method_name:
             raise ValueError(f"{type(self).__name__} implements {self.method_name!r}, the plan is for {plan.method!r}.")
-        self.original_optimizer = optimizer
+        self.wrap(optimizer)  # the base optimizer owns param_groups and state (WrappedOptimizer)
         self.plan = plan
         self.accountant = accountant if accountant is not None else PrivacyAccountant(plan.accountant)
         if collectives is None:
@@ -125,13 +126,6 @@ class DPOptimizer(torch.optim.Optimizer):
         #: warn at every step that zeroes examples, with the count (off by default: the warning is that signal;
         #: DPTrainer sets it from ``dp_log_nonprivate_metrics``)
         self.warn_nonfinite = False
-        # What torch.optim.Optimizer.__init__ would set; the base optimizer owns param_groups and state.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
     # ------------------------------------------------------------------------- the plan's settings
     @property
@@ -162,44 +156,12 @@ class DPOptimizer(torch.optim.Optimizer):
     def secure_rng(self) -> bool:
         return self.plan.secure_rng
 
-    # --------------------------------------------------------------- torch.optim.Optimizer surface
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.original_optimizer.param_groups = value
-
-    @property
-    def state(self) -> dict:
-        return self.original_optimizer.state
-
-    @state.setter
-    def state(self, value: dict) -> None:
-        self.original_optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.original_optimizer.defaults = value
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.original_optimizer.add_param_group(param_group)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(method={self.method_name!r}, base={self.original_optimizer!r})"
 
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad`` and the clipped sums accumulated since the last step (torch semantics)."""
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
         self._sums = {}
         self._accumulated = False
 
@@ -413,36 +375,24 @@ class DPOptimizer(torch.optim.Optimizer):
         self._accumulated = False
         return loss
 
-    # ------------------------------------------------------------------------- faults and budget
+    # ------------------------------------------------------------------------------- faults
     def _zero_nonfinite(self, grads: PerExampleGradients, losses: torch.Tensor) -> torch.Tensor | None:
-        """Zero the contribution of examples with a NaN/inf loss or gradient norm (counted; warned about only
-        with ``warn_nonfinite``).
-
-        The zeroed example contributes the zero vector, which is within the sensitivity bound, so the guarantee
-        is unaffected; the other examples of the micro-batch are untouched (their gradients are per example).
-        """
-        bad = ~torch.isfinite(grads.norms()) | ~torch.isfinite(losses.to(grads.norms().device))
-        if not bool(bad.any()):
+        """Zero the examples with a NaN/inf loss or gradient (:func:`hf_dpfilter.clipping.zero_nonfinite_examples`);
+        counted, and warned about only with ``warn_nonfinite``."""
+        bad = zero_nonfinite_examples(grads, losses)
+        if bad is None:
             return None
-        grads.zero_examples(bad)
         count = int(bad.sum())
         self.nonfinite_examples += count
-        if not self.warn_nonfinite:
-            return bad.to(losses.device)
-        warnings.warn(
-            f"{count} example(s) had a NaN or infinite loss or gradient; their contribution to this step was "
-            f"replaced by zero ({self.nonfinite_examples} so far). Check the data (empty or corrupt examples) and "
-            "the learning rate.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return bad.to(losses.device)
-
-    def next_step_history(self) -> list[list]:
-        """The accountant entries the next step will add (read from the method's declaration, nothing run)."""
-        if self.sample_rate is None:
-            return []
-        return [[m.noise_multiplier, m.sample_rate, 1] for m in self.mechanisms()]
+        if self.warn_nonfinite:
+            warnings.warn(
+                f"{count} example(s) had a NaN or infinite loss or gradient; their contribution to this step was "
+                f"replaced by zero ({self.nonfinite_examples} so far). Check the data (empty or corrupt examples) "
+                "and the learning rate.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return bad
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
