@@ -5,9 +5,14 @@ Per logical step t with Poisson batch B_t (expected size B, sample rate q)::
     g_t = (1/B) * ( sum_{i in B_t} clip(v_i, C) + N(0, sigma^2 Delta^2 I) )      # privatize (once per step)
     x_{t+1} = BaseOptimizerUpdate(x_t, postprocess(g_t))                         # any torch optimizer
 
-with v_i = grad f(x_t; xi_i) and Delta = C for DP-SGD (Abadi et al., 2016). With Adam/AdamW as the base
+with v_i = grad f(x_t; xi_i) and Delta = C for DP-SGD (Abadi et al., "Deep Learning with Differential Privacy",
+CCS 2016). With Adam/AdamW as the base
 this is DP-Adam(W). The base optimizer and ``postprocess`` (filters, momentum) only see the privatized
 g_t, so they are post-processing.
+
+**The step's order** (:meth:`step`): clip -> sum -> noise -> post-process -> base step -> account; the pieces
+live elsewhere (the engine and its multi-point service :mod:`hf_dpfilter.engine.points`, :mod:`hf_dpfilter.noise`,
+:mod:`hf_dpfilter.budget`, the accountant), the order and the state live here.
 
 **One owner.** The optimizer is the only code that clips, adds noise and records a step. Its
 :meth:`accumulate` drives the clipping engine (forward(s) at the method's parameter points, one backward,

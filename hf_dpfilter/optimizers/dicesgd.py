@@ -1,4 +1,5 @@
-"""DiceSGD: DP-SGD with clipped error feedback (Zhang, Bu, Wu & Hong, ICLR 2024, Algorithm 2).
+"""DiceSGD: DP-SGD with clipped error feedback (Zhang, Bu, Wu & Hong, "Differentially Private SGD Without
+Clipping Bias: An Error-Feedback Approach", ICLR 2024, Algorithm 2).
 
 Per logical step t with Poisson batch B_t (expected size B, sample rate q), per-example gradients g_i at x_t::
 

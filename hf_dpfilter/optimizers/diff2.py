@@ -1,4 +1,5 @@
-"""DIFF2: DP optimization via clipped gradient differences (Murata & Suzuki, ICML 2023, Algorithm 1).
+"""DIFF2: DP optimization via clipped gradient differences (Murata & Suzuki, "DIFF2: Differential Private
+Optimization via Gradient Differences for Nonconvex Distributed Learning", ICML 2023, Algorithm 1).
 
 Round r = t + 1 (t = zero-based optimizer step), parameters x_{r-1}, batch B_r (expected size B)::
 

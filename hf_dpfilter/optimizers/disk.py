@@ -1,4 +1,5 @@
-"""DiSK: DP optimizer with a simplified Kalman filter (Zhang, Bu, Balle, Hong, Razaviyayn, Mirrokni, Alg. 2).
+"""DiSK: DP optimizer with a simplified Kalman filter (Zhang, Bu, Balle, Hong, Razaviyayn, Mirrokni, "DiSK:
+Differentially Private Optimizer with Simplified Kalman Filter for Noise Reduction", arXiv:2410.03883, Alg. 2).
 
 Per logical step t, with gain kappa in (0, 1], step gamma != 0 and c = (1 - kappa) / (kappa gamma)::
 

@@ -1,4 +1,5 @@
-"""DOPPLER: a low-pass filter on the privatized gradient (Zhang, Bu, Hong, Razaviyayn, NeurIPS 2024, Alg. 2/3).
+"""DOPPLER: a low-pass filter on the privatized gradient (Zhang, Bu, Hong, Razaviyayn, "DOPPLER: Differentially
+Private Optimizers with Low-pass Filter for Privacy Noise Reduction", NeurIPS 2024, arXiv:2408.13460, Alg. 2/3).
 
 Per logical step t, with g_t the DP-SGD privatized gradient ``(sum_i clip(grad f(x_t; xi_i)) + N(0, sigma^2 C^2)) / B``::
 

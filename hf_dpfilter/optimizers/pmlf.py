@@ -1,4 +1,5 @@
-"""DP-PMLF: per-sample momentum + DOPPLER's low-pass filter (Xu, Ranbaduge, Wang, Rakotoarivelo, Smith, Alg. 1).
+"""DP-PMLF: per-sample momentum + DOPPLER's low-pass filter (Xu, Ranbaduge, Wang, Rakotoarivelo, Smith,
+"Enhancing DPSGD via Per-Sample Momentum and Low-Pass Filtering", Alg. 1).
 
 Per logical step t, with K = min(k, t + 1) parameter points x_t, x_{t-1}, ..., x_{t-K+1} (the current
 parameters and K - 1 stored copies) and weights w_j = beta^j / sum_{l<K} beta^l (j = lag, sum 1)::
