@@ -1,15 +1,17 @@
-"""Gradient checkpointing (transformers' non-reentrant ``torch.utils.checkpoint``). A checkpointed layer runs
-its forward twice: once in the forward pass and again inside the backward, to rebuild the tensors autograd
-needs. The hooks fire both times; only the first counts. A forward hook that fires inside a backward (an
-autograd graph task) is a recomputation: it records nothing, so every layer call is recorded once per
-gradient point, however many backwards replay it. Records hold the layer's *gradient edge*
-(:func:`torch.autograd.graph.get_gradient_edge`), not its output tensor, so a checkpointed layer's output is
-freed as checkpointing intends, and the backward still delivers that output's gradient. A forward at other
-parameter values (:meth:`GhostClippingEngine.call_model`, DiSK/DP-PMLF/DIFF2) must be recomputed at the same
-values: the engine wraps the checkpoint function transformers keeps on each checkpointed layer
-(``_gradient_checkpointing_func``) so that its recomputation runs at the values of its original forward.
-Reentrant checkpointing (``use_reentrant=True``) runs the first forward without autograd, so the hooks never
-see those layers: it is refused, and a recomputation of a layer that was never recorded raises.
+"""Gradient checkpointing under the engine: reentrant checkpointing refused, recomputations at recorded values.
+
+Transformers' non-reentrant ``torch.utils.checkpoint``: a checkpointed layer runs its forward twice, once in the
+forward pass and again inside the backward, to rebuild the tensors autograd needs. The hooks fire both times;
+only the first counts. A forward hook that fires inside a backward (an autograd graph task) is a recomputation:
+it records nothing, so every layer call is recorded once per gradient point, however many backwards replay it.
+Records hold the layer's *gradient edge* (:func:`torch.autograd.graph.get_gradient_edge`), not its output
+tensor, so a checkpointed layer's output is freed as checkpointing intends, and the backward still delivers that
+output's gradient. A forward at other parameter values (:meth:`GhostClippingEngine.call_model`,
+DiSK/DP-PMLF/DIFF2) must be recomputed at the same values: the engine wraps the checkpoint function transformers keeps
+on each checkpointed layer (``_gradient_checkpointing_func``) so that its recomputation runs at the values of
+its original forward. Reentrant checkpointing (``use_reentrant=True``) runs the first forward without autograd,
+so the hooks never see those layers: it is refused, and a recomputation of a layer that was never recorded
+raises.
 """
 
 from __future__ import annotations
