@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import uuid
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,8 +59,8 @@ from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
 from hf_dpfilter.engine.points import LossFn, per_example_combination
 from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig
-from hf_dpfilter.optimizers.method_state import index_to_params, params_to_index
-from hf_dpfilter.optimizers.wrapped import WrappedOptimizer
+from hf_dpfilter.optimizers.method_state import copy_all_, index_to_params, params_to_index
+from hf_dpfilter.optimizers.wrapped import WrappedOptimizer, build_base_optimizer
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
@@ -399,6 +399,12 @@ class DPOptimizer(WrappedOptimizer):
             )
         return bad
 
+    def next_step_history(self) -> list[list]:
+        """The accountant entries the next step will add (read from the method's declaration, nothing run)."""
+        if self.sample_rate is None:
+            return []
+        return [[m.noise_multiplier, m.sample_rate, 1] for m in self.mechanisms()]
+
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         param_index = {p: i for i, p in enumerate(self.params)}
@@ -443,30 +449,6 @@ class DPOptimizer(WrappedOptimizer):
         self.accountant.load_state_dict(dp_state["accountant"])
         params = self.params
         self.load_method_state_dict(index_to_params(dp_state["method_state"], params))
-
-
-def copy_all_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for each pair: one fused call, or one call each for FSDP2's DTensors (no fused copy)."""
-    if any(is_sharded(d) for d in destinations):
-        for d, s in zip(destinations, sources):
-            d.copy_(s)
-    else:
-        torch._foreach_copy_(destinations, sources)
-
-
-def build_base_optimizer(
-    params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
-    base: type[torch.optim.Optimizer] | torch.optim.Optimizer,
-    **base_kwargs: Any,
-) -> torch.optim.Optimizer:
-    """An optimizer instance from a class (constructed on ``params``) or an existing instance."""
-    if isinstance(base, torch.optim.Optimizer):
-        if base_kwargs:
-            raise ValueError(f"base is an optimizer instance; pass its settings to it, not here: {sorted(base_kwargs)}")
-        return base
-    if isinstance(base, type) and issubclass(base, torch.optim.Optimizer):
-        return base(params, **base_kwargs)
-    raise TypeError(f"base must be a torch.optim.Optimizer class or instance, got {base!r}.")
 
 
 __all__ = [

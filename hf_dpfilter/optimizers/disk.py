@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_dpfilter.optimizers.base import DPOptimizer, copy_all_
+from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.method_config import MethodConfig
+from hf_dpfilter.optimizers.method_state import copy_all_
 
 
 @dataclass(frozen=True)

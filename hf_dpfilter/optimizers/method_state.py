@@ -1,4 +1,5 @@
-"""A method's extra state in a checkpoint: parameter keys replaced by their position, and back."""
+"""A method's extra state: copied into in place (DTensor-aware), and in a checkpoint with parameter keys replaced by
+their position, and back."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["index_to_params", "params_to_index"]
+from hf_dpfilter.collectives import is_sharded
+
+__all__ = ["copy_all_", "index_to_params", "params_to_index"]
 
 
 def params_to_index(obj: Any, index: dict[nn.Parameter, int]) -> Any:
@@ -33,3 +36,12 @@ def index_to_params(obj: Any, params: list[nn.Parameter]) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.clone()
     return obj
+
+
+def copy_all_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair: one fused call, or one call each for FSDP2's DTensors (no fused copy)."""
+    if any(is_sharded(d) for d in destinations):
+        for d, s in zip(destinations, sources):
+            d.copy_(s)
+    else:
+        torch._foreach_copy_(destinations, sources)

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["WrappedOptimizer"]
+__all__ = ["WrappedOptimizer", "build_base_optimizer"]
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -60,3 +61,18 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def build_base_optimizer(
+    params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
+    base: type[torch.optim.Optimizer] | torch.optim.Optimizer,
+    **base_kwargs: Any,
+) -> torch.optim.Optimizer:
+    """An optimizer instance from a class (constructed on ``params``) or an existing instance."""
+    if isinstance(base, torch.optim.Optimizer):
+        if base_kwargs:
+            raise ValueError(f"base is an optimizer instance; pass its settings to it, not here: {sorted(base_kwargs)}")
+        return base
+    if isinstance(base, type) and issubclass(base, torch.optim.Optimizer):
+        return base(params, **base_kwargs)
+    raise TypeError(f"base must be a torch.optim.Optimizer class or instance, got {base!r}.")
