@@ -12,7 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DPOptimizer": "hf_dpfilter.optimizers",
+    "DPOptimizer": "hf_dpfilter.optimizers.base",
     "DPTrainer": "hf_dpfilter.trainer",
     "DPTrainingArguments": "hf_dpfilter.arguments",
     "GhostClippingEngine": "hf_dpfilter.engine",
@@ -23,17 +23,18 @@ _EXPORTS = {
     "PrivacyAccountant": "hf_dpfilter.accounting",
     "PrivacyPlan": "hf_dpfilter.plan",
     "StateWrittenError": "hf_dpfilter.validators",
-    "UnprivatizedGradientError": "hf_dpfilter.optimizers",
+    "UnprivatizedGradientError": "hf_dpfilter.optimizers.base",
     "UnsupportedLayerError": "hf_dpfilter.engine",
-    "available_methods": "hf_dpfilter.optimizers",
+    "available_methods": "hf_dpfilter.optimizers.registry",
     "calibrate_noise_multiplier": "hf_dpfilter.accounting",
     "compute_epsilon": "hf_dpfilter.accounting",
-    "make_dp_optimizer": "hf_dpfilter.optimizers",
+    "make_dp_optimizer": "hf_dpfilter.factory",
+    "make_private": "hf_dpfilter.factory",
     "packaged_model_path": "hf_dpfilter.models",
     "per_example_loss": "hf_dpfilter.losses",
     "register_grad_rule": "hf_dpfilter.grad_rules",
     "register_module_validator": "hf_dpfilter.validators",
-    "register_method": "hf_dpfilter.optimizers",
+    "register_method": "hf_dpfilter.optimizers.registry",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -32,7 +32,7 @@ __all__ = ["RunGuard", "overlapping_rows"]
 #: DP settings the plan is built from; a change after DPTrainer creation would be silently ignored
 PLANNED_DP_FIELDS = (
     "dp_method", "dp_method_args", "target_epsilon", "target_delta", "noise_multiplier", "per_sample_max_grad_norm",
-    "clipping_fn", "logical_batch_size", "poisson_sampling", "accountant", "dp_seed", "secure_noise",
+    "clipping_fn", "logical_batch_size", "poisson_sampling", "accountant", "dp_seed", "secure_rng",
 )
 #: fields whose values are secret: a message names the change, never the values
 SECRET_FIELDS = ("dp_seed",)

@@ -2,7 +2,7 @@
 
 Two sources:
 
-* **OS CSPRNG** (``secure_noise=True``, recommended for any run whose result is published): uniform bits
+* **OS CSPRNG** (``secure_rng=True``, recommended for any run whose result is published): uniform bits
   from ``os.urandom``. Gaussians come from the Box-Muller transform in float64, Poisson coins from 53-bit
   uniforms. Not reproducible by design; nothing about the noise or the batches can be recovered from the
   run's configuration.

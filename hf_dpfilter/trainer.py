@@ -10,7 +10,8 @@ Thin glue over the Trainer's own loop, through its hooks:
   adds the noise once per step and records the step with the accountant;
 
 Everything about the privacy of the run (N, q, steps, delta, sigma, the method's mechanisms, the sampler and
-the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once from the arguments.
+the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once from the arguments; the engine,
+the optimizer and the sampler are built from it by :mod:`hf_dpfilter.factory`.
 * ``log`` adds the epsilon spent so far to every log line (progress bar, TensorBoard, W&B, ...).
 """
 
@@ -33,11 +34,12 @@ from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPTrainingArguments
 from hf_dpfilter.batch_structure import BatchStructure, probe_batch_structure
 from hf_dpfilter.engine import GhostClippingEngine
+from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
 from hf_dpfilter.first_step_check import verify_per_example
 from hf_dpfilter.ledger import PrivacyLedger
 from hf_dpfilter.loss_policy import check_hook_verified_when_sharded, check_loss_policy, check_prompt_learning
 from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.optimizers import DPOptimizer
+from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.packing import (
     PackedLayout,
     PackingError,
@@ -221,8 +223,8 @@ class DPTrainer(Trainer):
                 "poisson_sampling=False: batches are shuffled fixed-size batches; the reported epsilon assumes "
                 "Poisson sampling and is not a proven guarantee for this run."
             )
-        self.engine = self.privacy_plan.make_engine(
-            self.model, verify_first_backward=args.dp_verify_first_step, stack_layers=args.dp_stack_layers,
+        self.engine = make_engine(
+            self.privacy_plan, self.model, verify_first_backward=args.dp_verify_first_step, stack_layers=args.dp_stack_layers,
             batchnorm_eval=args.dp_batchnorm_eval,
         )
 
@@ -326,11 +328,17 @@ class DPTrainer(Trainer):
             self.engine.attach()
 
     # ------------------------------------------------------------------------ optimizer
+    #: TEST-ONLY (hf_dpfilter.audit): the audit's observed or deliberately weakened optimizer, built by the factory.
+    #: None in every real run.
+    _dp_audit_options: AuditOptions | None = None
+
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.dp_optimizer is not None:
             return self.optimizer
         base = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        self.dp_optimizer = self.privacy_plan.make_optimizer(None, base=base, accountant=self.accountant)
+        self.dp_optimizer = make_optimizer(
+            self.privacy_plan, None, base, accountant=self.accountant, audit=self._dp_audit_options
+        )
         self.optimizer = self.dp_optimizer
         self.dp_optimizer.warn_nonfinite = self.args.dp_log_nonprivate_metrics
         if self.privacy_plan.is_private:
@@ -536,7 +544,7 @@ class DPTrainer(Trainer):
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
-        sampler = self.privacy_plan.make_sampler(rank=rank, world_size=world)
+        sampler = make_sampler(self.privacy_plan, rank=rank, world_size=world)
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
         self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)

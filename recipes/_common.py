@@ -130,14 +130,13 @@ def add_common_arguments(
     )
     g.add_argument("--accountant", default="prv", choices=["prv", "rdp", "pld"], help="Privacy accountant.")
     g.add_argument(
-        "--secure_noise", action="store_true",
+        "--secure_rng", action="store_true",
         help="Draw the noise and the Poisson sampling from the OS CSPRNG (recommended for published runs). "
         "Without it they come from a secret random DP seed, which is never written to results.json.",
     )
     g.add_argument(
         "--method_args", nargs="*", default=[], metavar="NAME=VALUE",
-        help="The method's settings (fields of its config, e.g. kappa=0.7 gamma=0.5 for disk; the older "
-        "prefixed names such as disk_kappa=0.7 are accepted too).",
+        help="The method's settings (fields of its config, e.g. kappa=0.7 gamma=0.5 for disk).",
     )
     g = parser.add_argument_group("optimisation")
     g.add_argument(
@@ -344,7 +343,7 @@ def training_arguments(
         use_cpu=args.use_cpu,
         # pinned memory only helps copies to a GPU; without one torch warns at every DataLoader iterator
         dataloader_pin_memory=torch.cuda.is_available() and not args.use_cpu and not _accelerate_cpu(),
-        secure_noise=args.secure_noise,
+        secure_rng=args.secure_rng,
         remove_unused_columns=False,
         disable_tqdm=False,
         **privacy,

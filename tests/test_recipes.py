@@ -94,7 +94,7 @@ def test_every_listed_method_runs_with_its_defaults_and_a_short_plan_warns(tiny_
     glue.main([
         "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"), "--method", method,
         "--epsilon", "8", "--max_train_samples", "2000", "--max_eval_samples", "32", "--max_seq_length", "16",
-        "--epochs", "1.25", "--num_evals", "1", "--output_dir", str(out), "--use_cpu", "--secure_noise",
+        "--epochs", "1.25", "--num_evals", "1", "--output_dir", str(out), "--use_cpu", "--secure_rng",
     ])
     printed = capsys.readouterr().out
     results = _check_outputs(out, method)
@@ -179,12 +179,12 @@ def test_recipes_use_the_adam_variant_of_the_low_pass_filters(tmp_path):
         glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "kappa=0.5"]))
 
 
-def test_results_never_contain_the_dp_seed_and_secure_noise_is_one_flag():
-    args = glue.build_parser().parse_args(["--method", "dpsgd", "--secure_noise", "--use_cpu"])
+def test_results_never_contain_the_dp_seed_and_secure_rng_is_one_flag():
+    args = glue.build_parser().parse_args(["--method", "dpsgd", "--secure_rng", "--use_cpu"])
     import _common
 
     training_args = _common.training_arguments(args, glue.resolve_settings(args), n_train=512)
-    assert training_args.secure_noise and training_args.dp_seed is None
+    assert training_args.secure_rng and training_args.dp_seed is None
 
 
 @needs_e2e

@@ -41,7 +41,6 @@ import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +50,7 @@ from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.collectives import Collectives, as_layout_of, default_collectives, is_sharded
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
-from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig
+from hf_dpfilter.optimizers.method_config import DPSGDConfig, Mechanism, MethodConfig  # noqa: F401 (DPSGDConfig: re-exported)
 from hf_dpfilter.secure_rng import derive_seed
 
 if TYPE_CHECKING:
@@ -71,13 +70,6 @@ class PrivacyBudgetExceededError(RuntimeError):
 
 class UnprivatizedGradientError(RuntimeError):
     """``step()`` was asked to release a gradient that the DP optimizer's own accumulation did not build."""
-
-
-@dataclass(frozen=True)
-class DPSGDConfig(MethodConfig):
-    """DP-SGD / DP-Adam has no settings of its own (everything is in the plan)."""
-
-    name = "dpsgd"
 
 
 class DPOptimizer(torch.optim.Optimizer):
