@@ -1,4 +1,5 @@
-"""``DPTrainingArguments``: ``transformers.TrainingArguments`` plus the differential privacy settings."""
+"""``DPTrainingArguments``: ``transformers.TrainingArguments`` plus the differential privacy settings, which are
+declared once, in :class:`DPArgumentsMixin`, for every TrainingArguments subclass that needs them."""
 
 from __future__ import annotations
 
@@ -22,10 +23,15 @@ logger = logging.getLogger(__name__)
 DP_METHODS = METHOD_NAMES
 
 
-@refuse_retired_names
-@dataclass
-class DPTrainingArguments(TrainingArguments):
-    """TrainingArguments for differentially private training with :class:`hf_dpfilter.DPTrainer`.
+@dataclass(repr=False)
+class DPArgumentsMixin:
+    """The differential privacy fields, declared once, for any ``transformers.TrainingArguments`` subclass.
+
+    Mix it in first, ``@dataclass(repr=False) class XArguments(DPArgumentsMixin, SomeTrainingArguments)``
+    (:class:`DPTrainingArguments` is ``DPArgumentsMixin`` + ``TrainingArguments``): the DP fields follow the other
+    class's fields, ``__post_init__`` checks them and then calls the other class's, and the secret ``dp_seed``
+    stays out of ``repr``/``to_dict``/pickles (``repr=False`` keeps the mixin's sanitised ``__repr__``). Decorate the
+    result with :func:`hf_dpfilter.retired_names.refuse_retired_names` for clear errors on retired names.
 
     Give exactly one of ``target_epsilon`` (the noise is calibrated to reach it at the end of the run) or
     ``noise_multiplier``. ``logical_batch_size`` is the expected number of examples per optimizer step;
@@ -183,7 +189,7 @@ class DPTrainingArguments(TrainingArguments):
         state["dp_seed"] = None
         return state
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> DPTrainingArguments:
+    def __deepcopy__(self, memo: dict[int, Any]) -> DPArgumentsMixin:
         import copy
 
         clone = object.__new__(type(self))
@@ -251,7 +257,14 @@ class DPTrainingArguments(TrainingArguments):
             )
 
 
-def _uses_reentrant_checkpointing(args: DPTrainingArguments) -> bool:
+@refuse_retired_names
+@dataclass(repr=False)
+class DPTrainingArguments(DPArgumentsMixin, TrainingArguments):
+    """TrainingArguments for differentially private training with :class:`hf_dpfilter.DPTrainer`: the DP fields
+    of :class:`DPArgumentsMixin` (see there) after those of ``transformers.TrainingArguments``."""
+
+
+def _uses_reentrant_checkpointing(args: DPArgumentsMixin) -> bool:
     """Whether the arguments ask for reentrant gradient checkpointing (read before TrainingArguments resolves
     its deprecated ``gradient_checkpointing*`` aliases, so both names are read)."""
     on = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)

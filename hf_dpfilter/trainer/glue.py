@@ -1,0 +1,462 @@
+"""``DPTrainerMixin``: the DP glue over a ``transformers.Trainer`` loop; ``DPTrainer`` = the mixin + ``Trainer``.
+
+Thin glue over the Trainer's own loop, through its hooks:
+
+* ``get_train_dataloader`` yields one *logical* batch per optimizer step, Poisson-sampled (possibly empty);
+* ``training_step`` splits it into micro-batches of ``per_device_train_batch_size``
+  (:mod:`hf_dpfilter.trainer.micro_batches`), computes per-example losses (:mod:`hf_dpfilter.losses`), and lets
+  the DP optimizer accumulate the clipped per-example (combinations of) gradients via the clipping engine;
+* ``create_optimizer`` wraps the Trainer's optimizer in the DP optimizer of ``dp_method``, which alone clips,
+  adds the noise once per step and records the step with the accountant (its ledger:
+  :mod:`hf_dpfilter.trainer.session`);
+* ``log`` adds the epsilon spent so far to every log line (progress bar, TensorBoard, W&B, ...).
+
+Everything about the privacy of the run (N, q, steps, delta, sigma, the method's mechanisms, the sampler and
+the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once from the arguments; the engine,
+the optimizer and the sampler are built from it by :mod:`hf_dpfilter.factory`.
+
+The mixin holds all of it, so another Trainer of the Hugging Face stack gets the same machinery with no copy:
+``class DPSomethingTrainer(DPTrainerMixin, SomethingTrainer)`` with arguments that mix in
+:class:`hf_dpfilter.arguments.DPArgumentsMixin`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import Trainer
+from transformers.trainer_utils import TrainOutput
+
+from hf_dpfilter.accounting import PrivacyAccountant
+from hf_dpfilter.arguments import DPArgumentsMixin
+from hf_dpfilter.batch_structure import probe_batch_structure
+from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
+from hf_dpfilter.loss_policy import check_hook_verified_when_sharded, check_loss_policy, check_prompt_learning
+from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.packing import PackingError, packed_token_mean_loss
+from hf_dpfilter.plan import PrivacyPlan
+from hf_dpfilter.processes import check_one_dp_run
+from hf_dpfilter.run_guard import RunGuard
+from hf_dpfilter.trainer.micro_batches import (
+    NUM_EXAMPLES_KEY,
+    MicroBatchMixin,
+    _check_sequence_length,
+    _EmptySafeCollator,
+    _LogicalBatchLoader,
+)
+from hf_dpfilter.trainer.session import PrivacySessionMixin, _PrivacyCallback
+
+if TYPE_CHECKING:
+    from hf_dpfilter.batch_structure import BatchStructure
+    from hf_dpfilter.engine import GhostClippingEngine
+    from hf_dpfilter.ledger import PrivacyLedger
+    from hf_dpfilter.optimizers.base import DPOptimizer
+    from hf_dpfilter.packing import PackedLayout
+
+__all__ = ["DPTrainer", "DPTrainerMixin"]
+
+logger = logging.getLogger(__name__)
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return type(base).__name__ in names or type(base).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
+    """The DP glue of a ``transformers.Trainer`` (see the module docstring): put it first among the bases,
+    ``class DPTrainer(DPTrainerMixin, Trainer)``, so that its hooks wrap the Trainer's.
+
+    ``args`` must mix in :class:`~hf_dpfilter.arguments.DPArgumentsMixin` (:class:`DPTrainingArguments` does). The
+    train dataset must have a length (N is needed for the sample rate and the default delta). After ``train()``,
+    :meth:`privacy_report` gives the epsilon spent.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, DPArgumentsMixin):
+            raise TypeError(
+                f"{type(self).__name__} needs DPTrainingArguments (a TrainingArguments subclass with the DP fields of "
+                "hf_dpfilter.arguments.DPArgumentsMixin) as `args`."
+            )
+        self.dp_optimizer: DPOptimizer | None = None
+        self.engine: GhostClippingEngine | None = None
+        self._batch_structure: BatchStructure | None = None  # probed on the training collator
+        self._packed_layout: PackedLayout | None = None  # the packed micro-batch being computed, if any
+        self._per_example_checked = not self.args.dp_verify_first_step
+        self._packing_checked = False  # packed rows: attention proven to stay inside each example, once
+        check_loss_policy(self, DPTrainerMixin)
+        check_prompt_learning(self.model)
+        self._setup_privacy()
+        self.add_callback(_PrivacyCallback(self))
+        # What the plan was computed from; checked again when train() starts (hf_dpfilter/run_guard.py).
+        self._run_guard = RunGuard(self, DPTrainerMixin)
+
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
+        """``Trainer.train``, after the checks of :class:`hf_dpfilter.run_guard.RunGuard` (one run per trainer;
+        the arguments, batch and processes the plan was computed for)."""
+        self._run_guard.before_train(self)
+        self._refuse_seed_to_loggers()  # callbacks may have been added since the trainer was created
+        checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        # a checkpoint of another output_dir: its ledger is this run's history too (PrivacyLedger.open_session)
+        self._resumed_checkpoint_dir = checkpoint if isinstance(checkpoint, str) else None
+        return super().train(*args, **kwargs)
+
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(
+            "hyperparameter_search is not supported by DPTrainer: every trial trains on the private data and the "
+            "choice of the best trial releases information about it, which no single run's epsilon accounts for. "
+            "Tune on public data or on a public proxy task, or account the whole search (create one DPTrainer per "
+            "trial and add up their epsilons)."
+        )
+
+    # ------------------------------------------------------------------------------ set-up
+    def _setup_privacy(self) -> None:
+        args = self.args
+        self._refuse_sharded_training()
+        check_one_dp_run(args.world_size)
+        self._refuse_nonprivate_statistics()
+        self._refuse_seed_to_loggers()
+        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
+            raise ValueError("DPTrainer needs a train_dataset with a length (N sets the sample rate and delta).")
+        if len(self.train_dataset) == 0:
+            raise ValueError("The training set is empty.")
+        self.privacy_plan = PrivacyPlan.from_training_args(args, len(self.train_dataset))
+        self._causal_lm = _is_causal_lm(self.model)
+        self.accountant = PrivacyAccountant(self.privacy_plan.accountant)
+        self._ledger_last_call: float | None = None  # monotonic time of the last pre-release ledger call
+        self._ledger_reserved_through = 0  # the steps the ledger on disk counts (see ledger_reserve_seconds)
+        self._privacy_ledger: PrivacyLedger | None = None  # the session of train() extending the ledger
+        if self.privacy_plan.is_private and not args.poisson_sampling:
+            logger.warning(
+                "poisson_sampling=False: batches are shuffled fixed-size batches; the reported epsilon assumes "
+                "Poisson sampling and is not a proven guarantee for this run."
+            )
+        self.engine = make_engine(
+            self.privacy_plan, self.model, verify_first_backward=args.dp_verify_first_step, stack_layers=args.dp_stack_layers,
+            batchnorm_eval=args.dp_batchnorm_eval,
+        )
+
+    # The plan's numbers, under the names Trainer users look for.
+    @property
+    def num_train_examples(self) -> int:
+        return self.privacy_plan.num_examples
+
+    @property
+    def logical_batch_size(self) -> int:
+        return int(round(self.privacy_plan.expected_batch_size))
+
+    @property
+    def sample_rate(self) -> float:
+        return self.privacy_plan.sample_rate
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.privacy_plan.steps_per_epoch
+
+    @property
+    def planned_steps(self) -> int:
+        return self.privacy_plan.steps
+
+    @property
+    def delta(self) -> float:
+        return self.privacy_plan.delta
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.privacy_plan.noise_multiplier
+
+    def _refuse_sharded_training(self) -> None:
+        """Refuse DeepSpeed and FSDP1; FSDP2 (``fully_shard``, accelerate's ``fsdp_version: 2``) is supported."""
+        deepspeed = getattr(self, "is_deepspeed_enabled", False) or bool(getattr(self.args, "deepspeed", None))
+        if deepspeed:
+            raise ValueError(
+                "DeepSpeed is not supported by DPTrainer: ZeRO partitions and reduces the gradients inside its own "
+                "engine, where the DP optimizer cannot take each example's gradient from the whole layer "
+                "activations, reduce-scatter the clipped sums and add the noise once. Shard with FSDP2 instead "
+                "(accelerate launch --config_file accelerate_configs/fsdp.yaml, README 'Large models: FSDP2'), or "
+                "use DDP (accelerate_configs/multi_gpu.yaml) with LoRA."
+            )
+        fsdp = getattr(self, "is_fsdp_enabled", False) or bool(getattr(self.args, "fsdp", None))
+        if fsdp and self._fsdp_version() != 2:
+            raise ValueError(
+                "FSDP (version 1) is not supported by DPTrainer: it flattens the parameters into one buffer per "
+                "unit, so the DP optimizer cannot clip, reduce-scatter and noise them per parameter. Use FSDP2: "
+                "accelerate launch --config_file accelerate_configs/fsdp.yaml (fsdp_version: 2), or DDP."
+            )
+
+    def _refuse_nonprivate_statistics(self) -> None:
+        """Options that publish exact statistics of the private batches need ``dp_log_nonprivate_metrics``."""
+        tokens = getattr(self.args, "include_num_input_tokens_seen", "no")
+        private = self.args.dp_method != "none"
+        if private and tokens not in ("no", False, None) and not self.args.dp_log_nonprivate_metrics:
+            raise ValueError(
+                f"include_num_input_tokens_seen={tokens!r} logs and saves (trainer_state.json, loggers) the exact "
+                "token count of every secret Poisson batch, without noise: adding one example moves it by that "
+                "example's length. Leave it at 'no', or set dp_log_nonprivate_metrics=True to publish it knowingly "
+                "(docs/threat_model.md: the reported epsilon then does not cover it)."
+            )
+
+    def _refuse_seed_to_loggers(self) -> None:
+        """Loggers that read the arguments field by field (not through ``to_dict()``) would upload ``dp_seed``.
+
+        transformers' ClearMLCallback copies ``getattr(args, f.name) for f in dataclasses.fields(args)`` (and
+        ``Task.connect(args)`` when run remotely) to the ClearML server: the seed regenerates the noise and the
+        batches. ``report_to="all"`` adds it whenever clearml is installed.
+        """
+        if self.args.dp_seed is None:
+            return  # nothing secret in the field: the fresh per-run seed lives in the plan only
+        try:
+            from transformers.integrations import ClearMLCallback
+        except ImportError:  # pragma: no cover -- an older transformers
+            return
+        if any(isinstance(callback, ClearMLCallback) for callback in self.callback_handler.callbacks):
+            raise ValueError(
+                "report_to includes ClearML (explicitly, or through report_to='all' with clearml installed), whose "
+                "callback uploads every field of the arguments read one by one, dp_seed included: anyone with the "
+                "logs could regenerate the noise and the batches. Leave dp_seed unset (a fresh secret seed per run, "
+                "never stored in the arguments), or drop 'clearml' from report_to."
+            )
+
+    def _fsdp_version(self) -> int:
+        plugin = getattr(getattr(getattr(self, "accelerator", None), "state", None), "fsdp_plugin", None)
+        if plugin is not None:
+            return int(getattr(plugin, "fsdp_version", 1) or 1)
+        config = getattr(self.args, "fsdp_config", None) or {}
+        return int(config.get("version", 2))  # transformers' default for `fsdp=...` in the TrainingArguments
+
+    def _attach_engine_to_prepared_model(self) -> None:
+        """Re-attach the engine when Accelerate replaced the parameters (FSDP2's ``fully_shard`` makes DTensors).
+
+        The optimizer's parameters were switched to the sharded ones by Accelerate; the engine must key its
+        terms by the same objects (the optimizer checks that both hold the same set).
+        """
+        if self.engine is not None and set(self.engine.trainable_parameters) != {
+            p for p in self.model.parameters() if p.requires_grad
+        }:
+            self.engine.attach()
+
+    # ------------------------------------------------------------------------ optimizer
+    #: TEST-ONLY (hf_dpfilter.audit): the audit's observed or deliberately weakened optimizer, built by the factory.
+    #: None in every real run.
+    _dp_audit_options: AuditOptions | None = None
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.dp_optimizer is not None:
+            return self.optimizer
+        base = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        self.dp_optimizer = make_optimizer(
+            self.privacy_plan, None, base, accountant=self.accountant, audit=self._dp_audit_options
+        )
+        self.optimizer = self.dp_optimizer
+        self.dp_optimizer.warn_nonfinite = self.args.dp_log_nonprivate_metrics
+        if self.privacy_plan.is_private:
+            self.dp_optimizer.pre_release_hooks.append(self._write_privacy_ledger)
+            self.dp_optimizer.pre_release_hooks.append(self._mark_parameters_released)
+        return self.optimizer
+
+    def trainable_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def _announce_plan(self) -> None:
+        """Log the privacy plan and warn, with the fix, when it cannot rise above the noise."""
+        if not self.is_world_process_zero():
+            return
+        count = self.trainable_parameter_count()
+        logger.info("%s", self.privacy_plan.describe(count))
+        for message in self.privacy_plan.learnability_warnings(count):
+            warnings.warn(message, UserWarning, stacklevel=2)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        # The Trainer would log the norm of p.grad, which here is the *pre-noise* clipped sum: private.
+        return None
+
+    # ---------------------------------------------------------------------------- data
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        import datasets
+
+        dataset = self.train_dataset
+        collator = self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
+        sampler = make_sampler(self.privacy_plan, rank=rank, world_size=world)
+        self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
+        self._padding_collator = _EmptySafeCollator(collator, dataset)
+        self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
+        return _LogicalBatchLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=self._padding_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    # --------------------------------------------------------------------------- steps
+    def compute_per_example_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        labels: torch.Tensor,
+        param_values: dict[nn.Parameter, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Per-example losses, shape (B,), optionally at other parameter values (a functional call).
+
+        The documented hook for a loss of your own: override it to return one loss per example, each computed
+        from that example only (the first-step check verifies it example by example). For packed rows
+        (several examples per row) ``self.packed_layout`` says which tokens belong to which example.
+        """
+        outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
+        problem_type = getattr(getattr(model, "config", None), "problem_type", None)
+        smoothing = float(self.args.label_smoothing_factor or 0.0)
+        if self._packed_layout is not None:
+            if logits.dim() != 3:
+                raise PackingError(
+                    f"The model returns logits of shape {tuple(logits.shape)} for packed rows: a sequence-level head "
+                    "pools over the whole row, mixing the examples packed in it. Use a padding collator (one "
+                    "example per row) for this model."
+                )
+            return packed_token_mean_loss(logits, labels, self._packed_layout, shift=self._causal_lm,
+                                          label_smoothing=smoothing)
+        return per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type,
+                                label_smoothing=smoothing)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # Evaluation keeps the model's own loss (no gradients, nothing private is released by training).
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """One logical batch: micro-batches -> per-example losses -> clipped sums in ``p.grad``."""
+        model = self.model  # hooks live on the unwrapped modules; DDP reduction is done by the DP optimizer
+        model.train()
+        if self.engine is not None:
+            self.engine.hold_eval_modes()  # modules the options keep in eval mode (dp_batchnorm_eval)
+        inputs = dict(self._prepare_inputs(inputs))
+        num_examples = inputs.pop(NUM_EXAMPLES_KEY, None)
+        labels = inputs.pop("labels", None)
+        if labels is None:
+            raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
+        batch = labels.shape[0]
+        _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
+        total = torch.zeros((), device=self.args.device)
+        micro_batches = [self._no_cache_when_packed(m) for m in self._micro_batches(inputs, labels, num_examples)] if (
+            batch and labels.numel()) else []
+        examples = sum(m[1].shape[0] if m[2] is None else m[2].num_examples for m in micro_batches)
+        batch = examples
+        if not self._packing_checked and self._training_batch_structure().packed:
+            # on every process at its first step, whatever it sampled (FSDP2 runs collectives in the forward)
+            self._check_packed_attention(model)
+        if not self._per_example_checked and self.dp_optimizer.sharded:
+            check_hook_verified_when_sharded(self, DPTrainerMixin)  # the same on every process: all refuse together
+        if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
+            candidate = self._micro_batch_to_check(micro_batches)
+            if candidate is not None:
+                self._check_first_micro_batch(model, candidate)
+        rounds = len(micro_batches)
+        if self.dp_optimizer.sharded:
+            # FSDP2 gathers parameters with collectives in every forward and backward: every process runs as
+            # many micro-batches as the process with the largest share of the Poisson sample.
+            rounds = self.dp_optimizer.collectives.max_over_processes(rounds)
+        if batch == 0:
+            # an empty Poisson batch, declared as such: the optimizer step still adds noise and is accounted
+            self.dp_optimizer.accumulate(self.engine, None, batch_size=0)
+        for index in range(rounds):
+            micro, micro_labels, layout = micro_batches[min(index, len(micro_batches) - 1)] if micro_batches else (
+                self._padding_micro_batch()
+            )
+            size = micro_labels.shape[0] if layout is None else layout.num_examples
+
+            def loss_fn(values, micro=micro, micro_labels=micro_labels):
+                with self.compute_loss_context_manager():
+                    return self.compute_per_example_loss(model, micro, micro_labels, values)
+
+            with self._packed(layout):
+                if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
+                    self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=size)
+                    continue
+                losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size)
+            total = total + losses.sum()
+        return total / max(batch, 1)
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """0 unless ``dp_log_nonprivate_metrics``: the Trainer's count (``total_flos``) is a function of the private
+        Poisson batch sizes and token counts, and is written to trainer_state.json and the loggers."""
+        if self.privacy_plan.is_private and not self.args.dp_log_nonprivate_metrics:
+            return 0
+        return super().floating_point_ops(inputs)
+
+    # ----------------------------------------------------------------------- reporting
+    def current_epsilon(self, horizon: int | None = None) -> float:
+        """Epsilon spent so far; ``horizon`` (planned total steps) allows the cheap log-line evaluation, see
+        :meth:`hf_dpfilter.accounting.PrivacyAccountant.get_epsilon`."""
+        if not self.privacy_plan.is_private:
+            return float("inf")
+        return self.accountant.get_epsilon(self.delta, horizon=horizon)
+
+    #: log keys computed from the private batches without noise (the training loss): published only with
+    #: ``dp_log_nonprivate_metrics``
+    NONPRIVATE_LOG_KEYS = ("loss", "train_loss")
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.privacy_plan.is_private and not self.args.dp_log_nonprivate_metrics:
+            # Removed from the caller's dict too: train()'s returned metrics are what scripts save
+            # (trainer.save_metrics -> train_results.json, all_results.json).
+            for key in self.NONPRIVATE_LOG_KEYS:
+                logs.pop(key, None)
+            # skip_memory_metrics=False: the memory deltas and peaks of training (train_mem_gpu_peaked_delta, ...)
+            # grow with the longest padded Poisson micro-batch: one long example moves them, without noise
+            for key in [k for k in logs if "_mem_" in k]:
+                logs.pop(key)
+        if self.privacy_plan.is_private and self.accountant.steps > 0:
+            logs = dict(logs)
+            # A new step count costs up to ~1 s with the PRV accountant; with the run's planned length the log
+            # lines share one discretisation (~0.1 s each). Reports and the ledger stay exact.
+            horizon = self.state.max_steps if self.state.max_steps > 0 else None
+            logs["epsilon"] = round(self.current_epsilon(horizon), 4)
+        super().log(logs, *args, **kwargs)
+
+    def privacy_report(self) -> dict[str, Any]:
+        """epsilon spent so far and everything needed to interpret it (never the DP seed)."""
+        plan = self.privacy_plan
+        return {
+            "epsilon": self.current_epsilon(),
+            "delta": self.delta,
+            "target_epsilon": plan.target_epsilon,
+            "noise_multiplier": plan.noise_multiplier,
+            "sample_rate": plan.sample_rate,
+            "logical_batch_size": self.logical_batch_size,
+            "num_train_examples": plan.num_examples,
+            "steps": self.accountant.steps,
+            "planned_steps": plan.steps,
+            "accountant": plan.accountant,
+            "max_grad_norm": plan.max_grad_norm,
+            "clipping_fn": plan.clipping_fn,
+            "method": plan.method,
+            "method_args": plan.config.to_dict(),
+            "poisson_sampling": plan.poisson_sampling,
+            "randomness": plan.randomness,
+            "neighbouring_relation": "add/remove one example",
+            "accountant_history": [list(e) for e in self.accountant.history],
+            # Method-specific accounting details (DiceSGD, DIFF2) extend or refine the entries above.
+            **plan.config.report(plan.noise, plan, self.accountant.steps, self.delta),
+        }
+
+
+class DPTrainer(DPTrainerMixin, Trainer):
+    """A ``transformers.Trainer`` that trains with (epsilon, delta)-differential privacy.
+
+    Same constructor as ``Trainer``; ``args`` must be :class:`~hf_dpfilter.DPTrainingArguments`. The train
+    dataset must have a length (N is needed for the sample rate and the default delta). After ``train()``,
+    :meth:`privacy_report` gives the epsilon spent. All of the DP logic is in :class:`DPTrainerMixin`.
+    """
