@@ -20,6 +20,7 @@ import torch
 from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan
 from hf_dpfilter.arguments import DP_METHODS
 from hf_dpfilter.optimizers.registry import method_spec
+from hf_dpfilter.retired_names import check_no_retired_names
 
 
 def refuse_sharded_training() -> None:
@@ -179,7 +180,7 @@ def add_common_arguments(
 def parse_method_args(pairs: list[str], method: str) -> dict[str, Any]:
     """``["kappa=0.7", ...]`` -> ``{"kappa": 0.7}``, checked against the fields of ``method``'s config.
 
-    The prefixed names of earlier versions (``disk_kappa=0.7``) are mapped to the field names.
+    The retired prefixed names of earlier versions (``disk_kappa=0.7``) are refused with the field name.
     """
     config_class = method_spec(method).config_class
     out: dict[str, Any] = {}
@@ -187,6 +188,7 @@ def parse_method_args(pairs: list[str], method: str) -> dict[str, Any]:
         if "=" not in pair:
             raise ValueError(f"--method_args expects NAME=VALUE, got {pair!r}.")
         name, value = pair.split("=", 1)
+        check_no_retired_names([name], "--method_args")
         out[config_class.canonical_name(name)] = _parse_value(value)
     return out
 

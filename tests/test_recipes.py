@@ -170,13 +170,15 @@ def test_recipes_use_the_adam_variant_of_the_low_pass_filters(tmp_path):
     assert settings["method_args"] == {"base": "adam"}
     training_args = _common.training_arguments(args, settings, n_train=512)
     assert (training_args.dp_method_args, training_args.optim) == ({"base": "adam"}, "sgd")
-    # choosing the base yourself replaces the default (base='optimizer' keeps the AdamW); old names still map
-    args = glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "pmlf_base=optimizer", "k=3"])
+    # choosing the base yourself replaces the default (base='optimizer' keeps the AdamW); retired names are refused
+    args = glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "base=optimizer", "k=3"])
     settings = glue.resolve_settings(args)
     assert settings["method_args"] == {"base": "optimizer", "k": 3}
     assert _common.training_arguments(args, settings, n_train=512).optim != "sgd"
     with pytest.raises(ValueError, match="not a setting of dp_method='pmlf'"):
         glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "kappa=0.5"]))
+    with pytest.raises(ValueError, match=r"'pmlf_base' is no longer accepted.*dp_method_args=\{'base'"):
+        glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "pmlf_base=adam"]))
 
 
 def test_results_never_contain_the_dp_seed_and_secure_rng_is_one_flag():
