@@ -12,8 +12,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "DPArgumentsMixin": "hf_dpfilter.arguments",
     "DPOptimizer": "hf_dpfilter.optimizers.base",
     "DPTrainer": "hf_dpfilter.trainer",
+    "DPTrainerMixin": "hf_dpfilter.trainer",
     "DPTrainingArguments": "hf_dpfilter.arguments",
     "GhostClippingEngine": "hf_dpfilter.engine",
     "ModuleProblem": "hf_dpfilter.validators",
