@@ -28,7 +28,7 @@ _EXPORTS = {
     "UnprivatizedGradientError": "hf_dpfilter.optimizers.base",
     "UnsupportedLayerError": "hf_dpfilter.engine",
     "available_methods": "hf_dpfilter.optimizers.registry",
-    "calibrate_noise_multiplier": "hf_dpfilter.accounting",
+    "calibrate_noise_multiplier": "hf_dpfilter.calibration",
     "compute_epsilon": "hf_dpfilter.accounting",
     "make_dp_optimizer": "hf_dpfilter.factory",
     "make_private": "hf_dpfilter.factory",
