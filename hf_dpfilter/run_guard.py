@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from hf_dpfilter.training_fields import TrainingFieldError, check_training_fields, eval_driven_features
 
 if TYPE_CHECKING:
-    from hf_dpfilter.trainer.glue import DPTrainerMixin as DPTrainer
+    from hf_dpfilter.trainer import DPTrainerMixin as DPTrainer
 
 __all__ = ["RunGuard", "overlapping_rows"]
 

@@ -20,7 +20,7 @@ from hf_dpfilter.ledger import PrivacyLedger
 
 if TYPE_CHECKING:
     from hf_dpfilter.optimizers.base import DPOptimizer
-    from hf_dpfilter.trainer.glue import DPTrainerMixin
+    from hf_dpfilter.trainer import DPTrainerMixin
 
 logger = logging.getLogger(__name__)
 

@@ -4,11 +4,11 @@ Thin glue over the Trainer's own loop, through its hooks:
 
 * ``get_train_dataloader`` yields one *logical* batch per optimizer step, Poisson-sampled (possibly empty);
 * ``training_step`` splits it into micro-batches of ``per_device_train_batch_size``
-  (:mod:`hf_dpfilter.trainer.micro_batches`), computes per-example losses (:mod:`hf_dpfilter.losses`), and lets
+  (:mod:`hf_dpfilter.micro_batches`), computes per-example losses (:mod:`hf_dpfilter.losses`), and lets
   the DP optimizer accumulate the clipped per-example (combinations of) gradients via the clipping engine;
 * ``create_optimizer`` wraps the Trainer's optimizer in the DP optimizer of ``dp_method``, which alone clips,
   adds the noise once per step and records the step with the accountant (its ledger:
-  :mod:`hf_dpfilter.trainer.session`);
+  :mod:`hf_dpfilter.privacy_session`);
 * ``log`` adds the epsilon spent so far to every log line (progress bar, TensorBoard, W&B, ...).
 
 Everything about the privacy of the run (N, q, steps, delta, sigma, the method's mechanisms, the sampler and
@@ -38,18 +38,18 @@ from hf_dpfilter.batch_structure import probe_batch_structure
 from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
 from hf_dpfilter.loss_policy import check_hook_verified_when_sharded, check_loss_policy, check_prompt_learning
 from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.packing import PackingError, packed_token_mean_loss
-from hf_dpfilter.plan import PrivacyPlan
-from hf_dpfilter.processes import check_one_dp_run
-from hf_dpfilter.run_guard import RunGuard
-from hf_dpfilter.trainer.micro_batches import (
+from hf_dpfilter.micro_batches import (
     NUM_EXAMPLES_KEY,
     MicroBatchMixin,
     _check_sequence_length,
     _EmptySafeCollator,
     _LogicalBatchLoader,
 )
-from hf_dpfilter.trainer.session import PrivacySessionMixin, _PrivacyCallback
+from hf_dpfilter.packing import PackingError, packed_token_mean_loss
+from hf_dpfilter.plan import PrivacyPlan
+from hf_dpfilter.privacy_session import PrivacySessionMixin, _PrivacyCallback, read_privacy_ledger
+from hf_dpfilter.processes import check_one_dp_run
+from hf_dpfilter.run_guard import RunGuard
 
 if TYPE_CHECKING:
     from hf_dpfilter.batch_structure import BatchStructure
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from hf_dpfilter.optimizers.base import DPOptimizer
     from hf_dpfilter.packing import PackedLayout
 
-__all__ = ["DPTrainer", "DPTrainerMixin"]
+__all__ = ["NUM_EXAMPLES_KEY", "DPTrainer", "DPTrainerMixin", "read_privacy_ledger"]
 
 logger = logging.getLogger(__name__)
 
