@@ -208,3 +208,31 @@ def test_audit_options_build_an_observed_class_before_the_optimizer_exists():
     assert type(make_optimizer(plan, [torch.nn.Parameter(torch.zeros(1))], lr=1.0)) is DPOptimizer
     with pytest.raises(TypeError, match="must subclass DPOptimizer"):
         AuditOptions(weakened=torch.optim.SGD).optimizer_class(DPOptimizer)
+
+
+# ----------------------------------------------------------------------------- one check of the DP settings
+BAD_SETTINGS = [
+    ({"clipping_fn": "soft"}, "clipping_fn must be one of"),
+    ({"accountant": "moments"}, "accountant must be one of"),
+    ({"max_grad_norm": 0.0}, "must be > 0, got 0.0: it is the per-example clipping norm C"),
+    ({"method": "dp-fancy"}, "Unknown dp_method 'dp-fancy': dp_method must be one of"),
+    ({"method": "disk", "method_args": {"kapa": 1}}, "'kapa' is not a setting of dp_method='disk'"),
+    ({"target_epsilon": 1.0}, r"exactly one of target_epsilon and noise_multiplier \(both"),
+    ({"noise_multiplier": -1.0}, "noise_multiplier must be >= 0"),
+    ({"target_delta": 1.5}, r"target_delta must be in \(0, 1/N\)"),
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_SETTINGS, ids=[m for _, m in BAD_SETTINGS])
+def test_the_arguments_and_the_plan_share_one_check(tmp_path, bad, message):
+    """Each DP setting is checked by hf_dpfilter.plan.check_dp_settings: the same message from the arguments (before
+    any model is loaded) and from the plan."""
+    from hf_dpfilter import DPTrainingArguments
+
+    plan_kwargs = {"noise_multiplier": 1.0, **bad}
+    with pytest.raises(ValueError, match=message):
+        PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, **plan_kwargs)
+    names = {"method": "dp_method", "method_args": "dp_method_args", "max_grad_norm": "per_sample_max_grad_norm"}
+    args_kwargs = {names.get(k, k): v for k, v in plan_kwargs.items()}
+    with pytest.raises(ValueError, match=message):
+        DPTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **args_kwargs)
