@@ -89,6 +89,7 @@ def check_gradients(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from hf_dpfilter.factory import make_private
     from hf_dpfilter.losses import per_example_loss
     from hf_dpfilter.plan import PrivacyPlan
 
@@ -119,7 +120,7 @@ def check_gradients(args: argparse.Namespace) -> None:
         ours_model = copy.deepcopy(base)
         plan = PrivacyPlan.create(num_examples=1000, logical_batch_size=size, epochs=1, noise_multiplier=0.0,
                                   max_grad_norm=c, seed=0)
-        engine, optimizer = plan.build(ours_model, base=torch.optim.SGD, lr=0.0)
+        engine, optimizer, _ = make_private(plan, ours_model, base=torch.optim.SGD, lr=0.0)
 
         def loss_fn(values, model=ours_model, engine=engine):
             logits = engine.call_model(values, **batch).logits if values else model(**batch).logits

@@ -12,8 +12,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DPOptimizer": "hf_dpfilter.optimizers",
+    "DPArgumentsMixin": "hf_dpfilter.arguments",
+    "DPOptimizer": "hf_dpfilter.optimizers.base",
     "DPTrainer": "hf_dpfilter.trainer",
+    "DPTrainerMixin": "hf_dpfilter.trainer",
     "DPTrainingArguments": "hf_dpfilter.arguments",
     "GhostClippingEngine": "hf_dpfilter.engine",
     "ModuleProblem": "hf_dpfilter.validators",
@@ -23,17 +25,18 @@ _EXPORTS = {
     "PrivacyAccountant": "hf_dpfilter.accounting",
     "PrivacyPlan": "hf_dpfilter.plan",
     "StateWrittenError": "hf_dpfilter.validators",
-    "UnprivatizedGradientError": "hf_dpfilter.optimizers",
+    "UnprivatizedGradientError": "hf_dpfilter.optimizers.base",
     "UnsupportedLayerError": "hf_dpfilter.engine",
-    "available_methods": "hf_dpfilter.optimizers",
-    "calibrate_noise_multiplier": "hf_dpfilter.accounting",
+    "available_methods": "hf_dpfilter.optimizers.registry",
+    "calibrate_noise_multiplier": "hf_dpfilter.calibration",
     "compute_epsilon": "hf_dpfilter.accounting",
-    "make_dp_optimizer": "hf_dpfilter.optimizers",
+    "make_dp_optimizer": "hf_dpfilter.factory",
+    "make_private": "hf_dpfilter.factory",
     "packaged_model_path": "hf_dpfilter.models",
     "per_example_loss": "hf_dpfilter.losses",
     "register_grad_rule": "hf_dpfilter.engine",
     "register_module_validator": "hf_dpfilter.validators",
-    "register_method": "hf_dpfilter.optimizers",
+    "register_method": "hf_dpfilter.optimizers.registry",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,8 +1,8 @@
-"""``DPTrainingArguments``: ``transformers.TrainingArguments`` plus the differential privacy settings."""
+"""``DPTrainingArguments``: ``transformers.TrainingArguments`` plus the differential privacy settings, which are
+declared once, in :class:`DPArgumentsMixin`, for every TrainingArguments subclass that needs them."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -12,7 +12,9 @@ from transformers import TrainingArguments
 
 from hf_dpfilter.accounting import ACCOUNTANTS
 from hf_dpfilter.clipping import CLIPPING_FNS
-from hf_dpfilter.optimizers.registry import METHOD_NAMES, legacy_setting_owners, method_names, method_spec
+from hf_dpfilter.optimizers.registry import METHOD_NAMES
+from hf_dpfilter.plan import check_dp_settings
+from hf_dpfilter.retired_names import refuse_retired_names
 from hf_dpfilter.training_fields import check_training_fields
 
 logger = logging.getLogger(__name__)
@@ -21,17 +23,23 @@ logger = logging.getLogger(__name__)
 DP_METHODS = METHOD_NAMES
 
 
-@dataclass
-class DPTrainingArguments(TrainingArguments):
-    """TrainingArguments for differentially private training with :class:`hf_dpfilter.DPTrainer`.
+@dataclass(repr=False)
+class DPArgumentsMixin:
+    """The differential privacy fields, declared once, for any ``transformers.TrainingArguments`` subclass.
+
+    Mix it in first, ``@dataclass(repr=False) class XArguments(DPArgumentsMixin, SomeTrainingArguments)``
+    (:class:`DPTrainingArguments` is ``DPArgumentsMixin`` + ``TrainingArguments``): the DP fields follow the other
+    class's fields, ``__post_init__`` checks them and then calls the other class's, and the secret ``dp_seed``
+    stays out of ``repr``/``to_dict``/pickles (``repr=False`` keeps the mixin's sanitised ``__repr__``). Decorate the
+    result with :func:`hf_dpfilter.retired_names.refuse_retired_names` for clear errors on retired names.
 
     Give exactly one of ``target_epsilon`` (the noise is calibrated to reach it at the end of the run) or
     ``noise_multiplier``. ``logical_batch_size`` is the expected number of examples per optimizer step;
     ``per_device_train_batch_size`` is only the physical micro-batch the step is computed in.
     ``max_grad_norm`` (the Trainer's batch-level clipping) is set to 0: DP clips per example with
     ``per_sample_max_grad_norm``. The method's own settings go in ``dp_method_args`` (a dict of the fields of
-    the method's config, e.g. ``{"kappa": 0.7}`` for DiSK; see docs/configuration.md); the flat names of
-    earlier versions (``disk_kappa=0.7``) still work, with a deprecation warning.
+    the method's config, e.g. ``{"kappa": 0.7}`` for DiSK; see docs/configuration.md); the retired flat names
+    of earlier versions (``disk_kappa=0.7``) and ``secure_noise`` are refused with the field that replaced them.
     """
 
     dp_method: str = field(
@@ -101,10 +109,10 @@ class DPTrainingArguments(TrainingArguments):
         metadata={
             "help": "Secret seed of the noise generator and the Poisson sampler (separate streams). Default: a "
             "fresh random seed per run, independent of `seed`. Anyone who knows it can regenerate the noise and "
-            "the batches: keep it secret, never publish it, and prefer secure_noise=True for published runs."
+            "the batches: keep it secret, never publish it, and prefer secure_rng=True for published runs."
         },
     )
-    secure_noise: bool = field(
+    secure_rng: bool = field(
         default=False,
         metadata={
             "help": "Draw the noise AND the Poisson sampling from the operating system's cryptographically secure "
@@ -181,7 +189,7 @@ class DPTrainingArguments(TrainingArguments):
         state["dp_seed"] = None
         return state
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> DPTrainingArguments:
+    def __deepcopy__(self, memo: dict[int, Any]) -> DPArgumentsMixin:
         import copy
 
         clone = object.__new__(type(self))
@@ -219,8 +227,6 @@ class DPTrainingArguments(TrainingArguments):
             self.gradient_accumulation_steps = 1
 
     def _validate_dp_fields(self) -> None:
-        if self.dp_method not in method_names():
-            raise ValueError(f"dp_method must be one of {method_names()}, got {self.dp_method!r}.")
         if isinstance(self.dp_method_args, str):
             try:
                 self.dp_method_args = json.loads(self.dp_method_args) if self.dp_method_args.strip() else None
@@ -228,11 +234,15 @@ class DPTrainingArguments(TrainingArguments):
                 raise ValueError(f"dp_method_args is not valid JSON ({err}): {self.dp_method_args!r}.") from None
         if self.dp_method_args is not None and not isinstance(self.dp_method_args, dict):
             raise ValueError(f"dp_method_args must be a dict (or a JSON object string), got {self.dp_method_args!r}.")
-        # Validate the method's settings now (clear errors before any model is loaded); stored as a plain dict.
-        config = method_spec(self.dp_method).config_class.from_args(self.dp_method_args)
-        if self.dp_method_args is not None:
-            self.dp_method_args = {k: v for k, v in config.to_dict().items() if k in
-                                   {config.canonical_name(n) for n in self.dp_method_args}}
+        # The DP settings are checked by the plan's one check, now: clear errors before any model is loaded.
+        config = check_dp_settings(
+            method=self.dp_method, method_args=self.dp_method_args, max_grad_norm=self.per_sample_max_grad_norm,
+            clipping_fn=self.clipping_fn, accountant=self.accountant, logical_batch_size=self.logical_batch_size,
+            target_epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier,
+            target_delta=self.target_delta, names={"max_grad_norm": "per_sample_max_grad_norm"},
+        )
+        if self.dp_method_args is not None:  # stored as a plain dict of the fields given
+            self.dp_method_args = {k: v for k, v in config.to_dict().items() if k in self.dp_method_args}
         if self.fp16:
             raise ValueError(
                 "fp16 is not supported by hf_dpfilter yet (fp16 loss scaling interacts with per-example "
@@ -245,39 +255,16 @@ class DPTrainingArguments(TrainingArguments):
                 "the clipping hooks never see those layers. Use the non-reentrant kind: "
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (the default when no kwargs are given)."
             )
-        if self.clipping_fn not in CLIPPING_FNS:
-            raise ValueError(f"clipping_fn must be one of {CLIPPING_FNS}, got {self.clipping_fn!r}.")
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}.")
-        if self.per_sample_max_grad_norm is None or not self.per_sample_max_grad_norm > 0:
-            raise ValueError(
-                f"per_sample_max_grad_norm must be > 0, got {self.per_sample_max_grad_norm}: it is the "
-                "per-example clipping norm C."
-            )
-        if self.logical_batch_size is not None and self.logical_batch_size < 1:
-            raise ValueError(f"logical_batch_size must be >= 1, got {self.logical_batch_size}.")
-        if self.dp_method == "none":
-            return
-        if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            given = "both" if self.target_epsilon is not None else "neither"
-            raise ValueError(
-                f"Give exactly one of target_epsilon and noise_multiplier ({given} was given): target_epsilon "
-                "calibrates the noise to a budget; noise_multiplier fixes sigma and reports the epsilon spent."
-            )
-        if self.target_epsilon is not None and not (0 < self.target_epsilon < float("inf")):
-            raise ValueError(
-                f"target_epsilon must be a positive finite number, got {self.target_epsilon}. For training "
-                "without privacy use dp_method='none'."
-            )
-        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}.")
-        if self.target_delta is not None and not (0 < self.target_delta < 1):
-            raise ValueError(
-                f"target_delta must be in (0, 1/N), got {self.target_delta}. Leave it unset for the default N^-1.1."
-            )
 
 
-def _uses_reentrant_checkpointing(args: DPTrainingArguments) -> bool:
+@refuse_retired_names
+@dataclass(repr=False)
+class DPTrainingArguments(DPArgumentsMixin, TrainingArguments):
+    """TrainingArguments for differentially private training with :class:`hf_dpfilter.DPTrainer`: the DP fields
+    of :class:`DPArgumentsMixin` (see there) after those of ``transformers.TrainingArguments``."""
+
+
+def _uses_reentrant_checkpointing(args: DPArgumentsMixin) -> bool:
     """Whether the arguments ask for reentrant gradient checkpointing (read before TrainingArguments resolves
     its deprecated ``gradient_checkpointing*`` aliases, so both names are read)."""
     on = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
@@ -292,29 +279,3 @@ def _uses_reentrant_checkpointing(args: DPTrainingArguments) -> bool:
     # (reentrant) applies unless use_reentrant is given.
     checkpoint_kwargs = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}
     return bool(checkpoint_kwargs) and bool(checkpoint_kwargs.get("use_reentrant", True))
-
-
-# The flat method fields of earlier versions (``disk_kappa``, ``dice_accounting``, ``diff2_restart_every``, ...)
-# are no longer dataclass fields (a new method must not add fields here); the constructor still accepts them,
-# warns, and moves them into ``dp_method_args``. Wrapping the generated ``__init__`` is the one way a dataclass
-# can accept names that are not fields.
-_generated_init = DPTrainingArguments.__init__
-
-
-@functools.wraps(_generated_init)
-def _init_accepting_legacy_method_fields(self: DPTrainingArguments, *args: Any, **kwargs: Any) -> None:
-    owners = legacy_setting_owners()
-    legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in owners}
-    if legacy:
-        from hf_dpfilter.plan import split_legacy_method_args
-
-        config_class = method_spec(kwargs.get("dp_method", "dpsgd")).config_class
-        mapped, _ = split_legacy_method_args(config_class, legacy)
-        given = kwargs.get("dp_method_args")
-        if isinstance(given, str):
-            given = json.loads(given) if given.strip() else None
-        kwargs["dp_method_args"] = {**mapped, **(given or {})}
-    _generated_init(self, *args, **kwargs)
-
-
-DPTrainingArguments.__init__ = _init_accepting_legacy_method_fields

@@ -1,6 +1,6 @@
 """The budget guard: refuse a step that would take epsilon(target_delta) above target_epsilon, before it runs.
 
-Opt-in (``plan.make_optimizer(..., target_epsilon=..., target_delta=...)``). The DP optimizer asks
+Opt-in (``hf_dpfilter.factory.make_optimizer(plan, ..., target_epsilon=..., target_delta=...)``). The DP optimizer asks
 :meth:`BudgetGuard.check` at the start of every step, before any noise is drawn or released.
 """
 

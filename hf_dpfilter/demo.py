@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0, help="model initialization and data order seed")
     parser.add_argument("--data_seed", type=int, default=0, help="which random training subset to use")
     parser.add_argument(
-        "--secure_noise", action="store_true",
+        "--secure_rng", action="store_true",
         help="noise and Poisson sampling from the OS CSPRNG (recommended whenever results are published)",
     )
     args = parser.parse_args(argv)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         report_to=[],
         use_cpu=device == "cpu",
         seed=args.seed,
-        secure_noise=args.secure_noise,
+        secure_rng=args.secure_rng,
         disable_tqdm=not sys.stderr.isatty(),
     )
 

@@ -1,11 +1,14 @@
-"""The privacy plan: one frozen object that says what a DP run will do, and builds what runs it.
+"""The privacy plan: one frozen object that says what a DP run will do (declarative: it builds nothing).
 
 A :class:`PrivacyPlan` holds N, the expected batch B and the sample rate q = B / N, the number of steps, delta,
 the accountant, the method and its config (which declares the method's mechanisms), the clipping norm and
 function, the calibrated noise, the sampling and the source of randomness. Everything that needs one of these
-reads it from the plan -- ``DPTrainer``, the recipes, the benchmarks, the audit and custom loops -- and the
-plan builds a consistent engine + optimizer pair (:meth:`PrivacyPlan.build`) and the batch sampler, so no
-caller re-derives the step count or sigma, and the noise can never be sized for another C than the clip.
+reads it from the plan -- ``DPTrainer``, the recipes, the benchmarks, the audit and custom loops -- so no caller
+re-derives the step count or sigma. :mod:`hf_dpfilter.factory` builds the engine, the optimizer and the sampler
+from it, so the noise can never be sized for another C than the clip. The plan imports no engine and no optimizer.
+
+:func:`check_dp_settings` is the one place that validates the DP settings; ``DPTrainingArguments`` calls it too,
+for errors before any model is loaded.
 
 ``dp_method="none"`` is the null plan: no noise, no accounting (epsilon = inf), the same training path.
 
@@ -13,7 +16,7 @@ Example (custom loop)::
 
     plan = PrivacyPlan.create(num_examples=len(dataset), logical_batch_size=256, epochs=3, target_epsilon=8.0,
                               max_grad_norm=1.0, method="disk", secure_rng=True)
-    engine, optimizer = plan.build(model, base=torch.optim.AdamW, lr=1e-3)
+    engine, optimizer, sampler = make_private(plan, model, torch.optim.AdamW, lr=1e-3)  # hf_dpfilter.factory
 """
 
 from __future__ import annotations
@@ -21,30 +24,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
-from torch import nn
+from typing import Any
 
 from hf_dpfilter.accounting import ACCOUNTANTS, compute_epsilon, default_delta, validate_privacy_parameters
 from hf_dpfilter.clipping import CLIPPING_FNS
 from hf_dpfilter.collectives import Collectives, default_collectives
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
-from hf_dpfilter.optimizers.registry import legacy_setting_owners, method_spec
+from hf_dpfilter.optimizers.registry import method_spec
 from hf_dpfilter.secure_rng import fresh_seed
 
-if TYPE_CHECKING:
-    from hf_dpfilter.accounting import PrivacyAccountant
-    from hf_dpfilter.engine import GhostClippingEngine
-    from hf_dpfilter.optimizers.base import DPOptimizer
-
-__all__ = ["PrivacyPlan", "split_legacy_method_args"]
+__all__ = ["PrivacyPlan", "check_dp_settings"]
 
 SEEDED_RANDOMNESS_NOTE = (
     "seeded generators: the noise and the Poisson batches are reproducible from the DP seed, so the guarantee "
-    "assumes that the seed stays secret (it is never written to results; set secure_noise=True to draw both "
+    "assumes that the seed stays secret (it is never written to results; set secure_rng=True to draw both "
     "from the OS CSPRNG instead)"
 )
 #: below this many steps a private run rarely leaves the noise floor (learnability_warnings)
@@ -54,33 +49,59 @@ MAX_RUN_NOISE_TO_SIGNAL = 2.0
 SECURE_RANDOMNESS_NOTE = "OS CSPRNG: the noise and the Poisson batches are drawn from os.urandom (not reproducible)"
 
 
-def split_legacy_method_args(
-    config_class: type[MethodConfig], values: Mapping[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split ``values`` into this method's settings under their earlier flat names (warned about) and the rest.
+def check_dp_settings(
+    *,
+    method: str,
+    method_args: MethodConfig | Mapping[str, Any] | None = None,
+    max_grad_norm: float = 1.0,
+    clipping_fn: str = "abadi",
+    accountant: str = "prv",
+    logical_batch_size: float | None = None,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    target_delta: float | None = None,
+    budget: bool = True,
+    names: Mapping[str, str] | None = None,
+) -> MethodConfig:
+    """The one check of the DP settings that need no data set; returns the method's validated config.
 
-    A flat name of *another* method (``disk_kappa`` with ``dp_method="dpsgd"``) is an error, never ignored.
+    ``budget``: also require exactly one of ``target_epsilon``/``noise_multiplier`` (a run with a planned length;
+    not for ``for_optimizer``, whose noise is always fixed). ``names`` gives the user's names of the settings
+    (``{"max_grad_norm": "per_sample_max_grad_norm"}`` for ``DPTrainingArguments``), for the messages. What needs
+    N (delta < 1/N, q <= 1) is checked when the plan is created (:func:`~hf_dpfilter.accounting.validate_privacy_parameters`).
     """
-    owners = legacy_setting_owners()
-    mine = config_class.legacy_names()
-    legacy_values, rest = {}, {}
-    for key, value in values.items():
-        if key in mine:
-            warnings.warn(
-                f"{key}=... is deprecated: pass the method's settings as dp_method_args={{'{mine[key]}': ...}} "
-                f"(or make_dp_optimizer(..., method_args={{'{mine[key]}': ...}})).",
-                FutureWarning,
-                stacklevel=3,
-            )
-            legacy_values[mine[key]] = value
-        elif key in owners:
-            raise ValueError(
-                f"{key} is a setting of dp_method={owners[key]!r}, but the method is {config_class.name!r}. Remove it "
-                f"or choose dp_method={owners[key]!r}."
-            )
-        else:
-            rest[key] = value
-    return legacy_values, rest
+    names = dict(names or {})
+    config = method_spec(method).config_class.from_args(method_args)
+    if clipping_fn not in CLIPPING_FNS:
+        raise ValueError(f"clipping_fn must be one of {CLIPPING_FNS}, got {clipping_fn!r}.")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}.")
+    if max_grad_norm is None or not max_grad_norm > 0:
+        name = names.get("max_grad_norm", "max_grad_norm")
+        raise ValueError(f"{name} must be > 0, got {max_grad_norm}: it is the per-example clipping norm C.")
+    if logical_batch_size is not None and not logical_batch_size >= 1:
+        name = names.get("logical_batch_size", "logical_batch_size")
+        raise ValueError(f"{name} must be >= 1, got {logical_batch_size}.")
+    if method == "none":
+        return config
+    if budget and (target_epsilon is None) == (noise_multiplier is None):
+        given = "both" if target_epsilon is not None else "neither"
+        raise ValueError(
+            f"Give exactly one of target_epsilon and noise_multiplier ({given} was given): target_epsilon "
+            "calibrates the noise to a budget; noise_multiplier fixes sigma and reports the epsilon spent."
+        )
+    if target_epsilon is not None and not (0 < target_epsilon < math.inf):
+        raise ValueError(
+            f"target_epsilon must be a positive finite number, got {target_epsilon}. For training without privacy "
+            "use dp_method='none'."
+        )
+    if noise_multiplier is not None and not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
+    if target_delta is not None and not (0 < target_delta < 1):
+        raise ValueError(
+            f"target_delta must be in (0, 1/N), got {target_delta}. Leave it unset for the default N^-1.1."
+        )
+    return config
 
 
 @dataclass(frozen=True)
@@ -130,12 +151,15 @@ class PrivacyPlan:
     ) -> PrivacyPlan:
         """The plan of a run over ``num_examples`` examples, calibrated for ``target_epsilon`` (or with a fixed
         ``noise_multiplier``). ``seed=None`` draws a fresh secret seed (agreed on by all processes)."""
-        spec = method_spec(method)
-        config = spec.config_class.from_args(method_args)
+        if logical_batch_size is None:
+            raise ValueError("logical_batch_size must be >= 1, got None.")
+        config = check_dp_settings(
+            method=method, method_args=method_args, max_grad_norm=max_grad_norm, clipping_fn=clipping_fn,
+            accountant=accountant, logical_batch_size=logical_batch_size, target_epsilon=target_epsilon,
+            noise_multiplier=noise_multiplier, target_delta=target_delta,
+        )
         if isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1:
             raise ValueError(f"The training set is empty or its size is invalid (N = {num_examples}).")
-        if logical_batch_size is None or not logical_batch_size >= 1:
-            raise ValueError(f"logical_batch_size must be >= 1, got {logical_batch_size}.")
         sample_rate = logical_batch_size / num_examples
         if sample_rate > 1:
             raise ValueError(
@@ -146,7 +170,6 @@ class PrivacyPlan:
         delta = target_delta if target_delta is not None else default_delta(int(num_examples))
         if seed is None:
             seed = (collectives or default_collectives()).agree_on_seed(fresh_seed())
-        _check_common(max_grad_norm, clipping_fn, accountant)
         plan = cls(
             method=method, config=config, noise=NoiseSettings(0.0), max_grad_norm=float(max_grad_norm),
             clipping_fn=clipping_fn, expected_batch_size=float(logical_batch_size), sample_rate=sample_rate,
@@ -156,20 +179,12 @@ class PrivacyPlan:
         )
         if not plan.is_private:
             return plan
-        if (target_epsilon is None) == (noise_multiplier is None):
-            given = "both" if target_epsilon is not None else "neither"
-            raise ValueError(
-                f"Give exactly one of target_epsilon and noise_multiplier ({given} was given): target_epsilon "
-                "calibrates the noise to a budget; noise_multiplier fixes sigma and reports the epsilon spent."
-            )
         config.check_plan(plan)
         if target_epsilon is not None:
             validate_privacy_parameters(target_epsilon, delta, sample_rate, int(num_examples))
             noise = config.calibrate(float(target_epsilon), delta, plan)
         else:
             validate_privacy_parameters(1.0, delta, sample_rate, int(num_examples))
-            if not noise_multiplier >= 0:
-                raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
             noise = config.fixed_noise(float(noise_multiplier), plan)
         return dataclasses.replace(plan, noise=noise)
 
@@ -203,7 +218,7 @@ class PrivacyPlan:
             clipping_fn=args.clipping_fn,
             accountant=args.accountant,
             poisson_sampling=args.poisson_sampling,
-            secure_rng=args.secure_noise,
+            secure_rng=args.secure_rng,
             seed=args.dp_seed,
         )
 
@@ -219,11 +234,11 @@ class PrivacyPlan:
         sample_rate: float | None = None,
         clipping_fn: str = "abadi",
         seed: int | None = None,
-        secure_noise: bool = False,
+        secure_rng: bool = False,
         accountant: str = "prv",
     ) -> PrivacyPlan:
         """A plan without a data set (no N, no planned steps): a fixed noise multiplier, accounted per step. What
-        :func:`hf_dpfilter.make_dp_optimizer` builds.
+        :func:`hf_dpfilter.make_dp_optimizer` builds on.
 
         Without ``sample_rate`` nothing says how the batches were drawn, so no subsampling amplification can be
         claimed: each step is accounted as a Gaussian mechanism over the whole data set (``sample_rate=1.0``, a
@@ -238,21 +253,18 @@ class PrivacyPlan:
                     stacklevel=3,
                 )
             sample_rate = 1.0
-        spec = method_spec(method)
-        config = spec.config_class.from_args(method_args)
-        if not noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
-        if not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm (the clipping norm C) must be > 0, got {max_grad_norm}.")
+        config = check_dp_settings(
+            method=method, method_args=method_args, max_grad_norm=max_grad_norm, clipping_fn=clipping_fn,
+            accountant=accountant, noise_multiplier=noise_multiplier, budget=False,
+        )
         if not expected_batch_size > 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}.")
         if sample_rate is not None and not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}.")
-        _check_common(max_grad_norm, clipping_fn, accountant)
         plan = cls(
             method=method, config=config, noise=NoiseSettings(0.0), max_grad_norm=float(max_grad_norm),
             clipping_fn=clipping_fn, expected_batch_size=float(expected_batch_size), sample_rate=sample_rate,
-            accountant=accountant, secure_rng=bool(secure_noise),
+            accountant=accountant, secure_rng=bool(secure_rng),
             seed=int(seed) if seed is not None else fresh_seed(),
         )
         if plan.is_private:
@@ -399,78 +411,3 @@ class PrivacyPlan:
         lines.append(f"  randomness: {self.randomness}")
         lines += [f"  WARNING: {w}" for w in self.learnability_warnings(trainable_parameters)]
         return "\n".join(lines)
-
-    # ------------------------------------------------------------------------------ what it builds
-    def make_engine(
-        self,
-        model: nn.Module,
-        verify_first_backward: bool = True,
-        stack_layers: bool | None = None,
-        batchnorm_eval: bool = False,
-    ) -> GhostClippingEngine | None:
-        """The clipping engine for ``model`` (None for the null plan: non-private runs need no hooks)."""
-        if not self.is_private:
-            return None
-        from hf_dpfilter.engine import GhostClippingEngine
-
-        return GhostClippingEngine(
-            model, verify_first_backward=verify_first_backward, stack_layers=stack_layers, batchnorm_eval=batchnorm_eval
-        )
-
-    def make_optimizer(
-        self,
-        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]] | None,
-        base: type[torch.optim.Optimizer] | torch.optim.Optimizer = torch.optim.SGD,
-        *,
-        accountant: PrivacyAccountant | None = None,
-        collectives: Collectives | None = None,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
-        **base_kwargs: Any,
-    ) -> DPOptimizer:
-        """The method's DP optimizer around ``base`` (a class built on ``params`` with ``base_kwargs``, or an
-        instance). ``target_epsilon``/``target_delta`` turn on the budget guard."""
-        from hf_dpfilter.optimizers.base import build_base_optimizer
-
-        optimizer = build_base_optimizer(params, base, **base_kwargs)
-        cls = method_spec(self.method).optimizer_class
-        return cls(
-            optimizer, self, accountant=accountant, collectives=collectives, target_epsilon=target_epsilon,
-            target_delta=target_delta,
-        )
-
-    def build(
-        self,
-        model: nn.Module,
-        base: type[torch.optim.Optimizer] = torch.optim.SGD,
-        verify_first_backward: bool = True,
-        **optimizer_kwargs: Any,
-    ) -> tuple[GhostClippingEngine | None, DPOptimizer]:
-        """A consistent ``(engine, optimizer)`` pair for ``model``'s trainable parameters."""
-        engine = self.make_engine(model, verify_first_backward=verify_first_backward)
-        params = [p for p in model.parameters() if p.requires_grad]
-        return engine, self.make_optimizer(params, base=base, **optimizer_kwargs)
-
-    def make_sampler(self, rank: int = 0, world_size: int = 1) -> torch.utils.data.Sampler:
-        """The batch sampler of the run: Poisson (secure or seeded), or shuffled fixed-size batches."""
-        from hf_dpfilter.sampling import PoissonBatchSampler, ShuffledBatchSampler
-
-        if self.num_examples is None or self.sample_rate is None or self.steps_per_epoch is None:
-            raise ValueError("This plan has no data set (N); build it with PrivacyPlan.create(num_examples=...).")
-        if self.is_private and self.poisson_sampling:
-            return PoissonBatchSampler(
-                self.num_examples, self.sample_rate, self.steps_per_epoch, seed=self.seed, rank=rank,
-                world_size=world_size, secure=self.secure_rng,
-            )
-        return ShuffledBatchSampler(
-            self.num_examples, int(round(self.expected_batch_size)), self.steps_per_epoch, self.seed, rank, world_size
-        )
-
-
-def _check_common(max_grad_norm: float, clipping_fn: str, accountant: str) -> None:
-    if max_grad_norm is None or not max_grad_norm > 0:
-        raise ValueError(f"per_sample_max_grad_norm must be > 0, got {max_grad_norm}: it is the per-example clipping norm C.")
-    if clipping_fn not in CLIPPING_FNS:
-        raise ValueError(f"clipping_fn must be one of {CLIPPING_FNS}, got {clipping_fn!r}.")
-    if accountant not in ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}.")

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 from hf_dpfilter.training_fields import TrainingFieldError, check_training_fields, eval_driven_features
 
 if TYPE_CHECKING:
-    from hf_dpfilter.trainer import DPTrainer
+    from hf_dpfilter.trainer import DPTrainerMixin as DPTrainer
 
 __all__ = ["RunGuard", "overlapping_rows"]
 
 #: DP settings the plan is built from; a change after DPTrainer creation would be silently ignored
 PLANNED_DP_FIELDS = (
     "dp_method", "dp_method_args", "target_epsilon", "target_delta", "noise_multiplier", "per_sample_max_grad_norm",
-    "clipping_fn", "logical_batch_size", "poisson_sampling", "accountant", "dp_seed", "secure_noise",
+    "clipping_fn", "logical_batch_size", "poisson_sampling", "accountant", "dp_seed", "secure_rng",
 )
 #: fields whose values are secret: a message names the change, never the values
 SECRET_FIELDS = ("dp_seed",)
@@ -43,7 +43,10 @@ ID_COLUMNS = frozenset({"idx", "id", "index", "__index_level_0__"})
 class RunGuard:
     """Snapshot of what the plan was built from (at DPTrainer creation), and the checks run before training."""
 
-    def __init__(self, trainer: DPTrainer) -> None:
+    def __init__(self, trainer: DPTrainer, library_class: type) -> None:
+        """``library_class``: the class whose methods are the library's own (``DPTrainerMixin``), for the loss
+        policy (a method of a subclass is the user's)."""
+        self.library_class = library_class
         args = trainer.args
         self.planned = {name: copy.deepcopy(getattr(args, name, None)) for name in PLANNED_DP_FIELDS}
         self.world_size = max(1, args.world_size)
@@ -84,7 +87,6 @@ class RunGuard:
         """The model, the loss and the training set the plan and the clipping engine were built for, at creation;
         attributes set on the trainer afterwards would otherwise be used unchecked or silently ignored."""
         from hf_dpfilter.loss_policy import check_loss_policy, check_prompt_learning
-        from hf_dpfilter.trainer import DPTrainer
 
         engine = getattr(trainer, "engine", None)
         if engine is not None and engine.model is not trainer.model:
@@ -93,7 +95,7 @@ class RunGuard:
                 "model given at creation, so the new one's per-example gradients would not be clipped. Create a new "
                 "DPTrainer for the new model."
             )
-        check_loss_policy(trainer, DPTrainer)  # compute_loss_func set on the trainer after creation
+        check_loss_policy(trainer, self.library_class)  # compute_loss_func set on the trainer after creation
         check_prompt_learning(trainer.model)
         dataset = trainer.train_dataset
         size = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None

@@ -1,107 +1,66 @@
-"""``DPTrainer``: ``transformers.Trainer`` with per-example clipping, noise and accounting.
+"""``DPTrainerMixin``: the DP glue over a ``transformers.Trainer`` loop; ``DPTrainer`` = the mixin + ``Trainer``.
 
 Thin glue over the Trainer's own loop, through its hooks:
 
 * ``get_train_dataloader`` yields one *logical* batch per optimizer step, Poisson-sampled (possibly empty);
-* ``training_step`` splits it into micro-batches of ``per_device_train_batch_size``, computes per-example
-  losses (:mod:`hf_dpfilter.losses`), and lets the DP optimizer accumulate the clipped per-example
-  (combinations of) gradients via the clipping engine (:mod:`hf_dpfilter.engine`);
+* ``training_step`` splits it into micro-batches of ``per_device_train_batch_size``
+  (:mod:`hf_dpfilter.micro_batches`), computes per-example losses (:mod:`hf_dpfilter.losses`), and lets
+  the DP optimizer accumulate the clipped per-example (combinations of) gradients via the clipping engine;
 * ``create_optimizer`` wraps the Trainer's optimizer in the DP optimizer of ``dp_method``, which alone clips,
-  adds the noise once per step and records the step with the accountant;
+  adds the noise once per step and records the step with the accountant (its ledger:
+  :mod:`hf_dpfilter.privacy_session`);
+* ``log`` adds the epsilon spent so far to every log line (progress bar, TensorBoard, W&B, ...).
 
 Everything about the privacy of the run (N, q, steps, delta, sigma, the method's mechanisms, the sampler and
-the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once from the arguments.
-* ``log`` adds the epsilon spent so far to every log line (progress bar, TensorBoard, W&B, ...).
+the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once from the arguments; the engine,
+the optimizer and the sampler are built from it by :mod:`hf_dpfilter.factory`.
+
+The mixin holds all of it, so another Trainer of the Hugging Face stack gets the same machinery with no copy:
+``class DPSomethingTrainer(DPTrainerMixin, SomethingTrainer)`` with arguments that mix in
+:class:`hf_dpfilter.arguments.DPArgumentsMixin`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 import warnings
-from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import TrainOutput
 
 from hf_dpfilter.accounting import PrivacyAccountant
-from hf_dpfilter.arguments import DPTrainingArguments
-from hf_dpfilter.batch_structure import BatchStructure, probe_batch_structure
-from hf_dpfilter.engine import GhostClippingEngine
-from hf_dpfilter.first_step_check import verify_per_example
-from hf_dpfilter.ledger import PrivacyLedger
+from hf_dpfilter.arguments import DPArgumentsMixin
+from hf_dpfilter.batch_structure import probe_batch_structure
+from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
 from hf_dpfilter.loss_policy import check_hook_verified_when_sharded, check_loss_policy, check_prompt_learning
 from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.optimizers import DPOptimizer
-from hf_dpfilter.packing import (
-    PackedLayout,
-    PackingError,
-    check_attention_stays_inside_examples,
-    packed_token_mean_loss,
+from hf_dpfilter.micro_batches import (
+    NUM_EXAMPLES_KEY,
+    MicroBatchMixin,
+    _check_sequence_length,
+    _EmptySafeCollator,
+    _LogicalBatchLoader,
 )
+from hf_dpfilter.packing import PackingError, packed_token_mean_loss
 from hf_dpfilter.plan import PrivacyPlan
+from hf_dpfilter.privacy_session import PrivacySessionMixin, _PrivacyCallback, read_privacy_ledger
 from hf_dpfilter.processes import check_one_dp_run
 from hf_dpfilter.run_guard import RunGuard
 
+if TYPE_CHECKING:
+    from hf_dpfilter.batch_structure import BatchStructure
+    from hf_dpfilter.engine import GhostClippingEngine
+    from hf_dpfilter.ledger import PrivacyLedger
+    from hf_dpfilter.optimizers.base import DPOptimizer
+    from hf_dpfilter.packing import PackedLayout
+
+__all__ = ["NUM_EXAMPLES_KEY", "DPTrainer", "DPTrainerMixin", "read_privacy_ledger"]
+
 logger = logging.getLogger(__name__)
-
-#: Key under which the training collator reports how many examples it collated (popped before the forward):
-#: the number of examples a packed batch must hold, declared by the sampler's draw, not inferred from rows.
-NUM_EXAMPLES_KEY = "_dp_num_examples"
-
-
-class _EmptySafeCollator:
-    """Collates a (possibly empty) list of examples; an empty batch keeps the keys with 0 rows."""
-
-    def __init__(self, collate_fn: Callable, dataset: Any) -> None:
-        self.collate_fn = collate_fn
-        self.dataset = dataset
-
-    def __call__(self, examples: list) -> dict[str, Any]:
-        if len(examples) > 0:
-            return {**self.collate_fn(examples), NUM_EXAMPLES_KEY: len(examples)}
-        # Collate one real example for the structure, then keep zero rows of it: nothing private is used.
-        template = self.collate_fn([self.dataset[0]])
-        empty = {k: v[:0] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in template.items()}
-        return {**empty, NUM_EXAMPLES_KEY: 0}
-
-
-class _LogicalBatchLoader(DataLoader):
-    """A DataLoader over logical batches that forwards ``set_epoch`` to its Poisson sampler."""
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.batch_sampler, "set_epoch"):
-            self.batch_sampler.set_epoch(epoch)
-
-
-class _PrivacyCallback(TrainerCallback):
-    def __init__(self, trainer: DPTrainer) -> None:
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        planned = self.trainer.planned_steps
-        if state.max_steps != planned:
-            raise RuntimeError(
-                f"The Trainer plans {state.max_steps} optimizer steps but the noise was calibrated for {planned}. "
-                "Do not change num_train_epochs/max_steps after creating the DPTrainer."
-            )
-        self.trainer._attach_engine_to_prepared_model()
-        self.trainer._refuse_resume_without_dp_state(state.global_step)
-        self.trainer._refuse_parameters_of_another_run()
-        self.trainer._begin_privacy_session()
-        self.trainer._check_resumed_budget()
-        self.trainer._announce_plan()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        # a non-private run (dp_method="none") releases nothing to account, and opened no ledger session (whose
-        # reading is collective: opening one here, on the saving process only, would hang the others)
-        if self.trainer.dp_optimizer is not None and self.trainer.privacy_plan.is_private:
-            self.trainer._write_privacy_ledger(self.trainer.dp_optimizer, in_flight=False)
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
@@ -112,74 +71,34 @@ def _is_causal_lm(model: nn.Module) -> bool:
     return type(base).__name__ in names or type(base).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def _check_sequence_length(model: nn.Module, inputs: dict[str, Any], packed: bool = False) -> None:
-    """Clear error for sequences longer than the model's position embeddings (instead of an index error).
+class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
+    """The DP glue of a ``transformers.Trainer`` (see the module docstring): put it first among the bases,
+    ``class DPTrainer(DPTrainerMixin, Trainer)``, so that its hooks wrap the Trainer's.
 
-    ``packed``: a row holds several examples, each with its own positions; the longest example must fit, not the
-    row (which holds the whole Poisson batch).
-    """
-    config = getattr(model, "config", None)
-    ids = inputs.get("input_ids")
-    if config is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2:
-        return
-    length = ids.shape[1]
-    positions = inputs.get("position_ids")
-    if packed and isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.numel():
-        length = PackedLayout.from_position_ids(positions).max_length
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if not isinstance(limit, int):
-        return
-    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert", "xlm-roberta-xl"):
-        limit -= (getattr(config, "pad_token_id", 1) or 0) + 1  # positions start after the padding index
-    if length > limit:
-        raise ValueError(
-            f"A batch has sequences of length {length}, longer than the model's maximum of {limit} "
-            f"positions (config.max_position_embeddings). Truncate in the tokenizer (truncation=True, "
-            f"max_length={limit}) or lower max_seq_length."
-        )
-
-
-def read_privacy_ledger(output_dir: str) -> dict[str, Any]:
-    """The privacy ledger of a run (output_dir/privacy_ledger.json), with ``epsilon`` computed from its history.
-
-    The ledger counts every step whose noise may have been released, including one in flight at a crash, so
-    its epsilon is never below what was spent.
-    """
-    import json
-    import os
-
-    with open(os.path.join(output_dir, "privacy_ledger.json")) as f:
-        ledger = json.load(f)
-    accountant = PrivacyAccountant(ledger["accountant"]["accountant"])
-    accountant.load_state_dict(ledger["accountant"])
-    ledger["epsilon"] = accountant.get_epsilon(ledger["delta"])
-    return ledger
-
-
-class DPTrainer(Trainer):
-    """A ``transformers.Trainer`` that trains with (epsilon, delta)-differential privacy.
-
-    Same constructor as ``Trainer``; ``args`` must be :class:`DPTrainingArguments`. The train dataset must
-    have a length (N is needed for the sample rate and the default delta). After ``train()``,
+    ``args`` must mix in :class:`~hf_dpfilter.arguments.DPArgumentsMixin` (:class:`DPTrainingArguments` does). The
+    train dataset must have a length (N is needed for the sample rate and the default delta). After ``train()``,
     :meth:`privacy_report` gives the epsilon spent.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(self.args, DPTrainingArguments):
-            raise TypeError("DPTrainer needs DPTrainingArguments (a TrainingArguments subclass) as `args`.")
+        if not isinstance(self.args, DPArgumentsMixin):
+            raise TypeError(
+                f"{type(self).__name__} needs DPTrainingArguments (a TrainingArguments subclass with the DP fields of "
+                "hf_dpfilter.arguments.DPArgumentsMixin) as `args`."
+            )
         self.dp_optimizer: DPOptimizer | None = None
         self.engine: GhostClippingEngine | None = None
         self._batch_structure: BatchStructure | None = None  # probed on the training collator
         self._packed_layout: PackedLayout | None = None  # the packed micro-batch being computed, if any
         self._per_example_checked = not self.args.dp_verify_first_step
         self._packing_checked = False  # packed rows: attention proven to stay inside each example, once
-        check_loss_policy(self, DPTrainer)
+        check_loss_policy(self, DPTrainerMixin)
         check_prompt_learning(self.model)
         self._setup_privacy()
         self.add_callback(_PrivacyCallback(self))
         # What the plan was computed from; checked again when train() starts (hf_dpfilter/run_guard.py).
-        self._run_guard = RunGuard(self)
+        self._run_guard = RunGuard(self, DPTrainerMixin)
 
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``, after the checks of :class:`hf_dpfilter.run_guard.RunGuard` (one run per trainer;
@@ -221,8 +140,8 @@ class DPTrainer(Trainer):
                 "poisson_sampling=False: batches are shuffled fixed-size batches; the reported epsilon assumes "
                 "Poisson sampling and is not a proven guarantee for this run."
             )
-        self.engine = self.privacy_plan.make_engine(
-            self.model, verify_first_backward=args.dp_verify_first_step, stack_layers=args.dp_stack_layers,
+        self.engine = make_engine(
+            self.privacy_plan, self.model, verify_first_backward=args.dp_verify_first_step, stack_layers=args.dp_stack_layers,
             batchnorm_eval=args.dp_batchnorm_eval,
         )
 
@@ -326,11 +245,17 @@ class DPTrainer(Trainer):
             self.engine.attach()
 
     # ------------------------------------------------------------------------ optimizer
+    #: TEST-ONLY (hf_dpfilter.audit): the audit's observed or deliberately weakened optimizer, built by the factory.
+    #: None in every real run.
+    _dp_audit_options: AuditOptions | None = None
+
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.dp_optimizer is not None:
             return self.optimizer
         base = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        self.dp_optimizer = self.privacy_plan.make_optimizer(None, base=base, accountant=self.accountant)
+        self.dp_optimizer = make_optimizer(
+            self.privacy_plan, None, base, accountant=self.accountant, audit=self._dp_audit_options
+        )
         self.optimizer = self.dp_optimizer
         self.dp_optimizer.warn_nonfinite = self.args.dp_log_nonprivate_metrics
         if self.privacy_plan.is_private:
@@ -350,175 +275,6 @@ class DPTrainer(Trainer):
         for message in self.privacy_plan.learnability_warnings(count):
             warnings.warn(message, UserWarning, stacklevel=2)
 
-    # ----------------------------------------------------------------- budget and ledger
-    def _check_resumed_budget(self) -> None:
-        """Refuse to resume a target_epsilon run whose plan changed: the restored history would overspend."""
-        optimizer = self.dp_optimizer
-        if optimizer is None or self.args.target_epsilon is None or optimizer.dp_steps == 0:
-            return
-        previous = getattr(optimizer, "loaded_noise_multiplier", None)
-        if optimizer.dp_steps > self.planned_steps or (previous is not None and previous != self.noise_multiplier):
-            raise ValueError(
-                f"Cannot resume: the checkpoint spent {optimizer.dp_steps} steps at noise_multiplier={previous}, "
-                f"calibrated for a different plan than this run's {self.planned_steps} steps at "
-                f"noise_multiplier={self.noise_multiplier:.6g}. Continuing would exceed target_epsilon="
-                f"{self.args.target_epsilon}. Resume with the original max_steps/num_train_epochs and target_epsilon, "
-                "or re-calibrate explicitly: pass noise_multiplier instead of target_epsilon (the reported epsilon "
-                "then counts every step, including the checkpoint's)."
-            )
-
-    #: attribute set on every trainable parameter once a DP run releases a step into it: the run's id
-    RELEASED_BY_ATTRIBUTE = "_hf_dpfilter_released_by"
-
-    def _mark_parameters_released(self, optimizer: DPOptimizer) -> None:
-        """Before each release: mark the trainable parameters with this run's id (see the refusal below)."""
-        for param in optimizer.params:
-            setattr(param, self.RELEASED_BY_ATTRIBUTE, optimizer.run_id)
-
-    def _refuse_parameters_of_another_run(self) -> None:
-        """A new DPTrainer on parameters another DPTrainer of this process already released noisy steps into.
-
-        The second run's epsilon would count its own steps only, while the model it releases holds both runs'.
-        A resume loads the checkpoint's values (and its run's history) into the parameters: not refused.
-        """
-        optimizer = self.dp_optimizer
-        if optimizer is None or not self.privacy_plan.is_private or optimizer.restored_from_checkpoint:
-            return
-        earlier = {getattr(p, self.RELEASED_BY_ATTRIBUTE, None) for p in optimizer.params} - {None, optimizer.run_id}
-        if earlier:
-            raise ValueError(
-                f"The model's trainable parameters already received noisy steps from another DP run in this process "
-                f"(run_id {', '.join(sorted(earlier))}, see its privacy_ledger.json): this run's epsilon would count "
-                "only its own steps, while the model it releases holds both. Continue the earlier run by resuming from "
-                "its checkpoint (train(resume_from_checkpoint=...)), or train a fresh copy of the original model. If "
-                "the runs use disjoint data and you account them yourself, remove the mark first: "
-                f"for p in model.parameters(): p.__dict__.pop('{self.RELEASED_BY_ATTRIBUTE}', None)."
-            )
-
-    def _refuse_resume_without_dp_state(self, global_step: int) -> None:
-        """A resumed step count without the DP optimizer's state: its released steps would go uncounted.
-
-        The Trainer restores the model and ``trainer_state.json`` and skips a missing ``optimizer.pt`` without a
-        word (``save_only_model=True``, or the file deleted): the accountant would restart at 0 on a model that
-        already holds the checkpoint's noisy steps.
-        """
-        optimizer = self.dp_optimizer
-        if global_step == 0 or optimizer is None or not self.privacy_plan.is_private:
-            return
-        if not optimizer.restored_from_checkpoint:
-            raise ValueError(
-                f"Cannot resume from a checkpoint at step {global_step} without the DP optimizer's state "
-                "(optimizer.pt missing: save_only_model=True, or the file was removed): the model already holds "
-                f"{global_step} noisy steps that the accountant could not count, so the reported epsilon would leave "
-                "them out. Resume from a checkpoint saved with save_only_model=False, or start a fresh run from the "
-                "original model."
-            )
-
-    def _begin_privacy_session(self) -> None:
-        """At the start of every ``train()``: fresh randomness after a resume, and the ledger's session.
-
-        A restored optimizer already drew a fresh noise seed (``DPOptimizer.load_state_dict``); the sampler gets
-        one too, so the batches after a resume are not derivable from ``dp_seed`` and the step either. The
-        accountant then continues from the privacy ledger of this run (every branch's releases), and a
-        ``target_epsilon`` run whose ledger counts releases beyond the checkpoint is refused when the
-        remaining plan would take it above the target.
-        """
-        optimizer = self.dp_optimizer
-        if optimizer is None or not self.privacy_plan.is_private:
-            return
-        resumed = optimizer.restored_from_checkpoint
-        sampler = getattr(self, "_dp_sampler", None)
-        if resumed and sampler is not None and not self.privacy_plan.secure_rng:
-            from hf_dpfilter.secure_rng import fresh_seed
-
-            sampler.seed = optimizer.collectives.agree_on_seed(fresh_seed())
-        ledger = PrivacyLedger(self.args.output_dir)
-        ledger.open_session(optimizer.run_id, optimizer.accountant, optimizer.dp_steps if resumed else None,
-                            getattr(self, "_resumed_checkpoint_dir", None))
-        self._privacy_ledger = ledger
-        self._ledger_reserved_through, self._ledger_last_call = 0, None
-        extra = ledger.steps_beyond_checkpoint
-        if extra == 0:
-            return
-        logger.warning(
-            "Resuming from a checkpoint at step %d while the privacy ledger %s counts %d steps of this run: the %d "
-            "step(s) released after this checkpoint (another branch, or before a crash) stay counted in every "
-            "epsilon reported from now on.", optimizer.dp_steps, ledger.path, optimizer.accountant.steps, extra,
-        )
-        target = self.args.target_epsilon
-        if target is None:
-            return
-        remaining = max(0, self.planned_steps - optimizer.dp_steps)
-        projected = optimizer.accountant.copy()
-        plan = self.privacy_plan
-        for sigma, q, n in plan.config.history(plan.noise, plan, remaining, start=optimizer.dp_steps):
-            projected.step(sigma, q, n)
-        epsilon = projected.get_epsilon(self.delta)
-        if epsilon > target:
-            raise ValueError(
-                f"Cannot resume from the checkpoint at step {optimizer.dp_steps}: the privacy ledger {ledger.path} "
-                f"already counts {optimizer.accountant.steps} released steps of this run ({extra} after this "
-                f"checkpoint, on another branch or before a crash), and the {remaining} remaining planned steps "
-                f"would take epsilon to {epsilon:.4g} > target_epsilon={target}. Resume from the newest checkpoint "
-                "(resume_from_checkpoint=True), or lower max_steps/num_train_epochs so that the whole history fits "
-                "the target, or pass noise_multiplier instead of target_epsilon (the reported epsilon then counts "
-                "every release)."
-            )
-
-    @property
-    def privacy_ledger_path(self) -> str:
-        import os
-
-        return os.path.join(self.args.output_dir, "privacy_ledger.json")
-
-    #: The ledger written before a step may already count the next steps, up to this many seconds of them (at
-    #: the measured step time, never beyond the planned steps): a fast GPU step then pays one ledger write
-    #: every few steps instead of one each (the atomic rename costs milliseconds on network or overlay file
-    #: systems). After a crash the ledger may count up to that many steps that never ran, never fewer than
-    #: ran; a finished run's ledger is exact. 0 writes before every step.
-    ledger_reserve_seconds: float = 0.5
-
-    def _write_privacy_ledger(self, optimizer: DPOptimizer, in_flight: bool = True) -> None:
-        """Write output_dir/privacy_ledger.json; called BEFORE each noisy step is computed and released, so it
-        counts the step in flight (and possibly a few reserved after it, see ``ledger_reserve_seconds``) and
-        a crash can never leave a ledger below what was spent."""
-        if not self.args.should_save:
-            return
-        ledger = self._privacy_ledger
-        if ledger is None:  # the optimizer stepped outside train() (no session opened)
-            ledger = self._privacy_ledger = PrivacyLedger(self.args.output_dir)
-            ledger.open_session(optimizer.run_id, optimizer.accountant, None, all_processes=False)
-        in_flight_step, ahead = optimizer.accountant.steps + 1, 0
-        if in_flight:
-            now, last = time.monotonic(), self._ledger_last_call
-            self._ledger_last_call = now
-            if in_flight_step <= self._ledger_reserved_through:
-                return  # this step is already counted by the ledger on disk
-            # Only where every step releases the same mechanisms (not DIFF2's restarts), so that the reserved
-            # steps are counted as what they will release.
-            uniform = all(n == self.planned_steps for _, _, n in self.privacy_plan.history())
-            if uniform and last is not None and now > last and self.ledger_reserve_seconds > 0:
-                remaining = max(0, self.planned_steps - (optimizer.dp_steps + 1))  # the plan's steps, this branch
-                ahead = min(int(self.ledger_reserve_seconds / (now - last)), remaining)
-        history = optimizer.accountant.copy()
-        if in_flight:
-            for _ in range(1 + ahead):  # the step about to be released counts already, and the reserved ones
-                history.record_step(optimizer.mechanisms())
-        fields = {
-            "steps_reserved_ahead": ahead,
-            "delta": self.delta,
-            "epsilon": None if in_flight else history.get_epsilon(self.delta),
-            "target_epsilon": self.args.target_epsilon,
-            "noise_multiplier": self.noise_multiplier,
-            "sample_rate": self.sample_rate,
-            "method": self.privacy_plan.method,
-        }
-        if self.args.dp_log_nonprivate_metrics:
-            # a noiseless count of sampled examples with a NaN/inf loss or gradient: a membership signal
-            fields["nonfinite_examples_zeroed"] = optimizer.nonfinite_examples
-        ledger.record(fields, history, "step_in_flight" if in_flight else "finished")
-        self._ledger_reserved_through = history.steps if in_flight else 0
-
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
         # The Trainer would log the norm of p.grad, which here is the *pre-noise* clipped sum: private.
         return None
@@ -536,7 +292,7 @@ class DPTrainer(Trainer):
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
-        sampler = self.privacy_plan.make_sampler(rank=rank, world_size=world)
+        sampler = make_sampler(self.privacy_plan, rank=rank, world_size=world)
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
         self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
@@ -578,68 +334,9 @@ class DPTrainer(Trainer):
         return per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type,
                                 label_smoothing=smoothing)
 
-    @property
-    def packed_layout(self) -> PackedLayout | None:
-        """The example boundaries of the packed micro-batch being computed (None: one example per row)."""
-        return self._packed_layout
-
-    @contextlib.contextmanager
-    def _packed(self, layout: PackedLayout | None):
-        """Declare a micro-batch's packing (or its absence) to the loss and the engine for the block."""
-        previous, self._packed_layout = self._packed_layout, layout
-        try:
-            with self.engine.packed(layout) if self.engine is not None else contextlib.nullcontext():
-                yield
-        finally:
-            self._packed_layout = previous
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # Evaluation keeps the model's own loss (no gradients, nothing private is released by training).
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
-
-    def _training_batch_structure(self) -> BatchStructure:
-        """Which keys carry the example axis, probed on the training collator (see hf_dpfilter.batch_structure)."""
-        if self._batch_structure is None:
-            collator = getattr(self, "_padding_collator", None)
-            if collator is not None:
-                data = collator.dataset
-                self._batch_structure = probe_batch_structure(
-                    collator.collate_fn, data[0], data[1] if len(data) > 1 else None
-                )
-            else:
-                self.get_train_dataloader()  # builds the training collator and probes it
-        return self._batch_structure
-
-    def _micro_batches(
-        self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None = None, size: int | None = None
-    ):
-        """Micro-batches of at most ``per_device_train_batch_size`` examples: ``(inputs, labels, layout)`` each.
-
-        Cut at example boundaries: rows of the keys that carry the example axis (as probed on the collator), or
-        the segments of packed rows (re-packed one row per micro-batch; ``layout`` says where each example is).
-        """
-        size = size or self.args.per_device_train_batch_size
-        structure = self._training_batch_structure()
-        for micro, micro_labels, layout in structure.micro_batches(inputs, labels, size, num_examples):
-            if layout is not None:
-                yield micro, micro_labels, layout
-                continue
-            mask = micro.get("attention_mask") if "attention_mask" in structure.per_example else None
-            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
-                # Drop trailing columns that are padding in every example of this micro-batch.
-                used = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
-                if used < mask.shape[1] and bool(mask[:, used:].eq(0).all()):
-                    seq = mask.shape[1]
-                    micro = {
-                        k: v[:, :used]
-                        if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
-                        and v.shape[1] == seq else v
-                        for k, v in micro.items()
-                    }
-                    if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq:
-                        micro_labels = micro_labels[:, :used]
-            yield micro, micro_labels, None
-
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """One logical batch: micro-batches -> per-example losses -> clipped sums in ``p.grad``."""
         model = self.model  # hooks live on the unwrapped modules; DDP reduction is done by the DP optimizer
@@ -662,7 +359,7 @@ class DPTrainer(Trainer):
             # on every process at its first step, whatever it sampled (FSDP2 runs collectives in the forward)
             self._check_packed_attention(model)
         if not self._per_example_checked and self.dp_optimizer.sharded:
-            check_hook_verified_when_sharded(self, DPTrainer)  # the same on every process: all refuse together
+            check_hook_verified_when_sharded(self, DPTrainerMixin)  # the same on every process: all refuse together
         if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
             candidate = self._micro_batch_to_check(micro_batches)
             if candidate is not None:
@@ -692,96 +389,6 @@ class DPTrainer(Trainer):
                 losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size)
             total = total + losses.sum()
         return total / max(batch, 1)
-
-    def _no_cache_when_packed(self, micro_batch: tuple) -> tuple:
-        """Packed rows: ``use_cache=False``. transformers keeps attention inside each packed example only when no
-        cache is passed (``masking_utils``: packed sequences are detected from ``position_ids`` when there are
-        no past key values); a causal LM with ``config.use_cache`` would create an empty cache in its forward
-        and let every example attend to those before it in the row."""
-        micro, micro_labels, layout = micro_batch
-        if layout is not None and hasattr(getattr(self.model, "config", None), "use_cache"):
-            micro = {**micro, "use_cache": False}
-        return micro, micro_labels, layout
-
-    def _check_packed_attention(self, model: nn.Module) -> None:
-        """Before the first packed step: prove on synthetic tokens that attention stays inside each example,
-        with the inputs a packed micro-batch gets (``use_cache=False``, see :meth:`_no_cache_when_packed`)."""
-        probe = {"position_ids": torch.zeros(1, 1, dtype=torch.long)}
-        extra, _, _ = self._no_cache_when_packed((probe, None, PackedLayout(((0, 0, 1),), 1, 1)))
-        extra = {k: v for k, v in extra.items() if k != "position_ids"}
-        proven = check_attention_stays_inside_examples(model, self._training_batch_structure().position_start, extra)
-        if not proven and not self.args.dp_verify_first_step:
-            raise PackingError(
-                f"Packed rows with a model ({type(model).__name__}) on which the synthetic-token probe cannot run (no "
-                "vocabulary size in get_input_embeddings() or config.vocab_size, or not one output per token), and "
-                "dp_verify_first_step=False: nothing would show that its attention keeps the examples of a row apart. "
-                "Keep dp_verify_first_step=True (the per-example check then compares each example with itself alone), "
-                "or use a padding collator (one example per row)."
-            )
-        self._packing_checked = True
-
-    def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:
-        """The per-example first-step check (hf_dpfilter.first_step_check), once per run, before any release."""
-        micro, micro_labels, layout = micro_batch
-        singles = [self._no_cache_when_packed(self._without_leading_padding(m)) for m in self._micro_batches(
-            {k: v for k, v in micro.items() if k != "use_cache"}, micro_labels, size=1)]
-
-        def loss_fn(inputs, labels):
-            with self.compute_loss_context_manager():
-                return self.compute_per_example_loss(model, inputs, labels)
-
-        worst = verify_per_example(
-            self.engine, model, loss_fn, micro_batch, lambda i: singles[i], self._packed,
-            # the precision the accelerator really computes in (fixed when the Trainer was created), not args.bf16 now
-            low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),
-        )
-        self._per_example_checked = True
-        logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
-
-    def _micro_batch_to_check(self, micro_batches: list[tuple]) -> tuple | None:
-        """The first micro-batch with two examples or more: one example alone equals itself alone, so it cannot show
-        a coupling. Until one comes (Poisson batches of one example), the check waits; a micro-batch of one example
-        cannot couple examples, and a rule right in sum is right for it. With per_device_train_batch_size=1 any."""
-        need = min(2, self.args.per_device_train_batch_size)
-        for micro_batch in micro_batches:
-            count = micro_batch[1].shape[0] if micro_batch[2] is None else micro_batch[2].num_examples
-            if count >= need:
-                return micro_batch
-        return None
-
-    def _without_leading_padding(self, micro_batch: tuple) -> tuple:
-        """One example as it is alone: without the leading columns that are padding (``attention_mask`` 0). Left
-        padding depends on the longest example of the batch; a model that numbers positions from the first column
-        (GPT-2, BERT) then gives each example other positions depending on the others, which the first-step check
-        must see (the trailing padding is dropped by :meth:`_micro_batches`)."""
-        micro, labels, layout = micro_batch
-        structure = self._training_batch_structure()
-        mask = micro.get("attention_mask") if "attention_mask" in structure.per_example else None
-        if layout is not None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.any()):
-            return micro_batch
-        first = int(mask.any(dim=0).nonzero().min().item())
-        if first == 0:
-            return micro_batch
-        seq = mask.shape[1]
-        micro = {
-            k: v[:, first:] if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
-            and v.shape[1] == seq else v
-            for k, v in micro.items()
-        }
-        if labels.dim() >= 2 and labels.shape[1] == seq:
-            labels = labels[:, first:]
-        return micro, labels, layout
-
-    def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
-        """One training example as a micro-batch, for a process with no example of its own under FSDP2.
-
-        Its forward and backward only keep the processes' collectives in step; the result is discarded.
-        """
-        collator: _EmptySafeCollator = self._padding_collator
-        inputs = dict(self._prepare_inputs(collator.collate_fn([collator.dataset[0]])))
-        labels = inputs.pop("labels")
-        return self._no_cache_when_packed(next(iter(self._micro_batches(inputs, labels, 1))))
-
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """0 unless ``dp_log_nonprivate_metrics``: the Trainer's count (``total_flos``) is a function of the private
         Poisson batch sizes and token counts, and is written to trainer_state.json and the loggers."""
@@ -844,3 +451,12 @@ class DPTrainer(Trainer):
             # Method-specific accounting details (DiceSGD, DIFF2) extend or refine the entries above.
             **plan.config.report(plan.noise, plan, self.accountant.steps, self.delta),
         }
+
+
+class DPTrainer(DPTrainerMixin, Trainer):
+    """A ``transformers.Trainer`` that trains with (epsilon, delta)-differential privacy.
+
+    Same constructor as ``Trainer``; ``args`` must be :class:`~hf_dpfilter.DPTrainingArguments`. The train
+    dataset must have a length (N is needed for the sample rate and the default delta). After ``train()``,
+    :meth:`privacy_report` gives the epsilon spent. All of the DP logic is in :class:`DPTrainerMixin`.
+    """

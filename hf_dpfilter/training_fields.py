@@ -392,7 +392,7 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "accountant": FieldPolicy(_P, "the privacy accountant"),
     "dp_seed": FieldPolicy(
         _P, "secret: never written to to_dict()/to_json_string()/to_sanitized_dict()/training_args.bin"),
-    "secure_noise": FieldPolicy(_P, "noise and sampling from the OS CSPRNG"),
+    "secure_rng": FieldPolicy(_P, "noise and sampling from the OS CSPRNG"),
     "dp_verify_first_step": FieldPolicy(_H, "a check of the per-example gradients on the first micro-batch"),
     "dp_stack_layers": FieldPolicy(_H, "a speed setting; the norms and sums are the same"),
     "dp_batchnorm_eval": FieldPolicy(

@@ -20,6 +20,7 @@ import torch
 from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan
 from hf_dpfilter.arguments import DP_METHODS
 from hf_dpfilter.optimizers.registry import method_spec
+from hf_dpfilter.retired_names import check_no_retired_names
 
 
 def refuse_sharded_training() -> None:
@@ -130,14 +131,13 @@ def add_common_arguments(
     )
     g.add_argument("--accountant", default="prv", choices=["prv", "rdp", "pld"], help="Privacy accountant.")
     g.add_argument(
-        "--secure_noise", action="store_true",
+        "--secure_rng", action="store_true",
         help="Draw the noise and the Poisson sampling from the OS CSPRNG (recommended for published runs). "
         "Without it they come from a secret random DP seed, which is never written to results.json.",
     )
     g.add_argument(
         "--method_args", nargs="*", default=[], metavar="NAME=VALUE",
-        help="The method's settings (fields of its config, e.g. kappa=0.7 gamma=0.5 for disk; the older "
-        "prefixed names such as disk_kappa=0.7 are accepted too).",
+        help="The method's settings (fields of its config, e.g. kappa=0.7 gamma=0.5 for disk).",
     )
     g = parser.add_argument_group("optimisation")
     g.add_argument(
@@ -180,7 +180,7 @@ def add_common_arguments(
 def parse_method_args(pairs: list[str], method: str) -> dict[str, Any]:
     """``["kappa=0.7", ...]`` -> ``{"kappa": 0.7}``, checked against the fields of ``method``'s config.
 
-    The prefixed names of earlier versions (``disk_kappa=0.7``) are mapped to the field names.
+    The retired prefixed names of earlier versions (``disk_kappa=0.7``) are refused with the field name.
     """
     config_class = method_spec(method).config_class
     out: dict[str, Any] = {}
@@ -188,6 +188,7 @@ def parse_method_args(pairs: list[str], method: str) -> dict[str, Any]:
         if "=" not in pair:
             raise ValueError(f"--method_args expects NAME=VALUE, got {pair!r}.")
         name, value = pair.split("=", 1)
+        check_no_retired_names([name], "--method_args")
         out[config_class.canonical_name(name)] = _parse_value(value)
     return out
 
@@ -344,7 +345,7 @@ def training_arguments(
         use_cpu=args.use_cpu,
         # pinned memory only helps copies to a GPU; without one torch warns at every DataLoader iterator
         dataloader_pin_memory=torch.cuda.is_available() and not args.use_cpu and not _accelerate_cpu(),
-        secure_noise=args.secure_noise,
+        secure_rng=args.secure_rng,
         remove_unused_columns=False,
         disable_tqdm=False,
         **privacy,

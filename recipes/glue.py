@@ -5,7 +5,7 @@ Examples::
     # offline on CPU: the packaged MiniLM on 1000 SST-2 examples, DiSK at epsilon 8 (about 30 s)
     .venv/bin/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/glue.py --task sst2 --method disk \\
         --model packaged-minilm --data_dir ../shared/data/glue --max_train_samples 1000 --max_eval_samples 200 \\
-        --max_seq_length 32 --epochs 1 --epsilon 8 --secure_noise --output_dir outputs/glue-disk
+        --max_seq_length 32 --epochs 1 --epsilon 8 --secure_rng --output_dir outputs/glue-disk
 
 The papers' setting (RoBERTa-base, B = 1000 x factor, 3 x factor epochs, lr 5e-4, AdamW, linear decay) needs a
 GPU and the Hub: ``--config_file accelerate_configs/multi_gpu.yaml --task mnli --method doppler --preset paper

@@ -7,7 +7,7 @@ Examples::
     .venv/bin/python examples/make_tiny_gpt2.py --data_dir ../shared/data/e2e --output_dir outputs/tiny-gpt2
     .venv/bin/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/table2text.py --dataset e2e \\
         --data_dir ../shared/data/e2e --model outputs/tiny-gpt2 --method dpsgd --epsilon 8 \\
-        --max_train_samples 1000 --max_eval_samples 10 --epochs 1 --secure_noise --output_dir outputs/e2e-dpsgd
+        --max_train_samples 1000 --max_eval_samples 10 --epochs 1 --secure_rng --output_dir outputs/e2e-dpsgd
 
 GPT-2 on E2E at epsilon 8 in the Li et al. 2022 / DiSK setting needs a GPU and the Hub:
 ``--config_file accelerate_configs/single_gpu.yaml --model gpt2 --method disk --preset paper --epsilon 8``.

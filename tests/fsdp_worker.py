@@ -113,7 +113,7 @@ def noise(out: str, secure: bool) -> None:
     sigma, clip, batch = 1.5, 0.5, 4.0
     optimizer = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, lr=1.0, noise_multiplier=sigma,
                                   max_grad_norm=clip, expected_batch_size=batch, sample_rate=0.1, seed=11,
-                                  secure_noise=secure)
+                                  secure_rng=secure)
     updates = []
     for _ in range(3):
         before = [local(p).clone() for p in model.parameters()]

@@ -13,11 +13,11 @@ from hf_dpfilter import accounting
 from hf_dpfilter.accounting import (
     ACCOUNTANTS,
     PrivacyAccountant,
-    calibrate_noise_multiplier,
     compute_epsilon,
     default_delta,
     validate_privacy_parameters,
 )
+from hf_dpfilter.calibration import calibrate_noise_multiplier
 
 N_SST2 = 8000
 DELTA_8K = N_SST2**-1.1

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dpfilter import GhostClippingEngine, ModuleValidationError
+from hf_dpfilter.factory import make_engine, make_optimizer
 from hf_dpfilter.plan import PrivacyPlan
 from hf_dpfilter.validators import StateWrittenError
 
@@ -59,8 +60,8 @@ def test_state_written_on_a_later_step_is_refused_before_that_step_releases(repl
     model = _WritesLater(replace)
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
                               max_grad_norm=1.0, seed=0)
-    engine = plan.make_engine(model)
-    optimizer = plan.make_optimizer(list(model.parameters()), base=torch.optim.SGD, lr=0.0)
+    engine = make_engine(plan, model)
+    optimizer = make_optimizer(plan, list(model.parameters()), base=torch.optim.SGD, lr=0.0)
     labels = torch.tensor([0, 1, 0, 1])
 
     def step(x):
@@ -240,8 +241,8 @@ def test_peft_tuners_without_a_per_example_rule_are_refused_by_name(tuner):
     ids = torch.randint(1, 90, (4, 5))
     labels = torch.tensor([0, 1, 0, 1])
     with pytest.raises((UnsupportedLayerError, ModuleValidationError)) as refused:
-        engine = plan.make_engine(model)
-        optimizer = plan.make_optimizer([p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
+        engine = make_engine(plan, model)
+        optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
                                         lr=0.0)
         optimizer.accumulate(engine, lambda values: F.cross_entropy(
             model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, labels, reduction="none"), batch_size=4)
@@ -292,8 +293,8 @@ def test_functional_ops_that_mix_examples_are_refused_before_release(kind):
         model.pair.requires_grad_(False)
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
                               max_grad_norm=0.05, seed=0)
-    engine = plan.make_engine(model)
-    optimizer = plan.make_optimizer([p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD, lr=0.0)
+    engine = make_engine(plan, model)
+    optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD, lr=0.0)
     x, labels = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
     with pytest.raises(RuntimeError, match=r"lost its batch axis.*Nothing was released"):
         optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=4)
@@ -400,8 +401,8 @@ def test_an_extra_call_within_a_forward_does_not_inherit_the_proven_verdict_when
     model = _ExtraCallLater()
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
                               max_grad_norm=1.0, seed=0)
-    engine = plan.make_engine(model)
-    optimizer = plan.make_optimizer(list(model.parameters()), base=torch.optim.SGD, lr=0.0)
+    engine = make_engine(plan, model)
+    optimizer = make_optimizer(plan, list(model.parameters()), base=torch.optim.SGD, lr=0.0)
     labels = torch.tensor([0, 1, 0, 1])
 
     def step(ids):

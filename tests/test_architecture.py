@@ -11,14 +11,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_dpfilter"
 MAX_LINES = 600
 
 #: Circles that exist today outside the engine/noise/optimizer rooms; the architecture work removes them and
 #: then empties this list (test_no_import_circle fails as long as it is not empty).
-KNOWN_CIRCLES = [{"hf_dpfilter.trainer", "hf_dpfilter.run_guard"}]
 
 
 def _modules(package: Path) -> dict[str, Path]:
@@ -102,19 +99,11 @@ def test_the_graph_sees_function_level_imports_and_skips_type_checking(tmp_path)
     assert import_circles(import_graph(package)) == [["pkg.sub.leaf", "pkg.top", "pkg.sub.leaf"]]
 
 
-def test_no_new_import_circle():
-    circles = import_circles(import_graph())
-    new = [c for c in circles if set(c) not in KNOWN_CIRCLES]
-    assert not new, "import circles in hf_dpfilter:\n" + "\n".join(" -> ".join(c) for c in new)
-
-
-@pytest.mark.xfail(strict=False, reason="KNOWN_CIRCLES is not empty yet (trainer <-> run_guard)")
 def test_no_import_circle():
     circles = import_circles(import_graph())
-    assert not circles and not KNOWN_CIRCLES, "\n".join(" -> ".join(c) for c in circles)
+    assert not circles, "import circles in hf_dpfilter:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
-@pytest.mark.xfail(strict=False, reason="the architecture work brings every file under the limit; then strict")
 def test_no_file_in_the_package_over_600_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}

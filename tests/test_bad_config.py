@@ -99,7 +99,7 @@ def _opt(**kw):
 
 OPTIMIZER_ERRORS = [
     (dict(noise_multiplier=-1.0), "noise_multiplier must be >= 0"),
-    (dict(max_grad_norm=0.0), r"max_grad_norm \(the clipping norm C\) must be > 0"),
+    (dict(max_grad_norm=0.0), r"max_grad_norm must be > 0, got 0.0: it is the per-example clipping norm C"),
     (dict(expected_batch_size=0), "expected_batch_size must be > 0"),
     (dict(clipping_fn="soft"), "clipping_fn must be one of"),
     (dict(target_epsilon=1.0), "Give both target_epsilon and target_delta"),

@@ -28,6 +28,7 @@ from torch import nn
 from hf_dpfilter import GhostClippingEngine, ModuleValidationError, register_module_validator
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.engine import UnsupportedLayerError
+from hf_dpfilter.factory import make_engine, make_optimizer
 from hf_dpfilter.plan import PrivacyPlan
 from hf_dpfilter.validators import ModuleProblem, StateWrittenError
 
@@ -40,8 +41,8 @@ def clipped_sum(model: nn.Module, forward, inputs: dict, labels: torch.Tensor, *
     model = copy.deepcopy(model)
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=len(labels), epochs=1, noise_multiplier=0.0,
                               max_grad_norm=C, seed=0)
-    engine = plan.make_engine(model, **engine_kwargs)
-    optimizer = plan.make_optimizer([p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD, lr=0.0)
+    engine = make_engine(plan, model, **engine_kwargs)
+    optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD, lr=0.0)
 
     def loss_fn(values):
         out = forward(model, inputs) if not values else forward(lambda **kw: engine.call_model(values, **kw), inputs)

@@ -18,6 +18,7 @@ from models import tiny_bert
 
 from hf_dpfilter import PrivacyPlan
 from hf_dpfilter.engine import GhostClippingEngine
+from hf_dpfilter.factory import make_private
 
 
 def _batch(n: int, seed: int, target_scale: float = 1.0):
@@ -44,7 +45,7 @@ def _difference_round_sums(batch, lr: float, bf16: bool, batch_dependent_roundin
         noise_multiplier=0.0,
         max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
-    engine, optimizer = plan.build(model, base=torch.optim.SGD, lr=lr, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=lr, verify_first_backward=False)
 
     def accumulate(ids, y):
         def loss_fn(values):
@@ -124,7 +125,7 @@ def _difference_norms(batch, lr: float, float64_differences: bool) -> torch.Tens
         method_args={"restart_every": 2, "difference_max_grad_norm": 1.0, "float64_differences": float64_differences},
         noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
-    engine, optimizer = plan.build(model, base=torch.optim.SGD, lr=lr, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=lr, verify_first_backward=False)
 
     def loss_fn_of(ids, y):
         def loss_fn(values):  # in the dtype of the point (a cast of the logits to float32 would round again)
@@ -166,7 +167,7 @@ def test_difference_round_runs_the_model_in_float64_and_reports_the_current_loss
         method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0}, noise_multiplier=0.0,
         max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
-    engine, optimizer = plan.build(model, base=torch.optim.SGD, lr=1e-3, verify_first_backward=True)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3, verify_first_backward=True)
     ids, y = _batch(8, 0)
     seen = []
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.engine.rules import _GRAD_RULES, OuterTerm, register_grad_rule
+from hf_dpfilter.factory import make_sampler
 from hf_dpfilter.first_step_check import PerExampleCheckError
 from hf_dpfilter.loss_policy import LossPolicyError
 from hf_dpfilter.losses import per_example_loss
@@ -301,7 +302,7 @@ def test_check_waits_for_a_micro_batch_of_two_examples(tmp_path):
     args = _args(tmp_path, logical_batch_size=2, per_device_train_batch_size=4, max_steps=2, dp_seed=0)
     trainer = ContrastiveTrainer(model=tiny_bert(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
                                  data_collator=PadCollator(0))
-    sizes = [len(batch) for batch in trainer.privacy_plan.make_sampler(rank=0, world_size=1)][:2]
+    sizes = [len(batch) for batch in make_sampler(trainer.privacy_plan, rank=0, world_size=1)][:2]
     assert sizes == [1, 2]  # dp_seed=0 draws one example, then two
     with pytest.raises(PerExampleCheckError, match="couples examples"):
         trainer.train()

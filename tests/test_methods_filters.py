@@ -482,12 +482,13 @@ def test_bad_hyperparameters_give_clear_errors():
         make_dp_optimizer(params, method="doppler", method_args={"preset": "nope"}, **common)
     with pytest.raises(ValueError, match="pmlf_b"):
         make_dp_optimizer(params, method="pmlf", method_args={"a": [-0.9]}, **common)
-    # The earlier flat names still work (with a FutureWarning) and mean the same settings.
-    with pytest.warns(FutureWarning, match="disk_kappa"), pytest.raises(ValueError, match="disk_kappa"):
-        make_dp_optimizer(params, method="disk", disk_kappa=0.0, **common)
-    with pytest.warns(FutureWarning, match="pmlf_k"):
-        legacy = make_dp_optimizer(params, method="pmlf", pmlf_k=3, **common)
-    assert legacy.config == make_dp_optimizer(params, method="pmlf", method_args={"k": 3}, **common).config
+    # The retired flat names are refused with the field that replaced them (never mapped, never ignored).
+    with pytest.raises(ValueError, match=r"'disk_kappa' is no longer accepted.*method_args=\{'kappa'"):
+        make_dp_optimizer(params, method="disk", disk_kappa=0.5, **common)
+    with pytest.raises(ValueError, match=r"'pmlf_k' is no longer accepted.*dp_method='pmlf'.*method_args=\{'k'"):
+        make_dp_optimizer(params, method="dpsgd", pmlf_k=3, **common)
+    with pytest.raises(ValueError, match=r"'secure_noise' was renamed 'secure_rng'"):
+        make_dp_optimizer(params, method="dpsgd", secure_noise=True, **common)
 
 
 def test_filtered_gradient_into_adam_warns_and_names_the_paper_variant():

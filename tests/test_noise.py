@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hf_dpfilter.collectives import default_collectives
+from hf_dpfilter.factory import make_optimizer
 from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_average, noisy_averages, seeded_generator
 from hf_dpfilter.plan import PrivacyPlan
 
@@ -26,7 +27,7 @@ def _source(seed: int, draws: list | None = None, secure: bool = False) -> Noise
 
 def test_the_optimizer_draws_from_the_noise_stream_of_its_seed():
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, noise_multiplier=1.0, seed=5)
-    optimizer = plan.make_optimizer([nn.Parameter(torch.zeros(3))], lr=0.1)
+    optimizer = make_optimizer(plan, [nn.Parameter(torch.zeros(3))], lr=0.1)
     cpu = torch.device("cpu")
     assert torch.equal(optimizer._generator(cpu).get_state(), seeded_generator(5, cpu).get_state())
     assert not torch.equal(seeded_generator(5, cpu).get_state(), seeded_generator(6, cpu).get_state())

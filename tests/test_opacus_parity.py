@@ -19,6 +19,7 @@ from helpers import ListDataset, PadCollator, make_examples
 from models import VOCAB, padded_batch, tiny_bert
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter.factory import make_private
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.plan import PrivacyPlan
 
@@ -28,7 +29,7 @@ opacus = pytest.importorskip("opacus")
 def _ours_clipped_sum(model, batch, max_grad_norm):
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=len(batch["labels"]), epochs=1,
                               noise_multiplier=0.0, max_grad_norm=max_grad_norm, seed=0)
-    engine, optimizer = plan.build(model, base=torch.optim.SGD, lr=0.0)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.0)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
 
     def loss_fn(values):
@@ -77,7 +78,7 @@ def test_noisy_average_divides_by_expected_not_realized_batch():
     model = torch.nn.Linear(3, 1, bias=False).double()
     plan = PrivacyPlan.for_optimizer(noise_multiplier=0.0, max_grad_norm=1e6, expected_batch_size=8.0,
                                      sample_rate=0.5, seed=0)
-    engine, optimizer = plan.build(model, base=torch.optim.SGD, lr=1.0)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1.0)
     x = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0]], dtype=torch.float64)  # a realized batch of 2
     before = model.weight.detach().clone()
     optimizer.accumulate(engine, lambda values: model(x).squeeze(-1), batch_size=2)

@@ -1,7 +1,7 @@
 """One owner of clipping and noise: the README's custom loop, per-method sensitivity through it, and the refusals.
 
 * The README's custom-loop block is executed as written.
-* For every method, the custom loop (plan.build + optimizer.accumulate) with noise 0 and neighbouring batches
+* For every method, the custom loop (make_private + optimizer.accumulate) with noise 0 and neighbouring batches
   D and D u {x} (x an extreme example) moves the pre-noise aggregate by at most the sensitivity the noise is
   calibrated to (``optimizer.sensitivity()``, the Delta of std = sigma * Delta).
 * The old two-owner pattern (an engine with its own C, p.grad filled outside the optimizer, step() without
@@ -22,6 +22,7 @@ from hf_dpfilter import (
     PrivacyPlan,
     UnprivatizedGradientError,
     make_dp_optimizer,
+    make_private,
     per_example_loss,
 )
 
@@ -65,7 +66,7 @@ def _run(method: str, method_args: dict, last_batch, warmup_batches, clip: float
     model = tiny_bert(num_labels=2)  # float64, deterministic init
     plan = PrivacyPlan.for_optimizer(method=method, method_args=method_args, noise_multiplier=0.0,
                                      max_grad_norm=clip, expected_batch_size=4.0, sample_rate=0.5, seed=0)
-    engine, optimizer = plan.build(model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
 
     def accumulate(ids, y):
         def loss_fn(param_values):
@@ -155,5 +156,5 @@ def test_engine_and_optimizer_must_cover_the_same_parameters():
     optimizer = make_dp_optimizer(model[0].parameters(), torch.optim.SGD, lr=0.1, noise_multiplier=1.0,
                                   max_grad_norm=1.0, expected_batch_size=4)
     x = torch.randn(4, 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match="plan.build"):
+    with pytest.raises(ValueError, match="make_private"):
         optimizer.accumulate(engine, lambda v: model(x).squeeze(-1), batch_size=4)

@@ -16,6 +16,7 @@ from transformers import DataCollatorWithFlattening
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
 from hf_dpfilter.batch_structure import probe_batch_structure
+from hf_dpfilter.factory import make_private
 from hf_dpfilter.first_step_check import PerExampleCheckError
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.packing import PackedLayout, PackingError, packed_token_mean_loss
@@ -134,7 +135,7 @@ def _packed_aggregate(examples, clip=0.5):
     model = tiny_gpt2(dtype=torch.float32)
     plan = PrivacyPlan.for_optimizer(method="dpsgd", method_args={}, noise_multiplier=0.0, max_grad_norm=clip,
                                      expected_batch_size=4.0, sample_rate=0.5, seed=0)
-    engine, optimizer = plan.build(model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
     batch = DataCollatorWithFlattening()(examples)
     layout = PackedLayout.from_position_ids(batch["position_ids"])
 

@@ -13,6 +13,7 @@ from models import VOCAB, tiny_bert
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan, make_dp_optimizer
 from hf_dpfilter.arguments import DP_METHODS
+from hf_dpfilter.factory import make_optimizer, make_sampler
 from hf_dpfilter.optimizers.registry import METHOD_NAMES, method_names, method_spec
 from hf_dpfilter.sampling import PoissonBatchSampler
 from hf_dpfilter.secure_rng import derive_seed
@@ -34,7 +35,7 @@ def _trainer(tmp_path, **kw) -> DPTrainer:
 
 # ------------------------------------------------------------------------------ secret sampling
 def _batches(plan: PrivacyPlan, epochs: int = 2) -> list[list[int]]:
-    sampler = plan.make_sampler()
+    sampler = make_sampler(plan)
     out = []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
@@ -53,8 +54,8 @@ def test_secure_runs_with_the_same_seeds_draw_different_batches():
     assert _batches(PrivacyPlan.create(**common)) == _batches(PrivacyPlan.create(**common))
 
 
-def test_trainer_with_secure_noise_samples_from_the_os(tmp_path):
-    trainers = [_trainer(tmp_path / str(i), secure_noise=True, dp_seed=7, seed=7) for i in range(2)]
+def test_trainer_with_secure_rng_samples_from_the_os(tmp_path):
+    trainers = [_trainer(tmp_path / str(i), secure_rng=True, dp_seed=7, seed=7) for i in range(2)]
     batches = []
     for trainer in trainers:
         sampler = trainer.get_train_dataloader().batch_sampler
@@ -66,9 +67,9 @@ def test_trainer_with_secure_noise_samples_from_the_os(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1, 42, 2**40])
 def test_sampler_and_noise_never_share_a_generator_state(seed):
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, noise_multiplier=1.0, seed=seed)
-    optimizer = plan.make_optimizer([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    optimizer = make_optimizer(plan, [torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     noise_state = optimizer._generator(torch.device("cpu")).get_state()
-    sampler = plan.make_sampler()
+    sampler = make_sampler(plan)
     for epoch in range(5):
         sampler.set_epoch(epoch)
         assert not torch.equal(sampler.generator().get_state(), noise_state)
@@ -85,7 +86,7 @@ def test_dp_seed_defaults_to_a_fresh_secret_and_is_never_reported(tmp_path):
         "seeded generators", "").replace("DP seed", "").replace("the seed stays", "")
     assert str(a.privacy_plan.seed) not in json.dumps(report, default=str)
     assert "seed=" not in repr(a.privacy_plan)
-    secure = _trainer(tmp_path / "c", secure_noise=True).privacy_report()
+    secure = _trainer(tmp_path / "c", secure_rng=True).privacy_report()
     assert "CSPRNG" in secure["randomness"]
 
 
@@ -133,14 +134,20 @@ def test_one_list_of_methods():
         assert spec.config_class.name == name == spec.optimizer_class.method_name
 
 
-def test_no_top_level_fields_per_method_and_the_old_names_still_work(tmp_path):
+def test_no_top_level_fields_per_method_and_the_retired_names_are_refused_with_the_new_field(tmp_path):
     names = {f.name for f in dataclasses.fields(DPTrainingArguments)}
     assert not any(n.startswith(("disk_", "doppler_", "pmlf_", "dice_", "diff2_")) for n in names)
-    with pytest.warns(FutureWarning, match=r"dp_method_args=\{'kappa'"):
-        args = _args(tmp_path, dp_method="disk", disk_kappa=0.6)
-    assert args.dp_method_args == {"kappa": 0.6}
-    with pytest.raises(ValueError, match="setting of dp_method='disk'"):
+    assert "secure_rng" in names and "secure_noise" not in names
+    with pytest.raises(ValueError, match=r"'disk_kappa' is no longer accepted.*dp_method='disk'.*dp_method_args=\{'kappa'"):
+        _args(tmp_path, dp_method="disk", disk_kappa=0.6)
+    with pytest.raises(ValueError, match=r"'disk_kappa' is no longer accepted.*dp_method='disk'"):
         _args(tmp_path, dp_method="dpsgd", disk_kappa=0.6)
+    with pytest.raises(ValueError, match=r"'dice_accounting' is no longer accepted.*dp_method_args=\{'accounting'"):
+        _args(tmp_path, dp_method="dicesgd", dice_accounting="paper")
+    with pytest.raises(ValueError, match=r"DPTrainingArguments: 'secure_noise' was renamed 'secure_rng'"):
+        _args(tmp_path, secure_noise=True)
+    with pytest.raises(ValueError, match="not a setting of dp_method='disk'"):
+        _args(tmp_path, dp_method="disk", dp_method_args={"disk_kappa": 0.6})  # inside dp_method_args: field names
     with pytest.raises(ValueError, match="not a setting of dp_method='disk'"):
         _args(tmp_path, dp_method="disk", dp_method_args={"kapa": 0.6})
     json_args = _args(tmp_path, dp_method="diff2", dp_method_args='{"restart_every": 4, "difference_max_grad_norm": 1}')

@@ -94,7 +94,7 @@ def test_every_listed_method_runs_with_its_defaults_and_a_short_plan_warns(tiny_
     glue.main([
         "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"), "--method", method,
         "--epsilon", "8", "--max_train_samples", "2000", "--max_eval_samples", "32", "--max_seq_length", "16",
-        "--epochs", "1.25", "--num_evals", "1", "--output_dir", str(out), "--use_cpu", "--secure_noise",
+        "--epochs", "1.25", "--num_evals", "1", "--output_dir", str(out), "--use_cpu", "--secure_rng",
     ])
     printed = capsys.readouterr().out
     results = _check_outputs(out, method)
@@ -170,21 +170,23 @@ def test_recipes_use_the_adam_variant_of_the_low_pass_filters(tmp_path):
     assert settings["method_args"] == {"base": "adam"}
     training_args = _common.training_arguments(args, settings, n_train=512)
     assert (training_args.dp_method_args, training_args.optim) == ({"base": "adam"}, "sgd")
-    # choosing the base yourself replaces the default (base='optimizer' keeps the AdamW); old names still map
-    args = glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "pmlf_base=optimizer", "k=3"])
+    # choosing the base yourself replaces the default (base='optimizer' keeps the AdamW); retired names are refused
+    args = glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "base=optimizer", "k=3"])
     settings = glue.resolve_settings(args)
     assert settings["method_args"] == {"base": "optimizer", "k": 3}
     assert _common.training_arguments(args, settings, n_train=512).optim != "sgd"
     with pytest.raises(ValueError, match="not a setting of dp_method='pmlf'"):
         glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "kappa=0.5"]))
+    with pytest.raises(ValueError, match=r"'pmlf_base' is no longer accepted.*dp_method_args=\{'base'"):
+        glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "pmlf_base=adam"]))
 
 
-def test_results_never_contain_the_dp_seed_and_secure_noise_is_one_flag():
-    args = glue.build_parser().parse_args(["--method", "dpsgd", "--secure_noise", "--use_cpu"])
+def test_results_never_contain_the_dp_seed_and_secure_rng_is_one_flag():
+    args = glue.build_parser().parse_args(["--method", "dpsgd", "--secure_rng", "--use_cpu"])
     import _common
 
     training_args = _common.training_arguments(args, glue.resolve_settings(args), n_train=512)
-    assert training_args.secure_noise and training_args.dp_seed is None
+    assert training_args.secure_rng and training_args.dp_seed is None
 
 
 @needs_e2e

@@ -210,7 +210,7 @@ def test_ledger_reserves_steps_ahead_only_as_far_as_asked(tmp_path, monkeypatch)
 
     from transformers import TrainerCallback
 
-    import hf_dpfilter.trainer as trainer_module
+    import hf_dpfilter.privacy_session as trainer_module
 
     clock = iter(range(1000))
     monkeypatch.setattr(trainer_module, "time", SimpleNamespace(monotonic=lambda: 0.1 * next(clock)))

@@ -1,4 +1,4 @@
-"""secure_noise=True: Gaussian noise from the OS CSPRNG (Box-Muller) has the right statistics and is used."""
+"""secure_rng=True: Gaussian noise from the OS CSPRNG (Box-Muller) has the right statistics and is used."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_training_arguments_secure_noise_uses_the_csprng(tmp_path, monkeypatch):
     monkeypatch.setattr(sampling, "secure_uniform", counting_uniform)
     args = DPTrainingArguments(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
-        noise_multiplier=1.0, logical_batch_size=4, max_steps=1, secure_noise=True, accountant="rdp",
+        noise_multiplier=1.0, logical_batch_size=4, max_steps=1, secure_rng=True, accountant="rdp",
     )
     trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
                         data_collator=PadCollator(1))

@@ -134,7 +134,7 @@ def write_section(path: Path, section: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hf_dpfilter.optimizers import available_methods
+    from hf_dpfilter.optimizers.registry import available_methods
 
     parser = argparse.ArgumentParser(prog="python -m hf_dpfilter.audit", description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="*", default=None, help="default: every available method")

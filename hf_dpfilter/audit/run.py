@@ -43,6 +43,7 @@ from torch.utils.data import Dataset
 
 from hf_dpfilter.arguments import DPTrainingArguments
 from hf_dpfilter.audit.bounds import best_guess_bound
+from hf_dpfilter.factory import AuditOptions
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.trainer import DPTrainer
 
@@ -155,27 +156,12 @@ class _AuditTrainer(DPTrainer):
         cross_entropy = F.cross_entropy(outputs["logits"], labels, reduction="none")
         return cross_entropy * real + self.canary_gradient_norm * outputs["probe"]
 
-    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        if self.dp_optimizer is not None:
-            return self.optimizer
-        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        cls = type(optimizer)
-        if self.optimizer_override is not None:
-            if not issubclass(self.optimizer_override, cls):
-                raise TypeError(f"{self.optimizer_override.__name__} must subclass {cls.__name__}.")
-            cls = self.optimizer_override
-        # Observe the released (post-noise, pre-filter) gradient by subclassing, never by patching a forward.
-        recorder = self.recorder
-
-        class _Observed(cls):  # type: ignore[misc, valid-type]
-            def privatize(self, sums):
-                released = super().privatize(sums)
-                recorder.observe(released, self)
-                return released
-
-        _Observed.__name__ = _Observed.__qualname__ = f"Audited{cls.__name__}"
-        optimizer.__class__ = _Observed  # same instance and state, one extra observation after the noise
-        return optimizer
+    @property
+    def _dp_audit_options(self) -> AuditOptions:
+        # Built by the factory (hf_dpfilter.factory.AuditOptions): the released (post-noise, pre-filter) gradient
+        # is observed by a subclass created before the optimizer exists, and the power controls' weakened class
+        # replaces the method's -- never a change to a live optimizer or to a model forward.
+        return AuditOptions(weakened=self.optimizer_override, observe_release=self.recorder.observe)
 
 
 class _ScoreRecorder:

@@ -3,8 +3,7 @@
 The engine computes; it never clips. Clipping, noise and accounting belong to the DP optimizer, which drives
 the engine (one call per micro-batch)::
 
-    engine = plan.make_engine(model)                      # or GhostClippingEngine(model)
-    optimizer = plan.make_optimizer(model.parameters(), base=torch.optim.AdamW, lr=1e-3)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.AdamW, lr=1e-3)  # hf_dpfilter.factory
     optimizer.accumulate(engine, loss_fn, batch_size)     # forward(s), backward, clip per example, sum
     optimizer.step()                                      # noise once, account, base optimizer step
 
@@ -94,7 +93,7 @@ class _Record:
 _OWNED_BY_THE_OPTIMIZER = (
     "The clipping engine no longer clips: the DP optimizer is the only owner of the clipping norm, the noise "
     "and the accounting, so the noise can never be sized for a different C than the one the sum was clipped "
-    "at. Build the pair from one plan (engine, optimizer = plan.build(model, base=...)) or create "
+    "at. Build the pair from one plan (engine, optimizer, _ = make_private(plan, model, base=...), from hf_dpfilter.factory) or create "
     "GhostClippingEngine(model) without a norm, and call optimizer.accumulate(engine, loss_fn, batch_size) once "
     "per micro-batch, then optimizer.step() (README, 'Without the Trainer')."
 )

@@ -45,7 +45,6 @@ from __future__ import annotations
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,7 +57,7 @@ from hf_dpfilter.collectives import Collectives, default_collectives, is_sharded
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
 from hf_dpfilter.engine.points import LossFn, per_example_combination
 from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
-from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig
+from hf_dpfilter.optimizers.method_config import DPSGDConfig, Mechanism, MethodConfig  # noqa: F401 (DPSGDConfig: re-exported)
 from hf_dpfilter.optimizers.method_state import copy_all_, index_to_params, params_to_index
 from hf_dpfilter.optimizers.wrapped import WrappedOptimizer, build_base_optimizer
 
@@ -70,17 +69,10 @@ class UnprivatizedGradientError(RuntimeError):
     """``step()`` was asked to release a gradient that the DP optimizer's own accumulation did not build."""
 
 
-@dataclass(frozen=True)
-class DPSGDConfig(MethodConfig):
-    """DP-SGD / DP-Adam has no settings of its own (everything is in the plan)."""
-
-    name = "dpsgd"
-
-
 class DPOptimizer(WrappedOptimizer):
     """Wraps a base ``torch.optim.Optimizer``; clips, privatizes and accounts (DP-SGD / DP-Adam).
 
-    Build it from a plan (``plan.make_optimizer(params, base=...)``) or with :func:`make_dp_optimizer`. Per
+    Build it from a plan (``hf_dpfilter.factory.make_private(plan, model, base=...)``) or with :func:`make_dp_optimizer`. Per
     step: one :meth:`accumulate` per micro-batch, then :meth:`step` (noise once, account, base step).
     """
 
@@ -199,7 +191,7 @@ class DPOptimizer(WrappedOptimizer):
                 f"The engine's model has {len(theirs)} trainable parameters and the optimizer {len(mine)} "
                 f"({len(theirs - mine)} only in the model, {len(mine - theirs)} only in the optimizer). Every "
                 "trainable parameter must be clipped and noised by this optimizer: build both from the same model "
-                "(engine, optimizer = plan.build(model, base=...)) or freeze the parameters you do not train."
+                "(engine, optimizer, _ = make_private(plan, model, base=...), from hf_dpfilter.factory) or freeze the parameters you do not train."
             )
         self._engine_checked = engine
 

@@ -23,12 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from hf_dpfilter.accounting import calibrate_noise_multiplier, calibrate_scale
+from hf_dpfilter.calibration import calibrate_noise_multiplier, calibrate_scale
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
 
-__all__ = ["Mechanism", "MethodConfig", "NoiseRound", "NoiseSettings", "aggregate_history"]
+__all__ = ["DPSGDConfig", "Mechanism", "MethodConfig", "NoiseRound", "NoiseSettings", "aggregate_history"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ class MethodConfig:
 
     #: the method's name in the registry (``dp_method``)
     name: ClassVar[str] = ""
-    #: the flat ``DPTrainingArguments`` fields of earlier versions were ``legacy_prefix + field name``
+    #: the retired flat names of earlier versions were ``legacy_prefix + field name``: read only to refuse them with
+    #: the field that replaced them (hf_dpfilter/retired_names.py); never mapped
     legacy_prefix: ClassVar[str] = ""
     #: ``mechanisms(step)`` only depends on ``step % mechanism_period`` (lets long histories be built fast)
     mechanism_period: ClassVar[int] = 1
@@ -95,20 +96,10 @@ class MethodConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def legacy_names(cls) -> dict[str, str]:
-        """``{old flat name: field name}``, e.g. ``{"disk_kappa": "kappa"}``."""
-        if not cls.legacy_prefix:
-            return {}
-        return {cls.legacy_prefix + name: name for name in cls.field_names()}
-
-    @classmethod
     def canonical_name(cls, name: str) -> str:
-        """The field name for ``name`` (a field name, or its legacy prefixed name); ValueError otherwise."""
+        """``name`` if it is a field of this config; a ValueError listing the fields otherwise."""
         if name in cls.field_names():
             return name
-        legacy = cls.legacy_names()
-        if name in legacy:
-            return legacy[name]
         valid = ", ".join(cls.field_names()) or "(none)"
         raise ValueError(
             f"{name!r} is not a setting of dp_method={cls.name!r}. Its settings are: {valid} "
@@ -117,7 +108,7 @@ class MethodConfig:
 
     @classmethod
     def from_args(cls, values: MethodConfig | Mapping[str, Any] | None = None) -> MethodConfig:
-        """A config from an instance (returned as is), a mapping of field (or legacy) names, or None."""
+        """A config from an instance (returned as is), a mapping of field names, or None."""
         if isinstance(values, cls):
             return values
         if isinstance(values, MethodConfig):
@@ -197,6 +188,14 @@ class MethodConfig:
     def report(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, delta: float) -> dict[str, Any]:
         """Method-specific entries of ``privacy_report()`` (how the epsilon was obtained, extra claims)."""
         return {}
+
+
+@dataclass(frozen=True)
+class DPSGDConfig(MethodConfig):
+    """DP-SGD / DP-Adam has no settings of its own (everything is in the plan). It lives here, not beside its
+    optimizer, so that the default plan is built without importing the engine."""
+
+    name = "dpsgd"
 
 
 def as_tuple(values: Any) -> tuple[float, ...] | None:

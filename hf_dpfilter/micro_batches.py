@@ -1,0 +1,233 @@
+"""Micro-batches of a logical batch: cut at example boundaries, packed or padded, and the first-step checks.
+
+The logical batch of one DP step (a Poisson sample, possibly empty) is computed in micro-batches of at most
+``per_device_train_batch_size`` examples, cut where the training collator's probed structure says an example ends
+(:mod:`hf_dpfilter.batch_structure`): one row per example, or the segments of packed rows. The methods here are
+a mixin of :class:`hf_dpfilter.trainer.DPTrainerMixin`; they read ``self.args``, ``self.engine`` and the
+training collator, and change nothing the privacy depends on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from hf_dpfilter.batch_structure import BatchStructure, probe_batch_structure
+from hf_dpfilter.first_step_check import verify_per_example
+from hf_dpfilter.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NUM_EXAMPLES_KEY", "MicroBatchMixin"]
+
+#: Key under which the training collator reports how many examples it collated (popped before the forward):
+#: the number of examples a packed batch must hold, declared by the sampler's draw, not inferred from rows.
+NUM_EXAMPLES_KEY = "_dp_num_examples"
+
+
+class _EmptySafeCollator:
+    """Collates a (possibly empty) list of examples; an empty batch keeps the keys with 0 rows."""
+
+    def __init__(self, collate_fn: Callable, dataset: Any) -> None:
+        self.collate_fn = collate_fn
+        self.dataset = dataset
+
+    def __call__(self, examples: list) -> dict[str, Any]:
+        if len(examples) > 0:
+            return {**self.collate_fn(examples), NUM_EXAMPLES_KEY: len(examples)}
+        # Collate one real example for the structure, then keep zero rows of it: nothing private is used.
+        template = self.collate_fn([self.dataset[0]])
+        empty = {k: v[:0] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in template.items()}
+        return {**empty, NUM_EXAMPLES_KEY: 0}
+
+
+class _LogicalBatchLoader(DataLoader):
+    """A DataLoader over logical batches that forwards ``set_epoch`` to its Poisson sampler."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
+
+def _check_sequence_length(model: nn.Module, inputs: dict[str, Any], packed: bool = False) -> None:
+    """Clear error for sequences longer than the model's position embeddings (instead of an index error).
+
+    ``packed``: a row holds several examples, each with its own positions; the longest example must fit, not the
+    row (which holds the whole Poisson batch).
+    """
+    config = getattr(model, "config", None)
+    ids = inputs.get("input_ids")
+    if config is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        return
+    length = ids.shape[1]
+    positions = inputs.get("position_ids")
+    if packed and isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.numel():
+        length = PackedLayout.from_position_ids(positions).max_length
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not isinstance(limit, int):
+        return
+    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert", "xlm-roberta-xl"):
+        limit -= (getattr(config, "pad_token_id", 1) or 0) + 1  # positions start after the padding index
+    if length > limit:
+        raise ValueError(
+            f"A batch has sequences of length {length}, longer than the model's maximum of {limit} "
+            f"positions (config.max_position_embeddings). Truncate in the tokenizer (truncation=True, "
+            f"max_length={limit}) or lower max_seq_length."
+        )
+
+
+class MicroBatchMixin:
+    """How a logical batch becomes micro-batches (a mixin of :class:`hf_dpfilter.trainer.DPTrainerMixin`)."""
+
+    @property
+    def packed_layout(self) -> PackedLayout | None:
+        """The example boundaries of the packed micro-batch being computed (None: one example per row)."""
+        return self._packed_layout
+
+    @contextlib.contextmanager
+    def _packed(self, layout: PackedLayout | None):
+        """Declare a micro-batch's packing (or its absence) to the loss and the engine for the block."""
+        previous, self._packed_layout = self._packed_layout, layout
+        try:
+            with self.engine.packed(layout) if self.engine is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._packed_layout = previous
+
+    def _training_batch_structure(self) -> BatchStructure:
+        """Which keys carry the example axis, probed on the training collator (see hf_dpfilter.batch_structure)."""
+        if self._batch_structure is None:
+            collator = getattr(self, "_padding_collator", None)
+            if collator is not None:
+                data = collator.dataset
+                self._batch_structure = probe_batch_structure(
+                    collator.collate_fn, data[0], data[1] if len(data) > 1 else None
+                )
+            else:
+                self.get_train_dataloader()  # builds the training collator and probes it
+        return self._batch_structure
+
+    def _micro_batches(
+        self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None = None, size: int | None = None
+    ):
+        """Micro-batches of at most ``per_device_train_batch_size`` examples: ``(inputs, labels, layout)`` each.
+
+        Cut at example boundaries: rows of the keys that carry the example axis (as probed on the collator), or
+        the segments of packed rows (re-packed one row per micro-batch; ``layout`` says where each example is).
+        """
+        size = size or self.args.per_device_train_batch_size
+        structure = self._training_batch_structure()
+        for micro, micro_labels, layout in structure.micro_batches(inputs, labels, size, num_examples):
+            if layout is not None:
+                yield micro, micro_labels, layout
+                continue
+            mask = micro.get("attention_mask") if "attention_mask" in structure.per_example else None
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
+                # Drop trailing columns that are padding in every example of this micro-batch.
+                used = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
+                if used < mask.shape[1] and bool(mask[:, used:].eq(0).all()):
+                    seq = mask.shape[1]
+                    micro = {
+                        k: v[:, :used]
+                        if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
+                        and v.shape[1] == seq else v
+                        for k, v in micro.items()
+                    }
+                    if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq:
+                        micro_labels = micro_labels[:, :used]
+            yield micro, micro_labels, None
+
+    def _no_cache_when_packed(self, micro_batch: tuple) -> tuple:
+        """Packed rows: ``use_cache=False``. transformers keeps attention inside each packed example only when no
+        cache is passed (``masking_utils``: packed sequences are detected from ``position_ids`` when there are
+        no past key values); a causal LM with ``config.use_cache`` would create an empty cache in its forward
+        and let every example attend to those before it in the row."""
+        micro, micro_labels, layout = micro_batch
+        if layout is not None and hasattr(getattr(self.model, "config", None), "use_cache"):
+            micro = {**micro, "use_cache": False}
+        return micro, micro_labels, layout
+
+    def _check_packed_attention(self, model: nn.Module) -> None:
+        """Before the first packed step: prove on synthetic tokens that attention stays inside each example,
+        with the inputs a packed micro-batch gets (``use_cache=False``, see :meth:`_no_cache_when_packed`)."""
+        probe = {"position_ids": torch.zeros(1, 1, dtype=torch.long)}
+        extra, _, _ = self._no_cache_when_packed((probe, None, PackedLayout(((0, 0, 1),), 1, 1)))
+        extra = {k: v for k, v in extra.items() if k != "position_ids"}
+        proven = check_attention_stays_inside_examples(model, self._training_batch_structure().position_start, extra)
+        if not proven and not self.args.dp_verify_first_step:
+            raise PackingError(
+                f"Packed rows with a model ({type(model).__name__}) on which the synthetic-token probe cannot run (no "
+                "vocabulary size in get_input_embeddings() or config.vocab_size, or not one output per token), and "
+                "dp_verify_first_step=False: nothing would show that its attention keeps the examples of a row apart. "
+                "Keep dp_verify_first_step=True (the per-example check then compares each example with itself alone), "
+                "or use a padding collator (one example per row)."
+            )
+        self._packing_checked = True
+
+    def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:
+        """The per-example first-step check (hf_dpfilter.first_step_check), once per run, before any release."""
+        micro, micro_labels, layout = micro_batch
+        singles = [self._no_cache_when_packed(self._without_leading_padding(m)) for m in self._micro_batches(
+            {k: v for k, v in micro.items() if k != "use_cache"}, micro_labels, size=1)]
+
+        def loss_fn(inputs, labels):
+            with self.compute_loss_context_manager():
+                return self.compute_per_example_loss(model, inputs, labels)
+
+        worst = verify_per_example(
+            self.engine, model, loss_fn, micro_batch, lambda i: singles[i], self._packed,
+            # the precision the accelerator really computes in (fixed when the Trainer was created), not args.bf16 now
+            low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),
+        )
+        self._per_example_checked = True
+        logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
+
+    def _micro_batch_to_check(self, micro_batches: list[tuple]) -> tuple | None:
+        """The first micro-batch with two examples or more: one example alone equals itself alone, so it cannot show
+        a coupling. Until one comes (Poisson batches of one example), the check waits; a micro-batch of one example
+        cannot couple examples, and a rule right in sum is right for it. With per_device_train_batch_size=1 any."""
+        need = min(2, self.args.per_device_train_batch_size)
+        for micro_batch in micro_batches:
+            count = micro_batch[1].shape[0] if micro_batch[2] is None else micro_batch[2].num_examples
+            if count >= need:
+                return micro_batch
+        return None
+
+    def _without_leading_padding(self, micro_batch: tuple) -> tuple:
+        """One example as it is alone: without the leading columns that are padding (``attention_mask`` 0). Left
+        padding depends on the longest example of the batch; a model that numbers positions from the first column
+        (GPT-2, BERT) then gives each example other positions depending on the others, which the first-step check
+        must see (the trailing padding is dropped by :meth:`_micro_batches`)."""
+        micro, labels, layout = micro_batch
+        structure = self._training_batch_structure()
+        mask = micro.get("attention_mask") if "attention_mask" in structure.per_example else None
+        if layout is not None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.any()):
+            return micro_batch
+        first = int(mask.any(dim=0).nonzero().min().item())
+        if first == 0:
+            return micro_batch
+        seq = mask.shape[1]
+        micro = {
+            k: v[:, first:] if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
+            and v.shape[1] == seq else v
+            for k, v in micro.items()
+        }
+        if labels.dim() >= 2 and labels.shape[1] == seq:
+            labels = labels[:, first:]
+        return micro, labels, layout
+
+    def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
+        """One training example as a micro-batch, for a process with no example of its own under FSDP2.
+
+        Its forward and backward only keep the processes' collectives in step; the result is discarded.
+        """
+        collator: _EmptySafeCollator = self._padding_collator
+        inputs = dict(self._prepare_inputs(collator.collate_fn([collator.dataset[0]])))
+        labels = inputs.pop("labels")
+        return self._no_cache_when_packed(next(iter(self._micro_batches(inputs, labels, 1))))
