@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml requirements-lock.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m hf_dpfilter.demo --data_dir $(DATA_DIR)/glue/SST-2
+	$(PY) examples/demo.py --data_dir $(DATA_DIR)/glue/SST-2
 
 # HF_DPFILTER_NO_SKIP=1: the tests that need the test extra or the data (the quickstart notebook) fail
 # instead of skipping, so `make test` always executes them.

@@ -37,12 +37,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from utility_sst2 import load_data, run_hf_dpfilter, run_opacus, save_row  # noqa: E402
 
-from hf_dpfilter.demo import minilm_path, read_glue_tsv  # noqa: E402
+from recipes.common.data import read_glue_tsv  # noqa: E402
+from recipes.common.models import packaged_model_path as minilm_path  # noqa: E402
 
 PIPELINES = ("hf_dpfilter", "opacus")
 
@@ -158,7 +159,7 @@ def head_features(args: argparse.Namespace) -> dict[str, tuple[torch.Tensor, tor
     import numpy as np
     from transformers import AutoModel, AutoTokenizer
 
-    from hf_dpfilter.models import mean_pooled_embeddings
+    from recipes.common.models import mean_pooled_embeddings
 
     path = os.path.join(args.work_dir, f"features_N{args.train_samples}_V{args.validation_samples}_"
                                        f"T{args.max_seq_length}_data{args.data_seed}.pt")
@@ -197,7 +198,7 @@ def _head_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
 
 def run_head(pipeline: str, seed: int, args: argparse.Namespace, data: dict, evaluate_on: str) -> dict:
     """One head-only run of ``pipeline`` with the benchmark's settings; accuracy on ``evaluate_on``."""
-    from hf_dpfilter.models import MeanPooledClassifier
+    from recipes.common.models import MeanPooledClassifier
 
     x, y = data["train"]
     torch.manual_seed(seed)  # the same classifier initialisation in both pipelines

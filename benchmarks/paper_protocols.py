@@ -8,7 +8,7 @@ Each protocol pits a method against the baseline its paper compares with, in the
 (``PROTOCOLS``), scaled down:
 
 * ``head`` scale: a linear classifier on the frozen pretrained MiniLM's mean-pooled sentence embeddings
-  (``hf_dpfilter.models.MeanPooledClassifier``), 20,000 SST-2 training examples. Used where the claim is about
+  (``recipes.common.models.MeanPooledClassifier``), 20,000 SST-2 training examples. Used where the claim is about
   the optimizer (DOPPLER, DP-PMLF, DiceSGD) or needs full batches (DIFF2).
 * ``top`` scale: the top two transformer layers of MiniLM fine-tuned (every weight, or LoRA r = 16 on
   query/key/value/output) plus the classifier, on the frozen bottom four layers' outputs (computed once: a
@@ -37,9 +37,10 @@ import numpy as np
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hf_dpfilter.demo import minilm_path, read_glue_tsv  # noqa: E402
+from recipes.common.data import read_glue_tsv  # noqa: E402
+from recipes.common.models import packaged_model_path as minilm_path  # noqa: E402
 
 VALIDATION_SIZE = 5000
 TOP_LAYERS = 2
@@ -130,7 +131,7 @@ class TopLayersClassifier(nn.Module):
 
     def __init__(self, encoder: nn.Module, first_layer: int, num_labels: int = 2) -> None:
         super().__init__()
-        from hf_dpfilter.models import MeanPooledClassifier
+        from recipes.common.models import MeanPooledClassifier
 
         self.config = encoder.config
         self.layers = nn.ModuleList(encoder.encoder.layer[first_layer:])
@@ -140,7 +141,7 @@ class TopLayersClassifier(nn.Module):
                 labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         from transformers.masking_utils import create_bidirectional_mask
 
-        from hf_dpfilter.models import mean_pool
+        from recipes.common.models import mean_pool
 
         mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask)
         for layer in self.layers:
@@ -185,7 +186,7 @@ def scale_data(scale: str, args: argparse.Namespace) -> dict[str, Any]:
         return torch.load(cache, weights_only=False)  # our own cache file (numpy label arrays)
     from transformers import AutoModel, AutoTokenizer
 
-    from hf_dpfilter.models import mean_pooled_embeddings
+    from recipes.common.models import mean_pooled_embeddings
 
     tokenizer, encoder = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path())
     encoder.eval()
@@ -214,7 +215,7 @@ def scale_data(scale: str, args: argparse.Namespace) -> dict[str, Any]:
 def build_model(protocol: dict[str, Any], seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if protocol["scale"] == "head":
-        from hf_dpfilter.models import MeanPooledClassifier
+        from recipes.common.models import MeanPooledClassifier
 
         return MeanPooledClassifier(384, num_labels=2)
     from transformers import AutoModel

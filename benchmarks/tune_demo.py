@@ -3,7 +3,7 @@
     python benchmarks/tune_demo.py [--epsilon 8] [--seeds 0 1 2]
 
 The demo trains a linear classifier with DP-Adam on the frozen packaged MiniLM's mean-pooled sentence embeddings
-(``hf_dpfilter.demo --train head``). Here the SST-2 training set is shuffled with the demo's data seed: the first
+(``examples/demo.py --train head``). Here the SST-2 training set is shuffled with the demo's data seed: the first
 ``train_samples`` examples are the demo's training subset, the last 5,000 are the validation split (disjoint from
 every training subset searched). The dev set is never read. Each grid point runs with one seed; the best few are
 re-run with ``--seeds`` and reported as mean ± std over seeds. The table goes to stdout and to
@@ -22,9 +22,12 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hf_dpfilter.demo import DEFAULTS, minilm_path, read_glue_tsv  # noqa: E402
+from recipes.common.data import read_glue_tsv  # noqa: E402
+from recipes.common.models import packaged_model_path as minilm_path  # noqa: E402
+
+DEFAULTS = {"train_samples": 20000, "epochs": 5.0, "logical_batch_size": 1000, "learning_rate": 0.01, "max_grad_norm": 1.0}
 
 VALIDATION_SIZE = 5000
 
@@ -32,7 +35,7 @@ VALIDATION_SIZE = 5000
 def embeddings(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     from transformers import AutoModel, AutoTokenizer
 
-    from hf_dpfilter.models import mean_pooled_embeddings
+    from recipes.common.models import mean_pooled_embeddings
 
     cache = os.path.join(args.output_dir, f"sst2_minilm_embeddings_seed{args.data_seed}.npz")
     if os.path.isfile(cache):
@@ -56,7 +59,7 @@ def run(train_x, train_y, val_x, val_y, setting: dict, epsilon: float, seed: int
     from transformers import default_data_collator
 
     from hf_dpfilter import DPTrainer, DPTrainingArguments
-    from hf_dpfilter.models import MeanPooledClassifier
+    from recipes.common.models import MeanPooledClassifier
 
     n = setting["train_samples"]
     train = datasets.Dataset.from_dict({"sentence_embedding": train_x[:n], "labels": train_y[:n]})

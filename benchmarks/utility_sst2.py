@@ -27,12 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))
 
 from _common import parse_method_args, trainer_overrides  # noqa: E402  (the recipes' NAME=VALUE parser)
 
-from hf_dpfilter.demo import minilm_path, read_glue_tsv  # noqa: E402
+from recipes.common.data import read_glue_tsv  # noqa: E402
+from recipes.common.models import packaged_model_path as minilm_path  # noqa: E402
 
 METHODS = ["none", "dpsgd", "disk", "doppler", "pmlf", "dicesgd", "diff2", "opacus"]
 

@@ -1,7 +1,7 @@
 """hf_dpfilter: differentially private fine-tuning in the Hugging Face stack, with noise-reducing DP optimizers.
 
 The public names are imported lazily, so that light submodules (``hf_dpfilter.accounting``,
-``hf_dpfilter.generation_metrics``, ...) do not pay for importing transformers and peft.
+``hf_dpfilter.sampling``, ...) do not pay for importing transformers and peft.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ _EXPORTS = {
     "calibrate_noise_multiplier": "hf_dpfilter.accounting",
     "compute_epsilon": "hf_dpfilter.accounting",
     "make_dp_optimizer": "hf_dpfilter.optimizers",
-    "packaged_model_path": "hf_dpfilter.models",
     "per_example_loss": "hf_dpfilter.losses",
     "register_grad_rule": "hf_dpfilter.grad_rules",
     "register_module_validator": "hf_dpfilter.validators",
