@@ -36,7 +36,7 @@ test-fast: $(STAMP)
 # (docs/performance.md, "GPU report"). GPU_PYTHON: the interpreter to use (default .venv's, else python3).
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-report:
-	@$(GPU_PYTHON) benchmarks/gpu_report.py $(GPU_REPORT_ARGS)
+	@$(GPU_PYTHON) -m benchmarks gpu-report $(GPU_REPORT_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check hf_dpfilter tests recipes benchmarks

@@ -6,11 +6,11 @@ of time is reported as such; the others still run):
 * ``tests``: ``tests/test_cuda.py`` (CPU/CUDA parity of every method, the noise, bf16 and the precision
   contract) and the CUDA cases of ``tests/test_cuda_sensitivity.py`` (removing one example moves the clipped
   sum by at most C: fp32 and bf16 autocast, same-shape layers stacked and not);
-* ``speed_bf16`` and ``speed_fp32``: ``benchmarks/speed_memory.py --device cuda`` -- time and memory of a
+* ``speed_bf16`` and ``speed_fp32``: ``python -m benchmarks speed-memory --device cuda`` -- time and memory of a
   private step against the non-private step and Opacus 1.6 ghost clipping, for RoBERTa-base/large and GPT-2
   small/medium, full fine-tuning and LoRA (variants interleaved, per-round ratios, medians);
 * ``methods``: the step cost of DiSK, DOPPLER, DP-PMLF, DiceSGD and DIFF2 against DP-Adam (RoBERTa-base, bf16);
-* ``recipe``: ``benchmarks/recipe_throughput.py --gpt2-small --bf16`` -- examples/s of
+* ``recipe``: ``python -m benchmarks recipe-throughput --gpt2-small --bf16`` -- examples/s of
   ``recipes/table2text.py`` private against non-private (needs the E2E CSV files, ``--data_dir``).
 
 Every model is built from its config (random weights): nothing is downloaded. Each step writes its JSON into
@@ -25,8 +25,8 @@ or a benchmark process), after writing the tables.
 Usage::
 
     make gpu-report                                       # everything, ~25 min on one H100
-    python benchmarks/gpu_report.py --steps tests,methods # some steps
-    python benchmarks/gpu_report.py --render              # the tables from the saved JSON only
+    python -m benchmarks gpu-report --steps tests,methods # some steps
+    python -m benchmarks gpu-report --render              # the tables from the saved JSON only
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
-from generated_markers import BEGIN_CUDA, END_CUDA, replace_between
+from benchmarks.generated_markers import BEGIN_CUDA, END_CUDA, replace_between
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ("tests", "speed_bf16", "speed_fp32", "methods", "recipe")
@@ -83,7 +83,7 @@ def step_commands(step: str, results: str, data_dir: str) -> list[list[str]]:
             [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda_sensitivity.py", "-k", "not cpu",
              f"--junitxml={os.path.join(results, 'tests_cuda_sensitivity.xml')}"],
         ]
-    speed = [py, "benchmarks/speed_memory.py", "--device", "cuda"]
+    speed = [py, "-m", "benchmarks", "speed-memory", "--device", "cuda"]
     if step == "speed_bf16":
         return [speed + ["--bf16", "--no-methods", "--cases", _cases_arg(SPEED_CASES),
                          "--json", os.path.join(results, "speed_cuda_bf16.json")]]
@@ -94,7 +94,7 @@ def step_commands(step: str, results: str, data_dir: str) -> list[list[str]]:
         return [speed + ["--bf16", "--only-methods", "--cases", _cases_arg([METHOD_CASE]),
                          "--json", os.path.join(results, "speed_cuda_methods.json")]]
     if step == "recipe":
-        return [[py, "benchmarks/recipe_throughput.py", "--gpt2-small", "--bf16", "--data_dir", data_dir,
+        return [[py, "-m", "benchmarks", "recipe-throughput", "--gpt2-small", "--bf16", "--data_dir", data_dir,
                  "--json", os.path.join(results, "recipe_throughput_cuda.json")]]
     raise ValueError(f"unknown step {step!r}; the steps are {', '.join(STEPS)}")
 
@@ -311,6 +311,3 @@ def main(argv: list[str] | None = None) -> int:
     # a failed step (a CUDA test failing, a benchmark crashing) fails the command; a timed-out one is in the tables
     return 1 if any(s["status"].startswith("failed") for s in meta.get("steps", [])) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

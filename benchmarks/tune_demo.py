@@ -1,6 +1,6 @@
 """How `make demo`'s settings were chosen: a search on a validation split carved from the SST-2 training set.
 
-    python benchmarks/tune_demo.py [--epsilon 8] [--seeds 0 1 2]
+    python -m benchmarks demo-tuning [--epsilon 8] [--seeds 0 1 2]
 
 The demo trains a linear classifier with DP-Adam on the frozen packaged MiniLM's mean-pooled sentence embeddings
 (``examples/demo.py --train head``). Here the SST-2 training set is shuffled with the demo's data seed: the first
@@ -16,18 +16,13 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from recipes.common.data import read_glue_tsv  # noqa: E402
-from recipes.common.models import packaged_model_path as minilm_path  # noqa: E402
-
-DEFAULTS = {"train_samples": 20000, "epochs": 5.0, "logical_batch_size": 1000, "learning_rate": 0.01, "max_grad_norm": 1.0}
+from benchmarks.common import ROOT, minilm_path, read_glue_tsv, sst2_dir, write_json
+from recipes.common.models import HEAD_SETTINGS as DEFAULTS
 
 VALIDATION_SIZE = 5000
 
@@ -80,9 +75,9 @@ def run(train_x, train_y, val_x, val_y, setting: dict, epsilon: float, seed: int
     return float(trainer.evaluate()["eval_accuracy"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data_dir", default="../shared/data/glue/SST-2")
+    parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")
     parser.add_argument("--data_seed", type=int, default=0)
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--train_samples", type=int, nargs="+", default=[10000, 20000])
@@ -93,7 +88,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--top", type=int, default=3, help="grid points re-run with every seed")
     parser.add_argument("--output_dir", default="outputs/tune_demo")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.data_dir = sst2_dir(args.data_dir)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
     train_x, train_y, val_x, val_y = embeddings(args)
@@ -112,15 +108,11 @@ def main() -> None:
         accs = [run(train_x, train_y, val_x, val_y, setting, args.epsilon, s, args.output_dir) for s in args.seeds]
         finals.append({**setting, "val_accuracies": accs, "mean": float(np.mean(accs)), "std": float(np.std(accs, ddof=1))})
         print("seeds", json.dumps(finals[-1]), flush=True)
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "tune_demo.json"), "w") as f:
-        json.dump({"epsilon": args.epsilon, "validation_size": VALIDATION_SIZE, "grid": rows, "seeds": finals}, f, indent=1)
+    write_json(os.path.join(ROOT, "benchmarks", "results", "tune_demo.json"),
+               {"epsilon": args.epsilon, "validation_size": VALIDATION_SIZE, "grid": rows, "seeds": finals})
     print("\n| train examples | epochs | batch | lr | C | validation accuracy (mean ± std, seeds) |")
     print("|---|---|---|---|---|---|")
     for r in finals:
         print(f"| {r['train_samples']} | {r['epochs']:g} | {r['logical_batch_size']} | {r['learning_rate']:g} | "
               f"{r['max_grad_norm']:g} | {100 * r['mean']:.1f} ± {100 * r['std']:.1f} ({len(args.seeds)}) |")
 
-
-if __name__ == "__main__":
-    main()

@@ -20,10 +20,7 @@ import torch
 # the demo is application code beside the package: its helpers live in recipes/common (repository root)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from recipes.common.data import read_glue_tsv  # noqa: E402
-
-# Chosen on a validation split carved from the SST-2 training set (never the dev set): docs/results.md, "The demo".
-DEFAULTS = {"train_samples": 20000, "epochs": 5.0, "logical_batch_size": 1000, "learning_rate": 0.01,
-            "max_grad_norm": 1.0}
+from recipes.common.models import HEAD_SETTINGS as DEFAULTS  # noqa: E402  (docs/results.md, "The demo")
 
 
 def main(argv: list[str] | None = None) -> dict:
