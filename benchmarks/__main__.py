@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                "time and memory of a DP step against the non-private one and Opacus"),
     "recipe-throughput": Subcommand("recipe_throughput", "docs/performance.md",
                                     "examples/s of recipes/table2text.py, private against non-private"),
+    "operator-count": Subcommand("profile_step", "docs/performance.md",
+                                 "operators (kernels) one DP step launches, per method, stacked or not"),
     "allreduce-bucketing": Subcommand("allreduce_bucketing", "docs/performance.md",
                                       "cost of summing the clipped sums across processes, bucketed or not"),
     "gpu-report": Subcommand("gpu_report", "docs/performance.md",

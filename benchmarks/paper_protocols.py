@@ -415,7 +415,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 secs = np.median([r["seconds"] for r in rows.values()])
                 detail.append(f"| {name} | {label} | {first['epsilon']:.2f} | {mean:.1f} ± {std:.1f} | {len(rows)} | {point} | "
                               f"{first['noise_multiplier']:.3g} | {first['steps']} | {secs:.0f} |")
-    lines += detail + ["", "Protocols (the presets in `benchmarks/paper_protocols.py`):", ""]
+    lines += detail + ["", "Protocols (the presets in benchmarks/paper_protocols.py, `python -m benchmarks utility`):", ""]
     for name, protocol in PROTOCOLS.items():
         lines.append(f"- `{name}`: {protocol['paper']}; {json.dumps(protocol['common'])}; grid "
                      f"{json.dumps({**protocol['grid'], **{k: v for g in protocol.get('method_grids', {}).values() for k, v in g.items()}})}.")
