@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml requirements-lock.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m hf_dpfilter.demo --data_dir $(DATA_DIR)/glue/SST-2
+	$(PY) examples/demo.py --data_dir $(DATA_DIR)/glue/SST-2
 
 # HF_DPFILTER_NO_SKIP=1: the tests that need the test extra or the data (the quickstart notebook) fail
 # instead of skipping, so `make test` always executes them.
@@ -36,7 +36,7 @@ test-fast: $(STAMP)
 # (docs/performance.md, "GPU report"). GPU_PYTHON: the interpreter to use (default .venv's, else python3).
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-report:
-	@$(GPU_PYTHON) benchmarks/gpu_report.py $(GPU_REPORT_ARGS)
+	@$(GPU_PYTHON) -m benchmarks gpu-report $(GPU_REPORT_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check hf_dpfilter tests recipes benchmarks

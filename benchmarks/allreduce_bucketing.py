@@ -2,11 +2,11 @@
 
 Two gloo processes on CPU all-reduce fp32 tensors shaped like the trainable parameters of RoBERTa-base and
 GPT-2 small, through :class:`hf_dpfilter.collectives.ProcessGroupCollectives` with its default buckets
-(25 MiB flat buffers, as DDP) and with ``bucket_bytes=0`` (one ``all_reduce`` per tensor, the previous
-behaviour). The variants are interleaved round by round and the figure is the median of the per-round ratios,
+(25 MiB flat buffers, as DDP) and with ``bucket_bytes=0`` (one ``all_reduce`` per tensor, the gloo
+default). The variants are interleaved round by round and the figure is the median of the per-round ratios,
 so drift in the machine's load cancels.
 
-    python benchmarks/allreduce_bucketing.py [--rounds 7]
+    python -m benchmarks allreduce-bucketing [--rounds 7]
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ def _worker(rank: int, world: int, port: int, rounds: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import socket
 
     with socket.socket() as s:
@@ -97,6 +97,3 @@ def main() -> None:
             f"per-tensor / bucketed = {r['ratio_per_tensor_over_bucketed']:.2f}x (median of per-round ratios)"
         )
 
-
-if __name__ == "__main__":
-    main()

@@ -20,9 +20,9 @@ norms, clipped sums and every temporary of the step. ``--device cuda``: the same
 
 Usage::
 
-    python benchmarks/checkpointing_memory.py                        # both models, B = 2, T = 1024 (CPU)
-    python benchmarks/checkpointing_memory.py --models gpt2 --seq-len 256 --batch-size 1   # quick
-    python benchmarks/checkpointing_memory.py --device cuda          # on a GPU
+    python -m benchmarks checkpointing-memory                        # both models, B = 2, T = 1024 (CPU)
+    python -m benchmarks checkpointing-memory --models gpt2 --seq-len 256 --batch-size 1   # quick
+    python -m benchmarks checkpointing-memory --device cuda          # on a GPU
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ torch.manual_seed(0)
 torch.set_num_threads(spec["threads"])
 device = torch.device(spec["device"])
 
-sys.path.insert(0, spec["benchmarks_dir"])
-from speed_memory import current_rss_kb as rss_kb, peak_rss_kb as peak_kb, reset_peak_rss as reset_peak
+from benchmarks.common import current_rss_kb as rss_kb, peak_rss_kb as peak_kb, reset_peak_rss as reset_peak
 
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from hf_dpfilter.engine import GhostClippingEngine
@@ -95,17 +94,18 @@ print(json.dumps({"peak_mb": peak_mb, "seconds": seconds, "peak_reset": reset,
 
 def measure(model: str, checkpointing: bool, args: argparse.Namespace) -> dict:
     spec = {"model": model, "checkpointing": checkpointing, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "device": args.device, "threads": args.threads, "benchmarks_dir": os.path.dirname(os.path.abspath(__file__))}
+            "device": args.device, "threads": args.threads}
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20), TOKENIZERS_PARALLELISM="false")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(spec)], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(spec)], capture_output=True, text=True, env=env,
+                          cwd=root)
     if done.returncode != 0:
         raise RuntimeError(f"{model} (checkpointing={checkpointing}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     parser.add_argument("--batch-size", type=int, default=2)
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = []
     print(f"device={args.device} B={args.batch_size} T={args.seq_len} (peak of one DP step, MiB)")
     print(f"{'model':<8} {'params':>8} {'no ckpt':>10} {'ckpt':>10} {'saving':>8} {'time x':>7}")
@@ -133,6 +133,3 @@ def main() -> None:
             json.dump({"batch_size": args.batch_size, "seq_len": args.seq_len, "device": args.device, "rows": rows},
                       f, indent=1)
 
-
-if __name__ == "__main__":
-    main()

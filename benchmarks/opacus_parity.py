@@ -1,9 +1,9 @@
 """DP-Adam parity with Opacus: paired seeds of the two pipelines of ``benchmarks/utility_sst2.py``.
 
-    python benchmarks/opacus_parity.py --check                      # deterministic checks (about 2 minutes)
-    python benchmarks/opacus_parity.py --seeds 0 1 2 3 4            # paired runs (resumable), then the summary
-    python benchmarks/opacus_parity.py --summary                    # the summary of the finished runs only
-    python benchmarks/opacus_parity.py --head_only --seeds $(seq 0 19)   # level 1: linear head, frozen MiniLM
+    python -m benchmarks opacus-parity --check                      # deterministic checks (about 2 minutes)
+    python -m benchmarks opacus-parity --seeds 0 1 2 3 4            # paired runs (resumable), then the summary
+    python -m benchmarks opacus-parity --summary                    # the summary of the finished runs only
+    python -m benchmarks opacus-parity --head_only --seeds $(seq 0 19)   # level 1: linear head, frozen MiniLM
 
 Level 1 (``--head_only``) runs the same two pipelines (DPTrainer DP-Adam; Opacus make_private_with_epsilon,
 ghost clipping, AdamW, Poisson DPDataLoader, BatchMemoryManager) on a linear classifier over the frozen
@@ -32,17 +32,12 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from utility_sst2 import load_data, run_hf_dpfilter, run_opacus, save_row  # noqa: E402
-
-from hf_dpfilter.demo import minilm_path, read_glue_tsv  # noqa: E402
+from benchmarks.common import minilm_path, read_glue_tsv, sst2_dir
+from benchmarks.utility_sst2 import load_data, run_hf_dpfilter, run_opacus, save_row
 
 PIPELINES = ("hf_dpfilter", "opacus")
 
@@ -159,7 +154,7 @@ def head_features(args: argparse.Namespace) -> dict[str, tuple[torch.Tensor, tor
     import numpy as np
     from transformers import AutoModel, AutoTokenizer
 
-    from hf_dpfilter.models import mean_pooled_embeddings
+    from recipes.common.models import mean_pooled_embeddings
 
     path = os.path.join(args.work_dir, f"features_N{args.train_samples}_V{args.validation_samples}_"
                                        f"T{args.max_seq_length}_data{args.data_seed}.pt")
@@ -198,7 +193,7 @@ def _head_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
 
 def run_head(pipeline: str, seed: int, args: argparse.Namespace, data: dict, evaluate_on: str) -> dict:
     """One head-only run of ``pipeline`` with the benchmark's settings; accuracy on ``evaluate_on``."""
-    from hf_dpfilter.models import MeanPooledClassifier
+    from recipes.common.models import MeanPooledClassifier
 
     x, y = data["train"]
     torch.manual_seed(seed)  # the same classifier initialisation in both pipelines
@@ -318,7 +313,7 @@ def summary(args: argparse.Namespace, prefix: str = "") -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data_dir", default="../shared/data/glue/SST-2")
+    parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")
     parser.add_argument("--train_samples", type=int, default=2048)
     parser.add_argument("--max_seq_length", type=int, default=64)
     parser.add_argument("--epochs", type=float, default=3.0)
@@ -341,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default="benchmarks/results/opacus_parity.json")
     parser.add_argument("--work_dir", default="outputs/opacus_parity")
     args = parser.parse_args(argv)
+    args.data_dir = sst2_dir(args.data_dir)
     args.full = False
     args.settings = []
     torch.set_num_threads(args.threads)
@@ -372,6 +368,3 @@ def main(argv: list[str] | None = None) -> None:
         save_row(args.json, key, row)
     summary(args)
 
-
-if __name__ == "__main__":
-    main()

@@ -11,11 +11,11 @@ too; its CPU implementation loops over parameters, its CUDA default is ``foreach
 
 Usage::
 
-    python benchmarks/profile_step.py                 # dpsgd and the methods, fp32
-    python benchmarks/profile_step.py --bf16          # under CPU bf16 autocast
-    python benchmarks/profile_step.py --stack-layers on --layers 24   # the CUDA default (same-shape layers
-                                                      # stacked), forced on CPU; at another depth
-    python benchmarks/profile_step.py --json out.json
+    python -m benchmarks operator-count                 # dpsgd and the methods, fp32
+    python -m benchmarks operator-count --bf16          # under CPU bf16 autocast
+    python -m benchmarks operator-count --stack-layers on --layers 24   # the CUDA default (same-shape layers
+                                                        # stacked), forced on CPU; at another depth
+    python -m benchmarks operator-count --json out.json
 """
 
 from __future__ import annotations
@@ -31,13 +31,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import RobertaConfig, RobertaForSequenceClassification
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from hf_dpfilter.engine import GhostClippingEngine  # noqa: E402
-from hf_dpfilter.losses import per_example_loss  # noqa: E402
-from hf_dpfilter.optimizers import make_dp_optimizer  # noqa: E402
+from hf_dpfilter.engine import GhostClippingEngine
+from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.optimizers import make_dp_optimizer
 
 METHODS = {
     "dpsgd": {},
@@ -142,7 +138,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,8 +12,8 @@ steps): the recipe's overhead is within the step ratio when the first is not abo
 
 Usage::
 
-    python benchmarks/recipe_throughput.py                        # CPU, a small GPT-2 (4 layers, width 128)
-    python benchmarks/recipe_throughput.py --gpt2-small --bf16    # GPU: GPT-2-small shape, bf16 autocast
+    python -m benchmarks recipe-throughput                        # CPU, a small GPT-2 (4 layers, width 128)
+    python -m benchmarks recipe-throughput --gpt2-small --bf16    # GPU: GPT-2-small shape, bf16 autocast
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ import time
 import torch
 from transformers import TrainerCallback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "recipes"), os.path.join(ROOT, "examples")):
+import hf_dpfilter
+from benchmarks.common import ROOT, e2e_dir
+
+# the recipe and the tokenizer builder are scripts: imported as the sibling modules they are when run by path
+for path in (os.path.join(ROOT, "recipes"), os.path.join(ROOT, "examples")):
     if path not in sys.path:
         sys.path.insert(0, path)
-
-import hf_dpfilter  # noqa: E402
-
-DEFAULT_DATA = "../shared/data/e2e"  # relative to the repository root, where the benchmarks are run from
 
 
 class StepTimer(TrainerCallback):
@@ -99,7 +98,8 @@ def run(method: str, model_dir: str, data_dir: str, out_dir: str, args: argparse
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data_dir", default=DEFAULT_DATA, help="folder with the E2E CSV files")
+    parser.add_argument("--data_dir", default=None,
+                        help="folder with the E2E CSV files (default: ../shared/data/e2e, else shared/data/e2e)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=32, help="logical batch (one micro-batch per step)")
     parser.add_argument("--train_samples", type=int, default=4000)
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    args.data_dir = e2e_dir(args.data_dir)
     from make_tiny_gpt2 import build_tiny_gpt2, e2e_texts
 
     work = tempfile.mkdtemp(prefix="recipe_throughput_")
@@ -141,7 +142,3 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"rows": rows, "end_to_end_ratio": end_to_end, "step_ratio": steps, "device": device,
                        "arguments": vars(args)}, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

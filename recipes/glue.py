@@ -190,10 +190,10 @@ _ACCURACY_METRIC: Any = None  # the packaged evaluate module, loaded on first us
 
 
 def accuracy_metric() -> Any:
-    """The packaged, offline ``evaluate`` accuracy module (:func:`hf_dpfilter.metrics.load`), loaded once."""
+    """The packaged, offline ``evaluate`` accuracy module (:func:`recipes.common.metrics.load`), loaded once."""
     global _ACCURACY_METRIC
     if _ACCURACY_METRIC is None:
-        from hf_dpfilter.metrics import load as load_metric
+        from recipes.common.metrics import load as load_metric
 
         _ACCURACY_METRIC = load_metric("accuracy")
     return _ACCURACY_METRIC

@@ -15,7 +15,7 @@ GPT-2 on E2E at epsilon 8 in the Li et al. 2022 / DiSK setting needs a GPU and t
 Format (Li et al.'s "cat" mode): ``table <bos> text <eos>``; the loss is on the text tokens only (the table
 and the separator are labelled -100) and each example's loss is the mean over its own text tokens.
 Decoding as in private-transformers' table2text: beam search with 5 beams, at most 100 new tokens, at least
-5, no sampling, newline tokens banned. The metrics are :func:`hf_dpfilter.generation_metrics.compute_generation_metrics`
+5, no sampling, newline tokens banned. The metrics are :func:`recipes.common.generation_metrics.compute_generation_metrics`
 (the official E2E-challenge conventions; METEOR is an offline approximation, see that module).
 
 Data: ``--data_dir`` with the official files (E2E: ``devset.csv`` is used for training and
@@ -78,7 +78,7 @@ def _flatten(groups: Groups) -> Pairs:
 
 def load_table2text(dataset: str, data_dir: str | None, eval_fraction: float = 0.2, seed: int = 0) -> tuple[Pairs, Groups]:
     """(training pairs (table, text), evaluation groups (table, [references]))."""
-    from hf_dpfilter.generation_metrics import load_dart_json, load_e2e_csv
+    from recipes.common.generation_metrics import load_dart_json, load_e2e_csv
 
     if data_dir is not None:
         if dataset == "e2e":
@@ -227,7 +227,7 @@ def copy_baseline(eval_groups: Groups) -> dict[str, Any]:
 
     It needs no training (no private data): a model that does not beat it has learned nothing measurable,
     as the majority class is for GLUE. Returned in ``finish_run``'s baseline format, on BLEU."""
-    from hf_dpfilter.generation_metrics import compute_generation_metrics
+    from recipes.common.generation_metrics import compute_generation_metrics
 
     scores = compute_generation_metrics([src for src, _ in eval_groups], [refs for _, refs in eval_groups])
     return {"name": "copy baseline (each table copied as its text)", "metric": "eval_bleu", "value": scores["bleu"],
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_dpfilter import DPTrainer
-    from hf_dpfilter.metrics import load as load_metric
+    from recipes.common.metrics import load as load_metric
 
     train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction, args.seed)
     if args.max_train_samples is not None:
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         t0 = time.time()
         sources = [s for s, _ in eval_groups]
         predictions = generate(trainer.model, fmt, sources, args, trainer.args.device)
-        # the packaged, offline evaluate module "table2text" (hf_dpfilter.generation_metrics behind it)
+        # the packaged, offline evaluate module "table2text" (recipes.common.generation_metrics behind it)
         scores = load_metric("table2text").compute(predictions=predictions, references=[refs for _, refs in eval_groups])
         metrics.update({f"eval_{k}": v for k, v in scores.items()})
         metrics["generation_seconds"] = time.time() - t0

@@ -1,11 +1,11 @@
-"""The ``evaluate`` modules shipped in ``hf_dpfilter.metrics`` load with no network and give the exact values.
+"""The ``evaluate`` modules shipped in ``recipes.common.metrics`` load with no network and give the exact values.
 
 * Both modules load from the package with ``HF_HUB_OFFLINE=1`` / ``HF_EVALUATE_OFFLINE=1`` while every socket
   connection and DNS lookup is refused and recorded: nothing may even try the network. A fresh interpreter
   with an empty modules cache checks the cold start.
 * ``accuracy`` equals the numpy expression the GLUE recipe used before (and the recipe's ``compute_metrics``
   still returns it).
-* ``table2text`` equals the direct calls of :mod:`hf_dpfilter.generation_metrics` (the cross-check of that
+* ``table2text`` equals the direct calls of :mod:`recipes.common.generation_metrics` (the cross-check of that
   module against independent references lives in ``test_generation_metrics.py``).
 """
 
@@ -21,8 +21,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from hf_dpfilter import generation_metrics as gm
-from hf_dpfilter import metrics as dpm
+from recipes.common import generation_metrics as gm
+from recipes.common import metrics as dpm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,7 +75,7 @@ def test_module_paths_are_inside_the_package():
         assert os.path.isabs(script) and os.path.isfile(script)
         assert os.path.dirname(script) == dpm.module_path(name, script=False)
         assert os.path.commonpath([script, os.path.dirname(dpm.__file__)]) == os.path.dirname(dpm.__file__)
-    with pytest.raises(ValueError, match="Unknown hf_dpfilter metric"):
+    with pytest.raises(ValueError, match="Unknown metric"):
         dpm.module_path("bleu")
 
 
@@ -153,7 +153,7 @@ def test_cold_start_in_a_fresh_interpreter_needs_no_network(tmp_path):
         socket.socket.connect = socket.socket.connect_ex = refuse
         socket.getaddrinfo = socket.create_connection = refuse
         import evaluate
-        import hf_dpfilter.metrics as dpm
+        import recipes.common.metrics as dpm
         out = {
             "accuracy": dpm.load("accuracy").compute(predictions=[1, 0, 1], references=[1, 1, 1]),
             "table2text": evaluate.load(dpm.module_path("table2text")).compute(
@@ -172,7 +172,8 @@ def test_cold_start_in_a_fresh_interpreter_needs_no_network(tmp_path):
         "HF_HUB_OFFLINE": "1",
         "HF_EVALUATE_OFFLINE": "1",
     })
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)  # python -c: the checkout root (recipes.common) is on sys.path
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["attempts"] == [] and out["offline"] is True

@@ -1,4 +1,4 @@
-"""Tests for hf_dpfilter.generation_metrics.
+"""Tests for recipes.common.generation_metrics.
 
 Every metric is checked against a value obtained independently of the implementation under
 test: hand arithmetic written out in the test, another library (nltk, sacreBLEU,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dpfilter import generation_metrics as gm
+from recipes.common import generation_metrics as gm
 
 # E2E-style sample: 6 hypotheses with 2-3 references each (ASCII only, so sacreBLEU's
 # Unicode lowercasing equals mteval's ASCII lowercasing).

@@ -17,9 +17,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import gpu_report  # noqa: E402
+from benchmarks import gpu_report  # noqa: E402  (the checkout's benchmarks package: tests run from its root)
+from benchmarks.__main__ import SUBCOMMANDS  # noqa: E402
 
 
 def test_without_cuda_it_prints_one_line_and_exits_0():
@@ -35,9 +35,11 @@ def test_every_step_runs_existing_scripts_with_their_flags(tmp_path):
     for step in gpu_report.STEPS:
         for command in gpu_report.step_commands(step, str(tmp_path), "data"):
             assert command[0] == sys.executable
-            target = command[3] if command[1:3] == ["-m", "pytest"] else command[1]
             if command[1:3] == ["-m", "pytest"]:
                 target = next(a for a in command if a.startswith("tests/"))
+            else:  # python -m benchmarks <sub-command> ...
+                assert command[1:3] == ["-m", "benchmarks"] and command[3] in SUBCOMMANDS, command
+                target = f"benchmarks/{SUBCOMMANDS[command[3]].module}.py"
             path = os.path.join(ROOT, target)
             assert os.path.isfile(path), target
             if target.startswith("benchmarks/"):

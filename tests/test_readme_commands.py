@@ -128,6 +128,15 @@ _SCRIPT = re.compile(r"(?:^|[\s`(])(?:[^\s`]*/)?python3?\s+((?:benchmarks|exampl
 _LAUNCH = re.compile(r"(?:^|\s)(?:\S*/)?(?:accelerate launch|torchrun)\b[^`]*?\s((?:recipes|examples|benchmarks)/[\w/]+\.py)"
                      r"((?:\s+[^`|;&#]*)?)")
 _MODULE = re.compile(r"(?:^|\s)(?:\S*/)?python3?\s+-m\s+(hf_dpfilter[\w.]*)")
+_BENCHMARK = re.compile(r"(?:^|[\s`(])(?:\S*/)?python3?\s+-m\s+benchmarks\s+([a-z][\w-]*)((?:\s+[^`|;&#]*)?)")
+
+
+def _benchmark_module(subcommand: str) -> str:
+    """``benchmarks/<module>.py`` of a ``python -m benchmarks <sub-command>`` (the one entry point's registry)."""
+    from benchmarks.__main__ import SUBCOMMANDS
+
+    assert subcommand in SUBCOMMANDS, f"python -m benchmarks {subcommand}: no such sub-command"
+    return f"benchmarks/{SUBCOMMANDS[subcommand].module}.py"
 
 
 def _script_mentions() -> list[tuple[str, str, str]]:
@@ -139,6 +148,8 @@ def _script_mentions() -> list[tuple[str, str, str]]:
             for pattern in (_SCRIPT, _LAUNCH):
                 for match in pattern.finditer(line):
                     found.append((f"{path.name}:{number}", match.group(1), match.group(2) or ""))
+            for match in _BENCHMARK.finditer(line):
+                found.append((f"{path.name}:{number}", _benchmark_module(match.group(1)), match.group(2) or ""))
     return found
 
 

@@ -28,7 +28,7 @@ def quickstart_code() -> str:
 def test_quickstart_uses_the_packaged_model_and_shows_the_hub_switch():
     code = quickstart_code()
     ast.parse(code)
-    assert "model_name = packaged_model_path()" in code
+    assert "model_name = str(get_model_path())" in code
     assert re.search(r"^# model_name = \"[\w./-]+\"", code, re.MULTILINE), "no commented-out Hub model line"
 
 

@@ -108,7 +108,7 @@ def test_every_listed_method_runs_with_its_defaults_and_a_short_plan_warns(tiny_
 
 
 def test_training_plot_marks_the_baseline_and_epsilon(tmp_path):
-    from hf_dpfilter.plotting import plot_training_curves
+    from recipes.common.plotting import plot_training_curves
 
     history = [{"step": s, "loss": 0.7, "epsilon": 0.5 * s, "eval_accuracy": 0.5} for s in (1, 2, 3)]
     path = plot_training_curves(history, tmp_path / "t.png", "t", baseline=0.51)
@@ -256,7 +256,7 @@ def test_dart_split_is_by_triple_set(tmp_path):
 
 
 def test_plot_run_writes_pngs(tmp_path):
-    from hf_dpfilter.plotting import plot_run
+    from recipes.common.plotting import plot_run
 
     history = [{"loss": 0.7 - 0.01 * s, "epsilon": 0.5 * s ** 0.5, "step": s} for s in range(1, 11)]
     history += [{"eval_loss": 0.65, "eval_accuracy": 0.6, "step": 5}, {"eval_loss": 0.6, "eval_accuracy": 0.7, "step": 10}]

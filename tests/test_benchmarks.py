@@ -1,0 +1,96 @@
+"""``python -m benchmarks <sub-command>``: one entry point, one shared set-up, every sub-command reachable.
+
+The benchmarks themselves take minutes to hours; here the entry point and its registry, each sub-command's
+``--help``, the shared timing loop (median of per-round ratios) and a tiny speed/memory run through the entry
+point (its memory workers are subprocesses of the same entry point) are checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from benchmarks import common  # noqa: E402  (the checkout's package: pyproject puts the root on sys.path)
+from benchmarks.__main__ import SUBCOMMANDS, main, register  # noqa: E402
+
+#: the claims the docs make, each with the sub-command that produces its figures
+EXPECTED = {"speed-memory", "opacus-parity", "utility", "recipe-throughput", "checkpointing-memory", "gpu-report"}
+
+
+def test_the_registry_covers_the_docs_claims_and_every_module_runs_its_help(capsys):
+    assert EXPECTED <= set(SUBCOMMANDS)
+    modules = {f"{s.module}.py" for s in SUBCOMMANDS.values()}
+    on_disk = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    support = {"__init__.py", "__main__.py", "common.py", "generated_markers.py"}
+    assert on_disk - support == modules, "a benchmark module that no sub-command runs, or a missing one"
+    for name, sub in SUBCOMMANDS.items():
+        assert (ROOT / sub.backs).is_file(), (name, sub.backs)
+        assert f"python -m benchmarks {name}" in (ROOT / sub.backs).read_text(), (
+            f"{sub.backs} does not say how to reproduce its figures with `python -m benchmarks {name}`")
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0
+        assert f"usage: python -m benchmarks {name}" in capsys.readouterr().out
+
+
+def test_a_new_subcommand_is_one_registry_line(monkeypatch):
+    monkeypatch.setattr("benchmarks.__main__.SUBCOMMANDS", dict(SUBCOMMANDS))
+    import benchmarks.__main__ as entry
+
+    register("sft-throughput", "sft_throughput", "docs/performance.md", "TRL SFT examples/s")
+    assert entry.SUBCOMMANDS["sft-throughput"].module == "sft_throughput"
+    with pytest.raises(ValueError, match="exists already"):
+        register("speed-memory", "speed_memory", "docs/performance.md", "again")
+
+
+def test_time_interleaved_reports_the_median_of_per_round_ratios(monkeypatch):
+    """Rounds (A, B) = (1, 3), (2, 2), (4, 4): per-round ratios 3, 1, 1 -> 1; the ratio of medians would be 1.5."""
+    durations = iter([1.0, 3.0, 2.0, 2.0, 4.0, 4.0])
+    clock = itertools.count()
+    now = {"t": 0.0}
+
+    def perf_counter() -> float:
+        if next(clock) % 2:  # the end of a step: advance by its duration
+            now["t"] += next(durations)
+        return now["t"]
+
+    monkeypatch.setattr(common.time, "perf_counter", perf_counter)
+    timing = common.time_interleaved({"a": lambda: 0.5, "b": lambda: 1.0}, rounds=3)
+    assert timing["b"]["ratios"] == [3.0, 1.0, 1.0]
+    assert timing["b"]["ratio"] == 1.0 and timing["b"]["time_s"] == 3.0 and timing["a"]["ratio"] == 1.0
+    assert timing["b"]["grad_ratio"] == 2.0
+
+
+def test_the_shared_setup_serves_the_benchmarks():
+    """One set-up module: the benchmarks import their models, data and measurements from benchmarks.common."""
+    for module in ("speed_memory", "tune_demo", "utility_sst2", "opacus_parity", "paper_protocols", "recipe_throughput"):
+        source = (ROOT / "benchmarks" / f"{module}.py").read_text()
+        assert "from benchmarks.common import" in source, module
+        assert "sys.path.insert(0, os.path.join(os.path.dirname" not in source, module  # no per-script path set-up
+    assert "from benchmarks.common import" in (ROOT / "benchmarks" / "checkpointing_memory.py").read_text()
+    importlib.import_module("benchmarks.speed_memory")  # imports through the package, from any module
+
+
+def test_speed_memory_runs_through_the_entry_point(tmp_path):
+    """Tiny models (HF_DPFILTER_BENCH_TINY=1): timing rounds and a memory worker per variant, all via -m benchmarks."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, HF_DPFILTER_BENCH_TINY="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "speed-memory", "--models", "roberta", "--modes", "lora",
+         "--points", "2x16", "--rounds", "2", "--no-opacus", "--no-methods", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"non-private", "hf_dpfilter"}, rows
+    assert rows["hf_dpfilter"]["time_ratio"] > 0 and "error" not in json.dumps(rows)
+    assert rows["hf_dpfilter"]["peak_mb"] is not None
