@@ -245,7 +245,9 @@ def _free_port() -> int:
 def test_two_processes_user_sensitivity(tmp_path):
     """2 gloo processes, users assigned whole to processes, micro-batches cut at user boundaries: removing one
     user moves the all-reduced pre-noise aggregate by <= C; clipping its examples separately by about k C."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # the worker imports this checkout's hf_dpfilter (not another installed copy)
+    path = os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), os.path.join(HERE, "user_unit_worker.py"), str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
