@@ -500,6 +500,13 @@ def user_loading(
             f"The training set has {len(dataset)} examples after the trainer's column removal but the user column "
             f"was read on {len(users.unit_of)}: do not filter the training set after creating the trainer."
         )
+    labels = collate_fn([dataset[0]]).get("labels")  # the structure of one example's collation, nothing private
+    if isinstance(labels, torch.Tensor) and labels.dim() < 2:
+        raise PrivacyUnitError(
+            "privacy_unit='user' needs one label per token (a language-modelling loss): a user's examples are clipped "
+            "together by regrouping every layer's tokens per user, which a sequence-level head (one label per "
+            "example) does not allow. Use privacy_unit='example' for this model."
+        )
     sampler = UserPoissonBatchSampler(
         users, plan.sample_rate, k, plan.steps_per_epoch, seed=plan.seed, rank=rank, world_size=world_size,
         secure=plan.secure_rng,

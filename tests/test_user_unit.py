@@ -395,6 +395,46 @@ def test_epsilon_over_users_is_the_accountants_and_the_card_says_user_level(tmp_
     assert "user-level (ε, δ)" in card and "number of units: 4" in card
 
 
+@pytest.mark.parametrize("method", ["disk", "pmlf", "dicesgd"])
+def test_other_methods_train_at_user_level(method, tmp_path):
+    data = _user_data(per_user=(3, 1, 2, 2))
+    args = _args(tmp_path, dp_method=method, noise_multiplier=0.5, logical_batch_size=2, max_steps=2)
+    trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=args, train_dataset=ListDataset(data),
+                        data_collator=DataCollatorWithFlattening())
+    trainer.train()
+    assert trainer.accountant.steps == 2 and trainer.privacy_report()["privacy_unit"] == "user"
+
+
+def test_datasets_dataset_with_a_string_user_column(tmp_path):
+    """The Trainer drops the user column before the collator (remove_unused_columns=True); the users were read
+    from it when the DPTrainer was created."""
+    import datasets
+
+    rows = [{"input_ids": e["input_ids"].tolist(), "labels": e["labels"].tolist(), "author": e["user"]}
+            for e in _user_data()]
+    table = datasets.Dataset.from_list(rows)
+
+    def collate(batch):
+        return PadCollator(0)([{k: torch.tensor(v) for k, v in b.items()} for b in batch])
+
+    args = _args(tmp_path, user_id_column="author", remove_unused_columns=True, noise_multiplier=1.0, max_steps=2)
+    trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=args, train_dataset=table, data_collator=collate)
+    assert trainer.num_train_examples == 4
+    trainer.train()
+    assert trainer.accountant.steps == 2
+
+
+def test_a_sequence_level_head_is_refused_at_user_level(tmp_path):
+    from models import tiny_roberta
+
+    data = [{**e, "user": i % 2} for i, e in enumerate(make_examples(6, VOCAB, causal=False, seed=1))]
+    trainer = DPTrainer(model=tiny_roberta(), args=_args(tmp_path, logical_batch_size=2), train_dataset=ListDataset(data),
+                        data_collator=PadCollator(1))
+    with pytest.raises(PrivacyUnitError, match="one label per token"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
 # ---------------------------------------------------------------------------------- 1: refusals
 @pytest.mark.parametrize(
     "fields, match",
