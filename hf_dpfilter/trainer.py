@@ -840,7 +840,8 @@ class DPTrainer(Trainer):
     def privacy_report(self) -> dict[str, Any]:
         """epsilon spent so far and everything needed to interpret it (never the DP seed)."""
         plan = self.privacy_plan
-        return {
+        # the unit, the number of units and q over them (privacy_unit='user': over users), hf_dpfilter/units.py
+        return privacy_units.with_unit({
             "epsilon": self.current_epsilon(),
             "delta": self.delta,
             "target_epsilon": plan.target_epsilon,
@@ -859,12 +860,9 @@ class DPTrainer(Trainer):
             "randomness": plan.randomness,
             "neighbouring_relation": "add/remove one example",
             "accountant_history": [list(e) for e in self.accountant.history],
-            # the unit, the number of units and q over them (privacy_unit='user': over users)
-            **privacy_units.unit_report(self.args.privacy_unit, plan.num_examples, plan.sample_rate,
-                                        self.args.max_examples_per_user),
             # Method-specific accounting details (DiceSGD, DIFF2) extend or refine the entries above.
             **plan.config.report(plan.noise, plan, self.accountant.steps, self.delta),
-        }
+        }, self.args.privacy_unit, plan.num_examples, plan.sample_rate, self.args.max_examples_per_user)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """``Trainer.create_model_card`` plus the privacy paragraph: the unit-level (epsilon, delta) of the run."""

@@ -53,9 +53,9 @@ __all__ = [
     "per_unit_loss",
     "planned_dataset_size",
     "unit_micro_batches",
-    "unit_report",
     "user_index_for",
     "user_loading",
+    "with_unit",
     "without_column",
 ]
 
@@ -545,12 +545,14 @@ def card_section(report: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- reporting
-def unit_report(unit: str, num_units: int, sample_rate: float | None, k: int | None) -> dict[str, Any]:
-    """The privacy report's entries that name the unit."""
-    report: dict[str, Any] = {"privacy_unit": unit, "num_units": num_units, "unit_sample_rate": sample_rate}
+def with_unit(report: dict[str, Any], unit: str, num_units: int | None, sample_rate: float | None,
+              k: int | None) -> dict[str, Any]:
+    """The privacy report with the entries that name the unit: the unit, the number of units, q over them, k,
+    and the neighbouring relation in terms of the unit (the method's own relation, add/remove or replace)."""
+    report = dict(report)
+    report.update({"privacy_unit": unit, "num_units": num_units, "unit_sample_rate": sample_rate})
     if unit == "user":
         report["max_examples_per_user"] = k
-        report["neighbouring_relation"] = "add/remove one user (all of their examples)"
-    else:
-        report["neighbouring_relation"] = "add/remove one example"
+        relation = str(report.get("neighbouring_relation", "add/remove one example"))
+        report["neighbouring_relation"] = relation.replace("one example", "one user (all of their examples)")
     return report
