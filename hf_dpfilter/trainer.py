@@ -351,6 +351,8 @@ class DPTrainer(Trainer):
             return
         count = self.trainable_parameter_count()
         logger.info("%s", self.privacy_plan.describe(count))
+        if self._user_index is not None:  # the plan's N, B and q count users (hf_dpfilter/units.py)
+            logger.info("%s", privacy_units.describe_users(self._user_index, self.args.max_examples_per_user))
         for message in self.privacy_plan.learnability_warnings(count):
             warnings.warn(message, UserWarning, stacklevel=2)
 

@@ -48,6 +48,7 @@ __all__ = [
     "UserPoissonBatchSampler",
     "as_examples",
     "card_section",
+    "describe_users",
     "check_unit_arguments",
     "examples_layout",
     "per_unit_loss",
@@ -489,6 +490,13 @@ def planned_dataset_size(trainer: Any) -> int | None:
                 "of users, sample rate, noise) was computed for the users at creation. Create a new DPTrainer."
             )
     return len(users.unit_of)
+
+
+def describe_users(users: UserIndex, k: int) -> str:
+    """The plan's line about the unit: its N, logical batch and q count users."""
+    return (f"  privacy unit: user (column '{users.column}'): N = {users.num_users} users over {len(users.unit_of)} "
+            f"examples (largest user {users.largest}), the logical batch and q count users, at most k = {k} examples "
+            "of a sampled user per step, each user's examples clipped as one vector")
 
 
 def user_loading(
