@@ -259,6 +259,16 @@ def test_two_processes_user_sensitivity(tmp_path):
     assert result["moved_unit"] <= clip * (1 + 1e-5), result
     assert result["moved_unit"] > 0.9 * clip
     assert 2.5 * clip < result["moved_per_example"] <= k * clip * (1 + 1e-5), result
+    # the DPTrainer at user level: two processes (users split between them) end where one process does
+    from user_unit_worker import train_user_level
+
+    one = train_user_level(str(tmp_path / "one"))
+    for rank in range(2):
+        two = torch.load(tmp_path / f"trainer_rank{rank}.pt")
+        diff = max(float((two[n] - one[n]).abs().max()) for n in one)
+        assert diff <= 1e-10, f"rank {rank} differs from the one-process run by {diff:.2e}"
+    initial = dict(tiny_gpt2().named_parameters())
+    assert max(float((one[n] - initial[n]).abs().max()) for n in one) > 1e-4  # the step moved the model
 
 
 # ---------------------------------------------------------------------------------- 2: sampling

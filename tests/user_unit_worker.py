@@ -65,12 +65,43 @@ def aggregate(data: list[dict], per_example: bool, rank: int, world: int) -> tup
     return total, [data[i]["user"] for i in batch_indices]
 
 
-def main(out: str) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def data_sets() -> tuple[list[dict], list[dict]]:
+    """D (with the victim user 99, in the middle) and D' (without)."""
     others, users = _users(5, [1, 3, 2, 4, 1], seed=1)
     d_prime = [{**e, "user": u} for e, u in zip(others, users)]
-    d = d_prime[:4] + [{**e, "user": 99} for e in _extreme_user(K)] + d_prime[4:]  # the victim in the middle
+    d = d_prime[:4] + [{**e, "user": 99} for e in _extreme_user(K)] + d_prime[4:]
+    return d, d_prime
+
+
+def train_user_level(out: str) -> dict[str, torch.Tensor]:
+    """One DPTrainer step at user level (q = 1, k = 3, noise 0, float64, packed micro-batches of 2 examples);
+    under torchrun each process trains on its own users and the DP optimizer all-reduces."""
+    from models import tiny_gpt2
+
+    from hf_dpfilter import DPTrainer, DPTrainingArguments
+
+    model = tiny_gpt2()
+    d, _ = data_sets()
+    args = DPTrainingArguments(
+        output_dir=out, dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=CLIP,
+        logical_batch_size=6, per_device_train_batch_size=MICRO, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
+        remove_unused_columns=False, dp_seed=7, disable_tqdm=True, privacy_unit="user", user_id_column="user",
+        max_examples_per_user=K, ddp_backend="gloo" if "RANK" in os.environ else None,
+    )
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(d), data_collator=DataCollatorWithFlattening())
+    assert trainer.args.world_size == int(os.environ.get("WORLD_SIZE", "1"))
+    trainer.train()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def main(out: str) -> None:
+    params = train_user_level(os.path.join(out, "trainer"))  # sets up the gloo process group (DDP)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.save(params, os.path.join(out, f"trainer_rank{rank}.pt"))
+    d, d_prime = data_sets()
     results = {}
     seen = {}
     for name, data in (("d", d), ("d_prime", d_prime)):
@@ -93,7 +124,6 @@ def main(out: str) -> None:
         }
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
