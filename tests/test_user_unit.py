@@ -405,14 +405,17 @@ def test_epsilon_over_users_is_the_accountants_and_the_card_says_user_level(tmp_
     assert "user-level (ε, δ)" in card and "number of units: 4" in card
 
 
-@pytest.mark.parametrize("method", ["disk", "pmlf", "dicesgd"])
+@pytest.mark.parametrize("method", ["disk", "pmlf", "dicesgd", "diff2"])
 def test_other_methods_train_at_user_level(method, tmp_path):
     data = _user_data(per_user=(3, 1, 2, 2))
-    args = _args(tmp_path, dp_method=method, noise_multiplier=0.5, logical_batch_size=2, max_steps=2)
+    extra = {"dp_method_args": {"difference_max_grad_norm": 5.0}} if method == "diff2" else {}
+    args = _args(tmp_path, dp_method=method, noise_multiplier=0.5, logical_batch_size=2, max_steps=2, **extra)
     trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=args, train_dataset=ListDataset(data),
                         data_collator=DataCollatorWithFlattening())
     trainer.train()
-    assert trainer.accountant.steps == 2 and trainer.privacy_report()["privacy_unit"] == "user"
+    report = trainer.privacy_report()
+    assert trainer.accountant.steps == 2 and report["privacy_unit"] == "user"
+    assert "one user (all of their examples)" in report["neighbouring_relation"], report["neighbouring_relation"]
 
 
 def test_datasets_dataset_with_a_string_user_column(tmp_path):
