@@ -451,7 +451,15 @@ def user_index_for(args: Any, dataset: Any) -> UserIndex | None:
     """The users of the training set when ``privacy_unit='user'`` (None at example level)."""
     if getattr(args, "privacy_unit", "example") != "user":
         return None
-    return UserIndex.from_dataset(dataset, args.user_id_column)
+    users = UserIndex.from_dataset(dataset, args.user_id_column)
+    batch = args.logical_batch_size or args.per_device_train_batch_size * max(1, args.world_size)
+    if batch > users.num_users:
+        raise PrivacyUnitError(
+            f"logical_batch_size={batch} users per step, but the training set has {users.num_users} users (column "
+            f"'{users.column}', {len(users.unit_of)} examples): with privacy_unit='user' the logical batch counts "
+            "users, and q = logical_batch_size / number of users must be <= 1. Lower logical_batch_size."
+        )
+    return users
 
 
 def without_column(dataset: Any, column: str) -> Any:

@@ -465,7 +465,7 @@ def test_bad_unit_declarations_are_refused_with_the_fix(fields, match, tmp_path)
         _args(tmp_path, **fields)
 
 
-def test_a_missing_user_column_is_refused_before_training(tmp_path):
+def test_missing_users_or_too_large_a_user_batch_are_refused_at_creation(tmp_path):
     data = [{k: v for k, v in e.items() if k != "user"} for e in _user_data()]
     with pytest.raises(PrivacyUnitError, match="user_id_column='user' is not in example 0"):
         DPTrainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=ListDataset(data), data_collator=PadCollator(0))
@@ -474,6 +474,9 @@ def test_a_missing_user_column_is_refused_before_training(tmp_path):
     table = datasets.Dataset.from_list([{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "author": "a"}])
     with pytest.raises(PrivacyUnitError, match="not a column of the training set"):
         DPTrainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=table, data_collator=PadCollator(0))
+    with pytest.raises(PrivacyUnitError, match="the logical batch counts users"):
+        DPTrainer(model=tiny_gpt2(), args=_args(tmp_path, logical_batch_size=5), train_dataset=ListDataset(_user_data()),
+                  data_collator=PadCollator(0))
     data = _user_data()
     data[2] = {**data[2], "user": None}
     with pytest.raises(PrivacyUnitError, match="Example 2 has no user"):
