@@ -146,6 +146,33 @@ class DPArgumentsMixin:
         },
     )
 
+    # The privacy unit (hf_dpfilter/units.py): what one neighbouring data set adds or removes.
+    privacy_unit: str = field(
+        default="example",
+        metadata={
+            "help": "What the guarantee protects: 'example' (add/remove one example) or 'user' (add/remove one user "
+            "and all of their examples; needs user_id_column and max_examples_per_user). With 'user', sampling is "
+            "Poisson over users, logical_batch_size counts users (q = logical_batch_size / number of users), and "
+            "each sampled user's examples are clipped together as one vector to per_sample_max_grad_norm.",
+            "choices": ["example", "user"],
+        },
+    )
+    user_id_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "privacy_unit='user': the training set's column naming each example's user. The number of "
+            "distinct users in it is public, like the data set size. The column is not given to the model."
+        },
+    )
+    max_examples_per_user: int | None = field(
+        default=None,
+        metadata={
+            "help": "privacy_unit='user': k >= 1, the most examples of a sampled user that enter a step (drawn "
+            "uniformly at random afresh each step). The user's clipped contribution is bounded by C whatever k; "
+            "k bounds the work per user and how much of a user's data one step can use."
+        },
+    )
+
     dp_eval_disjoint_from_train: bool = field(
         default=False,
         metadata={
@@ -227,6 +254,9 @@ class DPArgumentsMixin:
             self.gradient_accumulation_steps = 1
 
     def _validate_dp_fields(self) -> None:
+        from hf_dpfilter.units import check_unit_arguments
+
+        check_unit_arguments(self)  # privacy_unit, user_id_column, max_examples_per_user (hf_dpfilter/units.py)
         if isinstance(self.dp_method_args, str):
             try:
                 self.dp_method_args = json.loads(self.dp_method_args) if self.dp_method_args.strip() else None

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from hf_dpfilter import units as privacy_units
 from hf_dpfilter.batch_structure import BatchStructure, probe_batch_structure
 from hf_dpfilter.first_step_check import verify_per_example
 from hf_dpfilter.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
@@ -93,7 +94,8 @@ class MicroBatchMixin:
     @contextlib.contextmanager
     def _packed(self, layout: PackedLayout | None):
         """Declare a micro-batch's packing (or its absence) to the loss and the engine for the block."""
-        previous, self._packed_layout = self._packed_layout, layout
+        # privacy_unit='user': the loss sees the examples, the engine the units (clipped as one vector each)
+        previous, self._packed_layout = self._packed_layout, privacy_units.examples_layout(layout)
         try:
             with self.engine.packed(layout) if self.engine is not None else contextlib.nullcontext():
                 yield
@@ -229,5 +231,6 @@ class MicroBatchMixin:
         """
         collator: _EmptySafeCollator = self._padding_collator
         inputs = dict(self._prepare_inputs(collator.collate_fn([collator.dataset[0]])))
+        inputs.pop(privacy_units.UNITS_KEY, None)
         labels = inputs.pop("labels")
         return self._no_cache_when_packed(next(iter(self._micro_batches(inputs, labels, 1))))

@@ -99,7 +99,9 @@ class RunGuard:
         check_prompt_learning(trainer.model)
         dataset = trainer.train_dataset
         size = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
-        if size != trainer.privacy_plan.num_examples:
+        from hf_dpfilter.units import planned_dataset_size
+
+        if size != planned_dataset_size(trainer):  # privacy_unit='user': the examples the users were read from
             raise TrainingFieldError(
                 f"trainer.train_dataset now has {size} examples but the privacy plan (sample rate, delta, noise) was "
                 f"computed for {trainer.privacy_plan.num_examples}. Create a new DPTrainer with the training set."

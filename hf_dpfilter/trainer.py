@@ -23,6 +23,7 @@ The mixin holds all of it, so another Trainer of the Hugging Face stack gets the
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -32,6 +33,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput
 
+from hf_dpfilter import units as privacy_units
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPArgumentsMixin
 from hf_dpfilter.batch_structure import probe_batch_structure
@@ -129,7 +131,10 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             raise ValueError("DPTrainer needs a train_dataset with a length (N sets the sample rate and delta).")
         if len(self.train_dataset) == 0:
             raise ValueError("The training set is empty.")
-        self.privacy_plan = PrivacyPlan.from_training_args(args, len(self.train_dataset))
+        # privacy_unit='user': the plan is over users (N = number of users, q over users), hf_dpfilter/units.py
+        self._user_index = privacy_units.user_index_for(args, self.train_dataset)
+        num_units = self._user_index.num_users if self._user_index is not None else len(self.train_dataset)
+        self.privacy_plan = PrivacyPlan.from_training_args(args, num_units)
         self._causal_lm = _is_causal_lm(self.model)
         self.accountant = PrivacyAccountant(self.privacy_plan.accountant)
         self._ledger_last_call: float | None = None  # monotonic time of the last pre-release ledger call
@@ -272,6 +277,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             return
         count = self.trainable_parameter_count()
         logger.info("%s", self.privacy_plan.describe(count))
+        if self._user_index is not None:  # the plan's N, B and q count users (hf_dpfilter/units.py)
+            logger.info("%s", privacy_units.describe_users(self._user_index, self.args.max_examples_per_user))
         for message in self.privacy_plan.learnability_warnings(count):
             warnings.warn(message, UserWarning, stacklevel=2)
 
@@ -293,11 +300,17 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             collator = self._get_collator_with_removed_columns(collator, description="training")
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         sampler = make_sampler(self.privacy_plan, rank=rank, world_size=world)
+        loaded = dataset
+        if self._user_index is not None:  # Poisson over users, each example tagged with its user (units.py)
+            dataset = privacy_units.without_column(dataset, self._user_index.column)
+            sampler, loaded, collator = privacy_units.user_loading(
+                self.privacy_plan, self._user_index, self.args.max_examples_per_user, dataset, collator, rank, world
+            )
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
         self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
         return _LogicalBatchLoader(
-            dataset,
+            loaded,
             batch_sampler=sampler,
             collate_fn=self._padding_collator,
             num_workers=self.args.dataloader_num_workers,
@@ -345,14 +358,17 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             self.engine.hold_eval_modes()  # modules the options keep in eval mode (dp_batchnorm_eval)
         inputs = dict(self._prepare_inputs(inputs))
         num_examples = inputs.pop(NUM_EXAMPLES_KEY, None)
+        units = inputs.pop(privacy_units.UNITS_KEY, None)  # privacy_unit='user': each example's user
         labels = inputs.pop("labels", None)
         if labels is None:
             raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
         batch = labels.shape[0]
         _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
         total = torch.zeros((), device=self.args.device)
-        micro_batches = [self._no_cache_when_packed(m) for m in self._micro_batches(inputs, labels, num_examples)] if (
-            batch and labels.numel()) else []
+        cut = self._micro_batches(inputs, labels, num_examples) if units is None else privacy_units.unit_micro_batches(
+            self._training_batch_structure(), self._micro_batches, inputs, labels, units,
+            self.args.per_device_train_batch_size)
+        micro_batches = [self._no_cache_when_packed(m) for m in cut] if (batch and labels.numel()) else []
         examples = sum(m[1].shape[0] if m[2] is None else m[2].num_examples for m in micro_batches)
         batch = examples
         if not self._packing_checked and self._training_batch_structure().packed:
@@ -363,7 +379,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
             candidate = self._micro_batch_to_check(micro_batches)
             if candidate is not None:
-                self._check_first_micro_batch(model, candidate)
+                self._check_first_micro_batch(model, privacy_units.as_examples(candidate))
         rounds = len(micro_batches)
         if self.dp_optimizer.sharded:
             # FSDP2 gathers parameters with collectives in every forward and backward: every process runs as
@@ -381,6 +397,9 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             def loss_fn(values, micro=micro, micro_labels=micro_labels):
                 with self.compute_loss_context_manager():
                     return self.compute_per_example_loss(model, micro, micro_labels, values)
+
+            if isinstance(layout, privacy_units.UnitLayout):  # one loss per unit: the sum of its examples' losses
+                loss_fn = privacy_units.per_unit_loss(loss_fn, layout)
 
             with self._packed(layout):
                 if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
@@ -429,7 +448,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
     def privacy_report(self) -> dict[str, Any]:
         """epsilon spent so far and everything needed to interpret it (never the DP seed)."""
         plan = self.privacy_plan
-        return {
+        # the unit, the number of units and q over them (privacy_unit='user': over users), hf_dpfilter/units.py
+        return privacy_units.with_unit({
             "epsilon": self.current_epsilon(),
             "delta": self.delta,
             "target_epsilon": plan.target_epsilon,
@@ -450,7 +470,17 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             "accountant_history": [list(e) for e in self.accountant.history],
             # Method-specific accounting details (DiceSGD, DIFF2) extend or refine the entries above.
             **plan.config.report(plan.noise, plan, self.accountant.steps, self.delta),
-        }
+        }, self.args.privacy_unit, plan.num_examples, plan.sample_rate, self.args.max_examples_per_user)
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """``Trainer.create_model_card`` plus the privacy paragraph: the unit-level (epsilon, delta) of the run."""
+        super().create_model_card(*args, **kwargs)
+        if not self.privacy_plan.is_private or not self.is_world_process_zero():
+            return
+        path = os.path.join(self.args.output_dir, "README.md")
+        if os.path.exists(path):
+            with open(path, "a") as f:
+                f.write("\n" + privacy_units.card_section(self.privacy_report()))
 
 
 class DPTrainer(DPTrainerMixin, Trainer):

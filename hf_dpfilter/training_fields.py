@@ -385,11 +385,18 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "noise_multiplier": FieldPolicy(_P, "fixed noise; epsilon reported"),
     "per_sample_max_grad_norm": FieldPolicy(_P, "the clipping bound C (the DP sensitivity)"),
     "clipping_fn": FieldPolicy(_P, "per-example clipping function"),
-    "logical_batch_size": FieldPolicy(_P, "expected examples per step: the sample rate q = B / N"),
+    "logical_batch_size": FieldPolicy(
+        _P, "expected examples per step (users with privacy_unit='user'): the sample rate q = B / N"),
     "poisson_sampling": FieldPolicy(
         _O, "False (shuffled fixed-size batches) trades the proof away: the reported epsilon assumes Poisson "
         "sampling (a warning says so)"),
     "accountant": FieldPolicy(_P, "the privacy accountant"),
+    "privacy_unit": FieldPolicy(
+        _P, "the unit the guarantee protects: 'example', or 'user' (Poisson over users, each user's examples clipped "
+        "as one vector, epsilon over users); a user declaration without its column or k is refused"
+    ),
+    "user_id_column": FieldPolicy(_P, "privacy_unit='user': the column naming each example's user (N = its distinct values)"),
+    "max_examples_per_user": FieldPolicy(_P, "privacy_unit='user': at most k random examples of a sampled user per step"),
     "dp_seed": FieldPolicy(
         _P, "secret: never written to to_dict()/to_json_string()/to_sanitized_dict()/training_args.bin"),
     "secure_rng": FieldPolicy(_P, "noise and sampling from the OS CSPRNG"),
