@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DPOptimizer": "hf_dpfilter.optimizers",
+    "DPSFTConfig": "hf_dpfilter.sft",
+    "DPSFTTrainer": "hf_dpfilter.sft",
     "DPTrainer": "hf_dpfilter.trainer",
     "DPTrainingArguments": "hf_dpfilter.arguments",
     "GhostClippingEngine": "hf_dpfilter.engine",
