@@ -225,7 +225,6 @@ def test_dp_step_equals_the_clipped_per_example_reference(tmp_path):
     grads = [alone_gradient(model, data[i]["input_ids"], data[i]["labels"], params) for i in range(len(rows))]
     norms = torch.stack([flat(g).norm() for g in grads])
     clip = float(norms.median())
-    trainer.args.per_sample_max_grad_norm = clip
     trainer = trainer_for(tmp_path, rows, per_device_train_batch_size=2, per_sample_max_grad_norm=clip)
     model = trainer.model
     params = [p for p in model.parameters() if p.requires_grad]
@@ -280,3 +279,56 @@ def test_nonprivate_sft_trainer_still_runs_on_the_same_data(tmp_path):
                      gradient_checkpointing=False)
     SFTTrainer(model=small_llama(tokenizer, hidden_size=16), args=args,
                train_dataset=datasets.Dataset.from_list(chat_rows(8)), processing_class=tokenizer).train()
+
+
+# ------------------------------------------------------------------------------------------------ recipe
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.environ.get("HF_DPFILTER_DATA", os.path.join(ROOT, "..", "shared", "data"))
+needs_e2e = pytest.mark.skipif(not os.path.exists(os.path.join(DATA, "e2e", "devset.csv")), reason="no E2E")
+HAS_USER_UNIT = "privacy_unit" in {f.name for f in dataclasses.fields(DPSFTConfig)}
+
+
+def _sft_recipe():
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    import sft
+
+    return sft
+
+
+@needs_e2e
+@pytest.mark.parametrize("unit", ["example", pytest.param("user", marks=pytest.mark.skipif(
+    not HAS_USER_UNIT, reason="the user unit (privacy_unit in DPTrainingArguments) is not in this tree"))])
+def test_sft_recipe_runs_on_a_tiny_model(tmp_path, unit):
+    import json
+
+    out = tmp_path / unit
+    _sft_recipe().main([
+        "--data_dir", os.path.join(DATA, "e2e"), "--max_train_samples", "48", "--max_eval_samples", "3",
+        "--max_steps", "2", "--num_evals", "1", "--logical_batch_size", "6", "--per_device_train_batch_size", "4",
+        "--offline_hidden_size", "16", "--offline_layers", "1", "--num_beams", "1", "--max_generation_length", "6",
+        "--privacy_unit", unit, "--max_examples_per_user", "3", "--use_cpu", "--no_plots", "--output_dir", str(out),
+    ])
+    with open(out / "results.json") as f:
+        results = json.load(f)
+    assert results["steps"] == 2 and 0 < results["epsilon"] < 100
+    assert results["settings"]["privacy_unit"] == unit and results["settings"]["packing"] is True
+    for name in ("bleu", "nist", "meteor", "rouge_l", "cider"):
+        assert results["metrics"][f"eval_{name}"] >= 0
+    assert results["baseline"]["metric"] == "eval_bleu" and results["baseline"]["value"] > 0
+    if unit == "user":
+        assert results["settings"]["n_units"] < results["settings"]["n_train_examples"]
+
+
+def test_synthetic_users_are_skewed_and_seeded():
+    sft = _sft_recipe()
+    users = sft.synthetic_users(2000, zipf_a=1.5, max_size=200, seed=0)
+    assert users == sft.synthetic_users(2000, zipf_a=1.5, max_size=200, seed=0)
+    sizes = sorted((users.count(u) for u in set(users)), reverse=True)
+    assert len(users) == 2000 and max(sizes) <= 200
+    assert sizes[0] >= 10 * sorted(sizes)[len(sizes) // 2]  # a few users hold many examples, most hold few
+
+
+def test_sft_recipe_help_runs():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "sft.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "--privacy_unit" in out.stdout and "synthetic" in out.stdout.lower()

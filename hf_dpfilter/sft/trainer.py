@@ -81,7 +81,11 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         of ``max_length`` tokens per micro-batch (laid out as one row; attention stays inside each example).
         Otherwise (and for the one-example slices of the first-step check) DPTrainer's micro-batches."""
         structure = self._training_batch_structure()
-        if size is not None or not structure.packed or not self.args.packing or labels.numel() == 0:
+        # privacy_unit='user': DPTrainer cuts the micro-batches at user boundaries (a user's examples are clipped as
+        # one vector); regrouping examples across users here would split them, so its micro-batches are kept.
+        per_example_unit = getattr(self.args, "privacy_unit", "example") == "example"
+        if size is not None or not structure.packed or not self.args.packing or labels.numel() == 0 or (
+                not per_example_unit):
             yield from super()._micro_batches(inputs, labels, num_examples, size)
             return
         # all the sample's examples as one validated packed row (example count checked against the sampler's)
