@@ -28,7 +28,7 @@ from hf_dpfilter import DPSFTConfig, DPSFTTrainer  # noqa: E402
 from hf_dpfilter.losses import per_example_loss  # noqa: E402
 from hf_dpfilter.sft.config import SFT_FIELD_POLICIES  # noqa: E402
 from hf_dpfilter.sft.offline import byte_level_chat_tokenizer, small_llama  # noqa: E402
-from hf_dpfilter.sft.packing import best_fit_decreasing, micro_batch_groups  # noqa: E402
+from hf_dpfilter.sft.packing import best_fit_decreasing, micro_batch_bins  # noqa: E402
 from hf_dpfilter.training_fields import TrainingFieldError  # noqa: E402
 
 WORDS = "the cafe serves cheap italian food near riverside family friendly rated high low price range".split()
@@ -125,9 +125,9 @@ def test_best_fit_decreasing_bins():
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 20 or len(b) == 1 for b in bins)
     assert len(bins) <= 1 + (sum(lengths) * 11) // (9 * 20) + 1  # BFD uses at most 11/9 OPT + 1 bins
-    groups = micro_batch_groups(lengths, 20, 3)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in g) <= 3 * 20 or any(lengths[i] > 20 for i in g) for g in groups)
+    groups = micro_batch_bins(lengths, 20, 3)
+    assert sorted(i for g in groups for b in g for i in b) == list(range(len(lengths)))
+    assert all(len(g) <= 3 for g in groups) and sum(len(g) for g in groups) == len(bins)
 
 
 def _sample_batch(trainer, indices):
@@ -145,11 +145,16 @@ def test_each_step_sample_is_packed_best_fit_into_micro_batches(tmp_path):
     micro = list(trainer._micro_batches(batch, labels, num))
     lengths = [len(trainer.train_dataset[i]["input_ids"]) for i in range(len(rows))]
     assert sum(m[2].num_examples for m in micro) == len(rows)
-    assert len(micro) == len(micro_batch_groups(lengths, 64, 2))
-    for inputs, _, layout in micro:
-        assert layout.rows == 1 and layout.length <= 2 * 64
+    plan = micro_batch_bins(lengths, 64, 2)
+    assert len(micro) == len(plan)
+    for (inputs, micro_labels, layout), bins in zip(micro, plan):
+        assert layout.rows == len(bins) <= 2 and layout.length <= 64  # one row per bin of max_length tokens
         assert "attention_mask" not in inputs  # examples kept apart by the position_ids restarts
-        assert inputs["cu_seq_lens_q"].tolist() == [0, *torch.tensor(layout.lengths).cumsum(0).tolist()]
+        assert inputs["cu_seq_lens_q"].tolist() == [0] + [r * layout.length + stop for r, _, stop in layout.spans]
+        assert layout.num_examples == sum(len(b) for b in bins)
+        for k, (row, start, stop) in enumerate(layout.spans):  # padding joins a row's last example, label -100
+            real = lengths[[i for b in bins for i in b][k]]
+            assert stop - start >= real and bool((micro_labels[row, start + real : stop] == -100).all())
 
 
 def test_packed_chat_rows_per_example_gradients_equal_each_example_alone_fp64(tmp_path):
@@ -173,9 +178,10 @@ def test_packed_chat_rows_per_example_gradients_equal_each_example_alone_fp64(tm
         with engine.packed(layout):
             grads = engine.per_example_gradients(losses)
         norms = grads.norms()
-        for k, (_, start, stop) in enumerate(layout.spans):
-            ids = inputs["input_ids"][0, start:stop].tolist()
-            index = next(i for i in range(len(data)) if data[i]["input_ids"] == ids)
+        for k, (row, start, stop) in enumerate(layout.spans):
+            ids = inputs["input_ids"][row, start:stop].tolist()  # the example, then the row's padding if last
+            index = next(i for i in range(len(data)) if data[i]["input_ids"] == ids[: len(data[i]["input_ids"])])
+            ids = data[index]["input_ids"]
             example_labels = data[index]["labels"]
             assert any(t != -100 for t in example_labels) and any(t == -100 for t in example_labels)  # assistant only
             reference = alone_gradient(model, ids, example_labels, params)

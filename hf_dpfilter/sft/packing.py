@@ -23,7 +23,7 @@ import torch
 from hf_dpfilter.batch_structure import BatchStructure
 from hf_dpfilter.packing import PackedLayout, PackingError
 
-__all__ = ["best_fit_decreasing", "micro_batch_groups", "select_packed_examples"]
+__all__ = ["best_fit_decreasing", "micro_batch_bins", "pack_rows"]
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -48,42 +48,63 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def micro_batch_groups(lengths: list[int], capacity: int, rows: int) -> list[list[int]]:
-    """The examples of each micro-batch: ``rows`` best-fit-decreasing bins of ``capacity`` tokens each, every
-    group sorted by index (the order of the sample)."""
-    bins = best_fit_decreasing(lengths, capacity)
+def micro_batch_bins(lengths: list[int], capacity: int, rows: int) -> list[list[list[int]]]:
+    """The bins (rows) of each micro-batch: ``rows`` best-fit-decreasing bins of ``capacity`` tokens each, the
+    examples of every bin in the order of the sample."""
+    bins = [sorted(b) for b in best_fit_decreasing(lengths, capacity)]
     rows = max(1, rows)
-    return [sorted(i for b in bins[k : k + rows] for i in b) for k in range(0, len(bins), rows)]
+    return [bins[k : k + rows] for k in range(0, len(bins), rows)]
 
 
-def select_packed_examples(
-    structure: BatchStructure, inputs: dict[str, Any], labels: torch.Tensor, layout: PackedLayout, indices: list[int]
+def pack_rows(
+    structure: BatchStructure, inputs: dict[str, Any], labels: torch.Tensor, layout: PackedLayout,
+    bins: list[list[int]],
 ) -> tuple[dict[str, Any], torch.Tensor, PackedLayout]:
-    """The examples ``indices`` of a packed batch as one micro-batch of one row (through
-    :meth:`BatchStructure.micro_batches`, which recomputes the boundary keys and checks the layout)."""
-    spans = [layout.spans[i] for i in indices]
-    sub: dict[str, Any] = {}
-    for key, value in inputs.items():
-        if key in structure.per_token:
-            sub[key] = torch.cat([value[row : row + 1, start:stop] for row, start, stop in spans], dim=1)
-        elif key in structure.boundaries:
-            continue  # recomputed for the selected examples below
-        else:
-            sub[key] = value
-    sub_labels = torch.cat([labels[row : row + 1, start:stop] for row, start, stop in spans], dim=1)
-    lengths = [stop - start for _, start, stop in spans]
-    cumulative = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=labels.device)
-    for key in structure.boundaries:
-        if key in ("cu_seq_lens_q", "cu_seq_lens_k"):
-            original = inputs.get(key)
-            sub[key] = cumulative.to(original.dtype) if isinstance(original, torch.Tensor) else cumulative
-        elif key in ("max_length_q", "max_length_k"):
-            sub[key] = max(lengths)
-        else:  # seq_idx: renumbered by BatchStructure.micro_batches from the lengths
-            original = inputs.get(key)
-            index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
-            sub[key] = index.to(original.dtype if isinstance(original, torch.Tensor) else torch.int32)
-    (micro, micro_labels, micro_layout), = structure.micro_batches(sub, sub_labels, len(indices), len(indices))
-    if micro_layout.lengths != lengths:
+    """The examples of ``bins`` (indices into ``layout``'s examples) as a micro-batch of one row per bin.
+
+    Rows shorter than the longest are padded at the end with label -100 and ``position_ids`` that continue the
+    row's last example: the padding joins that example's segment (the model's packed mask and
+    :class:`PackedLayout` both read a new example only where positions restart), comes after all of its tokens so
+    a causal model's outputs for them do not depend on it, and carries no loss, so it adds exactly nothing to the
+    example's loss or gradient. No token of one example is ever in another's segment.
+    """
+    if "position_ids" not in structure.per_token:
+        raise PackingError("Packing a step's sample needs the collator's per-token `position_ids`.")
+    width = max(sum(layout.spans[i][2] - layout.spans[i][1] for i in b) for b in bins)
+    keys = [key for key in structure.per_token if key in inputs]  # the labels are passed apart
+    rows: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
+    label_rows = []
+    for b in bins:
+        spans = [layout.spans[i] for i in b]
+        used = sum(stop - start for _, start, stop in spans)
+        for key in keys:
+            value = inputs[key]
+            row = torch.cat([value[r, start:stop] for r, start, stop in spans])
+            if key == "position_ids":
+                tail = row[-1] + 1 + torch.arange(width - used, device=row.device, dtype=row.dtype)
+            else:
+                tail = row.new_zeros((width - used, *row.shape[1:]))
+            rows[key].append(torch.cat([row, tail]))
+        label_row = torch.cat([labels[r, start:stop] for r, start, stop in spans])
+        label_rows.append(torch.cat([label_row, label_row.new_full((width - used,), -100)]))
+    micro: dict[str, Any] = {key: torch.stack(value) for key, value in rows.items()}
+    micro.update({key: value for key, value in inputs.items() if key in structure.shared})
+    micro_labels = torch.stack(label_rows)
+    micro_layout = PackedLayout.from_position_ids(micro["position_ids"])
+    expected = [layout.spans[i][2] - layout.spans[i][1] for b in bins for i in b]
+    got = micro_layout.lengths
+    if len(got) != len(expected) or any(g < e for g, e in zip(got, expected)):
         raise PackingError("Packing a step's sample changed its example boundaries.")
+    cumulative = [0] + [row * width + stop for row, _start, stop in micro_layout.spans]
+    for key in structure.boundaries:
+        original = inputs.get(key)
+        dtype = original.dtype if isinstance(original, torch.Tensor) else torch.int32
+        if key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            micro[key] = torch.tensor(cumulative, dtype=dtype, device=labels.device)
+        elif key in ("max_length_q", "max_length_k"):
+            micro[key] = micro_layout.max_length
+        else:  # seq_idx: the example of each token, within this micro-batch
+            micro[key] = micro_layout.token_example_index(labels.device).to(dtype)
+    structure.check({**micro, "labels": micro_labels})
+    micro_layout.check_flash_boundaries(micro)
     return micro, micro_labels, micro_layout

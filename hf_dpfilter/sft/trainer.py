@@ -23,7 +23,7 @@ from typing import Any
 from trl import SFTTrainer
 
 from hf_dpfilter.sft.config import DPSFTConfig, check_sft_fields
-from hf_dpfilter.sft.packing import micro_batch_groups, select_packed_examples
+from hf_dpfilter.sft.packing import micro_batch_bins, pack_rows
 from hf_dpfilter.trainer import DPTrainer
 from hf_dpfilter.training_fields import TrainingFieldError
 
@@ -77,8 +77,8 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
 
     def _micro_batches(self, inputs: dict[str, Any], labels: Any, num_examples: int | None = None,
                        size: int | None = None):
-        """With ``packing=True``: the step's sample packed best-fit decreasing, ``per_device_train_batch_size`` bins
-        of ``max_length`` tokens per micro-batch (laid out as one row; attention stays inside each example).
+        """With ``packing=True``: the step's sample packed best-fit decreasing, ``per_device_train_batch_size`` rows
+        of at most ``max_length`` tokens per micro-batch (attention stays inside each example).
         Otherwise (and for the one-example slices of the first-step check) DPTrainer's micro-batches."""
         structure = self._training_batch_structure()
         # privacy_unit='user': DPTrainer cuts the micro-batches at user boundaries (a user's examples are clipped as
@@ -91,8 +91,8 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         # all the sample's examples as one validated packed row (example count checked against the sampler's)
         (whole, whole_labels, layout), = structure.micro_batches(inputs, labels, labels.shape[-1] + 1, num_examples)
         capacity = self.args.max_length or max(layout.lengths)
-        for group in micro_batch_groups(layout.lengths, capacity, self.args.per_device_train_batch_size):
-            yield select_packed_examples(structure, whole, whole_labels, layout, group)
+        for bins in micro_batch_bins(layout.lengths, capacity, self.args.per_device_train_batch_size):
+            yield pack_rows(structure, whole, whole_labels, layout, bins)
 
     # ---------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
