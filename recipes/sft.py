@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         n_units = len(set(users))
         unit_extra = {"privacy_unit": "user", "user_id_column": "user_id",
                       "max_examples_per_user": args.max_examples_per_user}
-    if settings["logical_batch_size"] > n_units:
-        print(f"[sft] logical batch {settings['logical_batch_size']} > {n_units} units: using {max(1, n_units // 4)}.")
+    if settings["logical_batch_size"] >= n_units:  # q = 1 would leave no amplification by sampling
+        print(f"[sft] logical batch {settings['logical_batch_size']} >= {n_units} units: using {max(1, n_units // 4)}.")
         settings["logical_batch_size"] = max(1, n_units // 4)
 
     model, tokenizer = load_model_and_tokenizer(args, settings["max_seq_length"])

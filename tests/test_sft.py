@@ -338,3 +338,13 @@ def test_sft_recipe_help_runs():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "sft.py"), "--help"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "--privacy_unit" in out.stdout and "synthetic" in out.stdout.lower()
+
+
+def test_readme_shows_the_runnable_switch():
+    """The README's TRL snippet is the body of examples/sft_quickstart.py, which its bash block runs."""
+    with open(os.path.join(ROOT, "examples", "sft_quickstart.py")) as f:
+        snippet = f.read().split("# --- README snippet begins\n")[1].split("# --- README snippet ends")[0]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert "```python\n" + snippet + "```" in readme
+    assert "DPSFTConfig(" in snippet and "messages" in snippet
