@@ -348,3 +348,10 @@ def test_readme_shows_the_runnable_switch():
         readme = f.read()
     assert "```python\n" + snippet + "```" in readme
     assert "DPSFTConfig(" in snippet and "messages" in snippet
+
+
+def test_docs_table_of_sft_options_is_current():
+    from hf_dpfilter.sft.config import render_markdown
+
+    with open(os.path.join(ROOT, "docs", "sft.md")) as f:
+        assert render_markdown() in f.read()

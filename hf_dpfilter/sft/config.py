@@ -20,7 +20,7 @@ from trl import SFTConfig
 from hf_dpfilter.arguments import DPTrainingArguments
 from hf_dpfilter.training_fields import FieldPolicy, TrainingFieldError
 
-__all__ = ["SFT_FIELD_POLICIES", "DPSFTConfig", "check_sft_fields"]
+__all__ = ["SFT_FIELD_POLICIES", "DPSFTConfig", "check_sft_fields", "render_markdown"]
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -151,3 +151,12 @@ class DPSFTConfig(DPTrainingArguments, SFTConfig):
         # SFT's own refusals first: they name TRL options, before the DP and Trainer checks rewrite anything
         check_sft_fields(self, "arguments")
         super().__post_init__()
+
+
+def render_markdown() -> str:
+    """The SFT options' table as Markdown (docs/sft.md, "Every SFTConfig option"; a test keeps it in sync)."""
+    lines = ["| option | status | what happens |", "|---|---|---|"]
+    for name in sorted(SFT_FIELD_POLICIES):
+        policy = SFT_FIELD_POLICIES[name]
+        lines.append(f"| `{name}` | {policy.status} | {policy.note} |")
+    return "\n".join(lines) + "\n"
