@@ -355,3 +355,43 @@ def test_docs_table_of_sft_options_is_current():
 
     with open(os.path.join(ROOT, "docs", "sft.md")) as f:
         assert render_markdown() in f.read()
+
+
+def _formatted_rows(kind: str, n: int) -> list[dict]:
+    rows = chat_rows(n, seed=7)
+    if kind == "prompt_completion":
+        return [{"prompt": [r["messages"][0]], "completion": [r["messages"][1]]} for r in rows]
+    if kind == "text_prompt_completion":
+        return [{"prompt": r["messages"][0]["content"] + " ->", "completion": " " + r["messages"][1]["content"]}
+                for r in rows]
+    return [{"text": r["messages"][0]["content"] + ": " + r["messages"][1]["content"]} for r in rows]
+
+
+@pytest.mark.parametrize(("kind", "options"), [
+    ("prompt_completion", {}),
+    ("text_prompt_completion", {"padding_free": True, "packing": False, "max_length": None}),
+    ("text", {"packing": False}),
+    ("lora", {}),
+])
+def test_data_formats_and_options_train_privately(tmp_path, kind, options):
+    """Prompt-completion (conversational and plain, completion-only loss by default), plain text, padding-free
+    without packing, and a LoRA peft_config: one private step each, with the first-step per-example check."""
+    rows = chat_rows(8, seed=7) if kind == "lora" else _formatted_rows(kind, 8)
+    tokenizer = byte_level_chat_tokenizer()
+    peft_config = None
+    if kind == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = config(tmp_path, 8, noise_multiplier=1.0, logical_batch_size=4, optim="adamw_torch", learning_rate=1e-3,
+                  assistant_only_loss=kind == "lora", **options)
+    trainer = DPSFTTrainer(model=small_llama(tokenizer, hidden_size=16), args=args,
+                           train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+                           peft_config=peft_config)
+    labels = trainer.train_dataset[0]["labels"]
+    if kind != "text":  # completion-only / assistant-only: the prompt is masked
+        assert labels[0] == -100 and any(t != -100 for t in labels)
+    if kind == "lora":
+        assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    trainer.train()
+    assert trainer.privacy_report()["steps"] == 1
