@@ -395,3 +395,14 @@ def test_data_formats_and_options_train_privately(tmp_path, kind, options):
         assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
     trainer.train()
     assert trainer.privacy_report()["steps"] == 1
+
+
+def test_throughput_benchmark_runs_interleaved():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import sft_throughput
+
+    result = sft_throughput.main(["--rounds", "2", "--steps", "1", "--examples", "24", "--batch", "6",
+                                  "--max_length", "96", "--bins", "2", "--micro", "4", "--hidden", "16", "--layers", "1"])
+    assert set(result["per_round"]) == {"dp_packed", "dp_unpacked", "nonprivate"}
+    assert all(len(v) == 2 and min(v) > 0 for v in result["per_round"].values())
+    assert result["packed_over_unpacked"] > 0 and result["dp_over_nonprivate"] > 0
