@@ -8,7 +8,7 @@ users), and every epsilon comes from the library's accountant (PRV) at one delta
 N^-1.1 (smaller than the user-level default, so the user rows are not flattered). No training: the accounting
 only.
 
-    python benchmarks/user_level_cost.py --data_dir ../shared/data/e2e
+    python -m benchmarks user-level-cost --data_dir ../shared/data/e2e
 
 prints a Markdown table (docs/privacy.md, "The privacy unit").
 """
@@ -35,7 +35,7 @@ def zipf_user_sizes(num_examples: int, exponent: float = 2.0, largest: int = 200
     return [s for s in sizes if s > 0]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default=os.path.join("..", "shared", "data", "e2e"))
     parser.add_argument("--noise_multiplier", type=float, default=1.0)
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--zipf_exponent", type=float, default=2.0)
     parser.add_argument("--ks", default="1,4,16")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with open(os.path.join(args.data_dir, "devset.csv"), newline="") as f:
         n = sum(1 for _ in csv.DictReader(f))
     sizes = zipf_user_sizes(n, args.zipf_exponent)

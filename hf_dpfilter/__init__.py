@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DPArgumentsMixin": "hf_dpfilter.arguments",
     "DPOptimizer": "hf_dpfilter.optimizers.base",
+    "DPSFTConfig": "hf_dpfilter.sft",
+    "DPSFTTrainer": "hf_dpfilter.sft",
     "DPTrainer": "hf_dpfilter.trainer",
     "DPTrainerMixin": "hf_dpfilter.trainer",
     "DPTrainingArguments": "hf_dpfilter.arguments",

@@ -301,8 +301,13 @@ def training_arguments(
     n_train: int,
     weight_decay: float = 0.0,
     has_eval: bool = True,
+    args_class: type = DPTrainingArguments,
+    extra: dict[str, Any] | None = None,
 ) -> DPTrainingArguments:
-    """DPTrainingArguments from the recipe's command line and the resolved (preset) ``settings``."""
+    """DPTrainingArguments from the recipe's command line and the resolved (preset) ``settings``.
+
+    ``args_class`` (a DPTrainingArguments subclass, e.g. DPSFTConfig) and ``extra`` (its own fields, winning over
+    the ones set here) serve the recipes of other trainers."""
     learning_rate = settings["learning_rate"]
     logical_batch_size = settings["logical_batch_size"]
     epochs = settings["epochs"]
@@ -358,7 +363,7 @@ def training_arguments(
         **privacy,
     )
     # the optimizer a method variant needs (optim='sgd' for the filters' Adam variants) wins over the default
-    return DPTrainingArguments(**{**fields, **trainer_overrides(method_args)}, dp_method_args=method_args or None)
+    return args_class(**{**fields, **trainer_overrides(method_args), **(extra or {})}, dp_method_args=method_args or None)
 
 
 def announce_and_train(trainer: DPTrainer) -> None:

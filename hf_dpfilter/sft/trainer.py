@@ -1,0 +1,104 @@
+"""``DPSFTTrainer``: TRL's ``SFTTrainer`` trained with the DP glue of :class:`hf_dpfilter.DPTrainerMixin` (the same as DPTrainer).
+
+``DPSFTTrainer(DPTrainerMixin, SFTTrainer)``: TRL prepares the data (chat templates, prompt-completion, assistant-only
+and completion-only labels, truncation to ``max_length``, PEFT, the padding-free collator); everything that
+touches the privacy of training is the mixin's, shared with DPTrainer (Poisson sampling, micro-batches, per-example losses and clipping,
+noise, accounting, the refusals), reached through the same hooks (the MRO puts the mixin first:
+``training_step``, ``get_train_dataloader``, ``compute_loss``, ``log``, ``create_optimizer``).
+
+Three things differ from TRL's own training, each because TRL's choice would couple examples:
+
+* the loss: each example's loss is its own mean token NLL over its unmasked (completion/assistant) tokens
+  (DPTrainer's per-example loss); TRL's batch-level token mean and ``num_items_in_batch`` never apply;
+* packing: the training set is not packed (:meth:`_prepare_dataset`); each step's Poisson sample is packed
+  best-fit decreasing into micro-batches (:mod:`hf_dpfilter.sft.packing`, :meth:`_micro_batches`);
+* the options that cannot be honoured per example are refused when the config or the trainer is created
+  (:data:`hf_dpfilter.sft.config.SFT_FIELD_POLICIES`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trl import SFTTrainer
+
+from hf_dpfilter.sft.config import DPSFTConfig, check_sft_fields
+from hf_dpfilter.sft.packing import micro_batch_bins, pack_rows
+from hf_dpfilter.trainer import DPTrainerMixin
+from hf_dpfilter.training_fields import TrainingFieldError
+
+__all__ = ["DPSFTTrainer"]
+
+#: the column TRL's packing writes (the lengths of the examples packed in a row): a pre-packed data set
+PACKED_COLUMN = "seq_lengths"
+
+
+class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
+    """``trl.SFTTrainer`` with (epsilon, delta)-differential privacy; ``args`` must be a :class:`DPSFTConfig`.
+
+    Same constructor as ``SFTTrainer`` (model or model name, ``train_dataset`` in any of TRL's formats,
+    ``processing_class``, ``peft_config``, ``formatting_func``, ...). After ``train()``, :meth:`privacy_report`
+    gives the epsilon spent.
+    """
+
+    def __init__(self, model: Any, args: DPSFTConfig | None = None, *rest: Any, **kwargs: Any) -> None:
+        if not isinstance(args, DPSFTConfig):
+            raise TypeError(
+                f"DPSFTTrainer needs a DPSFTConfig as `args` (got {type(args).__name__}): it holds both TRL's SFT "
+                "options and the DP settings. Replace SFTConfig(...) by DPSFTConfig(..., target_epsilon=...)."
+            )
+        train_dataset = kwargs.get("train_dataset", rest[1] if len(rest) > 1 else None)
+        columns = getattr(train_dataset, "column_names", None) or []
+        if PACKED_COLUMN in columns:
+            raise ValueError(
+                f"The training set has a '{PACKED_COLUMN}' column: it is already packed (several examples per row), "
+                "so a packed row, not an example, would be the sampled and clipped unit. Pass the unpacked data set "
+                "and packing=True: DPSFTTrainer samples the examples first and packs each step's sample."
+            )
+        super().__init__(model, args, *rest, **kwargs)
+        check_sft_fields(self.args, "trainer")  # the values may have been changed after the config was built
+        if getattr(self, "aux_loss_enabled", False):
+            raise TrainingFieldError(
+                f"{type(self.model).__name__} returns a Mixture-of-Experts load-balancing loss (router_aux_loss_coef="
+                f"{self.router_aux_loss_coef}), computed over all the tokens of a batch: it couples the examples and "
+                "DP training would drop it silently. Pass router_aux_loss_coef=0.0 in the DPSFTConfig."
+            )
+
+    # ------------------------------------------------------------------------------------------- data
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, packing: bool, formatting_func: Any,
+                         dataset_name: str) -> Any:
+        """TRL's preparation, without packing the training set: a packed row would become the sampled unit.
+
+        The examples are truncated to ``max_length`` instead (TRL truncates whenever it does not pack), and each
+        step's sample is packed in :meth:`_micro_batches`. Other columns (a user id column) are kept."""
+        if dataset_name == "train":
+            packing = False
+        return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+
+    def _micro_batches(self, inputs: dict[str, Any], labels: Any, num_examples: int | None = None,
+                       size: int | None = None):
+        """With ``packing=True``: the step's sample packed best-fit decreasing, ``per_device_train_batch_size`` rows
+        of at most ``max_length`` tokens per micro-batch (attention stays inside each example).
+        Otherwise (and for the one-example slices of the first-step check) DPTrainer's micro-batches."""
+        structure = self._training_batch_structure()
+        # privacy_unit='user': DPTrainer cuts the micro-batches at user boundaries (a user's examples are clipped as
+        # one vector); regrouping examples across users here would split them, so its micro-batches are kept.
+        per_example_unit = getattr(self.args, "privacy_unit", "example") == "example"
+        if size is not None or not structure.packed or not self.args.packing or labels.numel() == 0 or (
+                not per_example_unit):
+            yield from super()._micro_batches(inputs, labels, num_examples, size)
+            return
+        # all the sample's examples as one validated packed row (example count checked against the sampler's)
+        (whole, whole_labels, layout), = structure.micro_batches(inputs, labels, labels.shape[-1] + 1, num_examples)
+        capacity = self.args.max_length or max(layout.lengths)
+        for bins in micro_batch_bins(layout.lengths, capacity, self.args.per_device_train_batch_size):
+            yield pack_rows(structure, whole, whole_labels, layout, bins)
+
+    # ---------------------------------------------------------------------------------------- logging
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """TRL adds token counts, accuracy and entropy of the training batches to the logs: computed from the
+        private batches without noise, so left out unless ``dp_log_nonprivate_metrics``."""
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None and self.privacy_plan.is_private and not self.args.dp_log_nonprivate_metrics:
+            metrics["train"].clear()
+        super().log(logs, *args, **kwargs)
