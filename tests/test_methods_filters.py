@@ -208,7 +208,7 @@ def test_disk_adam_step_match_is_the_scaled_learning_rate():
     model, engine, opt = _setup("disk", base=torch.optim.AdamW, method_args={"adam_step_match": True}, lr=0.05)
     _step(model, engine, opt, _regression_batch(3, seed=0))
     assert [g["lr"] for g in opt.param_groups] == [0.05]
-    with pytest.raises(ValueError, match="disk_adam_step_match.*SGD"):
+    with pytest.raises(ValueError, match="disk: adam_step_match.*SGD"):
         _setup("disk", base=torch.optim.SGD, method_args={"adam_step_match": True})
     args = DPTrainingArguments(output_dir="unused", dp_method="disk", noise_multiplier=1.0,
                                dp_method_args={"adam_step_match": True}, report_to=[], use_cpu=True)
@@ -466,21 +466,21 @@ def test_dptrainer_smoke(method, kw, tmp_path):
 def test_bad_hyperparameters_give_clear_errors():
     params = [torch.nn.Parameter(torch.zeros(2))]
     common = {"lr": 0.1, "noise_multiplier": 1.0, "max_grad_norm": 1.0, "expected_batch_size": 4}
-    with pytest.raises(ValueError, match="disk_kappa"):
+    with pytest.raises(ValueError, match="disk: kappa"):
         make_dp_optimizer(params, method="disk", method_args={"kappa": 0.0}, **common)
-    with pytest.raises(ValueError, match="disk_gamma"):
+    with pytest.raises(ValueError, match="disk: gamma"):
         make_dp_optimizer(params, method="disk", method_args={"gamma": 0.0}, **common)
-    with pytest.raises(ValueError, match="pmlf_k"):
+    with pytest.raises(ValueError, match="pmlf: k"):
         make_dp_optimizer(params, method="pmlf", method_args={"k": 0}, **common)
     with pytest.raises(ValueError, match="optim='sgd'"):
         make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", method_args={"base": "adam_bc"}, **common)
     with pytest.raises(ValueError, match="LP-DPAdam direction.*optim='sgd'"):
         make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", method_args={"base": "adam"}, **common)
-    with pytest.raises(ValueError, match="pmlf_base='adam'.*optim='sgd'"):
+    with pytest.raises(ValueError, match="pmlf: base='adam'.*optim='sgd'"):
         make_dp_optimizer(params, base=torch.optim.Adam, method="pmlf", method_args={"base": "adam"}, **common)
-    with pytest.raises(ValueError, match="doppler_preset"):
+    with pytest.raises(ValueError, match="doppler: unknown preset"):
         make_dp_optimizer(params, method="doppler", method_args={"preset": "nope"}, **common)
-    with pytest.raises(ValueError, match="pmlf_b"):
+    with pytest.raises(ValueError, match="pmlf: a was given without b"):
         make_dp_optimizer(params, method="pmlf", method_args={"a": [-0.9]}, **common)
     # The retired flat names are refused with the field that replaced them (never mapped, never ignored).
     with pytest.raises(ValueError, match=r"'disk_kappa' is no longer accepted.*method_args=\{'kappa'"):
@@ -494,7 +494,7 @@ def test_bad_hyperparameters_give_clear_errors():
 def test_filtered_gradient_into_adam_warns_and_names_the_paper_variant():
     params = [torch.nn.Parameter(torch.zeros(2))]
     common = {"lr": 0.1, "noise_multiplier": 1.0, "max_grad_norm": 1.0, "expected_batch_size": 4}
-    with pytest.warns(UserWarning, match="doppler_base='adam'"):
+    with pytest.warns(UserWarning, match="doppler: base='adam'"):
         make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", **common)
-    with pytest.warns(UserWarning, match="pmlf_base='adam'"):
+    with pytest.warns(UserWarning, match="pmlf: base='adam'"):
         make_dp_optimizer(params, base=torch.optim.Adam, method="pmlf", **common)

@@ -111,11 +111,11 @@ class DiceSGDConfig(MethodConfig):
         c2 = self.error_max_grad_norm
         if c2 is not None and not (math.isfinite(c2) and c2 >= 0):
             raise ValueError(
-                f"dice_error_max_grad_norm (C2) must be a finite number >= 0, got {c2}; leave it unset for "
+                f"dicesgd: error_max_grad_norm (C2) must be a finite number >= 0, got {c2}; leave it unset for "
                 "C2 = per_sample_max_grad_norm."
             )
         if self.accounting not in DICE_ACCOUNTINGS:
-            raise ValueError(f"dice_accounting must be one of {DICE_ACCOUNTINGS}, got {self.accounting!r}.")
+            raise ValueError(f"dicesgd: accounting must be one of {DICE_ACCOUNTINGS}, got {self.accounting!r}.")
 
     def c2(self, plan: PrivacyPlan) -> float:
         return plan.max_grad_norm if self.error_max_grad_norm is None else float(self.error_max_grad_norm)
@@ -216,7 +216,7 @@ class DiceSGD(DPOptimizer):
         self.save_error_buffer = bool(config.save_error_buffer)
         if self.save_error_buffer:
             warnings.warn(
-                "dice_save_error_buffer=True: checkpoints will contain DiceSGD's error buffer, a NON-private "
+                "dicesgd: save_error_buffer=True: checkpoints will contain DiceSGD's error buffer, a NON-private "
                 "function of the training data. Keep them inside the trust boundary; never publish them.",
                 UserWarning,
                 stacklevel=2,

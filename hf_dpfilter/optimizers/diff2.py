@@ -117,17 +117,17 @@ class Diff2Config(MethodConfig):
     def __post_init__(self) -> None:
         t = self.restart_every
         if isinstance(t, bool) or int(t) != t or t < 1:
-            raise ValueError(f"diff2_restart_every (T) must be an integer >= 1, got {t}.")
+            raise ValueError(f"diff2: restart_every (T) must be an integer >= 1, got {t}.")
         c2 = self.difference_max_grad_norm
         if c2 is not None and not (math.isfinite(c2) and c2 > 0):
-            raise ValueError(f"diff2_difference_max_grad_norm must be a finite number > 0, got {c2}.")
+            raise ValueError(f"diff2: difference_max_grad_norm must be a finite number > 0, got {c2}.")
         z2 = self.difference_noise_multiplier
         if z2 is not None and not z2 >= 0:
-            raise ValueError(f"diff2_difference_noise_multiplier must be >= 0, got {z2}.")
+            raise ValueError(f"diff2: difference_noise_multiplier must be >= 0, got {z2}.")
         if not self.budget_split > 1:
-            raise ValueError(f"diff2_budget_split (u) must be > 1, got {self.budget_split}.")
+            raise ValueError(f"diff2: budget_split (u) must be > 1, got {self.budget_split}.")
         if self.neighbouring not in DIFF2_NEIGHBOURINGS:
-            raise ValueError(f"diff2_neighbouring must be one of {DIFF2_NEIGHBOURINGS}, got {self.neighbouring!r}.")
+            raise ValueError(f"diff2: neighbouring must be one of {DIFF2_NEIGHBOURINGS}, got {self.neighbouring!r}.")
 
     @property
     def mechanism_period(self) -> int:  # type: ignore[override]
@@ -141,7 +141,7 @@ class Diff2Config(MethodConfig):
         if plan.sample_rate is not None and not full_batch:
             if self.neighbouring == "replace_one":
                 raise ValueError(
-                    "diff2_neighbouring='replace_one' is only supported for full-batch DIFF2 (sample rate 1, "
+                    "diff2: neighbouring='replace_one' is only supported for full-batch DIFF2 (sample rate 1, "
                     "i.e. logical_batch_size = N): the accountant certifies replace-one only without "
                     "subsampling. Use 'add_remove' or a full batch."
                 )

@@ -61,11 +61,11 @@ class DiSKConfig(MethodConfig):
     def __post_init__(self) -> None:
         if not 0.0 < self.kappa <= 1.0:
             raise ValueError(
-                f"disk_kappa (the Kalman gain, weight on the new gradient) must be in (0, 1], got {self.kappa}."
+                f"disk: kappa (the Kalman gain, weight on the new gradient) must be in (0, 1], got {self.kappa}."
             )
         if self.gamma is not None and (self.gamma == 0 or not math.isfinite(self.gamma)):
             raise ValueError(
-                f"disk_gamma must be a finite non-zero number, got {self.gamma}. Leave it unset (None) for the "
+                f"disk: gamma must be a finite non-zero number, got {self.gamma}. Leave it unset (None) for the "
                 f"one-pass default (1 - kappa) / kappa = {self.one_pass_gamma:.6g}."
             )
 
@@ -102,7 +102,7 @@ class DiSKOptimizer(DPOptimizer):
         self.lr_factor = config.adam_lr_factor if config.adam_step_match else 1.0
         if config.adam_step_match and not all("betas" in group for group in self.original_optimizer.param_groups):
             raise ValueError(
-                f"disk_adam_step_match=True rescales an Adam-family optimizer's learning rate, but the base "
+                f"disk: adam_step_match=True rescales an Adam-family optimizer's learning rate, but the base "
                 f"optimizer is {type(self.original_optimizer).__name__} (no `betas`). Use optim='adamw_torch' (or "
                 "another Adam), or leave disk_adam_step_match off: with SGD the filter does not lengthen the steps."
             )

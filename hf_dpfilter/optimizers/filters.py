@@ -117,16 +117,16 @@ class LowPassFilter:
     ) -> LowPassFilter:
         """The filter from explicit coefficients (``b``, optional ``a``) if given, else from the named preset."""
         if b is not None:
-            return cls(b, a if a is not None else (), name=f"{prefix}_b/{prefix}_a")
+            return cls(b, a if a is not None else (), name=f"{prefix}: b/a")
         if a is not None:
             raise ValueError(
-                f"{prefix}_a was given without {prefix}_b: give both coefficient lists (b = [b_0, ...], "
-                f"a = [a_1, ...]) or a {prefix}_preset from {sorted(FILTER_PRESETS)}."
+                f"{prefix}: a was given without b: give both coefficient lists (b = [b_0, ...], "
+                f"a = [a_1, ...]) or a preset from {sorted(FILTER_PRESETS)}."
             )
         if preset not in FILTER_PRESETS:
-            raise ValueError(f"Unknown {prefix}_preset {preset!r}; available: {sorted(FILTER_PRESETS)}.")
+            raise ValueError(f"{prefix}: unknown preset {preset!r}; available: {sorted(FILTER_PRESETS)}.")
         preset_b, preset_a = FILTER_PRESETS[preset]
-        return cls(preset_b, preset_a, name=f"{prefix}_preset={preset!r}")
+        return cls(preset_b, preset_a, name=f"{prefix}: preset={preset!r}")
 
     def bias_correction(self, t: int, history: list[float]) -> float:
         """c_t from c_{t-1..t-n_a} (``history``, most recent first, zeros before the start); updates ``history``."""
@@ -291,13 +291,14 @@ class LowPassConfig(MethodConfig):
 
     @property
     def argument_prefix(self) -> str:
-        return self.legacy_prefix.rstrip("_")
+        """How messages name this method's settings: ``"<method>: <field>"`` (the fields of ``dp_method_args``)."""
+        return self.name
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "b", as_tuple(self.b))
         object.__setattr__(self, "a", as_tuple(self.a))
         if self.base not in LOWPASS_BASES:
-            raise ValueError(f"{self.argument_prefix}_base must be one of {LOWPASS_BASES}, got {self.base!r}.")
+            raise ValueError(f"{self.argument_prefix}: base must be one of {LOWPASS_BASES}, got {self.base!r}.")
         self.lowpass_filter()  # validates the filter early
 
     def lowpass_filter(self) -> LowPassFilter:
@@ -305,7 +306,7 @@ class LowPassConfig(MethodConfig):
 
     def make_postprocessor(self, optimizer: torch.optim.Optimizer) -> LowPassPostprocessor:
         """The filter state for ``optimizer``'s parameters (checks that the wrapped optimizer fits ``base``)."""
-        check_filter_base(self.base, optimizer, f"{self.argument_prefix}_base")
+        check_filter_base(self.base, optimizer, f"{self.argument_prefix}: base")
         return LowPassPostprocessor(self.lowpass_filter(), base=self.base, beta2=self.beta2, eps=self.eps)
 
 

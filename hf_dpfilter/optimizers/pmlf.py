@@ -55,9 +55,9 @@ class PMLFConfig(LowPassConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if isinstance(self.k, bool) or int(self.k) != self.k or self.k < 1:
-            raise ValueError(f"pmlf_k (the number of parameter points) must be an integer >= 1, got {self.k}.")
+            raise ValueError(f"pmlf: k (the number of parameter points) must be an integer >= 1, got {self.k}.")
         if not self.beta >= 0:
-            raise ValueError(f"pmlf_beta (the per-sample momentum decay) must be >= 0, got {self.beta}.")
+            raise ValueError(f"pmlf: beta (the per-sample momentum decay) must be >= 0, got {self.beta}.")
 
 
 class PMLFOptimizer(DPOptimizer):
