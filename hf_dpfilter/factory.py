@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from hf_dpfilter.collectives import Collectives
     from hf_dpfilter.engine import GhostClippingEngine
     from hf_dpfilter.optimizers.base import DPOptimizer
+    from hf_dpfilter.units import UserIndex
 
 __all__ = [
     "DP_SETTINGS",
@@ -134,12 +135,32 @@ def make_optimizer(
     )
 
 
-def make_sampler(plan: PrivacyPlan, rank: int = 0, world_size: int = 1) -> torch.utils.data.Sampler:
-    """The batch sampler of the run: Poisson (secure or seeded), or shuffled fixed-size batches."""
+def make_sampler(
+    plan: PrivacyPlan,
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    users: UserIndex | None = None,
+    max_examples_per_user: int | None = None,
+) -> torch.utils.data.Sampler:
+    """The batch sampler of the run: Poisson (secure or seeded), or shuffled fixed-size batches.
+
+    With ``users`` (``privacy_unit='user'``; the plan's N and q are then over users): Poisson over users, and up to
+    ``max_examples_per_user`` examples of each sampled user, drawn afresh each step (:mod:`hf_dpfilter.units`).
+    """
     from hf_dpfilter.sampling import PoissonBatchSampler, ShuffledBatchSampler
 
     if plan.num_examples is None or plan.sample_rate is None or plan.steps_per_epoch is None:
         raise ValueError("This plan has no data set (N); build it with PrivacyPlan.create(num_examples=...).")
+    if users is not None:
+        from hf_dpfilter.units import UserPoissonBatchSampler
+
+        if max_examples_per_user is None or not plan.poisson_sampling:
+            raise ValueError("A user-level sampler needs max_examples_per_user and Poisson sampling.")
+        return UserPoissonBatchSampler(
+            users, plan.sample_rate, max_examples_per_user, plan.steps_per_epoch, seed=plan.seed, rank=rank,
+            world_size=world_size, secure=plan.secure_rng,
+        )
     if plan.is_private and plan.poisson_sampling:
         return PoissonBatchSampler(
             plan.num_examples, plan.sample_rate, plan.steps_per_epoch, seed=plan.seed, rank=rank,

@@ -299,13 +299,13 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
-        sampler = make_sampler(self.privacy_plan, rank=rank, world_size=world)
+        # privacy_unit='user': Poisson over users, up to k examples each (hf_dpfilter/units.py)
+        sampler = make_sampler(self.privacy_plan, rank=rank, world_size=world, users=self._user_index,
+                               max_examples_per_user=self.args.max_examples_per_user)
         loaded = dataset
-        if self._user_index is not None:  # Poisson over users, each example tagged with its user (units.py)
+        if self._user_index is not None:  # each example tagged with its user
             dataset = privacy_units.without_column(dataset, self._user_index.column)
-            sampler, loaded, collator = privacy_units.user_loading(
-                self.privacy_plan, self._user_index, self.args.max_examples_per_user, dataset, collator, rank, world
-            )
+            loaded, collator = privacy_units.user_loading(self._user_index, dataset, collator)
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
         self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)

@@ -507,10 +507,9 @@ def describe_users(users: UserIndex, k: int) -> str:
             "of a sampled user per step, each user's examples clipped as one vector")
 
 
-def user_loading(
-    plan: Any, users: UserIndex, k: int, dataset: Any, collate_fn: Callable, rank: int, world_size: int
-) -> tuple[UserPoissonBatchSampler, UnitTaggedDataset, UnitCollator]:
-    """The sampler, the (tagged) data set and the collator of a user-level run, from the plan's q and seed."""
+def user_loading(users: UserIndex, dataset: Any, collate_fn: Callable) -> tuple[UnitTaggedDataset, UnitCollator]:
+    """The (tagged) data set and the collator of a user-level run (the sampler is the factory's:
+    ``hf_dpfilter.factory.make_sampler(plan, ..., users=...)``)."""
     if len(dataset) != len(users.unit_of):
         raise PrivacyUnitError(
             f"The training set has {len(dataset)} examples after the trainer's column removal but the user column "
@@ -523,11 +522,7 @@ def user_loading(
             "together by regrouping every layer's tokens per user, which a sequence-level head (one label per "
             "example) does not allow. Use privacy_unit='example' for this model."
         )
-    sampler = UserPoissonBatchSampler(
-        users, plan.sample_rate, k, plan.steps_per_epoch, seed=plan.seed, rank=rank, world_size=world_size,
-        secure=plan.secure_rng,
-    )
-    return sampler, UnitTaggedDataset(dataset, users.unit_of), UnitCollator(collate_fn)
+    return UnitTaggedDataset(dataset, users.unit_of), UnitCollator(collate_fn)
 
 
 def examples_layout(layout: PackedLayout | None) -> PackedLayout | None:

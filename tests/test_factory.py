@@ -151,7 +151,7 @@ def test_the_plan_imports_no_engine_and_no_optimizer():
     assert out.stdout.strip() == "[]"
 
 
-_BUILT_BY_THE_FACTORY = {"GhostClippingEngine", "PoissonBatchSampler", "ShuffledBatchSampler", "optimizer_class"}
+_BUILT_BY_THE_FACTORY = {"GhostClippingEngine", "PoissonBatchSampler", "ShuffledBatchSampler", "UserPoissonBatchSampler", "optimizer_class"}
 
 
 def test_only_the_factory_builds_engines_optimizers_and_samplers():
