@@ -45,7 +45,7 @@ import xml.etree.ElementTree as ET
 from benchmarks.generated_markers import BEGIN_CUDA, END_CUDA, replace_between
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("tests", "speed_bf16", "speed_fp32", "methods", "recipe")
+STEPS = ("tests", "speed_bf16", "speed_fp32", "methods", "recipe", "sft")
 #: the cases of the speed/memory table: (model, mode, B, T); gpt2-untied is GPT-2 small with an untied head,
 #: which Opacus accepts (it refuses tied embeddings)
 SPEED_CASES = [
@@ -56,7 +56,7 @@ SPEED_CASES = [
 ]
 METHOD_CASE = ("roberta", "full", 32, 128)
 #: seconds each step may take by default (about 25 min in all on one H100)
-TIME_LIMITS = {"tests": 240, "speed_bf16": 480, "speed_fp32": 420, "methods": 180, "recipe": 240}
+TIME_LIMITS = {"tests": 240, "speed_bf16": 480, "speed_fp32": 420, "methods": 180, "recipe": 240, "sft": 60}
 NO_CUDA = ("gpu-report: no CUDA device visible (torch.cuda.is_available() is False): nothing measured. "
            "Run `make gpu-report` on a machine with a GPU (docs/performance.md, 'GPU report').")
 #: the targets of the GPU issue, checked in the report
@@ -96,6 +96,9 @@ def step_commands(step: str, results: str, data_dir: str) -> list[list[str]]:
     if step == "recipe":
         return [[py, "-m", "benchmarks", "recipe-throughput", "--gpt2-small", "--bf16", "--data_dir", data_dir,
                  "--json", os.path.join(results, "recipe_throughput_cuda.json")]]
+    if step == "sft":
+        return [[py, "-m", "benchmarks", "sft-throughput", "--gpu", "--bf16", "--hidden", "256", "--layers", "4",
+                 "--json", os.path.join(results, "sft_throughput_cuda.json")]]
     raise ValueError(f"unknown step {step!r}; the steps are {', '.join(STEPS)}")
 
 
@@ -252,6 +255,16 @@ def render(results: str, meta: dict) -> str:
         lines.append("Not measured" + (f": {note}." if note else "."))
     else:
         lines += _recipe_table(saved)
+    saved = _load(os.path.join(results, "sft_throughput_cuda.json"))
+    lines += ["", f"### DP SFT through TRL, packed vs unpacked, tiny Llama, bf16{state('sft')}", ""]
+    if saved is None:
+        lines.append("Not measured.")
+    else:
+        speeds = saved["examples_per_second"]
+        lines += ["| run | examples/s |", "|---|---|"]
+        lines += [f"| {kind} | {speeds[kind]:.1f} |" for kind in ("dp_packed", "dp_unpacked", "nonprivate")]
+        lines += ["", f"DP packed over DP unpacked: {saved['packed_over_unpacked']:.2f}x; DP packed over non-private "
+                  f"`SFTTrainer`: {saved['dp_over_nonprivate']:.2f}x (medians of per-round ratios)."]
     return "\n".join(lines) + "\n"
 
 

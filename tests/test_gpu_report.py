@@ -50,7 +50,7 @@ def test_every_step_runs_existing_scripts_with_their_flags(tmp_path):
     cases = {(m, mode) for m, mode, _, _ in gpu_report.SPEED_CASES}
     for model in ("roberta", "roberta-large", "gpt2", "gpt2-medium"):
         assert {(model, "full"), (model, "lora")} <= cases
-    assert {"speed_bf16", "speed_fp32", "methods", "recipe", "tests"} == set(gpu_report.STEPS)
+    assert {"speed_bf16", "speed_fp32", "methods", "recipe", "tests", "sft"} == set(gpu_report.STEPS)
     assert sum(gpu_report.TIME_LIMITS.values()) <= 27 * 60  # about 25 minutes on one H100
 
 
