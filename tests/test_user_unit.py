@@ -242,7 +242,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_user_sensitivity(tmp_path):
     """2 gloo processes, users assigned whole to processes, micro-batches cut at user boundaries: removing one
     user moves the all-reduced pre-noise aggregate by <= C; clipping its examples separately by about k C."""
