@@ -5,7 +5,7 @@ preparation does (one unit per transformer layer, then the root) and runs the DP
 engine on it over gloo; as a plain ``python`` process the same code trains the unsharded model on all examples
 (the one-process reference). CONFIG is ``METHOD:SIGMA`` (a few DP steps; each process saves the whole
 parameters, gathered from the shards, epsilon and steps to ``OUT/<method>_<sigma>/rank<r>.pt``) or ``noise`` /
-``secure_noise`` (three released steps of pure noise; each process saves its shards of every update).
+``secure_rng`` (three released steps of pure noise; each process saves its shards of every update).
 
 ``trainer`` as the first CONFIG runs the same steps through ``DPTrainer`` instead (``accelerate launch
 --config_file accelerate_configs/fsdp.yaml``; Accelerate enables FSDP only on GPUs).
@@ -188,8 +188,8 @@ def main() -> None:
     elif "RANK" in os.environ:
         dist.init_process_group("gloo")
     for config in configs:
-        if config in ("noise", "secure_noise"):
-            noise(os.path.join(out, config), secure=config == "secure_noise")
+        if config in ("noise", "secure_rng"):
+            noise(os.path.join(out, config), secure=config == "secure_rng")
             continue
         method, sigma = config.split(":")
         (run_trainer if trainer else run)(os.path.join(out, f"{method}_{sigma}"), method, float(sigma))

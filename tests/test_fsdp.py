@@ -7,7 +7,7 @@
   every process reports the same epsilon;
 * the noise of the shards is exactly one N(0, sigma^2 Delta^2 I) draw for the whole model: with seeded noise
   the shards put together are the one-process draw (so the noisy runs agree too), no shard repeats another's
-  noise and no step repeats an earlier one; with ``secure_noise`` the std is right and the shards are
+  noise and no step repeats an earlier one; with ``secure_rng`` the std is right and the shards are
   independent.
 
 * the DPTrainer path (Accelerate's FSDP2 preparation) equals the one-process DPTrainer run. ``accelerate launch``
@@ -46,7 +46,7 @@ def _free_port() -> int:
 def runs(tmp_path_factory):
     """Run the worker once with two FSDP2 processes and once as one process, over every configuration."""
     out = tmp_path_factory.mktemp("fsdp")
-    configs = [*CONFIGS, "noise", "secure_noise"]
+    configs = [*CONFIGS, "noise", "secure_rng"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     cmd = [
@@ -102,7 +102,7 @@ def test_sharded_noise_is_exactly_the_one_process_draw(runs):
             assert torch.equal(torch.cat(pieces), whole), "the shards are not the rows of one whole draw"
 
 
-@pytest.mark.parametrize("kind", ["noise", "secure_noise"])
+@pytest.mark.parametrize("kind", ["noise", "secure_rng"])
 def test_sharded_noise_has_the_right_std_and_no_repeats(runs, kind):
     std = torch.load(runs / "two" / kind / "rank0.pt")["std"]
     shards = _shards(runs, kind)

@@ -30,7 +30,7 @@ def test_secure_gaussian_shapes_and_not_reproducible():
     assert secure_gaussian((7,), 1.0, dtype=torch.float64, device=torch.device("cpu")).shape == (7,)  # odd count
 
 
-def test_training_arguments_secure_noise_uses_the_csprng(tmp_path, monkeypatch):
+def test_training_arguments_secure_rng_uses_the_csprng(tmp_path, monkeypatch):
     calls = []
     import hf_dpfilter.secure_rng as secure_rng
 
