@@ -7,8 +7,8 @@ synthetic conversations (assistant turns of skewed lengths, seeded). Each round 
   ``--max_length``, ``--bins`` rows per micro-batch);
 * ``dp_unpacked``: DPSFTTrainer, ``packing=False`` (one example per row, padded; ``--micro`` examples per
   micro-batch);
-* ``nonprivate``: TRL's ``SFTTrainer`` with ``packing=True`` (TRL packs the data set; a step takes ``--bins``
-  packed rows).
+* ``nonprivate``: TRL's ``SFTTrainer`` with ``packing=True`` (TRL packs the data set; a micro-batch takes
+  ``--bins`` packed rows, and a step as many micro-batches as hold about ``--batch`` examples, as the DP runs).
 
 Examples/s: DP runs count the expected examples per step (the logical batch) times the steps, over the
 Trainer's ``train_runtime``; the non-private run counts the examples its packed rows hold (the data set's
@@ -67,10 +67,16 @@ def run_once(kind: str, rows: list[dict], args: argparse.Namespace, work: str) -
                   gradient_checkpointing=False, disable_tqdm=True, logging_steps=10**6, learning_rate=1e-3)
     data = datasets.Dataset.from_list(rows)
     if kind == "nonprivate":
+        # the same examples per step as the DP runs (about --batch): --bins packed rows per micro-batch, and as
+        # many micro-batches per step as that takes (TRL packs the data set, so a row holds several examples)
         config = SFTConfig(**common, packing=True, per_device_train_batch_size=args.bins)
+        probe = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
+        per_row = len(rows) / len(probe.train_dataset)
+        accumulation = max(1, round(args.batch / (per_row * args.bins)))
+        config = SFTConfig(**common, packing=True, per_device_train_batch_size=args.bins,
+                           gradient_accumulation_steps=accumulation)
         trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
-        packed_rows = len(trainer.train_dataset)
-        per_step = len(rows) / packed_rows * args.bins
+        per_step = per_row * args.bins * accumulation
     else:
         packing = kind == "dp_packed"
         config = DPSFTConfig(**common, packing=packing, noise_multiplier=1.0, logical_batch_size=args.batch,
