@@ -295,7 +295,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("HF_DPFILTER_DATA", os.path.join(ROOT, "..", "shared", "data"))
 needs_e2e = pytest.mark.skipif(not os.path.exists(os.path.join(DATA, "e2e", "devset.csv"))
                                and os.environ.get("HF_DPFILTER_NO_SKIP") != "1", reason="no E2E")
-HAS_USER_UNIT = "privacy_unit" in {f.name for f in dataclasses.fields(DPSFTConfig)}
 
 
 def _sft_recipe():
@@ -306,8 +305,7 @@ def _sft_recipe():
 
 
 @needs_e2e
-@pytest.mark.parametrize("unit", ["example", pytest.param("user", marks=pytest.mark.skipif(
-    not HAS_USER_UNIT, reason="the user unit (privacy_unit in DPTrainingArguments) is not in this tree"))])
+@pytest.mark.parametrize("unit", ["example", "user"])
 def test_sft_recipe_runs_on_a_tiny_model(tmp_path, unit):
     import json
 
