@@ -17,6 +17,7 @@ recorded tensors are not token-wise on the packed rows (a pooled or sequence-lev
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -54,13 +55,20 @@ class PackedLayout:
     length: int
     _index_cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The spans clipped together, one group per clipped vector: one span (an example) each here; a privacy
+        unit's several examples in :class:`hf_dpfilter.units.UnitLayout`."""
+        return tuple((e,) for e in range(len(self.spans)))
+
     @property
     def num_examples(self) -> int:
-        return len(self.spans)
+        """The number of clipped vectors (the groups)."""
+        return len(self.groups)
 
     @property
     def lengths(self) -> list[int]:
-        return [stop - start for _, start, stop in self.spans]
+        return [sum(self.spans[e][2] - self.spans[e][1] for e in group) for group in self.groups]
 
     @property
     def max_length(self) -> int:
@@ -107,22 +115,27 @@ class PackedLayout:
                 )
 
     def token_example_index(self, device: torch.device | None = None) -> torch.Tensor:
-        """``(rows, T)`` long: the example each token belongs to (every token belongs to one)."""
+        """``(rows, T)`` long: the group (example, or unit) each token belongs to (every token belongs to one)."""
         index = torch.full((self.rows, self.length), -1, dtype=torch.long)
-        for example, (row, start, stop) in enumerate(self.spans):
-            index[row, start:stop] = example
+        for group, members in enumerate(self.groups):
+            for e in members:
+                row, start, stop = self.spans[e]
+                index[row, start:stop] = group
         return index.to(device) if device is not None else index
 
     def _gather_index(self, device: torch.device) -> torch.Tensor:
-        """``(E, T_max)`` indices into the flattened ``rows * T`` tokens; ``rows * T`` (a zero row) past an end."""
+        """``(E, T_max)`` indices into the flattened ``rows * T`` tokens (a group's spans one after the other);
+        ``rows * T`` (a zero row) past an end."""
         key = str(device)
         cached = self._index_cache.get(key)
         if cached is not None:
             return cached
         pad = self.rows * self.length
         index = torch.full((self.num_examples, self.max_length), pad, dtype=torch.long)
-        for example, (row, start, stop) in enumerate(self.spans):
-            index[example, : stop - start] = torch.arange(row * self.length + start, row * self.length + stop)
+        for group, members in enumerate(self.groups):
+            tokens = [torch.arange(r * self.length + a, r * self.length + b) for r, a, b in (self.spans[e] for e in members)]
+            flat = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
+            index[group, : len(flat)] = flat
         index = index.to(device)
         self._index_cache[key] = index
         return index

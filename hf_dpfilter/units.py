@@ -285,16 +285,12 @@ class UnitLayout(PackedLayout):
     packed_rows: bool = True
 
     @property
-    def num_examples(self) -> int:  # what the engine clips: the units
-        return len(self.units)
+    def groups(self) -> tuple[tuple[int, ...], ...]:  # what the engine clips: the units
+        return self.units
 
     @property
     def num_member_examples(self) -> int:
         return len(self.spans)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [sum(self.spans[e][2] - self.spans[e][1] for e in unit) for unit in self.units]
 
     @property
     def examples_layout(self) -> PackedLayout | None:
@@ -306,30 +302,6 @@ class UnitLayout(PackedLayout):
         for unit, members in enumerate(self.units):
             index[list(members)] = unit
         return index.to(device) if device is not None else index
-
-    def token_example_index(self, device: torch.device | None = None) -> torch.Tensor:
-        """``(rows, T)`` long: the unit each token belongs to."""
-        index = torch.full((self.rows, self.length), -1, dtype=torch.long)
-        for unit, members in enumerate(self.units):
-            for e in members:
-                row, start, stop = self.spans[e]
-                index[row, start:stop] = unit
-        return index.to(device) if device is not None else index
-
-    def _gather_index(self, device: torch.device) -> torch.Tensor:
-        key = str(device)
-        cached = self._index_cache.get(key)
-        if cached is not None:
-            return cached
-        pad = self.rows * self.length
-        index = torch.full((self.num_examples, self.max_length), pad, dtype=torch.long)
-        for unit, members in enumerate(self.units):
-            flat = [torch.arange(r * self.length + a, r * self.length + b) for r, a, b in (self.spans[e] for e in members)]
-            tokens = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long)
-            index[unit, : len(tokens)] = tokens
-        index = index.to(device)
-        self._index_cache[key] = index
-        return index
 
     @classmethod
     def of(cls, example_units: Sequence[int], examples: PackedLayout | None, rows: int, length: int) -> UnitLayout:
