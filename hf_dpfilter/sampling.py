@@ -27,6 +27,9 @@ __all__ = ["PoissonBatchSampler", "ShuffledBatchSampler"]
 class PoissonBatchSampler(Sampler[list[int]]):
     """Yields ``steps_per_epoch`` Poisson-sampled batches of indices (lists, possibly empty) per epoch."""
 
+    #: the name of the seeded stream (each sampler kind draws from its own)
+    stream = "poisson-sampler"
+
     def __init__(
         self,
         num_samples: int,
@@ -56,7 +59,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def generator(self) -> torch.Generator:
         """The seeded generator of the current epoch (its own stream; unused with ``secure=True``)."""
-        return torch.Generator().manual_seed(derive_seed(self.seed, "poisson-sampler", self.epoch))
+        return torch.Generator().manual_seed(derive_seed(self.seed, self.stream, self.epoch))
 
     def __iter__(self) -> Iterator[list[int]]:
         shard = torch.arange(self.rank, self.num_samples, self.world_size)

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset
 
 from hf_dpfilter.packing import PackedLayout, PackingError
+from hf_dpfilter.sampling import PoissonBatchSampler
 from hf_dpfilter.secure_rng import derive_seed, secure_uniform
 
 __all__ = [
@@ -166,15 +167,18 @@ def _column_values(dataset: Any, column: str) -> list:
 
 
 # ----------------------------------------------------------------------------------------------- sampling
-class UserPoissonBatchSampler(Sampler[list[int]]):
+class UserPoissonBatchSampler(PoissonBatchSampler):
     """Poisson over users at rate q, then up to k of each sampled user's examples at random; yields the indices
     of a step grouped by user (all of a user's examples consecutive), for this process's users only.
 
-    Process r holds the users u with u % world_size == r. Seeded: every process draws the whole user mask and
-    every sampled user's choice from the same generators and keeps its own users, so the shards of a step are
-    disjoint parts of one draw. Secure: each process flips its own users' coins and draws their examples from
+    The Poisson draw over users is :class:`~hf_dpfilter.sampling.PoissonBatchSampler`'s, with the users as its
+    samples. Process r holds the users u with u % world_size == r. Seeded: every process draws the whole user
+    mask and every sampled user's choice from the same generators and keeps its own users, so the shards of a step
+    are disjoint parts of one draw. Secure: each process flips its own users' coins and draws their examples from
     the OS CSPRNG.
     """
+
+    stream = "user-poisson-sampler"
 
     def __init__(
         self,
@@ -187,22 +191,11 @@ class UserPoissonBatchSampler(Sampler[list[int]]):
         world_size: int = 1,
         secure: bool = False,
     ) -> None:
-        if not 0 < sample_rate <= 1:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}.")
+        super().__init__(users.num_users, sample_rate, steps_per_epoch, seed, rank, world_size, secure)
         if max_examples_per_user < 1:
             raise ValueError(f"max_examples_per_user must be >= 1, got {max_examples_per_user}.")
         self.users = users
-        self.sample_rate = sample_rate
         self.k = int(max_examples_per_user)
-        self.steps_per_epoch = steps_per_epoch
-        self.seed, self.rank, self.world_size, self.secure = seed, rank, world_size, secure
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
 
     def _choose(self, user: int, generator: torch.Generator | None) -> list[int]:
         examples = self.users.examples[user]
@@ -215,14 +208,13 @@ class UserPoissonBatchSampler(Sampler[list[int]]):
         return [examples[i] for i in sorted(order[: self.k].tolist())]
 
     def __iter__(self) -> Iterator[list[int]]:
-        count = self.users.num_users
-        shard = torch.arange(self.rank, count, self.world_size)
-        if self.secure:
-            for _ in range(self.steps_per_epoch):
-                sampled = shard[secure_uniform(len(shard)) < self.sample_rate].tolist()
+        if self.secure:  # this process's users' coins (the parent's draw), then their examples, from the CSPRNG
+            for sampled in super().__iter__():
                 yield [i for user in sampled for i in self._choose(user, None)]
             return
-        coins = torch.Generator().manual_seed(derive_seed(self.seed, "user-poisson-sampler", self.epoch))
+        count = self.users.num_users
+        shard = torch.arange(self.rank, count, self.world_size)
+        coins = self.generator()
         choice = torch.Generator().manual_seed(derive_seed(self.seed, "user-example-choice", self.epoch))
         mine = torch.zeros(count, dtype=torch.bool)
         mine[shard] = True
