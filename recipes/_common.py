@@ -396,6 +396,37 @@ def final_evaluation(trainer: DPTrainer) -> dict[str, Any]:
     return merged or trainer.evaluate()
 
 
+def score_generations(
+    trainer: DPTrainer,
+    predict: Any,
+    eval_groups: list[tuple[str, list[str]]],
+    metrics: dict[str, Any],
+    output_dir: str,
+    tag: str,
+) -> list[tuple[str, str]]:
+    """Decode the evaluation inputs with the released model (post-processing: main process only), score them with
+    the packaged offline ``table2text`` metric into ``metrics`` (as ``eval_*``), log them and write
+    ``predictions.txt``. ``predict(sources) -> predictions``. Returns the (source, prediction) pairs ([] off the
+    main process)."""
+    if not trainer.is_world_process_zero():
+        return []
+    from recipes.common.metrics import load as load_metric
+
+    t0 = time.time()
+    sources = [s for s, _ in eval_groups]
+    predictions = predict(sources)
+    scores = load_metric("table2text").compute(predictions=predictions, references=[refs for _, refs in eval_groups])
+    metrics.update({f"eval_{k}": v for k, v in scores.items()})
+    metrics["generation_seconds"] = time.time() - t0
+    trainer.log({f"eval_{k}": v for k, v in scores.items()})
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "predictions.txt"), "w") as f:
+        for src, pred in zip(sources, predictions):
+            f.write(f"{src}\t{pred}\n")
+    print(f"[{tag}] " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
+    return list(zip(sources, predictions))
+
+
 def _jsonable(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else str(obj)  # "inf" for non-private runs, strict JSON stays valid

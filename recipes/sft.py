@@ -45,6 +45,7 @@ from _common import (  # noqa: E402
     final_evaluation,
     finish_run,
     refuse_sharded_training,
+    score_generations,
     training_arguments,
 )
 from table2text import copy_baseline, load_table2text  # noqa: E402
@@ -159,7 +160,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     import datasets
 
     from hf_dpfilter import DPSFTConfig, DPSFTTrainer
-    from recipes.common.metrics import load as load_metric
 
     user_level = args.privacy_unit == "user"
     fields = {f.name for f in dataclasses.fields(DPSFTConfig)}
@@ -213,19 +213,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         )
     announce_and_train(trainer)
     metrics = final_evaluation(trainer)
-    if trainer.is_world_process_zero():  # decoding is post-processing of the released model
-        t0 = time.time()
-        sources = [s for s, _ in eval_groups]
-        predictions = generate(trainer.model, tokenizer, sources, args, trainer.args.device)
-        scores = load_metric("table2text").compute(predictions=predictions, references=[r for _, r in eval_groups])
-        metrics.update({f"eval_{k}": v for k, v in scores.items()})
-        metrics["generation_seconds"] = time.time() - t0
-        trainer.log({f"eval_{k}": v for k, v in scores.items()})
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "predictions.txt"), "w") as f:
-            for src, pred in zip(sources, predictions):
-                f.write(f"{src}\t{pred}\n")
-        print("[sft] " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
+    score_generations(trainer, lambda sources: generate(trainer.model, tokenizer, sources, args, trainer.args.device),
+                      eval_groups, metrics, args.output_dir, "sft")
     report = trainer.privacy_report()
     settings.update({"n_train_examples": len(rows), "n_units": n_units, "privacy_unit": args.privacy_unit,
                      "unit_note": "synthetic users (Zipf-like sizes, seeded): E2E has no authors" if user_level

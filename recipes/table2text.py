@@ -49,6 +49,7 @@ from _common import (  # noqa: E402
     final_evaluation,
     finish_run,
     refuse_sharded_training,
+    score_generations,
     training_arguments,
 )
 
@@ -303,7 +304,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_dpfilter import DPTrainer
-    from recipes.common.metrics import load as load_metric
 
     train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction, args.seed)
     if args.max_train_samples is not None:
@@ -340,22 +340,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         )
     announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
     metrics = final_evaluation(trainer)
-    if trainer.is_world_process_zero():  # decoding is post-processing of the released model: main process only
-        t0 = time.time()
-        sources = [s for s, _ in eval_groups]
-        predictions = generate(trainer.model, fmt, sources, args, trainer.args.device)
-        # the packaged, offline evaluate module "table2text" (recipes.common.generation_metrics behind it)
-        scores = load_metric("table2text").compute(predictions=predictions, references=[refs for _, refs in eval_groups])
-        metrics.update({f"eval_{k}": v for k, v in scores.items()})
-        metrics["generation_seconds"] = time.time() - t0
-        trainer.log({f"eval_{k}": v for k, v in scores.items()})
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "predictions.txt"), "w") as f:
-            for src, pred in zip(sources, predictions):
-                f.write(f"{src}\t{pred}\n")
-        print("[table2text] " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
-        for src, pred in list(zip(sources, predictions))[:3]:
-            print(f"  {src}\n    -> {pred}", flush=True)
+    # the packaged, offline evaluate module "table2text" (recipes.common.generation_metrics behind it)
+    pairs = score_generations(trainer, lambda sources: generate(trainer.model, fmt, sources, args, trainer.args.device),
+                              eval_groups, metrics, args.output_dir, "table2text")
+    for src, pred in pairs[:3]:
+        print(f"  {src}\n    -> {pred}", flush=True)
     settings.update({"n_train": n_train, "n_eval_inputs": len(eval_groups), "trainable_parameters": trainable,
                      "total_parameters": total, "num_beams": args.num_beams,
                      "max_generation_length": args.max_generation_length})
