@@ -154,6 +154,29 @@ def _extreme_user(k: int) -> list[dict]:
     return out
 
 
+def accumulate_packed_users(engine, optimizer, examples, units, micro, per_example=False) -> int:
+    """One step's accumulation: the examples packed in rows (DataCollatorWithFlattening), micro-batches cut at
+    unit boundaries, one clipped vector per unit (``per_example``: per example, the negative control). Returns
+    the number of micro-batches. Shared with the two-process worker."""
+    collator = DataCollatorWithFlattening()
+    structure = probe_batch_structure(collator, examples[0], examples[min(1, len(examples) - 1)])
+    batch = collator(examples)
+    labels = batch.pop("labels")
+    cut = unit_micro_batches(structure, lambda i, lab, n, size: structure.micro_batches(i, lab, size, n), batch,
+                             labels, units, micro)
+    for inputs, micro_labels, layout in cut:
+        def loss_fn(values, inputs=inputs, micro_labels=micro_labels, layout=layout):
+            logits = engine.call_model(values, input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                                       use_cache=False).logits
+            return packed_token_mean_loss(logits, micro_labels, layout.examples_layout, shift=True) * 50.0
+
+        use = layout.examples_layout if per_example else layout
+        fn = loss_fn if per_example else per_unit_loss(loss_fn, layout)
+        with engine.packed(use):
+            optimizer.accumulate(engine, fn, batch_size=use.num_examples)
+    return len(cut)
+
+
 def _aggregate(examples, users, clip, method="dpsgd", per_example=False, micro=3, warmup=None):
     """The pre-noise aggregate of one step (float32 GPT-2, noise 0) over packed micro-batches cut at user
     boundaries; ``per_example``: the negative control, each example clipped separately."""
@@ -162,27 +185,11 @@ def _aggregate(examples, users, clip, method="dpsgd", per_example=False, micro=3
     plan = PrivacyPlan.for_optimizer(method=method, method_args=method_args, noise_multiplier=0.0,
                                      max_grad_norm=clip, expected_batch_size=4.0, sample_rate=0.5, seed=0)
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
-    collator = DataCollatorWithFlattening()
 
     def one_step(examples, users):
         order = sorted(range(len(examples)), key=lambda i: users[i])
-        batch = collator([examples[i] for i in order])
-        structure = probe_batch_structure(collator, examples[0], examples[1])
-        labels = batch.pop("labels")
-        units = torch.tensor([users[i] for i in order])
-        cut = unit_micro_batches(structure, lambda i, lab, n, size: structure.micro_batches(i, lab, size, n), batch,
-                                 labels, units, micro)
-        for inputs, micro_labels, layout in cut:
-            def loss_fn(values, inputs=inputs, micro_labels=micro_labels, layout=layout):
-                logits = engine.call_model(values, input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
-                                           use_cache=False).logits
-                return packed_token_mean_loss(logits, micro_labels, layout.examples_layout, shift=True) * 50.0
-
-            use = layout.examples_layout if per_example else layout
-            fn = loss_fn if per_example else per_unit_loss(loss_fn, layout)
-            with engine.packed(use):
-                optimizer.accumulate(engine, fn, batch_size=use.num_examples)
-        return len(cut)
+        return accumulate_packed_users(engine, optimizer, [examples[i] for i in order],
+                                       torch.tensor([users[i] for i in order]), micro, per_example)
 
     if warmup is not None:  # a first step (the same for D and D'): DiSK's second step evaluates two points
         one_step(*warmup)

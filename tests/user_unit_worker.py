@@ -19,14 +19,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from helpers import ListDataset, flat  # noqa: E402
-from test_user_unit import _extreme_user, _users  # noqa: E402
+from test_user_unit import _extreme_user, _users, accumulate_packed_users  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
-from hf_dpfilter.batch_structure import probe_batch_structure  # noqa: E402
 from hf_dpfilter.factory import make_private  # noqa: E402
-from hf_dpfilter.packing import packed_token_mean_loss  # noqa: E402
 from hf_dpfilter.plan import PrivacyPlan  # noqa: E402
-from hf_dpfilter.units import UserIndex, UserPoissonBatchSampler, per_unit_loss, unit_micro_batches  # noqa: E402
+from hf_dpfilter.units import UserIndex, UserPoissonBatchSampler  # noqa: E402
 
 CLIP, K, MICRO = 0.5, 3, 2
 
@@ -40,25 +38,10 @@ def aggregate(data: list[dict], per_example: bool, rank: int, world: int) -> tup
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
     index = UserIndex.from_dataset(ListDataset(data), "user")
     batch_indices = next(iter(UserPoissonBatchSampler(index, 1.0, K, 1, seed=1, rank=rank, world_size=world)))
-    collator = DataCollatorWithFlattening()
     examples = [{k: v for k, v in data[i].items() if k != "user"} for i in batch_indices]
     if examples:
-        structure = probe_batch_structure(collator, examples[0], examples[min(1, len(examples) - 1)])
-        batch = collator(examples)
-        labels = batch.pop("labels")
-        units = torch.tensor([index.unit_of[i] for i in batch_indices])
-        cut = unit_micro_batches(structure, lambda i, lab, n, size: structure.micro_batches(i, lab, size, n), batch,
-                                 labels, units, MICRO)
-        for inputs, micro_labels, layout in cut:
-            def loss_fn(values, inputs=inputs, micro_labels=micro_labels, layout=layout):
-                logits = engine.call_model(values, input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
-                                           use_cache=False).logits
-                return packed_token_mean_loss(logits, micro_labels, layout.examples_layout, shift=True) * 50.0
-
-            use = layout.examples_layout if per_example else layout
-            fn = loss_fn if per_example else per_unit_loss(loss_fn, layout)
-            with engine.packed(use):
-                optimizer.accumulate(engine, fn, batch_size=use.num_examples)
+        accumulate_packed_users(engine, optimizer, examples, torch.tensor([index.unit_of[i] for i in batch_indices]),
+                                MICRO, per_example)
     local = optimizer._local_sums()
     total = flat([local[p].detach().double() if p in local else torch.zeros_like(p, dtype=torch.float64)
                   for p in optimizer.params])
