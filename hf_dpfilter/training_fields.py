@@ -415,8 +415,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
 
 
 
-def check_training_fields(args: Any, stage: str) -> None:
-    """Raise :class:`TrainingFieldError` listing every refused value of ``args`` (each with its fix).
+def check_training_fields(args: Any, stage: str, policies: dict[str, FieldPolicy] | None = None) -> None:
+    """Raise :class:`TrainingFieldError` listing every refused value of ``args`` (each with its fix), by the
+    policies of ``policies`` (default: :data:`FIELD_POLICIES`; TRL's SFT options pass theirs).
 
     ``stage="arguments"`` in ``DPTrainingArguments.__post_init__`` (before TrainingArguments rewrites the values),
     ``"trainer"`` at ``DPTrainer`` creation and ``train()`` start. Each check runs once even when several fields
@@ -424,7 +425,7 @@ def check_training_fields(args: Any, stage: str) -> None:
     """
     problems: list[str] = []
     seen: set[Check] = set()
-    for policy in FIELD_POLICIES.values():
+    for policy in (FIELD_POLICIES if policies is None else policies).values():
         if policy.check is None or policy.check in seen:
             continue
         seen.add(policy.check)
@@ -435,10 +436,11 @@ def check_training_fields(args: Any, stage: str) -> None:
         raise TrainingFieldError("\n".join(problems))
 
 
-def render_markdown() -> str:
+def render_markdown(policies: dict[str, FieldPolicy] | None = None, column: str = "field") -> str:
     """The table as Markdown (docs/configuration.md, 'Every TrainingArguments field'), one row per field."""
-    lines = ["| field | status | what happens |", "|---|---|---|"]
-    for name in sorted(FIELD_POLICIES):
-        policy = FIELD_POLICIES[name]
+    policies = FIELD_POLICIES if policies is None else policies
+    lines = [f"| {column} | status | what happens |", "|---|---|---|"]
+    for name in sorted(policies):
+        policy = policies[name]
         lines.append(f"| `{name}` | {policy.status} | {policy.note} |")
     return "\n".join(lines) + "\n"

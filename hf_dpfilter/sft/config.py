@@ -20,7 +20,8 @@ from trl import SFTConfig
 
 from hf_dpfilter.arguments import DPArgumentsMixin
 from hf_dpfilter.retired_names import refuse_retired_names
-from hf_dpfilter.training_fields import FieldPolicy, TrainingFieldError
+from hf_dpfilter.training_fields import FieldPolicy, check_training_fields
+from hf_dpfilter.training_fields import render_markdown as render_training_fields
 
 __all__ = ["SFT_FIELD_POLICIES", "DPSFTConfig", "check_sft_fields", "render_markdown"]
 
@@ -117,13 +118,7 @@ SFT_FIELD_POLICIES: dict[str, FieldPolicy] = {
 
 def check_sft_fields(args: Any, stage: str) -> None:
     """Raise :class:`TrainingFieldError` listing every refused SFT value of ``args``, each with its fix."""
-    problems = []
-    for policy in SFT_FIELD_POLICIES.values():
-        problem = policy.check(args, stage) if policy.check is not None else None
-        if problem and problem not in problems:
-            problems.append(problem)
-    if problems:
-        raise TrainingFieldError("\n".join(problems))
+    check_training_fields(args, stage, SFT_FIELD_POLICIES)
 
 
 def _sft_default(name: str) -> Any:
@@ -158,8 +153,4 @@ class DPSFTConfig(DPArgumentsMixin, SFTConfig):
 
 def render_markdown() -> str:
     """The SFT options' table as Markdown (docs/sft.md, "Every SFTConfig option"; a test keeps it in sync)."""
-    lines = ["| option | status | what happens |", "|---|---|---|"]
-    for name in sorted(SFT_FIELD_POLICIES):
-        policy = SFT_FIELD_POLICIES[name]
-        lines.append(f"| `{name}` | {policy.status} | {policy.note} |")
-    return "\n".join(lines) + "\n"
+    return render_training_fields(SFT_FIELD_POLICIES, column="option")
