@@ -123,7 +123,7 @@ class DPArgumentsMixin:
         default=True,
         metadata={
             "help": "On the first micro-batch, compare up to 4 examples' losses and per-example gradients with each "
-            "example computed alone (hf_dpfilter.first_step_check), and the batch sums with an ordinary backward. "
+            "example computed alone (hf_dpfilter.proofs.first_step_check), and the batch sums with an ordinary backward. "
             "Required (True) when compute_per_example_loss is overridden."
         },
     )

@@ -2,7 +2,7 @@
 
 The logical batch of one DP step (a Poisson sample, possibly empty) is computed in micro-batches of at most
 ``per_device_train_batch_size`` examples, cut where the training collator's probed structure says an example ends
-(:mod:`hf_dpfilter.batch_structure`): one row per example, or the segments of packed rows. The methods here are
+(:mod:`hf_dpfilter.proofs.batch_structure`): one row per example, or the segments of packed rows. The methods here are
 a mixin of :class:`hf_dpfilter.trainer.DPTrainerMixin`; they read ``self.args``, ``self.engine`` and the
 training collator, and change nothing the privacy depends on.
 """
@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from hf_dpfilter import units as privacy_units
-from hf_dpfilter.batch_structure import BatchStructure, probe_batch_structure
-from hf_dpfilter.first_step_check import verify_per_example
 from hf_dpfilter.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
+from hf_dpfilter.proofs.batch_structure import BatchStructure, probe_batch_structure
+from hf_dpfilter.proofs.first_step_check import verify_per_example
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class MicroBatchMixin:
             self._packed_layout = previous
 
     def _training_batch_structure(self) -> BatchStructure:
-        """Which keys carry the example axis, probed on the training collator (see hf_dpfilter.batch_structure)."""
+        """Which keys carry the example axis, probed on the training collator (see hf_dpfilter.proofs.batch_structure)."""
         if self._batch_structure is None:
             collator = getattr(self, "_padding_collator", None)
             if collator is not None:
@@ -173,7 +173,7 @@ class MicroBatchMixin:
         self._packing_checked = True
 
     def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:
-        """The per-example first-step check (hf_dpfilter.first_step_check), once per run, before any release."""
+        """The per-example first-step check (hf_dpfilter.proofs.first_step_check), once per run, before any release."""
         micro, micro_labels, layout = micro_batch
         singles = [self._no_cache_when_packed(self._without_leading_padding(m)) for m in self._micro_batches(
             {k: v for k, v in micro.items() if k != "use_cache"}, micro_labels, size=1)]

@@ -86,7 +86,7 @@ class RunGuard:
     def _check_model_loss_and_data(self, trainer: DPTrainer) -> None:
         """The model, the loss and the training set the plan and the clipping engine were built for, at creation;
         attributes set on the trainer afterwards would otherwise be used unchecked or silently ignored."""
-        from hf_dpfilter.loss_policy import check_loss_policy, check_prompt_learning
+        from hf_dpfilter.proofs.loss_policy import check_loss_policy, check_prompt_learning
 
         engine = getattr(trainer, "engine", None)
         if engine is not None and engine.model is not trainer.model:

@@ -36,9 +36,7 @@ from transformers.trainer_utils import TrainOutput
 from hf_dpfilter import units as privacy_units
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPArgumentsMixin
-from hf_dpfilter.batch_structure import probe_batch_structure
 from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
-from hf_dpfilter.loss_policy import check_hook_verified_when_sharded, check_loss_policy, check_prompt_learning
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.micro_batches import (
     NUM_EXAMPLES_KEY,
@@ -51,14 +49,20 @@ from hf_dpfilter.packing import PackingError, packed_token_mean_loss
 from hf_dpfilter.plan import PrivacyPlan
 from hf_dpfilter.privacy_session import PrivacySessionMixin, _PrivacyCallback, read_privacy_ledger
 from hf_dpfilter.processes import check_one_dp_run
+from hf_dpfilter.proofs.batch_structure import probe_batch_structure
+from hf_dpfilter.proofs.loss_policy import (
+    check_hook_verified_when_sharded,
+    check_loss_policy,
+    check_prompt_learning,
+)
 from hf_dpfilter.run_guard import RunGuard
 
 if TYPE_CHECKING:
-    from hf_dpfilter.batch_structure import BatchStructure
     from hf_dpfilter.engine import GhostClippingEngine
     from hf_dpfilter.ledger import PrivacyLedger
     from hf_dpfilter.optimizers.base import DPOptimizer
     from hf_dpfilter.packing import PackedLayout
+    from hf_dpfilter.proofs.batch_structure import BatchStructure
 
 __all__ = ["NUM_EXAMPLES_KEY", "DPTrainer", "DPTrainerMixin", "read_privacy_ledger"]
 

@@ -371,7 +371,7 @@ def unit_micro_batches(
     """Micro-batches cut at unit boundaries (every example of a unit in ONE micro-batch), each with its
     :class:`UnitLayout`. ``micro_batches(inputs, labels, num_examples, size=...)`` is the trainer's example-level
     cutter, applied to the examples of one group at a time (so padding trimming and re-packing stay its own)."""
-    from hf_dpfilter.batch_structure import _boundaries
+    from hf_dpfilter.proofs.batch_structure import _boundaries
 
     unit_list = [int(u) for u in units.tolist()]
     n = len(unit_list)

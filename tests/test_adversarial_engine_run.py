@@ -30,7 +30,7 @@ from torch import nn
 from hf_dpfilter import GhostClippingEngine, ModuleValidationError
 from hf_dpfilter.factory import make_engine, make_optimizer
 from hf_dpfilter.plan import PrivacyPlan
-from hf_dpfilter.validators import StateWrittenError
+from hf_dpfilter.proofs.validators import StateWrittenError
 
 
 # --------------------------------------------------------------------- state written after the first step

@@ -13,7 +13,7 @@ from helpers import ListDataset, PadCollator, make_examples
 from models import VOCAB, tiny_roberta
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.batch_structure import BatchStructureError, probe_batch_structure
+from hf_dpfilter.proofs.batch_structure import BatchStructureError, probe_batch_structure
 
 
 class SharedTableCollator(PadCollator):

@@ -30,7 +30,7 @@ from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.engine import UnsupportedLayerError
 from hf_dpfilter.factory import make_engine, make_optimizer
 from hf_dpfilter.plan import PrivacyPlan
-from hf_dpfilter.validators import ModuleProblem, StateWrittenError
+from hf_dpfilter.proofs.validators import ModuleProblem, StateWrittenError
 
 C = 0.05  # small enough that every example is clipped: the sums depend on every per-example norm
 
@@ -419,7 +419,7 @@ def test_without_the_peft_validators_the_runtime_proof_still_refuses(monkeypatch
     buffer is written) and PEANuT at a micro-batch equal to the layer width (peanut_A is never called)."""
     from peft import LoraConfig, PeanutConfig, VeloraConfig
 
-    import hf_dpfilter.validators as validators
+    import hf_dpfilter.proofs.validators as validators
 
     monkeypatch.setattr(validators, "_PEFT_REGISTERED", True)
     monkeypatch.setattr(validators, "_VALIDATORS", {
@@ -600,7 +600,7 @@ def test_a_head_on_each_examples_last_token_is_proven_per_example():
 def test_without_any_validator_the_first_step_still_refuses_the_written_state(monkeypatch, kind):
     """Defence in depth: with the registry emptied, the running statistics of a BatchNorm in train mode and the
     in-place renormalisation of Embedding(max_norm) are caught by the first step's version check."""
-    import hf_dpfilter.validators as validators
+    import hf_dpfilter.proofs.validators as validators
 
     monkeypatch.setattr(validators, "_VALIDATORS", {})
     monkeypatch.setattr(validators, "_PEFT_REGISTERED", True)

@@ -20,9 +20,9 @@ from torch import nn
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.engine.rules import _GRAD_RULES, OuterTerm, register_grad_rule
 from hf_dpfilter.factory import make_sampler
-from hf_dpfilter.first_step_check import PerExampleCheckError
-from hf_dpfilter.loss_policy import LossPolicyError
 from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
+from hf_dpfilter.proofs.loss_policy import LossPolicyError
 
 
 def _args(tmp_path, **kw):

@@ -257,7 +257,7 @@ def test_sft_options_that_couple_examples_are_refused_with_the_fix(tmp_path, opt
 
 
 def test_batch_level_loss_is_refused_with_the_fix(tmp_path):
-    from hf_dpfilter.loss_policy import LossPolicyError
+    from hf_dpfilter.proofs.loss_policy import LossPolicyError
 
     def batch_loss(outputs, labels, num_items_in_batch=None):
         return outputs.logits.mean()

@@ -30,12 +30,12 @@ from transformers import DataCollatorWithFlattening
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
 from hf_dpfilter.accounting import compute_epsilon
-from hf_dpfilter.batch_structure import probe_batch_structure
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.factory import make_private
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.packing import PackedLayout, packed_token_mean_loss
 from hf_dpfilter.plan import PrivacyPlan
+from hf_dpfilter.proofs.batch_structure import probe_batch_structure
 from hf_dpfilter.units import (
     PrivacyUnitError,
     UnitLayout,

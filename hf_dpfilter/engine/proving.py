@@ -1,6 +1,6 @@
 """The proving step: what the first recorded step after attach establishes, and what every later step checks.
 
-Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.batch_axis`): the first
+Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.proofs.batch_axis`): the first
 recorded step traces the batch axis from the model's batch-first inputs and caches a verdict per module and
 call. The same step refuses parameters and buffers written by the forward and trainable modules never called;
 every later step checks that no state was written, before its backward (before anything is released).
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hf_dpfilter.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.rules import UnsupportedLayerError
-from hf_dpfilter.validators import StateWrittenError
+from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
+from hf_dpfilter.proofs.validators import StateWrittenError
 
 if TYPE_CHECKING:
     from hf_dpfilter.engine.recorder import _Record
@@ -44,7 +44,7 @@ class _ProvingStep:
     def _proving_step(self) -> Iterator[None]:
         """Hold the option-frozen modules in eval mode; on the first recorded step after attach, also prove.
 
-        Proving runs the block under :class:`~hf_dpfilter.batch_axis.BatchAxisTracer` (each layer call's batch
+        Proving runs the block under :class:`~hf_dpfilter.proofs.batch_axis.BatchAxisTracer` (each layer call's batch
         axis traced from the model's inputs, cached per module and call for later steps), checks that every
         trainable parameter's module was recorded, and that no parameter or buffer was written (in place or
         replaced) by the forward: all before the backward, so before anything is released.
@@ -128,7 +128,7 @@ class _ProvingStep:
         self._trace_depth = max(0, self._trace_depth - 1)
 
     def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor) -> str:
-        """BATCH, BROADCAST, or why this call's batch axis is not proven (hf_dpfilter.batch_axis)."""
+        """BATCH, BROADCAST, or why this call's batch axis is not proven (hf_dpfilter.proofs.batch_axis)."""
         key = id(module)
         index = self._call_counts.get(key, 0)
         self._call_counts[key] = index + 1

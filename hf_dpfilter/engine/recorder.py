@@ -25,7 +25,7 @@ or weight sharing) contributes the sum of its calls: the calls are concatenated 
 so the *combination* is what gets clipped. Tied parameters (GPT-2's ``wte``/``lm_head``) get the exact
 cross term between the embedding and the output-layer use.
 
-Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.batch_axis`): the first
+Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.proofs.batch_axis`): the first
 recorded step after attach traces the batch axis from the model's batch-first inputs through every torch
 function, and caches a verdict per module and call. A call on a tensor that does not derive from the batch but
 whose output has leading size 1 (BERT's and GPT-2's position ids, broadcast as ``(1, T)``) would return a
@@ -33,7 +33,7 @@ gradient summed over the batch; the forward hook expands such outputs to ``(B, T
 values) so their gradient stays per example. Any other call without a proven batch axis (``pos_emb(arange(T))``,
 T5's relative attention bias) is refused by name as soon as the backward shows it carries gradient. The same
 first step refuses parameters and buffers written by the forward and trainable modules never called; modules
-that mix examples or write state are refused earlier, at attach (:mod:`hf_dpfilter.validators`).
+that mix examples or write state are refused earlier, at attach (:mod:`hf_dpfilter.proofs.validators`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_dpfilter.batch_axis import BATCH, BROADCAST, BatchAxisTracer
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import (
     _REENTRANT_REFUSED,
@@ -66,7 +65,8 @@ from hf_dpfilter.engine.precision import (
 from hf_dpfilter.engine.proving import _ProvingStep
 from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
 from hf_dpfilter.packing import PackedLayout, regroup_record
-from hf_dpfilter.validators import (
+from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, BatchAxisTracer
+from hf_dpfilter.proofs.validators import (
     ModuleValidationError,
     ValidationOptions,
     find_module_problems,
@@ -86,7 +86,7 @@ class _Record:
     output_dtype: torch.dtype
     #: the tensors the forward used for the module's sharded parameters (FSDP2 gathers whole ones), for the check
     used: dict[str, torch.Tensor] | None = None
-    #: why the call's batch axis is not proven (hf_dpfilter.batch_axis); refused if its output gets gradient
+    #: why the call's batch axis is not proven (hf_dpfilter.proofs.batch_axis); refused if its output gets gradient
     unproven: str | None = None
 
 
@@ -112,7 +112,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             kernel launches, a bounded transient copy; see :class:`PerExampleGradients`). None: on CUDA only.
         batchnorm_eval: accept frozen BatchNorms (no trainable parameter, or affine=False) and hold them in eval
             mode, with their stored statistics, in every recorded step (:meth:`hold_eval_modes`). Without it every
-            BatchNorm is refused (:mod:`hf_dpfilter.validators`); a trainable BatchNorm is refused either way.
+            BatchNorm is refused (:mod:`hf_dpfilter.proofs.validators`); a trainable BatchNorm is refused either way.
     """
 
     def __init__(
@@ -170,7 +170,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
     def attach(self) -> None:
         """Validate every module, find every trainable parameter's module, check it has a rule, register hooks."""
         self.detach()
-        # Every module, frozen ones too (hf_dpfilter.validators): one error listing each problem and its fix.
+        # Every module, frozen ones too (hf_dpfilter.proofs.validators): one error listing each problem and its fix.
         problems = find_module_problems(self.model, self.validation_options)
         if problems:
             raise ModuleValidationError(problems)

@@ -5,7 +5,7 @@ be what the sampler draws, and one example's influence would spread over whateve
 the sampler draws examples (the privacy unit), the padding-free collator lays the sample out as segments of one
 row (``position_ids`` restart at every example), and this module groups the sample's examples into micro-batches
 of ``rows`` bins of at most ``capacity`` tokens each, best-fit decreasing. Each micro-batch is then re-packed by
-the library's packed-row machinery (:mod:`hf_dpfilter.batch_structure`), which recomputes ``cu_seq_lens``/
+the library's packed-row machinery (:mod:`hf_dpfilter.proofs.batch_structure`), which recomputes ``cu_seq_lens``/
 ``seq_idx`` for its own examples and clips every example separately (:mod:`hf_dpfilter.packing`).
 
 The grouping is a function of the sample's lengths only; each example's clipped gradient does not depend on it
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from hf_dpfilter.batch_structure import BatchStructure
 from hf_dpfilter.packing import PackedLayout, PackingError
+from hf_dpfilter.proofs.batch_structure import BatchStructure
 
 __all__ = ["best_fit_decreasing", "micro_batch_bins", "pack_rows"]
 

@@ -6,7 +6,7 @@ one number for the whole (micro-)batch, so an example's weight could depend on t
 override, ``compute_loss_func=...``, and the model's own loss. These are refused, never silently replaced,
 unless the user supplies the per-example loss through the documented hook -- an override of
 :meth:`hf_dpfilter.DPTrainer.compute_per_example_loss` -- which the first-step check
-(:mod:`hf_dpfilter.first_step_check`) then verifies example by example. The hook with the check turned off
+(:mod:`hf_dpfilter.proofs.first_step_check`) then verifies example by example. The hook with the check turned off
 (``dp_verify_first_step=False``) is refused: nothing would verify it. (A trainer class whose loss is per example
 by construction may declare so with the class attribute ``per_example_loss_verified = True``; the library's
 privacy audit does, for its canary loss.)

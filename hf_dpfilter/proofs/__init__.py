@@ -1,0 +1,13 @@
+"""The proofs of an example's separation: what makes each example's influence on a step its own, declared or proven.
+
+One room for everything that establishes, before a step is released, that per-example clipping bounds each
+privacy unit's influence:
+
+* :mod:`~hf_dpfilter.proofs.validators`: the registry of modules that mix examples or write state from the data
+  (refused at attach);
+* :mod:`~hf_dpfilter.proofs.batch_axis`: each layer call's batch axis traced from the model's inputs;
+* :mod:`~hf_dpfilter.proofs.batch_structure`: which collated keys carry the example axis, probed on the collator;
+* :mod:`~hf_dpfilter.proofs.loss_policy`: which losses are refused, and the contract of the per-example loss hook;
+* :mod:`~hf_dpfilter.proofs.first_step_check`: the first step checked example by example against each example
+  re-collated alone.
+"""
