@@ -436,7 +436,8 @@ class DPOptimizer(WrappedOptimizer):
         self.dp_steps = dp_state["dp_steps"]
         self.loaded_noise_multiplier = dp_state["noise_multiplier"]
         self.run_id = dp_state.get("run_id", self.run_id)
-        self.loaded_unit_identity = dp_state.get("privacy_unit")
+        # the checkpoint's unit stays this optimizer's until the session compares it (hf_dpfilter/unit_identity.py)
+        self.unit_identity = self.loaded_unit_identity = dp_state.get("privacy_unit")
         # Fresh noise after a resume: a restored generator (or one re-derived from the DP seed) would draw on the
         # branch from this checkpoint the noise another branch already released on other batches, and the two
         # noises would cancel in the difference of the branches. A seed or generator state in an older
