@@ -199,7 +199,7 @@ class PrivacySessionMixin:
         optimizer = self.dp_optimizer
         unit_identity.check_resumed_unit(
             optimizer.run_id, record, digest, optimizer.loaded_unit_identity if resumed else None,
-            ledger.source_unit, self.args.output_dir, checkpoint_dir if resumed else None,
+            ledger.source_unit, self.args.output_dir, checkpoint_dir if resumed else None, resumed,
         )
         ledger.unit = optimizer.unit_identity = record
         if digest is not None and self.args.should_save:

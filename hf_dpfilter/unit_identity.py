@@ -85,17 +85,24 @@ def _partition_files(output_dir: str, checkpoint_dir: str | None) -> list[str]:
 
 def check_resumed_unit(
     run_id: str, current: dict[str, Any], digest: str | None, checkpoint: dict[str, Any] | None,
-    ledger: dict[str, Any] | None, output_dir: str, checkpoint_dir: str | None,
+    ledger: dict[str, Any] | None, output_dir: str, checkpoint_dir: str | None, resumed: bool = False,
 ) -> None:
     """Refuse a resume whose unit differs from the one its history counted.
 
     ``current``: this run's :func:`unit_record`; ``digest``: its :func:`partition_digest` (None at example
     level). ``checkpoint``/``ledger``: the records of the checkpoint's ``optimizer.pt`` and of the ledger entry
-    this session continues (None where nothing was recorded: written by an earlier version).
+    this session continues (None where nothing was recorded: written by an earlier version). ``resumed``: the
+    session resumes a checkpoint (one without any record is accepted with a warning).
     """
     for where, recorded in (("checkpoint (optimizer.pt)", checkpoint), ("privacy ledger", ledger)):
         if recorded is not None and recorded != current:
             _refuse(where, _describe(recorded), _describe(current), run_id)
+    if resumed and checkpoint is None and ledger is None:
+        logger.warning(
+            "Resuming run %s from a checkpoint that records no privacy unit (written by an earlier version): its "
+            "steps are taken as counted with %s. If they protected another unit, start a fresh run instead.",
+            run_id, _describe(current),
+        )
     if current.get("unit") != "user":
         return
     found = False
