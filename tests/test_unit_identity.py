@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import threading
@@ -83,6 +84,7 @@ BAD_IDS = {
     "numpy_float32_nan": (lambda: _with_id(2, np.float32("nan")), "no user for 1 example"),
     "numpy_0d_array_nan": (lambda: _with_id(2, np.array(np.nan)), "no user for 1 example"),
     "float_nan": (lambda: _with_id(2, float("nan")), "no user for 1 example"),
+    "pandas_na": (lambda: _with_id(2, __import__("pandas").NA), "no user for 1 example"),
     "none": (lambda: _with_id(2, None), "no user for 1 example"),
     "empty": (lambda: _with_id(2, ""), "no user for 1 example"),
     "whitespace": (lambda: _with_id(2, "  "), "no user for 1 example"),
@@ -209,7 +211,7 @@ def released_steps(ledger: dict) -> int:
     return ledger["steps"] + sum(run["steps"] for run in ledger.get("earlier_runs", []))
 
 
-def _session(out, barrier: threading.Barrier, steps: int, totals: dict, name: str) -> None:
+def _session(out, barrier, steps: int, totals, name: str) -> None:
     try:
         ledger = PrivacyLedger(str(out))
         accountant = PrivacyAccountant("rdp")
@@ -221,20 +223,25 @@ def _session(out, barrier: threading.Barrier, steps: int, totals: dict, name: st
             ledger.record({"delta": 1e-5}, accountant, "step_in_flight")
         ledger.record({"delta": 1e-5}, accountant, "finished")
         totals[name] = accountant.steps
-    except Exception as error:  # the other thread must not wait for this one at the barrier
-        totals[name] = error
+    except Exception as error:  # the other writer must not wait for this one at the barrier
+        totals[name] = repr(error)
         barrier.abort()
 
 
-def test_two_sessions_writing_one_ledger_at_once_lose_no_release(tmp_path):
-    barrier = threading.Barrier(2, timeout=60)
-    totals: dict[str, object] = {}
-    threads = [threading.Thread(target=_session, args=(tmp_path, barrier, 5, totals, name)) for name in "ab"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert totals == {"a": 5, "b": 5}, totals
+@pytest.mark.parametrize("writers", ["threads", "processes"])
+def test_two_sessions_writing_one_ledger_at_once_lose_no_release(writers, tmp_path):
+    if writers == "threads":
+        barrier, totals, start = threading.Barrier(2, timeout=60), {}, threading.Thread
+    else:  # forked processes: nothing to import again, a lock between processes
+        context = multiprocessing.get_context("fork")
+        manager = context.Manager()
+        barrier, totals, start = manager.Barrier(2, timeout=60), manager.dict(), context.Process
+    workers = [start(target=_session, args=(tmp_path, barrier, 5, totals, name)) for name in "ab"]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert dict(totals) == {"a": 5, "b": 5}, dict(totals)
     ledger = json.loads((tmp_path / "privacy_ledger.json").read_text())
     assert released_steps(ledger) == 10  # the last writer's file keeps the other's entry
     assert sorted([ledger["run_id"], *(e["run_id"] for e in ledger["earlier_runs"])]) == ["run-a", "run-b"]
