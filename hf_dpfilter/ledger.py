@@ -10,21 +10,45 @@ earlier ledger whole under ``earlier_runs``: nothing is ever dropped from the fi
 
 The ledger is written before each noisy step is computed (see ``DPTrainer._write_privacy_ledger``), so a crash
 never leaves it below what was spent.
+
+**Several writers at once lose nothing.** Every write re-reads the file and replaces it under an exclusive lock
+(``fcntl.flock`` on ``_privacy_ledger.lock``): two trainers (or two sessions) writing one ``output_dir`` at
+the same time each keep the other's entry, the newest one of each session, instead of the last writer's file
+winning. An entry is identified by its last session's public random ``id``: a session's own earlier writes, and
+the entry it continued from, are replaced by its newest one; every other entry is kept.
+
+**The unit is part of the run's identity.** Each entry records the privacy unit it counted (``privacy_unit``:
+the unit, the id column, k, the number of units; see :mod:`hf_dpfilter.unit_identity`); the session's
+``source_unit`` is what the entry it continues recorded, for the caller to compare before the first step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
 from hf_dpfilter.accounting import PrivacyAccountant
 
-__all__ = ["LEDGER_FILE", "PrivacyLedger", "read_ledger_file"]
+try:  # POSIX; elsewhere the ledger is written without a lock (one writer per output_dir)
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+__all__ = [
+    "LEDGER_FILE", "LOCK_FILE", "PrivacyLedger", "ledger_lock", "read_ledger_file", "released_steps",
+    "write_json_atomically",
+]
 
 LEDGER_FILE = "privacy_ledger.json"
+#: the lock file beside the ledger (its "_" prefix keeps it out of the Trainer's Hub uploads, like every "_*")
+LOCK_FILE = "_privacy_ledger.lock"
 
 
 def read_ledger_file(path: str) -> dict[str, Any] | None:
@@ -33,6 +57,64 @@ def read_ledger_file(path: str) -> dict[str, Any] | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+@contextlib.contextmanager
+def ledger_lock(output_dir: str) -> Iterator[None]:
+    """An exclusive lock on ``output_dir``'s ledger files, across processes (``fcntl.flock`` on a lock file
+    beside the ledger, which is itself replaced atomically and so cannot carry the lock)."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, LOCK_FILE), "a") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def write_json_atomically(path: str, content: Any) -> None:
+    """``content`` as JSON at ``path``, replaced atomically (a temporary file of this writer, then a rename)."""
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(content, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _entries(ledger: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Every entry of a ledger file, oldest first: its earlier runs, then its own (without ``earlier_runs``)."""
+    if ledger is None:
+        return []
+    return [*ledger.get("earlier_runs", []), {k: v for k, v in ledger.items() if k != "earlier_runs"}]
+
+
+def _key(entry: dict[str, Any]) -> str:
+    """What identifies an entry across rewrites: its last session's id, or (an entry of an earlier version,
+    copied verbatim ever since) a hash of its content."""
+    sessions = entry.get("sessions") or []
+    if sessions and isinstance(sessions[-1], dict) and sessions[-1].get("id"):
+        return str(sessions[-1]["id"])
+    return hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()
+
+
+def _merged(*lists: list[dict[str, Any]], drop: set[str]) -> list[dict[str, Any]]:
+    """The entries of all lists, one per key (the one that counts the most steps: the same session's newest
+    write), in order of first appearance, without the keys in ``drop``."""
+    out: dict[str, dict[str, Any]] = {}
+    for entries in lists:
+        for entry in entries:
+            key = _key(entry)
+            if key in drop:
+                continue
+            if key not in out or entry.get("steps", 0) >= out[key].get("steps", 0):
+                out[key] = entry
+    return list(out.values())
+
+
+def released_steps(ledger: dict[str, Any]) -> int:
+    """The steps every entry of a ledger file counts together (its own and its earlier runs')."""
+    return sum(int(entry.get("steps", 0)) for entry in _entries(ledger))
 
 
 def _read_on_main_process(path: str) -> dict[str, Any] | None:
@@ -57,6 +139,10 @@ class PrivacyLedger:
         self.continued_from: list[str] = []
         #: steps the ledger counted beyond the checkpoint this session resumed from (a rollback or a crash)
         self.steps_beyond_checkpoint = 0
+        #: the privacy unit this session counts (recorded in its entry), and the one its source entry recorded
+        self.unit: dict[str, Any] | None = None
+        self.source_unit: dict[str, Any] | None = None
+        self._consumed: set[str] = set()
 
     def open_session(
         self, run_id: str, accountant: PrivacyAccountant, resumed_from_step: int | None,
@@ -73,13 +159,16 @@ class PrivacyLedger:
         # all_processes=False: called on the saving process alone, which must not enter a collective
         existing = _read_on_main_process(self.path) if all_processes else read_ledger_file(self.path)
         self.run_id = run_id
-        # the same run: resumed from one of its checkpoints, or train() called again on the same trainer. A ledger
-        # of an earlier version (no run_id) met on a resume is taken as this run's: counting more, never fewer.
-        same_run = existing is not None and (
-            existing.get("run_id") == run_id or (existing.get("run_id") is None and resumed_from_step is not None)
-        )
-        source = existing if same_run else None
-        self.continued_from = list(existing.get("continued_from", [])) if same_run else []
+        entries = _entries(existing)
+        # the same run: resumed from one of its checkpoints, or train() called again on the same trainer; its entry
+        # may be the file's own or (another run wrote here since) one of its earlier runs: the one counting most.
+        # A ledger of an earlier version (no run_id) met on a resume is taken as this run's: counting more.
+        mine = [e for e in entries if e.get("run_id") == run_id]
+        if existing is not None and existing.get("run_id") is None and resumed_from_step is not None:
+            mine.append(entries[-1])
+        source = max(mine, key=lambda e: e.get("steps", 0)) if mine else None
+        self.continued_from = list(source.get("continued_from", [])) if source is not None else []
+        self._consumed = {_key(source)} if source is not None else set()
         if source is None and resumed_from_step is not None and checkpoint_dir:
             origin_path = os.path.join(os.path.dirname(os.path.abspath(os.path.normpath(checkpoint_dir))), LEDGER_FILE)
             origin = None if os.path.abspath(origin_path) == os.path.abspath(self.path) else (
@@ -87,13 +176,11 @@ class PrivacyLedger:
             if origin is not None and origin.get("run_id") == run_id:
                 source = origin
                 self.continued_from = [*origin.get("continued_from", []), origin_path]
-        if existing is not None and not same_run:
-            earlier = {k: v for k, v in existing.items() if k != "earlier_runs"}
-            self.earlier_runs = [*existing.get("earlier_runs", []), earlier]
+        # every entry of this file stays, except the one this session continues (its history is now this one's)
+        self.earlier_runs = _merged(entries, drop=self._consumed)
+        self.source_unit = source.get("privacy_unit") if source is not None else None
         if source is not None:
             self.sessions = list(source.get("sessions", []))
-            if same_run:
-                self.earlier_runs = list(existing.get("earlier_runs", []))
             counted = PrivacyAccountant(accountant.accountant)
             counted.load_state_dict(source["accountant"])
             if counted.steps >= accountant.steps:
@@ -101,7 +188,7 @@ class PrivacyLedger:
                 self.steps_beyond_checkpoint = counted.steps - accountant.steps
                 accountant.load_state_dict(counted.state_dict())
         self.sessions.append(
-            {"resumed_from_step": resumed_from_step, "steps_released": 0, "status": "started"}
+            {"id": uuid.uuid4().hex, "resumed_from_step": resumed_from_step, "steps_released": 0, "status": "started"}
         )
         self._session_start = accountant.steps
 
@@ -110,19 +197,20 @@ class PrivacyLedger:
         session = self.sessions[-1]
         session["steps_released"] = history.steps - self._session_start
         session["status"] = status
-        ledger = {
+        own = {
             "run_id": self.run_id,
             "status": status,
             "steps": history.steps,
             **fields,
+            **({"privacy_unit": self.unit} if self.unit is not None else {}),
             "accountant": history.state_dict(),
             "sessions": self.sessions,
             **({"continued_from": self.continued_from} if self.continued_from else {}),
-            "earlier_runs": self.earlier_runs,
         }
-        os.makedirs(self.output_dir, exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(ledger, f, indent=1)
-        os.replace(tmp, self.path)
+        with ledger_lock(self.output_dir):
+            # re-read under the lock: another writer's entries since this session's last write are kept
+            drop = {*self._consumed, _key(own)}
+            self.earlier_runs = _merged(_entries(read_ledger_file(self.path)), self.earlier_runs, drop=drop)
+            ledger = {**own, "earlier_runs": self.earlier_runs}
+            write_json_atomically(self.path, ledger)
         return ledger

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
+from hf_dpfilter import unit_identity
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.ledger import PrivacyLedger
 
@@ -154,8 +155,10 @@ class PrivacySessionMixin:
 
             sampler.seed = optimizer.collectives.agree_on_seed(fresh_seed())
         ledger = PrivacyLedger(self.args.output_dir)
+        checkpoint_dir = getattr(self, "_resumed_checkpoint_dir", None)
         ledger.open_session(optimizer.run_id, optimizer.accountant, optimizer.dp_steps if resumed else None,
-                            getattr(self, "_resumed_checkpoint_dir", None))
+                            checkpoint_dir)
+        self._record_unit(ledger, resumed, checkpoint_dir)
         self._privacy_ledger = ledger
         self._ledger_reserved_through, self._ledger_last_call = 0, None
         extra = ledger.steps_beyond_checkpoint
@@ -185,6 +188,22 @@ class PrivacySessionMixin:
                 "the target, or pass noise_multiplier instead of target_epsilon (the reported epsilon then counts "
                 "every release)."
             )
+
+    def _record_unit(self, ledger: PrivacyLedger, resumed: bool, checkpoint_dir: str | None) -> None:
+        """The unit is part of the run's identity (hf_dpfilter/unit_identity.py): a resume whose unit, id column,
+        k or user partition differs from what the checkpoint and the ledger counted is refused here, before the
+        first step; then this session's unit is recorded (ledger entry, checkpoints, the private partition file)."""
+        users = getattr(self, "_user_index", None)
+        record = unit_identity.unit_record(self.args, users)
+        digest = unit_identity.partition_digest(users) if users is not None else None
+        optimizer = self.dp_optimizer
+        unit_identity.check_resumed_unit(
+            optimizer.run_id, record, digest, optimizer.loaded_unit_identity if resumed else None,
+            ledger.source_unit, self.args.output_dir, checkpoint_dir if resumed else None, resumed,
+        )
+        ledger.unit = optimizer.unit_identity = record
+        if digest is not None and self.args.should_save:
+            unit_identity.record_partition(self.args.output_dir, optimizer.run_id, digest)
 
     @property
     def privacy_ledger_path(self) -> str:

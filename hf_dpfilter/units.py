@@ -26,7 +26,6 @@ Which example belongs to which user is read from the declared column by index, n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from torch.utils.data import Dataset
 from hf_dpfilter.packing import PackedLayout, PackingError
 from hf_dpfilter.sampling import PoissonBatchSampler
 from hf_dpfilter.secure_rng import derive_seed, secure_uniform
+from hf_dpfilter.user_ids import PrivacyUnitError, checked_user_ids, read_user_ids
 
 __all__ = [
     "PRIVACY_UNITS",
@@ -64,10 +64,6 @@ __all__ = [
 PRIVACY_UNITS = ("example", "user")
 #: Key under which the training collator reports each collated example's unit (popped before the forward).
 UNITS_KEY = "_dp_units"
-
-
-class PrivacyUnitError(ValueError):
-    """A privacy-unit declaration that is missing, inconsistent, or not honoured by the batch."""
 
 
 # ------------------------------------------------------------------------------------------ the declaration
@@ -126,44 +122,14 @@ class UserIndex:
 
     @classmethod
     def from_dataset(cls, dataset: Any, column: str) -> UserIndex:
-        ids = _column_values(dataset, column)
+        """The users of ``dataset``; refuses missing, mixed-type or ambiguous ids (:mod:`hf_dpfilter.user_ids`)."""
+        ids = checked_user_ids(read_user_ids(dataset, column), column)
         numbers: dict[Any, int] = {}
-        unit_of = []
-        for i, value in enumerate(ids):
-            if value is None or (isinstance(value, float) and math.isnan(value)):
-                raise PrivacyUnitError(
-                    f"Example {i} has no user in column '{column}' (value {value!r}): every example must name its "
-                    "user, or it would be protected as nobody's. Fill the column, or drop those examples."
-                )
-            if isinstance(value, torch.Tensor):
-                value = value.item() if value.numel() == 1 else tuple(value.tolist())
-            unit_of.append(numbers.setdefault(value, len(numbers)))
+        unit_of = [numbers.setdefault(value, len(numbers)) for value in ids]
         examples: list[list[int]] = [[] for _ in numbers]
         for i, unit in enumerate(unit_of):
             examples[unit].append(i)
         return cls(tuple(tuple(e) for e in examples), tuple(unit_of), column)
-
-
-def _column_values(dataset: Any, column: str) -> list:
-    names = getattr(dataset, "column_names", None)
-    if isinstance(names, list):  # datasets.Dataset: read the column without decoding the other ones
-        if column not in names:
-            raise PrivacyUnitError(
-                f"user_id_column={column!r} is not a column of the training set (columns: {names}). Name the column "
-                "that holds each example's user."
-            )
-        return list(dataset[column])
-    values = []
-    for i in range(len(dataset)):
-        item = dataset[i]
-        if not isinstance(item, dict) or column not in item:
-            keys = sorted(item) if isinstance(item, dict) else type(item).__name__
-            raise PrivacyUnitError(
-                f"user_id_column={column!r} is not in example {i} of the training set (keys: {keys}). Every example "
-                "must carry its user under that key."
-            )
-        values.append(item[column])
-    return values
 
 
 # ----------------------------------------------------------------------------------------------- sampling

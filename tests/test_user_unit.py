@@ -486,5 +486,5 @@ def test_missing_users_or_too_large_a_user_batch_are_refused_at_creation(tmp_pat
                   data_collator=PadCollator(0))
     data = _user_data()
     data[2] = {**data[2], "user": None}
-    with pytest.raises(PrivacyUnitError, match="Example 2 has no user"):
+    with pytest.raises(PrivacyUnitError, match=r"no user for 1 example\(s\), first at row 2"):
         DPTrainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=ListDataset(data), data_collator=PadCollator(0))

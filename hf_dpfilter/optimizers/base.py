@@ -106,6 +106,11 @@ class DPOptimizer(WrappedOptimizer):
         self.run_id = uuid.uuid4().hex
         #: True once load_state_dict restored a checkpoint (its randomness was then refreshed)
         self.restored_from_checkpoint = False
+        #: the privacy unit this run counts (public: unit, id column, k, number of units), saved in checkpoints;
+        #: and the one a loaded checkpoint recorded (None: none, or a checkpoint of an earlier version).
+        #: hf_dpfilter.unit_identity compares them before the first step of a resume.
+        self.unit_identity: dict[str, Any] | None = None
+        self.loaded_unit_identity: dict[str, Any] | None = None
         self.dp_steps = 0
         # The step token: set by accumulate(), consumed by step(). Nothing else fills the buffer.
         self._accumulated = False
@@ -411,6 +416,7 @@ class DPOptimizer(WrappedOptimizer):
                 "dp_steps": self.dp_steps,
                 "noise_multiplier": self.noise_multiplier,
                 "run_id": self.run_id,
+                **({"privacy_unit": self.unit_identity} if self.unit_identity is not None else {}),
                 "accountant": self.accountant.state_dict(),
                 "method_state": params_to_index(method_state, param_index),
             },
@@ -430,6 +436,8 @@ class DPOptimizer(WrappedOptimizer):
         self.dp_steps = dp_state["dp_steps"]
         self.loaded_noise_multiplier = dp_state["noise_multiplier"]
         self.run_id = dp_state.get("run_id", self.run_id)
+        # the checkpoint's unit stays this optimizer's until the session compares it (hf_dpfilter/unit_identity.py)
+        self.unit_identity = self.loaded_unit_identity = dp_state.get("privacy_unit")
         # Fresh noise after a resume: a restored generator (or one re-derived from the DP seed) would draw on the
         # branch from this checkpoint the noise another branch already released on other batches, and the two
         # noises would cancel in the difference of the branches. A seed or generator state in an older
