@@ -58,7 +58,13 @@ def check_segments_are_rows(batch: dict[str, Any], alone: list[dict[str, Any]]) 
     """
     lengths = []
     for row in alone:
-        segments = _segment_lengths(row)
+        positions = row.get("position_ids")
+        if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == 1:
+            # one row alone: its segments without building a layout (this runs for every sampled row)
+            flat = positions[0]
+            segments = [flat.numel()] if bool((flat[1:] - flat[:-1] == 1).all()) else _segment_lengths(row)
+        else:
+            segments = _segment_lengths(row)
         if len(segments) != 1:
             raise PrepackedRowError(
                 f"A sampled data-set row holds {len(segments)} segments (its `position_ids` restart inside it, e.g. "
