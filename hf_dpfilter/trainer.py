@@ -314,8 +314,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
         collator = RowSegmentsGuard(collator)  # packed batches: every segment one whole sampled row (proofs/)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
-        self._batch_structure = collator.structure = probe_batch_structure(
-            collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
+        self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
+        collator.structure = self._batch_structure  # the guard checks the batches collated from now on
         return _LogicalBatchLoader(
             loaded,
             batch_sampler=sampler,
