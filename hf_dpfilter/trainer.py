@@ -55,6 +55,7 @@ from hf_dpfilter.proofs.loss_policy import (
     check_loss_policy,
     check_prompt_learning,
 )
+from hf_dpfilter.proofs.row_segments import RowSegmentsGuard
 from hf_dpfilter.run_guard import RunGuard
 
 if TYPE_CHECKING:
@@ -311,8 +312,10 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             dataset = privacy_units.without_column(dataset, self._user_index.column)
             loaded, collator = privacy_units.user_loading(self._user_index, dataset, collator)
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
+        collator = RowSegmentsGuard(collator)  # packed batches: every segment one whole sampled row (proofs/)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
         self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
+        collator.structure = self._batch_structure  # the guard checks the batches collated from now on
         return _LogicalBatchLoader(
             loaded,
             batch_sampler=sampler,

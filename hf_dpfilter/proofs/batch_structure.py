@@ -122,9 +122,11 @@ class BatchStructure:
         if num_examples is not None and layout.num_examples != num_examples:
             raise PackingError(
                 f"The collator was given {num_examples} examples but `position_ids` restart "
-                f"{layout.num_examples} times: the packed rows do not hold one segment per example (an example "
-                "split across rows, or two examples whose positions continue each other). Each example must start "
-                "a new segment of `position_ids`."
+                f"{layout.num_examples} times: the packed rows do not hold one segment per example (a row the "
+                "data set already packed, whose `position_ids` restart inside it; an example split across rows; or "
+                "two examples whose positions continue each other). The sampler draws rows, so each must be one "
+                "segment: pack after sampling (one example per row, with DataCollatorWithFlattening or "
+                "DPSFTTrainer's packing=True), or use a padding collator (a row is then one example)."
             )
         for key in self.per_token:
             value = inputs.get(key)

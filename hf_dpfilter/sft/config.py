@@ -90,8 +90,9 @@ SFT_FIELD_POLICIES: dict[str, FieldPolicy] = {
                                         "batch: refused.", _router_aux_loss),
     "chat_template_path": FieldPolicy("honoured", "the chat template applied to each example alone."),
     "dataset_text_field": FieldPolicy("honoured", "which column holds the text."),
-    "dataset_kwargs": FieldPolicy("honoured", "skip_prepare_dataset: the data set must then hold one tokenized "
-                                  "example per row (a pre-packed data set is refused when the trainer is created)."),
+    "dataset_kwargs": FieldPolicy("honoured", "skip_prepare_dataset: a row is what is sampled and clipped, one "
+                                  "tokenized example (a `seq_lengths` column is refused when the trainer is "
+                                  "created, a row packed with its own `position_ids` at the batch that samples it)."),
     "dataset_num_proc": FieldPolicy("honoured", "preprocessing workers."),
     "eos_token": FieldPolicy("honoured", "tokenizer setting."),
     "max_length": FieldPolicy("honoured", "each example is truncated to it alone; with packing, the capacity of "
