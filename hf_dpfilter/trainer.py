@@ -313,6 +313,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
         self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
+        self._padding_collator.structure = self._batch_structure  # maskless: example widths checked per batch
         return _LogicalBatchLoader(
             loaded,
             batch_sampler=sampler,
