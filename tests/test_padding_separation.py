@@ -105,6 +105,17 @@ def test_padding_without_an_attention_mask_is_refused_before_the_step(tmp_path):
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+def test_padding_without_a_mask_is_refused_when_training_starts(tmp_path):
+    """The first two examples of the training set, of different widths, already show the maskless padding: refused
+    when the training data loader is built, before the first step (every batch is still checked: above)."""
+    shorts = make_examples(4, VOCAB, causal=False, seed=1, min_len=5, max_len=5)
+    trainer = DPTrainer(model=_bert(), args=_args(tmp_path, 5), train_dataset=ListDataset(
+        [_long_example(False)] + shorts), data_collator=MasklessPadCollator(0))
+    with pytest.raises(PaddingError, match="returns no `attention_mask`"):
+        trainer.get_train_dataloader()
+    assert trainer.accountant.steps == 0
+
+
 def test_padding_with_the_mask_is_within_sensitivity(tmp_path):
     """The negative control: the same D and D' with the attention mask move the clipped sum by at most C."""
     shorts = make_examples(6, VOCAB, causal=False, seed=1, min_len=3, max_len=6)

@@ -44,6 +44,7 @@ __all__ = [
     "POSITION_SCHEMES",
     "PaddingError",
     "PositionScheme",
+    "check_collator_padding",
     "check_padded_rows_have_a_mask",
     "leading_padding",
     "needs_alone_widths",
@@ -232,3 +233,21 @@ def check_padded_rows_have_a_mask(batch: dict[str, Any], alone: list[dict[str, A
                 "others. Fix: return the attention mask from the collator (tokenizer.pad and DataCollatorWithPadding "
                 "do by default). Nothing of this step was released."
             )
+
+
+# ------------------------------------------------------------------------------------ before training
+def check_collator_padding(model: Any, collate_fn: Any, examples: list, structure: Any) -> None:
+    """The checks of a step, run once on the first examples of the training set collated together (the collator's
+    probe already collates them), so that a collator that pads without a mask, or left-pads for a model that
+    cannot take it, is refused when training starts rather than at the first batch that shows it. A second line
+    only: the guarantee is that every batch and micro-batch is checked (:func:`check_padded_rows_have_a_mask`,
+    :func:`with_positions`); examples of one length show nothing here."""
+    if structure is None or structure.packed or len(examples) < 2:
+        return
+    batch = dict(collate_fn(list(examples)))
+    if needs_alone_widths(structure):
+        check_padded_rows_have_a_mask(batch, [collate_fn([e]) for e in examples], structure)
+        return
+    labels = batch.pop("labels", None)
+    if isinstance(labels, torch.Tensor):
+        with_positions(model, batch, labels, structure)
