@@ -295,3 +295,14 @@ def test_bert_sequence_head_with_left_padding_is_refused(tmp_path):
     with pytest.raises(PaddingError, match="reads the first column"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+def test_positions_from_the_mask_are_each_rows_own():
+    """Left-padded, right-padded, unpadded and empty rows: each real token gets its index from the row's first real
+    token (an example's own masked token keeps its column), pads a valid index."""
+    from hf_dpfilter.proofs.padding import leading_padding, positions_from_mask
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 1, 1], [0, 0, 0, 0, 0]])
+    assert leading_padding(mask).tolist() == [2, 0, 0, 1, 5]
+    assert positions_from_mask(mask).tolist() == [
+        [0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 0, 1, 2, 3], [0, 0, 0, 0, 0]]

@@ -164,7 +164,9 @@ def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, stru
             "if it numbers positions from the first column, every example's positions would shift with the longest "
             f"example of its batch. Fix: {RIGHT_PADDING_FIX}. Nothing of this step was released."
         )
-    if scheme.pools_first_column and labels.dim() == 1:
+    # one integer label per column: a token-level head; anything else (a class, multi-label floats) is pooled
+    token_level = labels.dim() == 2 and labels.shape[1] == mask.shape[1] and not labels.is_floating_point()
+    if scheme.pools_first_column and not token_level:
         raise PaddingError(
             f"A micro-batch is padded on the left with {name}, whose sequence-level head reads the first column: for "
             "every example shorter than the longest of its batch that column is a pad, so its prediction depends on "
