@@ -108,10 +108,7 @@ POSITION_SCHEMES: dict[str, PositionScheme] = {
 # ------------------------------------------------------------------------------------ from the mask
 def leading_padding(mask: torch.Tensor) -> torch.Tensor:
     """Per row of a 2-D attention mask, the number of columns before its first real token (all of them if none)."""
-    real = mask.ne(0)
-    width = mask.shape[1]
-    first = torch.where(real.any(dim=1), real.int().argmax(dim=1), torch.full_like(real[:, 0], width, dtype=torch.long))
-    return first.long()
+    return mask.ne(0).long().cumsum(dim=1).eq(0).sum(dim=1)  # columns with no real token at or before them
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
