@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from hf_dpfilter import units as privacy_units
 from hf_dpfilter.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
+from hf_dpfilter.proofs import padding
 from hf_dpfilter.proofs.batch_structure import BatchStructure, probe_batch_structure
 from hf_dpfilter.proofs.first_step_check import verify_per_example
 
@@ -33,15 +34,23 @@ NUM_EXAMPLES_KEY = "_dp_num_examples"
 
 
 class _EmptySafeCollator:
-    """Collates a (possibly empty) list of examples; an empty batch keeps the keys with 0 rows."""
+    """Collates a (possibly empty) list of examples; an empty batch keeps the keys with 0 rows.
 
-    def __init__(self, collate_fn: Callable, dataset: Any) -> None:
+    ``structure`` (the probed structure of ``collate_fn``, set by the trainer): without a per-example attention mask,
+    each example is also collated alone and a batch padded beyond an example's own width is refused
+    (:func:`hf_dpfilter.proofs.padding.check_padded_rows_have_a_mask`); with a mask nothing more is collated."""
+
+    def __init__(self, collate_fn: Callable, dataset: Any, structure: BatchStructure | None = None) -> None:
         self.collate_fn = collate_fn
         self.dataset = dataset
+        self.structure = structure
 
     def __call__(self, examples: list) -> dict[str, Any]:
         if len(examples) > 0:
-            return {**self.collate_fn(examples), NUM_EXAMPLES_KEY: len(examples)}
+            batch = self.collate_fn(examples)
+            if padding.needs_alone_widths(self.structure):
+                padding.check_padded_rows_have_a_mask(batch, [self.collate_fn([e]) for e in examples], self.structure)
+            return {**batch, NUM_EXAMPLES_KEY: len(examples)}
         # Collate one real example for the structure, then keep zero rows of it: nothing private is used.
         template = self.collate_fn([self.dataset[0]])
         empty = {k: v[:0] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in template.items()}
@@ -122,9 +131,12 @@ class MicroBatchMixin:
 
         Cut at example boundaries: rows of the keys that carry the example axis (as probed on the collator), or
         the segments of packed rows (re-packed one row per micro-batch; ``layout`` says where each example is).
+        Rows padded on the left get their positions from the mask, or are refused (hf_dpfilter.proofs.padding):
+        on every micro-batch, so an example cut alone from one gets the same treatment.
         """
         size = size or self.args.per_device_train_batch_size
         structure = self._training_batch_structure()
+        inputs = padding.without_derived_positions(inputs, structure)  # a micro-batch cut again derives them again
         for micro, micro_labels, layout in structure.micro_batches(inputs, labels, size, num_examples):
             if layout is not None:
                 yield micro, micro_labels, layout
@@ -143,7 +155,7 @@ class MicroBatchMixin:
                     }
                     if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq:
                         micro_labels = micro_labels[:, :used]
-            yield micro, micro_labels, None
+            yield padding.with_positions(self.model, micro, micro_labels, structure), micro_labels, None
 
     def _no_cache_when_packed(self, micro_batch: tuple) -> tuple:
         """Packed rows: ``use_cache=False``. transformers keeps attention inside each packed example only when no
@@ -215,8 +227,9 @@ class MicroBatchMixin:
         if first == 0:
             return micro_batch
         seq = mask.shape[1]
+        sliced = structure.per_example | {padding.POSITIONS_KEY}  # positions derived from the mask: cut alike
         micro = {
-            k: v[:, first:] if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
+            k: v[:, first:] if k in sliced and isinstance(v, torch.Tensor) and v.dim() >= 2
             and v.shape[1] == seq else v
             for k, v in micro.items()
         }

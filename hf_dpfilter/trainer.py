@@ -49,6 +49,7 @@ from hf_dpfilter.packing import PackingError, packed_token_mean_loss
 from hf_dpfilter.plan import PrivacyPlan
 from hf_dpfilter.privacy_session import PrivacySessionMixin, _PrivacyCallback, read_privacy_ledger
 from hf_dpfilter.processes import check_one_dp_run
+from hf_dpfilter.proofs import padding
 from hf_dpfilter.proofs.batch_structure import probe_batch_structure
 from hf_dpfilter.proofs.loss_policy import (
     check_hook_verified_when_sharded,
@@ -316,6 +317,9 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self._padding_collator = _EmptySafeCollator(collator, dataset)
         self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
         collator.structure = self._batch_structure  # the guard checks the batches collated from now on
+        self._padding_collator.structure = self._batch_structure  # maskless: example widths checked per batch
+        padding.check_collator_padding(self.model, collator, [dataset[i] for i in range(min(2, len(dataset)))],
+                                       self._batch_structure)  # early; every batch is checked too
         return _LogicalBatchLoader(
             loaded,
             batch_sampler=sampler,

@@ -231,24 +231,21 @@ class _LeftPadCollator:
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_left_padding_with_absolute_positions_is_caught(tmp_path, family):
-    """GPT-2 numbers positions from the first column, so left padding gives each example positions that depend on the
+def test_left_padding_with_absolute_positions_passes_the_check_by_construction(tmp_path, family):
+    """GPT-2 numbers positions from the first column, so left padding gave each example positions that depend on the
     longest example of its batch: one long example added moved the pre-noise aggregate by 3.77 C (24 short examples,
-    float32, noise 0). The check sliced the example 'alone' with the batch's pads and passed; it now drops the
-    leading padding and refuses. Llama's rotary positions are relative (shift-invariant): accepted."""
+    float32, noise 0), and the check only caught it when the first micro-batch was padded. Every micro-batch now gets
+    position_ids derived from its mask (hf_dpfilter.proofs.padding; tests/test_padding_separation.py), so each
+    example has its positions alone and the check, comparing with the example without its leading pads, passes.
+    Llama's rotary positions are made exact the same way."""
     from models import tiny_decoder
 
     model = tiny_gpt2() if family == "gpt2" else tiny_decoder("llama")
     examples = make_examples(6, VOCAB, causal=True, seed=2)
     args = _args(tmp_path)
     trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=_LeftPadCollator())
-    if family == "llama":
-        trainer.train()
-        assert trainer.accountant.steps == 1
-        return
-    with pytest.raises(PerExampleCheckError, match="left padding"):
-        trainer.train()
-    assert trainer.accountant.steps == 0
+    trainer.train()
+    assert trainer.accountant.steps == 1 and trainer._per_example_checked
 
 
 class _ShrunkLinear(nn.Linear):

@@ -12,4 +12,6 @@ privacy unit's influence:
 * :mod:`~hf_dpfilter.proofs.loss_policy`: which losses are refused, and the contract of the per-example loss hook;
 * :mod:`~hf_dpfilter.proofs.first_step_check`: the first step checked example by example against each example
   re-collated alone.
+* :mod:`~hf_dpfilter.proofs.padding`: padding on every micro-batch: refused without an attention mask, leading
+  padding given each example's own positions from the mask (declared per model family) or refused.
 """

@@ -1,0 +1,252 @@
+"""Padding kept from coupling examples: every micro-batch, from the attention mask, with no extra forward.
+
+A padding collator makes each example's row depend on the longest example of its batch. Two things then reach an
+example's gradient unless they are handled, and both are handled here for every micro-batch, by construction
+(the first-step and re-checks are a second line, not the guarantee):
+
+* **Padding without an attention mask.** The model attends to the pads, whose number is set by the other examples:
+  one long example changes every other example's gradient. Whether a row is padded is not guessed from pad-token
+  values: when the probed collator structure has no ``attention_mask``, the training collator also collates each
+  example alone (:func:`needs_alone_widths`), and :func:`check_padded_rows_have_a_mask` refuses the batch if any
+  example's row is wider than the example alone. Runs with a mask pay nothing.
+* **Leading padding** (``padding_side="left"``). A model that numbers positions from the first column gives each
+  example positions shifted by its number of pads, which the longest example of the batch sets. The model's
+  position scheme is declared in :data:`POSITION_SCHEMES` (read from the transformers sources, keyed by
+  ``config.model_type``), and :func:`with_positions` acts on it:
+
+  - ``"absolute"`` (positions ``0..T-1`` from the first column, ``position_ids`` accepted): every micro-batch with
+    a per-example attention mask gets ``position_ids`` derived from that mask, ``arange(T) - leading pads`` per row,
+    the positions the example has collated alone (on every micro-batch, padded on the left or not, so the engine's
+    batch-axis verdict for the position table is the same at every step). Rotary models are in this group: their
+    attention is shift-invariant only up to rounding, and derived positions make them exact;
+  - ``"padding_idx"`` (RoBERTa family: positions counted over ``input_ids != pad_token_id``): already pad-aware,
+    exactly as long as the leading pads hold ``config.pad_token_id``, which is checked on every such micro-batch;
+    injecting ``arange`` positions there would be wrong;
+  - ``"mask"`` (OPT's positions, BLOOM's ALiBi: built from the attention mask's cumulative sum): pad-aware.
+
+  Leading padding with a model not declared, with collator ``position_ids`` that are not the example's own, or with
+  a sequence-level head that reads the first column (BERT's pooler, RoBERTa's ``<s>`` classifier: the first column
+  is a pad for every example shorter than the longest) is refused before that step is released, with the fix
+  (``tokenizer.padding_side = "right"``).
+
+The functions here are pure: they read the batch, its probed structure and the model's config, and return a new
+batch or raise :class:`PaddingError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "POSITION_SCHEMES",
+    "PaddingError",
+    "PositionScheme",
+    "check_collator_padding",
+    "check_padded_rows_have_a_mask",
+    "leading_padding",
+    "needs_alone_widths",
+    "positions_from_mask",
+    "with_positions",
+    "without_derived_positions",
+]
+
+POSITIONS_KEY = "position_ids"
+MASK_KEY = "attention_mask"
+RIGHT_PADDING_FIX = 'pad on the right (tokenizer.padding_side = "right", or padding_side="right" in the collator)'
+
+
+class PaddingError(ValueError):
+    """A padded micro-batch whose padding would make an example's gradient depend on the other examples."""
+
+
+@dataclass(frozen=True)
+class PositionScheme:
+    """How a model family numbers positions, read from its transformers source (``modeling_<family>.py``)."""
+
+    #: "absolute": from the first column, ``position_ids`` accepted; "padding_idx": counted over
+    #: ``input_ids != config.pad_token_id``; "mask": counted over the attention mask
+    kind: str
+    #: its sequence-level heads read the first column (a pad for short examples under left padding)
+    pools_first_column: bool = False
+
+
+_ABSOLUTE = PositionScheme("absolute")
+_ENCODER_ABSOLUTE = PositionScheme("absolute", pools_first_column=True)
+_PADDING_IDX = PositionScheme("padding_idx", pools_first_column=True)
+_MASK = PositionScheme("mask")
+
+#: Declared position schemes, keyed by ``config.model_type``. Anything not listed is refused when a micro-batch has
+#: leading padding. GPT-2/GPT-Neo (``wpe(arange)``), GPT-J and the Llama-like families (rotary on ``arange``) and BERT
+#: (``position_ids`` buffer) number from the first column and take ``position_ids``; RoBERTa-like models call
+#: ``create_position_ids_from_input_ids``; OPT (``cumsum(attention_mask)``) and BLOOM (``build_alibi_tensor`` on the
+#: mask) count real tokens. Sequence heads: GPT-2, OPT and the Llama-like families pool the last non-pad token (the
+#: last column under left padding); BERT pools ``hidden_states[:, 0]``, RoBERTa ``features[:, 0, :]``.
+POSITION_SCHEMES: dict[str, PositionScheme] = {
+    "gpt2": _ABSOLUTE,
+    "gpt_neo": _ABSOLUTE,
+    "gptj": _ABSOLUTE,
+    "llama": _ABSOLUTE,
+    "mistral": _ABSOLUTE,
+    "qwen2": _ABSOLUTE,
+    "qwen3": _ABSOLUTE,
+    "gemma": _ABSOLUTE,
+    "gemma2": _ABSOLUTE,
+    "phi3": _ABSOLUTE,
+    "bert": _ENCODER_ABSOLUTE,
+    "roberta": _PADDING_IDX,
+    "xlm-roberta": _PADDING_IDX,
+    "xlm-roberta-xl": _PADDING_IDX,
+    "camembert": _PADDING_IDX,
+    "opt": _MASK,
+    "bloom": _MASK,
+}
+
+
+# ------------------------------------------------------------------------------------ from the mask
+def leading_padding(mask: torch.Tensor) -> torch.Tensor:
+    """Per row of a 2-D attention mask, the number of columns before its first real token (all of them if none)."""
+    return mask.ne(0).long().cumsum(dim=1).eq(0).sum(dim=1)  # columns with no real token at or before them
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``position_ids`` of shape ``(B, T)``: ``arange(T)`` shifted left by each row's leading padding, clamped at 0.
+
+    A row's tokens then have the positions the example gets collated alone (unpadded or padded on the right), whatever
+    the number of pads the batch's longest example put before them; leading pads get 0 (a valid index, masked out).
+    Zeros of the mask after the first real token (an example's own masked tokens) keep their column's position, as
+    they do alone."""
+    columns = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
+    return (columns - leading_padding(mask).unsqueeze(1)).clamp(min=0)
+
+
+def _model_scheme(model: Any) -> tuple[str, PositionScheme | None, Any]:
+    config = getattr(model, "config", None)
+    model_type = str(getattr(config, "model_type", "") or "")
+    return model_type, POSITION_SCHEMES.get(model_type), config
+
+
+def _mask_of(micro: dict[str, Any], structure: Any) -> torch.Tensor | None:
+    mask = micro.get(MASK_KEY) if MASK_KEY in structure.per_example else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return mask
+    return None
+
+
+# ------------------------------------------------------------------------------------ per micro-batch
+def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, structure: Any) -> dict[str, Any]:
+    """The micro-batch as the model must get it so that no example's positions depend on the others' lengths.
+
+    ``micro`` is one micro-batch of one example per row (not packed). With a declared ``"absolute"`` scheme and a
+    per-example attention mask, ``position_ids`` derived from the mask are added (every micro-batch); with leading
+    padding, anything that cannot be made exact raises :class:`PaddingError` (see the module docstring)."""
+    mask = _mask_of(micro, structure)
+    if mask is None:
+        return micro
+    model_type, scheme, config = _model_scheme(model)
+    own = POSITIONS_KEY in structure.per_example
+    if scheme is not None and scheme.kind == "absolute" and not own:
+        micro = {**micro, POSITIONS_KEY: positions_from_mask(mask)}
+    leading = leading_padding(mask)
+    padded = (leading > 0) & (leading < mask.shape[1])  # an all-padding row has no position to shift
+    if not bool(padded.any()):
+        return micro
+    name = type(model).__name__
+    if scheme is None:
+        raise PaddingError(
+            f"A micro-batch is padded on the left (attention_mask starts with zeros) and the position scheme of "
+            f"{name} (model_type={model_type!r}) is not declared in hf_dpfilter.proofs.padding.POSITION_SCHEMES: "
+            "if it numbers positions from the first column, every example's positions would shift with the longest "
+            f"example of its batch. Fix: {RIGHT_PADDING_FIX}. Nothing of this step was released."
+        )
+    # one integer label per column: a token-level head; anything else (a class, multi-label floats) is pooled
+    token_level = labels.dim() == 2 and labels.shape[1] == mask.shape[1] and not labels.is_floating_point()
+    if scheme.pools_first_column and not token_level:
+        raise PaddingError(
+            f"A micro-batch is padded on the left with {name}, whose sequence-level head reads the first column: for "
+            "every example shorter than the longest of its batch that column is a pad, so its prediction depends on "
+            f"the other examples. Fix: {RIGHT_PADDING_FIX}. Nothing of this step was released."
+        )
+    if own:
+        given = micro[POSITIONS_KEY]
+        real = mask.ne(0)
+        if not isinstance(given, torch.Tensor) or given.shape != mask.shape or not bool(
+                given[real].eq(positions_from_mask(mask)[real]).all()) or scheme.kind != "absolute":
+            raise PaddingError(
+                "A micro-batch is padded on the left and the collator's own `position_ids` are not each example's "
+                "positions alone (counted from its first real token), or the model builds its positions from the "
+                f"padding itself: they would shift with the longest example of the batch. Fix: {RIGHT_PADDING_FIX}, "
+                "or let DPTrainer derive `position_ids` from the attention mask (leave them out of the collator)."
+            )
+    if scheme.kind == "padding_idx":
+        ids = micro.get("input_ids")
+        pad = getattr(config, "pad_token_id", None)
+        before = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0) < leading.unsqueeze(1)
+        if not isinstance(ids, torch.Tensor) or pad is None or not bool(ids[before].eq(pad).all()):
+            raise PaddingError(
+                f"A micro-batch is padded on the left with {name}, which counts positions over the tokens that are not "
+                f"config.pad_token_id ({pad}), but its leading pads hold other tokens: every example's positions would "
+                f"shift with the longest example of its batch. Fix: pad with config.pad_token_id, or "
+                f"{RIGHT_PADDING_FIX}."
+            )
+    return micro
+
+
+def without_derived_positions(inputs: dict[str, Any], structure: Any) -> dict[str, Any]:
+    """``inputs`` without the ``position_ids`` that :func:`with_positions` added (to cut them again, e.g. one example
+    at a time): removed only when the collator has no ``position_ids`` of its own and they are exactly the ones the
+    mask gives; anything else is left for the batch structure's check to refuse as an undeclared key."""
+    given = inputs.get(POSITIONS_KEY)
+    mask = _mask_of(inputs, structure)
+    if POSITIONS_KEY in structure.keys or not isinstance(given, torch.Tensor) or mask is None:
+        return inputs
+    if given.shape == mask.shape and bool(given.eq(positions_from_mask(mask)).all()):
+        return {k: v for k, v in inputs.items() if k != POSITIONS_KEY}
+    return inputs
+
+
+# ------------------------------------------------------------------------------------ without a mask
+def needs_alone_widths(structure: Any) -> bool:
+    """Whether the training collator must also collate each example alone: one example per row and no per-example
+    attention mask, so only each example's own width shows whether its row was padded by the others."""
+    return structure is not None and not structure.packed and MASK_KEY not in structure.per_example
+
+
+def check_padded_rows_have_a_mask(batch: dict[str, Any], alone: list[dict[str, Any]], structure: Any) -> None:
+    """Refuse a batch collated without an attention mask in which some example's row is wider than the example
+    collated alone (``alone[i]``, one per example): the model would attend to pads whose number the other examples
+    set. Compared on every per-example key with a sequence axis (shape beyond the batch axis)."""
+    for key in sorted(structure.per_example):
+        value = batch.get(key)
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        shapes = {tuple(a[key].shape[1:]) for a in alone if isinstance(a.get(key), torch.Tensor)}
+        if any(shape != tuple(value.shape[1:]) for shape in shapes):
+            widths = sorted({shape[0] for shape in shapes if shape})
+            raise PaddingError(
+                f"The training collator pads the examples of a batch to {value.shape[1]} columns ('{key}'; the "
+                f"examples alone have {widths}) but returns no `attention_mask`: the model attends to the pads, "
+                "whose number the longest example of the batch sets, so every example's gradient depends on the "
+                "others. Fix: return the attention mask from the collator (tokenizer.pad and DataCollatorWithPadding "
+                "do by default). Nothing of this step was released."
+            )
+
+
+# ------------------------------------------------------------------------------------ before training
+def check_collator_padding(model: Any, collate_fn: Any, examples: list, structure: Any) -> None:
+    """The checks of a step, run once on the first examples of the training set collated together (the collator's
+    probe already collates them), so that a collator that pads without a mask, or left-pads for a model that
+    cannot take it, is refused when training starts rather than at the first batch that shows it. A second line
+    only: the guarantee is that every batch and micro-batch is checked (:func:`check_padded_rows_have_a_mask`,
+    :func:`with_positions`); examples of one length show nothing here."""
+    if structure is None or structure.packed or len(examples) < 2:
+        return
+    batch = dict(collate_fn(list(examples)))
+    if needs_alone_widths(structure):
+        check_padded_rows_have_a_mask(batch, [collate_fn([e]) for e in examples], structure)
+        return
+    labels = batch.pop("labels", None)
+    if isinstance(labels, torch.Tensor):
+        with_positions(model, batch, labels, structure)
