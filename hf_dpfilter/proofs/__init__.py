@@ -9,5 +9,9 @@ privacy unit's influence:
 * :mod:`~hf_dpfilter.proofs.batch_structure`: which collated keys carry the example axis, probed on the collator;
 * :mod:`~hf_dpfilter.proofs.loss_policy`: which losses are refused, and the contract of the per-example loss hook;
 * :mod:`~hf_dpfilter.proofs.first_step_check`: the first step checked example by example against each example
-  re-collated alone.
+  re-collated alone;
+* :mod:`~hf_dpfilter.proofs.randomness`: the checks' forwards (training mode, dropout off, the same draws, or a
+  refusal);
+* :mod:`~hf_dpfilter.proofs.separation`: the one entry the trainer calls per micro-batch before accumulating it
+  (the first-step check once, the loss-only re-checks on new shapes and on a random schedule).
 """
