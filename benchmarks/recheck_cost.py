@@ -151,12 +151,13 @@ def main(argv: list[str] | None = None) -> dict:
         timing = time_interleaved(steps_of, args.rounds)
         rechecks = {n: (t._separation.rechecks_run if t._separation else 0) - seen[n] for n, t in variants.items()}
         micro = sum(-(-len(b) // args.micro_batch) for b in batches[args.warmup:])
+        warm_micro = sum(-(-len(b) // args.micro_batch) for b in batches[: args.warmup])
     first = first_step_cost(data, batches[0], args, args.first_step_repeats)
     result = {
         "lengths": source, "model": "tiny BERT" if args.tiny else "BERT 2x128 (vocab 30522)",
         "batch": args.batch, "micro_batch": args.micro_batch, "rounds": args.rounds, "warmup": args.warmup,
         "default_rate": DEFAULT_RECHECK_RATE, "micro_batches_timed": micro,
-        "rechecks_timed": rechecks,
+        "rechecks_timed": rechecks, "rechecks_warmup": seen, "micro_batches_warmup": warm_micro,
         "ratio_new_shapes_vs_off": timing["new shapes"]["ratio"],
         "ratio_default_vs_off": timing["default rate"]["ratio"],
         "schedule_cost": timing["default rate"]["ratio"] / timing["new shapes"]["ratio"] - 1.0,
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"recheck-cost: {result['model']}, {source}, Poisson batch {args.batch}, micro-batch {args.micro_batch}, "
           f"{args.warmup} warm-up steps, {args.rounds} interleaved rounds ({micro} micro-batches), CPU")
     print(f"  step without checks: {result['step_s_off'] * 1e3:.1f} ms")
-    print(f"  re-checks in the timed rounds: {rechecks}")
+    print(f"  re-checks in the warm-up ({warm_micro} micro-batches): {seen}")
+    print(f"  re-checks in the timed rounds ({micro} micro-batches): {rechecks}")
     print(f"  step time, new-shape re-checks only / no checks: {result['ratio_new_shapes_vs_off']:.3f}")
     print(f"  step time, default rate {DEFAULT_RECHECK_RATE:g} / no checks: {result['ratio_default_vs_off']:.3f}")
     print(f"  first step with the first-step check / without: {first:.2f}")

@@ -193,21 +193,27 @@ class MicroBatchMixin:
         return out
 
     def _cut_logical_batch(
-        self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None, units: torch.Tensor | None
-    ) -> list[tuple[tuple, tuple[int, ...]]]:
-        """The logical batch's micro-batches with their members (see :meth:`_micro_batches_with_members`); with
+        self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None, units: torch.Tensor | None,
+        raw: list | None,
+    ) -> list[tuple[tuple, list | None]]:
+        """The logical batch's micro-batches, each with the raw examples it holds in its own order (None without
+        ``raw``, the rows the training collator attached): see :meth:`_micro_batches_with_members`; with
         ``privacy_unit='user'`` cut at unit boundaries (``unit_micro_batches``: consecutive groups, in order)."""
         if units is None:
-            return self._micro_batches_with_members(inputs, labels, num_examples)
-        out, start = [], 0
-        for micro_batch in privacy_units.unit_micro_batches(
-            self._training_batch_structure(), self._micro_batches, inputs, labels, units,
-            self.args.per_device_train_batch_size,
-        ):
-            count = _example_count(micro_batch)
-            out.append((micro_batch, tuple(range(start, start + count))))
-            start += count
-        return out
+            cut = self._micro_batches_with_members(inputs, labels, num_examples)
+        else:
+            cut, start = [], 0
+            for micro_batch in privacy_units.unit_micro_batches(
+                self._training_batch_structure(), self._micro_batches, inputs, labels, units,
+                self.args.per_device_train_batch_size,
+            ):
+                count = _example_count(micro_batch)
+                cut.append((micro_batch, tuple(range(start, start + count))))
+                start += count
+        if raw is not None and sum(len(members) for _, members in cut) != len(raw):
+            raise PackingError(f"The micro-batches hold {sum(len(m) for _, m in cut)} examples; {len(raw)} were collated.")
+        return [(self._no_cache_when_packed(micro_batch), None if raw is None else [raw[i] for i in members])
+                for micro_batch, members in cut]
 
     def _alone(self, raw: Any) -> tuple:
         """One raw example as the trainer would compute it as a batch of one: the training collator on that row

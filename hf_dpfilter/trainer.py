@@ -99,7 +99,6 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self.engine: GhostClippingEngine | None = None
         self._batch_structure: BatchStructure | None = None  # probed on the training collator
         self._packed_layout: PackedLayout | None = None  # the packed micro-batch being computed, if any
-        self._per_example_checked = not self.args.dp_verify_first_step
         self._separation: SeparationChecks | None = None  # the per-micro-batch proofs, built at the first step
         self._packing_checked = False  # packed rows: attention proven to stay inside each example, once
         check_loss_policy(self, DPTrainerMixin)
@@ -382,8 +381,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         batch = labels.shape[0]
         _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
         total = torch.zeros((), device=self.args.device)
-        cut = self._cut_logical_batch(inputs, labels, num_examples, units) if (batch and labels.numel()) else []
-        micro_batches = [self._no_cache_when_packed(m) for m, _ in cut]
+        cut = self._cut_logical_batch(inputs, labels, num_examples, units, raw) if (batch and labels.numel()) else []
+        micro_batches = [micro_batch for micro_batch, _ in cut]
         examples = sum(m[1].shape[0] if m[2] is None else m[2].num_examples for m in micro_batches)
         batch = examples
         if not self._packing_checked and self._training_batch_structure().packed:
@@ -414,10 +413,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 loss_fn = privacy_units.per_unit_loss(loss_fn, layout)
 
             if separation is not None and index < len(micro_batches):  # before it is accumulated
-                members = cut[index][1]
-                separation.before_accumulate(model, privacy_units.as_examples(micro_batches[index]),
-                                             None if raw is None else [raw[i] for i in members])
-                self._per_example_checked = not separation.first_step_pending
+                separation.before_accumulate(model, privacy_units.as_examples(cut[index][0]), cut[index][1])
             with self._packed(layout):
                 if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
                     self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=size)
@@ -425,6 +421,13 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size)
             total = total + losses.sum()
         return total / max(batch, 1)
+    @property
+    def _per_example_checked(self) -> bool:
+        """Whether the first-step per-example check has passed (or is turned off: ``dp_verify_first_step=False``)."""
+        if not self.args.dp_verify_first_step:
+            return True
+        return self._separation is not None and not self._separation.first_step_pending
+
     def _separation_checks(self) -> SeparationChecks | None:
         """The per-micro-batch proofs (hf_dpfilter/proofs/separation.py), built at the first step; None when they
         cannot run: no engine, or FSDP2 sharding (a forward on one process alone would stall the collectives)."""
@@ -437,7 +440,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
 
             self._separation = SeparationChecks(
                 self.engine, loss_fn, self._packed, self._alone,
-                first_step=not self._per_example_checked, rechecks=self.args.dp_verify_first_step,
+                first_step=self.args.dp_verify_first_step, rechecks=self.args.dp_verify_first_step,
                 rate=self.args.dp_recheck_rate, min_examples=min(2, self.args.per_device_train_batch_size),
                 # the precision the accelerator really computes in (fixed when the Trainer was created)
                 low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),

@@ -9,8 +9,11 @@ trainer's ``alone`` callable), all in training mode with dropout off and the sam
 
 * the **first-step check** (:mod:`hf_dpfilter.proofs.first_step_check`), once per run, on the first micro-batch
   with two examples or more: losses, per-example gradients and norms of a few examples against autograd alone;
-* the **re-checks**, loss only (``torch.no_grad``, no backward): one example of the micro-batch, chosen at
-  random, in the micro-batch and alone, plus the determinism probe (two seeds). A re-check runs on every
+* the **re-checks**, loss only (``torch.no_grad``, no backward; two forwards: the micro-batch's and one
+  example's): one example of the micro-batch, chosen at random among those with a non-zero loss (an example whose
+  every label is ignored has loss 0 whatever the others do), in the micro-batch and alone. The forward was proven
+  deterministic (dropout off) by the first-step check; on a mismatch the micro-batch runs again under another
+  seed, to refuse a random forward as such. A re-check runs on every
   micro-batch whose shape is new in the run (its longest length, padding side, number of examples, packed or
   not), and on each other micro-batch with probability ``dp_recheck_rate``. The choices come from a generator
   seeded from ``os.urandom`` that is neither the sampler's nor the noise's and is never saved: the checks change
@@ -50,9 +53,9 @@ __all__ = ["DEFAULT_RECHECK_RATE", "SeparationChecks", "SeparationError", "micro
 
 logger = logging.getLogger(__name__)
 
-#: The default probability that a micro-batch whose shape was seen before is re-checked: three forwards without
-#: gradient (two of the micro-batch, one of an example alone) against a step's forward and ghost-clipping backward;
-#: measured at about 2% of a step on CPU (``python -m benchmarks recheck-cost``, docs/performance.md).
+#: The default probability that a micro-batch whose shape was seen before is re-checked: two forwards without
+#: gradient (the micro-batch's, one example's alone) against a step's forward and ghost-clipping backward;
+#: measured on CPU with ``python -m benchmarks recheck-cost`` (docs/performance.md).
 DEFAULT_RECHECK_RATE = 0.05
 
 MicroBatch = tuple[dict[str, Any], torch.Tensor, Any]
@@ -168,39 +171,51 @@ class SeparationChecks:
 
     def recheck(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any], why: str) -> None:
         """Loss only: one random example of the micro-batch in it and re-collated alone, training mode, dropout off,
-        the same draws; and the micro-batch's losses under two seeds. Raises :class:`SeparationError`."""
+        the same draws. On a mismatch, the micro-batch again under another seed tells a random forward
+        (:class:`TrainingRandomnessError`) from a coupling (:class:`SeparationError`). Two forwards when it passes
+        (the micro-batch's and the example's), no backward."""
         inputs, labels, layout = micro_batch
         count = _count(micro_batch)
-        index = self._choices.randrange(count)
-        one_inputs, one_labels, one_layout = self.alone(raw[index])
 
         def in_batch(seed: int) -> torch.Tensor:
             with same_draws(model, seed), self.packed(layout):
                 return self.loss_fn(inputs, labels)
 
         with checking_forward(model), torch.no_grad():
-            losses = check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")
+            losses = in_batch(CHECK_SEED).detach().double()
+            if losses.dim() != 1 or losses.shape[0] != count:
+                raise SeparationError(
+                    f"compute_per_example_loss returned shape {tuple(losses.shape)} for {count} examples: it must "
+                    "return one loss per example, shape (batch,)."
+                )
+            # an example whose loss is exactly 0 (every label ignored) cannot show a coupling in its loss: the draw is
+            # among the others, when there are any
+            informative = [i for i in range(count) if float(losses[i]) != 0.0] or list(range(count))
+            index = informative[self._choices.randrange(len(informative))]
+            one_inputs, one_labels, one_layout = self.alone(raw[index])
             with same_draws(model, CHECK_SEED), self.packed(one_layout):
                 by_itself = self.loss_fn(one_inputs, one_labels).detach().double()
-        self.rechecks_run += 1
-        if losses.dim() != 1 or losses.shape[0] != count or by_itself.numel() != 1:
-            raise SeparationError(
-                f"compute_per_example_loss returned shape {tuple(losses.shape)} for {count} examples and "
-                f"{by_itself.numel()} losses for one example alone: it must return one loss per example."
-            )
-        mine, own = float(losses[index]), float(by_itself.sum())
-        tol = _tolerance(self._dtype(model), self.low_precision, _tf32(labels.device))
-        if not abs(mine - own) <= tol * max(abs(own), 1e-6):  # NaN fails too
-            raise SeparationError(
-                f"Re-check ({why}) of micro-batch {self.micro_batches}, shape {micro_batch_shape(micro_batch)}: "
-                f"example {index} has loss {mine:.6g} in the micro-batch but {own:.6g} re-collated alone, so "
-                "the other examples of the micro-batch change its loss and per-example clipping would not bound "
-                "their influence. Causes: a compute_per_example_loss normalised over the micro-batch (a mean token "
-                "count, a batch-wide statistic: each example's loss must use its own inputs only), a forward hook or "
-                "module with a branch or statistic over the micro-batch, padding the model attends to (return an "
-                "attention_mask), or left padding with absolute positions (pad on the right). Nothing of this "
-                "step was released."
-            )
+            self.rechecks_run += 1
+            if by_itself.numel() != 1:
+                raise SeparationError(
+                    f"compute_per_example_loss returned {by_itself.numel()} losses for one example alone: it must "
+                    "return one loss per example."
+                )
+            mine, own = float(losses[index]), float(by_itself.sum())
+            tol = _tolerance(self._dtype(model), self.low_precision, _tf32(labels.device))
+            if abs(mine - own) <= tol * max(abs(own), 1e-6):
+                return
+            check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")  # random: refused as such
+        raise SeparationError(
+            f"Re-check ({why}) of micro-batch {self.micro_batches}, shape {micro_batch_shape(micro_batch)}: "
+            f"example {index} has loss {mine:.6g} in the micro-batch but {own:.6g} re-collated alone, so "
+            "the other examples of the micro-batch change its loss and per-example clipping would not bound "
+            "their influence. Causes: a compute_per_example_loss normalised over the micro-batch (a mean token "
+            "count, a batch-wide statistic: each example's loss must use its own inputs only), a forward hook or "
+            "module with a branch or statistic over the micro-batch, padding the model attends to (return an "
+            "attention_mask), or left padding with absolute positions (pad on the right). Nothing of this "
+            "step was released."
+        )
 
     @staticmethod
     def _dtype(model: nn.Module) -> torch.dtype:
