@@ -115,6 +115,25 @@ def first_step_cost(data: list[dict], batch: list[int], args: argparse.Namespace
     return statistics.median(ratios)
 
 
+def shape_census(lengths: list[int], batch: int, micro_batch: int, steps: int, seed: int) -> dict:
+    """How many micro-batches of a run are a new shape (what the re-checks key on: number of examples and longest
+    length; right padding, unpacked), from the lengths alone: no model, the run's Poisson draws simulated."""
+    draw, q, seen = random.Random(seed), batch / len(lengths), set()
+    total = new = late_total = late_new = 0
+    for step in range(steps):
+        sample = [lengths[i] for i in range(len(lengths)) if draw.random() < q]
+        for start in range(0, len(sample), micro_batch):
+            part = sample[start : start + micro_batch]
+            shape = (len(part), max(part))
+            fresh = shape not in seen
+            seen.add(shape)
+            total, new = total + 1, new + fresh
+            if step >= steps // 2:
+                late_total, late_new = late_total + 1, late_new + fresh
+    return {"steps": steps, "micro_batches": total, "new_fraction": new / max(total, 1),
+            "new_fraction_second_half": late_new / max(late_total, 1)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default=None, help="SST-2 (train.tsv); default $HF_DPFILTER_DATA or ../shared/data")
@@ -124,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=30, help="steps run by every variant before timing")
     parser.add_argument("--rounds", type=int, default=40, help="interleaved timing rounds")
     parser.add_argument("--first_step_repeats", type=int, default=3)
+    parser.add_argument("--census_steps", type=int, default=3000,
+                        help="steps of the simulated run whose micro-batch shapes are counted (lengths only)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (the smoke test)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
@@ -153,6 +174,12 @@ def main(argv: list[str] | None = None) -> dict:
         micro = sum(-(-len(b) // args.micro_batch) for b in batches[args.warmup:])
         warm_micro = sum(-(-len(b) // args.micro_batch) for b in batches[: args.warmup])
     first = first_step_cost(data, batches[0], args, args.first_step_repeats)
+    census = shape_census(lengths, args.batch, args.micro_batch, args.census_steps, 3)
+    # one re-check's cost in steps, from the new-shape variant (its re-checks are the only difference from off)
+    per_recheck = (timing["new shapes"]["ratio"] - 1.0) * args.rounds / max(rechecks["new shapes"], 1)
+    per_micro = micro / max(args.rounds, 1)
+    run_rechecks = census["new_fraction"] + (1 - census["new_fraction"]) * DEFAULT_RECHECK_RATE
+    run_cost = run_rechecks * per_micro * per_recheck
     result = {
         "lengths": source, "model": "tiny BERT" if args.tiny else "BERT 2x128 (vocab 30522)",
         "batch": args.batch, "micro_batch": args.micro_batch, "rounds": args.rounds, "warmup": args.warmup,
@@ -163,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         "schedule_cost": timing["default rate"]["ratio"] / timing["new shapes"]["ratio"] - 1.0,
         "step_s_off": timing["off"]["time_s"],
         "first_step_ratio": first,
+        "census": census, "recheck_cost_in_steps": per_recheck, "run_average_cost": run_cost,
     }
     print(f"recheck-cost: {result['model']}, {source}, Poisson batch {args.batch}, micro-batch {args.micro_batch}, "
           f"{args.warmup} warm-up steps, {args.rounds} interleaved rounds ({micro} micro-batches), CPU")
@@ -172,6 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  step time, new-shape re-checks only / no checks: {result['ratio_new_shapes_vs_off']:.3f}")
     print(f"  step time, default rate {DEFAULT_RECHECK_RATE:g} / no checks: {result['ratio_default_vs_off']:.3f}")
     print(f"  first step with the first-step check / without: {first:.2f}")
+    print(f"  one re-check: {per_recheck:.3f} of a step; a simulated run of {census['steps']} steps: "
+          f"{census['new_fraction']:.1%} of its {census['micro_batches']} micro-batches are a new shape "
+          f"({census['new_fraction_second_half']:.1%} in its second half); run-average cost of the re-checks at "
+          f"the default rate: {run_cost:.1%} of a step")
     return result
 
 

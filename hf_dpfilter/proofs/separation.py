@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -188,9 +189,10 @@ class SeparationChecks:
                     f"compute_per_example_loss returned shape {tuple(losses.shape)} for {count} examples: it must "
                     "return one loss per example, shape (batch,)."
                 )
-            # an example whose loss is exactly 0 (every label ignored) cannot show a coupling in its loss: the draw is
-            # among the others, when there are any
-            informative = [i for i in range(count) if float(losses[i]) != 0.0] or list(range(count))
+            # an example whose loss is exactly 0 (every label ignored) cannot show a coupling in its loss, and one
+            # whose loss is not finite is zeroed by the optimizer: the draw is among the others, when there are any
+            informative = [i for i in range(count) if math.isfinite(float(losses[i])) and float(losses[i]) != 0.0]
+            informative = informative or list(range(count))
             index = informative[self._choices.randrange(len(informative))]
             one_inputs, one_labels, one_layout = self.alone(raw[index])
             with same_draws(model, CHECK_SEED), self.packed(one_layout):
@@ -203,8 +205,8 @@ class SeparationChecks:
                 )
             mine, own = float(losses[index]), float(by_itself.sum())
             tol = _tolerance(self._dtype(model), self.low_precision, _tf32(labels.device))
-            if abs(mine - own) <= tol * max(abs(own), 1e-6):
-                return
+            if mine == own or (math.isnan(mine) and math.isnan(own)) or abs(mine - own) <= tol * max(abs(own), 1e-6):
+                return  # the same loss (a non-finite one alone too: the example's own, zeroed by the optimizer)
             check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")  # random: refused as such
         raise SeparationError(
             f"Re-check ({why}) of micro-batch {self.micro_batches}, shape {micro_batch_shape(micro_batch)}: "
