@@ -11,10 +11,10 @@ trainer's ``alone`` callable), all in training mode with dropout off and the sam
   with two examples or more: losses, per-example gradients and norms of a few examples against autograd alone;
 * the **re-checks**, loss only (``torch.no_grad``, no backward; two forwards: the micro-batch's and one
   example's): one example of the micro-batch, chosen at random among those with a non-zero loss (an example whose
-  every label is ignored has loss 0 whatever the others do), in the micro-batch and alone. The forward was proven
-  deterministic (dropout off) by the first-step check; on a mismatch the micro-batch runs again under another
-  seed, to refuse a random forward as such. A re-check runs on every
-  micro-batch whose shape is new in the run (its longest length, padding side, number of examples, packed or
+  every label is ignored has loss 0 whatever the others do), in the micro-batch and alone. The forward is proven
+  deterministic (dropout off) by the first-step check (before it, only micro-batches of one example come, which
+  cannot mix examples); on a mismatch the micro-batch runs again under another seed, to refuse a random forward
+  as such. A re-check runs on every micro-batch whose shape is new in the run (its longest length, padding side, number of examples, packed or
   not), and on each other micro-batch with probability ``dp_recheck_rate``. The choices come from a generator
   seeded from ``os.urandom`` that is neither the sampler's nor the noise's and is never saved: the checks change
   no batch, no noise and no dropout mask of a seeded run.
