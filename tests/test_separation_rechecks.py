@@ -229,3 +229,28 @@ def test_data_dependent_branch_in_micro_batch_two_is_refused(tmp_path, cap):
     with pytest.raises(SeparationError, match="micro-batch 2.*re-collated alone"):
         _step(trainer, d_prime)
     assert trainer._per_example_checked and trainer.accountant.steps == 0
+
+
+# ------------------------------------------------------------------------------------------ seeded runs
+def test_rechecks_change_no_batch_noise_or_dropout_mask_of_a_seeded_run(tmp_path):
+    """Every micro-batch re-checked (dp_recheck_rate=1) or no check at all: a seeded run with dropout and noise
+    ends on the same parameters. The checks draw from their own generator and run their forwards on a forked RNG."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def run(name, **kw):
+        config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=24, max_position_embeddings=40, pad_token_id=0,
+                            hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(config)
+        examples = [_example(3 + seed % 5, seed, causal=False) for seed in range(12)]
+        args = _args(tmp_path / name, noise_multiplier=1.0, max_steps=3, logical_batch_size=6,
+                     per_device_train_batch_size=3, learning_rate=0.1, seed=3, **kw)
+        trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
+        trainer.train()
+        return flat([p.detach().double() for p in model.parameters()]), trainer
+
+    checked, trainer = run("checked", dp_recheck_rate=1.0)
+    assert trainer._separation.rechecks_run > 0
+    unchecked, _ = run("unchecked", dp_verify_first_step=False)
+    assert torch.equal(checked, unchecked)
