@@ -28,7 +28,9 @@ from torch import nn
 __all__ = ["TrainingRandomnessError", "check_deterministic", "checking_forward", "same_draws"]
 
 #: float attributes that attention implementations read as their dropout probability at call time
-KERNEL_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "attention_dropout_p")
+KERNEL_DROPOUT_ATTRIBUTES = (
+    "attention_dropout", "attn_dropout", "attn_drop", "dropout", "dropout_p", "dropout_prob", "attention_dropout_p",
+)
 
 
 class TrainingRandomnessError(RuntimeError):
@@ -92,6 +94,8 @@ def check_deterministic(
             "cannot be compared with its loss alone, so the run is refused before any step is released. Fix: remove "
             "the random module or hook from training, make its randomness element-wise and independent of the other "
             "examples (nn.Dropout is fine: it is turned off while checking), or mix examples only within each "
-            "example's own data."
+            "example's own data. An attention kernel whose dropout probability is read from elsewhere than an "
+            "nn.Dropout or a float attribute of its module (from the config at call time) is random too: set that "
+            "dropout to 0."
         )
     return first
