@@ -44,6 +44,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                               "the demo's settings, chosen on a validation split of the training set"),
     "sft-throughput": Subcommand("sft_throughput", "docs/sft.md",
                                  "examples/s of DP SFT packed vs unpacked, and DP vs non-private SFTTrainer"),
+    "recheck-cost": Subcommand("recheck_cost", "docs/performance.md",
+                               "step time with the per-example re-checks at the default rate vs off, first-step check"),
     "user-level-cost": Subcommand("user_level_cost", "docs/privacy.md",
                                   "epsilon at the same noise, example vs user level, on E2E with synthetic users"),
 }

@@ -1,4 +1,4 @@
-"""Micro-batches of a logical batch: cut at example boundaries, packed or padded, and the first-step checks.
+"""Micro-batches of a logical batch: cut at example boundaries, packed or padded, each with its examples.
 
 The logical batch of one DP step (a Poisson sample, possibly empty) is computed in micro-batches of at most
 ``per_device_train_batch_size`` examples, cut where the training collator's probed structure says an example ends
@@ -22,15 +22,19 @@ from hf_dpfilter import units as privacy_units
 from hf_dpfilter.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
 from hf_dpfilter.proofs import padding
 from hf_dpfilter.proofs.batch_structure import BatchStructure, probe_batch_structure
-from hf_dpfilter.proofs.first_step_check import verify_per_example
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NUM_EXAMPLES_KEY", "MicroBatchMixin"]
+__all__ = ["NUM_EXAMPLES_KEY", "RAW_EXAMPLES_KEY", "MicroBatchMixin"]
 
 #: Key under which the training collator reports how many examples it collated (popped before the forward):
 #: the number of examples a packed batch must hold, declared by the sampler's draw, not inferred from rows.
 NUM_EXAMPLES_KEY = "_dp_num_examples"
+
+#: Key under which the training collator passes the raw examples it collated, in order (popped before the forward,
+#: in memory only, never logged): the per-example checks re-collate an example alone from its own row
+#: (:mod:`hf_dpfilter.proofs.separation`).
+RAW_EXAMPLES_KEY = "_dp_raw_examples"
 
 
 class _EmptySafeCollator:
@@ -50,7 +54,7 @@ class _EmptySafeCollator:
             batch = self.collate_fn(examples)
             if padding.needs_alone_widths(self.structure):
                 padding.check_padded_rows_have_a_mask(batch, [self.collate_fn([e]) for e in examples], self.structure)
-            return {**batch, NUM_EXAMPLES_KEY: len(examples)}
+            return {**batch, NUM_EXAMPLES_KEY: len(examples), RAW_EXAMPLES_KEY: list(examples)}
         # Collate one real example for the structure, then keep zero rows of it: nothing private is used.
         template = self.collate_fn([self.dataset[0]])
         empty = {k: v[:0] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in template.items()}
@@ -184,58 +188,57 @@ class MicroBatchMixin:
             )
         self._packing_checked = True
 
-    def _check_first_micro_batch(self, model: nn.Module, micro_batch: tuple) -> None:
-        """The per-example first-step check (hf_dpfilter.proofs.first_step_check), once per run, before any release."""
-        micro, micro_labels, layout = micro_batch
-        singles = [self._no_cache_when_packed(self._without_leading_padding(m)) for m in self._micro_batches(
-            {k: v for k, v in micro.items() if k != "use_cache"}, micro_labels, size=1)]
+    def _micro_batches_with_members(
+        self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None = None
+    ) -> list[tuple[tuple, tuple[int, ...]]]:
+        """The micro-batches of :meth:`_micro_batches`, each with the indices (into the logical batch's examples, the
+        order the collator got them) of the examples it holds, in the micro-batch's own order.
 
-        def loss_fn(inputs, labels):
-            with self.compute_loss_context_manager():
-                return self.compute_per_example_loss(model, inputs, labels)
+        :meth:`_micro_batches` cuts rows, or packed segments, in order (``BatchStructure.micro_batches``), so each
+        micro-batch holds the next ``count`` examples; a subclass that regroups the examples (DPSFTTrainer's
+        best-fit packing) overrides this with the groups it made."""
+        out, start = [], 0
+        for micro_batch in self._micro_batches(inputs, labels, num_examples):
+            count = _example_count(micro_batch)
+            out.append((micro_batch, tuple(range(start, start + count))))
+            start += count
+        return out
 
-        worst = verify_per_example(
-            self.engine, model, loss_fn, micro_batch, lambda i: singles[i], self._packed,
-            # the precision the accelerator really computes in (fixed when the Trainer was created), not args.bf16 now
-            low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),
-        )
-        self._per_example_checked = True
-        logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
+    def _cut_logical_batch(
+        self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None, units: torch.Tensor | None,
+        raw: list | None,
+    ) -> list[tuple[tuple, list | None]]:
+        """The logical batch's micro-batches, each with the raw examples it holds in its own order (None without
+        ``raw``, the rows the training collator attached): see :meth:`_micro_batches_with_members`; with
+        ``privacy_unit='user'`` cut at unit boundaries (``unit_micro_batches``: consecutive groups, in order)."""
+        if units is None:
+            cut = self._micro_batches_with_members(inputs, labels, num_examples)
+        else:
+            cut, start = [], 0
+            for micro_batch in privacy_units.unit_micro_batches(
+                self._training_batch_structure(), self._micro_batches, inputs, labels, units,
+                self.args.per_device_train_batch_size,
+            ):
+                count = _example_count(micro_batch)
+                cut.append((micro_batch, tuple(range(start, start + count))))
+                start += count
+        if raw is not None and sum(len(members) for _, members in cut) != len(raw):
+            raise PackingError(f"The micro-batches hold {sum(len(m) for _, m in cut)} examples; {len(raw)} were collated.")
+        return [(self._no_cache_when_packed(micro_batch), None if raw is None else [raw[i] for i in members])
+                for micro_batch, members in cut]
 
-    def _micro_batch_to_check(self, micro_batches: list[tuple]) -> tuple | None:
-        """The first micro-batch with two examples or more: one example alone equals itself alone, so it cannot show
-        a coupling. Until one comes (Poisson batches of one example), the check waits; a micro-batch of one example
-        cannot couple examples, and a rule right in sum is right for it. With per_device_train_batch_size=1 any."""
-        need = min(2, self.args.per_device_train_batch_size)
-        for micro_batch in micro_batches:
-            count = micro_batch[1].shape[0] if micro_batch[2] is None else micro_batch[2].num_examples
-            if count >= need:
-                return micro_batch
-        return None
-
-    def _without_leading_padding(self, micro_batch: tuple) -> tuple:
-        """One example as it is alone: without the leading columns that are padding (``attention_mask`` 0). Left
-        padding depends on the longest example of the batch; a model that numbers positions from the first column
-        (GPT-2, BERT) then gives each example other positions depending on the others, which the first-step check
-        must see (the trailing padding is dropped by :meth:`_micro_batches`)."""
-        micro, labels, layout = micro_batch
-        structure = self._training_batch_structure()
-        mask = micro.get("attention_mask") if "attention_mask" in structure.per_example else None
-        if layout is not None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.any()):
-            return micro_batch
-        first = int(mask.any(dim=0).nonzero().min().item())
-        if first == 0:
-            return micro_batch
-        seq = mask.shape[1]
-        sliced = structure.per_example | {padding.POSITIONS_KEY}  # positions derived from the mask: cut alike
-        micro = {
-            k: v[:, first:] if k in sliced and isinstance(v, torch.Tensor) and v.dim() >= 2
-            and v.shape[1] == seq else v
-            for k, v in micro.items()
-        }
-        if labels.dim() >= 2 and labels.shape[1] == seq:
-            labels = labels[:, first:]
-        return micro, labels, layout
+    def _alone(self, raw: Any) -> tuple:
+        """One raw example as the trainer would compute it as a batch of one: the training collator on that row
+        alone, ``_prepare_inputs``, then the micro-batch path with one example (its own padding, positions and
+        packing; never a row sliced out of a collated batch)."""
+        collator: _EmptySafeCollator = self._padding_collator
+        inputs = dict(self._prepare_inputs(collator.collate_fn([raw])))
+        inputs.pop(privacy_units.UNITS_KEY, None)  # the check compares examples, whatever the unit
+        labels = inputs.pop("labels")
+        pieces = list(self._micro_batches(inputs, labels, 1, size=1))
+        if len(pieces) != 1 or _example_count(pieces[0]) != 1:
+            raise PackingError("One example collated alone did not give one micro-batch of one example.")
+        return self._no_cache_when_packed(pieces[0])
 
     def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
         """One training example as a micro-batch, for a process with no example of its own under FSDP2.
@@ -247,3 +250,11 @@ class MicroBatchMixin:
         inputs.pop(privacy_units.UNITS_KEY, None)
         labels = inputs.pop("labels")
         return self._no_cache_when_packed(next(iter(self._micro_batches(inputs, labels, 1))))
+
+
+def _example_count(micro_batch: tuple) -> int:
+    """The number of examples of a micro-batch: its rows, or its layout's examples (a unit layout's members)."""
+    _, labels, layout = micro_batch
+    if layout is None:
+        return labels.shape[0]
+    return getattr(layout, "num_member_examples", layout.num_examples)

@@ -40,6 +40,7 @@ from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.micro_batches import (
     NUM_EXAMPLES_KEY,
+    RAW_EXAMPLES_KEY,
     MicroBatchMixin,
     _check_sequence_length,
     _EmptySafeCollator,
@@ -57,6 +58,7 @@ from hf_dpfilter.proofs.loss_policy import (
     check_prompt_learning,
 )
 from hf_dpfilter.proofs.row_segments import RowSegmentsGuard
+from hf_dpfilter.proofs.separation import SeparationChecks
 from hf_dpfilter.run_guard import RunGuard
 
 if TYPE_CHECKING:
@@ -99,7 +101,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self.engine: GhostClippingEngine | None = None
         self._batch_structure: BatchStructure | None = None  # probed on the training collator
         self._packed_layout: PackedLayout | None = None  # the packed micro-batch being computed, if any
-        self._per_example_checked = not self.args.dp_verify_first_step
+        self._separation: SeparationChecks | None = None  # the per-micro-batch proofs, built at the first step
         self._packing_checked = False  # packed rows: attention proven to stay inside each example, once
         check_loss_policy(self, DPTrainerMixin)
         check_prompt_learning(self.model)
@@ -339,8 +341,13 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         """Per-example losses, shape (B,), optionally at other parameter values (a functional call).
 
         The documented hook for a loss of your own: override it to return one loss per example, each computed
-        from that example only (the first-step check verifies it example by example). For packed rows
-        (several examples per row) ``self.packed_layout`` says which tokens belong to which example.
+        from that example's own inputs only. The contract: nothing batch-wide. No normalisation by the
+        micro-batch (its mean token count, its number of examples), no statistic, branch or negative taken over
+        the other examples: micro-batches are cut by the trainer, and whatever reads them lets one example move
+        the others' losses, which per-example clipping does not bound. The first-step check verifies it example
+        by example, and the re-checks (``dp_recheck_rate``, every new micro-batch shape) compare an example's loss
+        in its micro-batch with its loss re-collated alone over the run (hf_dpfilter/proofs/separation.py). For
+        packed rows (several examples per row) ``self.packed_layout`` says which tokens belong to which example.
         """
         outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
@@ -362,11 +369,16 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         # Evaluation keeps the model's own loss (no gradients, nothing private is released by training).
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """One logical batch: micro-batches -> per-example losses -> clipped sums in ``p.grad``."""
+        """One logical batch: micro-batches -> per-example losses -> clipped sums in ``p.grad``.
+
+        Each micro-batch goes through the per-micro-batch proofs (:class:`~hf_dpfilter.proofs.separation.SeparationChecks`)
+        before it is accumulated: a failure raises before the step is released."""
         model = self.model  # hooks live on the unwrapped modules; DDP reduction is done by the DP optimizer
         model.train()
         if self.engine is not None:
             self.engine.hold_eval_modes()  # modules the options keep in eval mode (dp_batchnorm_eval)
+        inputs = dict(inputs)
+        raw = inputs.pop(RAW_EXAMPLES_KEY, None)  # the collated rows, for re-collating an example alone
         inputs = dict(self._prepare_inputs(inputs))
         num_examples = inputs.pop(NUM_EXAMPLES_KEY, None)
         units = inputs.pop(privacy_units.UNITS_KEY, None)  # privacy_unit='user': each example's user
@@ -376,10 +388,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         batch = labels.shape[0]
         _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
         total = torch.zeros((), device=self.args.device)
-        cut = self._micro_batches(inputs, labels, num_examples) if units is None else privacy_units.unit_micro_batches(
-            self._training_batch_structure(), self._micro_batches, inputs, labels, units,
-            self.args.per_device_train_batch_size)
-        micro_batches = [self._no_cache_when_packed(m) for m in cut] if (batch and labels.numel()) else []
+        cut = self._cut_logical_batch(inputs, labels, num_examples, units, raw) if (batch and labels.numel()) else []
+        micro_batches = [micro_batch for micro_batch, _ in cut]
         examples = sum(m[1].shape[0] if m[2] is None else m[2].num_examples for m in micro_batches)
         batch = examples
         if not self._packing_checked and self._training_batch_structure().packed:
@@ -387,10 +397,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             self._check_packed_attention(model)
         if not self._per_example_checked and self.dp_optimizer.sharded:
             check_hook_verified_when_sharded(self, DPTrainerMixin)  # the same on every process: all refuse together
-        if micro_batches and not self._per_example_checked and self.engine is not None and not self.dp_optimizer.sharded:
-            candidate = self._micro_batch_to_check(micro_batches)
-            if candidate is not None:
-                self._check_first_micro_batch(model, privacy_units.as_examples(candidate))
+        separation = self._separation_checks()
         rounds = len(micro_batches)
         if self.dp_optimizer.sharded:
             # FSDP2 gathers parameters with collectives in every forward and backward: every process runs as
@@ -412,6 +419,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             if isinstance(layout, privacy_units.UnitLayout):  # one loss per unit: the sum of its examples' losses
                 loss_fn = privacy_units.per_unit_loss(loss_fn, layout)
 
+            if separation is not None and index < len(micro_batches):  # before it is accumulated
+                separation.before_accumulate(model, privacy_units.as_examples(cut[index][0]), cut[index][1])
             with self._packed(layout):
                 if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
                     self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=size)
@@ -419,6 +428,32 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size)
             total = total + losses.sum()
         return total / max(batch, 1)
+    @property
+    def _per_example_checked(self) -> bool:
+        """Whether the first-step per-example check has passed (or is turned off: ``dp_verify_first_step=False``)."""
+        if not self.args.dp_verify_first_step:
+            return True
+        return self._separation is not None and not self._separation.first_step_pending
+
+    def _separation_checks(self) -> SeparationChecks | None:
+        """The per-micro-batch proofs (hf_dpfilter/proofs/separation.py), built at the first step; None when they
+        cannot run: no engine, or FSDP2 sharding (a forward on one process alone would stall the collectives)."""
+        if self._separation is None and self.engine is not None and not self.dp_optimizer.sharded:
+            model = self.model
+
+            def loss_fn(inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
+                with self.compute_loss_context_manager():
+                    return self.compute_per_example_loss(model, inputs, labels)
+
+            self._separation = SeparationChecks(
+                self.engine, loss_fn, self._packed, self._alone,
+                first_step=self.args.dp_verify_first_step, rechecks=self.args.dp_verify_first_step,
+                rate=self.args.dp_recheck_rate, min_examples=min(2, self.args.per_device_train_batch_size),
+                # the precision the accelerator really computes in (fixed when the Trainer was created)
+                low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),
+            )
+        return self._separation
+
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """0 unless ``dp_log_nonprivate_metrics``: the Trainer's count (``total_flos``) is a function of the private
         Poisson batch sizes and token counts, and is written to trainer_state.json and the loggers."""

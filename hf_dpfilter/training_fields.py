@@ -400,7 +400,10 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "dp_seed": FieldPolicy(
         _P, "secret: never written to to_dict()/to_json_string()/to_sanitized_dict()/training_args.bin"),
     "secure_rng": FieldPolicy(_P, "noise and sampling from the OS CSPRNG"),
-    "dp_verify_first_step": FieldPolicy(_H, "a check of the per-example gradients on the first micro-batch"),
+    "dp_verify_first_step": FieldPolicy(
+        _H, "a check of the per-example gradients on the first micro-batch, and the loss-only re-checks over the run"),
+    "dp_recheck_rate": FieldPolicy(
+        _H, "the probability that a micro-batch of a shape already seen is re-checked (new shapes always are)"),
     "dp_stack_layers": FieldPolicy(_H, "a speed setting; the norms and sums are the same"),
     "dp_batchnorm_eval": FieldPolicy(
         _H, "frozen BatchNorms run in eval mode (stored statistics) in every step; without it every BatchNorm is "

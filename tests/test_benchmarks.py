@@ -94,3 +94,15 @@ def test_speed_memory_runs_through_the_entry_point(tmp_path):
     assert set(rows) == {"non-private", "hf_dpfilter"}, rows
     assert rows["hf_dpfilter"]["time_ratio"] > 0 and "error" not in json.dumps(rows)
     assert rows["hf_dpfilter"]["peak_mb"] is not None
+
+
+def test_recheck_cost_runs_through_the_entry_point(tmp_path, monkeypatch):
+    """The re-check cost benchmark on a tiny BERT and synthetic lengths: every variant steps, the re-checks run in
+    the checked variants only, and the ratios are reported."""
+    monkeypatch.setenv("HF_DPFILTER_DATA", str(tmp_path))  # no SST-2 there: synthetic lengths
+    argv = ["--tiny", "--examples", "64", "--batch", "8", "--micro_batch", "4", "--warmup", "1", "--rounds", "2",
+            "--first_step_repeats", "1"]
+    result = importlib.import_module("benchmarks.recheck_cost").main(argv)
+    assert result["lengths"] == "synthetic lengths"
+    assert result["rechecks_timed"]["off"] == 0 and result["rechecks_timed"]["new shapes"] >= 0
+    assert result["ratio_default_vs_off"] > 0 and result["first_step_ratio"] > 0

@@ -202,9 +202,11 @@ def test_coupling_only_in_training_mode_is_caught(tmp_path):
     assert trainer.accountant.steps == 0 and model.center.training
 
 
-def test_model_with_dropout_is_checked_in_eval_mode(tmp_path):
-    """With dropout (here inside BERT's sdpa attention, a kernel argument, not a module) the losses in training
-    mode are random: the check falls back to eval mode (as before) instead of refusing."""
+def test_model_with_dropout_is_checked_in_training_mode(tmp_path):
+    """With dropout (here also inside BERT's sdpa attention, a kernel argument read from ``self.dropout.p``) the
+    losses in training mode are random. The check used to fall back to eval mode; it now turns dropout off in the
+    modules and the kernel probability (element-wise: it cannot couple examples) and checks in training mode. A
+    forward still random after that is refused (tests/test_separation_rechecks.py)."""
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -215,6 +217,7 @@ def test_model_with_dropout_is_checked_in_eval_mode(tmp_path):
     trainer = _trainer(tmp_path, model)
     trainer.train()
     assert trainer.accountant.steps == 1 and trainer._per_example_checked
+    assert {m.p for m in model.modules() if isinstance(m, nn.Dropout)} == {0.1, 0.3}  # restored
 
 
 class _LeftPadCollator:
@@ -236,7 +239,7 @@ def test_left_padding_with_absolute_positions_passes_the_check_by_construction(t
     longest example of its batch: one long example added moved the pre-noise aggregate by 3.77 C (24 short examples,
     float32, noise 0), and the check only caught it when the first micro-batch was padded. Every micro-batch now gets
     position_ids derived from its mask (hf_dpfilter.proofs.padding; tests/test_padding_separation.py), so each
-    example has its positions alone and the check, comparing with the example without its leading pads, passes.
+    example has its positions alone and the check, comparing with the example re-collated alone, passes.
     Llama's rotary positions are made exact the same way."""
     from models import tiny_decoder
 

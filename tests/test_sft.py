@@ -144,9 +144,20 @@ def test_each_step_sample_is_packed_best_fit_into_micro_batches(tmp_path):
     trainer.get_train_dataloader()
     batch = _sample_batch(trainer, range(len(rows)))
     num = batch.pop("_dp_num_examples")
+    raw = batch.pop("_dp_raw_examples")  # the collated rows, for the per-example checks
     labels = batch.pop("labels")
     micro = list(trainer._micro_batches(batch, labels, num))
     lengths = [len(trainer.train_dataset[i]["input_ids"]) for i in range(len(rows))]
+    # each micro-batch knows exactly which examples it holds (the bins, in the packed order): the example re-collated
+    # alone from its raw row has the tokens of its segment
+    with_members = trainer._micro_batches_with_members(batch, labels, num)
+    assert [m for _, m in with_members] == [tuple(i for b in bins for i in b) for bins in micro_batch_bins(lengths, 64, 2)]
+    for (inputs, _, layout), members in with_members:
+        for k, (row, start, _stop) in enumerate(layout.spans):
+            alone, _, alone_layout = trainer._alone(raw[members[k]])
+            assert alone_layout.num_examples == 1
+            width = alone["input_ids"].shape[1]
+            assert torch.equal(inputs["input_ids"][row, start : start + width], alone["input_ids"][0])
     assert sum(m[2].num_examples for m in micro) == len(rows)
     plan = micro_batch_bins(lengths, 64, 2)
     assert len(micro) == len(plan)
@@ -171,6 +182,7 @@ def test_packed_chat_rows_per_example_gradients_equal_each_example_alone_fp64(tm
     data = trainer.train_dataset
     batch = _sample_batch(trainer, range(len(rows)))
     num = batch.pop("_dp_num_examples")
+    batch.pop("_dp_raw_examples")
     labels = batch.pop("labels")
     params = engine.trainable_parameters
     checked = 0

@@ -11,7 +11,11 @@ privacy unit's influence:
   (a row the data set packed is refused), checked on every collated batch;
 * :mod:`~hf_dpfilter.proofs.loss_policy`: which losses are refused, and the contract of the per-example loss hook;
 * :mod:`~hf_dpfilter.proofs.first_step_check`: the first step checked example by example against each example
-  re-collated alone.
+  re-collated alone;
 * :mod:`~hf_dpfilter.proofs.padding`: padding on every micro-batch: refused without an attention mask, leading
-  padding given each example's own positions from the mask (declared per model family) or refused.
+  padding given each example's own positions from the mask (declared per model family) or refused;
+* :mod:`~hf_dpfilter.proofs.randomness`: the checks' forwards (training mode, dropout off, the same draws, or a
+  refusal);
+* :mod:`~hf_dpfilter.proofs.separation`: the one entry the trainer calls per micro-batch before accumulating it
+  (the first-step check once, the loss-only re-checks on new shapes and on a random schedule).
 """

@@ -15,14 +15,17 @@ the first micro-batch (:data:`EXAMPLES_CHECKED`), this check compares
   example, or its layer couples examples).
 
 A mismatch raises :class:`PerExampleCheckError` before anything is released (the check runs before the first
-micro-batch is accumulated). The two computations must be the same function, so randomness is turned off, but
-the modules stay in the mode training uses wherever that is possible: a module may couple examples in training
-mode only (batch statistics, a hand-written batch normalisation ``x - x.mean(0)`` under ``self.training``), and
-eval mode would hide it. So the dropout modules are put in eval mode and the in-batch losses are computed twice
-under different random seeds: if they agree, the model is deterministic in training mode and the check runs in
-it; otherwise (dropout inside attention kernels, router jitter) every module except those with batch statistics
-is put in eval mode, and a coupling that exists only in training mode is not seen (logged as
-``training_mode: 0.0``).
+micro-batch with two examples or more is accumulated). "The example alone" is that example's raw data-set row run
+through the training collator alone, then the trainer's own micro-batch path with one example
+(:mod:`hf_dpfilter.proofs.separation` builds it), never a row sliced out of the collated batch: what padding,
+packing or any other batch-wide collation does to an example is part of what is compared. The two computations
+run in training mode with dropout off and the same random draws (:mod:`hf_dpfilter.proofs.randomness`); a forward
+still random after that is refused, never checked in eval mode.
+
+This check is a sample: a few examples of one micro-batch of the run. What it proves (each rule right per example,
+the model and the loss separating those examples) holds for every later step only where it does not depend on the
+batch; the loss-only re-checks of :mod:`hf_dpfilter.proofs.separation` (every new micro-batch shape, and a random
+schedule) are the second line over the run, and the per-micro-batch checks and constructions are the first.
 
 Tolerances (relative to the example's own gradient or loss, plus a floor of 1e-3 of that relative to the
 whole gradient, for parameters whose gradient is zero up to rounding): float64 1e-6 (the computations alone
@@ -37,61 +40,27 @@ is checked directly, on synthetic tokens, by :func:`hf_dpfilter.packing.check_at
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["EXAMPLES_CHECKED", "PerExampleCheckError", "verify_per_example"]
+from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, same_draws
+
+__all__ = ["CHECK_SEED", "EXAMPLES_CHECKED", "PerExampleCheckError", "verify_per_example"]
 
 #: How many examples of the first micro-batch are recomputed alone (one extra forward and backward each): the
 #: first ones and the last one.
 EXAMPLES_CHECKED = 4
 
 
+#: the seed of the forked RNG every checking forward runs on (the in-batch one and each example alone)
+CHECK_SEED = 1
+
+
 class PerExampleCheckError(RuntimeError):
     """An example's loss or gradient in the batch differs from the example's own, computed alone."""
-
-
-@contextlib.contextmanager
-def _dropout_off(model: nn.Module, keep_training: bool = False) -> Iterator[None]:
-    """Dropout modules in eval mode; with ``keep_training=False`` every module except those with batch statistics
-    (whose coupling the check must see)."""
-    modes = {module: module.training for module in model.modules()}
-    try:
-        for module in model.modules():
-            if isinstance(module, nn.modules.dropout._DropoutNd) or not (
-                keep_training or isinstance(module, nn.modules.batchnorm._NormBase)
-            ):
-                module.training = False
-        yield
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
-
-
-def _deterministic_in_training(
-    model: nn.Module,
-    loss_fn: Callable[[dict[str, Any], torch.Tensor], torch.Tensor],
-    inputs: dict[str, Any],
-    labels: torch.Tensor,
-    packed: Callable[[], contextlib.AbstractContextManager],
-) -> bool:
-    """Whether the in-batch losses are the same under two random seeds with the dropout modules off (the rest in
-    their training mode): then the check can run in training mode. No gradient; the global RNG is restored."""
-    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    losses = []
-    with _dropout_off(model, keep_training=True), torch.no_grad():
-        for seed in (1, 2):
-            with torch.random.fork_rng(devices=cuda):
-                torch.manual_seed(seed)
-                with packed():
-                    losses.append(loss_fn(inputs, labels).detach().double())
-    first, second = losses
-    if first.shape != second.shape or first.numel() == 0 or not bool(torch.isfinite(first).all()):
-        return False
-    return float((first - second).abs().max()) <= 1e-6 * float(first.abs().max()) + 1e-12
 
 
 def _tf32(device: torch.device) -> bool:
@@ -121,21 +90,25 @@ def verify_per_example(
 ) -> dict[str, float]:
     """Run the check (see the module docstring); returns the largest relative errors found, for the log.
 
-    ``batch`` is ``(inputs, labels, layout)`` of the micro-batch; ``alone(i)`` the same for example i alone;
+    ``batch`` is ``(inputs, labels, layout)`` of the micro-batch; ``alone(i)`` the same for example i re-collated
+    alone;
     ``packed(layout)`` the context that declares a layout (None: one example per row) to the engine and to the
     loss; ``loss_fn(inputs, labels)`` the per-example losses, shape (n,); ``low_precision``: bf16/fp16 autocast.
     """
     inputs, labels, layout = batch
     params = list(engine.trainable_parameters)
-    keep_training = model.training and _deterministic_in_training(
-        model, loss_fn, inputs, labels, lambda: packed(layout)
-    )
-    with _dropout_off(model, keep_training):
+
+    def in_batch(seed: int) -> torch.Tensor:
+        with same_draws(model, seed), torch.no_grad(), packed(layout):
+            return loss_fn(inputs, labels)
+
+    with checking_forward(model):
+        check_deterministic(model, in_batch, "the first micro-batch")
         verify_sum, engine.verify_first_backward = engine.verify_first_backward, False
         try:
             with packed(layout):
                 n = layout.num_examples if layout is not None else labels.shape[0]
-                with engine.record(batch_size=n):
+                with engine.record(batch_size=n), same_draws(model, CHECK_SEED):
                     losses = loss_fn(inputs, labels)
                     if losses.dim() != 1 or losses.shape[0] != n:
                         raise PerExampleCheckError(
@@ -146,7 +119,7 @@ def verify_per_example(
         finally:
             engine.verify_first_backward = verify_sum
         engine_norms = grads.norms().double()
-        worst = {"loss": 0.0, "norm": 0.0, "gradient": 0.0, "training_mode": float(keep_training)}
+        worst = {"loss": 0.0, "norm": 0.0, "gradient": 0.0}
         # the first examples and the last one: a rule wrong at the end of the batch (an off-by-one) shows too
         checked = sorted(set(range(min(examples - 1, n))) | {n - 1}) if examples > 0 and n > 0 else []
         for i in checked:
@@ -155,7 +128,7 @@ def verify_per_example(
             indicator[i] = 1.0
             ours = grads.weighted_sum(indicator)
             one_inputs, one_labels, one_layout = alone(i)
-            with packed(one_layout):
+            with packed(one_layout), same_draws(model, CHECK_SEED):
                 loss_alone = loss_fn(one_inputs, one_labels)
             if loss_alone.numel() != 1:
                 raise PerExampleCheckError(

@@ -79,20 +79,33 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
                        size: int | None = None):
         """With ``packing=True``: the step's sample packed best-fit decreasing, ``per_device_train_batch_size`` rows
         of at most ``max_length`` tokens per micro-batch (attention stays inside each example).
-        Otherwise (and for the one-example slices of the first-step check) DPTrainer's micro-batches."""
-        structure = self._training_batch_structure()
+        Otherwise (and for the one-example micro-batches of the per-example checks) DPTrainer's micro-batches."""
+        if size is not None or not self._packs_sample(labels):
+            yield from super()._micro_batches(inputs, labels, num_examples, size)
+            return
+        for micro_batch, _members in self._packed_sample(inputs, labels, num_examples):
+            yield micro_batch
+
+    def _micro_batches_with_members(self, inputs: dict[str, Any], labels: Any, num_examples: int | None = None):
+        """The micro-batches with the sample's examples each holds: with packing, the best-fit bins' examples in
+        the order :func:`pack_rows` lays them out (row by row, each bin in the order of the sample)."""
+        if not self._packs_sample(labels):
+            return super()._micro_batches_with_members(inputs, labels, num_examples)
+        return list(self._packed_sample(inputs, labels, num_examples))
+
+    def _packs_sample(self, labels: Any) -> bool:
         # privacy_unit='user': DPTrainer cuts the micro-batches at user boundaries (a user's examples are clipped as
         # one vector); regrouping examples across users here would split them, so its micro-batches are kept.
         per_example_unit = getattr(self.args, "privacy_unit", "example") == "example"
-        if size is not None or not structure.packed or not self.args.packing or labels.numel() == 0 or (
-                not per_example_unit):
-            yield from super()._micro_batches(inputs, labels, num_examples, size)
-            return
+        return bool(self._training_batch_structure().packed and self.args.packing and labels.numel() and per_example_unit)
+
+    def _packed_sample(self, inputs: dict[str, Any], labels: Any, num_examples: int | None):
+        structure = self._training_batch_structure()
         # all the sample's examples as one validated packed row (example count checked against the sampler's)
         (whole, whole_labels, layout), = structure.micro_batches(inputs, labels, labels.shape[-1] + 1, num_examples)
         capacity = self.args.max_length or max(layout.lengths)
         for bins in micro_batch_bins(layout.lengths, capacity, self.args.per_device_train_batch_size):
-            yield pack_rows(structure, whole, whole_labels, layout, bins)
+            yield pack_rows(structure, whole, whole_labels, layout, bins), tuple(i for b in bins for i in b)
 
     # ---------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

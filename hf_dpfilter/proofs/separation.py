@@ -1,0 +1,227 @@
+"""The one entry of the per-micro-batch proofs: each micro-batch checked (or not) before it is accumulated.
+
+:class:`SeparationChecks` is what the trainer calls once per micro-batch of a logical batch, before the
+micro-batch's clipped gradients are accumulated (so before the optimizer step that would release them). It holds
+the proofs that compare an example in its micro-batch with the same example *re-collated alone* (its raw data-set
+row through the training collator alone, then the trainer's micro-batch path with one example, built by the
+trainer's ``alone`` callable), all in training mode with dropout off and the same random draws
+(:mod:`hf_dpfilter.proofs.randomness`; a forward still random is refused):
+
+* the **first-step check** (:mod:`hf_dpfilter.proofs.first_step_check`), once per run, on the first micro-batch
+  with two examples or more: losses, per-example gradients and norms of a few examples against autograd alone;
+* the **re-checks**, loss only (``torch.no_grad``, no backward; two forwards: the micro-batch's and one
+  example's): one example of the micro-batch, chosen at random among those with a non-zero loss (an example whose
+  every label is ignored has loss 0 whatever the others do), in the micro-batch and alone. The forward is proven
+  deterministic (dropout off) by the first-step check (before it, only micro-batches of one example come, which
+  cannot mix examples); on a mismatch the micro-batch runs again under another seed, to refuse a random forward
+  as such. A re-check runs on every micro-batch whose shape is new in the run (its longest length, padding side, number of examples, packed or
+  not), and on each other micro-batch with probability ``dp_recheck_rate``. The choices come from a generator
+  seeded from ``os.urandom`` that is neither the sampler's nor the noise's and is never saved: the checks change
+  no batch, no noise and no dropout mask of a seeded run.
+
+What the re-checks prove: for the examples they draw, that the loss in the released micro-batch is the loss of
+the example alone (no coupling through the loss, a data-dependent branch over the micro-batch, padding or
+positions that depend on the others). What they cannot prove: a coupling that shows on no drawn example and no
+new shape (a branch taken on a shape already seen, for examples not drawn), or one that moves the gradient but
+not the loss. They are the second line; the first is what holds on every micro-batch by construction or by a
+cheap check (the validators, the traced batch axis, the probed collator structure, the loss policy, the packing
+and padding checks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_dpfilter.proofs.first_step_check import (
+    CHECK_SEED,
+    PerExampleCheckError,
+    _tf32,
+    _tolerance,
+    verify_per_example,
+)
+from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, same_draws
+
+__all__ = ["DEFAULT_RECHECK_RATE", "SeparationChecks", "SeparationError", "micro_batch_shape"]
+
+logger = logging.getLogger(__name__)
+
+#: The default probability that a micro-batch whose shape was seen before is re-checked: two forwards without
+#: gradient (the micro-batch's, one example's alone) against a step's forward and ghost-clipping backward;
+#: measured on CPU with ``python -m benchmarks recheck-cost`` (docs/performance.md).
+DEFAULT_RECHECK_RATE = 0.05
+
+MicroBatch = tuple[dict[str, Any], torch.Tensor, Any]
+
+
+class SeparationError(PerExampleCheckError):
+    """A re-check found an example whose loss in its micro-batch differs from its loss re-collated alone."""
+
+
+def _count(micro_batch: MicroBatch) -> int:
+    _, labels, layout = micro_batch
+    return labels.shape[0] if layout is None else layout.num_examples
+
+
+def micro_batch_shape(micro_batch: MicroBatch) -> tuple:
+    """What makes a micro-batch's shape new: (packed, number of examples, longest length, padding side).
+
+    The padding side is read from the ``attention_mask`` (a column of padding in every row at the start: left;
+    none: no leading padding); the longest length is the width the model sees (the packed row's, or the padded
+    one's)."""
+    inputs, labels, layout = micro_batch
+    if layout is not None:
+        return ("packed", layout.num_examples, layout.length, "none")
+    mask = inputs.get("attention_mask")
+    width = labels.shape[1] if labels.dim() >= 2 else None
+    ids = inputs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        width = ids.shape[1]
+    side = "none"
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
+        if bool((mask[:, 0] == 0).any()):
+            side = "left"
+        elif bool((mask[:, -1] == 0).any()):
+            side = "right"
+    return ("padded", labels.shape[0], width, side)
+
+
+class SeparationChecks:
+    """The per-micro-batch proofs of a run (see the module docstring); :meth:`before_accumulate` is the entry.
+
+    ``loss_fn(inputs, labels)``: the trainer's per-example losses; ``packed(layout)``: the context declaring a
+    micro-batch's layout to the loss and the engine; ``alone(raw)``: the micro-batch of one raw example collated
+    alone; ``first_step``: run the first-step check (False: done, or turned off); ``rate``: ``dp_recheck_rate``.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        loss_fn: Callable[[dict[str, Any], torch.Tensor], torch.Tensor],
+        packed: Callable[[Any], contextlib.AbstractContextManager],
+        alone: Callable[[Any], MicroBatch],
+        *,
+        first_step: bool,
+        rechecks: bool,
+        rate: float,
+        min_examples: int,
+        low_precision: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.loss_fn = loss_fn
+        self.packed = packed
+        self.alone = alone
+        self.first_step_pending = first_step
+        self.rechecks = rechecks
+        self.rate = float(rate)
+        self.min_examples = min_examples
+        self.low_precision = low_precision
+        self.seen: set[tuple] = set()
+        self.micro_batches = 0  # micro-batches seen by the entry (for the messages)
+        self.rechecks_run = 0
+        # not the sampler's, not the noise's, not torch's global stream; never saved
+        self._choices = random.Random(int.from_bytes(os.urandom(8), "little"))
+
+    def before_accumulate(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any] | None) -> None:
+        """Check one micro-batch before it is accumulated; raises before anything of its step is released.
+
+        ``raw``: the raw examples of the micro-batch, in its order (the i-th example of ``micro_batch`` is
+        ``raw[i]``); None when the batch did not come from the trainer's training collator."""
+        self.micro_batches += 1
+        count = _count(micro_batch)
+        if count == 0:
+            return
+        shape = micro_batch_shape(micro_batch)
+        if self.first_step_pending and count >= self.min_examples:
+            self._first_step(model, micro_batch, self._raw(raw, count))
+            self.seen.add(shape)
+            return
+        if not self.rechecks:
+            return
+        new = shape not in self.seen
+        if new or (self.rate > 0 and self._choices.random() < self.rate):
+            self.seen.add(shape)
+            self.recheck(model, micro_batch, self._raw(raw, count), "a new shape" if new else "the schedule")
+
+    def _raw(self, raw: Sequence[Any] | None, count: int) -> Sequence[Any]:
+        if raw is None or len(raw) != count:
+            raise SeparationError(
+                f"A micro-batch of {count} examples reached the per-example checks with "
+                f"{'no' if raw is None else len(raw)} raw examples: the checks re-collate each example alone from "
+                "its data-set row, which the trainer's training collator attaches to every logical batch. Train "
+                "with the batches of get_train_dataloader() (do not override it or feed training_step by hand), or "
+                "set dp_verify_first_step=False to turn the per-example checks off (not with an own loss)."
+            )
+        return raw
+
+    def _first_step(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any]) -> None:
+        worst = verify_per_example(
+            self.engine, model, self.loss_fn, micro_batch, lambda i: self.alone(raw[i]), self.packed,
+            low_precision=self.low_precision,
+        )
+        self.first_step_pending = False
+        logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
+
+    def recheck(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any], why: str) -> None:
+        """Loss only: one random example of the micro-batch in it and re-collated alone, training mode, dropout off,
+        the same draws. On a mismatch, the micro-batch again under another seed tells a random forward
+        (:class:`TrainingRandomnessError`) from a coupling (:class:`SeparationError`). Two forwards when it passes
+        (the micro-batch's and the example's), no backward."""
+        inputs, labels, layout = micro_batch
+        count = _count(micro_batch)
+
+        def in_batch(seed: int) -> torch.Tensor:
+            with same_draws(model, seed), self.packed(layout):
+                return self.loss_fn(inputs, labels)
+
+        with checking_forward(model), torch.no_grad():
+            losses = in_batch(CHECK_SEED).detach().double()
+            if losses.dim() != 1 or losses.shape[0] != count:
+                raise SeparationError(
+                    f"compute_per_example_loss returned shape {tuple(losses.shape)} for {count} examples: it must "
+                    "return one loss per example, shape (batch,)."
+                )
+            # an example whose loss is exactly 0 (every label ignored) cannot show a coupling in its loss, and one
+            # whose loss is not finite is zeroed by the optimizer: the draw is among the others, when there are any
+            informative = [i for i in range(count) if math.isfinite(float(losses[i])) and float(losses[i]) != 0.0]
+            informative = informative or list(range(count))
+            index = informative[self._choices.randrange(len(informative))]
+            one_inputs, one_labels, one_layout = self.alone(raw[index])
+            with same_draws(model, CHECK_SEED), self.packed(one_layout):
+                by_itself = self.loss_fn(one_inputs, one_labels).detach().double()
+            self.rechecks_run += 1
+            if by_itself.numel() != 1:
+                raise SeparationError(
+                    f"compute_per_example_loss returned {by_itself.numel()} losses for one example alone: it must "
+                    "return one loss per example."
+                )
+            mine, own = float(losses[index]), float(by_itself.sum())
+            tol = _tolerance(self._dtype(model), self.low_precision, _tf32(labels.device))
+            if mine == own or (math.isnan(mine) and math.isnan(own)) or abs(mine - own) <= tol * max(abs(own), 1e-6):
+                return  # the same loss (a non-finite one alone too: the example's own, zeroed by the optimizer)
+            check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")  # random: refused as such
+        raise SeparationError(
+            f"Re-check ({why}) of micro-batch {self.micro_batches}, shape {micro_batch_shape(micro_batch)}: "
+            f"example {index} has loss {mine:.6g} in the micro-batch but {own:.6g} re-collated alone, so "
+            "the other examples of the micro-batch change its loss and per-example clipping would not bound "
+            "their influence. Causes: a compute_per_example_loss normalised over the micro-batch (a mean token "
+            "count, a batch-wide statistic: each example's loss must use its own inputs only), a forward hook or "
+            "module with a branch or statistic over the micro-batch, padding the model attends to (return an "
+            "attention_mask), or left padding with absolute positions (pad on the right). Nothing of this "
+            "step was released."
+        )
+
+    @staticmethod
+    def _dtype(model: nn.Module) -> torch.dtype:
+        for param in model.parameters():
+            if param.is_floating_point():
+                return torch.float64 if param.dtype == torch.float64 else torch.float32
+        return torch.float32
