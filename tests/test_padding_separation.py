@@ -134,12 +134,12 @@ def _step_two_sums(tmp_path, collator, model, step_one, *steps_two):
                         train_dataset=ListDataset(examples), data_collator=collator)
     trainer.create_optimizer()
     trainer.get_train_dataloader()
-    trainer.training_step(trainer.model, collator(step_one))
+    trainer.training_step(trainer.model, trainer._padding_collator(step_one))  # raw rows attached
     assert trainer._per_example_checked
     sums = []
     for sample in steps_two:
         trainer.dp_optimizer.zero_grad()
-        trainer.training_step(trainer.model, collator(sample))
+        trainer.training_step(trainer.model, trainer._padding_collator(sample))
         local = trainer.dp_optimizer._local_sums()
         sums.append(flat([local[p].detach().double() for p in trainer.dp_optimizer.params]))
     return sums
@@ -176,9 +176,9 @@ def test_left_padded_step_equals_the_per_example_reference(tmp_path, family):
                         train_dataset=ListDataset(shorts + examples), data_collator=LeftPadCollator())
     trainer.create_optimizer()
     trainer.get_train_dataloader()
-    trainer.training_step(model, LeftPadCollator()(shorts))
+    trainer.training_step(model, trainer._padding_collator(shorts))  # the training collator: raw rows attached
     trainer.dp_optimizer.zero_grad()
-    trainer.training_step(model, LeftPadCollator()(examples))
+    trainer.training_step(model, trainer._padding_collator(examples))
     local = trainer.dp_optimizer._local_sums()
     got = flat([local[p] for p in trainer.dp_optimizer.params])
     expected = flat([reference[p] for p in trainer.dp_optimizer.params])
@@ -268,7 +268,7 @@ def test_roberta_left_padding_is_exact_without_injected_positions(tmp_path):
     batch = RobertaLeftPad()(examples)
     assert "position_ids" not in next(iter(trainer._micro_batches(
         {k: v for k, v in batch.items() if k != "labels"}, batch["labels"])))[0]
-    trainer.training_step(model, batch)
+    trainer.training_step(model, trainer._padding_collator(examples))
     local = trainer.dp_optimizer._local_sums()
     got = flat([local.get(p, torch.zeros_like(p)) for p in params])
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-10

@@ -66,26 +66,29 @@ def _ratio(make_trainer, d: list[dict], d_prime: list[dict]) -> float:
 
 
 # ------------------------------------------------------------------------------------- "alone" is re-collated
-class _PadWithoutMask(PadCollator):
-    """Right-pads but returns no attention_mask: BERT attends to the pads, so an example's output depends on the
-    longest example of its batch. The probe accepts it (rows equal up to padding)."""
+class _TypesFromTheLongest(PadCollator):
+    """Pads with the mask, but marks every row's tokens as segment 1 when the batch's longest example has over 8
+    tokens: each example's row then depends on the others in its batch. The collator probe sees only the training
+    set's first two examples (short here), so it accepts it."""
 
     def __call__(self, examples):
         batch = super().__call__(examples)
-        batch.pop("attention_mask")
+        longest = int(batch["attention_mask"].sum(dim=1).max())
+        batch["token_type_ids"] = torch.full_like(batch["input_ids"], int(longest > 8))
         return batch
 
 
-@pytest.mark.parametrize("mask", [False, True])
-def test_alone_is_the_example_collated_alone_not_a_sliced_row(tmp_path, mask):
-    """The first-step check built "example i alone" by slicing row i out of the collated batch, pads included, so a
-    model attending to the pads compared the padded example with itself and passed. Re-collated alone the example
-    has no pads: the coupling shows and the run is refused before any release. With the mask it trains."""
-    examples = [_example(length, seed, causal=False) for seed, length in enumerate([9, 3, 4, 6])]
-    collator = PadCollator(0) if mask else _PadWithoutMask(0)
+@pytest.mark.parametrize("batch_dependent", [True, False])
+def test_alone_is_the_example_collated_alone_not_a_sliced_row(tmp_path, batch_dependent):
+    """The first-step check built "example i alone" by slicing row i out of the collated batch, so a row that depends
+    on the rest of the batch (here its segment ids follow the batch's longest example) was compared with itself and
+    passed. Re-collated alone the short example gets its own segment ids: the coupling shows and the run is refused
+    before any release. The control (segment ids of the example's own) trains."""
+    examples = [_example(length, seed, causal=False) for seed, length in enumerate([3, 4, 9, 6])]
+    collator = _TypesFromTheLongest(0) if batch_dependent else PadCollator(0)
     trainer = DPTrainer(model=tiny_bert(), args=_args(tmp_path, logical_batch_size=4, per_device_train_batch_size=4),
                         train_dataset=ListDataset(examples), data_collator=collator)
-    if mask:
+    if not batch_dependent:
         _step(trainer, examples)
         assert trainer._per_example_checked
         return
