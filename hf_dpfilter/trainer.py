@@ -50,6 +50,7 @@ from hf_dpfilter.plan import PrivacyPlan
 from hf_dpfilter.privacy_session import PrivacySessionMixin, _PrivacyCallback, read_privacy_ledger
 from hf_dpfilter.processes import check_one_dp_run
 from hf_dpfilter.proofs.batch_structure import probe_batch_structure
+from hf_dpfilter.proofs.hooks import refuse_gradient_hooks
 from hf_dpfilter.proofs.loss_policy import (
     check_hook_verified_when_sharded,
     check_loss_policy,
@@ -114,7 +115,17 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         # a checkpoint of another output_dir: its ledger is this run's history too (PrivacyLedger.open_session)
         self._resumed_checkpoint_dir = checkpoint if isinstance(checkpoint, str) else None
-        return super().train(*args, **kwargs)
+        return self._without_nonprivate_loss(super().train(*args, **kwargs))
+
+    def _without_nonprivate_loss(self, output: TrainOutput) -> TrainOutput:
+        """``training_loss`` NaN and no ``train_loss`` in the metrics unless ``dp_log_nonprivate_metrics``: the
+        Trainer's value is the exact mean loss of the private batches (two runs on neighbouring data sets give an
+        example's own loss), and the metrics are what scripts save (``trainer.save_metrics``)."""
+        if not self.privacy_plan.is_private or self.args.dp_log_nonprivate_metrics:
+            return output
+        metrics = {k: v for k, v in (output.metrics or {}).items() if k not in self.NONPRIVATE_LOG_KEYS}
+        self._total_loss_scalar = float("nan")  # the Trainer's running sum behind it, kept on the trainer
+        return TrainOutput(output.global_step, float("nan"), metrics)
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise ValueError(
@@ -321,6 +332,15 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             pin_memory=self.args.dataloader_pin_memory,
         )
 
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        # every evaluation, in training or not: a set sharing rows with the training set is refused (run_guard)
+        self._run_guard.check_eval_set(self, eval_dataset, "the evaluation set")
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        self._run_guard.check_eval_set(self, test_dataset, "predict()'s test_dataset")
+        return super().get_test_dataloader(test_dataset)
+
     # --------------------------------------------------------------------------- steps
     def compute_per_example_loss(
         self,
@@ -357,6 +377,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """One logical batch: micro-batches -> per-example losses -> clipped sums in ``p.grad``."""
         model = self.model  # hooks live on the unwrapped modules; DDP reduction is done by the DP optimizer
+        if self.privacy_plan.is_private:  # a callback may have hooked a gradient since the last step
+            refuse_gradient_hooks(model)
         model.train()
         if self.engine is not None:
             self.engine.hold_eval_modes()  # modules the options keep in eval mode (dp_batchnorm_eval)

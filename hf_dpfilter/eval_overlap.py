@@ -1,0 +1,135 @@
+"""Evaluation sets that share rows with the training set: found by content, refused unless opted in.
+
+An evaluation computes its loss, metrics and predictions from its rows without noise and publishes them (log
+lines, ``trainer_state.json``, the loggers, ``evaluate()``/``predict()`` results). On a row of the training set
+that is a noiseless statistic of a private example: its loss under a model trained on it, the signal a
+membership test reads. One shared row is enough, so a set is refused as soon as one row matches.
+
+Rows are compared by content, never by position or row id: each row's canonical form (the values of the columns
+both sets have: ``input_ids`` alone when both have it, so that an id column or a user column does not hide an
+identical example; tensors and arrays as lists) is hashed with BLAKE2b-128 into a digest. The eval set's digests
+are held in memory (16 bytes and a set slot per row); the training set is streamed once per eval set and the scan
+stops at the first match. A ``datasets.Dataset`` is read in batches of 1024 rows without its format; any other
+map-style data set (``__len__`` and ``__getitem__``: a torch ``Dataset``, a list) item by item. The cost is one
+pass over each set, linear in its tokens (about a second per 100k rows of a few hundred tokens on one CPU core),
+paid once per eval set per trainer: the verdict is kept. An eval set that cannot be enumerated (an iterable data
+set) cannot be checked and is refused likewise. Nothing is published: the error names the eval set, never a row,
+an index or a count.
+
+``dp_allow_eval_on_training_rows=True`` is the explicit opt-in: the evaluation runs with a warning, and what it
+publishes is outside the reported (epsilon, delta) (docs/threat_model.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+__all__ = ["ID_COLUMNS", "NotEnumerable", "comparable_columns", "overlapping_rows", "row_digests", "shares_rows"]
+
+#: columns that number the rows of a split rather than describe the example
+ID_COLUMNS = frozenset({"idx", "id", "index", "__index_level_0__"})
+#: rows of a ``datasets.Dataset`` read per batch
+BATCH_ROWS = 1024
+
+
+class NotEnumerable(TypeError):
+    """The data set has no length or no item access: its rows cannot be compared."""
+
+
+def _is_hf_dataset(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover -- datasets is a dependency of the stack
+        return False
+    return isinstance(dataset, datasets.Dataset)
+
+
+def _enumerable(dataset: Any) -> bool:
+    return hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+
+
+def _columns(dataset: Any) -> list[str] | None:
+    """The named fields of the set's rows, or None for rows without names (tuples, tensors)."""
+    if _is_hf_dataset(dataset):
+        return list(dataset.column_names)
+    if not _enumerable(dataset):
+        raise NotEnumerable(type(dataset).__name__)
+    if len(dataset) == 0:
+        return []
+    first = dataset[0]
+    return list(first.keys()) if isinstance(first, Mapping) else None
+
+
+def comparable_columns(train: Any, evaluation: Any) -> list[str] | None:
+    """The fields both sets' rows are compared on: ``["input_ids"]`` when both have it, else their common fields
+    less row ids; ``None``: whole rows (neither names its fields); ``[]``: nothing in common (rows never equal)."""
+    a, b = _columns(train), _columns(evaluation)
+    if a is None or b is None:
+        return None if a is None and b is None else []
+    common = set(a) & set(b)
+    return ["input_ids"] if "input_ids" in common else sorted(common - ID_COLUMNS)
+
+
+def _canonical(value: Any) -> Any:
+    """Tensors, arrays and NumPy scalars as Python values, containers recursively: equal content, equal form."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _canonical(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        nested = bool(value) and (isinstance(value[0], (list, tuple, Mapping)) or hasattr(value[0], "tolist"))
+        return [_canonical(v) for v in value] if nested else list(value)
+    return value
+
+
+def _digest(values: Any) -> bytes:
+    return hashlib.blake2b(repr(values).encode(), digest_size=16).digest()
+
+
+def row_digests(dataset: Any, columns: list[str] | None) -> Iterator[bytes]:
+    """One digest per row of ``dataset`` over ``columns`` (None: the whole row), in order."""
+    if _is_hf_dataset(dataset):
+        view = dataset.with_format(None)
+        names = list(view.column_names) if columns is None else columns
+        view = view.select_columns(names)
+        for batch in view.iter(batch_size=BATCH_ROWS):
+            for values in zip(*(batch[c] for c in names)):
+                yield _digest(tuple(_canonical(v) for v in values))
+        return
+    if not _enumerable(dataset):
+        raise NotEnumerable(type(dataset).__name__)
+    for index in range(len(dataset)):
+        item = dataset[index]
+        if columns is None:
+            yield _digest(_canonical(item))
+        else:
+            yield _digest(tuple(_canonical(item[c]) for c in columns))
+
+
+def _first_match(digests: Iterable[bytes], seen: set[bytes]) -> bool:
+    return any(digest in seen for digest in digests)
+
+
+def shares_rows(train: Any, evaluation: Any) -> bool:
+    """Whether a row of ``evaluation`` is identical to a row of ``train`` (see the module docstring).
+
+    Raises :class:`NotEnumerable` when either set cannot be read row by row."""
+    if evaluation is train:
+        return True
+    columns = comparable_columns(train, evaluation)
+    if columns == []:
+        return False
+    seen = set(row_digests(evaluation, columns))
+    return bool(seen) and _first_match(row_digests(train, columns), seen)
+
+
+def overlapping_rows(train: Any, evaluation: Any) -> int:
+    """How many rows of ``evaluation`` are identical to a row of ``train`` (a whole pass; for tests and reports
+    of one's own, never logged by the library)."""
+    columns = comparable_columns(train, evaluation)
+    if columns == []:
+        return 0
+    seen = set(row_digests(train, columns))
+    return sum(digest in seen for digest in row_digests(evaluation, columns))
