@@ -7,7 +7,7 @@ membership test reads. One shared row is enough, so a set is refused as soon as 
 
 Rows are compared by content, never by position or row id: each row's canonical form (the values of the columns
 both sets have: ``input_ids`` alone when both have it, so that an id column or a user column does not hide an
-identical example; tensors and arrays as lists) is hashed with BLAKE2b-128 into a digest. The eval set's digests
+identical example; tensors and arrays as lists; each example of a row TRL packed, by its ``seq_lengths``) is hashed with BLAKE2b-128 into a digest. The eval set's digests
 are held in memory (16 bytes and a set slot per row); the training set is streamed once per eval set and the scan
 stops at the first match. A ``datasets.Dataset`` is read in batches of 1024 rows without its format; any other
 map-style data set (``__len__`` and ``__getitem__``: a torch ``Dataset``, a list) item by item. The cost is one
@@ -30,6 +30,9 @@ __all__ = ["ID_COLUMNS", "NotEnumerable", "comparable_columns", "overlapping_row
 
 #: columns that number the rows of a split rather than describe the example
 ID_COLUMNS = frozenset({"idx", "id", "index", "__index_level_0__"})
+#: TRL's column of the lengths of the examples packed in a row (its eval sets are packed by default): a packed
+#: row is compared example by example
+SEGMENTS_COLUMN = "seq_lengths"
 #: rows of a ``datasets.Dataset`` read per batch
 BATCH_ROWS = 1024
 
@@ -92,6 +95,14 @@ def row_digests(dataset: Any, columns: list[str] | None) -> Iterator[bytes]:
     """One digest per row of ``dataset`` over ``columns`` (None: the whole row), in order."""
     if _is_hf_dataset(dataset):
         view = dataset.with_format(None)
+        if columns == ["input_ids"] and SEGMENTS_COLUMN in view.column_names:  # packed rows: each example
+            for batch in view.select_columns(["input_ids", SEGMENTS_COLUMN]).iter(batch_size=BATCH_ROWS):
+                for ids, lengths in zip(batch["input_ids"], batch[SEGMENTS_COLUMN]):
+                    start = 0
+                    for length in lengths:
+                        yield _digest((list(ids[start:start + length]),))
+                        start += length
+            return
         names = list(view.column_names) if columns is None else columns
         view = view.select_columns(names)
         for batch in view.iter(batch_size=BATCH_ROWS):
