@@ -104,9 +104,19 @@ def _token_digest(ids: Any) -> bytes:
 
 def _hf_token_digests(dataset: Any) -> Iterator[bytes]:
     """``input_ids`` of a ``datasets.Dataset`` read as Arrow batches (its row selection applied, no conversion to
-    Python lists); each example of a packed row (``seq_lengths``) on its own."""
+    Python lists); each example of a packed row (``seq_lengths``) on its own. Another layout than a list of
+    integers per row (fixed-size or nested lists) goes through Python lists, to the same digests."""
+    import pyarrow as pa
+
     packed = SEGMENTS_COLUMN in dataset.column_names
     view = dataset.select_columns(["input_ids", SEGMENTS_COLUMN] if packed else ["input_ids"]).with_format("arrow")
+    arrow_type = dataset.data.schema.field("input_ids").type
+    flat = (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and pa.types.is_integer(
+        arrow_type.value_type)
+    if not flat:
+        for row in dataset.with_format(None).select_columns(["input_ids"]).iter(batch_size=BATCH_ROWS):
+            yield from (_token_digest(ids) for ids in row["input_ids"])
+        return
     for batch in view.iter(batch_size=BATCH_ROWS):
         column = batch.column("input_ids").combine_chunks()
         values = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
