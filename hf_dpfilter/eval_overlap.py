@@ -7,16 +7,15 @@ membership test reads. One shared row is enough, so a set is refused as soon as 
 
 Rows are compared by content, never by position or row id: each row's canonical form (the values of the columns
 both sets have: ``input_ids`` alone when both have it, so that an id column or a user column does not hide an
-identical example; tensors and arrays as lists; each example of a row TRL packed, by its ``seq_lengths``) is
-hashed with BLAKE2b-128 into a digest. The eval set's digests are held in memory (16 bytes and a set slot per
-row); the training set is streamed once per eval set and the scan stops at the first match. ``input_ids`` are
-hashed as int64 bytes, read from a ``datasets.Dataset`` as Arrow batches of 1024 rows (no Python lists): about
-1.6 s per 100k training rows of 256 tokens on one CPU core; other columns through their Python form (several
-times slower); any other map-style data set (``__len__`` and
-``__getitem__``: a torch ``Dataset``, a list) item by item, at the cost of its ``__getitem__``. The cost is paid
-once per eval set per trainer: the verdict is kept. An eval set that cannot be enumerated (an iterable data
-set) cannot be checked and is refused likewise. Nothing is published: the error names the eval set, never a row,
-an index or a count.
+identical example; numbers as float64 or int64 bytes whatever holds them; each example of a row TRL packed, by its
+``seq_lengths``) is hashed with BLAKE2b-128 into a digest. The eval set's digests are held in memory (16 bytes and
+a set slot per row); the training set is streamed once per eval set and the scan stops at the first match.
+``input_ids`` are hashed as int64 bytes, read from a ``datasets.Dataset`` as Arrow batches of 1024 rows (no Python
+lists): about 1.6 s per 100k training rows of 256 tokens on one CPU core; other columns through their Python form
+(several times slower); any other map-style data set (``__len__`` and ``__getitem__``: a torch ``Dataset``, a list)
+item by item, at the cost of its ``__getitem__``. The cost is paid once per eval set per trainer: the verdict is
+kept. An eval set that cannot be enumerated (an iterable data set) cannot be checked and is refused likewise.
+Nothing is published: the error names the eval set, never a row, an index or a count.
 
 ``dp_allow_eval_on_training_rows=True`` is the explicit opt-in: the evaluation runs with a warning, and what it
 publishes is outside the reported (epsilon, delta) (docs/threat_model.md).
@@ -80,14 +79,26 @@ def comparable_columns(train: Any, evaluation: Any) -> list[str] | None:
 
 
 def _canonical(value: Any) -> Any:
-    """Tensors, arrays and NumPy scalars as Python values, containers recursively: equal content, equal form."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
+    """A form that depends on the content only: numbers of any container (a list, a tensor, an array; any width)
+    as the digest of their shape and float64 or int64 bytes, 0-d values as Python scalars, mappings sorted,
+    strings as they are."""
+    if value is None or isinstance(value, (str, bytes, bool, int, float)):
+        return value
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
     if isinstance(value, Mapping):
         return tuple(sorted((str(k), _canonical(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        nested = bool(value) and (isinstance(value[0], (list, tuple, Mapping)) or hasattr(value[0], "tolist"))
-        return [_canonical(v) for v in value] if nested else list(value)
+    if isinstance(value, (list, tuple, np.ndarray, np.generic)):
+        try:
+            array = np.asarray(value)
+        except ValueError:  # ragged
+            return [_canonical(v) for v in value]
+        if array.ndim == 0:
+            return array.item()
+        if array.dtype.kind in "biuf":
+            wide = array.astype(np.float64 if array.dtype.kind == "f" else np.int64)
+            return ("array", array.shape, hashlib.blake2b(wide.tobytes(), digest_size=16).hexdigest())
+        return [_canonical(v) for v in value]
     return value
 
 
