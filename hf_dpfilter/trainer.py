@@ -127,6 +127,15 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self._total_loss_scalar = float("nan")  # the Trainer's running sum behind it, kept on the trainer
         return TrainOutput(output.global_step, float("nan"), metrics)
 
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        # every evaluation, in training or not: a set sharing rows with the training set is refused (run_guard)
+        self._run_guard.check_eval_set(self, eval_dataset, "the evaluation set")
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        self._run_guard.check_eval_set(self, test_dataset, "predict()'s test_dataset")
+        return super().get_test_dataloader(test_dataset)
+
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise ValueError(
             "hyperparameter_search is not supported by DPTrainer: every trial trains on the private data and the "
@@ -331,15 +340,6 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
-
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        # every evaluation, in training or not: a set sharing rows with the training set is refused (run_guard)
-        self._run_guard.check_eval_set(self, eval_dataset, "the evaluation set")
-        return super().get_eval_dataloader(eval_dataset)
-
-    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
-        self._run_guard.check_eval_set(self, test_dataset, "predict()'s test_dataset")
-        return super().get_test_dataloader(test_dataset)
 
     # --------------------------------------------------------------------------- steps
     def compute_per_example_loss(
