@@ -9,5 +9,7 @@ privacy unit's influence:
 * :mod:`~hf_dpfilter.proofs.batch_structure`: which collated keys carry the example axis, probed on the collator;
 * :mod:`~hf_dpfilter.proofs.loss_policy`: which losses are refused, and the contract of the per-example loss hook;
 * :mod:`~hf_dpfilter.proofs.first_step_check`: the first step checked example by example against each example
-  re-collated alone.
+  re-collated alone;
+* :mod:`~hf_dpfilter.proofs.hooks`: no gradient hook on the model sees a gradient before the noise (refused by
+  name at every step).
 """
