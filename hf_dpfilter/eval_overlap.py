@@ -24,12 +24,16 @@ publishes is outside the reported (epsilon, delta) (docs/threat_model.md).
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ID_COLUMNS", "NotEnumerable", "comparable_columns", "overlapping_rows", "row_digests", "shares_rows"]
+from hf_dpfilter.training_fields import TrainingFieldError
+
+__all__ = ["ID_COLUMNS", "EvalRowsGuard", "NotEnumerable", "comparable_columns", "overlapping_rows", "row_digests", "shares_rows"]
 
 #: columns that number the rows of a split rather than describe the example
 ID_COLUMNS = frozenset({"idx", "id", "index", "__index_level_0__"})
@@ -189,3 +193,62 @@ def overlapping_rows(train: Any, evaluation: Any) -> int:
         return 0
     seen = set(row_digests(train, columns))
     return sum(digest in seen for digest in row_digests(evaluation, columns))
+
+
+@dataclass
+class _Verdict:
+    dataset: Any  # held, so that its id is not reused by another set
+    shared: bool | None  # None: cannot be compared row by row
+    warned: bool = False
+
+
+@dataclass
+class EvalRowsGuard:
+    """The decision for each evaluation or prediction set, computed once per set (the trainer holds one)."""
+
+    verdicts: dict[int, _Verdict] = field(default_factory=dict, metadata={"help": "id(set) -> its verdict"})
+
+    def _verdict(self, train: Any, dataset: Any) -> _Verdict:
+        verdict = self.verdicts.get(id(dataset))
+        if verdict is None or verdict.dataset is not dataset:
+            try:
+                shared = shares_rows(train, dataset)
+            except NotEnumerable:
+                shared = None
+            verdict = self.verdicts[id(dataset)] = _Verdict(dataset, shared)
+        return verdict
+
+    def check(self, train: Any, dataset: Any, label: str, *, private: bool, allowed: bool, disjoint: bool,
+              driven: list[str]) -> None:
+        """Raise ``TrainingFieldError`` (with the fix) when ``dataset`` shares a row with ``train`` or cannot be
+        compared, in a private run without ``allowed`` (``dp_allow_eval_on_training_rows``); warn once with it.
+        A shared row is refused whatever ``allowed`` when evaluation-driven settings (``driven``) would steer the
+        run by it under ``disjoint`` (``dp_eval_disjoint_from_train``, the user's declaration of a held-out set,
+        which also stands for a set that cannot be compared)."""
+        if not private and not (driven and disjoint):
+            return
+        verdict = self._verdict(train, dataset)
+        if verdict.shared and driven and disjoint:
+            raise TrainingFieldError(
+                f"dp_eval_disjoint_from_train=True, but {label} shares at least one identical row with the training "
+                f"set, and {', '.join(driven)} would select or steer the run by their noiseless metric. Remove the "
+                "shared examples from the eval set (deduplicate the splits), or remove the evaluation-driven settings."
+            )
+        if not private or verdict.shared is False or (verdict.shared is None and disjoint):
+            return
+        problem = ("shares at least one identical row with the training set" if verdict.shared else
+                   "cannot be compared with the training set row by row (it has no length or item access)")
+        if not allowed:
+            raise TrainingFieldError(
+                f"{label} {problem}: its evaluation loss, metrics and predictions are computed from those private "
+                "examples without noise and published (logs, trainer_state.json, the returned metrics), outside the "
+                "reported epsilon. Evaluate a held-out split (e.g. the validation split, or train_test_split and "
+                "train on the rest), or set dp_allow_eval_on_training_rows=True to publish them knowingly."
+            )
+        if not verdict.warned:
+            verdict.warned = True
+            warnings.warn(
+                f"dp_allow_eval_on_training_rows=True: {label} {problem}; its loss, metrics and predictions are "
+                "published without noise, outside the reported epsilon (docs/threat_model.md).",
+                UserWarning, stacklevel=4,
+            )

@@ -21,10 +21,9 @@ is created. Everything the training loop later reads must still say the same whe
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import TYPE_CHECKING, Any
 
-from hf_dpfilter.eval_overlap import NotEnumerable, overlapping_rows, shares_rows
+from hf_dpfilter.eval_overlap import EvalRowsGuard, overlapping_rows
 from hf_dpfilter.proofs.hooks import refuse_gradient_hooks, refuse_wandb_watch_gradients
 from hf_dpfilter.training_fields import TrainingFieldError, check_training_fields, eval_driven_features
 
@@ -52,7 +51,7 @@ class RunGuard:
         args = trainer.args
         self.planned = {name: copy.deepcopy(getattr(args, name, None)) for name in PLANNED_DP_FIELDS}
         self.world_size = max(1, args.world_size)
-        self._eval_verdicts: dict[int, list] = {}  # id(eval set) -> [the set, shares rows (None: unknown), warned]
+        self.eval_rows = EvalRowsGuard()  # each eval set's verdict, kept: its rows are hashed once
         self.check(trainer)
 
     def check(self, trainer: DPTrainer) -> None:
@@ -172,8 +171,7 @@ class RunGuard:
     def check_eval_set(self, trainer: DPTrainer, dataset: Any, label: str, driven: list[str] | None = None) -> None:
         """Refuse an evaluation (or prediction) set that shares a row with the training set, before anything is
         computed on it (:mod:`hf_dpfilter.eval_overlap`): at creation, when ``train()`` starts, and at every
-        evaluation and prediction (``get_eval_dataloader``/``get_test_dataloader``). The verdict of each set is
-        kept, so its rows are hashed once per trainer."""
+        evaluation and prediction (``get_eval_dataloader``/``get_test_dataloader``)."""
         if isinstance(dataset, str):  # the Trainer's key into a dict of eval sets
             dataset, label = trainer.eval_dataset[dataset], f"eval_dataset[{dataset!r}]"
         elif dataset is None:
@@ -185,43 +183,11 @@ class RunGuard:
         if dataset is None:
             return
         args = trainer.args
-        driven = eval_driven_features(args) + _early_stopping(trainer) if driven is None else driven
-        private, allowed = trainer.privacy_plan.is_private, args.dp_allow_eval_on_training_rows
-        if not private and not (driven and args.dp_eval_disjoint_from_train):
-            return
-        entry = self._eval_verdicts.get(id(dataset))
-        if entry is None or entry[0] is not dataset:
-            try:
-                verdict = shares_rows(trainer.train_dataset, dataset)
-            except NotEnumerable:
-                verdict = None  # cannot be read row by row: unknown
-            entry = self._eval_verdicts[id(dataset)] = [dataset, verdict, False]
-        shared = entry[1]
-        if shared and driven and args.dp_eval_disjoint_from_train:
-            raise TrainingFieldError(
-                f"dp_eval_disjoint_from_train=True, but {label} shares at least one identical row with the training "
-                f"set, and {', '.join(driven)} would select or steer the run by their noiseless metric. Remove the "
-                "shared examples from the eval set (deduplicate the splits), or remove the evaluation-driven settings."
-            )
-        if not private or shared is False or (shared is None and args.dp_eval_disjoint_from_train):
-            return
-        if not allowed:
-            problem = ("shares at least one identical row with the training set" if shared else
-                       "cannot be compared with the training set row by row (it has no length or item access)")
-            raise TrainingFieldError(
-                f"{label} {problem}: its evaluation loss, metrics and predictions are computed from those private "
-                "examples without noise and published (logs, trainer_state.json, the returned metrics), outside the "
-                "reported epsilon. Evaluate a held-out split (e.g. the validation split, or train_test_split and "
-                "train on the rest), or set dp_allow_eval_on_training_rows=True to publish them knowingly."
-            )
-        if not entry[2]:
-            entry[2] = True
-            warnings.warn(
-                f"dp_allow_eval_on_training_rows=True: {label} "
-                + ("shares rows with the training set" if shared else "could not be compared with the training set")
-                + "; its loss, metrics and predictions are published without noise, outside the reported epsilon "
-                "(docs/threat_model.md).", UserWarning, stacklevel=3,
-            )
+        self.eval_rows.check(
+            trainer.train_dataset, dataset, label, private=trainer.privacy_plan.is_private,
+            allowed=args.dp_allow_eval_on_training_rows, disjoint=args.dp_eval_disjoint_from_train,
+            driven=eval_driven_features(args) + _early_stopping(trainer) if driven is None else driven,
+        )
 
 
 def _eval_datasets(eval_dataset: Any) -> list[tuple[str, Any]]:

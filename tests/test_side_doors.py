@@ -196,7 +196,7 @@ def test_the_opt_in_evaluates_training_rows_with_a_warning(tmp_path):
     train, overlapping, _ = SPLITS["datasets"](make_examples(9, VOCAB, False, seed=3))
     trainer = DPTrainer(model=tiny_bert(), args=_args(tmp_path, dp_allow_eval_on_training_rows=True),
                         train_dataset=train, data_collator=_pad_lists(PadCollator(0)))
-    with pytest.warns(UserWarning, match=r"dp_allow_eval_on_training_rows=True: the evaluation set shares rows"):
+    with pytest.warns(UserWarning, match=r"dp_allow_eval_on_training_rows=True: the evaluation set shares at least one identical row"):
         metrics = trainer.evaluate(overlapping)
     assert math.isfinite(metrics["eval_loss"])
 
