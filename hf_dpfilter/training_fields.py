@@ -204,7 +204,8 @@ def _eval_driven(args: Any, stage: str) -> str | None:
 
 # ------------------------------------------------------------------------------------------------ the table
 _H, _P, _R, _O = STATUSES
-_EVAL = "evaluation only (allowed on a held-out set; an eval_dataset that is the training set itself is refused)"
+_EVAL = ("evaluation only (allowed on a held-out set; a set sharing a row with the training set is refused unless "
+         "dp_allow_eval_on_training_rows=True)")
 _HUB = "honoured: no published file holds the DP seed or a generator state (see 'Published files')"
 _INERT_DATA = "no effect on training: DPTrainer's loader yields the Poisson batches (used for evaluation only)"
 
