@@ -86,8 +86,10 @@ def gradient_hooks(model: nn.Module) -> Iterator[tuple[str, str, Any]]:
         for hook in _foreign(getattr(param, "_post_accumulate_grad_hooks", None)):
             yield name, "Tensor.register_post_accumulate_grad_hook", hook
     for name, module in model.named_modules():
+        full = getattr(module, "_is_full_backward_hook", None) is not False  # False: the older register_backward_hook
+        kind = "Module.register_full_backward_hook" if full else "Module.register_backward_hook"
         for hook in _foreign(getattr(module, "_backward_hooks", None)):
-            yield name or "<model>", "Module.register_full_backward_hook", hook
+            yield name or "<model>", kind, hook
         for hook in _foreign(getattr(module, "_backward_pre_hooks", None)):
             yield name or "<model>", "Module.register_full_backward_pre_hook", hook
     from torch.nn.modules import module as torch_module
