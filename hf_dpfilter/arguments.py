@@ -195,11 +195,22 @@ class DPArgumentsMixin:
         },
     )
 
+    dp_allow_eval_on_training_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow evaluate()/predict() and the evaluations during training on a set that shares rows with "
+            "the training set (or that cannot be compared with it row by row). Default False: such a set is "
+            "refused before anything is computed on it, since its loss, metrics and predictions are noiseless "
+            "statistics of private examples. With True they are published with a warning, outside the reported "
+            "epsilon (docs/threat_model.md)."
+        },
+    )
+
     dp_log_nonprivate_metrics: bool = field(
         default=False,
         metadata={
             "help": "Publish NON-PRIVATE statistics of the private batches: the training loss (log lines, "
-            "trainer_state.json, loggers, model card), total_flos from the real batch sizes, "
+            "train()'s training_loss, otherwise NaN, trainer_state.json, loggers, model card), total_flos from the real batch sizes, "
             "include_num_input_tokens_seen, the training's memory metrics (skip_memory_metrics=False), and the count of examples zeroed for a NaN/inf loss or gradient "
             "(privacy ledger and a per-step warning). None of them is noised or accounted: with True the reported "
             "epsilon does not cover them (docs/threat_model.md). Default False: none is computed or written."

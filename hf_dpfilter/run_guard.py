@@ -10,18 +10,21 @@ is created. Everything the training loop later reads must still say the same whe
 * no ``model_init`` (the clipping engine and the plan belong to one model), and the model, the loss and the
   size of the training set are still those of creation (``trainer.model``, ``compute_loss_func``,
   ``train_dataset`` set afterwards are refused);
-* an evaluation that picks checkpoints, drives the learning rate or stops the run never reads training examples:
-  ``eval_dataset`` is not the training set, and with ``dp_eval_disjoint_from_train=True`` identical rows of
-  ``datasets.Dataset`` train/eval sets are looked for.
+* no hook that would see a gradient before the noise (:mod:`hf_dpfilter.proofs.hooks`; again at every step) and
+  no ``WANDB_WATCH=gradients|all`` in the environment;
+* no evaluation or prediction set shares a row with the training set (:mod:`hf_dpfilter.eval_overlap`; again
+  at every evaluation and prediction) unless ``dp_allow_eval_on_training_rows=True``; an evaluation that picks
+  checkpoints, drives the learning rate or stops the run needs ``dp_eval_disjoint_from_train=True`` and shares
+  no row with it whatever the opt-in.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from hf_dpfilter.eval_overlap import EvalRowsGuard, overlapping_rows
+from hf_dpfilter.proofs.hooks import refuse_gradient_hooks, refuse_wandb_watch_gradients
 from hf_dpfilter.training_fields import TrainingFieldError, check_training_fields, eval_driven_features
 
 if TYPE_CHECKING:
@@ -36,8 +39,6 @@ PLANNED_DP_FIELDS = (
 )
 #: fields whose values are secret: a message names the change, never the values
 SECRET_FIELDS = ("dp_seed",)
-#: columns that number the rows of a split rather than describe the example
-ID_COLUMNS = frozenset({"idx", "id", "index", "__index_level_0__"})
 
 
 class RunGuard:
@@ -50,6 +51,7 @@ class RunGuard:
         args = trainer.args
         self.planned = {name: copy.deepcopy(getattr(args, name, None)) for name in PLANNED_DP_FIELDS}
         self.world_size = max(1, args.world_size)
+        self.eval_rows = EvalRowsGuard()  # each eval set's verdict, kept: its rows are hashed once
         self.check(trainer)
 
     def check(self, trainer: DPTrainer) -> None:
@@ -62,6 +64,9 @@ class RunGuard:
                 "run; account every run you publish or select from."
             )
         check_training_fields(trainer.args, "trainer")
+        if trainer.privacy_plan.is_private:  # hooks that would see unclipped gradients (proofs/hooks.py)
+            refuse_wandb_watch_gradients()
+            refuse_gradient_hooks(trainer.model)
         self._check_model_loss_and_data(trainer)
         self._check_plan_inputs(trainer)
         self._check_evaluation(trainer)
@@ -154,23 +159,35 @@ class RunGuard:
                     "split (e.g. the validation split), or remove eval_dataset."
                 )
         driven = eval_driven_features(args) + _early_stopping(trainer)
-        if not driven:
-            return
-        if not args.dp_eval_disjoint_from_train:
+        if driven and not args.dp_eval_disjoint_from_train:
             raise TrainingFieldError(
                 f"{', '.join(driven)}: an evaluation metric would pick checkpoints, drive the learning rate or stop "
                 "the run, unaccounted. If eval_dataset is a held-out split sharing no example with the training "
                 "set, declare it with dp_eval_disjoint_from_train=True; otherwise remove these settings."
             )
         for name, dataset in evals:
-            count = overlapping_rows(train, dataset)
-            if count:
-                raise TrainingFieldError(
-                    f"dp_eval_disjoint_from_train=True, but eval_dataset{name} shares {count} identical row(s) with "
-                    f"the training set, and {', '.join(driven)} would select or steer the run by their noiseless "
-                    "metric. Remove the shared examples from the eval set (deduplicate the splits), or remove the "
-                    "evaluation-driven settings."
-                )
+            self.check_eval_set(trainer, dataset, f"eval_dataset{name}", driven)
+
+    def check_eval_set(self, trainer: DPTrainer, dataset: Any, label: str, driven: list[str] | None = None) -> None:
+        """Refuse an evaluation (or prediction) set that shares a row with the training set, before anything is
+        computed on it (:mod:`hf_dpfilter.eval_overlap`): at creation, when ``train()`` starts, and at every
+        evaluation and prediction (``get_eval_dataloader``/``get_test_dataloader``)."""
+        if isinstance(dataset, str):  # the Trainer's key into a dict of eval sets
+            dataset, label = trainer.eval_dataset[dataset], f"eval_dataset[{dataset!r}]"
+        elif dataset is None:
+            dataset = trainer.eval_dataset
+        if isinstance(dataset, dict):
+            for key, value in dataset.items():
+                self.check_eval_set(trainer, value, f"eval_dataset[{key!r}]", driven)
+            return
+        if dataset is None:
+            return
+        args = trainer.args
+        self.eval_rows.check(
+            trainer.train_dataset, dataset, label, private=trainer.privacy_plan.is_private,
+            allowed=args.dp_allow_eval_on_training_rows, disjoint=args.dp_eval_disjoint_from_train,
+            driven=eval_driven_features(args) + _early_stopping(trainer) if driven is None else driven,
+        )
 
 
 def _eval_datasets(eval_dataset: Any) -> list[tuple[str, Any]]:
@@ -191,25 +208,3 @@ def _early_stopping(trainer: DPTrainer) -> list[str]:
 
     callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
     return ["EarlyStoppingCallback"] if any(isinstance(c, EarlyStoppingCallback) for c in callbacks) else []
-
-
-def _row_digests(dataset: Any, columns: list[str]) -> Iterable[bytes]:
-    for batch in dataset.select_columns(columns).iter(batch_size=1024):
-        for values in zip(*(batch[c] for c in columns)):
-            yield hashlib.blake2b(repr(values).encode(), digest_size=16).digest()
-
-
-def overlapping_rows(train: Any, evaluation: Any) -> int:
-    """Rows of ``evaluation`` identical to a row of ``train`` on their common columns (``datasets.Dataset``s;
-    0 for other datasets, where identity cannot be checked cheaply)."""
-    import datasets
-
-    if not (isinstance(train, datasets.Dataset) and isinstance(evaluation, datasets.Dataset)):
-        return 0
-    common = set(train.column_names) & set(evaluation.column_names)
-    # The model's input identifies an example; row ids (GLUE's "idx") differ between splits and would hide it.
-    columns = ["input_ids"] if "input_ids" in common else sorted(common - ID_COLUMNS)
-    if not columns:
-        return 0
-    seen = set(_row_digests(train, columns))
-    return sum(digest in seen for digest in _row_digests(evaluation, columns))

@@ -52,6 +52,7 @@ from hf_dpfilter.privacy_session import PrivacySessionMixin, _PrivacyCallback, r
 from hf_dpfilter.processes import check_one_dp_run
 from hf_dpfilter.proofs import padding
 from hf_dpfilter.proofs.batch_structure import probe_batch_structure
+from hf_dpfilter.proofs.hooks import refuse_gradient_hooks
 from hf_dpfilter.proofs.loss_policy import (
     check_hook_verified_when_sharded,
     check_loss_policy,
@@ -118,7 +119,26 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         # a checkpoint of another output_dir: its ledger is this run's history too (PrivacyLedger.open_session)
         self._resumed_checkpoint_dir = checkpoint if isinstance(checkpoint, str) else None
-        return super().train(*args, **kwargs)
+        return self._without_nonprivate_loss(super().train(*args, **kwargs))
+
+    def _without_nonprivate_loss(self, output: TrainOutput) -> TrainOutput:
+        """``training_loss`` NaN and no ``train_loss`` in the metrics unless ``dp_log_nonprivate_metrics``: the
+        Trainer's value is the exact mean loss of the private batches (two runs on neighbouring data sets give an
+        example's own loss), and the metrics are what scripts save (``trainer.save_metrics``)."""
+        if not self.privacy_plan.is_private or self.args.dp_log_nonprivate_metrics:
+            return output
+        metrics = {k: v for k, v in (output.metrics or {}).items() if k not in self.NONPRIVATE_LOG_KEYS}
+        self._total_loss_scalar = float("nan")  # the Trainer's running sum behind it, kept on the trainer
+        return TrainOutput(output.global_step, float("nan"), metrics)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        # every evaluation, in training or not: a set sharing rows with the training set is refused (run_guard)
+        self._run_guard.check_eval_set(self, eval_dataset, "the evaluation set")
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        self._run_guard.check_eval_set(self, test_dataset, "predict()'s test_dataset")
+        return super().get_test_dataloader(test_dataset)
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise ValueError(
@@ -374,6 +394,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         Each micro-batch goes through the per-micro-batch proofs (:class:`~hf_dpfilter.proofs.separation.SeparationChecks`)
         before it is accumulated: a failure raises before the step is released."""
         model = self.model  # hooks live on the unwrapped modules; DDP reduction is done by the DP optimizer
+        if self.privacy_plan.is_private:  # a callback may have hooked a gradient since the last step
+            refuse_gradient_hooks(model)
         model.train()
         if self.engine is not None:
             self.engine.hold_eval_modes()  # modules the options keep in eval mode (dp_batchnorm_eval)

@@ -204,7 +204,8 @@ def _eval_driven(args: Any, stage: str) -> str | None:
 
 # ------------------------------------------------------------------------------------------------ the table
 _H, _P, _R, _O = STATUSES
-_EVAL = "evaluation only (allowed on a held-out set; an eval_dataset that is the training set itself is refused)"
+_EVAL = ("evaluation only (allowed on a held-out set; a set sharing a row with the training set is refused unless "
+         "dp_allow_eval_on_training_rows=True)")
 _HUB = "honoured: no published file holds the DP seed or a generator state (see 'Published files')"
 _INERT_DATA = "no effect on training: DPTrainer's loader yields the Poisson batches (used for evaluation only)"
 
@@ -411,9 +412,12 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "dp_eval_disjoint_from_train": FieldPolicy(
         _O, "the user's declaration that eval_dataset shares no example with the training set; allows "
         "evaluation-driven checkpoint selection, lr scheduling and early stopping (identical rows refused)"),
+    "dp_allow_eval_on_training_rows": FieldPolicy(
+        _O, "evaluation and prediction on a set sharing rows with the training set (refused by default): its "
+        "noiseless loss, metrics and predictions are then published with a warning, outside the guarantee"),
     "dp_log_nonprivate_metrics": FieldPolicy(
-        _O, "publishes the training loss, total_flos and include_num_input_tokens_seen, computed from private "
-        "batches without noise (non-private); off by default"),
+        _O, "publishes the training loss (log lines and train()'s training_loss, NaN otherwise), total_flos and "
+        "include_num_input_tokens_seen, computed from private batches without noise (non-private); off by default"),
 }
 
 

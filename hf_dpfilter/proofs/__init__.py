@@ -17,5 +17,7 @@ privacy unit's influence:
 * :mod:`~hf_dpfilter.proofs.randomness`: the checks' forwards (training mode, dropout off, the same draws, or a
   refusal);
 * :mod:`~hf_dpfilter.proofs.separation`: the one entry the trainer calls per micro-batch before accumulating it
-  (the first-step check once, the loss-only re-checks on new shapes and on a random schedule).
+  (the first-step check once, the loss-only re-checks on new shapes and on a random schedule);
+* :mod:`~hf_dpfilter.proofs.hooks`: no gradient hook on the model sees a gradient before the noise (refused by
+  name at every step).
 """
