@@ -121,12 +121,23 @@ class MicroBatchMixin:
             collator = getattr(self, "_padding_collator", None)
             if collator is not None:
                 data = collator.dataset
-                self._batch_structure = probe_batch_structure(
-                    collator.collate_fn, data[0], data[1] if len(data) > 1 else None
+                self._use_training_structure(
+                    probe_batch_structure(collator.collate_fn, data[0], data[1] if len(data) > 1 else None)
                 )
             else:
                 self.get_train_dataloader()  # builds the training collator and probes it
         return self._batch_structure
+
+    def _use_training_structure(self, structure: BatchStructure) -> None:
+        """The probed structure, given to everything that checks the collated batches against it: the packed-row
+        guard (every segment one whole sampled row) and the maskless-padding check of the training collator. Set
+        wherever the structure is probed, so no collated batch passes unchecked after it."""
+        self._batch_structure = structure
+        collator = getattr(self, "_padding_collator", None)
+        if collator is not None:
+            collator.structure = structure
+            if hasattr(collator.collate_fn, "structure"):  # proofs.row_segments.RowSegmentsGuard
+                collator.collate_fn.structure = structure
 
     def _micro_batches(
         self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None = None, size: int | None = None

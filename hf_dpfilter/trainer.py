@@ -337,9 +337,9 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
         collator = RowSegmentsGuard(collator)  # packed batches: every segment one whole sampled row (proofs/)
         self._padding_collator = _EmptySafeCollator(collator, dataset)
-        self._batch_structure = probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None)
-        collator.structure = self._batch_structure  # the guard checks the batches collated from now on
-        self._padding_collator.structure = self._batch_structure  # maskless: example widths checked per batch
+        # the guard (packed rows) and the maskless-padding check see every batch collated from now on
+        self._use_training_structure(
+            probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None))
         padding.check_collator_padding(self.model, collator, [dataset[i] for i in range(min(2, len(dataset)))],
                                        self._batch_structure)  # early; every batch is checked too
         return _LogicalBatchLoader(

@@ -130,7 +130,9 @@ def test_all_labels_ignored_gives_zero_loss_and_zero_update(tmp_path):
         e["labels"] = torch.full_like(e["labels"], -100)
     model = tiny_gpt2()
     before = flat([p.detach().clone() for p in model.parameters()])
-    trainer = DPTrainer(model=model, args=_args(tmp_path, logical_batch_size=4, per_device_train_batch_size=2),
+    # the opt-in: without it train() returns no training loss (NaN), a noiseless statistic of the batches
+    trainer = DPTrainer(model=model, args=_args(tmp_path, logical_batch_size=4, per_device_train_batch_size=2,
+                                                dp_log_nonprivate_metrics=True),
                         train_dataset=ListDataset(examples), data_collator=PadCollator(0))
     out = trainer.train()
     assert out.training_loss == 0.0

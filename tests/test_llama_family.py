@@ -11,6 +11,7 @@ bf16 frozen base with fp32 LoRA adapters trains under bf16 autocast with per-exa
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -228,7 +229,8 @@ def test_bf16_base_fp32_adapters_train_with_dptrainer(tmp_path):
     )
     trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
     result = trainer.train()
-    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert math.isnan(result.training_loss)  # a private run returns no noiseless training loss
+    assert all(torch.isfinite(p).all() for p in model.parameters())
     changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed and all("lora_" in n for n in changed)
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
