@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from hf_dpfilter import units as privacy_units
 from hf_dpfilter.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
-from hf_dpfilter.proofs import padding
+from hf_dpfilter.proofs import collator_draws, padding
 from hf_dpfilter.proofs.batch_structure import BatchStructure, probe_batch_structure
 
 logger = logging.getLogger(__name__)
@@ -238,14 +240,27 @@ class MicroBatchMixin:
         return [(self._no_cache_when_packed(micro_batch), None if raw is None else [raw[i] for i in members])
                 for micro_batch, members in cut]
 
-    def _alone(self, raw: Any) -> tuple:
+    def _alone(self, raw: Any, micro_batch: tuple | None = None, index: int = 0) -> tuple:
         """One raw example as the trainer would compute it as a batch of one: the training collator on that row
         alone, ``_prepare_inputs``, then the micro-batch path with one example (its own padding, positions and
-        packing; never a row sliced out of a collated batch)."""
+        packing; never a row sliced out of a collated batch). With ``micro_batch`` (the example is its
+        ``index``-th), the keys the collator draws at random keep the example's draw in it, cropped to its own
+        width (hf_dpfilter.proofs.collator_draws); the collation alone runs on forked random streams, so the
+        checks draw nothing from the run's."""
         collator: _EmptySafeCollator = self._padding_collator
-        inputs = dict(self._prepare_inputs(collator.collate_fn([raw])))
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                collated = collator.collate_fn([raw])
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+        inputs = dict(self._prepare_inputs(collated))
         inputs.pop(privacy_units.UNITS_KEY, None)  # the check compares examples, whatever the unit
         labels = inputs.pop("labels")
+        if micro_batch is not None:
+            inputs, labels = collator_draws.with_batch_draws(
+                self._training_batch_structure(), inputs, labels, micro_batch, index)
         pieces = list(self._micro_batches(inputs, labels, 1, size=1))
         if len(pieces) != 1 or _example_count(pieces[0]) != 1:
             raise PackingError("One example collated alone did not give one micro-batch of one example.")

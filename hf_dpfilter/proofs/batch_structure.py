@@ -24,10 +24,12 @@ computed here leaves the process: the probe only reads the structure of one trai
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hf_dpfilter.packing import FLASH_BOUNDARY_KEYS, SEQ_IDX_KEY, PackedLayout, PackingError
@@ -49,6 +51,10 @@ class BatchStructure:
     boundaries: frozenset[str]
     #: packed rows: the position id the collator gives each example's first token (structure, not data)
     position_start: int = 0
+    #: per-example (per-token) keys the collator draws at random (masked-LM masking): they differ between
+    #: collations of the same examples under different seeds. An example alone carries its batch row's draw of
+    #: them (hf_dpfilter.proofs.collator_draws); every other key is compared with the example collated alone.
+    random: frozenset[str] = frozenset()
 
     @property
     def packed(self) -> bool:
@@ -302,12 +308,7 @@ def probe_batch_structure(
             "example: a batch is either packed or one example per row."
         )
     # keys drawn at random by the collator (masked-LM masking) differ between copies by design: not compared
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        first = dict(collate_fn([example]))
-        torch.manual_seed(1)
-        second = dict(collate_fn([example]))
-    random_keys = {key for key in keys if not _same(first.get(key), second.get(key))}
+    random_keys = _random_keys(collate_fn, example, keys)
     _check_rows_are_their_examples(batches, per_example - random_keys, per_token - random_keys)
     if other is not None:
         _check_pair(collate_fn, example, other, per_example - random_keys, per_token - random_keys)
@@ -315,5 +316,28 @@ def probe_batch_structure(
     if "position_ids" in per_token:
         start = int(batches[0]["position_ids"].reshape(-1)[0])
     return BatchStructure(
-        frozenset(per_example), frozenset(per_token), frozenset(shared), frozenset(boundaries), position_start=start
+        frozenset(per_example), frozenset(per_token), frozenset(shared), frozenset(boundaries), position_start=start,
+        random=frozenset(random_keys & (per_example | per_token)),
     )
+
+
+#: copies of the example and seeds the random-key probe collates: a mask drawn with probability 0.15 per token on
+#: a short example is often empty in one collation of one copy (two such collations then agree by chance); 8
+#: copies under 4 seeds make a chance agreement negligible
+_RANDOM_PROBE_COPIES, _RANDOM_PROBE_SEEDS = 8, 4
+
+
+def _random_keys(collate_fn: Callable[[list], dict[str, Any]], example: Any, keys: set) -> set:
+    """The keys whose collation of the same examples differs between seeds (torch's; Python's and NumPy's streams
+    are not seeded here, so a collator drawing from them differs too). The run's random streams are restored."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            draws = []
+            for seed in range(_RANDOM_PROBE_SEEDS):
+                torch.manual_seed(seed)
+                draws.append(dict(collate_fn([example] * _RANDOM_PROBE_COPIES)))
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+    return {key for key in keys if any(not _same(draws[0].get(key), d.get(key)) for d in draws[1:])}

@@ -98,8 +98,8 @@ class SeparationChecks:
     """The per-micro-batch proofs of a run (see the module docstring); :meth:`before_accumulate` is the entry.
 
     ``loss_fn(inputs, labels)``: the trainer's per-example losses; ``packed(layout)``: the context declaring a
-    micro-batch's layout to the loss and the engine; ``alone(raw)``: the micro-batch of one raw example collated
-    alone; ``first_step``: run the first-step check (False: done, or turned off); ``rate``: ``dp_recheck_rate``.
+    micro-batch's layout to the loss and the engine; ``alone(raw, micro_batch, i)``: the micro-batch of one raw
+    example collated alone, example ``i`` of ``micro_batch`` (whose draws of the collator's random keys it keeps); ``first_step``: run the first-step check (False: done, or turned off); ``rate``: ``dp_recheck_rate``.
     """
 
     def __init__(
@@ -107,7 +107,7 @@ class SeparationChecks:
         engine: Any,
         loss_fn: Callable[[dict[str, Any], torch.Tensor], torch.Tensor],
         packed: Callable[[Any], contextlib.AbstractContextManager],
-        alone: Callable[[Any], MicroBatch],
+        alone: Callable[[Any, MicroBatch, int], MicroBatch],
         *,
         first_step: bool,
         rechecks: bool,
@@ -164,7 +164,7 @@ class SeparationChecks:
 
     def _first_step(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any]) -> None:
         worst = verify_per_example(
-            self.engine, model, self.loss_fn, micro_batch, lambda i: self.alone(raw[i]), self.packed,
+            self.engine, model, self.loss_fn, micro_batch, lambda i: self.alone(raw[i], micro_batch, i), self.packed,
             low_precision=self.low_precision,
         )
         self.first_step_pending = False
@@ -194,7 +194,7 @@ class SeparationChecks:
             informative = [i for i in range(count) if math.isfinite(float(losses[i])) and float(losses[i]) != 0.0]
             informative = informative or list(range(count))
             index = informative[self._choices.randrange(len(informative))]
-            one_inputs, one_labels, one_layout = self.alone(raw[index])
+            one_inputs, one_labels, one_layout = self.alone(raw[index], micro_batch, index)
             with same_draws(model, CHECK_SEED), self.packed(one_layout):
                 by_itself = self.loss_fn(one_inputs, one_labels).detach().double()
             self.rechecks_run += 1

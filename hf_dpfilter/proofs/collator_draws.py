@@ -1,0 +1,101 @@
+"""An example alone "with the same randomness" when the training collator draws at random (masked-LM masking).
+
+A collator such as transformers' ``DataCollatorForLanguageModeling`` (or ``DataCollatorForWholeWordMask``, or a
+random augmentation) draws part of each example's row at random: which tokens are masked, and so its
+``input_ids`` and ``labels``. The per-example checks (:mod:`hf_dpfilter.proofs.separation`) compare an example's
+loss in its micro-batch with its loss re-collated alone; a fresh collation alone draws a *different* mask, the two
+losses differ for a correct model and loss, and a correct masked-LM run would be refused.
+
+The keys the collator draws at random are found by the collator probe (``BatchStructure.random``: collations of
+the same examples under different seeds differ on them, and only on them). For those keys, and only those, the
+example alone carries the draw its row got in the batch: :func:`with_batch_draws` takes the example's row (its
+packed segment) of each random key from the micro-batch, cropped to the example's own width on the side its
+padding is on; every other key (the attention mask, token types, anything deterministic) comes from the example's
+collation alone, as before. The padding side is not guessed: it is the side on which every deterministic
+per-example key of the batch row equals the alone collation; when none does (or the widths cannot be aligned),
+the alone keeps its own draw, and a coupling or a mismatch is then refused by the check as before (a refusal,
+never a pass).
+
+What this proves and what it does not: the checks still prove that the model and the loss compute the example's
+loss from its own row only (the same draw in the batch and alone, the rest collated alone). The collator's draw
+for a row is taken as drawn: a collator whose *random* draw for one example depends on the others (a fixed number
+of masks over the whole batch) is not seen by these checks; the deterministic keys of every row are still checked
+against the example alone (the probe, and the re-collation here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["with_batch_draws"]
+
+
+def _example_row(value: Any, index: int, layout: Any) -> Any:
+    """Example ``index``'s row of a micro-batch value (its segment of a packed row), or None."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    if layout is None:
+        return value[index : index + 1] if value.shape[0] > index else None
+    row, start, stop = layout.spans[index]
+    return value[row : row + 1, start:stop] if value.dim() >= 2 else None
+
+
+def _side(alone: dict[str, Any], row: dict[str, Any], keys: set[str]) -> str | None:
+    """The side ("right", "left" or "same" for equal widths) on which every deterministic key of the batch row
+    equals the alone collation on their shared columns; None when no key shows it or none agrees."""
+    compared = [k for k in sorted(keys) if isinstance(alone.get(k), torch.Tensor) and isinstance(row.get(k), torch.Tensor)
+                and alone[k].dim() >= 2 and row[k].dim() == alone[k].dim() and row[k].shape[2:] == alone[k].shape[2:]]
+    if not compared:
+        return None
+    widths = {(alone[k].shape[1], row[k].shape[1]) for k in compared}
+    if len(widths) != 1:
+        return None
+    (wa, wb), = widths
+    w = min(wa, wb)
+    if wa == wb and all(torch.equal(alone[k], row[k].to(alone[k].device)) for k in compared):
+        return "same"
+    if all(torch.equal(alone[k][:, :w], row[k][:, :w].to(alone[k].device)) for k in compared):
+        return "right"
+    if all(torch.equal(alone[k][:, -w:], row[k][:, -w:].to(alone[k].device)) for k in compared):
+        return "left"
+    return None
+
+
+def _carry(alone: torch.Tensor, drawn: torch.Tensor, side: str | None) -> torch.Tensor:
+    """``alone`` with the drawn values of the batch row on the columns they share (padding side ``side``)."""
+    drawn = drawn.to(device=alone.device, dtype=alone.dtype)
+    if alone.shape == drawn.shape and side in ("same", None):
+        return drawn.clone()
+    if side is None or alone.dim() < 2 or alone.shape[2:] != drawn.shape[2:] or alone.shape[0] != drawn.shape[0]:
+        return alone  # cannot be aligned: keeps its own draw (the check then compares, and refuses a mismatch)
+    out, w = alone.clone(), min(alone.shape[1], drawn.shape[1])
+    if side in ("right", "same"):
+        out[:, :w] = drawn[:, :w]
+    else:
+        out[:, -w:] = drawn[:, -w:]
+    return out
+
+
+def with_batch_draws(
+    structure: Any, inputs: dict[str, Any], labels: torch.Tensor, micro_batch: tuple, index: int
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """The alone collation ``(inputs, labels)`` of example ``index`` of ``micro_batch`` (``(inputs, labels,
+    layout)``), with the keys the collator draws at random (``structure.random``) taken from the example's row in
+    the micro-batch (see the module docstring). Unchanged when the collator draws nothing at random."""
+    random_keys = set(getattr(structure, "random", ()))
+    if not random_keys:
+        return inputs, labels
+    batch_inputs, batch_labels, layout = micro_batch
+    alone = {**inputs, "labels": labels}
+    batch = {**batch_inputs, "labels": batch_labels}
+    row = {k: _example_row(v, index, layout) for k, v in batch.items()}
+    deterministic = (set(structure.per_example) | set(structure.per_token)) - random_keys
+    side = "same" if layout is not None else _side(alone, row, deterministic)
+    out = dict(alone)
+    for key in sorted(random_keys & set(alone)):
+        if isinstance(alone[key], torch.Tensor) and isinstance(row.get(key), torch.Tensor):
+            out[key] = _carry(alone[key], row[key], side)
+    out_labels = out.pop("labels")
+    return out, out_labels

