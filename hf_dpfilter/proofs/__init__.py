@@ -7,6 +7,8 @@ privacy unit's influence:
   (refused at attach);
 * :mod:`~hf_dpfilter.proofs.batch_axis`: each layer call's batch axis traced from the model's inputs;
 * :mod:`~hf_dpfilter.proofs.batch_structure`: which collated keys carry the example axis, probed on the collator;
+* :mod:`~hf_dpfilter.proofs.collator_draws`: an example alone keeps its batch row's draw of the keys the collator
+  draws at random (masked-LM masking), the rest collated alone;
 * :mod:`~hf_dpfilter.proofs.row_segments`: every packed batch's segments are its sampled rows, one whole row each
   (a row the data set packed is refused), checked on every collated batch;
 * :mod:`~hf_dpfilter.proofs.loss_policy`: which losses are refused, and the contract of the per-example loss hook;

@@ -4,7 +4,8 @@
 micro-batch's clipped gradients are accumulated (so before the optimizer step that would release them). It holds
 the proofs that compare an example in its micro-batch with the same example *re-collated alone* (its raw data-set
 row through the training collator alone, then the trainer's micro-batch path with one example, built by the
-trainer's ``alone`` callable), all in training mode with dropout off and the same random draws
+trainer's ``alone`` callable; the keys the collator draws at random keep the example's draw in the micro-batch,
+:mod:`hf_dpfilter.proofs.collator_draws`), all in training mode with dropout off and the same random draws
 (:mod:`hf_dpfilter.proofs.randomness`; a forward still random is refused):
 
 * the **first-step check** (:mod:`hf_dpfilter.proofs.first_step_check`), once per run, on the first micro-batch
