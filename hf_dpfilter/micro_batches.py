@@ -148,8 +148,9 @@ class MicroBatchMixin:
 
         Cut at example boundaries: rows of the keys that carry the example axis (as probed on the collator), or
         the segments of packed rows (re-packed one row per micro-batch; ``layout`` says where each example is).
-        Rows padded on the left get their positions from the mask, or are refused (hf_dpfilter.proofs.padding):
-        on every micro-batch, so an example cut alone from one gets the same treatment.
+        Rows padded on the left get their positions from the mask, or are refused, and a causal LM's label predicted
+        from a leading pad is ignored (hf_dpfilter.proofs.padding): on every micro-batch, so an example cut alone
+        from one gets the same treatment.
         """
         size = size or self.args.per_device_train_batch_size
         structure = self._training_batch_structure()
@@ -172,6 +173,8 @@ class MicroBatchMixin:
                     }
                     if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq:
                         micro_labels = micro_labels[:, :used]
+            if getattr(self, "_causal_lm", False):  # no target predicted from a leading pad (as alone)
+                micro_labels = padding.causal_labels(micro, micro_labels, structure)
             yield padding.with_positions(self.model, micro, micro_labels, structure), micro_labels, None
 
     def _no_cache_when_packed(self, micro_batch: tuple) -> tuple:

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from hf_dpfilter.losses import IGNORE_INDEX
+
 __all__ = [
     "POSITION_SCHEMES",
     "PaddingError",
@@ -192,6 +194,27 @@ def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, stru
                 f"{RIGHT_PADDING_FIX}."
             )
     return micro
+
+
+def causal_labels(micro: dict[str, Any], labels: torch.Tensor, structure: Any) -> torch.Tensor:
+    """A causal LM's token labels with no target predicted from a leading pad.
+
+    The causal loss predicts the label of column ``j`` from the logits of column ``j - 1``. A row padded on the left
+    has its first real token at column ``leading > 0``: its label would be predicted from a pad, whose output
+    depends on how many pads the batch's longest example put there. Collated alone (no leading padding) the
+    example's first token is never a target (no column before it). That label is ignored (``-100``), so the row's
+    loss is the example's own loss alone (``DataCollatorForSeq2Seq`` used for a causal LM with
+    ``padding_side="left"`` labels it); rows without leading padding are unchanged."""
+    mask = _mask_of(micro, structure)
+    if mask is None or labels.dim() != 2 or labels.shape != mask.shape or labels.is_floating_point():
+        return labels
+    leading = leading_padding(mask)
+    rows = torch.nonzero((leading > 0) & (leading < mask.shape[1])).flatten()
+    if rows.numel() == 0:
+        return labels
+    labels = labels.clone()
+    labels[rows, leading[rows]] = IGNORE_INDEX
+    return labels
 
 
 def without_derived_positions(inputs: dict[str, Any], structure: Any) -> dict[str, Any]:
