@@ -9,10 +9,19 @@ and data paths of common scripts (each attacked in turn): a false refusal of a c
   the first-step check refused the run. The label predicted from a leading pad is now ignored on every micro-batch
   (``hf_dpfilter.proofs.padding.causal_labels``): the left-padded step equals, in float64, the sum of each
   example's clipped gradient computed alone and unpadded.
+
+Attacks that hold, kept as regression tests (each re-checks every micro-batch, ``dp_recheck_rate=1``):
+``DataCollatorWithPadding`` with a real tokenizer and ``pad_to_multiple_of=8`` (the alone is wider than its trimmed
+micro-batch row), raw rows through two worker processes, ``remove_unused_columns=True`` on a ``datasets.Dataset``
+(a text column dropped before both the batch and the alone collation); ``DataCollatorForTokenClassification``
+(labels padded with -100); ``default_data_collator`` on fixed-length blocks (run_clm's group_texts). A collator
+returning NumPy arrays is refused by the probe, naming them.
 """
 
 from __future__ import annotations
 
+import datasets
+import pytest
 import torch
 from helpers import ListDataset, flat, reference_clipped_sum
 from models import VOCAB, tiny_gpt2
@@ -71,3 +80,70 @@ def test_seq2seq_collator_left_padded_causal_lm_equals_the_per_example_reference
     got = flat([local[p] for p in trainer.dp_optimizer.params])
     expected = flat([reference[p] for p in trainer.dp_optimizer.params])
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-10
+
+
+def _bert(head: str, num_labels: int = 2):
+    from transformers import BertConfig, BertForSequenceClassification, BertForTokenClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(_tokenizer()), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=64, num_labels=num_labels)
+    return (BertForTokenClassification if head == "token" else BertForSequenceClassification)(config)
+
+
+WORDS = "the cat sat on a mat while unbelievable tokenization happened quietly near river banks today".split()
+
+
+def _texts(n: int = 12) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    return [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(k),), generator=g))
+            for k in torch.randint(2, 9, (n,), generator=g)]
+
+
+def _trained(trainer: DPTrainer) -> DPTrainer:
+    trainer.train()
+    assert trainer.accountant.steps == 2
+    assert not trainer._separation.first_step_pending and trainer._separation.rechecks_run >= 2
+    return trainer
+
+
+def test_padding_collator_workers_and_removed_columns_hold(tmp_path):
+    from transformers import DataCollatorWithPadding
+
+    tokenizer = _tokenizer()
+    rows = [dict(tokenizer(t), label=i % 2, text=t) for i, t in enumerate(_texts())]
+    args = _args(tmp_path, 6, per_device_train_batch_size=3, max_steps=2, remove_unused_columns=True,
+                 dataloader_num_workers=2)
+    _trained(DPTrainer(model=_bert("sequence"), args=args, train_dataset=datasets.Dataset.from_list(rows),
+                       data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)))
+
+
+def test_token_classification_and_fixed_blocks_hold(tmp_path):
+    from transformers import DataCollatorForTokenClassification, default_data_collator
+
+    tokenizer = _tokenizer()
+    rows = []
+    for t in _texts():
+        encoded = dict(tokenizer(t))
+        rows.append({**encoded, "labels": [-100] + [i % 3 for i in range(len(encoded["input_ids"]) - 2)] + [-100]})
+    _trained(DPTrainer(model=_bert("token", 3), args=_args(tmp_path / "ner", 6, per_device_train_batch_size=3,
+                                                            max_steps=2),
+                       train_dataset=ListDataset(rows), data_collator=DataCollatorForTokenClassification(tokenizer)))
+    ids = [int(i) for i in torch.randint(3, VOCAB, (8 * 12,), generator=torch.Generator().manual_seed(1))]
+    blocks = [{"input_ids": ids[i:i + 8], "attention_mask": [1] * 8, "labels": ids[i:i + 8]} for i in range(0, 96, 8)]
+    _trained(DPTrainer(model=tiny_gpt2(), args=_args(tmp_path / "clm", 6, per_device_train_batch_size=3, max_steps=2),
+                       train_dataset=datasets.Dataset.from_list(blocks), data_collator=default_data_collator))
+
+
+def test_numpy_collator_output_is_refused_naming_it(tmp_path):
+    from transformers import DataCollatorWithPadding
+
+    from hf_dpfilter.proofs.batch_structure import BatchStructureError
+
+    tokenizer = _tokenizer()
+    rows = [dict(tokenizer(t), labels=i % 2) for i, t in enumerate(_texts())]
+    trainer = DPTrainer(model=_bert("sequence"), args=_args(tmp_path, 6), train_dataset=ListDataset(rows),
+                        data_collator=DataCollatorWithPadding(tokenizer, return_tensors="np"))
+    with pytest.raises(BatchStructureError, match="ndarrays, not torch tensors.*return_tensors='pt'"):
+        trainer.train()
+    assert trainer.accountant.steps == 0

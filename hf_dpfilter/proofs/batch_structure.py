@@ -294,6 +294,14 @@ def probe_batch_structure(
             per_token.add(key)
         else:
             unknown.append(key)
+    not_torch = [k for k in unknown if isinstance(batches[0][k], (np.ndarray, list, tuple))]
+    if not_torch:
+        raise BatchStructureError(
+            f"Collated keys {not_torch} are {type(batches[0][not_torch[0]]).__name__}s, not torch tensors: the "
+            "Trainer moves only tensors to the device and the model cannot take them, and which row belongs to "
+            "which example is read from tensors. Return torch tensors from the collator (return_tensors='pt', "
+            "the default of transformers' collators)."
+        )
     if unknown:
         raise BatchStructureError(
             f"Collated keys {unknown} follow the number of examples in no declared way (not one row per example, "
