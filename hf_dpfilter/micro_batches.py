@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from hf_dpfilter import units as privacy_units
 from hf_dpfilter.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
 from hf_dpfilter.proofs import collator_draws, padding
-from hf_dpfilter.proofs.batch_structure import BatchStructure, probe_batch_structure
+from hf_dpfilter.proofs.batch_structure import BatchStructure, probe_batch_structure, random_keys
 
 logger = logging.getLogger(__name__)
 
@@ -251,10 +251,14 @@ class MicroBatchMixin:
         width (hf_dpfilter.proofs.collator_draws); the collation alone runs on forked random streams, so the
         checks draw nothing from the run's."""
         collator: _EmptySafeCollator = self._padding_collator
+        structure, drawn = self._training_batch_structure(), set()
         python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]):
                 collated = collator.collate_fn([raw])
+                if micro_batch is not None:  # the keys drawn at random, also as this row shows them
+                    drawn = set(structure.random) | random_keys(
+                        collator.collate_fn, raw, set(structure.per_example | structure.per_token))
         finally:
             random.setstate(python_state)
             np.random.set_state(numpy_state)
@@ -262,8 +266,7 @@ class MicroBatchMixin:
         inputs.pop(privacy_units.UNITS_KEY, None)  # the check compares examples, whatever the unit
         labels = inputs.pop("labels")
         if micro_batch is not None:
-            inputs, labels = collator_draws.with_batch_draws(
-                self._training_batch_structure(), inputs, labels, micro_batch, index)
+            inputs, labels = collator_draws.with_batch_draws(structure, inputs, labels, micro_batch, index, drawn)
         pieces = list(self._micro_batches(inputs, labels, 1, size=1))
         if len(pieces) != 1 or _example_count(pieces[0]) != 1:
             raise PackingError("One example collated alone did not give one micro-batch of one example.")

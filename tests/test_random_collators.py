@@ -98,3 +98,28 @@ def test_the_checks_draw_nothing_from_the_runs_random_streams(tmp_path):
         return flat([p.detach().double() for p in trainer.model.parameters()])
 
     assert torch.equal(run(1.0, True), run(0.0, False))
+
+
+def test_first_rows_with_nothing_to_mask_do_not_hide_the_random_keys(tmp_path):
+    """The probe collates the training set's first two rows: empty lines ([CLS] [SEP]) are never masked, so no key
+    looked random there, and every later example alone drew a fresh mask (refused). The checked row shows it."""
+    tokenizer = _tokenizer()
+    rows = [dict(tokenizer("")), dict(tokenizer("")), *_rows()]
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.3)
+    trainer = DPTrainer(model=_model(), args=_args(tmp_path), train_dataset=ListDataset(rows), data_collator=collator)
+    trainer.train()
+    assert trainer._batch_structure.random == frozenset()  # the probe saw nothing drawn
+    assert not trainer._separation.first_step_pending and trainer._separation.rechecks_run >= 2
+
+
+def test_masked_lm_with_the_user_unit(tmp_path):
+    """privacy_unit='user': micro-batches cut at user boundaries; each checked example keeps its own row's draw."""
+    import datasets
+
+    rows = [{**row, "user": i % 4} for i, row in enumerate(_rows())]
+    collator = DataCollatorForLanguageModeling(_tokenizer(), mlm=True, mlm_probability=0.3)
+    args = _args(tmp_path, privacy_unit="user", user_id_column="user", max_examples_per_user=2, logical_batch_size=3)
+    trainer = DPTrainer(model=_model(), args=args, train_dataset=datasets.Dataset.from_list(rows),
+                        data_collator=collator)
+    trainer.train()
+    assert trainer.accountant.steps == 2 and trainer._separation.rechecks_run >= 2

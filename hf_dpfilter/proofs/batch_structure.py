@@ -34,7 +34,7 @@ import torch
 
 from hf_dpfilter.packing import FLASH_BOUNDARY_KEYS, SEQ_IDX_KEY, PackedLayout, PackingError
 
-__all__ = ["BatchStructure", "BatchStructureError", "probe_batch_structure"]
+__all__ = ["BatchStructure", "BatchStructureError", "probe_batch_structure", "random_keys"]
 
 
 class BatchStructureError(ValueError):
@@ -316,26 +316,26 @@ def probe_batch_structure(
             "example: a batch is either packed or one example per row."
         )
     # keys drawn at random by the collator (masked-LM masking) differ between copies by design: not compared
-    random_keys = _random_keys(collate_fn, example, keys)
-    _check_rows_are_their_examples(batches, per_example - random_keys, per_token - random_keys)
+    drawn = random_keys(collate_fn, example, keys) | (random_keys(collate_fn, other, keys) if other is not None else set())
+    _check_rows_are_their_examples(batches, per_example - drawn, per_token - drawn)
     if other is not None:
-        _check_pair(collate_fn, example, other, per_example - random_keys, per_token - random_keys)
+        _check_pair(collate_fn, example, other, per_example - drawn, per_token - drawn)
     start = 0
     if "position_ids" in per_token:
         start = int(batches[0]["position_ids"].reshape(-1)[0])
     return BatchStructure(
         frozenset(per_example), frozenset(per_token), frozenset(shared), frozenset(boundaries), position_start=start,
-        random=frozenset(random_keys & (per_example | per_token)),
+        random=frozenset(drawn & (per_example | per_token)),
     )
 
 
 #: copies of the example and seeds the random-key probe collates: a mask drawn with probability 0.15 per token on
-#: a short example is often empty in one collation of one copy (two such collations then agree by chance); 8
+#: a short example is often empty in one collation of one copy (two such collations then agree by chance); 16
 #: copies under 4 seeds make a chance agreement negligible
-_RANDOM_PROBE_COPIES, _RANDOM_PROBE_SEEDS = 8, 4
+_RANDOM_PROBE_COPIES, _RANDOM_PROBE_SEEDS = 16, 4
 
 
-def _random_keys(collate_fn: Callable[[list], dict[str, Any]], example: Any, keys: set) -> set:
+def random_keys(collate_fn: Callable[[list], dict[str, Any]], example: Any, keys: set) -> set:
     """The keys whose collation of the same examples differs between seeds (torch's; Python's and NumPy's streams
     are not seeded here, so a collator drawing from them differs too). The run's random streams are restored."""
     python_state, numpy_state = random.getstate(), np.random.get_state()

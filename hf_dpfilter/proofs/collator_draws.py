@@ -7,7 +7,8 @@ loss in its micro-batch with its loss re-collated alone; a fresh collation alone
 losses differ for a correct model and loss, and a correct masked-LM run would be refused.
 
 The keys the collator draws at random are found by the collator probe (``BatchStructure.random``: collations of
-the same examples under different seeds differ on them, and only on them). For those keys, and only those, the
+copies of the training set's first examples under different seeds differ on them, and only on them), and again on
+the checked example's own row (a first example with nothing to mask, an empty line, shows no random key). For those keys, and only those, the
 example alone carries the draw its row got in the batch: :func:`with_batch_draws` takes the example's row (its
 packed segment) of each random key from the micro-batch, cropped to the example's own width on the side its
 padding is on; every other key (the attention mask, token types, anything deterministic) comes from the example's
@@ -79,12 +80,13 @@ def _carry(alone: torch.Tensor, drawn: torch.Tensor, side: str | None) -> torch.
 
 
 def with_batch_draws(
-    structure: Any, inputs: dict[str, Any], labels: torch.Tensor, micro_batch: tuple, index: int
+    structure: Any, inputs: dict[str, Any], labels: torch.Tensor, micro_batch: tuple, index: int,
+    random_keys: set[str],
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """The alone collation ``(inputs, labels)`` of example ``index`` of ``micro_batch`` (``(inputs, labels,
-    layout)``), with the keys the collator draws at random (``structure.random``) taken from the example's row in
-    the micro-batch (see the module docstring). Unchanged when the collator draws nothing at random."""
-    random_keys = set(getattr(structure, "random", ()))
+    layout)``), with the keys the collator draws at random (``random_keys``: the probe's ``structure.random`` and
+    those found on this example's own row) taken from the example's row in the micro-batch (see the module
+    docstring). Unchanged when the collator draws nothing at random."""
     if not random_keys:
         return inputs, labels
     batch_inputs, batch_labels, layout = micro_batch
