@@ -243,21 +243,24 @@ class MicroBatchMixin:
         return [(self._no_cache_when_packed(micro_batch), None if raw is None else [raw[i] for i in members])
                 for micro_batch, members in cut]
 
-    def _alone(self, raw: Any, micro_batch: tuple | None = None, index: int = 0) -> tuple:
+    def _alone(self, raw: Any, micro_batch: tuple | None = None, index: int = 0, each_row: bool = False) -> tuple:
         """One raw example as the trainer would compute it as a batch of one: the training collator on that row
         alone, ``_prepare_inputs``, then the micro-batch path with one example (its own padding, positions and
         packing; never a row sliced out of a collated batch). With ``micro_batch`` (the example is its
         ``index``-th), the keys the collator draws at random keep the example's draw in it, cropped to its own
-        width (hf_dpfilter.proofs.collator_draws); the collation alone runs on forked random streams, so the
-        checks draw nothing from the run's."""
+        width (hf_dpfilter.proofs.collator_draws): the keys the probe found random, and with ``each_row`` those this
+        row shows random too (copies collated under several seeds, tens of ms on CPU for a few hundred tokens: the
+        first-step check, and a re-check only on a mismatch). The collation alone runs on forked random streams, so
+        the checks draw nothing from the run's."""
         collator: _EmptySafeCollator = self._padding_collator
-        structure, drawn = self._training_batch_structure(), set()
+        structure = self._training_batch_structure()
+        drawn = set(structure.random)  # the keys the probe found drawn at random
         python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]):
                 collated = collator.collate_fn([raw])
-                if micro_batch is not None:  # the keys drawn at random, also as this row shows them
-                    drawn = set(structure.random) | random_keys(
+                if micro_batch is not None and each_row:  # the keys drawn at random, also as this row shows them
+                    drawn |= random_keys(
                         collator.collate_fn, raw, set(structure.per_example | structure.per_token))
         finally:
             random.setstate(python_state)

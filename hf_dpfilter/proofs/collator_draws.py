@@ -8,7 +8,8 @@ losses differ for a correct model and loss, and a correct masked-LM run would be
 
 The keys the collator draws at random are found by the collator probe (``BatchStructure.random``: collations of
 copies of the training set's first examples under different seeds differ on them, and only on them), and again on
-the checked example's own row (a first example with nothing to mask, an empty line, shows no random key). For those keys, and only those, the
+the checked example's own row (a first example with nothing to mask, an empty line, shows no random key): at the
+first-step check, and for a re-check only when its loss differs (the copies cost tens of ms of CPU collation). For those keys, and only those, the
 example alone carries the draw its row got in the batch: :func:`with_batch_draws` takes the example's row (its
 packed segment) of each random key from the micro-batch, cropped to the example's own width on the side its
 padding is on; every other key (the attention mask, token types, anything deterministic) comes from the example's

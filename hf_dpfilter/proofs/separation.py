@@ -99,8 +99,9 @@ class SeparationChecks:
     """The per-micro-batch proofs of a run (see the module docstring); :meth:`before_accumulate` is the entry.
 
     ``loss_fn(inputs, labels)``: the trainer's per-example losses; ``packed(layout)``: the context declaring a
-    micro-batch's layout to the loss and the engine; ``alone(raw, micro_batch, i)``: the micro-batch of one raw
-    example collated alone, example ``i`` of ``micro_batch`` (whose draws of the collator's random keys it keeps); ``first_step``: run the first-step check (False: done, or turned off); ``rate``: ``dp_recheck_rate``.
+    micro-batch's layout to the loss and the engine; ``alone(raw, micro_batch, i, each_row)``: the micro-batch of
+    one raw example collated alone, example ``i`` of ``micro_batch`` (whose draws of the collator's random keys it
+    keeps; ``each_row``: the random keys also probed on that row); ``first_step``: run the first-step check (False: done, or turned off); ``rate``: ``dp_recheck_rate``.
     """
 
     def __init__(
@@ -108,7 +109,7 @@ class SeparationChecks:
         engine: Any,
         loss_fn: Callable[[dict[str, Any], torch.Tensor], torch.Tensor],
         packed: Callable[[Any], contextlib.AbstractContextManager],
-        alone: Callable[[Any, MicroBatch, int], MicroBatch],
+        alone: Callable[[Any, MicroBatch, int, bool], MicroBatch],
         *,
         first_step: bool,
         rechecks: bool,
@@ -165,7 +166,7 @@ class SeparationChecks:
 
     def _first_step(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any]) -> None:
         worst = verify_per_example(
-            self.engine, model, self.loss_fn, micro_batch, lambda i: self.alone(raw[i], micro_batch, i), self.packed,
+            self.engine, model, self.loss_fn, micro_batch, lambda i: self.alone(raw[i], micro_batch, i, True), self.packed,
             low_precision=self.low_precision,
         )
         self.first_step_pending = False
@@ -195,19 +196,22 @@ class SeparationChecks:
             informative = [i for i in range(count) if math.isfinite(float(losses[i])) and float(losses[i]) != 0.0]
             informative = informative or list(range(count))
             index = informative[self._choices.randrange(len(informative))]
-            one_inputs, one_labels, one_layout = self.alone(raw[index], micro_batch, index)
-            with same_draws(model, CHECK_SEED), self.packed(one_layout):
-                by_itself = self.loss_fn(one_inputs, one_labels).detach().double()
+            mine, tol = float(losses[index]), _tolerance(self._dtype(model), self.low_precision, _tf32(labels.device))
             self.rechecks_run += 1
-            if by_itself.numel() != 1:
-                raise SeparationError(
-                    f"compute_per_example_loss returned {by_itself.numel()} losses for one example alone: it must "
-                    "return one loss per example."
-                )
-            mine, own = float(losses[index]), float(by_itself.sum())
-            tol = _tolerance(self._dtype(model), self.low_precision, _tf32(labels.device))
-            if mine == own or (math.isnan(mine) and math.isnan(own)) or abs(mine - own) <= tol * max(abs(own), 1e-6):
-                return  # the same loss (a non-finite one alone too: the example's own, zeroed by the optimizer)
+            # the collator's random keys as probed on the training set's first rows; on a mismatch, also as this
+            # example's own row shows them (a first row with nothing to mask shows none: collator_draws)
+            for each_row in (False, True):
+                one_inputs, one_labels, one_layout = self.alone(raw[index], micro_batch, index, each_row)
+                with same_draws(model, CHECK_SEED), self.packed(one_layout):
+                    by_itself = self.loss_fn(one_inputs, one_labels).detach().double()
+                if by_itself.numel() != 1:
+                    raise SeparationError(
+                        f"compute_per_example_loss returned {by_itself.numel()} losses for one example alone: it "
+                        "must return one loss per example."
+                    )
+                own = float(by_itself.sum())
+                if mine == own or (math.isnan(mine) and math.isnan(own)) or abs(mine - own) <= tol * max(abs(own), 1e-6):
+                    return  # the same loss (a non-finite one alone too: the example's own, zeroed by the optimizer)
             check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")  # random: refused as such
         raise SeparationError(
             f"Re-check ({why}) of micro-batch {self.micro_batches}, shape {micro_batch_shape(micro_batch)}: "
