@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -251,20 +249,14 @@ class MicroBatchMixin:
         width (hf_dpfilter.proofs.collator_draws): the keys the probe found random, and with ``each_row`` those this
         row shows random too (copies collated under several seeds, tens of ms on CPU for a few hundred tokens: the
         first-step check, and a re-check only on a mismatch). The collation alone runs on forked random streams, so
-        the checks draw nothing from the run's."""
+        the checks draw nothing from the run's (nor from the collator's own generator)."""
         collator: _EmptySafeCollator = self._padding_collator
         structure = self._training_batch_structure()
         drawn = set(structure.random)  # the keys the probe found drawn at random
-        python_state, numpy_state = random.getstate(), np.random.get_state()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                collated = collator.collate_fn([raw])
-                if micro_batch is not None and each_row:  # the keys drawn at random, also as this row shows them
-                    drawn |= random_keys(
-                        collator.collate_fn, raw, set(structure.per_example | structure.per_token))
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
+        with collator_draws.untouched_streams(collator.collate_fn):
+            collated = collator.collate_fn([raw])
+            if micro_batch is not None and each_row:  # the keys drawn at random, also as this row shows them
+                drawn |= random_keys(collator.collate_fn, raw, set(structure.per_example | structure.per_token))
         inputs = dict(self._prepare_inputs(collated))
         inputs.pop(privacy_units.UNITS_KEY, None)  # the check compares examples, whatever the unit
         labels = inputs.pop("labels")

@@ -88,10 +88,13 @@ def test_a_coupled_loss_is_still_refused_with_a_random_collator(tmp_path):
     assert trainer.accountant.steps == 0
 
 
-def test_the_checks_draw_nothing_from_the_runs_random_streams(tmp_path):
-    """The collation alone runs on forked streams: the next batches' masks and the dropout are the run's own."""
+@pytest.mark.parametrize("collator_seed", [None, 3])
+def test_the_checks_draw_nothing_from_the_runs_random_streams(tmp_path, collator_seed):
+    """The collation alone runs on forked streams: the next batches' masks and the dropout are the run's own. With
+    ``seed=`` the collator masks from its own generator, which the checks leave where they found it too."""
     def run(rate: float, checks: bool) -> torch.Tensor:
-        collator = DataCollatorForLanguageModeling(_tokenizer(tmp_path), mlm=True, mlm_probability=0.3)
+        collator = DataCollatorForLanguageModeling(_tokenizer(tmp_path), mlm=True, mlm_probability=0.3,
+                                                   seed=collator_seed)
         args = _args(tmp_path, dp_recheck_rate=rate, dp_verify_first_step=checks, max_steps=3, seed=1)
         trainer = DPTrainer(model=_model(), args=args, train_dataset=ListDataset(_rows()), data_collator=collator)
         trainer.train()

@@ -27,11 +27,58 @@ against the example alone (the probe, and the re-collation here).
 
 from __future__ import annotations
 
+import contextlib
+import random
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["with_batch_draws"]
+__all__ = ["untouched_streams", "with_batch_draws"]
+
+#: attributes through which a collator holds the one it wraps (the trainer's wrappers, transformers'
+#: RemoveColumnsCollator, TRL's): searched for the wrapped collators' own generators
+_WRAPPED = ("collate_fn", "data_collator", "collator")
+
+
+def _own_generators(collate_fn: Any, depth: int = 6) -> list:
+    """The random generators the collator (or one it wraps) holds as ``generator`` (transformers' collators
+    given a ``seed``: a torch.Generator, or a NumPy Generator for ``return_tensors='np'``)."""
+    found, seen, todo = [], set(), [collate_fn]
+    for _ in range(depth):
+        following = []
+        for obj in todo:
+            if obj is None or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            generator = getattr(obj, "generator", None)
+            if isinstance(generator, (torch.Generator, np.random.Generator)):
+                found.append(generator)
+            following.extend(getattr(obj, name, None) for name in _WRAPPED)
+        todo = following
+    return found
+
+
+@contextlib.contextmanager
+def untouched_streams(collate_fn: Any) -> Iterator[None]:
+    """Run the block (the checks' own collations) without moving any random stream the run's batches draw from:
+    torch's global one (forked), Python's and NumPy's global ones and the collator's own generators (restored).
+    A seeded run then gets the same masks, dropout and batches with or without the checks."""
+    own = [(g, g.get_state() if isinstance(g, torch.Generator) else g.bit_generator.state)
+           for g in _own_generators(collate_fn)]
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        for generator, state in own:
+            if isinstance(generator, torch.Generator):
+                generator.set_state(state)
+            else:
+                generator.bit_generator.state = state
 
 
 def _example_row(value: Any, index: int, layout: Any) -> Any:
