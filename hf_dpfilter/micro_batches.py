@@ -37,6 +37,26 @@ NUM_EXAMPLES_KEY = "_dp_num_examples"
 RAW_EXAMPLES_KEY = "_dp_raw_examples"
 
 
+class _FreshRowsCollator:
+    """Gives the collator its own copy of each row (a dict and its list values copied), so that a collator that
+    changes its features in place (``f.pop("label")``, ``f["input_ids"].append(eos)``: harmless to the plain
+    Trainer, whose rows are used once) leaves the row as sampled. The checks collate a row more than once (the
+    probe collates copies of one row; the padding, packed-row and per-example checks collate each row alone after
+    its batch) and re-collate the raw row kept with the batch: each must see the row as the data set gave it."""
+
+    def __init__(self, collate_fn: Callable) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, rows: list) -> Any:
+        return self.collate_fn([_fresh(row) for row in rows])
+
+
+def _fresh(row: Any) -> Any:
+    if isinstance(row, dict):  # data-set rows (datasets returns a new dict per access; a list data set does not)
+        return {k: list(v) if isinstance(v, list) else v for k, v in row.items()}
+    return row
+
+
 class _EmptySafeCollator:
     """Collates a (possibly empty) list of examples; an empty batch keeps the keys with 0 rows.
 

@@ -44,6 +44,7 @@ from hf_dpfilter.micro_batches import (
     MicroBatchMixin,
     _check_sequence_length,
     _EmptySafeCollator,
+    _FreshRowsCollator,
     _LogicalBatchLoader,
 )
 from hf_dpfilter.packing import PackingError, packed_token_mean_loss
@@ -326,6 +327,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
+        collator = _FreshRowsCollator(collator)  # each collation its own copy of the rows (a collator may edit them)
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         # privacy_unit='user': Poisson over users, up to k examples each (hf_dpfilter/units.py)
         sampler = make_sampler(self.privacy_plan, rank=rank, world_size=world, users=self._user_index,

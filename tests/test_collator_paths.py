@@ -9,6 +9,10 @@ and data paths of common scripts (each attacked in turn): a false refusal of a c
   the first-step check refused the run. The label predicted from a leading pad is now ignored on every micro-batch
   (``hf_dpfilter.proofs.padding.causal_labels``): the left-padded step equals, in float64, the sum of each
   example's clipped gradient computed alone and unpadded.
+* A collator that edits its features in place (``labels = [f.pop("label") for f in features]``) trains under the
+  plain Trainer but crashed DPTrainer (``KeyError``): the probe collates one row object several times, and the
+  checks re-collate the raw row the batch's collation had already changed. Each collation now gets its own copy of
+  the rows (``micro_batches._FreshRowsCollator``).
 
 Attacks that hold, kept as regression tests (each re-checks every micro-batch, ``dp_recheck_rate=1``):
 ``DataCollatorWithPadding`` with a real tokenizer and ``pad_to_multiple_of=8`` (the alone is wider than its trimmed
@@ -147,3 +151,27 @@ def test_numpy_collator_output_is_refused_naming_it(tmp_path):
     with pytest.raises(BatchStructureError, match="ndarrays, not torch tensors.*return_tensors='pt'"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+class _PoppingCollator:
+    """Takes each feature's label out of the feature itself (in place), as some hand-written collators do."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, features):
+        labels = [f.pop("label") for f in features]
+        batch = self.tokenizer.pad(features, return_tensors="pt")
+        batch["labels"] = torch.tensor(labels)
+        return batch
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_collator_editing_its_features_in_place_trains(tmp_path, as_list):
+    tokenizer = _tokenizer()
+    rows = [dict(tokenizer(t), label=i % 2) for i, t in enumerate(_texts())]
+    dataset = ListDataset(rows) if as_list else datasets.Dataset.from_list(rows)
+    _trained(DPTrainer(model=_bert("sequence"), args=_args(tmp_path, 6, per_device_train_batch_size=3, max_steps=2),
+                       train_dataset=dataset, data_collator=_PoppingCollator(tokenizer)))
+    if as_list:
+        assert all("label" in row for row in rows)  # the data set's own rows are left as they were
