@@ -126,3 +126,29 @@ def test_masked_lm_with_the_user_unit(tmp_path):
                         data_collator=collator)
     trainer.train()
     assert trainer.accountant.steps == 2 and trainer._separation.rechecks_run >= 2
+
+
+def test_packed_batches_with_random_token_replacement(tmp_path):
+    """Packed rows (DataCollatorWithFlattening) with a random augmentation: the example alone takes its segment's
+    draw (its own width exactly)."""
+    from models import VOCAB as SMALL_VOCAB
+    from models import tiny_gpt2
+    from transformers import DataCollatorWithFlattening
+
+    class ReplacingFlattening(DataCollatorWithFlattening):
+        def __call__(self, features, return_tensors=None, separator_id=None):
+            batch = super().__call__(features, return_tensors, separator_id)
+            replace = torch.rand(batch["input_ids"].shape) < 0.2
+            batch["input_ids"] = torch.where(replace, torch.full_like(batch["input_ids"], 4), batch["input_ids"])
+            return batch
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for length in torch.randint(3, 10, (12,), generator=g):
+        ids = torch.randint(5, SMALL_VOCAB, (int(length),), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids})
+    trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=_args(tmp_path), train_dataset=ListDataset(rows),
+                        data_collator=ReplacingFlattening())
+    trainer.train()
+    assert trainer._batch_structure.packed and trainer._batch_structure.random == frozenset({"input_ids"})
+    assert trainer.accountant.steps == 2 and trainer._separation.rechecks_run >= 2
