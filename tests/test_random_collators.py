@@ -9,8 +9,10 @@ re-checked:
 * transformers' DataCollatorForLanguageModeling (a real tokenizer; also padded to a multiple of 8, so the alone
   is wider than its trimmed micro-batch row) trains, the checks pass;
 * a loss normalised over the micro-batch is still refused with such a collator (the re-checks still compare);
-* the checks draw nothing from the run's random streams: a seeded run re-checking every micro-batch ends with the
-  same parameters as the same run with the re-checks turned off.
+* the checks draw nothing from the run's random streams (nor from a seeded collator's own generator): a seeded
+  run re-checking every micro-batch ends with the same parameters as the same run with the re-checks turned off;
+* first rows with nothing to mask (empty lines) do not hide the random keys: the checked row is probed too;
+* the user unit, and packed rows with a random augmentation (each segment keeps its draw), train.
 """
 
 from __future__ import annotations
