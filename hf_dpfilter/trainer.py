@@ -436,7 +436,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
 
             def loss_fn(values, micro=micro, micro_labels=micro_labels):
                 with self.compute_loss_context_manager():
-                    return self.compute_per_example_loss(model, micro, micro_labels, values)
+                    return self._after_forward(model, self.compute_per_example_loss(model, micro, micro_labels, values))
 
             if isinstance(layout, privacy_units.UnitLayout):  # one loss per unit: the sum of its examples' losses
                 loss_fn = privacy_units.per_unit_loss(loss_fn, layout)
@@ -450,6 +450,14 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size)
             total = total + losses.sum()
         return total / max(batch, 1)
+    def _after_forward(self, model: nn.Module, losses: torch.Tensor) -> torch.Tensor:
+        """The losses of a forward, after the hook check again, before any backward reads them: a forward hook (or
+        a forward of one's own) that registers a gradient hook while it runs is refused before that hook sees a
+        gradient (the engine's first backward and the first-step check reach the parameters unclipped)."""
+        if self.privacy_plan.is_private:
+            refuse_gradient_hooks(model)
+        return losses
+
     @property
     def _per_example_checked(self) -> bool:
         """Whether the first-step per-example check has passed (or is turned off: ``dp_verify_first_step=False``)."""
@@ -465,7 +473,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
 
             def loss_fn(inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
                 with self.compute_loss_context_manager():
-                    return self.compute_per_example_loss(model, inputs, labels)
+                    return self._after_forward(model, self.compute_per_example_loss(model, inputs, labels))
 
             self._separation = SeparationChecks(
                 self.engine, loss_fn, self._packed, self._alone,
