@@ -6,13 +6,16 @@ Each test is a way in that failed before its fix, or one no other test covers; t
 
 from __future__ import annotations
 
+import datasets
 import pytest
 import torch
 from helpers import ListDataset, PadCollator, make_examples
 from models import VOCAB, tiny_bert
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter.eval_overlap import overlapping_rows
 from hf_dpfilter.proofs.hooks import GradientHookError
+from hf_dpfilter.training_fields import TrainingFieldError
 
 
 def _args(tmp_path, **kw):
@@ -53,3 +56,33 @@ def test_gradient_hook_registered_inside_a_forward_is_refused_before_any_backwar
     with pytest.raises(GradientHookError, match="classifier"):
         trainer.train()
     assert seen == [] and trainer.accountant.steps == 0
+
+
+# ------------------------------------------------------------------ evaluation on training rows, padded again
+def _padded(examples, length=12, left=False):
+    rows = []
+    for e in examples:
+        ids, pad = e["input_ids"].tolist(), length - len(e["input_ids"])
+        mask = [0] * pad + [1] * len(ids) if left else [1] * len(ids) + [0] * pad
+        rows.append({"input_ids": [0] * pad + ids if left else ids + [0] * pad, "attention_mask": mask,
+                     "labels": e["labels"]})
+    return rows
+
+
+@pytest.mark.parametrize("form", ["datasets-right", "datasets-left", "torch-right"])
+def test_training_rows_tokenized_again_with_padding_are_refused(tmp_path, form):
+    """The training rows tokenized again with ``padding="max_length"`` (the masked tokens, the loss and metrics
+    are the training rows'): old code compared the padded ``input_ids`` and evaluated them as a held-out set."""
+    examples = make_examples(6, VOCAB, False)
+    train = datasets.Dataset.from_list([{"input_ids": e["input_ids"].tolist(), "labels": e["labels"]} for e in examples])
+    rows = _padded(examples[4:5], left=form.endswith("left"))
+    if form.startswith("torch"):
+        rows = ListDataset([{**r, "input_ids": torch.tensor(r["input_ids"])} for r in rows])
+    held_out = _padded(make_examples(3, VOCAB, False, seed=7))
+    trainer = _trainer(tmp_path, train=train)
+    assert overlapping_rows(train, rows if form.startswith("torch") else datasets.Dataset.from_list(rows)) == 1
+    with pytest.raises(TrainingFieldError, match="shares at least one identical row"):
+        trainer.evaluate(rows if form.startswith("torch") else datasets.Dataset.from_list(rows))
+    # negative control: a padded held-out set shares no row and is compared, not refused
+    assert overlapping_rows(train, datasets.Dataset.from_list(held_out)) == 0
+    trainer._run_guard.check_eval_set(trainer, datasets.Dataset.from_list(held_out), "held-out")
