@@ -126,3 +126,32 @@ def test_rechecks_in_two_processes_neither_desync_nor_hang_on_one_refusal(tmp_pa
     refused = _torchrun(tmp_path / "refuse", "refuse")  # the timeout of _torchrun is the hang detector
     assert refused.returncode != 0 and "GradientHookError" in refused.stderr
     assert not (tmp_path / "refuse" / "rank1.pt").exists()
+
+
+# ------------------------------------------------------------------ files a user publishes
+def _dropout_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=40, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0))
+
+
+def _saved_rng(tmp_path, examples, name, **kw):
+    trainer = _trainer(tmp_path / name, model=_dropout_bert(), train=ListDataset(examples), noise_multiplier=1.0,
+                       logical_batch_size=4, per_device_train_batch_size=2, save_strategy="steps", save_steps=2,
+                       seed=1, dp_seed=5, disable_tqdm=True, **kw)
+    trainer.train()
+    return torch.load(tmp_path / name / "checkpoint-2" / "rng_state.pth", weights_only=False)
+
+
+def test_checkpoint_rng_state_says_nothing_of_the_batches(tmp_path):
+    """rng_state.pth holds the global generators, advanced by every dropout draw: one per activation element of
+    each secret micro-batch. Old code: replacing one example by a longer one changed the saved state (with the
+    public seed, a noiseless function of the batches); now it is the public seed's and the step's alone."""
+    examples = make_examples(8, VOCAB, False, min_len=3, max_len=6)
+    replaced = [*examples[:-1], dict(examples[-1], input_ids=torch.arange(3, 23))]
+    a, b = _saved_rng(tmp_path, examples, "a"), _saved_rng(tmp_path, replaced, "b")
+    assert torch.equal(a["cpu"], b["cpu"]) and a["python"] == b["python"]
+    assert all((x == y).all() for x, y in zip(a["numpy"][1:2], b["numpy"][1:2]))
