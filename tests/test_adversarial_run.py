@@ -155,3 +155,21 @@ def test_checkpoint_rng_state_says_nothing_of_the_batches(tmp_path):
     a, b = _saved_rng(tmp_path, examples, "a"), _saved_rng(tmp_path, replaced, "b")
     assert torch.equal(a["cpu"], b["cpu"]) and a["python"] == b["python"]
     assert all((x == y).all() for x, y in zip(a["numpy"][1:2], b["numpy"][1:2]))
+
+
+# ------------------------------------------------------------------ the ledger and the unit, through DPSFTTrainer
+def test_dpsfttrainer_resume_that_declares_users_is_refused_before_a_step(tmp_path):
+    """Steps released per example, resumed by DPSFTTrainer (TRL's preparation of the rows in between) as a
+    user-level run: refused before its first step, the ledger untouched."""
+    from test_sft import chat_rows, trainer_for
+
+    from hf_dpfilter.user_ids import PrivacyUnitError
+
+    kw = dict(save_strategy="steps", save_steps=2, max_steps=2, noise_multiplier=1.0)
+    trainer_for(tmp_path, chat_rows(6, user_ids=True), **kw).train()
+    ledger = (tmp_path / "privacy_ledger.json").read_text()
+    resumed = trainer_for(tmp_path, chat_rows(6, user_ids=True), **dict(kw, max_steps=4), privacy_unit="user",
+                          user_id_column="user_id", max_examples_per_user=2, logical_batch_size=2)
+    with pytest.raises(PrivacyUnitError, match="privacy_unit='example', but this run declares privacy_unit='user'"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.dp_optimizer.dp_steps == 2 and (tmp_path / "privacy_ledger.json").read_text() == ledger
