@@ -116,6 +116,11 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         the arguments, batch and processes the plan was computed for)."""
         self._run_guard.before_train(self)
         self._refuse_seed_to_loggers()  # callbacks may have been added since the trainer was created
+        if self.dp_optimizer is not None:
+            # a train() refused part-way through a step (a re-check, a hook) left the clipped sums of its first
+            # micro-batches, never released: kept, the next step would add them to its own (another Poisson
+            # sample in it, an example sampled in both counted twice). The Trainer zeroes the model, not them.
+            self.dp_optimizer.zero_grad()
         checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         # a checkpoint of another output_dir: its ledger is this run's history too (PrivacyLedger.open_session)
         self._resumed_checkpoint_dir = checkpoint if isinstance(checkpoint, str) else None

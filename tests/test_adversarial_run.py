@@ -173,3 +173,32 @@ def test_dpsfttrainer_resume_that_declares_users_is_refused_before_a_step(tmp_pa
     with pytest.raises(PrivacyUnitError, match="privacy_unit='example', but this run declares privacy_unit='user'"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert resumed.dp_optimizer.dp_steps == 2 and (tmp_path / "privacy_ledger.json").read_text() == ledger
+
+
+# ------------------------------------------------------------------ train() again after a refusal mid-step
+def test_train_again_after_a_refusal_mid_step_releases_no_stale_clipped_sums(tmp_path):
+    """A refusal in the third micro-batch of step 1 (here a hook a forward hook registers late) left the clipped
+    sums of the first two in the DP optimizer, and no step was released, so train() may run again once the hook
+    is removed: old code added those sums to its first step (another Poisson sample inside one released step,
+    an example sampled in both counted twice). At noise 0 the step now equals a fresh trainer's."""
+    examples = ListDataset(make_examples(12, VOCAB, False))
+    model, calls, handles = tiny_bert(dtype=torch.float32), [0], []
+
+    def late_hook(module, inputs, output):
+        calls[0] += 1
+        if calls[0] == 8 and not handles:
+            handles.append(model.classifier.weight.register_hook(lambda grad: None))
+
+    forward = model.bert.embeddings.register_forward_hook(late_hook)
+    kw = dict(per_device_train_batch_size=2, max_steps=1, disable_tqdm=True)
+    trainer = _trainer(tmp_path / "a", model=model, train=examples, **kw)
+    with pytest.raises(GradientHookError):
+        trainer.train()
+    assert trainer.accountant.steps == 0 and trainer.dp_optimizer._sums  # refused part-way through the step
+    handles[0].remove()
+    forward.remove()
+    trainer.train()
+    fresh = _trainer(tmp_path / "b", train=examples, **kw)
+    fresh.train()
+    for (name, p), q in zip(model.named_parameters(), fresh.model.parameters()):
+        assert torch.equal(p, q), name
