@@ -15,7 +15,7 @@ import datasets
 import pytest
 import torch
 from helpers import ListDataset, PadCollator, make_examples
-from models import VOCAB, tiny_bert
+from models import VOCAB, tiny_bert, tiny_gpt2
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.eval_overlap import overlapping_rows
@@ -202,3 +202,22 @@ def test_train_again_after_a_refusal_mid_step_releases_no_stale_clipped_sums(tmp
     fresh.train()
     for (name, p), q in zip(model.named_parameters(), fresh.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_a_shape_refused_by_a_recheck_is_checked_again_in_the_next_attempt(tmp_path):
+    """The micro-batch-normalised loss of tests/test_separation_rechecks.py (case 4), refused by the re-check of a
+    new shape; nothing was released, so the step (or train()) may be run again: old code had marked the shape as
+    seen before checking it, so with dp_recheck_rate=0 the same micro-batch was then accumulated unchecked."""
+    from test_separation_rechecks import _args as recheck_args
+    from test_separation_rechecks import _example, _MeanCountLoss, _step
+
+    from hf_dpfilter.proofs.separation import SeparationError
+
+    batch = [_example(6, 1, causal=True), _example(6, 2, causal=True), _example(3, 3, causal=True),
+             _example(30, 4, causal=True)]
+    trainer = _MeanCountLoss(model=tiny_gpt2(torch.float32), data_collator=PadCollator(0),
+                             args=recheck_args(tmp_path, per_sample_max_grad_norm=2.0, dp_recheck_rate=0.0),
+                             train_dataset=ListDataset(batch))
+    for _ in range(2):
+        with pytest.raises(SeparationError, match="Re-check \\(a new shape\\)"):
+            _step(trainer, batch)
