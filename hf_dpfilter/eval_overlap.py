@@ -15,7 +15,9 @@ a set slot per row); the training set is streamed once per eval set and the scan
 lists): about 1.6 s per 100k training rows of 256 tokens on one CPU core; other columns through their Python form
 (several times slower); any other map-style data set (``__len__`` and ``__getitem__``: a torch ``Dataset``, a list)
 item by item, at the cost of its ``__getitem__``. The cost is paid once per eval set per trainer: the verdict is
-kept. An eval set that cannot be enumerated (an iterable data set) cannot be checked and is refused likewise.
+kept, and for a set that is not a ``datasets.Dataset`` (its rows can be changed in place) only while its rows'
+digests, hashed again at each evaluation, are those it was computed on. An eval set that cannot be enumerated
+(an iterable data set) cannot be checked and is refused likewise.
 Nothing is published: the error names the eval set, never a row, an index or a count.
 
 ``dp_allow_eval_on_training_rows=True`` is the explicit opt-in: the evaluation runs with a warning, and what it
@@ -234,7 +236,20 @@ def overlapping_rows(train: Any, evaluation: Any) -> int:
 class _Verdict:
     dataset: Any  # held, so that its id is not reused by another set
     shared: bool | None  # None: cannot be compared row by row
+    rows: frozenset[bytes] | None = None  # the digests it was computed on (a set that is not a datasets.Dataset)
     warned: bool = False
+
+
+def _eval_rows(train: Any, dataset: Any) -> frozenset[bytes] | None:
+    """The digests of a mutable eval set's rows (a list, a torch data set: its rows can be changed in place after
+    a verdict); None for a ``datasets.Dataset``, whose rows do not change, or a set that cannot be compared."""
+    if _is_hf_dataset(dataset):
+        return None
+    try:
+        columns = comparable_columns(train, dataset)
+        return frozenset(row_digests(dataset, columns)) if columns != [] else frozenset()
+    except NotEnumerable:
+        return None
 
 
 @dataclass
@@ -244,13 +259,16 @@ class EvalRowsGuard:
     verdicts: dict[int, _Verdict] = field(default_factory=dict, metadata={"help": "id(set) -> its verdict"})
 
     def _verdict(self, train: Any, dataset: Any) -> _Verdict:
+        """The set's verdict, kept; recomputed when a set other than a ``datasets.Dataset`` now holds other rows
+        (hashing its rows again costs less than evaluating them; the training set is streamed only then)."""
         verdict = self.verdicts.get(id(dataset))
-        if verdict is None or verdict.dataset is not dataset:
+        rows = _eval_rows(train, dataset)
+        if verdict is None or verdict.dataset is not dataset or verdict.rows != rows:
             try:
                 shared = shares_rows(train, dataset)
             except NotEnumerable:
                 shared = None
-            verdict = self.verdicts[id(dataset)] = _Verdict(dataset, shared)
+            verdict = self.verdicts[id(dataset)] = _Verdict(dataset, shared, rows)
         return verdict
 
     def check(self, train: Any, dataset: Any, label: str, *, private: bool, allowed: bool, disjoint: bool,

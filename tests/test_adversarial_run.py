@@ -221,3 +221,15 @@ def test_a_shape_refused_by_a_recheck_is_checked_again_in_the_next_attempt(tmp_p
     for _ in range(2):
         with pytest.raises(SeparationError, match="Re-check \\(a new shape\\)"):
             _step(trainer, batch)
+
+
+def test_an_eval_set_changed_in_place_after_its_verdict_is_checked_again(tmp_path):
+    """The verdict of an eval set is kept per trainer; a torch data set (a list behind it) can be changed in place
+    after it evaluated: old code kept the held-out verdict and evaluated the training row now in it."""
+    examples = make_examples(9, VOCAB, False)
+    trainer = _trainer(tmp_path, train=ListDataset(examples[:6]))
+    held_out = ListDataset(examples[6:9])
+    trainer.evaluate(held_out)  # held out: evaluates
+    held_out.examples[1] = examples[2]  # one training row, in place
+    with pytest.raises(TrainingFieldError, match="shares at least one identical row"):
+        trainer.evaluate(held_out)
