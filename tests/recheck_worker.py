@@ -1,9 +1,10 @@
 """Worker for tests/test_adversarial_run.py: DPTrainer on a tiny float64 GPT-2 with left padding (positions from
 the mask) and every micro-batch re-checked alone, in one process or two (``torchrun``, CPU, gloo).
 
-``python tests/recheck_worker.py OUT MODE``; MODE ``train``: 3 steps, each process saves its parameters and how
-many re-checks it ran to ``OUT/rank<r>.pt``; MODE ``refuse``: process 0 alone registers a gradient hook before
-step 2 (a callback), so that it alone refuses while the other goes on to the step's collectives.
+``python tests/recheck_worker.py OUT MODE [MODE]``, each MODE in ``OUT/MODE``: ``train``: 3 steps, each process
+saves its parameters and how many re-checks it ran to ``rank<r>.pt``; ``refuse``: process 0 alone registers a
+gradient hook before step 2 (a callback), so that it alone refuses while the other goes on to the step's
+collectives.
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ class HookOnRankZero(TrainerCallback):
 
 def main() -> None:
     torch.set_num_threads(1)
-    out, mode = sys.argv[1], sys.argv[2]
+    for mode in sys.argv[2:]:  # ``train refuse``: both in one launch (the refusal ends it)
+        run(os.path.join(sys.argv[1], mode), mode)
+
+
+def run(out: str, mode: str) -> None:
     os.makedirs(out, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     args = DPTrainingArguments(
