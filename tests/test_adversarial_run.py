@@ -193,3 +193,24 @@ def test_an_eval_set_changed_in_place_after_its_verdict_is_checked_again(tmp_pat
     held_out.examples[1] = examples[2]  # one training row, in place
     with pytest.raises(TrainingFieldError, match="shares at least one identical row"):
         trainer.evaluate(held_out)
+
+
+def test_the_trainers_hub_uploads_skip_the_private_underscore_files():
+    """The user partition's digest lives in ``output_dir/_privacy_unit_partitions.json`` (and the ledger's lock
+    beside it) on the claim that the Trainer's uploads skip root files starting with ``_``: true of the installed
+    transformers (both uploads of output_dir pass ``ignore_patterns=["_*", "checkpoint-*"]``) and of
+    huggingface_hub's matching; a file in a subfolder would not be skipped."""
+    import inspect
+
+    from huggingface_hub.utils import filter_repo_objects
+    from transformers import Trainer
+
+    from hf_dpfilter.ledger import LOCK_FILE
+    from hf_dpfilter.unit_identity import PARTITIONS_FILE
+
+    for method in (Trainer.push_to_hub, Trainer._push_from_checkpoint):
+        assert 'ignore_patterns=["_*", f"{PREFIX_CHECKPOINT_DIR}-*"]' in inspect.getsource(method)
+    files = [PARTITIONS_FILE, LOCK_FILE, "privacy_ledger.json", "README.md", "checkpoint-2/optimizer.pt"]
+    kept = list(filter_repo_objects(files, ignore_patterns=["_*", "checkpoint-*"]))
+    assert kept == ["privacy_ledger.json", "README.md"]
+    assert list(filter_repo_objects([f"sub/{PARTITIONS_FILE}"], ignore_patterns=["_*"]))  # the root only
