@@ -7,14 +7,17 @@ membership test reads. One shared row is enough, so a set is refused as soon as 
 
 Rows are compared by content, never by position or row id: each row's canonical form (the values of the columns
 both sets have: ``input_ids`` alone when both have it, so that an id column or a user column does not hide an
-identical example; numbers as float64 or int64 bytes whatever holds them; each example of a row TRL packed, by its
-``seq_lengths``) is hashed with BLAKE2b-128 into a digest. The eval set's digests are held in memory (16 bytes and
+identical example, and of ``input_ids`` the tokens its ``attention_mask`` keeps, so that the same rows tokenized
+again with ``padding="max_length"`` (left or right) are the training rows; numbers as float64 or int64 bytes
+whatever holds them; each example of a row TRL packed, by its ``seq_lengths``) is hashed with BLAKE2b-128 into a digest. The eval set's digests are held in memory (16 bytes and
 a set slot per row); the training set is streamed once per eval set and the scan stops at the first match.
 ``input_ids`` are hashed as int64 bytes, read from a ``datasets.Dataset`` as Arrow batches of 1024 rows (no Python
 lists): about 1.6 s per 100k training rows of 256 tokens on one CPU core; other columns through their Python form
 (several times slower); any other map-style data set (``__len__`` and ``__getitem__``: a torch ``Dataset``, a list)
 item by item, at the cost of its ``__getitem__``. The cost is paid once per eval set per trainer: the verdict is
-kept. An eval set that cannot be enumerated (an iterable data set) cannot be checked and is refused likewise.
+kept, and for a set that is not a ``datasets.Dataset`` (its rows can be changed in place) only while its rows'
+digests, hashed again at each evaluation, are those it was computed on. An eval set that cannot be enumerated
+(an iterable data set) cannot be checked and is refused likewise.
 Nothing is published: the error names the eval set, never a row, an index or a count.
 
 ``dp_allow_eval_on_training_rows=True`` is the explicit opt-in: the evaluation runs with a warning, and what it
@@ -40,6 +43,8 @@ ID_COLUMNS = frozenset({"idx", "id", "index", "__index_level_0__"})
 #: TRL's column of the lengths of the examples packed in a row (its eval sets are packed by default): a packed
 #: row is compared example by example
 SEGMENTS_COLUMN = "seq_lengths"
+#: the padding mask: a row's tokens are those it keeps (a copy padded to a fixed length is the same example)
+MASK_COLUMN = "attention_mask"
 #: rows of a ``datasets.Dataset`` read per batch
 BATCH_ROWS = 1024
 
@@ -110,11 +115,21 @@ def _digest(values: Any) -> bytes:
     return hashlib.blake2b(repr(values).encode(), digest_size=16).digest()
 
 
-def _token_digest(ids: Any) -> bytes:
-    """The digest of a token sequence (a list, a NumPy array or a tensor of integers): its int64 bytes."""
-    if hasattr(ids, "detach"):
-        ids = ids.detach().cpu().numpy()
-    return hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+def _numbers(values: Any, dtype: Any) -> np.ndarray:
+    if hasattr(values, "detach"):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=dtype)
+
+
+def _token_digest(ids: Any, mask: Any = None) -> bytes:
+    """The digest of a token sequence (a list, a NumPy array or a tensor of integers): the int64 bytes of the
+    tokens its ``attention_mask`` keeps (all of them without one), so that a padded copy of a row is that row."""
+    tokens = _numbers(ids, np.int64)
+    if mask is not None:
+        keep = _numbers(mask, np.int64)
+        if keep.shape == tokens.shape:  # another layout (a 4-d mask) is not a padding mask: all tokens kept
+            tokens = tokens[keep != 0]
+    return hashlib.blake2b(np.ascontiguousarray(tokens).tobytes(), digest_size=16).digest()
 
 
 def _hf_token_digests(dataset: Any) -> Iterator[bytes]:
@@ -124,24 +139,45 @@ def _hf_token_digests(dataset: Any) -> Iterator[bytes]:
     import pyarrow as pa
 
     packed = SEGMENTS_COLUMN in dataset.column_names
-    view = dataset.select_columns(["input_ids", SEGMENTS_COLUMN] if packed else ["input_ids"]).with_format("arrow")
+    masked = MASK_COLUMN in dataset.column_names and not packed
     arrow_type = dataset.data.schema.field("input_ids").type
     flat = (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and pa.types.is_integer(
         arrow_type.value_type)
+    if masked:
+        mask_type = dataset.data.schema.field(MASK_COLUMN).type
+        flat = flat and (pa.types.is_list(mask_type) or pa.types.is_large_list(mask_type)) and pa.types.is_integer(
+            mask_type.value_type)
+    names = ["input_ids", MASK_COLUMN] if masked else ["input_ids"]
     if not flat:
-        for row in dataset.with_format(None).select_columns(["input_ids"]).iter(batch_size=BATCH_ROWS):
-            yield from (_token_digest(ids) for ids in row["input_ids"])
+        for row in dataset.with_format(None).select_columns(names).iter(batch_size=BATCH_ROWS):
+            masks = row[MASK_COLUMN] if masked else [None] * len(row["input_ids"])
+            yield from (_token_digest(ids, mask) for ids, mask in zip(row["input_ids"], masks))
         return
+    view = dataset.select_columns(names + [SEGMENTS_COLUMN] if packed else names).with_format("arrow")
     for batch in view.iter(batch_size=BATCH_ROWS):
-        column = batch.column("input_ids").combine_chunks()
-        values = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        offsets = column.offsets.to_numpy() - column.offsets[0].as_py() if len(column) else np.zeros(1, np.int64)
-        lengths = batch.column(SEGMENTS_COLUMN).to_pylist() if packed else [None] * len(column)
+        values, offsets = _flat_numbers(batch.column("input_ids"))
+        keep = None
+        if masked:  # the padding's tokens dropped, row by row (a row whose mask has another length: all kept)
+            mask, mask_offsets = _flat_numbers(batch.column(MASK_COLUMN))
+            keep = None if mask.all() else (mask != 0, mask_offsets)
+        lengths = batch.column(SEGMENTS_COLUMN).to_pylist() if packed else [None] * (len(offsets) - 1)
         for row, segments in enumerate(lengths):
             start, end = int(offsets[row]), int(offsets[row + 1])
+            if keep is not None and keep[1][row + 1] - keep[1][row] == end - start:
+                kept = values[start:end][keep[0][keep[1][row]:keep[1][row + 1]]]
+                yield hashlib.blake2b(kept.tobytes(), digest_size=16).digest()
+                continue
             for length in segments if segments is not None else [end - start]:
                 yield hashlib.blake2b(values[start:start + length].tobytes(), digest_size=16).digest()
                 start += length
+
+
+def _flat_numbers(column: Any) -> tuple[np.ndarray, np.ndarray]:
+    """An Arrow list column's values as int64 and its row offsets from 0."""
+    column = column.combine_chunks()
+    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    offsets = column.offsets.to_numpy() - column.offsets[0].as_py() if len(column) else np.zeros(1, np.int64)
+    return values, offsets
 
 
 def row_digests(dataset: Any, columns: list[str] | None) -> Iterator[bytes]:
@@ -155,7 +191,8 @@ def row_digests(dataset: Any, columns: list[str] | None) -> Iterator[bytes]:
             yield from _hf_token_digests(dataset)
         else:
             for index in range(len(dataset)):
-                yield _token_digest(dataset[index]["input_ids"])
+                item = dataset[index]
+                yield _token_digest(item["input_ids"], item.get(MASK_COLUMN) if isinstance(item, Mapping) else None)
         return
     if hf:
         names = list(dataset.column_names) if columns is None else columns
@@ -199,7 +236,20 @@ def overlapping_rows(train: Any, evaluation: Any) -> int:
 class _Verdict:
     dataset: Any  # held, so that its id is not reused by another set
     shared: bool | None  # None: cannot be compared row by row
+    rows: frozenset[bytes] | None = None  # the digests it was computed on (a set that is not a datasets.Dataset)
     warned: bool = False
+
+
+def _eval_rows(train: Any, dataset: Any) -> frozenset[bytes] | None:
+    """The digests of a mutable eval set's rows (a list, a torch data set: its rows can be changed in place after
+    a verdict); None for a ``datasets.Dataset``, whose rows do not change, or a set that cannot be compared."""
+    if _is_hf_dataset(dataset):
+        return None
+    try:
+        columns = comparable_columns(train, dataset)
+        return frozenset(row_digests(dataset, columns)) if columns != [] else frozenset()
+    except NotEnumerable:
+        return None
 
 
 @dataclass
@@ -209,13 +259,16 @@ class EvalRowsGuard:
     verdicts: dict[int, _Verdict] = field(default_factory=dict, metadata={"help": "id(set) -> its verdict"})
 
     def _verdict(self, train: Any, dataset: Any) -> _Verdict:
+        """The set's verdict, kept; recomputed when a set other than a ``datasets.Dataset`` now holds other rows
+        (hashing its rows again costs less than evaluating them; the training set is streamed only then)."""
         verdict = self.verdicts.get(id(dataset))
-        if verdict is None or verdict.dataset is not dataset:
+        rows = _eval_rows(train, dataset)
+        if verdict is None or verdict.dataset is not dataset or verdict.rows != rows:
             try:
                 shared = shares_rows(train, dataset)
             except NotEnumerable:
                 shared = None
-            verdict = self.verdicts[id(dataset)] = _Verdict(dataset, shared)
+            verdict = self.verdicts[id(dataset)] = _Verdict(dataset, shared, rows)
         return verdict
 
     def check(self, train: Any, dataset: Any, label: str, *, private: bool, allowed: bool, disjoint: bool,

@@ -205,6 +205,25 @@ class PrivacySessionMixin:
         if digest is not None and self.args.should_save:
             unit_identity.record_partition(self.args.output_dir, optimizer.run_id, digest)
 
+    def _save_rng_state(self, output_dir: str) -> None:
+        """``Trainer._save_rng_state`` after the global generators (Python, NumPy, torch on every device) are
+        reseeded from the public ``seed`` and the step alone, in a private run.
+
+        Their states are advanced by every draw of the run so far: dropout masks (one draw per element of each
+        micro-batch's activations), a collator's random masking, and both follow the secret Poisson batches'
+        sizes and lengths. Saved as they are, ``rng_state.pth`` (in every checkpoint, uploaded with
+        ``hub_strategy="checkpoint"``) would be a noiseless function of the batches: with the public seed, a
+        replaced example changes it. Reseeded, the run itself goes on from the state saved, the one a resume
+        restores (dropout after the checkpoint draws alike in both)."""
+        if self.privacy_plan.is_private:
+            import hashlib
+
+            from transformers import set_seed
+
+            step = f"{self.args.seed}:{self.state.global_step}".encode()
+            set_seed(int.from_bytes(hashlib.blake2b(step, digest_size=4).digest(), "little"))
+        super()._save_rng_state(output_dir)
+
     @property
     def privacy_ledger_path(self) -> str:
         import os

@@ -117,6 +117,11 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         the arguments, batch and processes the plan was computed for)."""
         self._run_guard.before_train(self)
         self._refuse_seed_to_loggers()  # callbacks may have been added since the trainer was created
+        if self.dp_optimizer is not None:
+            # a train() refused part-way through a step (a re-check, a hook) left the clipped sums of its first
+            # micro-batches, never released: kept, the next step would add them to its own (another Poisson
+            # sample in it, an example sampled in both counted twice). The Trainer zeroes the model, not them.
+            self.dp_optimizer.zero_grad()
         checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         # a checkpoint of another output_dir: its ledger is this run's history too (PrivacyLedger.open_session)
         self._resumed_checkpoint_dir = checkpoint if isinstance(checkpoint, str) else None
@@ -438,7 +443,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
 
             def loss_fn(values, micro=micro, micro_labels=micro_labels):
                 with self.compute_loss_context_manager():
-                    return self.compute_per_example_loss(model, micro, micro_labels, values)
+                    return self._after_forward(model, self.compute_per_example_loss(model, micro, micro_labels, values))
 
             if isinstance(layout, privacy_units.UnitLayout):  # one loss per unit: the sum of its examples' losses
                 loss_fn = privacy_units.per_unit_loss(loss_fn, layout)
@@ -452,6 +457,14 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size)
             total = total + losses.sum()
         return total / max(batch, 1)
+    def _after_forward(self, model: nn.Module, losses: torch.Tensor) -> torch.Tensor:
+        """The losses of a forward, after the hook check again, before any backward reads them: a forward hook (or
+        a forward of one's own) that registers a gradient hook while it runs is refused before that hook sees a
+        gradient (the engine's first backward and the first-step check reach the parameters unclipped)."""
+        if self.privacy_plan.is_private:
+            refuse_gradient_hooks(model)
+        return losses
+
     @property
     def _per_example_checked(self) -> bool:
         """Whether the first-step per-example check has passed (or is turned off: ``dp_verify_first_step=False``)."""
@@ -467,7 +480,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
 
             def loss_fn(inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
                 with self.compute_loss_context_manager():
-                    return self.compute_per_example_loss(model, inputs, labels)
+                    return self._after_forward(model, self.compute_per_example_loss(model, inputs, labels))
 
             self._separation = SeparationChecks(
                 self.engine, loss_fn, self._packed, self._alone,

@@ -19,8 +19,11 @@ own backward stops at the layer outputs, whose gradients are per-example informa
 All three are refused by the parameter's or module's name, the kind of hook and the function, with the fix. The
 check reads two or three dictionary attributes per parameter and module, no tensor, so it runs before every step
 (:func:`refuse_gradient_hooks`): a hook registered by a callback after training started is refused before that
-step computes anything. Forward hooks are not refused: they see the inputs of the forward, which the process
-holds anyway (docs/threat_model.md, the trust boundary). Machinery that only moves gradients between the
+step computes anything, and again after every forward of the run, before its backward (the trainer's loss
+functions): a forward hook that registers a gradient hook while the forward runs is refused before that hook sees
+a gradient. Forward hooks are not refused: they see the inputs of the forward, which the process holds anyway
+(docs/threat_model.md, the trust boundary); one that calls ``register_hook`` on an activation is not seen (autograd
+exposes no node's hooks) and stays the user's code inside the boundary. Machinery that only moves gradients between the
 processes of the run (DDP, FSDP2 from ``torch.distributed``; transformers' averaging of replicated trainable
 parameters under FSDP2) and this library's own hooks are not refused; under DPTrainer they never see a gradient.
 

@@ -150,8 +150,8 @@ class SeparationChecks:
             return
         new = shape not in self.seen
         if new or (self.rate > 0 and self._choices.random() < self.rate):
-            self.seen.add(shape)
             self.recheck(model, micro_batch, self._raw(raw, count), "a new shape" if new else "the schedule")
+            self.seen.add(shape)  # once passed: a shape refused stays new for a train() run again after a refusal
 
     def _raw(self, raw: Sequence[Any] | None, count: int) -> Sequence[Any]:
         if raw is None or len(raw) != count:
