@@ -15,7 +15,8 @@ the first micro-batch (:data:`EXAMPLES_CHECKED`), this check compares
   example, or its layer couples examples).
 
 A mismatch raises :class:`PerExampleCheckError` before anything is released (the check runs before the first
-micro-batch with two examples or more is accumulated). "The example alone" is that example's raw data-set row run
+micro-batch with two examples or more is accumulated); its message names the example's position and the parameter,
+never a loss, gradient or norm value (noiseless functions of private data). "The example alone" is that example's raw data-set row run
 through the training collator alone, then the trainer's own micro-batch path with one example
 (:mod:`hf_dpfilter.proofs.separation` builds it), never a row sliced out of the collated batch: what padding,
 packing or any other batch-wide collation does to an example is part of what is compared. The two computations
@@ -143,8 +144,8 @@ def verify_per_example(
             worst["loss"] = max(worst["loss"], loss_error)
             if abs(in_batch - by_itself) > tol * max(abs(by_itself), 1e-6):
                 raise PerExampleCheckError(
-                    f"Example {i} of the first micro-batch has loss {in_batch:.6g} in the batch but {by_itself:.6g} "
-                    "computed alone: the loss or the model couples examples (a loss over the batch such as in-batch "
+                    f"Example {i} of the first micro-batch has another loss in the batch than computed alone (beyond the "
+                    f"tolerance {tol:.0e}): the loss or the model couples examples (a loss over the batch such as in-batch "
                     "negatives, batch statistics, attention across the examples packed in a row, or left padding with a "
                     "model that numbers positions from the first column: pad on the right). Each example's "
                     "loss must depend on that example only; per-example clipping would not bound its influence."
@@ -161,14 +162,14 @@ def verify_per_example(
                 if err > tol * scale + tol * 1e-3 * total + 1e-12:
                     raise PerExampleCheckError(
                         f"The per-example gradient of '{engine.parameter_name(param)}' for example {i} of the first "
-                        f"micro-batch differs from the gradient of that example computed alone (relative error "
-                        f"{err / max(scale, 1e-30):.2e}): the rule of its layer is wrong per example (even if right "
+                        f"micro-batch differs from the gradient of that example computed alone (beyond the tolerance "
+                        f"{tol:.0e}): the rule of its layer is wrong per example (even if right "
                         "in sum), or the layer couples examples (batch statistics). Freeze the parameter, or fix or "
                         "register the layer's rule (hf_dpfilter.register_grad_rule)."
                     )
             if abs(float(engine_norms[i]) - total) > tol * total + 1e-12:
                 raise PerExampleCheckError(
-                    f"The engine's norm of example {i}'s gradient ({float(engine_norms[i]):.6g}) differs from the norm "
-                    f"of its gradient computed alone ({total:.6g}): the per-example norm path is wrong."
+                    f"The engine's norm of example {i}'s gradient differs from the norm of its gradient computed alone "
+                    f"(beyond the tolerance {tol:.0e}): the per-example norm path is wrong."
                 )
     return worst

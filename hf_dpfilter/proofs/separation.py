@@ -215,7 +215,8 @@ class SeparationChecks:
             check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")  # random: refused as such
         raise SeparationError(
             f"Re-check ({why}) of micro-batch {self.micro_batches}, shape {micro_batch_shape(micro_batch)}: "
-            f"example {index} has loss {mine:.6g} in the micro-batch but {own:.6g} re-collated alone, so "
+            f"example {index} has another loss in the micro-batch than re-collated alone (values not shown: "
+            "they are noiseless functions of private data), so "
             "the other examples of the micro-batch change its loss and per-example clipping would not bound "
             "their influence. Causes: a compute_per_example_loss normalised over the micro-batch (a mean token "
             "count, a batch-wide statistic: each example's loss must use its own inputs only), a forward hook or "
