@@ -7,7 +7,9 @@ the checks run in training mode with two changes, both exact for what they compa
 
 * dropout is off: the ``nn.Dropout`` modules, and the dropout probabilities attention kernels read at call time
   (transformers' BERT passes ``self.dropout.p`` and GPT-2 ``self.attn_dropout.p`` to SDPA, Llama its float
-  ``self.attention_dropout``). Dropout draws a mask element by element: it cannot carry one example's data into
+  ``self.attention_dropout``, BLOOM its float ``self.hidden_dropout`` to ``dropout_add``), and the dropout
+  probabilities of the model's configs, which some families read at call time (Falcon's decoder layer passes
+  ``self.config.attention_dropout`` and ``self.config.hidden_dropout`` to ``dropout_add``). Dropout draws a mask element by element: it cannot carry one example's data into
   another's outputs, so turning it off in both forwards hides no coupling;
 * every forward runs on a forked global RNG seeded with the same seed, so that whatever randomness remains draws
   the same numbers in the batch and alone, and the run's own random stream is left untouched.
@@ -20,7 +22,7 @@ lambda, router jitter, stochastic depth) cannot be compared and may mix examples
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,7 +32,12 @@ __all__ = ["TrainingRandomnessError", "check_deterministic", "checking_forward",
 #: float attributes that attention implementations read as their dropout probability at call time
 KERNEL_DROPOUT_ATTRIBUTES = (
     "attention_dropout", "attn_dropout", "attn_drop", "dropout", "dropout_p", "dropout_prob", "attention_dropout_p",
+    "hidden_dropout",
 )
+#: endings of a config field that holds a dropout probability (``attention_dropout``, ``hidden_dropout_prob``,
+#: ``resid_pdrop``, ``dropout_rate``); a stochastic-depth rate (``layerdrop``, ``drop_path_rate``) is not one of
+#: them: it drops whole layers for the whole micro-batch and stays random, so the two-seed check refuses it
+CONFIG_DROPOUT_ENDINGS = ("dropout", "dropout_prob", "dropout_rate", "dropout_p", "pdrop")
 
 
 class TrainingRandomnessError(RuntimeError):
@@ -39,7 +46,8 @@ class TrainingRandomnessError(RuntimeError):
 
 @contextlib.contextmanager
 def checking_forward(model: nn.Module) -> Iterator[None]:
-    """Dropout off (modules and kernel probabilities), every other module left in its training mode; restored."""
+    """Dropout off (modules, kernel probabilities and the configs' dropout probabilities), every other module left
+    in its training mode; restored."""
     modes: list[tuple[nn.Module, bool]] = []
     probabilities: list[tuple[object, str, float]] = []
     try:
@@ -48,17 +56,37 @@ def checking_forward(model: nn.Module) -> Iterator[None]:
                 modes.append((module, module.training))
                 probabilities.append((module, "p", module.p))
                 module.training, module.p = False, 0.0
-            for name in KERNEL_DROPOUT_ATTRIBUTES:
-                value = module.__dict__.get(name)  # plain attributes only (a submodule lives in _modules)
-                if isinstance(value, float) and not isinstance(value, bool) and value != 0.0:
-                    probabilities.append((module, name, value))
-                    setattr(module, name, 0.0)
+            _zero(module, KERNEL_DROPOUT_ATTRIBUTES, probabilities)
+        for config in _configs(model):
+            _zero(config, [k for k in vars(config) if k.endswith(CONFIG_DROPOUT_ENDINGS)], probabilities)
         yield
     finally:
         for owner, name, value in reversed(probabilities):
             setattr(owner, name, value)
         for module, mode in modes:
             module.training = mode
+
+
+def _configs(model: nn.Module) -> list[object]:
+    """The configs the model's modules hold (``module.config`` and its sub-configs, such as ``text_config``), once."""
+    found: dict[int, object] = {}
+    pending = [getattr(module, "config", None) for module in model.modules()]
+    while pending:
+        config = pending.pop()
+        if config is None or id(config) in found or not hasattr(config, "to_dict"):
+            continue
+        found[id(config)] = config
+        pending.extend(v for v in vars(config).values() if hasattr(v, "to_dict") and hasattr(v, "model_type"))
+    return list(found.values())
+
+
+def _zero(owner: object, names: Iterable[str], probabilities: list[tuple[object, str, float]]) -> None:
+    """Set each float attribute of ``owner`` named in ``names`` to 0, recording its value in ``probabilities``."""
+    for name in names:
+        value = vars(owner).get(name)  # plain attributes only (a submodule lives in _modules)
+        if isinstance(value, float) and not isinstance(value, bool) and value != 0.0:
+            probabilities.append((owner, name, value))
+            setattr(owner, name, 0.0)
 
 
 def _cuda_devices(model: nn.Module) -> list[int]:
@@ -94,8 +122,8 @@ def check_deterministic(
             "cannot be compared with its loss alone, so the run is refused before any step is released. Fix: remove "
             "the random module or hook from training, make its randomness element-wise and independent of the other "
             "examples (nn.Dropout is fine: it is turned off while checking), or mix examples only within each "
-            "example's own data. An attention kernel whose dropout probability is read from elsewhere than an "
-            "nn.Dropout or a float attribute of its module (from the config at call time) is random too: set that "
-            "dropout to 0."
+            "example's own data. A dropout whose probability is read from elsewhere than an nn.Dropout, a float "
+            "attribute of its module named in hf_dpfilter.proofs.randomness.KERNEL_DROPOUT_ATTRIBUTES or a dropout "
+            "field of the model's config is random too: set that dropout to 0."
         )
     return first
