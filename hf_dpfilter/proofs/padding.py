@@ -81,11 +81,15 @@ _PADDING_IDX = PositionScheme("padding_idx", pools_first_column=True)
 _MASK = PositionScheme("mask")
 
 #: Declared position schemes, keyed by ``config.model_type``. Anything not listed is refused when a micro-batch has
-#: leading padding. GPT-2/GPT-Neo (``wpe(arange)``), GPT-J and the Llama-like families (rotary on ``arange``) and BERT
-#: (``position_ids`` buffer) number from the first column and take ``position_ids``; RoBERTa-like models call
+#: leading padding. GPT-2/GPT-Neo (``wpe(arange)``), GPT-J, GPT-NeoX, Phi, StableLM and the Llama-like families
+#: (rotary on ``arange``), Falcon (rotary on ``arange``; with ``alibi=True`` its ALiBi is built from the mask and the
+#: injected positions are unused) and BERT, ALBERT, ELECTRA, DistilBERT (a ``position_ids`` buffer) and ModernBERT
+#: (rotary on ``arange``; its sliding window is a distance between columns, which leading pads do not change) number
+#: from the first column and take ``position_ids``; RoBERTa-like models call
 #: ``create_position_ids_from_input_ids``; OPT (``cumsum(attention_mask)``) and BLOOM (``build_alibi_tensor`` on the
 #: mask) count real tokens. Sequence heads: GPT-2, OPT and the Llama-like families pool the last non-pad token (the
-#: last column under left padding); BERT pools ``hidden_states[:, 0]``, RoBERTa ``features[:, 0, :]``.
+#: last column under left padding); BERT, ALBERT, ELECTRA, DistilBERT and ModernBERT (``classifier_pooling="cls"``, the
+#: default) pool the first column, RoBERTa ``features[:, 0, :]``.
 POSITION_SCHEMES: dict[str, PositionScheme] = {
     "gpt2": _ABSOLUTE,
     "gpt_neo": _ABSOLUTE,
@@ -97,7 +101,15 @@ POSITION_SCHEMES: dict[str, PositionScheme] = {
     "gemma": _ABSOLUTE,
     "gemma2": _ABSOLUTE,
     "phi3": _ABSOLUTE,
+    "phi": _ABSOLUTE,
+    "gpt_neox": _ABSOLUTE,
+    "stablelm": _ABSOLUTE,
+    "falcon": _ABSOLUTE,
     "bert": _ENCODER_ABSOLUTE,
+    "albert": _ENCODER_ABSOLUTE,
+    "electra": _ENCODER_ABSOLUTE,
+    "distilbert": _ENCODER_ABSOLUTE,
+    "modernbert": _ENCODER_ABSOLUTE,
     "roberta": _PADDING_IDX,
     "xlm-roberta": _PADDING_IDX,
     "xlm-roberta-xl": _PADDING_IDX,
