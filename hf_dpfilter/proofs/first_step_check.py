@@ -33,7 +33,9 @@ whole gradient, for parameters whose gradient is zero up to rounding): float64 1
 and in the batch group the same sums differently; some models compute parts in float32 inside a float64 model,
 e.g. rotary embeddings, which moves fp64 results by ~1e-8 relative); float32 1e-4 (~1000 units of rounding
 over reductions of a few thousand terms); float32 with TF32 matmuls allowed on CUDA 2e-2 (inputs rounded to
-10 bits of mantissa); bf16 autocast 5e-2 (8 bits of mantissa). A coupling or a wrong rule moves the result by
+10 bits of mantissa); bf16/fp16 5e-2 (8 bits of mantissa), under autocast or where the model holds half-precision
+weights (:func:`computes_in_low_precision`: a bf16 frozen base under fp32 LoRA adapters, as ``get_peft_model`` leaves
+a base loaded in bf16, computes its matmuls in bf16 without any autocast). A coupling or a wrong rule moves the result by
 O(1) of the example's gradient, far above each; a weaker coupling (a little attention across packed examples)
 is checked directly, on synthetic tokens, by :func:`hf_dpfilter.packing.check_attention_stays_inside_examples`.
 """
@@ -49,7 +51,7 @@ from torch import nn
 
 from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, same_draws
 
-__all__ = ["CHECK_SEED", "EXAMPLES_CHECKED", "PerExampleCheckError", "verify_per_example"]
+__all__ = ["CHECK_SEED", "EXAMPLES_CHECKED", "PerExampleCheckError", "computes_in_low_precision", "verify_per_example"]
 
 #: How many examples of the first micro-batch are recomputed alone (one extra forward and backward each): the
 #: first ones and the last one.
@@ -69,6 +71,12 @@ def _tf32(device: torch.device) -> bool:
     return device.type == "cuda" and (
         torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
     )
+
+
+def computes_in_low_precision(model: nn.Module) -> bool:
+    """Whether some floating-point weight of the model (trainable or frozen) is bf16 or fp16: its layers then compute in
+    that precision whatever the trainable parameters' dtype, and a batch and an example alone round differently."""
+    return any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters() if p.is_floating_point())
 
 
 def _tolerance(dtype: torch.dtype, low_precision: bool, tf32: bool = False) -> float:
@@ -138,7 +146,7 @@ def verify_per_example(
             reference = torch.autograd.grad(loss_alone.sum(), params, allow_unused=True)
             reference = [torch.zeros_like(p) if g is None else g for g, p in zip(reference, params)]
             dtype = losses.dtype if losses.dtype == torch.float64 else torch.float32
-            tol = _tolerance(dtype, low_precision, _tf32(losses.device))
+            tol = _tolerance(dtype, low_precision or computes_in_low_precision(model), _tf32(losses.device))
             in_batch, by_itself = float(losses[i].detach().double()), float(loss_alone.detach().double().sum())
             loss_error = abs(in_batch - by_itself) / max(abs(by_itself), 1e-12)
             worst["loss"] = max(worst["loss"], loss_error)

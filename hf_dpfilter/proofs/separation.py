@@ -47,6 +47,7 @@ from hf_dpfilter.proofs.first_step_check import (
     PerExampleCheckError,
     _tf32,
     _tolerance,
+    computes_in_low_precision,
     verify_per_example,
 )
 from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, same_draws
@@ -196,7 +197,8 @@ class SeparationChecks:
             informative = [i for i in range(count) if math.isfinite(float(losses[i])) and float(losses[i]) != 0.0]
             informative = informative or list(range(count))
             index = informative[self._choices.randrange(len(informative))]
-            mine, tol = float(losses[index]), _tolerance(self._dtype(model), self.low_precision, _tf32(labels.device))
+            low_precision = self.low_precision or computes_in_low_precision(model)
+            mine, tol = float(losses[index]), _tolerance(self._dtype(model), low_precision, _tf32(labels.device))
             self.rechecks_run += 1
             # the collator's random keys as probed on the training set's first rows; on a mismatch, also as this
             # example's own row shows them (a first row with nothing to mask shows none: collator_draws)
