@@ -38,6 +38,9 @@ KERNEL_DROPOUT_ATTRIBUTES = (
 #: ``resid_pdrop``, ``dropout_rate``); a stochastic-depth rate (``layerdrop``, ``drop_path_rate``) is not one of
 #: them: it drops whole layers for the whole micro-batch and stays random, so the two-seed check refuses it
 CONFIG_DROPOUT_ENDINGS = ("dropout", "dropout_prob", "dropout_rate", "dropout_p", "pdrop")
+#: parts of a config field's name that set randomness other than dropout, named in the refusal when non-zero
+#: (Mixtral's ``router_jitter_noise``, LayerDrop, stochastic depth)
+CONFIG_RANDOMNESS_NAMES = ("jitter", "layerdrop", "drop_path", "stochastic_depth")
 
 
 class TrainingRandomnessError(RuntimeError):
@@ -80,6 +83,14 @@ def _configs(model: nn.Module) -> list[object]:
     return list(found.values())
 
 
+def _random_config_fields(model: nn.Module) -> list[str]:
+    """``name=value`` for each non-zero float field of the model's configs that sets randomness other than dropout."""
+    return sorted({
+        f"{name}={value}" for config in _configs(model) for name, value in vars(config).items()
+        if any(part in name for part in CONFIG_RANDOMNESS_NAMES) and isinstance(value, float) and value != 0.0
+    })
+
+
 def _zero(owner: object, names: Iterable[str], probabilities: list[tuple[object, str, float]]) -> None:
     """Set each float attribute of ``owner`` named in ``names`` to 0, recording its value in ``probabilities``."""
     for name in names:
@@ -114,6 +125,8 @@ def check_deterministic(
     if first.shape != second.shape or first.numel() == 0 or not bool(torch.isfinite(first).all()):
         return first  # a shape or a non-finite loss: the comparison that follows reports it
     if float((first - second).abs().max()) > 1e-6 * float(first.abs().max()) + 1e-12:
+        fields = _random_config_fields(model)
+        named = f" The model's config sets {', '.join(fields)}: set it to 0 for private training." if fields else ""
         raise TrainingRandomnessError(
             f"The training forward of {where} is random even with dropout off: two random seeds give different "
             "per-example losses for the same micro-batch (a forward hook or module drawing random numbers, such as "
@@ -124,6 +137,6 @@ def check_deterministic(
             "examples (nn.Dropout is fine: it is turned off while checking), or mix examples only within each "
             "example's own data. A dropout whose probability is read from elsewhere than an nn.Dropout, a float "
             "attribute of its module named in hf_dpfilter.proofs.randomness.KERNEL_DROPOUT_ATTRIBUTES or a dropout "
-            "field of the model's config is random too: set that dropout to 0."
+            "field of the model's config is random too: set that dropout to 0." + named
         )
     return first
