@@ -216,19 +216,21 @@ def _relative_error(model, tmp_path, head: str, collator) -> float:
 
 #: right padding: encoders not covered elsewhere; left padding: every declared family not covered elsewhere
 #: (encoders through a token-level head: their sequence heads read the first column and are refused under left
-#: padding); Gemma2 left-padded is NaN in float64 (its eager mask overflows to -inf), as a refusal says
+#: padding); Gemma2 left-padded is NaN in float64 (its eager mask overflows to -inf, and the re-check refuses the
+#: step): in float32 (7e-6 relative, as padded on the right)
 CASES = [(n, "cls", "right") for n in ["xlm-roberta", "distilbert", "albert", "electra", "modernbert"]] + [
     (n, "tok", "left") for n in ["bert", "distilbert", "albert", "electra", "modernbert"]] + [
     (n, "lm", "left") for n in ["gpt_neo", "gptj", "gpt_neox", "falcon", "falcon_new", "falcon_alibi", "phi",
-                                "stablelm", "mistral", "qwen2", "qwen3", "gemma", "phi3"]]
+                                "stablelm", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"]]
 
 
 @pytest.mark.parametrize(("name", "head", "side"), CASES, ids=[f"{n}-{h}-{s}" for n, h, s in CASES])
 def test_one_step_equals_the_per_example_reference(name, head, side, tmp_path):
-    model = family(name, dropout=0.0, head=head, dtype=torch.float64)
+    dtype = torch.float32 if name == "gemma2" else torch.float64
+    model = family(name, dropout=0.0, head=head, dtype=dtype)
     pad = model.config.pad_token_id or 0
     collator = LeftPadCollator(pad) if side == "left" else PadCollator(pad)
-    assert _relative_error(model, tmp_path, head, collator) <= 1e-9
+    assert _relative_error(model, tmp_path, head, collator) <= (1e-9 if dtype == torch.float64 else 1e-4)
 
 
 #: BLOOM left-padded is NaN in float64 (its mask overflows, as Gemma2's) and Mixtral's experts run grouped matmuls,
