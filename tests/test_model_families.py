@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import ListDataset, PadCollator, flat, make_examples
 from models import VOCAB
+from torch import nn
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.clipping import clip_factors
@@ -139,7 +140,7 @@ def _args(tmp_path, n: int, clip: float = 1.0, **extra) -> DPTrainingArguments:
 
 def _train(model, tmp_path, head: str, collator=None, n: int = 5, **extra) -> DPTrainer:
     examples = make_examples(n, VOCAB, causal=head != "cls", seed=3)
-    pad = model.config.pad_token_id or 0
+    pad = getattr(model.config, "pad_token_id", None) or 0
     collator = collator or (Seq2SeqCollator(pad) if head == "s2s" else PadCollator(pad))
     trainer = DPTrainer(model=model, args=_args(tmp_path, n, **extra), train_dataset=ListDataset(examples),
                         data_collator=collator)
@@ -157,6 +158,44 @@ def test_trains_with_the_configs_dropout_on(name, tmp_path):
 @pytest.mark.parametrize("name", list(LORA))
 def test_lora_trains_with_dropout_on(name, tmp_path):
     assert _train(lora(name, dropout=0.1), tmp_path, LORA[name][1]).accountant.steps == 1
+
+
+class _OwnBlock(nn.Module):
+    """A user's module: an nn.Dropout inside, a functional dropout with its own float probability (named as BART names
+    it) and one read from the model's config at call time."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.linear = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.1)
+        self.activation_dropout = 0.1
+
+    def forward(self, h):
+        h = nn.functional.dropout(torch.tanh(self.linear(self.drop(h))), p=self.activation_dropout,
+                                  training=self.training)
+        return nn.functional.dropout(h, p=self.config.hidden_dropout_prob, training=self.training)
+
+
+class _OwnClassifier(nn.Module):
+    def __init__(self):
+        from transformers import PretrainedConfig
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = PretrainedConfig(hidden_dropout_prob=0.1)
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.block = _OwnBlock(self.config)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, input_ids, attention_mask, **kwargs):
+        h = self.block(self.embed(input_ids))
+        mask = attention_mask.unsqueeze(-1).to(h.dtype)
+        return {"logits": self.head((h * mask).sum(1) / mask.sum(1))}
+
+
+def test_own_module_with_dropout_trains(tmp_path):
+    assert _train(_OwnClassifier(), tmp_path, "cls").accountant.steps == 1
 
 
 def test_router_jitter_is_refused_with_its_reason(tmp_path):

@@ -7,7 +7,8 @@ the checks run in training mode with two changes, both exact for what they compa
 
 * dropout is off: the ``nn.Dropout`` modules, and the dropout probabilities attention kernels read at call time
   (transformers' BERT passes ``self.dropout.p`` and GPT-2 ``self.attn_dropout.p`` to SDPA, Llama its float
-  ``self.attention_dropout``, BLOOM its float ``self.hidden_dropout`` to ``dropout_add``), and the dropout
+  ``self.attention_dropout``, BLOOM its float ``self.hidden_dropout`` to ``dropout_add``, BART its
+  ``self.activation_dropout``: any float attribute named as a dropout probability), and the dropout
   probabilities of the model's configs, which some families read at call time (Falcon's decoder layer passes
   ``self.config.attention_dropout`` and ``self.config.hidden_dropout`` to ``dropout_add``). Dropout draws a mask element by element: it cannot carry one example's data into
   another's outputs, so turning it off in both forwards hides no coupling;
@@ -29,7 +30,8 @@ from torch import nn
 
 __all__ = ["TrainingRandomnessError", "check_deterministic", "checking_forward", "same_draws"]
 
-#: float attributes that attention implementations read as their dropout probability at call time
+#: float attributes that attention implementations read as their dropout probability at call time (and any float
+#: attribute whose name ends as in :data:`CONFIG_DROPOUT_ENDINGS`: BART's ``activation_dropout``, ``resid_pdrop``)
 KERNEL_DROPOUT_ATTRIBUTES = (
     "attention_dropout", "attn_dropout", "attn_drop", "dropout", "dropout_p", "dropout_prob", "attention_dropout_p",
     "hidden_dropout",
@@ -59,7 +61,8 @@ def checking_forward(model: nn.Module) -> Iterator[None]:
                 modes.append((module, module.training))
                 probabilities.append((module, "p", module.p))
                 module.training, module.p = False, 0.0
-            _zero(module, KERNEL_DROPOUT_ATTRIBUTES, probabilities)
+            names = {k for k in vars(module) if k.endswith(CONFIG_DROPOUT_ENDINGS)} | set(KERNEL_DROPOUT_ATTRIBUTES)
+            _zero(module, sorted(names), probabilities)
         for config in _configs(model):
             _zero(config, [k for k in vars(config) if k.endswith(CONFIG_DROPOUT_ENDINGS)], probabilities)
         yield
@@ -136,7 +139,8 @@ def check_deterministic(
             "the random module or hook from training, make its randomness element-wise and independent of the other "
             "examples (nn.Dropout is fine: it is turned off while checking), or mix examples only within each "
             "example's own data. A dropout whose probability is read from elsewhere than an nn.Dropout, a float "
-            "attribute of its module named in hf_dpfilter.proofs.randomness.KERNEL_DROPOUT_ATTRIBUTES or a dropout "
-            "field of the model's config is random too: set that dropout to 0." + named
+            "attribute of its module or a field of the model's config named as a dropout probability (ending in "
+            "'dropout', 'dropout_p', 'dropout_prob', 'dropout_rate' or 'pdrop', or listed in hf_dpfilter.proofs."
+            "randomness.KERNEL_DROPOUT_ATTRIBUTES) is random too: set that dropout to 0." + named
         )
     return first
