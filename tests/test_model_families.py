@@ -54,6 +54,10 @@ FAMILIES = {
     "qwen3": ("qwen3", "lm", GQA),
     "gemma": ("gemma", "lm", GQA),
     "gemma2": ("gemma2", "lm", GQA),
+    "starcoder2": ("starcoder2", "lm", GQA),
+    "olmo2": ("olmo2", "lm", GQA),
+    "granite": ("granite", "lm", GQA),
+    "gemma3_text": ("gemma3_text", "lm", GQA),
 }
 #: LoRA (peft) on a base of each family: name -> (model_type, head, config, target modules)
 LORA = {
@@ -260,7 +264,8 @@ def _relative_error(model, tmp_path, head: str, collator) -> float:
 CASES = [(n, "cls", "right") for n in ["xlm-roberta", "distilbert", "albert", "electra", "modernbert"]] + [
     (n, "tok", "left") for n in ["bert", "distilbert", "albert", "electra", "modernbert"]] + [
     (n, "lm", "left") for n in ["gpt_neo", "gptj", "gpt_neox", "falcon", "falcon_new", "falcon_alibi", "phi",
-                                "stablelm", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"]]
+                                "stablelm", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2",
+                                "olmo2", "granite", "gemma3_text"]]
 
 
 @pytest.mark.parametrize(("name", "head", "side"), CASES, ids=[f"{n}-{h}-{s}" for n, h, s in CASES])
@@ -269,7 +274,9 @@ def test_one_step_equals_the_per_example_reference(name, head, side, tmp_path):
     model = family(name, dropout=0.0, head=head, dtype=dtype)
     pad = model.config.pad_token_id or 0
     collator = LeftPadCollator(pad) if side == "left" else PadCollator(pad)
-    assert _relative_error(model, tmp_path, head, collator) <= (1e-9 if dtype == torch.float64 else 1e-4)
+    # Gemma's RMSNorm casts to float32 inside a float64 model (x.float()): float32-rounded terms, ~1e-9 relative
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-7 if name.startswith("gemma") else 1e-9
+    assert _relative_error(model, tmp_path, head, collator) <= tolerance
 
 
 #: BLOOM left-padded is NaN in float64 (its mask overflows, as Gemma2's) and Mixtral's experts run grouped matmuls,

@@ -81,8 +81,9 @@ _PADDING_IDX = PositionScheme("padding_idx", pools_first_column=True)
 _MASK = PositionScheme("mask")
 
 #: Declared position schemes, keyed by ``config.model_type``. Anything not listed is refused when a micro-batch has
-#: leading padding. GPT-2/GPT-Neo (``wpe(arange)``), GPT-J, GPT-NeoX, Phi, StableLM, the Llama-like families and
-#: Mixtral (rotary on ``arange``), Falcon (rotary on ``arange``; with ``alibi=True`` its ALiBi is built from the mask
+#: leading padding. GPT-2/GPT-Neo (``wpe(arange)``), GPT-J, GPT-NeoX, Phi, StableLM, the Llama-like families,
+#: Mixtral, StarCoder2, OLMo2, Granite and Gemma3's text model (rotary on ``arange``; sliding windows are distances
+#: between columns, which leading pads do not change), Falcon (rotary on ``arange``; with ``alibi=True`` its ALiBi is built from the mask
 #: and the injected positions are unused) and BERT, ALBERT, ELECTRA, DistilBERT (a ``position_ids`` buffer) and ModernBERT
 #: (rotary on ``arange``; its sliding window is a distance between columns, which leading pads do not change) number
 #: from the first column and take ``position_ids``; RoBERTa-like models call
@@ -97,6 +98,10 @@ POSITION_SCHEMES: dict[str, PositionScheme] = {
     "llama": _ABSOLUTE,
     "mistral": _ABSOLUTE,
     "mixtral": _ABSOLUTE,
+    "starcoder2": _ABSOLUTE,
+    "olmo2": _ABSOLUTE,
+    "granite": _ABSOLUTE,
+    "gemma3_text": _ABSOLUTE,
     "qwen2": _ABSOLUTE,
     "qwen3": _ABSOLUTE,
     "gemma": _ABSOLUTE,
