@@ -21,6 +21,7 @@ from torch import nn
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.proofs.padding import PaddingError
 from hf_dpfilter.proofs.randomness import TrainingRandomnessError
 from hf_dpfilter.trainer import _is_causal_lm
 
@@ -277,6 +278,19 @@ def test_one_step_equals_the_per_example_reference(name, head, side, tmp_path):
     # Gemma's RMSNorm casts to float32 inside a float64 model (x.float()): float32-rounded terms, ~1e-9 relative
     tolerance = 1e-4 if dtype == torch.float32 else 1e-7 if name.startswith("gemma") else 1e-9
     assert _relative_error(model, tmp_path, head, collator) <= tolerance
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_modernbert_sequence_head_left_padded(pooling, tmp_path):
+    """ModernBERT's "mean" pooling averages over the attention mask: exact left-padded; "cls" reads the first column
+    (a pad for every shorter example): refused."""
+    model = family("modernbert", dropout=0.0, dtype=torch.float64)
+    model.config.classifier_pooling = pooling
+    if pooling == "mean":
+        assert _relative_error(model, tmp_path, "cls", LeftPadCollator(0)) <= 1e-9
+        return
+    with pytest.raises(PaddingError, match="reads the first column"):
+        _train(model, tmp_path, "cls", collator=LeftPadCollator(0))
 
 
 #: BLOOM left-padded is NaN in float64 (its mask overflows, as Gemma2's) and Mixtral's experts run grouped matmuls,

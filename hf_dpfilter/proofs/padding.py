@@ -73,6 +73,16 @@ class PositionScheme:
     kind: str
     #: its sequence-level heads read the first column (a pad for short examples under left padding)
     pools_first_column: bool = False
+    #: ``(config field, value)``: the heads read the first column only when the config's pooling field has that value
+    #: (ModernBERT: ``classifier_pooling="cls"``; ``"mean"`` averages over the attention mask); None: always
+    first_column_when: tuple[str, str] | None = None
+
+    def reads_first_column(self, config: Any) -> bool:
+        """Whether the model's sequence-level head reads the first column, for this config."""
+        if not self.pools_first_column or self.first_column_when is None:
+            return self.pools_first_column
+        field, value = self.first_column_when
+        return getattr(config, field, value) == value
 
 
 _ABSOLUTE = PositionScheme("absolute")
@@ -90,7 +100,7 @@ _MASK = PositionScheme("mask")
 #: ``create_position_ids_from_input_ids``; OPT (``cumsum(attention_mask)``) and BLOOM (``build_alibi_tensor`` on the
 #: mask) count real tokens. Sequence heads: GPT-2, OPT and the Llama-like families pool the last non-pad token (the
 #: last column under left padding); BERT, ALBERT, ELECTRA, DistilBERT and ModernBERT (``classifier_pooling="cls"``, the
-#: default) pool the first column, RoBERTa ``features[:, 0, :]``.
+#: default; ``"mean"`` averages over the mask) pool the first column, RoBERTa ``features[:, 0, :]``.
 POSITION_SCHEMES: dict[str, PositionScheme] = {
     "gpt2": _ABSOLUTE,
     "gpt_neo": _ABSOLUTE,
@@ -115,7 +125,7 @@ POSITION_SCHEMES: dict[str, PositionScheme] = {
     "albert": _ENCODER_ABSOLUTE,
     "electra": _ENCODER_ABSOLUTE,
     "distilbert": _ENCODER_ABSOLUTE,
-    "modernbert": _ENCODER_ABSOLUTE,
+    "modernbert": PositionScheme("absolute", pools_first_column=True, first_column_when=("classifier_pooling", "cls")),
     "roberta": _PADDING_IDX,
     "xlm-roberta": _PADDING_IDX,
     "xlm-roberta-xl": _PADDING_IDX,
@@ -183,7 +193,7 @@ def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, stru
         )
     # one integer label per column: a token-level head; anything else (a class, multi-label floats) is pooled
     token_level = labels.dim() == 2 and labels.shape[1] == mask.shape[1] and not labels.is_floating_point()
-    if scheme.pools_first_column and not token_level:
+    if scheme.reads_first_column(config) and not token_level:
         raise PaddingError(
             f"A micro-batch is padded on the left with {name}, whose sequence-level head reads the first column: for "
             "every example shorter than the longest of its batch that column is a pad, so its prediction depends on "
