@@ -33,6 +33,8 @@ FAMILIES = {
     "bert": ("bert", "cls", {}),
     "roberta": ("roberta", "cls", {"pad_token_id": 1}),
     "xlm-roberta": ("xlm-roberta", "cls", {"pad_token_id": 1}),
+    "xlm-roberta-xl": ("xlm-roberta-xl", "cls", {"pad_token_id": 1}),
+    "camembert": ("camembert", "cls", {"pad_token_id": 1}),
     "distilbert": ("distilbert", "cls", dict(dim=16, n_layers=2, n_heads=2, hidden_dim=24)),
     "albert": ("albert", "cls", dict(embedding_size=8)),
     "electra": ("electra", "cls", dict(embedding_size=8)),
@@ -263,7 +265,8 @@ def _relative_error(model, tmp_path, head: str, collator) -> float:
 #: padding); Gemma2 left-padded is NaN in float64 (its eager mask overflows to -inf, and the re-check refuses the
 #: step): in float32 (7e-6 relative, as padded on the right)
 CASES = [(n, "cls", "right") for n in ["xlm-roberta", "distilbert", "albert", "electra", "modernbert"]] + [
-    (n, "tok", "left") for n in ["bert", "distilbert", "albert", "electra", "modernbert"]] + [
+    (n, "tok", "left") for n in ["bert", "distilbert", "albert", "electra", "modernbert", "xlm-roberta", "xlm-roberta-xl",
+                                 "camembert"]] + [
     (n, "lm", "left") for n in ["gpt_neo", "gptj", "gpt_neox", "falcon", "falcon_new", "falcon_alibi", "phi",
                                 "stablelm", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2",
                                 "olmo2", "granite", "gemma3_text"]]
