@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["TrainingRandomnessError", "check_deterministic", "checking_forward", "same_draws"]
+__all__ = ["TrainingRandomnessError", "check_deterministic", "checking_forward", "dropout_free", "same_draws"]
 
 #: float attributes that attention implementations read as their dropout probability at call time
 KERNEL_DROPOUT_ATTRIBUTES = (
@@ -59,6 +59,20 @@ def checking_forward(model: nn.Module) -> Iterator[None]:
             setattr(owner, name, value)
         for module, mode in modes:
             module.training = mode
+
+
+def dropout_free(model: nn.Module) -> bool:
+    """Whether :func:`checking_forward` would change nothing: no dropout module in training mode with ``p > 0`` and
+    no non-zero kernel dropout probability (read as :func:`checking_forward` reads them, at each call). Then the
+    training forward is the checking forward, and its losses can stand for the re-check's in-batch forward."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p != 0.0:
+            return False
+        for name in KERNEL_DROPOUT_ATTRIBUTES:
+            value = module.__dict__.get(name)
+            if isinstance(value, float) and not isinstance(value, bool) and value != 0.0:
+                return False
+    return True
 
 
 def _cuda_devices(model: nn.Module) -> list[int]:
