@@ -24,9 +24,12 @@ random token ids, SST-2 sentence lengths: words + 2, capped at 64, from ``train.
 
 Variants of the current code: ``default`` (the re-checks at the default ``dp_recheck_rate``: new shapes and the
 random schedule), ``rate 0`` (new shapes only) and ``no per-example checks`` (``dp_verify_first_step=False``:
-only the always-on costs); the reference runs with its defaults.
+only the always-on costs); the reference runs with its defaults. The models keep their configs' dropout (0.1);
+``--dropout 0`` measures a dropout-free model, whose re-checks reuse the micro-batch's own training forward
+(one forward more instead of two, :mod:`hf_dpfilter.proofs.separation`).
 
     python -m benchmarks checks-cost                    # docs/performance.md, "The per-example checks over the run"
+    python -m benchmarks checks-cost --dropout 0        # dropout-free models
     python -m benchmarks checks-cost --reference HEAD   # any commit
     python -m benchmarks checks-cost --reference . --tiny --rounds 2 --warmup 1   # the smoke test: no git
 """
@@ -89,18 +92,21 @@ class _PadCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _model(case: str, tiny: bool):
+def _model(case: str, tiny: bool, dropout: float | None):
+    """Random weights from a config; ``dropout``: every dropout probability (None: the config's default, 0.1)."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
     width = 32 if tiny else 128
     torch.manual_seed(0)
     if case == "bert":
+        rates = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
         return BertForSequenceClassification(BertConfig(
             vocab_size=1000 if tiny else 30522, hidden_size=width, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=4 * width, max_position_embeddings=66))
+            intermediate_size=4 * width, max_position_embeddings=66, **rates))
+    rates = {} if dropout is None else {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
     return GPT2LMHeadModel(GPT2Config(vocab_size=1000 if tiny else 8192, n_embd=width, n_layer=2, n_head=2,
-                                      n_positions=66, bos_token_id=1, eos_token_id=2))
+                                      n_positions=66, bos_token_id=1, eos_token_id=2, **rates))
 
 
 class _Steps:
@@ -123,8 +129,8 @@ class _Steps:
             dp_method="dpsgd", noise_multiplier=1.0, per_sample_max_grad_norm=1.0, max_steps=10_000, optim="sgd",
             logical_batch_size=setup["batch"], per_device_train_batch_size=setup["micro_batch"], learning_rate=0.0,
             dp_seed=0, **fields)
-        self.trainer = DPTrainer(model=_model(case, setup["tiny"]), args=args, train_dataset=self.rows,
-                                 data_collator=collator)
+        model = _model(case, setup["tiny"], setup["dropout"])
+        self.trainer = DPTrainer(model=model, args=args, train_dataset=self.rows, data_collator=collator)
         self.trainer.create_optimizer()
         self.collate = self.trainer.get_train_dataloader().collate_fn
         draw, q = random.Random(2), setup["batch"] / len(self.rows)
@@ -213,13 +219,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=64, help="expected logical batch (Poisson)")
     parser.add_argument("--micro_batch", type=int, default=32, help="per_device_train_batch_size")
     parser.add_argument("--warmup", type=int, default=5, help="steps of every trainer before the rounds")
-    parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds")
-    parser.add_argument("--steps", type=int, default=3, help="logical batches per trainer per round")
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=4, help="logical batches per trainer per round")
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="every dropout probability of the models (default: the configs', 0.1)")
     parser.add_argument("--tiny", action="store_true", help="tiny models (the smoke test)")
     args = parser.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
     setup = {"do": "setup", "cases": cases, "tiny": args.tiny, "examples": args.examples, "batch": args.batch,
-             "micro_batch": args.micro_batch, "train_tsv": _sst2_train(args.data_dir),
+             "micro_batch": args.micro_batch, "dropout": args.dropout, "train_tsv": _sst2_train(args.data_dir),
              "steps": args.warmup + args.rounds * args.steps}
     with tempfile.TemporaryDirectory() as folder:
         tree = os.path.join(folder, "reference")
@@ -260,11 +268,13 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = "SST-2 train lengths" if setup["train_tsv"] else "synthetic lengths"
     print(f"checks-cost: {lengths}, current code ({imported['current']}) vs {args.reference} ({imported['reference']}); "
           f"Poisson batch {args.batch}, micro-batch {args.micro_batch}, {args.warmup} warm-up steps, "
-          f"{args.rounds} rounds of {args.steps} steps, CPU, 1 thread")
+          f"{args.rounds} rounds of {args.steps} steps, dropout {'0.1' if args.dropout is None else args.dropout}, CPU, "
+          "1 thread")
     for case, row in figures.items():
         cells = ", ".join(f"{v}: {row[v]['median']:.3f} (mean {row[v]['mean']:.3f})" for v in CURRENT_VARIANTS)
         print(f"  {case:12s} reference step {row['reference_step_ms']:.1f} ms; current / reference: {cells}")
-    return {"lengths": lengths, "reference": args.reference, "imported": imported, "figures": figures, "rounds": args.rounds}
+    return {"lengths": lengths, "dropout": args.dropout, "reference": args.reference, "imported": imported,
+            "figures": figures, "rounds": args.rounds}
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ class _CapWhileRecording:
 @pytest.mark.parametrize("cap", [True, False])
 def test_a_coupling_only_while_recording_is_refused(tmp_path, cap):
     """The cap triggers only when the long example (no label: its bound is 0) is in micro-batch 2, and only in
-    a forward that records gradients. Without the checks adding it moves the float32 aggregate by more than C; the
+    a forward that records gradients. Without the checks adding it moves the float32 aggregate by 1.25 C; the
     old re-check (both forwards without gradients) passed it. Now the re-check of micro-batch 2's new shape
     compares the training forward's losses and refuses before the step is released. No cap: at most C."""
     shorts = [_example(4, seed) for seed in range(1, 8)]

@@ -14,7 +14,11 @@ trainer's ``alone`` callable), all in training mode with dropout off and the sam
   every label is ignored has loss 0 whatever the others do), in the micro-batch and alone. The forward is proven
   deterministic (dropout off) by the first-step check (before it, only micro-batches of one example come, which
   cannot mix examples); on a mismatch the micro-batch runs again under another seed, to refuse a random forward
-  as such. A re-check runs on every micro-batch whose shape is new in the run (its longest length, padding side, number of examples, packed or
+  as such. When the model has no dropout to turn off (:func:`~hf_dpfilter.proofs.randomness.dropout_free`), the
+  training forward is the checking forward: the trainer then runs the re-check after the micro-batch's own
+  training forward (before the step is released) on that forward's per-example losses, one forward more (the
+  example's alone) instead of two, and compares the loss the released gradient comes from (a coupling that
+  only a forward recording gradients takes shows too). A re-check runs on every micro-batch whose shape is new in the run (its longest length, padding side, number of examples, packed or
   not), and on each other micro-batch with probability ``dp_recheck_rate``. The choices come from a generator
   seeded from ``os.urandom`` that is neither the sampler's nor the noise's and is never saved: the checks change
   no batch, no noise and no dropout mask of a seeded run.
