@@ -48,13 +48,13 @@ def example_lengths(count: int, seed: int, data_dir: str | None) -> tuple[list[i
         return [min(int(rng.lognormvariate(2.2, 0.6)) + 2, 64) for _ in range(count)], "synthetic lengths"
 
 
-def build_model(tiny: bool) -> torch.nn.Module:
+def build_model(tiny: bool, dropout: float = 0.1) -> torch.nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     width = 32 if tiny else 128
     config = BertConfig(vocab_size=1000 if tiny else 30522, hidden_size=width, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=4 * width, max_position_embeddings=66,
-                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     torch.manual_seed(0)
     return BertForSequenceClassification(config)
 
@@ -79,7 +79,7 @@ def make_trainer(data: list[dict], out: str, args: argparse.Namespace, **fields:
         per_device_train_batch_size=args.micro_batch, max_steps=10_000, optim="sgd", learning_rate=0.0,
         dp_seed=0, **fields,
     )
-    trainer = DPTrainer(model=build_model(args.tiny), args=training, train_dataset=data, data_collator=PadCollator())
+    trainer = DPTrainer(model=build_model(args.tiny, args.dropout), args=training, train_dataset=data, data_collator=PadCollator())
     trainer.create_optimizer()
     trainer.get_train_dataloader()
     return trainer
@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--first_step_repeats", type=int, default=3)
     parser.add_argument("--census_steps", type=int, default=3000,
                         help="steps of the simulated run whose micro-batch shapes are counted (lengths only)")
+    parser.add_argument("--dropout", type=float, default=0.1,
+                        help="the model's dropout (0: the re-checks reuse the micro-batch's training forward)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (the smoke test)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_rechecks = census["new_fraction"] + (1 - census["new_fraction"]) * DEFAULT_RECHECK_RATE
     run_cost = run_rechecks * per_micro * per_recheck
     result = {
-        "lengths": source, "model": "tiny BERT" if args.tiny else "BERT 2x128 (vocab 30522)",
+        "lengths": source, "model": "tiny BERT" if args.tiny else "BERT 2x128 (vocab 30522)", "dropout": args.dropout,
         "batch": args.batch, "micro_batch": args.micro_batch, "rounds": args.rounds, "warmup": args.warmup,
         "default_rate": DEFAULT_RECHECK_RATE, "micro_batches_timed": micro,
         "rechecks_timed": rechecks, "rechecks_warmup": seen, "micro_batches_warmup": warm_micro,
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
         "first_step_ratio": first,
         "census": census, "recheck_cost_in_steps": per_recheck, "run_average_cost": run_cost,
     }
-    print(f"recheck-cost: {result['model']}, {source}, Poisson batch {args.batch}, micro-batch {args.micro_batch}, "
+    print(f"recheck-cost: {result['model']}, dropout {args.dropout:g}, {source}, Poisson batch {args.batch}, micro-batch {args.micro_batch}, "
           f"{args.warmup} warm-up steps, {args.rounds} interleaved rounds ({micro} micro-batches), CPU")
     print(f"  step without checks: {result['step_s_off'] * 1e3:.1f} ms")
     print(f"  re-checks in the warm-up ({warm_micro} micro-batches): {seen}")

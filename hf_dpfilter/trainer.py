@@ -441,20 +441,30 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             )
             size = micro_labels.shape[0] if layout is None else layout.num_examples
 
-            def loss_fn(values, micro=micro, micro_labels=micro_labels):
-                with self.compute_loss_context_manager():
-                    return self._after_forward(model, self.compute_per_example_loss(model, micro, micro_labels, values))
+            here: list[torch.Tensor] = []  # the per-example losses of its forwards at the current parameters
 
-            if isinstance(layout, privacy_units.UnitLayout):  # one loss per unit: the sum of its examples' losses
+            def loss_fn(values, micro=micro, micro_labels=micro_labels, here=here):
+                with self.compute_loss_context_manager():
+                    losses = self._after_forward(model, self.compute_per_example_loss(model, micro, micro_labels, values))
+                if values is None:
+                    here.append(losses.detach())
+                return losses
+
+            units_layout = isinstance(layout, privacy_units.UnitLayout)
+            if units_layout:  # one loss per unit: the sum of its examples' losses
                 loss_fn = privacy_units.per_unit_loss(loss_fn, layout)
 
+            recheck = None
             if separation is not None and index < len(micro_batches):  # before it is accumulated
-                separation.before_accumulate(model, privacy_units.as_examples(cut[index][0]), cut[index][1])
+                recheck = separation.before_accumulate(model, privacy_units.as_examples(cut[index][0]),
+                                                       cut[index][1], step_losses=not units_layout)
             with self._packed(layout):
                 if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
                     self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=size)
                     continue
                 losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size)
+            if recheck is not None:  # a due re-check on this forward's own losses, before the step is released
+                recheck(here[0] if len(here) == 1 else None)
             total = total + losses.sum()
         return total / max(batch, 1)
     def _after_forward(self, model: nn.Module, losses: torch.Tensor) -> torch.Tensor:

@@ -106,3 +106,18 @@ def test_recheck_cost_runs_through_the_entry_point(tmp_path, monkeypatch):
     assert result["lengths"] == "synthetic lengths"
     assert result["rechecks_timed"]["off"] == 0 and result["rechecks_timed"]["new shapes"] >= 0
     assert result["ratio_default_vs_off"] > 0 and result["first_step_ratio"] > 0
+
+
+def test_checks_cost_runs_both_sides_interleaved_without_git(tmp_path, monkeypatch):
+    """The cost of issue 29's checks against a reference commit, with both sides this tree (``--reference .``: no
+    git): two worker processes, every case and variant steps, and a ratio per case and variant is reported."""
+    monkeypatch.setenv("HF_DPFILTER_DATA", str(tmp_path))  # no SST-2 there: synthetic lengths
+    argv = ["--reference", ".", "--tiny", "--examples", "48", "--batch", "8", "--micro_batch", "4", "--warmup", "1",
+            "--rounds", "2", "--steps", "1"]
+    result = importlib.import_module("benchmarks.checks_cost").main(argv)
+    assert result["lengths"] == "synthetic lengths"
+    assert result["imported"]["reference"] == result["imported"]["current"]
+    assert set(result["figures"]) == {"bert", "gpt2", "gpt2-packed"}
+    for row in result["figures"].values():
+        assert row["reference_step_ms"] > 0
+        assert all(row[v]["median"] > 0 for v in ("default", "rate 0", "no per-example checks"))

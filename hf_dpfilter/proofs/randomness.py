@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["TrainingRandomnessError", "check_deterministic", "checking_forward", "same_draws"]
+__all__ = ["TrainingRandomnessError", "check_deterministic", "checking_forward", "dropout_free", "same_draws"]
 
 #: float attributes that attention implementations read as their dropout probability at call time (and any float
 #: attribute whose name ends as in :data:`CONFIG_DROPOUT_ENDINGS`: BART's ``activation_dropout``, ``resid_pdrop``)
@@ -101,6 +101,32 @@ def _zero(owner: object, names: Iterable[str], probabilities: list[tuple[object,
         if isinstance(value, float) and not isinstance(value, bool) and value != 0.0:
             probabilities.append((owner, name, value))
             setattr(owner, name, 0.0)
+
+
+def _nonzero(owner: object, names: Iterable[str]) -> bool:
+    """Whether a float attribute of ``owner`` named in ``names`` is non-zero (what :func:`_zero` would change)."""
+    for name in names:
+        value = vars(owner).get(name)
+        if isinstance(value, float) and not isinstance(value, bool) and value != 0.0:
+            return True
+    return False
+
+
+def dropout_free(model: nn.Module) -> bool:
+    """Whether :func:`checking_forward` would change nothing that acts in training: no dropout module in training
+    mode with ``p > 0``, no non-zero dropout probability in a module attribute or a config field (read as
+    :func:`checking_forward` reads them). Then the training forward is the checking forward, and its losses can
+    stand for the re-check's in-batch forward. (Conservative: a config field left non-zero that no module reads
+    makes it False, and the re-check runs its own two forwards.)"""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p != 0.0:
+            return False
+        names = {k for k in vars(module) if k.endswith(CONFIG_DROPOUT_ENDINGS)} | set(KERNEL_DROPOUT_ATTRIBUTES)
+        if _nonzero(module, names):
+            return False
+    return not any(
+        _nonzero(config, [k for k in vars(config) if k.endswith(CONFIG_DROPOUT_ENDINGS)]) for config in _configs(model)
+    )
 
 
 def _cuda_devices(model: nn.Module) -> list[int]:

@@ -15,7 +15,11 @@ trainer's ``alone`` callable; the keys the collator draws at random keep the exa
   every label is ignored has loss 0 whatever the others do), in the micro-batch and alone. The forward is proven
   deterministic (dropout off) by the first-step check (before it, only micro-batches of one example come, which
   cannot mix examples); on a mismatch the micro-batch runs again under another seed, to refuse a random forward
-  as such. A re-check runs on every micro-batch whose shape is new in the run (its longest length, padding side, number of examples, packed or
+  as such. When the model has no dropout to turn off (:func:`~hf_dpfilter.proofs.randomness.dropout_free`), the
+  training forward is the checking forward: the trainer then runs the re-check after the micro-batch's own
+  training forward (before the step is released) on that forward's per-example losses, one forward more (the
+  example's alone) instead of two, and compares the loss the released gradient comes from (a coupling that
+  only a forward recording gradients takes shows too). A re-check runs on every micro-batch whose shape is new in the run (its longest length, padding side, number of examples, packed or
   not), and on each other micro-batch with probability ``dp_recheck_rate``. The choices come from a generator
   seeded from ``os.urandom`` that is neither the sampler's nor the noise's and is never saved: the checks change
   no batch, no noise and no dropout mask of a seeded run.
@@ -50,7 +54,7 @@ from hf_dpfilter.proofs.first_step_check import (
     computes_in_low_precision,
     verify_per_example,
 )
-from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, same_draws
+from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, dropout_free, same_draws
 
 __all__ = ["DEFAULT_RECHECK_RATE", "SeparationChecks", "SeparationError", "micro_batch_shape"]
 
@@ -133,26 +137,43 @@ class SeparationChecks:
         # not the sampler's, not the noise's, not torch's global stream; never saved
         self._choices = random.Random(int.from_bytes(os.urandom(8), "little"))
 
-    def before_accumulate(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any] | None) -> None:
+    def before_accumulate(
+        self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any] | None, *, step_losses: bool = False,
+    ) -> Callable[[torch.Tensor | None], None] | None:
         """Check one micro-batch before it is accumulated; raises before anything of its step is released.
 
         ``raw``: the raw examples of the micro-batch, in its order (the i-th example of ``micro_batch`` is
-        ``raw[i]``); None when the batch did not come from the trainer's training collator."""
+        ``raw[i]``); None when the batch did not come from the trainer's training collator. ``step_losses``: the
+        caller can hand over the per-example losses of the micro-batch's own training forward at the current
+        parameters (one loss per example of ``micro_batch``). When a re-check is due and that forward is the
+        checking forward itself (no dropout: :func:`~hf_dpfilter.proofs.randomness.dropout_free`), the re-check
+        is returned instead of run: the caller calls it with those losses (None: not available) after the
+        micro-batch's forward and before the step is released, and the re-check runs one forward (the example's
+        alone) instead of two, comparing the loss the released gradient comes from."""
         self.micro_batches += 1
         count = _count(micro_batch)
         if count == 0:
-            return
+            return None
         shape = micro_batch_shape(micro_batch)
         if self.first_step_pending and count >= self.min_examples:
             self._first_step(model, micro_batch, self._raw(raw, count))
             self.seen.add(shape)
-            return
+            return None
         if not self.rechecks:
-            return
+            return None
         new = shape not in self.seen
         if new or (self.rate > 0 and self._choices.random() < self.rate):
-            self.recheck(model, micro_batch, self._raw(raw, count), "a new shape" if new else "the schedule")
+            examples, why = self._raw(raw, count), "a new shape" if new else "the schedule"
+            if step_losses and dropout_free(model):
+
+                def recheck_on_step_losses(losses: torch.Tensor | None) -> None:
+                    self.recheck(model, micro_batch, examples, why, losses)
+                    self.seen.add(shape)  # once passed: a shape refused stays new for a train() run again
+
+                return recheck_on_step_losses
+            self.recheck(model, micro_batch, examples, why)
             self.seen.add(shape)  # once passed: a shape refused stays new for a train() run again after a refusal
+        return None
 
     def _raw(self, raw: Sequence[Any] | None, count: int) -> Sequence[Any]:
         if raw is None or len(raw) != count:
@@ -173,11 +194,17 @@ class SeparationChecks:
         self.first_step_pending = False
         logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
 
-    def recheck(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any], why: str) -> None:
+    def recheck(
+        self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any], why: str,
+        step_losses: torch.Tensor | None = None,
+    ) -> None:
         """Loss only: one random example of the micro-batch in it and re-collated alone, training mode, dropout off,
         the same draws. On a mismatch, the micro-batch again under another seed tells a random forward
         (:class:`TrainingRandomnessError`) from a coupling (:class:`SeparationError`). Two forwards when it passes
-        (the micro-batch's and the example's), no backward."""
+        (the micro-batch's and the example's), no backward; one (the example's) with ``step_losses``: the
+        per-example losses of the micro-batch's own training forward, dropout-free (see :meth:`before_accumulate`),
+        whose values are those of the checking forward (no dropout to turn off; the training forward draws no
+        random number that matters, else the mismatch's second forward refuses it as random)."""
         inputs, labels, layout = micro_batch
         count = _count(micro_batch)
 
@@ -186,7 +213,8 @@ class SeparationChecks:
                 return self.loss_fn(inputs, labels)
 
         with checking_forward(model), torch.no_grad():
-            losses = in_batch(CHECK_SEED).detach().double()
+            reused = step_losses is not None and step_losses.dim() == 1 and step_losses.shape[0] == count
+            losses = step_losses.detach().double() if reused else in_batch(CHECK_SEED).detach().double()
             if losses.dim() != 1 or losses.shape[0] != count:
                 raise SeparationError(
                     f"compute_per_example_loss returned shape {tuple(losses.shape)} for {count} examples: it must "
