@@ -58,6 +58,20 @@ class PadCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class LeftPadCollator(PadCollator):
+    """PadCollator's batch padded on the left (as for generation): each row's real tokens moved to its end, so an
+    example's pad count depends on the longest example of its batch; pads hold pad_id, token labels -100."""
+
+    def __init__(self, pad_id: int = 0) -> None:
+        super().__init__(pad_id)
+
+    def __call__(self, examples: list[dict]) -> dict:
+        batch = super().__call__(examples)
+        lengths = batch["attention_mask"].sum(1).tolist()
+        return {k: torch.stack([torch.cat([row[n:], row[:n]]) for row, n in zip(v, lengths)]) if v.dim() == 2 else v
+                for k, v in batch.items()}
+
+
 def reference_clipped_sum(model, examples, causal: bool, max_grad_norm: float, clipping_fn: str = "abadi"):
     """Sum of clipped per-example gradients, one example at a time, no padding: the ground truth."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -17,24 +17,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from helpers import ListDataset, make_examples  # noqa: E402
+from helpers import LeftPadCollator, ListDataset, make_examples  # noqa: E402
 from models import VOCAB, tiny_gpt2  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments  # noqa: E402
-
-
-class LeftPadCollator:
-    """Left padding with the attention mask and no position_ids (the library derives them from the mask)."""
-
-    def __call__(self, examples):
-        longest = max(len(e["input_ids"]) for e in examples)
-        ids = torch.zeros((len(examples), longest), dtype=torch.long)
-        mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-        for i, e in enumerate(examples):
-            n = len(e["input_ids"])
-            ids[i, longest - n:], mask[i, longest - n:], labels[i, longest - n:] = e["input_ids"], 1, e["labels"]
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 class HookOnRankZero(TrainerCallback):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ListDataset, PadCollator, make_examples
+from helpers import LeftPadCollator, ListDataset, PadCollator, make_examples
 from models import VOCAB, tiny_roberta
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
@@ -160,16 +160,8 @@ def test_value_normalised_by_the_batch_content_is_refused(tmp_path):
     assert trainer.accountant.steps == 0
 
 
-class _LeftPadCollator(PadCollator):
-    def __call__(self, examples):
-        out = super().__call__(examples)
-        for k, n in enumerate(out["attention_mask"].sum(1).tolist()):
-            for key in ("input_ids", "attention_mask", "labels"):
-                out[key][k] = out[key][k].roll(out[key].shape[1] - n)
-        return out
 
-
-@pytest.mark.parametrize("collator", [PadCollator(1), _LeftPadCollator(1), "flattening"])
+@pytest.mark.parametrize("collator", [PadCollator(1), LeftPadCollator(1), "flattening"])
 def test_padding_either_side_and_packing_pass_the_pair_check(collator):
     from transformers import DataCollatorWithFlattening
 

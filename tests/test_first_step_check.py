@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ListDataset, PadCollator, make_examples
+from helpers import LeftPadCollator, ListDataset, PadCollator, make_examples
 from models import VOCAB, tiny_bert, tiny_gpt2
 from torch import nn
 
@@ -220,18 +220,6 @@ def test_model_with_dropout_is_checked_in_training_mode(tmp_path):
     assert {m.p for m in model.modules() if isinstance(m, nn.Dropout)} == {0.1, 0.3}  # restored
 
 
-class _LeftPadCollator:
-    """Pads on the left (as for generation): an example's pad count depends on the longest example of the batch."""
-
-    def __call__(self, examples):
-        longest = max(len(e["input_ids"]) for e in examples)
-        ids = torch.zeros((len(examples), longest), dtype=torch.long)
-        mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-        for i, e in enumerate(examples):
-            n = len(e["input_ids"])
-            ids[i, longest - n :], mask[i, longest - n :], labels[i, longest - n :] = e["input_ids"], 1, e["labels"]
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_left_padding_with_absolute_positions_passes_the_check_by_construction(tmp_path, family):
@@ -246,7 +234,7 @@ def test_left_padding_with_absolute_positions_passes_the_check_by_construction(t
     model = tiny_gpt2() if family == "gpt2" else tiny_decoder("llama")
     examples = make_examples(6, VOCAB, causal=True, seed=2)
     args = _args(tmp_path)
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=_LeftPadCollator())
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=LeftPadCollator())
     trainer.train()
     assert trainer.accountant.steps == 1 and trainer._per_example_checked
 

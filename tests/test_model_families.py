@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ListDataset, PadCollator, flat, make_examples
+from helpers import LeftPadCollator, ListDataset, PadCollator, flat, make_examples
 from models import VOCAB
 from torch import nn
 
@@ -125,15 +125,6 @@ class Seq2SeqCollator(PadCollator):
         batch["decoder_input_ids"] = decoder.masked_fill(decoder == -100, self.pad_id)
         return batch
 
-
-class LeftPadCollator(PadCollator):
-    """PadCollator's batch with each row's real tokens moved to its end (padded on the left); pads hold pad_id."""
-
-    def __call__(self, examples):
-        batch = super().__call__(examples)
-        lengths = batch["attention_mask"].sum(1).tolist()
-        return {k: torch.stack([torch.cat([row[n:], row[:n]]) for row, n in zip(v, lengths)])
-                for k, v in batch.items() if v.dim() == 2} | {k: v for k, v in batch.items() if v.dim() != 2}
 
 
 def _args(tmp_path, n: int, clip: float = 1.0, **extra) -> DPTrainingArguments:

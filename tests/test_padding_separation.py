@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ListDataset, PadCollator, flat, make_examples, reference_clipped_sum
+from helpers import LeftPadCollator, ListDataset, PadCollator, flat, make_examples, reference_clipped_sum
 from models import VOCAB, tiny_bert, tiny_gpt2
 from torch import nn
 
@@ -46,18 +46,6 @@ class MasklessPadCollator(PadCollator):
         batch.pop("attention_mask")
         return batch
 
-
-class LeftPadCollator:
-    """Pads on the left (as for generation), with the attention mask; token labels -100 on the pads."""
-
-    def __call__(self, examples):
-        longest = max(len(e["input_ids"]) for e in examples)
-        ids = torch.zeros((len(examples), longest), dtype=torch.long)
-        mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-        for i, e in enumerate(examples):
-            n = len(e["input_ids"])
-            ids[i, longest - n :], mask[i, longest - n :], labels[i, longest - n :] = e["input_ids"], 1, e["labels"]
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def _long_example(causal: bool, seed: int = 7) -> dict:
@@ -207,7 +195,7 @@ def test_left_padding_with_an_undeclared_model_is_refused(tmp_path, collator):
     model = _NoConfigLM()
     trainer = DPTrainer(model=model, args=_args(tmp_path, 4), train_dataset=ListDataset(examples),
                         data_collator=collator)
-    if isinstance(collator, PadCollator):  # the control: right padding trains
+    if not isinstance(collator, LeftPadCollator):  # the control: right padding trains
         trainer.train()
         assert trainer.accountant.steps == 1
         return
