@@ -18,7 +18,7 @@ from torch import nn
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.rules import UnsupportedLayerError
-from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
+from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import StateWrittenError
 
 if TYPE_CHECKING:
@@ -134,9 +134,12 @@ class _ProvingStep:
         self._call_counts[key] = index + 1
         tracer = self._tracer
         if tracer is not None:
+            tag = tracer.tag_of(source if source is not None else output)
             axis = tracer.axis(source if source is not None else output)
             if axis == 0:
                 verdict = BATCH
+            elif tag is not None and tag[0] == 0 and tag[1] > 1:
+                verdict = MERGED  # the batch merged with the dimensions after it, by traced views
             elif axis is None and output.dim() >= 1 and output.shape[0] == 1:
                 verdict = BROADCAST
             elif axis is None:
@@ -156,6 +159,54 @@ class _ProvingStep:
             return verdicts[min(index, len(verdicts) - 1)]
         self._reprove = True  # a call the first step did not see: prove the batch axes again next step
         return "was not seen by the step that proved the batch axes (run the same forward in every step)"
+
+    def _apply_verdict(
+        self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor,
+        activations: torch.Tensor | None, batch: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, str | None, int]:
+        """What the forward hook records for this call, from its batch-axis verdict: ``(output, activations,
+        unproven, rows_per_example)``.
+
+        BROADCAST expands the output (and input) to the batch; MERGED views the input as ``(B, k, ...)`` (row r
+        of the merged dimension is example r // k, proven by the tracer; the backward views the output gradient
+        the same way), after checking that the output has the input's rows (a row-wise layer); anything else
+        unproven is kept with its reason, and refused by the backward if gradient reaches its output.
+        """
+        verdict = self._call_verdict(module, source, output)
+        if verdict == BROADCAST and output.shape[0] == 1:
+            if batch > 1:
+                # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
+                output = output.expand(batch, *output.shape[1:])
+                if activations is not None:
+                    activations = activations.expand(batch, *activations.shape[1:])
+                if self._tracer is not None:  # proven per example only if every use broadcasts it
+                    self._tracer.mark_broadcast(output, (id(module), self._call_counts[id(module)] - 1))
+            return output, activations, None, 0
+        if verdict == MERGED:
+            rows = output.shape[0] // batch if output.dim() >= 1 else 0
+            if rows >= 1 and output.shape[0] == batch * rows and (source is None or source.shape[0] == output.shape[0]):
+                if activations is not None:
+                    activations = self._once_per_input(
+                        activations, ("merged", rows), lambda: activations.reshape(batch, rows, *activations.shape[1:])
+                    )
+                return output, activations, None, rows
+            return output, activations, (
+                f"merged the batch into its leading dimension in the proving step, but now has {output.shape[0]} "
+                f"output rows for {batch} examples (not a whole number per example, or not its input's rows)"
+            ), 0
+        if verdict != BATCH:
+            return output, activations, verdict if verdict != BROADCAST else (
+                "has an output of leading size other than 1 where the first step proved a broadcast"), 0
+        if output.shape[0] != batch:
+            raise RuntimeError(
+                f"Module '{self._module_name(module)}' ({type(module).__name__}) produced an output with leading "
+                f"dimension {output.shape[0]} from a batch-first input while recording a batch of {batch} examples: "
+                "its output is not computed row by row from its input (e.g. a positional embedding that only reads "
+                "the shape of input_ids), so its per-example gradient is unknown. Per-example clipping needs "
+                "batch-first tensors: freeze the module (requires_grad_(False)), or pass batch_size to "
+                "engine.record() if the model's inputs are not batch-first."
+            )
+        return output, activations, None, 0
 
     def _count_model_forward(self, module: nn.Module, args: tuple) -> None:
         if self._recording and torch.is_grad_enabled() and not _inside_backward():

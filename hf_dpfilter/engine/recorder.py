@@ -65,7 +65,7 @@ from hf_dpfilter.engine.precision import (
 from hf_dpfilter.engine.proving import _ProvingStep
 from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
 from hf_dpfilter.packing import PackedLayout, regroup_record
-from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, BatchAxisTracer
+from hf_dpfilter.proofs.batch_axis import BatchAxisTracer
 from hf_dpfilter.proofs.validators import (
     ModuleValidationError,
     ValidationOptions,
@@ -88,6 +88,9 @@ class _Record:
     used: dict[str, torch.Tensor] | None = None
     #: why the call's batch axis is not proven (hf_dpfilter.proofs.batch_axis); refused if its output gets gradient
     unproven: str | None = None
+    #: rows of the output per example when the batch was merged into its leading dimension (MERGED), else 0;
+    #: the activations are already viewed as (B, rows, ...), the output gradient is viewed so in the backward
+    rows_per_example: int = 0
 
 
 _OWNED_BY_THE_OPTIMIZER = (
@@ -283,28 +286,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         elif batch is None:
             batch = output.shape[0]
             self._batch_size = batch
-        verdict = self._call_verdict(module, source, output)
-        unproven = None
-        if verdict == BROADCAST and output.shape[0] == 1:
-            if batch > 1:
-                # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
-                output = output.expand(batch, *output.shape[1:])
-                if activations is not None:
-                    activations = activations.expand(batch, *activations.shape[1:])
-                if self._tracer is not None:  # proven per example only if every use broadcasts it
-                    self._tracer.mark_broadcast(output, (id(module), self._call_counts[id(module)] - 1))
-        elif verdict != BATCH:
-            # Not proven per example: kept, and refused by the backward if gradient reaches its output.
-            unproven = verdict if verdict != BROADCAST else "has an output of leading size other than 1 where the first step proved a broadcast"
-        elif output.shape[0] != batch:
-            raise RuntimeError(
-                f"Module '{self._module_name(module)}' ({type(module).__name__}) produced an output with leading "
-                f"dimension {output.shape[0]} from a batch-first input while recording a batch of {batch} examples: "
-                "its output is not computed row by row from its input (e.g. a positional embedding that only reads "
-                "the shape of input_ids), so its per-example gradient is unknown. Per-example clipping needs "
-                "batch-first tensors: freeze the module (requires_grad_(False)), or pass batch_size to "
-                "engine.record() if the model's inputs are not batch-first."
-            )
+        output, activations, unproven, rows = self._apply_verdict(module, source, output, activations, batch)
         used = None
         if module in self._sharded_modules and self.verify_first_backward:
             used = {name: getattr(module, name) for name in self._module_params[module]}
@@ -316,6 +298,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 output_dtype=output.dtype,
                 used=used,
                 unproven=unproven,
+                rows_per_example=rows,
             )
         )
         self._recorded_modules.add(id(module))
@@ -487,6 +470,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 continue
             if record.unproven is not None:
                 raise self._unproven_batch_axis_error(record)
+            if record.rows_per_example:  # (B * k, ...) -> (B, k, ...): row r is example r // k (proven)
+                grad_output = grad_output.reshape(-1, record.rows_per_example, *grad_output.shape[1:])
             rule = find_grad_rule(record.module)
             module_params = self._module_params[record.module]
             activations = record.activations

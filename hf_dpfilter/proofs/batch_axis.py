@@ -26,6 +26,12 @@ A layer call is then:
   ``(1, T)`` position ids): the engine expands the output to the batch (a view), so the gradient stays per
   example, exactly, provided every use of the expanded copy broadcasts it along the batch; an operation that
   mixes or drops its batch axis (``out[0]``, a sum over the examples) refuses the module on the first step;
+* ``MERGED`` -- its input's leading dimension is the batch merged with the dimensions after it (the tag
+  ``(0, k)`` with ``k > 1``: OPT's ``hidden_states.reshape(-1, d)`` before its feed-forward block, BLOOM's attention
+  on ``(B*H, T, D)``): row ``r`` belongs to example ``r // k`` because the tracer followed the views that made the
+  dimension, not because its size is a multiple of the batch. A row-wise layer (Linear, LayerNorm, Embedding, ...)
+  called on it is per example once its input and output gradient are viewed as ``(B, k, ...)``, which the engine
+  does (``k`` is the leading size over the batch size at every step, as the proven views make it);
 * unproven -- anything else. Such a call is recorded but refused, naming the module, as soon as the backward
   shows that it carries gradient; a call whose output gets no gradient (DoRA's weight-norm path, which is
   detached) is harmless and skipped.
@@ -43,10 +49,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["BATCH", "BROADCAST", "LOST", "BatchAxisTracer"]
+__all__ = ["BATCH", "BROADCAST", "LOST", "MERGED", "BatchAxisTracer"]
 
 BATCH = "batch"
 BROADCAST = "broadcast"
+#: a layer call whose input's leading dimension is the batch merged with the dimensions after it (proven by tracing)
+MERGED = "merged"
 #: the tag of a tensor derived from the batch whose batch axis could not be followed
 LOST = -1
 
@@ -67,6 +75,8 @@ _MATMULS = {"matmul", "mm", "bmm", "__matmul__", "__rmatmul__"}
 #: products of two tensors whose rows pair every row of one with every row of the other (a (B, B) result when
 #: both derive from the batch: in-batch similarities, minibatch discrimination)
 _PAIRWISE = {"cdist", "outer", "ger"}
+#: ``input + batch1 @ batch2`` batched over dimension 0 (addbmm also sums over it): see _batched_addmm_tag
+_BATCHED_ADDMMS = {"baddbmm", "baddbmm_", "addbmm", "addbmm_"}
 #: normalisations: (where the statistics are taken, relative to the batch axis) -> mixes the examples or not
 _BATCH_NORMS = {"batch_norm", "native_batch_norm"}
 _STATISTICS_ALONG = {"group_norm", "instance_norm", "layer_norm", "normalize", "cosine_similarity", "softmin"}
@@ -219,10 +229,10 @@ class BatchAxisTracer(TorchFunctionMode):
         if first_tag is not None and first_tag[0] != LOST:
             if name in _RESHAPES:
                 return self._reshape_tag(first, first_tag, result)
-            if first_tag[1] == 1:
-                special = self._method_axis(name, first, first_tag[0], args, kwargs, result)
-                if special is not None:
-                    return special, 1
+            # a merged batch (inner > 1) moves, or is lost, with its whole dimension: the same rules hold for it
+            special = self._method_axis(name, first, first_tag[0], args, kwargs, result)
+            if special is not None:
+                return (special, first_tag[1]) if special != LOST else (LOST, 1)
         if name in _MATMULS and len(args) >= 2:
             contracted = self._contracts_batch(args[0], args[1])
             if contracted:
@@ -230,7 +240,11 @@ class BatchAxisTracer(TorchFunctionMode):
         if (name in _MATMULS or name in _PAIRWISE) and len(args) >= 2:
             paired = self._pairs_batches(name, args[0], args[1], result)
             if paired is not None:
-                return paired, 1
+                return paired
+        if name in _BATCHED_ADDMMS and args:
+            batched = self._batched_addmm_tag(name, args, kwargs, result)
+            if batched is not None:
+                return batched
         if name == "einsum":
             axis = self._einsum_axis(args, tagged)
             if axis is not None:
@@ -259,17 +273,39 @@ class BatchAxisTracer(TorchFunctionMode):
             return tag_b[0] == contracted
         return False
 
-    def _pairs_batches(self, name: str, a: Any, b: Any, result: torch.Tensor) -> int | None:
-        """Where the batch axes of both operands of a product land in its result (LOST when they land on two
-        dimensions: ``h @ h.T``, ``cdist(h, h)``, ``outer(h, h)`` pair every example with every other); None
-        unless both operands carry a whole batch axis."""
+    def _batched_addmm_tag(self, name: str, args: tuple, kwargs: dict, result: torch.Tensor) -> tuple[int, int] | None:
+        """``input + batch1 @ batch2`` batched over dimension 0 (BLOOM's ``alibi.baddbmm(q, k)``): the product's
+        tag when the added input carries the same one or none; LOST where the batch is contracted, or summed over
+        dimension 0 (``addbmm``); None: the general rule applies (one operand derives from the batch)."""
+        added = args[0]
+        batch1 = args[1] if len(args) > 1 else kwargs.get("batch1")
+        batch2 = args[2] if len(args) > 2 else kwargs.get("batch2")
+        tags = [self.tag_of(batch1), self.tag_of(batch2)]
+        if name.startswith("addbmm"):
+            return (LOST, 1) if any(tag is not None and tag[0] in (0, LOST) for tag in tags) else None
+        if self._contracts_batch(batch1, batch2):
+            return LOST, 1
+        product = self._pairs_batches("bmm", batch1, batch2, result)
+        if product is None:
+            return None
+        added_tag = self.tag_of(added)
+        return product if added_tag is None or added_tag == product else (LOST, 1)
+
+    def _pairs_batches(self, name: str, a: Any, b: Any, result: torch.Tensor) -> tuple[int, int] | None:
+        """The tag of a product of two batch-derived operands: where their batch axes land in its result (LOST
+        when they land on two dimensions: ``h @ h.T``, ``cdist(h, h)``, ``outer(h, h)`` pair every example with
+        every other); None unless both operands carry a batch axis. A batch merged with other dimensions (tag
+        ``(axis, k)``, k > 1) is kept only on a batched (leading, non-matrix) dimension of both operands, with the
+        same k and size: ``bmm`` over BLOOM's ``(B*H, T, T) @ (B*H, T, D)`` pairs row i with row i."""
         tag_a, tag_b = self.tag_of(a), self.tag_of(b)
         if tag_a is None or tag_b is None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
             return None
-        if LOST in (tag_a[0], tag_b[0]) or tag_a[1] != 1 or tag_b[1] != 1:
-            return LOST
+        if LOST in (tag_a[0], tag_b[0]):
+            return LOST, 1
+        if tag_a[1] != 1 or tag_b[1] != 1:
+            return self._pairs_merged_batches(name, a, b, tag_a, tag_b, result)
         if name in ("outer", "ger"):
-            return LOST  # the result's rows are a's examples, its columns b's
+            return LOST, 1  # the result's rows are a's examples, its columns b's
         if a.dim() < 2 or b.dim() < 2:
             return None  # a vector operand: its axis is contracted (see _contracts_batch)
         # the row dimension of a, and of b for cdist (x1 (.., P, M), x2 (.., R, M) -> (.., P, R)); the column
@@ -277,7 +313,23 @@ class BatchAxisTracer(TorchFunctionMode):
         rows_b = b.dim() - 2 if name == "cdist" else b.dim() - 1
         land_a = result.dim() - 2 if tag_a[0] == a.dim() - 2 else result.dim() - a.dim() + tag_a[0]
         land_b = result.dim() - 1 if tag_b[0] == rows_b else result.dim() - b.dim() + tag_b[0]
-        return land_a if land_a == land_b else LOST
+        return (land_a, 1) if land_a == land_b else (LOST, 1)
+
+    @staticmethod
+    def _pairs_merged_batches(
+        name: str, a: torch.Tensor, b: torch.Tensor, tag_a: tuple[int, int], tag_b: tuple[int, int],
+        result: torch.Tensor,
+    ) -> tuple[int, int]:
+        """``_pairs_batches`` where an operand's batch is merged with other dimensions (see there)."""
+        if name not in _MATMULS or tag_a[1] != tag_b[1] or a.dim() < 3 or b.dim() < 3:
+            return LOST, 1
+        if tag_a[0] >= a.dim() - 2 or tag_b[0] >= b.dim() - 2:
+            return LOST, 1  # on a matrix dimension: rows of one example meet columns of every other
+        land_a = result.dim() - a.dim() + tag_a[0]
+        land_b = result.dim() - b.dim() + tag_b[0]
+        if land_a != land_b or not a.shape[tag_a[0]] == b.shape[tag_b[0]] == result.shape[land_a]:
+            return LOST, 1
+        return land_a, tag_a[1]
 
     def _einsum_axis(self, args: tuple, tagged: list) -> int | None:
         """The batch axis of an einsum's result from its equation (LOST if the batch letter is summed over);
