@@ -17,6 +17,7 @@ from torch import nn
 
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
+from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.rules import UnsupportedLayerError
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import StateWrittenError
@@ -159,6 +160,23 @@ class _ProvingStep:
             return verdicts[min(index, len(verdicts) - 1)]
         self._reprove = True  # a call the first step did not see: prove the batch axes again next step
         return "was not seen by the step that proved the batch axes (run the same forward in every step)"
+
+    def _declared_input(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+        """The declared input of ``module``'s rule (:mod:`hf_dpfilter.engine.layer_inputs`); on the proving step,
+        checked to reproduce the layer's output, so a forward that computes something else is refused by name."""
+        declared = find_layer_input(module)
+        source = declared.select(module, args, kwargs)
+        if self._tracer is not None:
+            with torch.no_grad():
+                expected = declared.reproduces(module, source)
+            if expected.shape != output.shape or not torch.equal(expected, output.detach()):
+                raise UnsupportedLayerError(
+                    f"Module '{self._module_name(module)}' ({type(module).__name__}) has a declared input "
+                    "(hf_dpfilter.engine.layer_inputs) from which its rule assumes it computes its output, but its "
+                    "forward computed something else (another transformers version?): its per-example gradient "
+                    "would be wrong. Freeze it (requires_grad_(False) on its parameters). Nothing was released."
+                )
+        return source
 
     def _apply_verdict(
         self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor,

@@ -55,6 +55,7 @@ from hf_dpfilter.engine.checkpointing import (
     _CheckpointReplay,
     _inside_backward,
 )
+from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.per_example import PerExampleGradients
 from hf_dpfilter.engine.precision import (
     _AUTOCAST_MATMUL_LAYERS,
@@ -218,8 +219,11 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 hooked.append(module)
                 # Before FSDP2's own post-forward hook on a sharded unit, which swaps the gathered parameters
                 # back to the shards: the first-backward check needs the tensors the forward used.
+                declared = find_layer_input(module)  # a layer whose rule reads another input than its first
                 self._handles.append(
                     module.register_forward_hook(self._forward_hook, prepend=module in self._sharded_modules)
+                    if declared is None else module.register_forward_hook(
+                        self._declared_input_hook, prepend=module in self._sharded_modules, with_kwargs=True)
                 )
                 if type(module) in _AUTOCAST_MATMUL_LAYERS:
                     self._handles.append(module.register_forward_pre_hook(self._autocast_pre_hook))
@@ -251,7 +255,11 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         return self._param_names.get(param, "<unnamed>")
 
     # --------------------------------------------------------------------------------------- recording
-    def _forward_hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor):
+    def _declared_input_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor):
+        """The forward hook of a layer with a declared input (:mod:`hf_dpfilter.engine.layer_inputs`)."""
+        return self._forward_hook(module, args, output, kwargs)
+
+    def _forward_hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor, kwargs: dict | None = None):
         if not torch.is_grad_enabled():
             if self._recording:
                 self._ran_without_autograd.add(id(module))
@@ -265,7 +273,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             return None
         if not self._recording:
             return None
-        source = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        if kwargs is not None:
+            source = self._declared_input(module, inputs, kwargs, output)
+        else:
+            source = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
         dtype = None
         if (
             source is not None
