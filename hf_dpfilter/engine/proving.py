@@ -243,12 +243,21 @@ class _ProvingStep:
     def _unproven_batch_axis_error(self, record: _Record) -> RuntimeError:
         name = self._module_name(record.module)
         params = ", ".join(self._module_params.get(record.module, {}))
+        activations = record.activations
+        if isinstance(record.module, nn.Embedding) or (activations is not None and not activations.is_floating_point()):
+            fix = "call it on ids derived from the batch, shaped (B, T), or broadcast as (1, T)"  # a table on ids
+        else:  # a layer on hidden states (Linear, LayerNorm, ...): what keeps its rows per example
+            fix = (
+                "call it on a tensor whose rows stay per example: views that merge the batch with the dimensions "
+                "after it ((B, T, d) -> (B*T, d), (B, H, T, D) -> (B*H, T, D)) are traced and accepted; a view that "
+                "moves another dimension before the batch, puts two examples' values in one row, or a reduction or "
+                "normalisation over the examples is not"
+            )
         return RuntimeError(
             f"Module '{name}' ({type(record.module).__name__}, trainable: {params}) was called on a tensor that "
             f"{record.unproven}: its output has no per-example batch axis, so its gradient cannot be split by "
             "example (clipping it as if it had one would let one example move the others' contributions). Fix: "
-            "freeze it (requires_grad_(False) on its parameters), or call it on ids derived from the batch, "
-            "shaped (B, T), or broadcast as (1, T). Nothing was released."
+            f"freeze it (requires_grad_(False) on its parameters), or {fix}. Nothing was released."
         )
 
     def _module_name(self, module: nn.Module) -> str:

@@ -1,0 +1,111 @@
+"""Layers called on a batch merged with another axis: exact when the merge is traced, refused when it mixes examples.
+
+OPT's decoder layer flattens its hidden states to ``(B*T, d)`` before ``final_layer_norm``, ``fc1`` and ``fc2``;
+BLOOM runs attention on ``(B*H, T, D)`` (``baddbmm``/``bmm``) before its output projection. The batch-axis tracer
+follows those views, so each row is proven to belong to example ``r // k`` and the layers train exactly: one
+DPTrainer step at noise 0 equals the one-example-at-a-time float64 reference (classification and causal LM, right
+and left padding; both families are declared ``"mask"`` in ``POSITION_SCHEMES``). BLOOM left-padded is NaN in
+float64 (its float64 mask overflows to -inf in the float32 softmax on the pads' fully masked rows): checked in
+float32, the precision its softmax computes in anyway. A view that puts two examples in one row, or one of the
+same ``(B*T, d)`` shape whose rows interleave the examples, is refused by name before anything is released.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import LeftPadCollator, PadCollator
+from models import VOCAB
+from test_model_families import _args, _config, _head, _relative_error, _train
+from torch import nn
+
+from hf_dpfilter import DPTrainer
+from hf_dpfilter.proofs.padding import POSITION_SCHEMES
+
+FAMILIES = {"opt": dict(ffn_dim=24, word_embed_proj_dim=16), "bloom": dict(n_layer=2, n_head=2)}
+#: (family, head, padding side, dtype)
+CASES = [(f, h, s, torch.float32 if (f, s) == ("bloom", "left") else torch.float64)
+         for f in FAMILIES for h in ("cls", "lm") for s in ("right", "left")]
+
+
+def _model(name: str, head: str, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return _head(head).from_config(_config(name, FAMILIES[name], 0.0)).to(dtype)
+
+
+@pytest.mark.parametrize(("name", "head", "side", "dtype"), CASES, ids=[f"{f}-{h}-{s}" for f, h, s, _ in CASES])
+def test_one_step_equals_the_per_example_reference(name, head, side, dtype, tmp_path):
+    assert POSITION_SCHEMES[name].kind == "mask"  # positions (OPT) and ALiBi (BLOOM) counted over the mask
+    model = _model(name, head, dtype)
+    pad = model.config.pad_token_id or 0
+    collator = LeftPadCollator(pad) if side == "left" else PadCollator(pad)
+    error = _relative_error(model, tmp_path, head, collator)
+    assert error <= (1e-6 if dtype == torch.float64 else 1e-4), error
+
+
+# ----------------------------------------------------------------------------- views that mix examples
+class _Mixer(nn.Module):
+    """Token embeddings, a view of them that is NOT per example, a trainable layer on it, then per-example logits.
+
+    ``pairs``: the pooled ``(B, d)`` viewed as ``(B/2, 2d)``, two examples in each row, under a Linear.
+    ``interleaved``: ``(B, T, d)`` -> ``(T, B, d)`` -> ``(T*B, d)``, OPT's shape with row r of example r % B, under a
+    LayerNorm (the shape alone cannot tell it from OPT's ``(B*T, d)``)."""
+
+    def __init__(self, kind: str) -> None:
+        from transformers import PretrainedConfig
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = PretrainedConfig()
+        self.kind = kind
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.pair = nn.Linear(16, 4)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, input_ids, attention_mask, **kwargs):
+        h = self.embed(input_ids)
+        batch, length, width = h.shape
+        if self.kind == "pairs":
+            pooled = (h * attention_mask.unsqueeze(-1)).sum(1)
+            return {"logits": self.pair(pooled.reshape(batch // 2, 2 * width)).reshape(batch, 2)}
+        rows = self.norm(h.transpose(0, 1).reshape(length * batch, width))
+        h = rows.reshape(length, batch, width).transpose(0, 1)
+        return {"logits": self.head((h * attention_mask.unsqueeze(-1)).sum(1))}
+
+
+@pytest.mark.parametrize(("kind", "module", "fix"), [("pairs", "pair", "Linear"), ("interleaved", "norm", "LayerNorm")])
+def test_a_view_that_mixes_examples_is_refused_by_name(kind, module, fix, tmp_path):
+    model = _Mixer(kind)
+    if kind == "pairs":
+        for param in [*model.norm.parameters(), *model.head.parameters()]:
+            param.requires_grad_(False)
+    else:
+        model.pair.requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=rf"(?s)Module '{module}' \({fix}.*lost its batch axis.*rows stay per "
+                                           r"example.*Nothing was released"):
+        _train(model, tmp_path, "cls", n=4)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_an_embedding_on_lost_ids_keeps_the_ids_fix(tmp_path):
+    """The fix named for a table on ids stays the ids one (shaped (B, T), or broadcast as (1, T))."""
+
+    class Table(_Mixer):
+        def forward(self, input_ids, attention_mask, **kwargs):
+            h = self.embed(input_ids.transpose(0, 1).reshape(-1))  # ids interleaved across examples
+            h = h.reshape(input_ids.shape[1], input_ids.shape[0], -1).transpose(0, 1)
+            return {"logits": self.head((h * attention_mask.unsqueeze(-1)).sum(1))}
+
+    model = Table("ids")
+    model.pair.requires_grad_(False)
+    model.norm.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"(?s)Module 'embed' \(Embedding.*call it on ids derived from the batch"):
+        DPTrainer(model=model, args=_args(tmp_path, 4), train_dataset=_dataset(4), data_collator=PadCollator(0)).train()
+
+
+def _dataset(n: int):
+    from helpers import ListDataset, make_examples
+
+    return ListDataset(make_examples(n, VOCAB, causal=False, seed=3))
