@@ -140,7 +140,11 @@ class _ProvingStep:
             if axis == 0:
                 verdict = BATCH
             elif tag is not None and tag[0] == 0 and tag[1] > 1:
-                verdict = MERGED  # the batch merged with the dimensions after it, by traced views
+                # the batch merged with the dimensions after it, by traced views; the layer must keep those rows
+                verdict = MERGED if source is None or tracer.tag_of(output) == tag else (
+                    "merged the batch into its leading dimension, but its output does not keep those rows per "
+                    "example (the layer mixes rows of the merged dimension)"
+                )
             elif axis is None and output.dim() >= 1 and output.shape[0] == 1:
                 verdict = BROADCAST
             elif axis is None:
