@@ -20,6 +20,7 @@ from test_model_families import _args, _config, _head, _relative_error, _train
 from torch import nn
 
 from hf_dpfilter import DPTrainer
+from hf_dpfilter.proofs.batch_axis import LOST, BatchAxisTracer
 from hf_dpfilter.proofs.padding import POSITION_SCHEMES
 
 FAMILIES = {"opt": dict(ffn_dim=24, word_embed_proj_dim=16), "bloom": dict(n_layer=2, n_head=2)}
@@ -41,6 +42,38 @@ def test_one_step_equals_the_per_example_reference(name, head, side, dtype, tmp_
     collator = LeftPadCollator(pad) if side == "left" else PadCollator(pad)
     error = _relative_error(model, tmp_path, head, collator)
     assert error <= (1e-6 if dtype == torch.float64 else 1e-4), error
+
+
+# ----------------------------------------------------------------------------- the tracer on merged axes
+def _heads(x):  # (B, T, H*D) -> (B*H, T, D) as BLOOM does: row r of the merged dimension is example r // H
+    return x.view(2, 3, 2, 2).transpose(1, 2).reshape(4, 3, 2)
+
+
+LOST_TAG = (LOST, 1)
+TRACED = {  # x: (B=2, T=3, d=4) batch-first -> the tag of the result
+    "flatten (B*T, d)": (lambda x: x.reshape(-1, 4), (0, 3)),
+    "flatten and back": (lambda x: x.reshape(-1, 4).view(2, 3, 4), (0, 1)),
+    "interleaved (T*B, d)": (lambda x: x.transpose(0, 1).reshape(-1, 4), LOST_TAG),
+    "merged, summed over rows": (lambda x: x.reshape(-1, 4).sum(0), LOST_TAG),
+    "merged, transposed": (lambda x: x.reshape(-1, 4).t(), (1, 3)),
+    "bmm on (B*H, T, D)": (lambda x: torch.bmm(_heads(x), _heads(x).transpose(1, 2)), (0, 2)),
+    "bmm, batch on a matrix dim": (lambda x: torch.bmm(_heads(x).transpose(0, 1), _heads(x).transpose(0, 1).mT),
+                                   LOST_TAG),
+    "baddbmm (ALiBi)": (lambda x: _heads(x)[:, :1, :1].expand(4, 3, 3).baddbmm(
+        batch1=_heads(x), batch2=_heads(x).transpose(1, 2)), (0, 2)),
+    "addbmm sums the examples": (lambda x: torch.addbmm(torch.zeros(3, 3), _heads(x), _heads(x).transpose(1, 2)),
+                                 LOST_TAG),
+}
+
+
+@pytest.mark.parametrize("case", list(TRACED))
+def test_the_tracer_follows_a_merged_batch(case):
+    function, expected = TRACED[case]
+    x = torch.randn(2, 3, 4)
+    with BatchAxisTracer(2) as tracer:
+        tracer.tag(x, 0)
+        out = function(x)
+        assert tracer.tag_of(out) == expected
 
 
 # ----------------------------------------------------------------------------- views that mix examples
