@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hf_dpfilter.collectives import is_sharded
+from hf_dpfilter.engine import moe
 from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.rules import UnsupportedLayerError
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
@@ -127,16 +128,23 @@ class _ProvingStep:
     def _trace_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._trace_depth = max(0, self._trace_depth - 1)
 
-    def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor) -> str:
-        """BATCH, BROADCAST, or why this call's batch axis is not proven (hf_dpfilter.proofs.batch_axis)."""
+    def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor,
+                      inputs: tuple = ()) -> str:
+        """BATCH, BROADCAST, MERGED (the batch is the major part of a leading token axis, as after ``x.view(-1, d)``),
+        or why this call's batch axis is not proven (hf_dpfilter.proofs.batch_axis, hf_dpfilter.engine.moe)."""
         key = id(module)
         index = self._call_counts.get(key, 0)
         self._call_counts[key] = index + 1
         tracer = self._tracer
         if tracer is not None:
             axis = tracer.axis(source if source is not None else output)
-            if axis == 0:
+            tag = tracer.tag_of(source if source is not None else output)
+            if moe.is_experts(module):  # the routing's token axis and the forward's row-wise form, see moe
+                verdict = moe.experts_verdict(tracer, module, inputs, output)
+            elif axis == 0:
                 verdict = BATCH
+            elif tag is not None and tag[0] == 0 and tag[1] > 1:
+                verdict = moe.MERGED
             elif axis is None and output.dim() >= 1 and output.shape[0] == 1:
                 verdict = BROADCAST
             elif axis is None:

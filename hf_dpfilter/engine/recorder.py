@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from hf_dpfilter.collectives import is_sharded
+from hf_dpfilter.engine import moe
 from hf_dpfilter.engine.checkpointing import (
     _REENTRANT_REFUSED,
     CheckpointingError,
@@ -88,6 +89,8 @@ class _Record:
     used: dict[str, torch.Tensor] | None = None
     #: why the call's batch axis is not proven (hf_dpfilter.proofs.batch_axis); refused if its output gets gradient
     unproven: str | None = None
+    #: the call's leading axis is the batch merged with the tokens ((B·T, d), proven): split back before the rule
+    merged: bool = False
 
 
 _OWNED_BY_THE_OPTIMIZER = (
@@ -253,6 +256,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             if self._recording:
                 self._ran_without_autograd.add(id(module))
             return None
+        returned, output = output, moe.recorded_output(module, output)  # a router records its logits
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
         if _inside_backward():
@@ -277,13 +281,15 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         # Layers fed the same input (query, key and value projections) get the same tensor object, so the
         # engine sees that they share it (PerExampleGradients fuses them) and keeps one bf16 copy, not three.
         activations = None if source is None else self._recorded_input(source, dtype)
+        if moe.is_experts(module) and activations is not None:  # the routing too (hf_dpfilter.engine.moe)
+            activations = moe.RoutedTokens(activations, inputs[1].detach(), inputs[2].detach())
         batch = self._batch_size
         if self._packing is not None:  # packed rows: the recorded tensors' leading axis is rows, not examples
             batch = self._packing.rows
         elif batch is None:
             batch = output.shape[0]
             self._batch_size = batch
-        verdict = self._call_verdict(module, source, output)
+        verdict = self._call_verdict(module, source, output, inputs)
         unproven = None
         if verdict == BROADCAST and output.shape[0] == 1:
             if batch > 1:
@@ -293,10 +299,12 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                     activations = activations.expand(batch, *activations.shape[1:])
                 if self._tracer is not None:  # proven per example only if every use broadcasts it
                     self._tracer.mark_broadcast(output, (id(module), self._call_counts[id(module)] - 1))
-        elif verdict != BATCH:
+        elif verdict == moe.MERGED and (output.shape[0] % batch or source is None or source.shape[0] % batch):
+            unproven = "has a merged token axis that is not a multiple of the batch"
+        elif verdict not in (BATCH, moe.MERGED):
             # Not proven per example: kept, and refused by the backward if gradient reaches its output.
             unproven = verdict if verdict != BROADCAST else "has an output of leading size other than 1 where the first step proved a broadcast"
-        elif output.shape[0] != batch:
+        elif verdict == BATCH and output.shape[0] != batch:
             raise RuntimeError(
                 f"Module '{self._module_name(module)}' ({type(module).__name__}) produced an output with leading "
                 f"dimension {output.shape[0]} from a batch-first input while recording a batch of {batch} examples: "
@@ -316,10 +324,11 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 output_dtype=output.dtype,
                 used=used,
                 unproven=unproven,
+                merged=verdict == moe.MERGED,
             )
         )
         self._recorded_modules.add(id(module))
-        return output
+        return output if isinstance(returned, torch.Tensor) else None  # a router's tuple is left as it is
 
     def _autocast_pre_hook(self, module: nn.Module, args: tuple) -> tuple | None:
         """Under autocast, hand a Linear/Conv1D its input already cast to the autocast dtype, once per input.
@@ -490,6 +499,9 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             rule = find_grad_rule(record.module)
             module_params = self._module_params[record.module]
             activations = record.activations
+            if record.merged:
+                rows = self._packing.rows if self._packing is not None else batch
+                activations, grad_output = moe.split_rows(activations, rows, self._packing), moe.split_rows(grad_output, rows)
             if self._packing is not None:
                 activations, grad_output = regroup_record(
                     self._packing, lambda m=record.module: self._module_name(m), activations, grad_output, regrouped
