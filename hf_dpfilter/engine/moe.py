@@ -24,7 +24,7 @@ at the tokens' rows. What makes this per example, and how each piece is establis
   of the expert it was routed to (zero elsewhere), so ``G_i[e] = sum_{t of i routed to e} dh_t ⊗ x_t``.
 * **The router** is a bias-free linear map of each token: ``G_i = sum_t dlogits_t ⊗ x_t``.
 * **The load-balancing loss** (``output_router_logits`` with ``router_aux_loss_coef != 0``) is a statistic of all
-  the tokens of a batch, and the DPTrainer's per-example loss would drop it silently: refused with the fix.
+  the tokens of a batch in transformers; the DPTrainer computes it per example (:mod:`hf_dpfilter.router_loss`).
   Router jitter is refused as randomness (:mod:`hf_dpfilter.proofs.randomness`).
 """
 
@@ -243,26 +243,6 @@ def _experts_form(name: str, module: nn.Module, options: ValidationOptions) -> l
     return [ModuleProblem(name, f"{type(module).__name__}: {problem}, so its per-example gradient is unknown.",
                           "freeze it (requires_grad_(False) on gate_up_proj and down_proj), or train with LoRA on "
                           "the attention layers; set experts_implementation='eager' if another kernel is selected.")]
-
-
-# ------------------------------------------------------------------------------------- load-balancing loss
-@register_module_validator(nn.Module)
-def _load_balancing_loss(name: str, module: nn.Module, options: ValidationOptions) -> list[ModuleProblem]:
-    config = getattr(module, "config", None)
-    # the head that adds the loss (MixtralForCausalLM, Qwen2MoeForCausalLM) keeps router_aux_loss_coef itself
-    if config is None or not hasattr(module, "router_aux_loss_coef"):
-        return []
-    coef = getattr(module, "router_aux_loss_coef", 0.0)
-    if not getattr(config, "output_router_logits", False) or not coef:
-        return []
-    return [ModuleProblem(
-        name,
-        f"output_router_logits=True with router_aux_loss_coef={coef}: the MoE load-balancing loss is computed over "
-        "all the tokens of a batch (each expert's share of the batch's tokens times its mean router probability), "
-        "which couples the examples; the DPTrainer's loss is per example from the logits and would drop it silently.",
-        "set model.config.output_router_logits = False (the default of Mixtral and Qwen2-MoE), or "
-        "router_aux_loss_coef = 0.",
-    )]
 
 
 # ------------------------------------------------------------------------------------ the engine's hooks

@@ -219,10 +219,10 @@ class BatchAxisTracer(TorchFunctionMode):
         if first_tag is not None and first_tag[0] != LOST:
             if name in _RESHAPES:
                 return self._reshape_tag(first, first_tag, result)
-            if first_tag[1] == 1:
-                special = self._method_axis(name, first, first_tag[0], args, kwargs, result)
-                if special is not None:
-                    return special, 1
+            special = self._method_axis(name, first, first_tag[0], args, kwargs, result)
+            if special is not None:
+                # a merged axis (the batch its major part, inner > 1) moves as a whole; along it, examples mix
+                return (special, first_tag[1]) if special != LOST else (LOST, 1)
         if name in _MATMULS and len(args) >= 2:
             contracted = self._contracts_batch(args[0], args[1])
             if contracted:
