@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from hf_dpfilter.collectives import is_sharded
-from hf_dpfilter.engine import moe
 from hf_dpfilter.engine.checkpointing import _inside_backward
+from hf_dpfilter.engine.moe import MERGED, experts_verdict, is_experts
 from hf_dpfilter.engine.rules import UnsupportedLayerError
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
 from hf_dpfilter.proofs.validators import StateWrittenError
@@ -139,12 +139,12 @@ class _ProvingStep:
         if tracer is not None:
             axis = tracer.axis(source if source is not None else output)
             tag = tracer.tag_of(source if source is not None else output)
-            if moe.is_experts(module):  # the routing's token axis and the forward's row-wise form, see moe
-                verdict = moe.experts_verdict(tracer, module, inputs, output)
+            if is_experts(module):  # the routing's token axis and the forward's row-wise form, see moe
+                verdict = experts_verdict(tracer, module, inputs, output)
             elif axis == 0:
                 verdict = BATCH
             elif tag is not None and tag[0] == 0 and tag[1] > 1:
-                verdict = moe.MERGED
+                verdict = MERGED
             elif axis is None and output.dim() >= 1 and output.shape[0] == 1:
                 verdict = BROADCAST
             elif axis is None:

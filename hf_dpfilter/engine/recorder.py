@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from hf_dpfilter.collectives import is_sharded
-from hf_dpfilter.engine import moe
 from hf_dpfilter.engine.checkpointing import (
     _REENTRANT_REFUSED,
     CheckpointingError,
@@ -56,6 +55,7 @@ from hf_dpfilter.engine.checkpointing import (
     _CheckpointReplay,
     _inside_backward,
 )
+from hf_dpfilter.engine.moe import MERGED, RoutedTokens, is_experts, recorded_output, split_rows
 from hf_dpfilter.engine.per_example import PerExampleGradients
 from hf_dpfilter.engine.precision import (
     _AUTOCAST_MATMUL_LAYERS,
@@ -256,7 +256,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             if self._recording:
                 self._ran_without_autograd.add(id(module))
             return None
-        returned, output = output, moe.recorded_output(module, output)  # a router records its logits
+        returned, output = output, recorded_output(module, output)  # a router records its logits
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
         if _inside_backward():
@@ -281,8 +281,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         # Layers fed the same input (query, key and value projections) get the same tensor object, so the
         # engine sees that they share it (PerExampleGradients fuses them) and keeps one bf16 copy, not three.
         activations = None if source is None else self._recorded_input(source, dtype)
-        if moe.is_experts(module) and activations is not None:  # the routing too (hf_dpfilter.engine.moe)
-            activations = moe.RoutedTokens(activations, inputs[1].detach(), inputs[2].detach())
+        if is_experts(module) and activations is not None:  # the routing too (hf_dpfilter.engine.moe)
+            activations = RoutedTokens(activations, inputs[1].detach(), inputs[2].detach())
         batch = self._batch_size
         if self._packing is not None:  # packed rows: the recorded tensors' leading axis is rows, not examples
             batch = self._packing.rows
@@ -299,9 +299,9 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                     activations = activations.expand(batch, *activations.shape[1:])
                 if self._tracer is not None:  # proven per example only if every use broadcasts it
                     self._tracer.mark_broadcast(output, (id(module), self._call_counts[id(module)] - 1))
-        elif verdict == moe.MERGED and (output.shape[0] % batch or source is None or source.shape[0] % batch):
+        elif verdict == MERGED and (output.shape[0] % batch or source is None or source.shape[0] % batch):
             unproven = "has a merged token axis that is not a multiple of the batch"
-        elif verdict not in (BATCH, moe.MERGED):
+        elif verdict not in (BATCH, MERGED):
             # Not proven per example: kept, and refused by the backward if gradient reaches its output.
             unproven = verdict if verdict != BROADCAST else "has an output of leading size other than 1 where the first step proved a broadcast"
         elif verdict == BATCH and output.shape[0] != batch:
@@ -324,7 +324,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 output_dtype=output.dtype,
                 used=used,
                 unproven=unproven,
-                merged=verdict == moe.MERGED,
+                merged=verdict == MERGED,
             )
         )
         self._recorded_modules.add(id(module))
@@ -501,7 +501,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             activations = record.activations
             if record.merged:
                 rows = self._packing.rows if self._packing is not None else batch
-                activations, grad_output = moe.split_rows(activations, rows, self._packing), moe.split_rows(grad_output, rows)
+                activations, grad_output = split_rows(activations, rows, self._packing), split_rows(grad_output, rows)
             if self._packing is not None:
                 activations, grad_output = regroup_record(
                     self._packing, lambda m=record.module: self._module_name(m), activations, grad_output, regrouped
