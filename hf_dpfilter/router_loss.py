@@ -21,20 +21,23 @@ from torch import nn
 __all__ = ["add_router_aux_loss", "router_aux_loss_head"]
 
 
-def router_aux_loss_head(model: nn.Module) -> nn.Module | None:
+def router_aux_loss_head(model: nn.Module, coef: float | None = None) -> nn.Module | None:
     """The module that adds the load-balancing loss (it keeps ``router_aux_loss_coef``, ``num_experts`` and
-    ``num_experts_per_tok``, as ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` do), if the loss is on."""
+    ``num_experts_per_tok``, as ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` do), if the loss is on: the
+    config's ``output_router_logits`` and a non-zero coefficient (``coef`` if given, else the model's)."""
     for module in model.modules():
         if all(hasattr(module, name) for name in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")):
             config = getattr(module, "config", None)
-            on = bool(getattr(config, "output_router_logits", False)) and bool(module.router_aux_loss_coef)
-            return module if on else None
+            weight = module.router_aux_loss_coef if coef is None else coef
+            return module if bool(getattr(config, "output_router_logits", False)) and bool(weight) else None
     return None
 
 
-def add_router_aux_loss(model: nn.Module, outputs: Any, inputs: dict[str, Any], losses: torch.Tensor) -> torch.Tensor:
-    """``losses`` (B,) plus each example's own load-balancing loss times the model's coefficient, when on."""
-    head = router_aux_loss_head(model)
+def add_router_aux_loss(model: nn.Module, outputs: Any, inputs: dict[str, Any], losses: torch.Tensor,
+                        coef: float | None = None) -> torch.Tensor:
+    """``losses`` (B,) plus each example's own load-balancing loss times ``coef`` (None: the model's coefficient,
+    as its own forward uses; TRL's SFTTrainer passes its ``router_aux_loss_coef``), when the loss is on."""
+    head = router_aux_loss_head(model, coef)
     router_logits = outputs.get("router_logits") if hasattr(outputs, "get") else None
     if head is None or not router_logits:
         return losses
@@ -56,4 +59,5 @@ def add_router_aux_loss(model: nn.Module, outputs: Any, inputs: dict[str, Any], 
         rows = layer_rows if rows is None else rows + layer_rows
     rows = rows.clamp_min(1.0)  # an example without real tokens has no routes: its term is 0
     aux = (counts / rows[:, None] * (probs_sum / rows[:, None])).sum(dim=-1) * num_experts
-    return losses + float(head.router_aux_loss_coef) * aux.to(losses.dtype)
+    weight = head.router_aux_loss_coef if coef is None else coef
+    return losses + float(weight) * aux.to(losses.dtype)

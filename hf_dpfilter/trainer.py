@@ -392,7 +392,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                                           label_smoothing=smoothing)
         losses = per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type,
                                   label_smoothing=smoothing)
-        return add_router_aux_loss(model, outputs, inputs, losses)  # MoE load balancing, per example (router_loss)
+        # the MoE load-balancing loss per example; TRL's SFTTrainer keeps its own coefficient (router_loss.py)
+        return add_router_aux_loss(model, outputs, inputs, losses, getattr(self, "router_aux_loss_coef", None))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # Evaluation keeps the model's own loss (no gradients, nothing private is released by training).

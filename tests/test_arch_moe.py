@@ -19,6 +19,7 @@ from torch import nn
 
 from hf_dpfilter import DPTrainer
 from hf_dpfilter.clipping import clip_factors
+from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.router_loss import add_router_aux_loss
 
 MOE = {
@@ -128,3 +129,35 @@ def test_routing_that_mixes_the_batch_is_refused_by_name(tmp_path):
                         data_collator=PadCollator(0))
     with pytest.raises(RuntimeError, match=r"(?s)Module 'experts'.*routed by indices or weights that do not carry"):
         trainer.train()
+
+
+def test_trl_sft_on_mixtral_trains_with_trls_load_balancing_loss(tmp_path):
+    """TRL turns the load-balancing loss on for MoE models (``router_aux_loss_coef`` unset: the model's own): the
+    DPSFTTrainer trains it per example, with the DPSFTConfig's coefficient when given (before: refused)."""
+    pytest.importorskip("trl")
+    import datasets
+    from test_sft import chat_rows, config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_dpfilter import DPSFTTrainer
+    from recipes.common.offline_chat import byte_level_chat_tokenizer
+
+    tokenizer = byte_level_chat_tokenizer()
+    model_config = AutoConfig.for_model("mixtral", **{**COMMON, **GQA, **MOE["mixtral"], "vocab_size": len(tokenizer),
+                                                     "pad_token_id": tokenizer.pad_token_id})
+    model_config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config).double()
+    trainer = DPSFTTrainer(model=model, args=config(tmp_path, 4, packing=False, router_aux_loss_coef=0.25),
+                           train_dataset=datasets.Dataset.from_list(chat_rows(4)), processing_class=tokenizer)
+    assert model.config.output_router_logits and trainer.router_aux_loss_coef == 0.25
+    batch = PadCollator(tokenizer.pad_token_id)([{"input_ids": torch.tensor(trainer.train_dataset[0]["input_ids"]),
+                                                  "labels": torch.tensor(trainer.train_dataset[0]["input_ids"])}])
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        alone = model(**batch)
+        loss = trainer.compute_per_example_loss(model, batch, labels)
+    expected = per_example_loss(alone.logits, labels, causal_lm=True) + 0.25 * alone.aux_loss
+    assert abs(float(loss[0]) - float(expected[0])) <= 1e-6  # transformers sums the aux loss in float32
+    trainer.train()
+    assert trainer.accountant.steps == 1
