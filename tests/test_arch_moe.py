@@ -161,3 +161,19 @@ def test_trl_sft_on_mixtral_trains_with_trls_load_balancing_loss(tmp_path):
     assert abs(float(loss[0]) - float(expected[0])) <= 1e-6  # transformers sums the aux loss in float32
     trainer.train()
     assert trainer.accountant.steps == 1
+
+
+def test_add_remove_sensitivity_of_the_clipped_sum(tmp_path):
+    """float32, noise 0: adding one example moves the pre-noise clipped sum by at most C (routing per token)."""
+    from test_declared_structure import ids_batch, sensitivity_ratio
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model("mixtral", **{**COMMON, **GQA, **MOE["mixtral"], "num_labels": 2})
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    ids, labels = ids_batch(4, 6, vocab=VOCAB)
+    extra, extra_label = ids_batch(1, 6, vocab=VOCAB, seed=1)
+    ratio = sensitivity_ratio(model, lambda m, inputs: m(**inputs).logits, {"input_ids": ids}, labels,
+                              {"input_ids": extra}, extra_label)
+    assert 0.5 < ratio <= 1.0 + 1e-4
