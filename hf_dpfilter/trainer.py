@@ -61,6 +61,7 @@ from hf_dpfilter.proofs.loss_policy import (
 )
 from hf_dpfilter.proofs.row_segments import RowSegmentsGuard
 from hf_dpfilter.proofs.separation import SeparationChecks
+from hf_dpfilter.router_loss import add_router_aux_loss
 from hf_dpfilter.run_guard import RunGuard
 
 if TYPE_CHECKING:
@@ -389,8 +390,10 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 )
             return packed_token_mean_loss(logits, labels, self._packed_layout, shift=self._causal_lm,
                                           label_smoothing=smoothing)
-        return per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type,
-                                label_smoothing=smoothing)
+        losses = per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type,
+                                  label_smoothing=smoothing)
+        # the MoE load-balancing loss per example; TRL's SFTTrainer keeps its own coefficient (router_loss.py)
+        return add_router_aux_loss(model, outputs, inputs, losses, getattr(self, "router_aux_loss_coef", None))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # Evaluation keeps the model's own loss (no gradients, nothing private is released by training).

@@ -18,6 +18,7 @@ from torch import nn
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.layer_inputs import find_layer_input
+from hf_dpfilter.engine.moe import RoutedTokens, experts_verdict, is_experts, split_rows
 from hf_dpfilter.engine.rules import UnsupportedLayerError
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import StateWrittenError
@@ -128,8 +129,10 @@ class _ProvingStep:
     def _trace_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._trace_depth = max(0, self._trace_depth - 1)
 
-    def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor) -> str:
-        """BATCH, BROADCAST, or why this call's batch axis is not proven (hf_dpfilter.proofs.batch_axis)."""
+    def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor,
+                      inputs: tuple = ()) -> str:
+        """BATCH, BROADCAST, MERGED (the batch is the major part of a leading token axis, as after ``x.view(-1, d)``),
+        or why this call's batch axis is not proven (hf_dpfilter.proofs.batch_axis, hf_dpfilter.engine.moe)."""
         key = id(module)
         index = self._call_counts.get(key, 0)
         self._call_counts[key] = index + 1
@@ -137,7 +140,9 @@ class _ProvingStep:
         if tracer is not None:
             tag = tracer.tag_of(source if source is not None else output)
             axis = tracer.axis(source if source is not None else output)
-            if axis == 0:
+            if is_experts(module):  # the routing's token axis and the forward's row-wise form, see moe
+                verdict = experts_verdict(tracer, module, inputs, output)
+            elif axis == 0:
                 verdict = BATCH
             elif tag is not None and tag[0] == 0 and tag[1] > 1:
                 # the batch merged with the dimensions after it, by traced views; the layer must keep those rows
@@ -184,17 +189,18 @@ class _ProvingStep:
 
     def _apply_verdict(
         self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor,
-        activations: torch.Tensor | None, batch: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, str | None, int]:
+        activations: torch.Tensor | RoutedTokens | None, batch: int, inputs: tuple = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | RoutedTokens | None, str | None, int]:
         """What the forward hook records for this call, from its batch-axis verdict: ``(output, activations,
         unproven, rows_per_example)``.
 
         BROADCAST expands the output (and input) to the batch; MERGED views the input as ``(B, k, ...)`` (row r
         of the merged dimension is example r // k, proven by the tracer; the backward views the output gradient
-        the same way), after checking that the output has the input's rows (a row-wise layer); anything else
-        unproven is kept with its reason, and refused by the backward if gradient reaches its output.
+        the same way), after checking that the output has the input's rows (a row-wise layer; an experts call's
+        routing is viewed alike, :mod:`hf_dpfilter.engine.moe`); anything else unproven is kept with its reason,
+        and refused by the backward if gradient reaches its output.
         """
-        verdict = self._call_verdict(module, source, output)
+        verdict = self._call_verdict(module, source, output, inputs)
         if verdict == BROADCAST and output.shape[0] == 1:
             if batch > 1:
                 # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
@@ -207,7 +213,9 @@ class _ProvingStep:
         if verdict == MERGED:
             rows = output.shape[0] // batch if output.dim() >= 1 else 0
             if rows >= 1 and output.shape[0] == batch * rows and (source is None or source.shape[0] == output.shape[0]):
-                if activations is not None:
+                if isinstance(activations, RoutedTokens):
+                    activations = split_rows(activations, batch, self._packing)
+                elif activations is not None:
                     activations = self._once_per_input(
                         activations, ("merged", rows), lambda: activations.reshape(batch, rows, *activations.shape[1:])
                     )
@@ -248,7 +256,7 @@ class _ProvingStep:
         name = self._module_name(record.module)
         params = ", ".join(self._module_params.get(record.module, {}))
         activations = record.activations
-        if isinstance(record.module, nn.Embedding) or (activations is not None and not activations.is_floating_point()):
+        if isinstance(record.module, nn.Embedding) or (isinstance(activations, torch.Tensor) and not activations.is_floating_point()):
             fix = "call it on ids derived from the batch, shaped (B, T), or broadcast as (1, T)"  # a table on ids
         else:  # a layer on hidden states (Linear, LayerNorm, ...): what keeps its rows per example
             fix = (

@@ -56,6 +56,7 @@ from hf_dpfilter.engine.checkpointing import (
     _inside_backward,
 )
 from hf_dpfilter.engine.layer_inputs import find_layer_input
+from hf_dpfilter.engine.moe import RoutedTokens, is_experts, recorded_output
 from hf_dpfilter.engine.per_example import PerExampleGradients
 from hf_dpfilter.engine.precision import (
     _AUTOCAST_MATMUL_LAYERS,
@@ -264,6 +265,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             if self._recording:
                 self._ran_without_autograd.add(id(module))
             return None
+        returned, output = output, recorded_output(module, output)  # a router records its logits
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
         if _inside_backward():
@@ -291,13 +293,15 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         # Layers fed the same input (query, key and value projections) get the same tensor object, so the
         # engine sees that they share it (PerExampleGradients fuses them) and keeps one bf16 copy, not three.
         activations = None if source is None else self._recorded_input(source, dtype)
+        if is_experts(module) and activations is not None:  # the routing too (hf_dpfilter.engine.moe)
+            activations = RoutedTokens(activations, inputs[1].detach(), inputs[2].detach())
         batch = self._batch_size
         if self._packing is not None:  # packed rows: the recorded tensors' leading axis is rows, not examples
             batch = self._packing.rows
         elif batch is None:
             batch = output.shape[0]
             self._batch_size = batch
-        output, activations, unproven, rows = self._apply_verdict(module, source, output, activations, batch)
+        output, activations, unproven, rows = self._apply_verdict(module, source, output, activations, batch, inputs)
         used = None
         if module in self._sharded_modules and self.verify_first_backward:
             used = {name: getattr(module, name) for name in self._module_params[module]}
@@ -313,7 +317,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             )
         )
         self._recorded_modules.add(id(module))
-        return output
+        return output if isinstance(returned, torch.Tensor) else None  # a router's tuple is left as it is
 
     def _autocast_pre_hook(self, module: nn.Module, args: tuple) -> tuple | None:
         """Under autocast, hand a Linear/Conv1D its input already cast to the autocast dtype, once per input.

@@ -230,6 +230,7 @@ class BatchAxisTracer(TorchFunctionMode):
             if name in _RESHAPES:
                 return self._reshape_tag(first, first_tag, result)
             # a merged batch (inner > 1) moves, or is lost, with its whole dimension: the same rules hold for it
+            # (reduced or normalised along it, the examples mix)
             special = self._method_axis(name, first, first_tag[0], args, kwargs, result)
             if special is not None:
                 return (special, first_tag[1]) if special != LOST else (LOST, 1)

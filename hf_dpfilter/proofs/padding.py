@@ -92,7 +92,7 @@ _MASK = PositionScheme("mask")
 
 #: Declared position schemes, keyed by ``config.model_type``. Anything not listed is refused when a micro-batch has
 #: leading padding. GPT-2/GPT-Neo (``wpe(arange)``), GPT-J, GPT-NeoX, Phi, StableLM, the Llama-like families,
-#: Mixtral, StarCoder2, OLMo2, Granite and Gemma3's text model (rotary on ``arange``; sliding windows are distances
+#: Mixtral, Qwen2-MoE, StarCoder2, OLMo2, Granite and Gemma3's text model (rotary on ``arange``; sliding windows are distances
 #: between columns, which leading pads do not change), Falcon (rotary on ``arange``; with ``alibi=True`` its ALiBi is built from the mask
 #: and the injected positions are unused) and BERT, ALBERT, ELECTRA, DistilBERT (a ``position_ids`` buffer) and ModernBERT
 #: (rotary on ``arange``; its sliding window is a distance between columns, which leading pads do not change) number
@@ -108,6 +108,7 @@ POSITION_SCHEMES: dict[str, PositionScheme] = {
     "llama": _ABSOLUTE,
     "mistral": _ABSOLUTE,
     "mixtral": _ABSOLUTE,
+    "qwen2_moe": _ABSOLUTE,
     "starcoder2": _ABSOLUTE,
     "olmo2": _ABSOLUTE,
     "granite": _ABSOLUTE,

@@ -74,20 +74,11 @@ def _pad_to_multiple_of(args: Any, stage: str) -> str | None:
     )
 
 
-def _router_aux_loss(args: Any, stage: str) -> str | None:
-    if not args.router_aux_loss_coef:
-        return None
-    return (
-        f"router_aux_loss_coef={args.router_aux_loss_coef}: the MoE load-balancing loss is computed over all the "
-        "tokens of a batch, which couples the examples. Set router_aux_loss_coef=0.0."
-    )
-
-
 SFT_FIELD_POLICIES: dict[str, FieldPolicy] = {
     "model_init_kwargs": FieldPolicy("honoured", "how a model given by name is loaded (public)."),
     "trust_remote_code": FieldPolicy("honoured", "loading code only."),
-    "router_aux_loss_coef": FieldPolicy("refused", "a non-zero MoE load-balancing loss couples the tokens of a "
-                                        "batch: refused.", _router_aux_loss),
+    "router_aux_loss_coef": FieldPolicy("honoured", "the MoE load-balancing loss, computed per example over its own "
+                                        "tokens (hf_dpfilter/router_loss.py)."),
     "chat_template_path": FieldPolicy("honoured", "the chat template applied to each example alone."),
     "dataset_text_field": FieldPolicy("honoured", "which column holds the text."),
     "dataset_kwargs": FieldPolicy("honoured", "skip_prepare_dataset: a row is what is sampled and clipped, one "

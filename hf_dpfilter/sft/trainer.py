@@ -25,7 +25,6 @@ from trl import SFTTrainer
 from hf_dpfilter.sft.config import DPSFTConfig, check_sft_fields
 from hf_dpfilter.sft.packing import micro_batch_bins, pack_rows
 from hf_dpfilter.trainer import DPTrainerMixin
-from hf_dpfilter.training_fields import TrainingFieldError
 
 __all__ = ["DPSFTTrainer"]
 
@@ -57,12 +56,8 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
             )
         super().__init__(model, args, *rest, **kwargs)
         check_sft_fields(self.args, "trainer")  # the values may have been changed after the config was built
-        if getattr(self, "aux_loss_enabled", False):
-            raise TrainingFieldError(
-                f"{type(self.model).__name__} returns a Mixture-of-Experts load-balancing loss (router_aux_loss_coef="
-                f"{self.router_aux_loss_coef}), computed over all the tokens of a batch: it couples the examples and "
-                "DP training would drop it silently. Pass router_aux_loss_coef=0.0 in the DPSFTConfig."
-            )
+        # TRL turns the MoE load-balancing loss on (output_router_logits) with router_aux_loss_coef or the model's
+        # own coefficient: the DP mixin computes it per example with self.router_aux_loss_coef (router_loss.py).
 
     # ------------------------------------------------------------------------------------------- data
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, packing: bool, formatting_func: Any,
