@@ -17,8 +17,8 @@ from torch import nn
 
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
-from hf_dpfilter.engine.rules import UnsupportedLayerError
-from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
+from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule
+from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import StateWrittenError
 
 if TYPE_CHECKING:
@@ -67,6 +67,9 @@ class _ProvingStep:
         # packed rows: the model's inputs are rows (the layout maps them to examples)
         tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
         self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
+        self._entries: list[tuple[nn.Module, int]] = []  # the running module calls, with the host reads at entry
+        self._outside_uses: dict[nn.Parameter, str] = {}
+        tracer.watched = {id(p): (p, lambda p=p: self._check_delegated_use(p)) for p in self._delegated}
         self._forward_ran = False
         handles = []
         for module in self.model.modules():
@@ -86,6 +89,8 @@ class _ProvingStep:
                 self._check_every_trainable_module_recorded()
             return  # nothing ran (an empty micro-batch): prove on the next step
         self._check_state_unchanged(snapshot, with_parameters)
+        if self._outside_uses:
+            raise UnsupportedLayerError("\n".join(self._outside_uses.values()))
         if tracer.misused:
             names = sorted({self._module_name(m) for m in self.model.modules() if id(m) in {k[0] for k in tracer.misused}})
             raise RuntimeError(
@@ -123,9 +128,43 @@ class _ProvingStep:
                     "to the number of examples, and give the model its inputs batch-first."
                 )
         self._trace_depth += 1
+        if tracer is not None:
+            self._entries.append((module, tracer.host_reads))
 
     def _trace_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._trace_depth = max(0, self._trace_depth - 1)
+        if self._tracer is not None and self._entries and self._entries[-1][0] is module:
+            self._entries.pop()
+
+    def _delegate(self, module: nn.Module, own: list[tuple[str, nn.Parameter]]) -> bool:
+        """Whether each of ``module``'s own trainable parameters is also a parameter of a sub-module with a rule
+        (BERT's ``cls.predictions.bias`` is ``cls.predictions.decoder.bias``, RoBERTa's ``lm_head.bias`` too): the
+        sub-modules' rules then give its per-example gradient, provided every use runs inside them (checked on the
+        proving forward, see ``_check_delegated_use``)."""
+        owners = {}
+        for _, param in own:
+            owners[param] = [sub for sub in module.modules() if sub is not module and find_grad_rule(sub) is not None
+                             and any(p is param for p in sub.parameters(recurse=False))]
+            if not owners[param]:
+                return False
+        self._delegated.update({param: (module, subs) for param, subs in owners.items()})
+        return True
+
+    def _check_delegated_use(self, param: nn.Parameter) -> None:
+        """A use of a parameter that its own module leaves to a sub-module's rule (a tied output bias: BERT's
+        ``cls.predictions.bias`` is ``cls.predictions.decoder.bias``): the rule covers the use only inside that
+        sub-module's forward; any other use is refused by name after the proving forward."""
+        outer, inner = self._delegated[param]
+        if self._entries and any(self._entries[-1][0] is m for m in inner):
+            return
+        name = self.parameter_name(param)
+        running = self._module_name(self._entries[-1][0]) if self._entries else "<outside any module>"
+        self._outside_uses.setdefault(param, (
+            f"Trainable parameter '{name}' belongs to module '{self._module_name(outer)}' "
+            f"({type(outer).__name__}), which has no per-example gradient rule; the rule of its sub-module "
+            f"'{self._module_name(inner[0])}' covers it only inside that sub-module's forward, and it is also used "
+            f"in '{running}'. Freeze it (requires_grad_(False)) or register a rule with "
+            f"hf_dpfilter.register_grad_rule({type(outer).__name__}). Nothing was released."))
 
     def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor) -> str:
         """BATCH, BROADCAST, or why this call's batch axis is not proven (hf_dpfilter.proofs.batch_axis)."""
@@ -135,7 +174,14 @@ class _ProvingStep:
         tracer = self._tracer
         if tracer is not None:
             axis = tracer.axis(source if source is not None else output)
-            if axis == 0:
+            entry_reads = next((reads for m, reads in reversed(self._entries) if m is module), tracer.host_reads)
+            if tracer.tag_of(output) is None and not (axis is None and output.dim() >= 1 and output.shape[0] == 1):
+                # the output derives from no batch tensor (the (1, T) broadcast case keeps its cheaper path)
+                verdict = SHARED if tracer.host_reads == entry_reads else (
+                    "carries no batch axis, and its forward read values of the batch into Python (int(x), .item(), "
+                    ".tolist(), ...): its output may depend on the examples' data in a way the trace cannot follow"
+                )
+            elif axis == 0:
                 verdict = BATCH
             elif axis is None and output.dim() >= 1 and output.shape[0] == 1:
                 verdict = BROADCAST

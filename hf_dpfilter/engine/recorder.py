@@ -64,8 +64,9 @@ from hf_dpfilter.engine.precision import (
 )
 from hf_dpfilter.engine.proving import _ProvingStep
 from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
+from hf_dpfilter.engine.shared_outputs import shared_output_terms
 from hf_dpfilter.packing import PackedLayout, regroup_record
-from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, BatchAxisTracer
+from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import (
     ModuleValidationError,
     ValidationOptions,
@@ -88,6 +89,8 @@ class _Record:
     used: dict[str, torch.Tensor] | None = None
     #: why the call's batch axis is not proven (hf_dpfilter.proofs.batch_axis); refused if its output gets gradient
     unproven: str | None = None
+    #: the output itself when it is shared by every example (SHARED): its terms come from shared_outputs
+    shared_output: torch.Tensor | None = None
 
 
 _OWNED_BY_THE_OPTIMIZER = (
@@ -145,6 +148,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._param_names: dict[nn.Parameter, str] = {}
         self._module_params: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self._sharded_modules: set[nn.Module] = set()
+        #: parameters a module without a rule leaves to the rules of sub-modules owning them too (tied biases)
+        self._delegated: dict[nn.Parameter, tuple[nn.Module, list[nn.Module]]] = {}
         self._pending_terms: dict[nn.Parameter, list[Term]] = {}
         self._recorded_inputs: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
         self.stack_layers = stack_layers
@@ -179,6 +184,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._param_names = {}
         self._module_params = {}
         self._sharded_modules = set()
+        self._delegated = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if param.requires_grad:
                 self._param_names.setdefault(param, name)
@@ -195,6 +201,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             if not own:
                 continue
             rule = find_grad_rule(module)
+            if rule is None and self._delegate(module, own):
+                continue
             if rule is None:
                 param_name, _ = own[0]
                 full = f"{module_name}.{param_name}" if module_name else param_name
@@ -285,6 +293,11 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             self._batch_size = batch
         verdict = self._call_verdict(module, source, output)
         unproven = None
+        if verdict == SHARED:  # one output for every example: per-example terms from shared_outputs
+            self._records.append(_Record(module, None, torch.autograd.graph.get_gradient_edge(output), output.dtype,
+                                         shared_output=output))
+            self._recorded_modules.add(id(module))
+            return output
         if verdict == BROADCAST and output.shape[0] == 1:
             if batch > 1:
                 # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
@@ -472,6 +485,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 f"{_REENTRANT_REFUSED} If these layers are meant to get no gradient, freeze their parameters."
             )
         self._pending_dtype = _accumulation_dtype(per_example_loss.dtype)
+        shared = [(r.module, r.shared_output) for r in records if r.shared_output is not None]
+        if shared:  # before the backward below frees the graph
+            for param, terms in shared_output_terms(per_example_loss, shared, self._module_params).items():
+                self._pending_terms.setdefault(param, []).extend(terms)
         total = per_example_loss.sum()
         self._in_own_backward = True
         try:
@@ -483,7 +500,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             self._in_own_backward = False
         regrouped: dict[int, torch.Tensor] = {}  # packed rows: layers sharing an input share its regrouped copy
         for record, grad_output in zip(records, output_grads):
-            if grad_output is None:
+            if grad_output is None or record.shared_output is not None:
                 continue
             if record.unproven is not None:
                 raise self._unproven_batch_axis_error(record)

@@ -26,6 +26,13 @@ A layer call is then:
   ``(1, T)`` position ids): the engine expands the output to the batch (a view), so the gradient stays per
   example, exactly, provided every use of the expanded copy broadcasts it along the batch; an operation that
   mixes or drops its batch axis (``out[0]``, a sum over the examples) refuses the module on the first step;
+* ``SHARED`` -- its output carries no batch axis at all: it derives only from parameters, buffers, constants and
+  shapes (a learned positional table that reads only the shape of its input, as BART's; T5's relative attention
+  bias on bucketed ``arange`` positions), so one tensor serves every example. Its per-example gradient is each
+  example's own gradient of that tensor (:mod:`hf_dpfilter.engine.shared_outputs`), exact whatever the model does
+  with it. Proven only when the module's forward read no values of the batch into Python (``int(x)``,
+  ``x.item()``, ``x.tolist()``, ...: counted in :attr:`BatchAxisTracer.host_reads`), which could make its
+  output depend on the examples' data without a tag;
 * unproven -- anything else. Such a call is recorded but refused, naming the module, as soon as the backward
   shows that it carries gradient; a call whose output gets no gradient (DoRA's weight-norm path, which is
   detached) is harmless and skipped.
@@ -43,10 +50,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["BATCH", "BROADCAST", "LOST", "BatchAxisTracer"]
+__all__ = ["BATCH", "BROADCAST", "LOST", "SHARED", "BatchAxisTracer"]
 
 BATCH = "batch"
 BROADCAST = "broadcast"
+SHARED = "shared"
 #: the tag of a tensor derived from the batch whose batch axis could not be followed
 LOST = -1
 
@@ -73,6 +81,14 @@ _STATISTICS_ALONG = {"group_norm", "instance_norm", "layer_norm", "normalize", "
 _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
 _CONCATS = {"cat", "concat", "concatenate"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
+#: reads of a tensor's attributes (``p.device``, ``p.shape``, ``p.dim()``): not uses of its values
+_METADATA_READS = {
+    "__get__", "dim", "size", "numel", "nelement", "ndimension", "element_size", "stride", "storage_offset",
+    "data_ptr", "is_contiguous", "is_floating_point", "is_complex", "untyped_storage", "__hash__", "__len__",
+    "__repr__", "__format__", "get_device",
+}
+#: operations that read a tensor's values into Python: what is built from them carries no tag
+_HOST_READS = {"item", "tolist", "numpy", "__int__", "__float__", "__index__", "__bool__", "__complex__", "__array__"}
 
 
 def _normalize(dim: int, ndim: int) -> int:
@@ -115,6 +131,11 @@ class BatchAxisTracer(TorchFunctionMode):
         #: reached an operation that mixed or dropped its batch axis (see :meth:`mark_broadcast`)
         self._origins: dict[int, frozenset] = {}
         self.misused: set = set()
+        #: how many times values of a batch-derived tensor were read into Python (see ``SHARED``)
+        self.host_reads = 0
+        #: id(parameter) -> (parameter, check): ``check()`` is called at each use of the parameter by a torch
+        #: function (the engine checks that it runs inside the module whose rule covers it)
+        self.watched: dict[int, tuple[torch.Tensor, Any]] = {}
 
     # ---------------------------------------------------------------------------------------- tags
     def tag_of(self, tensor: Any) -> tuple[int, int] | None:
@@ -168,7 +189,14 @@ class BatchAxisTracer(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         leaves = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        if self.watched and getattr(func, "__name__", "") not in _METADATA_READS:
+            for leaf in leaves:
+                watch = self.watched.get(id(leaf))
+                if watch is not None and watch[0] is leaf:
+                    watch[1]()
         tagged = [(t, tag) for t in leaves if (tag := self.tag_of(t)) is not None]
+        if tagged and getattr(func, "__name__", "") in _HOST_READS:
+            self.host_reads += 1
         if not tagged:
             self._maybe_broadcast_over_batch(func, args, out)
             return out
