@@ -106,6 +106,7 @@ class _ProvingStep:
             # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
             self._axis_verdicts = self._new_verdicts
             self._proven_forwards = self._model_forwards
+            self._reprove = tracer.value_dependent  # proven from this batch's values: trace the next step too
 
     def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""

@@ -133,6 +133,8 @@ class BatchAxisTracer(TorchFunctionMode):
         self.misused: set = set()
         #: how many times values of a batch-derived tensor were read into Python (see ``SHARED``)
         self.host_reads = 0
+        #: a tag was decided from values of this batch (see ``_mask_rows``): the verdicts hold for this step only
+        self.value_dependent = False
         #: id(parameter) -> (parameter, check): ``check()`` is called at each use of the parameter by a torch
         #: function (the engine checks that it runs inside the module whose rule covers it)
         self.watched: dict[int, tuple[torch.Tensor, Any]] = {}
@@ -244,6 +246,10 @@ class BatchAxisTracer(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         first = args[0] if args else None
         first_tag = self.tag_of(first)
+        if name == "__getitem__" and first_tag == (0, 1) and len(args) > 1:
+            rows = self._mask_rows(first, args[1])
+            if rows is not None:
+                return 0, rows
         if first_tag is not None and first_tag[0] != LOST:
             if name in _RESHAPES:
                 return self._reshape_tag(first, first_tag, result)
@@ -439,6 +445,26 @@ class BatchAxisTracer(TorchFunctionMode):
         if name == "__getitem__":
             return self._index_axis(source, axis, args[1] if len(args) > 1 else None)
         return None
+
+    def _mask_rows(self, source: torch.Tensor, index: Any) -> int | None:
+        """``x[mask]`` with a boolean mask over ``x``'s leading dimensions that selects the same number ``k`` of
+        entries in every example (BART's classification head picks each example's ``<eos>`` states this way): the
+        result's rows are example by example, ``k`` each, so the batch is the major part of its first dimension.
+        Checked on the values, which another batch may not repeat: the engine traces every step that relies on
+        it again (``value_dependent``). None otherwise (the general rule marks it lost)."""
+        items = index if isinstance(index, tuple) else (index,)
+        mask = items[0]
+        if (
+            not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() < 1
+            or tuple(mask.shape) != tuple(source.shape[:mask.dim()])
+            or any(not (isinstance(item, slice) and item == slice(None)) for item in items[1:])
+        ):
+            return None
+        counts = mask.reshape(mask.shape[0], -1).sum(dim=1)
+        if counts.numel() == 0 or int(counts[0]) == 0 or not bool((counts == counts[0]).all()):
+            return None
+        self.value_dependent = True
+        return int(counts[0])
 
     @staticmethod
     def _index_axis(source: torch.Tensor, axis: int, index: Any) -> int:
