@@ -89,8 +89,10 @@ class _Record:
     used: dict[str, torch.Tensor] | None = None
     #: why the call's batch axis is not proven (hf_dpfilter.proofs.batch_axis); refused if its output gets gradient
     unproven: str | None = None
-    #: the output itself when it is shared by every example (SHARED): its terms come from shared_outputs
+    #: the output itself when it is shared by every example (SHARED), and the tensors the forward used for the
+    #: module's parameters (call_model's values, FSDP2's gathered ones): its terms come from shared_outputs
     shared_output: torch.Tensor | None = None
+    shared_used: dict[str, torch.Tensor] | None = None
 
 
 _OWNED_BY_THE_OPTIMIZER = (
@@ -294,8 +296,9 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         verdict = self._call_verdict(module, source, output)
         unproven = None
         if verdict == SHARED:  # one output for every example: per-example terms from shared_outputs
+            used = {name: getattr(module, name) for name in self._module_params[module]}  # as the forward ran
             self._records.append(_Record(module, None, torch.autograd.graph.get_gradient_edge(output), output.dtype,
-                                         shared_output=output))
+                                         shared_output=output, shared_used=used))
             self._recorded_modules.add(id(module))
             return output
         if verdict == BROADCAST and output.shape[0] == 1:
@@ -485,9 +488,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 f"{_REENTRANT_REFUSED} If these layers are meant to get no gradient, freeze their parameters."
             )
         self._pending_dtype = _accumulation_dtype(per_example_loss.dtype)
-        shared = [(r.module, r.shared_output) for r in records if r.shared_output is not None]
+        shared = [(self._module_params[r.module], r.shared_used, r.shared_output) for r in records
+                  if r.shared_output is not None]
         if shared:  # before the backward below frees the graph
-            for param, terms in shared_output_terms(per_example_loss, shared, self._module_params).items():
+            for param, terms in shared_output_terms(per_example_loss, shared).items():
                 self._pending_terms.setdefault(param, []).extend(terms)
         total = per_example_loss.sum()
         self._in_own_backward = True

@@ -43,22 +43,24 @@ def _batched_grad(
 
 
 def shared_output_terms(
-    per_example_loss: torch.Tensor, calls: Sequence[tuple[nn.Module, torch.Tensor]],
-    module_params: dict[nn.Module, dict[str, nn.Parameter]],
+    per_example_loss: torch.Tensor,
+    calls: Sequence[tuple[dict[str, nn.Parameter], dict[str, torch.Tensor], torch.Tensor]],
 ) -> dict[nn.Parameter, list[DenseTerm]]:
-    """The per-example gradient terms of the module calls ``(module, shared output)`` (see the module docstring).
+    """The per-example gradient terms of the module calls ``(params, used, shared output)`` (see the module
+    docstring): ``params`` the module's trainable parameters by name, ``used`` the tensors its forward used for
+    them (the same ones, or the values of ``call_model``'s functional call, or FSDP2's gathered tensors), so the
+    gradient is taken at the point the forward ran and credited to the parameter.
 
     Call before the backward that frees the graph. A call whose output gets no gradient contributes nothing.
     """
     batch = per_example_loss.shape[0]
     one_hot = torch.eye(batch, dtype=per_example_loss.dtype, device=per_example_loss.device)
-    output_grads = _batched_grad([per_example_loss], [out for _, out in calls], [one_hot])
+    output_grads = _batched_grad([per_example_loss], [out for _, _, out in calls], [one_hot])
     terms: dict[nn.Parameter, list[DenseTerm]] = {}
-    for (module, output), grad in zip(calls, output_grads):
+    for (params, used, output), grad in zip(calls, output_grads):
         if grad is None:
             continue
-        params = module_params[module]
-        param_grads = _batched_grad([output], list(params.values()), [grad.to(output.dtype)])
+        param_grads = _batched_grad([output], [used[name] for name in params], [grad.to(output.dtype)])
         for param, param_grad in zip(params.values(), param_grads):
             if param_grad is not None:
                 terms.setdefault(param, []).append(DenseTerm(param_grad))
