@@ -7,8 +7,11 @@
   equals the float64 per-example reference (each example alone, decoder labels padded with -100) within 1e-6.
 * BERT's ``cls.predictions.bias`` and RoBERTa's ``lm_head.bias`` are the decoder's bias (tied): the decoder's
   rule covers them, used only inside it (checked on the proving forward); BERT and RoBERTa MLM exact.
+* A shared table evaluated at several parameter points (``call_model``, as DiSK/PMLF/DIFF2 do): each example's
+  combination equals the one-example-at-a-time reference.
 * A module whose untagged output was built from values of the batch read into Python is refused by name; a module
-  using a tied parameter outside the sub-module whose rule covers it is refused by name.
+  using a tied parameter outside the sub-module whose rule covers it is refused by name. (Tables on ``arange(T)``
+  exact and within sensitivity, T5's bias too: tests/test_declared_structure.py.)
 """
 
 from __future__ import annotations
@@ -128,14 +131,38 @@ def test_a_tied_parameter_used_outside_the_covering_rule_is_refused_by_name(tmp_
         _train_classifier(model, tmp_path)
 
 
-def test_a_positional_table_on_arange_is_exact(tmp_path):
-    """``pos(arange(T))`` (shared by every example, T != B and T == B) trains, the first-backward check passes."""
+class _ArangeTable(nn.Embedding):
+    """A learned positional table that reads only the shape of its input (as BART's does)."""
 
-    class _Arange(nn.Embedding):
-        def forward(self, input_ids):
-            return super().forward(torch.arange(input_ids.shape[1], device=input_ids.device))
+    def forward(self, input_ids):
+        return super().forward(torch.arange(input_ids.shape[1], device=input_ids.device))
 
-    model = _Classifier(_Arange(16, 8)).double()
-    difference = _max_difference(model, tmp_path, "cls", PadCollator(0))
-    print(f"arange table: max |difference| {difference:.1e}")
-    assert difference <= 1e-6
+
+class _ScoreModel(nn.Module):
+    """Token embedding plus the shared positional table, mean-pooled to one score per example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.pos, self.head = nn.Embedding(VOCAB, 8), _ArangeTable(16, 8), nn.Linear(8, 1)
+
+    def forward(self, input_ids):
+        return self.head(torch.tanh(self.embed(input_ids) + self.pos(input_ids)).mean(1))
+
+
+def test_a_shared_table_at_several_parameter_points_is_exact():
+    """DiSK/PMLF/DIFF2 evaluate the model at other values of the parameters (``call_model``): the shared table's
+    per-example gradient is taken at the values its forward used, each example's combination as the reference's."""
+    from test_engine_points import _loss_fn
+    from test_engine_points import _reference as points_reference
+
+    from hf_dpfilter.engine import GhostClippingEngine, per_example_combination
+
+    model = _ScoreModel().double()
+    engine = GhostClippingEngine(model)
+    ids = torch.randint(3, VOCAB, (4, 6), generator=torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+    other = {p: p.detach() * 0.5 + 0.1 + (p - p.detach()) for p in params}
+    points = [(1.0, None), (-0.5, other)]
+    grads, _, _ = per_example_combination(engine, _loss_fn(engine, ids), points, len(ids), params)
+    torch.testing.assert_close(grads.norms(), points_reference(model, ids, points, 0), rtol=1e-9, atol=1e-12)
