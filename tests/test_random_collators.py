@@ -3,7 +3,7 @@
 "Alone ... with the same randomness": the keys the collator draws at random (``BatchStructure.random``, probed) keep
 the example's draw in its micro-batch; the rest is collated alone. Re-collating the raw row drew another mask, so
 a correct masked-LM run through DPTrainer was refused by the first-step check (a false refusal). Through the public
-API on a tiny BertForMaskedLM (output bias frozen: the engine has no rule for it), noise 0, every micro-batch
+API on a tiny BertForMaskedLM (every parameter trainable, the tied output bias too: issue 30), noise 0, every micro-batch
 re-checked:
 
 * transformers' DataCollatorForLanguageModeling (a real tokenizer; also padded to a multiple of 8, so the alone
@@ -39,9 +39,7 @@ def _model() -> BertForMaskedLM:
     config = BertConfig(vocab_size=len(_tokenizer()), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.1,
                         attention_probs_dropout_prob=0.1)
-    model = BertForMaskedLM(config)
-    model.cls.predictions.bias.requires_grad_(False)
-    return model
+    return BertForMaskedLM(config)
 
 
 def _rows(n: int = 12) -> list[dict]:

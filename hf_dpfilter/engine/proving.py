@@ -19,8 +19,8 @@ from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, experts_verdict, is_experts, split_rows
-from hf_dpfilter.engine.rules import UnsupportedLayerError
-from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, BatchAxisTracer
+from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule
+from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import StateWrittenError
 
 if TYPE_CHECKING:
@@ -69,6 +69,9 @@ class _ProvingStep:
         # packed rows: the model's inputs are rows (the layout maps them to examples)
         tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
         self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
+        self._entries: list[tuple[nn.Module, int]] = []  # the running module calls, with the host reads at entry
+        self._outside_uses: dict[nn.Parameter, str] = {}
+        tracer.watched = {id(p): (p, lambda p=p: self._check_delegated_use(p)) for p in self._delegated}
         self._forward_ran = False
         handles = []
         for module in self.model.modules():
@@ -88,6 +91,8 @@ class _ProvingStep:
                 self._check_every_trainable_module_recorded()
             return  # nothing ran (an empty micro-batch): prove on the next step
         self._check_state_unchanged(snapshot, with_parameters)
+        if self._outside_uses:
+            raise UnsupportedLayerError("\n".join(self._outside_uses.values()))
         if tracer.misused:
             names = sorted({self._module_name(m) for m in self.model.modules() if id(m) in {k[0] for k in tracer.misused}})
             raise RuntimeError(
@@ -103,6 +108,7 @@ class _ProvingStep:
             # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
             self._axis_verdicts = self._new_verdicts
             self._proven_forwards = self._model_forwards
+            self._reprove = tracer.value_dependent  # proven from this batch's values: trace the next step too
 
     def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""
@@ -125,14 +131,49 @@ class _ProvingStep:
                     "to the number of examples, and give the model its inputs batch-first."
                 )
         self._trace_depth += 1
+        if tracer is not None:
+            self._entries.append((module, tracer.host_reads))
 
     def _trace_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._trace_depth = max(0, self._trace_depth - 1)
+        if self._tracer is not None and self._entries and self._entries[-1][0] is module:
+            self._entries.pop()
+
+    def _delegate(self, module: nn.Module, own: list[tuple[str, nn.Parameter]]) -> bool:
+        """Whether each of ``module``'s own trainable parameters is also a parameter of a sub-module with a rule
+        (BERT's ``cls.predictions.bias`` is ``cls.predictions.decoder.bias``, RoBERTa's ``lm_head.bias`` too): the
+        sub-modules' rules then give its per-example gradient, provided every use runs inside them (checked on the
+        proving forward, see ``_check_delegated_use``)."""
+        owners = {}
+        for _, param in own:
+            owners[param] = [sub for sub in module.modules() if sub is not module and find_grad_rule(sub) is not None
+                             and any(p is param for p in sub.parameters(recurse=False))]
+            if not owners[param]:
+                return False
+        self._delegated.update({param: (module, subs) for param, subs in owners.items()})
+        return True
+
+    def _check_delegated_use(self, param: nn.Parameter) -> None:
+        """A use of a parameter that its own module leaves to a sub-module's rule (a tied output bias: BERT's
+        ``cls.predictions.bias`` is ``cls.predictions.decoder.bias``): the rule covers the use only inside that
+        sub-module's forward; any other use is refused by name after the proving forward."""
+        outer, inner = self._delegated[param]
+        if self._entries and any(self._entries[-1][0] is m for m in inner):
+            return
+        name = self.parameter_name(param)
+        running = self._module_name(self._entries[-1][0]) if self._entries else "<outside any module>"
+        self._outside_uses.setdefault(param, (
+            f"Trainable parameter '{name}' belongs to module '{self._module_name(outer)}' "
+            f"({type(outer).__name__}), which has no per-example gradient rule; the rule of its sub-module "
+            f"'{self._module_name(inner[0])}' covers it only inside that sub-module's forward, and it is also used "
+            f"in '{running}'. Freeze it (requires_grad_(False)) or register a rule with "
+            f"hf_dpfilter.register_grad_rule({type(outer).__name__}). Nothing was released."))
 
     def _call_verdict(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor,
                       inputs: tuple = ()) -> str:
         """BATCH, BROADCAST, MERGED (the batch is the major part of a leading token axis, as after ``x.view(-1, d)``),
-        or why this call's batch axis is not proven (hf_dpfilter.proofs.batch_axis, hf_dpfilter.engine.moe)."""
+        SHARED (an output derived from no batch tensor), or why this call's batch axis is not proven
+        (hf_dpfilter.proofs.batch_axis, hf_dpfilter.engine.moe)."""
         key = id(module)
         index = self._call_counts.get(key, 0)
         self._call_counts[key] = index + 1
@@ -140,8 +181,15 @@ class _ProvingStep:
         if tracer is not None:
             tag = tracer.tag_of(source if source is not None else output)
             axis = tracer.axis(source if source is not None else output)
+            entry_reads = next((reads for m, reads in reversed(self._entries) if m is module), tracer.host_reads)
             if is_experts(module):  # the routing's token axis and the forward's row-wise form, see moe
                 verdict = experts_verdict(tracer, module, inputs, output)
+            elif tracer.tag_of(output) is None and not (axis is None and output.dim() >= 1 and output.shape[0] == 1):
+                # the output derives from no batch tensor (the (1, T) broadcast case keeps its cheaper path)
+                verdict = SHARED if tracer.host_reads == entry_reads else (
+                    "carries no batch axis, and its forward read values of the batch into Python (int(x), .item(), "
+                    ".tolist(), ...): its output may depend on the examples' data in a way the trace cannot follow"
+                )
             elif axis == 0:
                 verdict = BATCH
             elif tag is not None and tag[0] == 0 and tag[1] > 1:
@@ -189,10 +237,10 @@ class _ProvingStep:
 
     def _apply_verdict(
         self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor,
-        activations: torch.Tensor | RoutedTokens | None, batch: int, inputs: tuple = (),
+        activations: torch.Tensor | RoutedTokens | None, batch: int, verdict: str,
     ) -> tuple[torch.Tensor, torch.Tensor | RoutedTokens | None, str | None, int]:
-        """What the forward hook records for this call, from its batch-axis verdict: ``(output, activations,
-        unproven, rows_per_example)``.
+        """What the forward hook records for this call, from its batch-axis verdict (:meth:`_call_verdict`, any
+        but SHARED, which the hook records itself): ``(output, activations, unproven, rows_per_example)``.
 
         BROADCAST expands the output (and input) to the batch; MERGED views the input as ``(B, k, ...)`` (row r
         of the merged dimension is example r // k, proven by the tracer; the backward views the output gradient
@@ -200,7 +248,6 @@ class _ProvingStep:
         routing is viewed alike, :mod:`hf_dpfilter.engine.moe`); anything else unproven is kept with its reason,
         and refused by the backward if gradient reaches its output.
         """
-        verdict = self._call_verdict(module, source, output, inputs)
         if verdict == BROADCAST and output.shape[0] == 1:
             if batch > 1:
                 # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.

@@ -66,8 +66,9 @@ from hf_dpfilter.engine.precision import (
 )
 from hf_dpfilter.engine.proving import _ProvingStep
 from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
+from hf_dpfilter.engine.shared_outputs import shared_output_terms
 from hf_dpfilter.packing import PackedLayout, regroup_record
-from hf_dpfilter.proofs.batch_axis import BatchAxisTracer
+from hf_dpfilter.proofs.batch_axis import SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import (
     ModuleValidationError,
     ValidationOptions,
@@ -93,6 +94,10 @@ class _Record:
     #: rows of the output per example when the batch was merged into its leading dimension (MERGED), else 0;
     #: the activations are already viewed as (B, rows, ...), the output gradient is viewed so in the backward
     rows_per_example: int = 0
+    #: the output itself when it is shared by every example (SHARED), and the tensors the forward used for the
+    #: module's parameters (call_model's values, FSDP2's gathered ones): its terms come from shared_outputs
+    shared_output: torch.Tensor | None = None
+    shared_used: dict[str, torch.Tensor] | None = None
 
 
 _OWNED_BY_THE_OPTIMIZER = (
@@ -150,6 +155,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._param_names: dict[nn.Parameter, str] = {}
         self._module_params: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self._sharded_modules: set[nn.Module] = set()
+        #: parameters a module without a rule leaves to the rules of sub-modules owning them too (tied biases)
+        self._delegated: dict[nn.Parameter, tuple[nn.Module, list[nn.Module]]] = {}
         self._pending_terms: dict[nn.Parameter, list[Term]] = {}
         self._recorded_inputs: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
         self.stack_layers = stack_layers
@@ -184,6 +191,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._param_names = {}
         self._module_params = {}
         self._sharded_modules = set()
+        self._delegated = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if param.requires_grad:
                 self._param_names.setdefault(param, name)
@@ -200,6 +208,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             if not own:
                 continue
             rule = find_grad_rule(module)
+            if rule is None and self._delegate(module, own):
+                continue
             if rule is None:
                 param_name, _ = own[0]
                 full = f"{module_name}.{param_name}" if module_name else param_name
@@ -301,7 +311,14 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         elif batch is None:
             batch = output.shape[0]
             self._batch_size = batch
-        output, activations, unproven, rows = self._apply_verdict(module, source, output, activations, batch, inputs)
+        verdict = self._call_verdict(module, source, output, inputs)
+        if verdict == SHARED:  # one output for every example: per-example terms from shared_outputs
+            used = {name: getattr(module, name) for name in self._module_params[module]}  # as the forward ran
+            self._records.append(_Record(module, None, torch.autograd.graph.get_gradient_edge(output), output.dtype,
+                                         shared_output=output, shared_used=used))
+            self._recorded_modules.add(id(module))
+            return None  # the output is left as it is
+        output, activations, unproven, rows = self._apply_verdict(module, source, output, activations, batch, verdict)
         used = None
         if module in self._sharded_modules and self.verify_first_backward:
             used = {name: getattr(module, name) for name in self._module_params[module]}
@@ -470,6 +487,11 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 f"{_REENTRANT_REFUSED} If these layers are meant to get no gradient, freeze their parameters."
             )
         self._pending_dtype = _accumulation_dtype(per_example_loss.dtype)
+        shared = [(self._module_params[r.module], r.shared_used, r.shared_output) for r in records
+                  if r.shared_output is not None]
+        if shared:  # before the backward below frees the graph
+            for param, terms in shared_output_terms(per_example_loss, shared).items():
+                self._pending_terms.setdefault(param, []).extend(terms)
         total = per_example_loss.sum()
         self._in_own_backward = True
         try:
@@ -481,7 +503,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             self._in_own_backward = False
         regrouped: dict[int, torch.Tensor] = {}  # packed rows: layers sharing an input share its regrouped copy
         for record, grad_output in zip(records, output_grads):
-            if grad_output is None:
+            if grad_output is None or record.shared_output is not None:
                 continue
             if record.unproven is not None:
                 raise self._unproven_batch_axis_error(record)

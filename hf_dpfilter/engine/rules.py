@@ -231,6 +231,16 @@ def _hf_offset_rms_norm(module: nn.Module, activations: torch.Tensor, grad_outpu
     return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
 
 
+def _t5_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: weight * (x * rsqrt(mean(x.float()^2) + eps)): only the statistic is float32, the product is in
+    # x's dtype (float64 stays float64), so the scale form's all-float32 n(x) would be off by float32 rounding.
+    if not module.weight.requires_grad:
+        return {}
+    variance = activations.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    grad = grad_output * (activations * torch.rsqrt(variance + module.variance_epsilon))
+    return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
+
+
 def _register_importable(rule: GradRule, *qualified_names: str) -> None:
     """Register ``rule`` for each ``module.Class`` that this transformers version has (others are skipped)."""
     import importlib
@@ -255,7 +265,14 @@ _OFFSET_FORM_RMS_NORMS = (
     "transformers.models.gemma.modeling_gemma.GemmaRMSNorm",
     "transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm",
 )
+_T5_FORM_RMS_NORMS = (
+    "transformers.models.t5.modeling_t5.T5LayerNorm",
+    "transformers.models.mt5.modeling_mt5.MT5LayerNorm",
+    "transformers.models.umt5.modeling_umt5.UMT5LayerNorm",
+    "transformers.models.longt5.modeling_longt5.LongT5LayerNorm",
+)
 _register_importable(_hf_scale_rms_norm, *_SCALE_FORM_RMS_NORMS)
+_register_importable(_t5_rms_norm, *_T5_FORM_RMS_NORMS)
 _register_importable(_hf_offset_rms_norm, *_OFFSET_FORM_RMS_NORMS)
 
 

@@ -32,6 +32,13 @@ A layer call is then:
   dimension, not because its size is a multiple of the batch. A row-wise layer (Linear, LayerNorm, Embedding, ...)
   called on it is per example once its input and output gradient are viewed as ``(B, k, ...)``, which the engine
   does (``k`` is the leading size over the batch size at every step, as the proven views make it);
+* ``SHARED`` -- its output carries no batch axis at all: it derives only from parameters, buffers, constants and
+  shapes (a learned positional table that reads only the shape of its input, as BART's; T5's relative attention
+  bias on bucketed ``arange`` positions), so one tensor serves every example. Its per-example gradient is each
+  example's own gradient of that tensor (:mod:`hf_dpfilter.engine.shared_outputs`), exact whatever the model does
+  with it. Proven only when the module's forward read no values of the batch into Python (``int(x)``,
+  ``x.item()``, ``x.tolist()``, ...: counted in :attr:`BatchAxisTracer.host_reads`), which could make its
+  output depend on the examples' data without a tag;
 * unproven -- anything else. Such a call is recorded but refused, naming the module, as soon as the backward
   shows that it carries gradient; a call whose output gets no gradient (DoRA's weight-norm path, which is
   detached) is harmless and skipped.
@@ -49,12 +56,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["BATCH", "BROADCAST", "LOST", "MERGED", "BatchAxisTracer"]
+__all__ = ["BATCH", "BROADCAST", "LOST", "MERGED", "SHARED", "BatchAxisTracer"]
 
 BATCH = "batch"
 BROADCAST = "broadcast"
 #: a layer call whose input's leading dimension is the batch merged with the dimensions after it (proven by tracing)
 MERGED = "merged"
+#: a layer call whose output derives from no batch tensor: one output shared by every example (see above)
+SHARED = "shared"
 #: the tag of a tensor derived from the batch whose batch axis could not be followed
 LOST = -1
 
@@ -83,6 +92,14 @@ _STATISTICS_ALONG = {"group_norm", "instance_norm", "layer_norm", "normalize", "
 _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
 _CONCATS = {"cat", "concat", "concatenate"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
+#: reads of a tensor's attributes (``p.device``, ``p.shape``, ``p.dim()``): not uses of its values
+_METADATA_READS = {
+    "__get__", "dim", "size", "numel", "nelement", "ndimension", "element_size", "stride", "storage_offset",
+    "data_ptr", "is_contiguous", "is_floating_point", "is_complex", "untyped_storage", "__hash__", "__len__",
+    "__repr__", "__format__", "get_device",
+}
+#: operations that read a tensor's values into Python: what is built from them carries no tag
+_HOST_READS = {"item", "tolist", "numpy", "__int__", "__float__", "__index__", "__bool__", "__complex__", "__array__"}
 
 
 def _normalize(dim: int, ndim: int) -> int:
@@ -125,6 +142,13 @@ class BatchAxisTracer(TorchFunctionMode):
         #: reached an operation that mixed or dropped its batch axis (see :meth:`mark_broadcast`)
         self._origins: dict[int, frozenset] = {}
         self.misused: set = set()
+        #: how many times values of a batch-derived tensor were read into Python (see ``SHARED``)
+        self.host_reads = 0
+        #: a tag was decided from values of this batch (see ``_mask_rows``): the verdicts hold for this step only
+        self.value_dependent = False
+        #: id(parameter) -> (parameter, check): ``check()`` is called at each use of the parameter by a torch
+        #: function (the engine checks that it runs inside the module whose rule covers it)
+        self.watched: dict[int, tuple[torch.Tensor, Any]] = {}
 
     # ---------------------------------------------------------------------------------------- tags
     def tag_of(self, tensor: Any) -> tuple[int, int] | None:
@@ -178,7 +202,14 @@ class BatchAxisTracer(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         leaves = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        if self.watched and getattr(func, "__name__", "") not in _METADATA_READS:
+            for leaf in leaves:
+                watch = self.watched.get(id(leaf))
+                if watch is not None and watch[0] is leaf:
+                    watch[1]()
         tagged = [(t, tag) for t in leaves if (tag := self.tag_of(t)) is not None]
+        if tagged and getattr(func, "__name__", "") in _HOST_READS:
+            self.host_reads += 1
         if not tagged:
             self._maybe_broadcast_over_batch(func, args, out)
             return out
@@ -226,6 +257,10 @@ class BatchAxisTracer(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         first = args[0] if args else None
         first_tag = self.tag_of(first)
+        if name == "__getitem__" and first_tag == (0, 1) and len(args) > 1:
+            rows = self._mask_rows(first, args[1])
+            if rows is not None:
+                return 0, rows
         if first_tag is not None and first_tag[0] != LOST:
             if name in _RESHAPES:
                 return self._reshape_tag(first, first_tag, result)
@@ -464,6 +499,26 @@ class BatchAxisTracer(TorchFunctionMode):
         if name == "__getitem__":
             return self._index_axis(source, axis, args[1] if len(args) > 1 else None)
         return None
+
+    def _mask_rows(self, source: torch.Tensor, index: Any) -> int | None:
+        """``x[mask]`` with a boolean mask over ``x``'s leading dimensions that selects the same number ``k`` of
+        entries in every example (BART's classification head picks each example's ``<eos>`` states this way): the
+        result's rows are example by example, ``k`` each, so the batch is the major part of its first dimension.
+        Checked on the values, which another batch may not repeat: the engine traces every step that relies on
+        it again (``value_dependent``). None otherwise (the general rule marks it lost)."""
+        items = index if isinstance(index, tuple) else (index,)
+        mask = items[0]
+        if (
+            not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() < 1
+            or tuple(mask.shape) != tuple(source.shape[:mask.dim()])
+            or any(not (isinstance(item, slice) and item == slice(None)) for item in items[1:])
+        ):
+            return None
+        counts = mask.reshape(mask.shape[0], -1).sum(dim=1)
+        if counts.numel() == 0 or int(counts[0]) == 0 or not bool((counts == counts[0]).all()):
+            return None
+        self.value_dependent = True
+        return int(counts[0])
 
     @staticmethod
     def _index_axis(source: torch.Tensor, axis: int, index: Any) -> int:
