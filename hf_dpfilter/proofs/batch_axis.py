@@ -228,6 +228,9 @@ class BatchAxisTracer(TorchFunctionMode):
             if contracted:
                 return LOST, 1
         if (name in _MATMULS or name in _PAIRWISE) and len(args) >= 2:
+            merged = self._pairs_merged_batches(name, args[0], args[1], result)
+            if merged is not None:
+                return merged
             paired = self._pairs_batches(name, args[0], args[1], result)
             if paired is not None:
                 return paired, 1
@@ -278,6 +281,23 @@ class BatchAxisTracer(TorchFunctionMode):
         land_a = result.dim() - 2 if tag_a[0] == a.dim() - 2 else result.dim() - a.dim() + tag_a[0]
         land_b = result.dim() - 1 if tag_b[0] == rows_b else result.dim() - b.dim() + tag_b[0]
         return land_a if land_a == land_b else LOST
+
+    def _pairs_merged_batches(self, name: str, a: Any, b: Any, result: torch.Tensor) -> tuple[int, int] | None:
+        """A batched product (``bmm``/``matmul``) of two operands whose batch is merged the same way into the same
+        leading batched dimension (DeBERTa's ``(B·heads, T, D)`` queries and keys): entry k of that dimension
+        pairs entry k of one with entry k of the other, so the result keeps the merged tag; None otherwise."""
+        if name not in _MATMULS:
+            return None
+        tag_a, tag_b = self.tag_of(a), self.tag_of(b)
+        if tag_a is None or tag_b is None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            return None
+        if tag_a[1] == 1 or tag_a != tag_b or a.dim() != b.dim() or a.dim() < 3 or result.dim() != a.dim():
+            return None
+        axis = tag_a[0]
+        # a dimension both operands batch over (not a matrix dimension), of one size in both and in the result
+        if axis == LOST or axis >= a.dim() - 2 or not a.shape[axis] == b.shape[axis] == result.shape[axis]:
+            return None
+        return axis, tag_a[1]
 
     def _einsum_axis(self, args: tuple, tagged: list) -> int | None:
         """The batch axis of an einsum's result from its equation (LOST if the batch letter is summed over);
