@@ -18,7 +18,7 @@ from torch import nn
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.rules import UnsupportedLayerError
-from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, BatchAxisTracer
+from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, NOT_FROM_BATCH, BatchAxisTracer
 from hf_dpfilter.proofs.validators import StateWrittenError
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class _ProvingStep:
         tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
         self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
         self._forward_ran = False
+        self._expanded_in_proof = []
         handles = []
         for module in self.model.modules():
             handles.append(module.register_forward_pre_hook(self._trace_entry, prepend=True, with_kwargs=True))
@@ -75,6 +76,10 @@ class _ProvingStep:
         try:
             with tracer:
                 yield
+        except RuntimeError as error:
+            if self._expanded_in_proof:  # a torch error after an expansion of ours: name the module, not torch
+                raise self._expansion_failed_error(error) from error
+            raise
         finally:
             self._tracer = None
             for handle in handles:
@@ -101,6 +106,17 @@ class _ProvingStep:
             # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
             self._axis_verdicts = self._new_verdicts
             self._proven_forwards = self._model_forwards
+
+    def _expansion_failed_error(self, error: RuntimeError) -> UnsupportedLayerError:
+        names = ", ".join(dict.fromkeys(f"'{self._module_name(m)}' ({type(m).__name__})" for m in self._expanded_in_proof))
+        return UnsupportedLayerError(
+            f"The forward failed after the engine expanded the batch-free output of {names} (called on a tensor "
+            "that does not derive from the batch, output of leading size 1) to one copy per example, so that its "
+            "gradient stays per example: the model's code then uses that output by its own shape, which the "
+            f"expanded copy breaks (torch said: {str(error).splitlines()[0][:200]}). Its per-example gradient is "
+            "not known to the engine. Fix: freeze the module (requires_grad_(False) on its parameters). Nothing "
+            "was released."
+        )
 
     def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""
@@ -140,10 +156,7 @@ class _ProvingStep:
             elif axis is None and output.dim() >= 1 and output.shape[0] == 1:
                 verdict = BROADCAST
             elif axis is None:
-                verdict = (
-                    "does not derive from the batch inputs (e.g. a positional table called on torch.arange(T), a "
-                    "relative position bias, an adapter applied to a weight matrix)"
-                )
+                verdict = NOT_FROM_BATCH
             elif axis == LOST:
                 verdict = "derives from the batch but lost its batch axis (flattened, reduced or mixed across examples)"
             else:
@@ -248,6 +261,7 @@ class _ProvingStep:
             param for param, owners in self._owners.items()
             # a module that ran without autograd gets the more specific CheckpointingError from the backward
             if not any(id(module) in self._recorded_modules | self._ran_without_autograd for module, _ in owners)
+            and param not in self._shared_tables  # read directly, declared (hf_dpfilter.engine.shared_tables)
         ]
         if missing:
             lines = "\n".join(

@@ -64,8 +64,9 @@ from hf_dpfilter.engine.precision import (
 )
 from hf_dpfilter.engine.proving import _ProvingStep
 from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
+from hf_dpfilter.engine.shared_tables import declared_tables, per_example_output_grads, shared_terms
 from hf_dpfilter.packing import PackedLayout, regroup_record
-from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, BatchAxisTracer
+from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, NOT_FROM_BATCH, BatchAxisTracer
 from hf_dpfilter.proofs.validators import (
     ModuleValidationError,
     ValidationOptions,
@@ -88,6 +89,8 @@ class _Record:
     used: dict[str, torch.Tensor] | None = None
     #: why the call's batch axis is not proven (hf_dpfilter.proofs.batch_axis); refused if its output gets gradient
     unproven: str | None = None
+    #: a batch-free call in a model with shared tables: its per-example output gradients come from the batched backward
+    shared: bool = False
 
 
 _OWNED_BY_THE_OPTIMIZER = (
@@ -175,6 +178,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if problems:
             raise ModuleValidationError(problems)
         self._axis_verdicts = None  # the hooked modules may have changed: prove the batch axes again
+        self._shares, self._shared_tables = declared_tables(self.model)  # hf_dpfilter.engine.shared_tables
         self._owners = {}
         self._param_names = {}
         self._module_params = {}
@@ -284,8 +288,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             batch = output.shape[0]
             self._batch_size = batch
         verdict = self._call_verdict(module, source, output)
-        unproven = None
-        if verdict == BROADCAST and output.shape[0] == 1:
+        unproven, shared = None, self._shares and verdict in (BROADCAST, NOT_FROM_BATCH)
+        if shared:
+            pass  # recorded unchanged: the model may reshape it by its own shape (hf_dpfilter.engine.shared_tables)
+        elif verdict == BROADCAST and output.shape[0] == 1:
             if batch > 1:
                 # Broadcast inputs (position ids of shape (1, T)): expand so the gradient stays per example.
                 output = output.expand(batch, *output.shape[1:])
@@ -293,6 +299,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                     activations = activations.expand(batch, *activations.shape[1:])
                 if self._tracer is not None:  # proven per example only if every use broadcasts it
                     self._tracer.mark_broadcast(output, (id(module), self._call_counts[id(module)] - 1))
+                    self._expanded_in_proof.append(module)  # named if the forward then fails (_proving_step)
         elif verdict != BATCH:
             # Not proven per example: kept, and refused by the backward if gradient reaches its output.
             unproven = verdict if verdict != BROADCAST else "has an output of leading size other than 1 where the first step proved a broadcast"
@@ -316,6 +323,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 output_dtype=output.dtype,
                 used=used,
                 unproven=unproven,
+                shared=shared,
             )
         )
         self._recorded_modules.add(id(module))
@@ -478,12 +486,16 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             if self.verify_first_backward:
                 self._pending_low_precision |= any(r.output_dtype in (torch.float16, torch.bfloat16) for r in records)
                 self._add_reference(total, records)
+            shared = [r for r in records if r.shared]
+            per_example = per_example_output_grads(per_example_loss, shared, self._shared_tables)
             output_grads = torch.autograd.grad(total, [r.output_edge for r in records], allow_unused=True)
         finally:
             self._in_own_backward = False
         regrouped: dict[int, torch.Tensor] = {}  # packed rows: layers sharing an input share its regrouped copy
+        for param, term in shared_terms(shared, per_example, self._shared_tables, self._module_params, self._module_name):
+            self._pending_terms.setdefault(param, []).append(term)
         for record, grad_output in zip(records, output_grads):
-            if grad_output is None:
+            if grad_output is None or record.shared:  # shared: per example already (hf_dpfilter.engine.shared_tables)
                 continue
             if record.unproven is not None:
                 raise self._unproven_batch_axis_error(record)

@@ -43,10 +43,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["BATCH", "BROADCAST", "LOST", "BatchAxisTracer"]
+__all__ = ["BATCH", "BROADCAST", "LOST", "NOT_FROM_BATCH", "BatchAxisTracer"]
 
 BATCH = "batch"
 BROADCAST = "broadcast"
+#: the verdict of a call whose input does not derive from the batch and whose output is not a broadcast (1, ...)
+NOT_FROM_BATCH = (
+    "does not derive from the batch inputs (e.g. a positional table called on torch.arange(T), a relative position "
+    "bias, an adapter applied to a weight matrix)"
+)
 #: the tag of a tensor derived from the batch whose batch axis could not be followed
 LOST = -1
 
