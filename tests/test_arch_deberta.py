@@ -46,17 +46,29 @@ def deberta_lora():
     return model
 
 
+def deberta_absolute():
+    """DebertaV2Config's defaults: absolute position embeddings, no relative attention (no shared table)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deberta-v2", **{k: v for k, v in V3.items() if k not in (
+        "relative_attention", "position_buckets", "max_relative_positions", "norm_rel_ebd", "pos_att_type",
+        "position_biased_input")})
+    torch.manual_seed(0)
+    return _head("cls").from_config(config).to(torch.float64)
+
+
 CASES = {
     "cls-shared-keys": lambda: (deberta("cls"), "cls"),
     "tok-own-position-projections": lambda: (deberta("tok", share_att_key=False, num_labels=3), "tok"),
     "lora-query-value": lambda: (deberta_lora(), "cls"),
+    "cls-absolute-positions": lambda: (deberta_absolute(), "cls"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_step_equals_the_per_example_reference(case, tmp_path):
     model, head = CASES[case]()
-    if case != "lora-query-value":  # the whole relative-position path trains
+    if case.startswith(("cls-shared", "tok-")):  # the whole relative-position path trains
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         assert {"deberta.encoder.rel_embeddings.weight", "deberta.encoder.LayerNorm.weight"} <= trainable
     assert _relative_error(model, tmp_path, head, PadCollator(0)) <= 1e-9
@@ -91,3 +103,17 @@ def test_a_batch_free_output_used_by_its_shape_is_refused_by_name(tmp_path):
                         data_collator=PadCollator(0))
     with pytest.raises(UnsupportedLayerError, match="(?s)'table_proj' \\(Linear\\).*Fix: freeze the module"):
         trainer.train()
+
+
+def test_per_example_output_grads_in_lanes(monkeypatch):
+    """The batched backward, run a few examples at a time, gives each example's own gradient of a shared value."""
+    from hf_dpfilter.engine import shared_tables
+
+    monkeypatch.setattr(shared_tables, "LANES", 2)
+    table = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    unused = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    loss = ((x @ table.T) ** 2).sum(1)  # loss_i = ||table x_i||^2
+    grads = shared_tables.per_example_output_grads(loss, [], {table: "table", unused: "unused"})
+    expected = torch.stack([torch.autograd.grad(loss[i], table, retain_graph=True)[0] for i in range(5)])
+    assert grads[1] is None and torch.allclose(grads[0], expected, rtol=1e-12, atol=0)

@@ -46,21 +46,27 @@ SHARED_TABLE_OWNERS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: examples whose backwards one vmapped backward runs together: its memory holds this many copies of the gradients
+LANES = 8
+
+
 def _qualname(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
 def declared_tables(model: nn.Module) -> tuple[bool, dict[nn.Parameter, str]]:
-    """(whether ``model`` contains a declared encoder, its trainable tables read directly -> their names)."""
+    """(whether ``model`` contains a declared encoder with its table, its trainable tables read directly -> their
+    names). Without a table (DeBERTa-v2 without relative attention) nothing is shared: absolute position ids are
+    broadcast ``(1, T)`` and expanded as in BERT."""
     found = False
     tables: dict[nn.Parameter, str] = {}
     for name, module in model.named_modules():
         children = SHARED_TABLE_OWNERS.get(_qualname(module))
         if children is None:
             continue
-        found = True
         for child_name in children:
             weight = getattr(getattr(module, child_name, None), "weight", None)
+            found |= isinstance(weight, nn.Parameter)  # DeBERTa without relative attention has no table
             if isinstance(weight, nn.Parameter) and weight.requires_grad:
                 tables[weight] = f"{name}.{child_name}.weight" if name else f"{child_name}.weight"
     return found, tables
@@ -72,16 +78,21 @@ def per_example_output_grads(
     """``d loss_i / d target`` for every example i and every shared call's output (``shared``, the engine's
     records) then every table, each shaped ``(B, *target.shape)`` (None: no gradient); ``[]`` when there are none.
 
-    One backward of the per-example losses with one-hot output gradients, batched by vmap
-    (``is_grads_batched``); the graph is kept for the engine's own backward that follows.
+    Backwards of the per-example losses with one-hot output gradients, batched by vmap (``is_grads_batched``)
+    :data:`LANES` examples at a time; the graph is kept for the engine's own backward that follows.
     """
     if not shared and not tables:
         return []
     batch = per_example_loss.shape[0]
     eye = torch.eye(batch, dtype=per_example_loss.dtype, device=per_example_loss.device)
     targets = [record.output_edge for record in shared] + list(tables)
-    return list(torch.autograd.grad(per_example_loss, targets, grad_outputs=eye, is_grads_batched=True,
-                                    retain_graph=True, allow_unused=True))
+    parts = [
+        torch.autograd.grad(per_example_loss, targets, grad_outputs=eye[start:start + LANES], is_grads_batched=True,
+                            retain_graph=True, allow_unused=True)
+        for start in range(0, batch, LANES)
+    ]
+    # a target the losses do not reach gets None in every part
+    return [None if grads[0] is None else torch.cat(grads) for grads in zip(*parts)]
 
 
 def shared_terms(
