@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import ListDataset, PadCollator, make_examples
 from models import VOCAB
+from test_declared_structure import ids_batch, sensitivity_ratio
 from test_model_families import _args, _head, _relative_error
 from torch import nn
 
@@ -72,6 +73,16 @@ def test_one_step_equals_the_per_example_reference(case, tmp_path):
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         assert {"deberta.encoder.rel_embeddings.weight", "deberta.encoder.LayerNorm.weight"} <= trainable
     assert _relative_error(model, tmp_path, head, PadCollator(0)) <= 1e-9
+
+
+def test_shared_table_step_stays_within_the_sensitivity():
+    """float32, noise 0: one example added moves the clipped sum (the shared table's rows included) by at most C."""
+    model = deberta("cls").float()
+    ids, labels = ids_batch(4, 6, vocab=VOCAB)
+    extra, extra_label = ids_batch(1, 6, vocab=VOCAB, seed=1)
+    ratio = sensitivity_ratio(model, lambda m, inputs: m(**inputs).logits, {"input_ids": ids}, labels,
+                              {"input_ids": extra}, extra_label)
+    assert 0.5 < ratio <= 1 + 1e-4
 
 
 class _ReshapesItsTable(nn.Module):
