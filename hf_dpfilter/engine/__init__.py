@@ -7,6 +7,8 @@ The engine computes; it never clips (the DP optimizer clips, adds noise and acco
 * :mod:`~hf_dpfilter.engine.proving` -- the proving step (batch axes, state written, modules never called);
 * :mod:`~hf_dpfilter.engine.checkpointing` -- gradient checkpointing: refusals and replay at recorded values;
 * :mod:`~hf_dpfilter.engine.rules` -- the per-layer rule registry (:func:`register_grad_rule`);
+* :mod:`~hf_dpfilter.engine.shared_tables` -- DeBERTa's shared relative-position table: batch-free calls and the
+  table read directly, their per-example gradients from one batched backward;
 * :mod:`~hf_dpfilter.engine.per_example` -- :class:`PerExampleGradients`: norms, proven bounds, weighted sums;
 * :mod:`~hf_dpfilter.engine.blocks` -- fusion, stacking and Gram algebra of the terms;
 * :mod:`~hf_dpfilter.engine.precision` -- term and accumulation dtypes, bf16 splits, rounding-error bounds;
