@@ -9,6 +9,8 @@ The engine computes; it never clips (the DP optimizer clips, adds noise and acco
 * :mod:`~hf_dpfilter.engine.rules` -- the per-layer rule registry (:func:`register_grad_rule`);
 * :mod:`~hf_dpfilter.engine.layer_inputs` -- the declared input of layers whose rule reads another tensor than
   their first argument (OPT's positional table), checked on the proving step;
+* :mod:`~hf_dpfilter.engine.shared_tables` -- DeBERTa's declared relative-position table, read directly (its
+  per-example gradients from :mod:`~hf_dpfilter.engine.shared_outputs`);
 * :mod:`~hf_dpfilter.engine.per_example` -- :class:`PerExampleGradients`: norms, proven bounds, weighted sums;
 * :mod:`~hf_dpfilter.engine.blocks` -- fusion, stacking and Gram algebra of the terms;
 * :mod:`~hf_dpfilter.engine.precision` -- term and accumulation dtypes, bf16 splits, rounding-error bounds;

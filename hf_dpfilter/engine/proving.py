@@ -73,6 +73,7 @@ class _ProvingStep:
         self._outside_uses: dict[nn.Parameter, str] = {}
         tracer.watched = {id(p): (p, lambda p=p: self._check_delegated_use(p)) for p in self._delegated}
         self._forward_ran = False
+        self._expanded_in_proof = []
         handles = []
         for module in self.model.modules():
             handles.append(module.register_forward_pre_hook(self._trace_entry, prepend=True, with_kwargs=True))
@@ -80,6 +81,10 @@ class _ProvingStep:
         try:
             with tracer:
                 yield
+        except RuntimeError as error:
+            if self._expanded_in_proof:  # a torch error after an expansion of ours: name the module, not torch
+                raise self._expansion_failed_error(error) from error
+            raise
         finally:
             self._tracer = None
             for handle in handles:
@@ -109,6 +114,17 @@ class _ProvingStep:
             self._axis_verdicts = self._new_verdicts
             self._proven_forwards = self._model_forwards
             self._reprove = tracer.value_dependent  # proven from this batch's values: trace the next step too
+
+    def _expansion_failed_error(self, error: RuntimeError) -> UnsupportedLayerError:
+        names = ", ".join(dict.fromkeys(f"'{self._module_name(m)}' ({type(m).__name__})" for m in self._expanded_in_proof))
+        return UnsupportedLayerError(
+            f"The forward failed after the engine expanded the batch-free output of {names} (called on a tensor "
+            "that does not derive from the batch, output of leading size 1) to one copy per example, so that its "
+            "gradient stays per example: the model's code then uses that output by its own shape, which the "
+            f"expanded copy breaks (torch said: {str(error).splitlines()[0][:200]}). Its per-example gradient is "
+            "not known to the engine. Fix: freeze the module (requires_grad_(False) on its parameters). Nothing "
+            "was released."
+        )
 
     def _trace_entry(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The outermost module call of a traced forward: tag its batch inputs (see BatchAxisTracer)."""
@@ -256,6 +272,7 @@ class _ProvingStep:
                     activations = activations.expand(batch, *activations.shape[1:])
                 if self._tracer is not None:  # proven per example only if every use broadcasts it
                     self._tracer.mark_broadcast(output, (id(module), self._call_counts[id(module)] - 1))
+                    self._expanded_in_proof.append(module)  # named if the forward then fails (_proving_step)
             return output, activations, None, 0
         if verdict == MERGED:
             rows = output.shape[0] // batch if output.dim() >= 1 else 0
@@ -385,6 +402,7 @@ class _ProvingStep:
             param for param, owners in self._owners.items()
             # a module that ran without autograd gets the more specific CheckpointingError from the backward
             if not any(id(module) in self._recorded_modules | self._ran_without_autograd for module, _ in owners)
+            and param not in self._shared_tables  # read directly, declared (hf_dpfilter.engine.shared_tables)
         ]
         if missing:
             lines = "\n".join(

@@ -67,8 +67,9 @@ from hf_dpfilter.engine.precision import (
 from hf_dpfilter.engine.proving import _ProvingStep
 from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
 from hf_dpfilter.engine.shared_outputs import shared_output_terms
+from hf_dpfilter.engine.shared_tables import declared_tables
 from hf_dpfilter.packing import PackedLayout, regroup_record
-from hf_dpfilter.proofs.batch_axis import SHARED, BatchAxisTracer
+from hf_dpfilter.proofs.batch_axis import BROADCAST, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import (
     ModuleValidationError,
     ValidationOptions,
@@ -187,6 +188,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if problems:
             raise ModuleValidationError(problems)
         self._axis_verdicts = None  # the hooked modules may have changed: prove the batch axes again
+        self._shares, self._shared_tables = declared_tables(self.model)  # hf_dpfilter.engine.shared_tables
         self._owners = {}
         self._param_names = {}
         self._module_params = {}
@@ -312,7 +314,9 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             batch = output.shape[0]
             self._batch_size = batch
         verdict = self._call_verdict(module, source, output, inputs)
-        if verdict == SHARED:  # one output for every example: per-example terms from shared_outputs
+        # one output for every example: per-example terms from shared_outputs; in a model with a declared shared
+        # table even a (1, ...) broadcast stays unexpanded, as the model reshapes it by its own shape (shared_tables)
+        if verdict == SHARED or (self._shares and verdict == BROADCAST):
             used = {name: getattr(module, name) for name in self._module_params[module]}  # as the forward ran
             self._records.append(_Record(module, None, torch.autograd.graph.get_gradient_edge(output), output.dtype,
                                          shared_output=output, shared_used=used))
@@ -489,8 +493,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._pending_dtype = _accumulation_dtype(per_example_loss.dtype)
         shared = [(self._module_params[r.module], r.shared_used, r.shared_output) for r in records
                   if r.shared_output is not None]
-        if shared:  # before the backward below frees the graph
-            for param, terms in shared_output_terms(per_example_loss, shared).items():
+        if shared or self._shared_tables:  # before the backward below frees the graph
+            for param, terms in shared_output_terms(per_example_loss, shared, list(self._shared_tables)).items():
                 self._pending_terms.setdefault(param, []).extend(terms)
         total = per_example_loss.sum()
         self._in_own_backward = True

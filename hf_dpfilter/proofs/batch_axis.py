@@ -332,7 +332,8 @@ class BatchAxisTracer(TorchFunctionMode):
         when they land on two dimensions: ``h @ h.T``, ``cdist(h, h)``, ``outer(h, h)`` pair every example with
         every other); None unless both operands carry a batch axis. A batch merged with other dimensions (tag
         ``(axis, k)``, k > 1) is kept only on a batched (leading, non-matrix) dimension of both operands, with the
-        same k and size: ``bmm`` over BLOOM's ``(B*H, T, T) @ (B*H, T, D)`` pairs row i with row i."""
+        same k and size: ``bmm`` over BLOOM's ``(B*H, T, T) @ (B*H, T, D)``, or DeBERTa's ``(B*heads, T, D)``
+        queries and keys, pairs row i with row i."""
         tag_a, tag_b = self.tag_of(a), self.tag_of(b)
         if tag_a is None or tag_b is None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
             return None
