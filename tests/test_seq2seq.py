@@ -82,3 +82,45 @@ def test_trains_and_evaluates_with_generate(tmp_path):
     assert metrics["eval_n"] == 2.0 and seen["shape"][0] == 2  # one generated sequence per held-out example
     with pytest.raises(ValueError, match="share"):  # a training row in the evaluation set is refused, as any eval
         trainer.evaluate(eval_dataset=train.select([0, 1]))
+
+
+def test_one_step_equals_the_per_example_reference_when_source_and_target_widths_coincide(tmp_path):
+    """The padded sources of the logical batch are as long as its padded targets (12), and later micro-batches hold
+    only short sources: the decoder's tensors and the labels keep their width (cut to the encoder's used columns,
+    they lost target tokens and the re-check refused the step). Float64, noise 0, LoRA on T5: the reference sum."""
+    from helpers import ListDataset, flat
+
+    from hf_dpfilter.clipping import clip_factors
+    from hf_dpfilter.losses import per_example_loss
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_t5(vocab_size=len(tokenizer)).double()
+    torch.manual_seed(1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # LoRA's B starts at zero, which would make A's gradient vanish
+            param.data.normal_(0, 0.1)
+    g = torch.Generator().manual_seed(0)
+    widths = [(12, 12), (5, 9), (5, 12), (4, 11), (6, 10)]
+    rows = [{"input_ids": torch.randint(5, len(tokenizer), (s,), generator=g).tolist(),
+             "labels": torch.randint(5, len(tokenizer), (t,), generator=g).tolist()} for s, t in widths]
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for row in rows:
+        alone = collator([dict(row)])
+        labels = alone.pop("labels")
+        loss = per_example_loss(model(**alone).logits, labels, causal_lm=False)
+        grads.append(flat(torch.autograd.grad(loss.sum(), params)))
+    norms = torch.stack([x.norm() for x in grads])
+    clip = float(norms.median())
+    expected = sum(x * f for x, f in zip(grads, clip_factors(norms, clip)))
+    before = [p.detach().clone() for p in params]
+    args = DPSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
+    )
+    DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collator).train()
+    got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
+    assert (got - expected).abs().max().item() <= 1e-6
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
