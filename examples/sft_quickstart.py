@@ -13,10 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import datasets
 
 from hf_dpfilter import DPSFTConfig, DPSFTTrainer  # was: from trl import SFTConfig, SFTTrainer
-from recipes.common.offline_chat import (  # offline stand-ins (repository root)
-    byte_level_chat_tokenizer,
-    small_llama,
-)
+from recipes.common.offline_chat import byte_level_chat_tokenizer, small_llama  # offline stand-ins (repository root)
 
 tokenizer = byte_level_chat_tokenizer()  # offline; or AutoTokenizer.from_pretrained("Qwen/Qwen3-0.6B")
 model = small_llama(tokenizer)  # offline; or "Qwen/Qwen3-0.6B"

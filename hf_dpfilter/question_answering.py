@@ -49,11 +49,6 @@ class SpanLabels:
         batch["labels"] = torch.stack([start, end], dim=1)
         return batch
 
-    def __getattr__(self, name: str) -> Any:  # the collator's own attributes (tokenizer, generator, ...)
-        if name == "collate_fn":
-            raise AttributeError(name)
-        return getattr(self.collate_fn, name)
-
 
 def with_span_labels(collate_fn: Callable, label_names: Sequence[str] | None) -> Callable:
     """``collate_fn`` wrapped in :class:`SpanLabels` when the model's declared labels are QA's, else unchanged."""

@@ -417,7 +417,9 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         units = inputs.pop(privacy_units.UNITS_KEY, None)  # privacy_unit='user': each example's user
         labels = inputs.pop("labels", None)
         if labels is None:
-            raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
+            raise ValueError(f"DPTrainer needs `labels` in every batch (got {sorted(inputs)}): return them from the collator "
+                             "(a `label`/`labels` column, kept by remove_unused_columns), or start_positions/end_positions "
+                             "with a *ForQuestionAnswering model (hf_dpfilter/question_answering.py).")
         batch = labels.shape[0]
         _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
         total = torch.zeros((), device=self.args.device)
