@@ -16,6 +16,8 @@ _EXPORTS = {
     "DPOptimizer": "hf_dpfilter.optimizers.base",
     "DPSFTConfig": "hf_dpfilter.sft",
     "DPSFTTrainer": "hf_dpfilter.sft",
+    "DPSeq2SeqTrainer": "hf_dpfilter.seq2seq",
+    "DPSeq2SeqTrainingArguments": "hf_dpfilter.seq2seq",
     "DPTrainer": "hf_dpfilter.trainer",
     "DPTrainerMixin": "hf_dpfilter.trainer",
     "DPTrainingArguments": "hf_dpfilter.arguments",

@@ -181,15 +181,16 @@ class MicroBatchMixin:
             if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
                 # Drop trailing columns that are padding in every example of this micro-batch.
                 used = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
+                decoder_side = _decoder_side(self.model)
                 if used < mask.shape[1] and bool(mask[:, used:].eq(0).all()):
                     seq = mask.shape[1]
                     micro = {
                         k: v[:, :used]
                         if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
-                        and v.shape[1] == seq else v
+                        and v.shape[1] == seq and not (decoder_side and k.startswith("decoder_")) else v
                         for k, v in micro.items()
                     }
-                    if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq:
+                    if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq and not decoder_side:
                         micro_labels = micro_labels[:, :used]
             if getattr(self, "_causal_lm", False):  # no target predicted from a leading pad (as alone)
                 micro_labels = padding.causal_labels(micro, micro_labels, structure)
@@ -297,6 +298,14 @@ class MicroBatchMixin:
         inputs.pop(privacy_units.UNITS_KEY, None)
         labels = inputs.pop("labels")
         return self._no_cache_when_packed(next(iter(self._micro_batches(inputs, labels, 1))))
+
+
+def _decoder_side(model: Any) -> bool:
+    """Whether the model is an encoder-decoder (declared by its config): its ``decoder_*`` tensors and its labels run
+    along the decoder's tokens, not the encoder's ``attention_mask`` columns, even when the two lengths are equal by
+    chance (a batch's longest source as long as its longest target); cutting them to the encoder's used width would
+    drop target tokens of the batch that the example alone keeps."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
 def _example_count(micro_batch: tuple) -> int:

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput
 
+from hf_dpfilter import question_answering as span_labels
 from hf_dpfilter import units as privacy_units
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPArgumentsMixin
@@ -333,6 +334,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
+        collator = span_labels.with_span_labels(collator, self.label_names)  # QA: start/end positions as `labels`
         collator = _FreshRowsCollator(collator)  # each collation its own copy of the rows (a collator may edit them)
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         # privacy_unit='user': Poisson over users, up to k examples each (hf_dpfilter/units.py)
@@ -378,6 +380,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         packed rows (several examples per row) ``self.packed_layout`` says which tokens belong to which example.
         """
         outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
+        if span_labels.is_span_output(outputs):  # extractive QA's start/end logits (hf_dpfilter/question_answering.py)
+            return span_labels.span_loss(outputs, labels, inputs.get("attention_mask"), self._packed_layout is not None)
         logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
         problem_type = getattr(getattr(model, "config", None), "problem_type", None)
         smoothing = float(self.args.label_smoothing_factor or 0.0)
@@ -416,7 +420,9 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         units = inputs.pop(privacy_units.UNITS_KEY, None)  # privacy_unit='user': each example's user
         labels = inputs.pop("labels", None)
         if labels is None:
-            raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
+            raise ValueError(f"DPTrainer needs `labels` in every batch (got {sorted(inputs)}): return them from the collator "
+                             "(a `label`/`labels` column, kept by remove_unused_columns), or start_positions/end_positions "
+                             "with a *ForQuestionAnswering model (hf_dpfilter/question_answering.py).")
         batch = labels.shape[0]
         _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
         total = torch.zeros((), device=self.args.device)

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import glue  # noqa: E402
 import table2text  # noqa: E402
+import table2text_seq2seq  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 needs_sst2 = pytest.mark.skipif(not os.path.exists(os.path.join(DATA, "glue", "SST-2", "train.tsv")), reason="no SST-2")
@@ -215,6 +216,31 @@ def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path, capsys, no_baseline):
             assert "NOTE: The run never rose above the copy baseline" in capsys.readouterr().out
     with open(out / "predictions.txt") as f:
         assert len(f.read().splitlines()) == 4
+
+
+@needs_e2e
+def test_table2text_seq2seq_recipe_runs(tmp_path):
+    """T5 through DPSeq2SeqTrainer on E2E, the five generation metrics from predict_with_generate. LoRA: full
+    fine-tuning of T5 waits for its relative-position-bias rule (branch arch-positions); then drop --lora_r."""
+    from make_tiny_gpt2 import e2e_texts
+    from make_tiny_seq2seq import build_tiny_seq2seq
+
+    model_dir = build_tiny_seq2seq(str(tmp_path / "tiny-t5"), e2e_texts(os.path.join(DATA, "e2e"), limit=500),
+                                   arch="t5", vocab_size=300, d_model=16)
+    out = tmp_path / "e2e-t5"
+    table2text_seq2seq.main([
+        "--dataset", "e2e", "--model", model_dir, "--data_dir", os.path.join(DATA, "e2e"), "--lora_r", "4",
+        "--method", "dpsgd", "--noise_multiplier", "1.0", "--max_train_samples", "16", "--max_eval_samples", "3",
+        "--logical_batch_size", "4", "--per_device_train_batch_size", "4", "--max_steps", "1", "--num_evals", "1",
+        "--num_beams", "2", "--max_generation_length", "6", "--max_seq_length", "48", "--no_baseline",
+        "--output_dir", str(out), "--use_cpu",
+    ])
+    results = _check_outputs(out, "dpsgd")
+    for name in ("bleu", "nist", "meteor", "rouge_l", "cider"):
+        value = results["metrics"][f"eval_{name}"]
+        assert isinstance(value, float) and math.isfinite(value) and value >= 0
+    with open(out / "predictions.txt") as f:
+        assert len(f.read().splitlines()) == 3
 
 
 def test_table2text_labels_only_on_target(tiny_gpt2_dir):

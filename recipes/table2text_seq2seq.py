@@ -1,0 +1,130 @@
+"""Differentially private table-to-text generation (E2E, DART) with an encoder-decoder (T5, BART) through
+DPSeq2SeqTrainer, evaluated with BLEU, NIST, METEOR, ROUGE-L and CIDEr against all references of each input.
+
+Examples::
+
+    # offline on CPU: a small T5 built from a config (examples/make_tiny_seq2seq.py), LoRA, the local E2E files
+    .venv/bin/python examples/make_tiny_seq2seq.py --arch t5 --data_dir ../shared/data/e2e --output_dir outputs/tiny-t5
+    .venv/bin/python recipes/table2text_seq2seq.py --dataset e2e --data_dir ../shared/data/e2e \\
+        --model outputs/tiny-t5 --lora_r 8 --method dpsgd --epsilon 8 --max_train_samples 1000 \\
+        --max_eval_samples 10 --epochs 1 --secure_rng --use_cpu --output_dir outputs/e2e-t5-dpsgd
+
+On a GPU with the Hub: ``--model t5-small`` or ``--model facebook/bart-base``. Full fine-tuning of T5 and BART needs
+the per-example rules of their position tables (T5's relative attention bias, BART's learned positions); until
+they are in, train LoRA adapters (``--lora_r``): those tables then stay frozen.
+
+The same data, settings and metrics as recipes/table2text.py (GPT-2); here the table is the encoder's input and
+the text the decoder's labels (``DataCollatorForSeq2Seq``), each example's loss the mean over its own text tokens.
+The final scores decode the evaluation tables with ``predict()`` (``predict_with_generate``: beam search,
+``--num_beams``, at most ``--max_generation_length`` new tokens).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (  # noqa: E402
+    announce_and_train,
+    apply_lora,
+    base_model_dtype,
+    count_parameters,
+    final_evaluation,
+    finish_run,
+    refuse_sharded_training,
+    score_generations,
+    training_arguments,
+)
+from table2text import build_parser as build_table2text_parser  # noqa: E402
+from table2text import copy_baseline, load_table2text, resolve_settings  # noqa: E402
+
+
+def build_parser():
+    """recipes/table2text.py's options, with this recipe's description and default model."""
+    parser = build_table2text_parser()
+    parser.description, parser.epilog = __doc__.split("\n")[0], __doc__.split("\n", 1)[1]
+    parser.set_defaults(model="t5-small")
+    return parser
+
+
+def encode(tokenizer: Any, source: str, target: str, max_length: int) -> dict[str, list[int]]:
+    """The table as the encoder's input, the text as the labels (the tokenizer ends each with its eos)."""
+    inputs = tokenizer(source, max_length=max_length, truncation=True)
+    labels = tokenizer(text_target=target.strip(), max_length=max_length, truncation=True)["input_ids"]
+    return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": labels}
+
+
+def to_dataset(rows: list[dict[str, list[int]]]):
+    import datasets
+
+    return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "attention_mask", "labels")})
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = build_parser().parse_args(argv)
+    start = time.time()
+    refuse_sharded_training()
+    settings = resolve_settings(args)
+
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
+
+    from hf_dpfilter import DPSeq2SeqTrainer, DPSeq2SeqTrainingArguments
+
+    train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction, args.seed)
+    if args.max_train_samples is not None:
+        train_pairs = train_pairs[: args.max_train_samples]
+    if args.max_eval_samples is not None:
+        eval_groups = eval_groups[: args.max_eval_samples]
+    n_train = len(train_pairs)
+    if settings["logical_batch_size"] > n_train:
+        print(f"[table2text_seq2seq] logical batch {settings['logical_batch_size']} > N = {n_train}: using N // 4.")
+        settings["logical_batch_size"] = max(1, n_train // 4)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForSeq2SeqLM.from_pretrained(args.model, dtype=base_model_dtype(args))
+    if args.lora_r:
+        model = apply_lora(model, args, task_type="SEQ_2_SEQ_LM", modules_to_save=None)
+    trainable, total = count_parameters(model)
+    length = settings["max_seq_length"]
+    train_ds = to_dataset([encode(tokenizer, s, t, length) for s, t in train_pairs])
+    eval_ds = to_dataset([encode(tokenizer, s, refs[0], length) for s, refs in eval_groups])  # loss: first reference
+    training_args = training_arguments(
+        args, settings, n_train=n_train, args_class=DPSeq2SeqTrainingArguments,
+        # evaluate() during training computes the loss only (no compute_metrics); predict() generates
+        extra={"predict_with_generate": True, "generation_num_beams": args.num_beams},
+    )
+    trainer = DPSeq2SeqTrainer(
+        model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
+    )
+    if trainer.is_world_process_zero():
+        print(
+            f"[table2text_seq2seq] dataset={args.dataset} N={n_train} eval inputs={len(eval_groups)} model={args.model} "
+            f"trainable={trainable:,}/{total:,} method={args.method} sigma={trainer.noise_multiplier:.4g} "
+            f"q={trainer.sample_rate:.4g} steps={trainer.planned_steps} settings={settings}",
+            flush=True,
+        )
+    announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
+    metrics = final_evaluation(trainer)
+
+    def predict(sources: list[str]) -> list[str]:  # eval_ds holds the same tables, in the same order
+        output = trainer.predict(eval_ds, num_beams=args.num_beams, max_new_tokens=args.max_generation_length)
+        ids = [[int(t) for t in row if t >= 0] for row in output.predictions]  # -100: padding between batches
+        return [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+
+    pairs = score_generations(trainer, predict, eval_groups, metrics, args.output_dir, "table2text_seq2seq")
+    for src, pred in pairs[:3]:
+        print(f"  {src}\n    -> {pred}", flush=True)
+    settings.update({"n_train": n_train, "n_eval_inputs": len(eval_groups), "trainable_parameters": trainable,
+                     "total_parameters": total, "num_beams": args.num_beams,
+                     "max_generation_length": args.max_generation_length})
+    baseline = None if args.no_baseline else copy_baseline(eval_groups)
+    return finish_run(trainer, args, metrics, start, settings, title=f"{args.dataset.upper()} (seq2seq), {args.method}",
+                      baseline=baseline)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""DPSeq2SeqTrainer / DPSeq2SeqTrainingArguments (issue 30): Seq2SeqTrainer's script with the two-class swap.
+
+Every field Seq2SeqTrainingArguments adds has a DP status (hf_dpfilter/seq2seq.py), the docs hold the table, and a
+tiny T5 (LoRA: full fine-tuning of T5 waits for the arch-positions branch) trains one private step through
+DataCollatorForSeq2Seq and evaluates with ``predict_with_generate``; ``sortish_sampler=True`` leaves the Poisson
+sampler in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import pytest
+import torch
+from models import tiny_t5, tiny_tokenizer
+from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments, TrainingArguments
+
+import hf_dpfilter
+from hf_dpfilter.sampling import PoissonBatchSampler
+from hf_dpfilter.seq2seq import (
+    SEQ2SEQ_FIELD_POLICIES,
+    DPSeq2SeqTrainer,
+    DPSeq2SeqTrainingArguments,
+    render_markdown,
+)
+from hf_dpfilter.training_fields import STATUSES
+
+DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "configuration.md")
+
+
+def test_every_seq2seq_field_is_classified_and_no_row_is_stale():
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    added = {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)} - base
+    assert added == set(SEQ2SEQ_FIELD_POLICIES), added ^ set(SEQ2SEQ_FIELD_POLICIES)
+    assert all(p.status in STATUSES and p.note for p in SEQ2SEQ_FIELD_POLICIES.values())
+
+
+def test_the_docs_hold_the_table_and_the_names_are_exported():
+    with open(DOCS) as f:
+        match = re.search(r"<!-- seq2seq-fields:start -->\n(.*?)<!-- seq2seq-fields:end -->", f.read(), re.S)
+    assert match and match.group(1) == render_markdown(), "paste hf_dpfilter.seq2seq.render_markdown() in the docs"
+    assert {"DPSeq2SeqTrainer", "DPSeq2SeqTrainingArguments"} <= set(hf_dpfilter.__all__)
+    assert hf_dpfilter.DPSeq2SeqTrainer is DPSeq2SeqTrainer
+
+
+def _rows(tokenizer, sources, targets):
+    return [{"input_ids": tokenizer(s)["input_ids"], "labels": tokenizer(text_target=t)["input_ids"]}
+            for s, t in zip(sources, targets)]
+
+
+def test_trains_and_evaluates_with_generate(tmp_path):
+    from datasets import Dataset
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_t5(vocab_size=len(tokenizer))
+    train = Dataset.from_list(_rows(tokenizer, ["the cat sat on the mat", "a dog ran", "the bird flew over a tree",
+                                                "a red cat", "the big dog sat"],
+                                    ["cat mat", "dog", "bird tree", "red cat", "big dog"]))
+    held_out = Dataset.from_list(_rows(tokenizer, ["a small bird", "the slow dog ran"], ["small bird", "slow dog"]))
+    args = DPSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=1.0, logical_batch_size=4, per_device_train_batch_size=2,
+        max_steps=1, learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
+        predict_with_generate=True, generation_max_length=6, generation_num_beams=2, sortish_sampler=True,
+    )
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["shape"] = prediction.predictions.shape
+        return {"n": float(len(prediction.predictions))}
+
+    trainer = DPSeq2SeqTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+                               data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
+                               processing_class=tokenizer, compute_metrics=compute_metrics)
+    assert isinstance(trainer.get_train_dataloader().batch_sampler, PoissonBatchSampler)  # sortish: no effect
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert trainer.accountant.steps == 1 and 0 < trainer.privacy_report()["epsilon"] < float("inf")
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
+    metrics = trainer.evaluate()
+    assert metrics["eval_n"] == 2.0 and seen["shape"][0] == 2  # one generated sequence per held-out example
+    with pytest.raises(ValueError, match="share"):  # a training row in the evaluation set is refused, as any eval
+        trainer.evaluate(eval_dataset=train.select([0, 1]))
+
+
+def test_one_step_equals_the_per_example_reference_when_source_and_target_widths_coincide(tmp_path):
+    """The padded sources of the logical batch are as long as its padded targets (12), and later micro-batches hold
+    only short sources: the decoder's tensors and the labels keep their width (cut to the encoder's used columns,
+    they lost target tokens and the re-check refused the step). Float64, noise 0, LoRA on T5: the reference sum."""
+    from helpers import ListDataset, flat
+
+    from hf_dpfilter.clipping import clip_factors
+    from hf_dpfilter.losses import per_example_loss
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_t5(vocab_size=len(tokenizer)).double()
+    torch.manual_seed(1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # LoRA's B starts at zero, which would make A's gradient vanish
+            param.data.normal_(0, 0.1)
+    g = torch.Generator().manual_seed(0)
+    widths = [(12, 12), (5, 9), (5, 12), (4, 11), (6, 10)]
+    rows = [{"input_ids": torch.randint(5, len(tokenizer), (s,), generator=g).tolist(),
+             "labels": torch.randint(5, len(tokenizer), (t,), generator=g).tolist()} for s, t in widths]
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for row in rows:
+        alone = collator([dict(row)])
+        labels = alone.pop("labels")
+        loss = per_example_loss(model(**alone).logits, labels, causal_lm=False)
+        grads.append(flat(torch.autograd.grad(loss.sum(), params)))
+    norms = torch.stack([x.norm() for x in grads])
+    clip = float(norms.median())
+    expected = sum(x * f for x, f in zip(grads, clip_factors(norms, clip)))
+    before = [p.detach().clone() for p in params]
+    args = DPSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
+    )
+    DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collator).train()
+    got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
+    assert (got - expected).abs().max().item() <= 1e-6
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
