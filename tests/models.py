@@ -127,8 +127,7 @@ def tiny_tokenizer(model_max_length: int = 64):
 
 def tiny_t5(lora: bool = True, vocab_size: int = VOCAB):
     """A 2-layer T5 (d_model 16) whose pad and decoder start are 0 and eos 3 (:func:`tiny_tokenizer`'s [SEP]); with
-    ``lora``, LoRA on q and v (full fine-tuning of T5's relative position bias has no rule before the arch-positions
-    branch; drop ``lora`` then)."""
+    ``lora``, LoRA on q and v (full fine-tuning, T5's relative position bias included, is exact too)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     config = T5Config(vocab_size=vocab_size, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2, dropout_rate=0.0,

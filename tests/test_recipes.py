@@ -220,8 +220,8 @@ def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path, capsys, no_baseline):
 
 @needs_e2e
 def test_table2text_seq2seq_recipe_runs(tmp_path):
-    """T5 through DPSeq2SeqTrainer on E2E, the five generation metrics from predict_with_generate. LoRA: full
-    fine-tuning of T5 waits for its relative-position-bias rule (branch arch-positions); then drop --lora_r."""
+    """T5 through DPSeq2SeqTrainer on E2E, fully fine-tuned (its relative position bias a shared output), the five
+    generation metrics from predict_with_generate."""
     from make_tiny_gpt2 import e2e_texts
     from make_tiny_seq2seq import build_tiny_seq2seq
 
@@ -229,7 +229,7 @@ def test_table2text_seq2seq_recipe_runs(tmp_path):
                                    arch="t5", vocab_size=300, d_model=16)
     out = tmp_path / "e2e-t5"
     table2text_seq2seq.main([
-        "--dataset", "e2e", "--model", model_dir, "--data_dir", os.path.join(DATA, "e2e"), "--lora_r", "4",
+        "--dataset", "e2e", "--model", model_dir, "--data_dir", os.path.join(DATA, "e2e"),
         "--method", "dpsgd", "--noise_multiplier", "1.0", "--max_train_samples", "16", "--max_eval_samples", "3",
         "--logical_batch_size", "4", "--per_device_train_batch_size", "4", "--max_steps", "1", "--num_evals", "1",
         "--num_beams", "2", "--max_generation_length", "6", "--max_seq_length", "48", "--no_baseline",

@@ -1,7 +1,7 @@
 """DPSeq2SeqTrainer / DPSeq2SeqTrainingArguments (issue 30): Seq2SeqTrainer's script with the two-class swap.
 
 Every field Seq2SeqTrainingArguments adds has a DP status (hf_dpfilter/seq2seq.py), the docs hold the table, and a
-tiny T5 (LoRA: full fine-tuning of T5 waits for the arch-positions branch) trains one private step through
+tiny T5 (LoRA on q and v; the upstream-style summarization script fine-tunes it fully) trains one private step through
 DataCollatorForSeq2Seq and evaluates with ``predict_with_generate``; ``sortish_sampler=True`` leaves the Poisson
 sampler in place.
 """

@@ -2,8 +2,7 @@
 ``DataCollatorForLanguageModeling`` which draws the masked positions at random for each example.
 
 The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``. ``--freeze`` (not upstream)
-names parameters kept frozen: the tests freeze BERT's ``cls.predictions.bias`` until its rule lands (branch
-arch-positions), then drop the flag.
+names parameters kept frozen; the tests freeze nothing (BERT's tied ``cls.predictions.bias`` trains).
 """
 
 from __future__ import annotations

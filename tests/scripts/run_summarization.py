@@ -3,8 +3,8 @@ labels with the pad token replaced by -100, ``DataCollatorForSeq2Seq``, ``Seq2Se
 ``predict_with_generate``.
 
 The swap: ``Seq2SeqTrainer`` -> ``DPSeq2SeqTrainer``, ``Seq2SeqTrainingArguments`` -> ``DPSeq2SeqTrainingArguments``.
-``--lora_r`` (not upstream) trains LoRA adapters on q and v: the tests use it on T5 until full fine-tuning of T5's
-relative position bias lands (branch arch-positions), then drop the flag.
+``--lora_r`` (not upstream) trains LoRA adapters on q and v; the tests fine-tune T5 fully (its relative position
+bias included).
 """
 
 from __future__ import annotations
