@@ -37,6 +37,7 @@ from hf_dpfilter import units as privacy_units
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPArgumentsMixin
 from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
+from hf_dpfilter.loss_scaling import attach_loss_scaler
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.micro_batches import (
     NUM_EXAMPLES_KEY,
@@ -297,6 +298,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         )
         self.optimizer = self.dp_optimizer
         self.dp_optimizer.warn_nonfinite = self.args.dp_log_nonprivate_metrics
+        attach_loss_scaler(self)  # fp16: the DP loss scaler replaces Accelerate's GradScaler
         if self.privacy_plan.is_private:
             self.dp_optimizer.pre_release_hooks.append(self._write_privacy_ledger)
             self.dp_optimizer.pre_release_hooks.append(self._mark_parameters_released)

@@ -138,6 +138,11 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._active_values: dict[str, torch.Tensor] | None = None  # call_model's values, during its forward
         self._recorded_at_other_values = False
         self._replaying_values = 0
+        #: fp16 loss scaling: the backward runs on ``loss_scale * sum_i loss_i`` (a power of two, public; set by the
+        #: DP optimizer from its :class:`~hf_dpfilter.loss_scaling.DPLossScaler`) and the per-example gradients
+        #: divide it out exactly (:class:`PerExampleGradients`)
+        self.loss_scale = 1.0
+        self._pending_scale = 1.0
         self._in_own_backward = False
         self._batch_size: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -473,6 +478,9 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             )
         self._pending_dtype = _accumulation_dtype(per_example_loss.dtype)
         total = per_example_loss.sum()
+        self._pending_scale = float(self.loss_scale)
+        if self._pending_scale != 1.0:  # fp16: output gradients that would underflow are lifted (exact: 2^k)
+            total = total * self._pending_scale
         self._in_own_backward = True
         try:
             if self.verify_first_backward:
@@ -515,6 +523,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             if grad is None:
                 continue
             grad = grad.full_tensor() if is_sharded(grad) else grad
+            if self._pending_scale != 1.0:  # compared with the unscaled per-example sum (2^k: exact)
+                grad = grad / self._pending_scale
             reference[param] = grad if param not in reference else reference[param] + grad
         self._pending_reference = reference
 
@@ -527,7 +537,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         # RMSNorm multiplies in float32): autograd's gradient is then only float32-accurate, and so is the check.
         float32_terms = {param for param, ts in terms.items() if any(_term_dtype(t) == torch.float32 for t in ts)}
         grads = PerExampleGradients(
-            terms, self._batch_size, self._pending_dtype, precise=precise, stack_layers=self.stack_layers
+            terms, self._batch_size, self._pending_dtype, precise=precise, stack_layers=self.stack_layers,
+            loss_scale=self._pending_scale,
         )
         if self.verify_first_backward:
             reference = self._pending_reference or {}
