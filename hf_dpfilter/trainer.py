@@ -63,6 +63,7 @@ from hf_dpfilter.proofs.loss_policy import (
 from hf_dpfilter.proofs.row_segments import RowSegmentsGuard
 from hf_dpfilter.proofs.separation import SeparationChecks
 from hf_dpfilter.run_guard import RunGuard
+from hf_dpfilter.start_report import announce_start
 
 if TYPE_CHECKING:
     from hf_dpfilter.engine import GhostClippingEngine
@@ -311,6 +312,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         """Log the privacy plan and warn, with the fix, when it cannot rise above the noise."""
         if not self.is_world_process_zero():
             return
+        announce_start(self)  # epsilon, delta, sigma, q, steps where the script's user sees them; lr, unit warnings
         count = self.trainable_parameter_count()
         logger.info("%s", self.privacy_plan.describe(count))
         if self._user_index is not None:  # the plan's N, B and q count users (hf_dpfilter/units.py)

@@ -20,13 +20,14 @@ import warnings
 import pytest
 import torch
 from helpers import ListDataset, PadCollator, flat, make_examples, reference_clipped_sum
-from models import VOCAB, tiny_roberta
+from models import VOCAB, tiny_gpt2, tiny_roberta
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
 from hf_dpfilter.factory import make_engine, make_optimizer
 from hf_dpfilter.loss_scaling import DPLossScaler
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.plan import PrivacyPlan
+from hf_dpfilter.start_report import announce_start, fixed_length_blocks, learning_rate_problems
 
 LABELS = torch.tensor([0, 1, 1, 0])
 
@@ -185,4 +186,65 @@ def test_the_loss_scale_is_kept_in_the_optimizer_checkpoint():
     assert other.loss_scaler.scale == 2.0**8
 
 
-__all__ = ["logging", "warnings"]
+
+# ------------------------------------------------------------------------------------- the start of training
+def _swapped_args(tmp_path, **overrides):
+    """A non-private script's arguments after the swap: Trainer's defaults (adamw, lr 5e-5, linear) + DP flags."""
+    settings = dict(output_dir=str(tmp_path), noise_multiplier=1.0, logical_batch_size=4, per_device_train_batch_size=4,
+                    accountant="rdp",
+                    max_steps=2, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+                    dp_seed=0)
+    settings.update(overrides)
+    return DPTrainingArguments(**settings)
+
+
+def test_a_swapped_script_shows_the_plan_and_one_learning_rate_warning(tmp_path, caplog):
+    examples = make_examples(8, VOCAB, causal=False, seed=5)
+    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=_swapped_args(tmp_path),
+                        train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    with caplog.at_level(logging.WARNING, logger="hf_dpfilter"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    banners = [r.getMessage() for r in caplog.records if "***** Differential privacy" in r.getMessage()]
+    assert len(banners) == 1 and caplog.records[0].levelno == logging.WARNING
+    plan = trainer.privacy_plan
+    for text in (f"epsilon = {plan.epsilon():.4g}", f"delta = {plan.delta:.3g}", f"sigma = {plan.noise_multiplier:.4g}",
+                 f"q = {plan.sample_rate:.4g}", "for 2 steps", "protected unit: one example"):
+        assert text in banners[0], (text, banners[0])
+    lr = [w for w in caught if "Settings left from a non-private script" in str(w.message)]
+    assert len(lr) == 1 and "learning_rate=5e-05" in str(lr[0].message)
+    assert not any("fixed-length blocks" in str(w.message) for w in caught)  # classification rows
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (dict(learning_rate=1e-3, lr_scheduler_type="constant"), []),  # the measured DP settings: nothing to say
+    (dict(learning_rate=1e-2, optim="sgd"), []),  # SGD's lr goes with C: not judged
+    (dict(learning_rate=2e-5), ["learning_rate=2e-05"]),  # SFTConfig's default
+    (dict(learning_rate=1e-3, warmup_steps=0.5), ["warmup of 50 of the 100"]),
+])
+def test_learning_rate_warning_only_for_non_private_settings(tmp_path, overrides, expected):
+    problems = learning_rate_problems(_swapped_args(tmp_path, **overrides), steps=100)
+    assert len(problems) == len(expected) and all(e in p for e, p in zip(expected, problems)), problems
+
+
+def _blocks(length: int, n: int = 4, padded: bool = False) -> list[dict]:
+    rows = []
+    for i, ids in enumerate(torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(6))):
+        size = length - (i % 2 if padded else 0)
+        rows.append({"input_ids": ids[:size], "attention_mask": torch.ones(size, dtype=torch.long),
+                     "labels": ids[:size].clone()})
+    return rows
+
+
+def test_fixed_length_blocks_warn_that_the_unit_is_a_block(tmp_path):
+    assert fixed_length_blocks(_blocks(8), causal_lm=True) == 8
+    assert fixed_length_blocks(_blocks(8, padded=True), causal_lm=True) is None  # documents of their own length
+    assert fixed_length_blocks(_blocks(8), causal_lm=False) is None
+    trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=_swapped_args(tmp_path, learning_rate=1e-3),
+                        train_dataset=ListDataset(_blocks(8)), data_collator=PadCollator(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        announce_start(trainer)
+    blocks = [str(w.message) for w in caught if "fixed-length blocks" in str(w.message)]
+    assert len(blocks) == 1 and "all have 8 tokens" in blocks[0] and "privacy_unit='user'" in blocks[0]
+    assert not any("non-private script" in str(w.message) for w in caught)
