@@ -248,3 +248,24 @@ def test_fixed_length_blocks_warn_that_the_unit_is_a_block(tmp_path):
     blocks = [str(w.message) for w in caught if "fixed-length blocks" in str(w.message)]
     assert len(blocks) == 1 and "all have 8 tokens" in blocks[0] and "privacy_unit='user'" in blocks[0]
     assert not any("non-private script" in str(w.message) for w in caught)
+
+
+def test_add_remove_sensitivity_of_the_scaled_fp16_clipped_sum(ids):
+    """float32 weights, fp16 autocast, S = 2^10, noise 0: removing one example moves the clipped sum by <= C."""
+    model = tiny_roberta(dtype=torch.float32)
+    clip = 1e-2
+
+    def clipped_sum(rows):
+        engine = GhostClippingEngine(model, verify_first_backward=False)
+        engine.loss_scale = 2.0**10
+        with torch.autocast("cpu", dtype=torch.float16), engine.record(batch_size=len(rows)):
+            losses = per_example_loss(model(input_ids=ids[rows]).logits, LABELS[rows], causal_lm=False)
+        grads = engine.per_example_gradients(losses)
+        engine.detach()
+        sums = grads.weighted_sum((clip / (grads.clipping_norms() + 1e-6)).clamp(max=1.0))
+        return flat([sums[p].double() for p in model.parameters()])
+
+    full = clipped_sum([0, 1, 2, 3])
+    for removed in range(4):
+        rest = clipped_sum([i for i in range(4) if i != removed])
+        assert (full - rest).norm().item() / clip <= 1 + 1e-4, removed
