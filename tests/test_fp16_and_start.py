@@ -198,22 +198,34 @@ def _swapped_args(tmp_path, **overrides):
     return DPTrainingArguments(**settings)
 
 
-def test_a_swapped_script_shows_the_plan_and_one_learning_rate_warning(tmp_path, caplog):
-    examples = make_examples(8, VOCAB, causal=False, seed=5)
-    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=_swapped_args(tmp_path),
-                        train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+def _group_texts(documents: list[list[int]], block_size: int) -> dict:
+    """run_clm's group_texts: concatenate the documents, cut the stream into blocks, labels = inputs."""
+    stream = [t for doc in documents for t in doc]
+    blocks = [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
+    return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks], "labels": [list(b) for b in blocks]}
+
+
+def test_a_swapped_clm_script_shows_the_plan_and_warns_once_for_the_lr_and_the_block_unit(tmp_path, caplog):
+    import datasets
+
+    g = torch.Generator().manual_seed(5)
+    documents = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(5, 20, (8,), generator=g)]
+    train = datasets.Dataset.from_dict(_group_texts(documents, block_size=8)).with_format("torch")
+    trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=_swapped_args(tmp_path),
+                        train_dataset=train, data_collator=PadCollator(0))
     with caplog.at_level(logging.WARNING, logger="hf_dpfilter"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
-    banners = [r.getMessage() for r in caplog.records if "***** Differential privacy" in r.getMessage()]
-    assert len(banners) == 1 and caplog.records[0].levelno == logging.WARNING
+    banners = [r for r in caplog.records if "***** Differential privacy" in r.getMessage()]
+    assert len(banners) == 1 and banners[0].levelno == logging.WARNING
     plan = trainer.privacy_plan
     for text in (f"epsilon = {plan.epsilon():.4g}", f"delta = {plan.delta:.3g}", f"sigma = {plan.noise_multiplier:.4g}",
                  f"q = {plan.sample_rate:.4g}", "for 2 steps", "protected unit: one example"):
-        assert text in banners[0], (text, banners[0])
-    lr = [w for w in caught if "Settings left from a non-private script" in str(w.message)]
-    assert len(lr) == 1 and "learning_rate=5e-05" in str(lr[0].message)
-    assert not any("fixed-length blocks" in str(w.message) for w in caught)  # classification rows
+        assert text in banners[0].getMessage(), (text, banners[0].getMessage())
+    lr = [str(w.message) for w in caught if "Settings left from a non-private script" in str(w.message)]
+    assert len(lr) == 1 and "learning_rate=5e-05" in lr[0]
+    blocks = [str(w.message) for w in caught if "fixed-length blocks" in str(w.message)]
+    assert len(blocks) == 1 and "all have 8 tokens" in blocks[0]
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
@@ -236,18 +248,16 @@ def _blocks(length: int, n: int = 4, padded: bool = False) -> list[dict]:
     return rows
 
 
-def test_fixed_length_blocks_warn_that_the_unit_is_a_block(tmp_path):
+def test_fixed_length_blocks_only_for_causal_unpadded_rows_of_one_length(tmp_path):
     assert fixed_length_blocks(_blocks(8), causal_lm=True) == 8
     assert fixed_length_blocks(_blocks(8, padded=True), causal_lm=True) is None  # documents of their own length
     assert fixed_length_blocks(_blocks(8), causal_lm=False) is None
-    trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=_swapped_args(tmp_path, learning_rate=1e-3),
-                        train_dataset=ListDataset(_blocks(8)), data_collator=PadCollator(0))
+    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=_swapped_args(tmp_path, learning_rate=1e-3),
+                        train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)), data_collator=PadCollator(1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        announce_start(trainer)
-    blocks = [str(w.message) for w in caught if "fixed-length blocks" in str(w.message)]
-    assert len(blocks) == 1 and "all have 8 tokens" in blocks[0] and "privacy_unit='user'" in blocks[0]
-    assert not any("non-private script" in str(w.message) for w in caught)
+        announce_start(trainer)  # DP settings and classification rows: nothing to warn about
+    assert not caught, [str(w.message) for w in caught]
 
 
 def test_add_remove_sensitivity_of_the_scaled_fp16_clipped_sum(ids):
