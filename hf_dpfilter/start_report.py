@@ -46,10 +46,12 @@ def plan_banner(trainer: Any) -> str:
     if not plan.is_private:
         return (f"***** Differential privacy: none (dp_method='none', a non-private run: no guarantee) *****\n"
                 f"  N = {plan.num_examples:,}, logical batch {plan.expected_batch_size:g}, {plan.steps} steps")
-    epsilon = plan.epsilon()
+    # a trainer's plan always has its number of steps (max_steps or epochs); a bare optimizer's plan may not
+    spent = (f"epsilon = {plan.epsilon():.4g}, delta = {plan.delta:.3g} (accountant {plan.accountant}), for "
+             f"{plan.steps:,} steps") if plan.steps is not None else f"delta = {plan.delta:.3g}, steps not planned"
     lines = [
         "***** Differential privacy *****",
-        f"  epsilon = {epsilon:.4g}, delta = {plan.delta:.3g} (accountant {plan.accountant}), for {plan.steps:,} steps",
+        f"  {spent}",
         f"  sigma = {plan.noise_multiplier:.4g}, q = {plan.sample_rate:.4g} (expected logical batch "
         f"{plan.expected_batch_size:g} of N = {plan.num_examples:,} {unit}s), C = {plan.max_grad_norm:g}, "
         f"method {plan.method}",
