@@ -3,8 +3,8 @@
 On a machine with CUDA it runs, each step in its own process with a time limit (a step that fails or runs out
 of time is reported as such; the others still run):
 
-* ``tests``: ``tests/test_cuda.py`` (CPU/CUDA parity of every method, the noise, bf16 and the precision
-  contract) and the CUDA cases of ``tests/test_cuda_sensitivity.py`` (removing one example moves the clipped
+* ``tests``: ``tests/test_cuda.py`` (CPU/CUDA parity of every method, the noise, bf16, fp16 with the DP loss
+  scaler and the precision contract) and the CUDA cases of ``tests/test_cuda_sensitivity.py`` (removing one example moves the clipped
   sum by at most C: fp32 and bf16 autocast, same-shape layers stacked and not);
 * ``speed_bf16`` and ``speed_fp32``: ``python -m benchmarks speed-memory --device cuda`` -- time and memory of a
   private step against the non-private step and Opacus 1.6 ghost clipping, for RoBERTa-base/large and GPT-2

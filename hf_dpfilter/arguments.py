@@ -12,6 +12,7 @@ from transformers import TrainingArguments
 
 from hf_dpfilter.accounting import ACCOUNTANTS
 from hf_dpfilter.clipping import CLIPPING_FNS
+from hf_dpfilter.loss_scaling import DEFAULT_INIT_SCALE, check_fp16_method
 from hf_dpfilter.optimizers.registry import METHOD_NAMES
 from hf_dpfilter.plan import check_dp_settings
 from hf_dpfilter.retired_names import refuse_retired_names
@@ -156,6 +157,15 @@ class DPArgumentsMixin:
             "data. A trainable BatchNorm is refused either way (convert it to GroupNorm/LayerNorm)."
         },
     )
+    dp_fp16_loss_scale: float = field(
+        default=DEFAULT_INIT_SCALE,
+        metadata={
+            "help": "fp16=True: the loss scale S, a power of two (default 2^10). The summed per-example losses are "
+            "multiplied by S before the backward and S is divided out exactly before clipping; an example whose "
+            "fp16 gradient overflows is replaced by zero, and S is halved only when the noised gradient is "
+            "non-finite (that step is then not applied, and still accounted). See hf_dpfilter/loss_scaling.py."
+        },
+    )
 
     # The privacy unit (hf_dpfilter/units.py): what one neighbouring data set adds or removes.
     privacy_unit: str = field(
@@ -296,10 +306,7 @@ class DPArgumentsMixin:
         if self.dp_method_args is not None:  # stored as a plain dict of the fields given
             self.dp_method_args = {k: v for k, v in config.to_dict().items() if k in self.dp_method_args}
         if self.fp16:
-            raise ValueError(
-                "fp16 is not supported by hf_dpfilter yet (fp16 loss scaling interacts with per-example "
-                "clipping and is untested). Use bf16=True (bf16 autocast with fp32 norms and sums) or fp32."
-            )
+            check_fp16_method(self.dp_method, self.dp_fp16_loss_scale)
         if _uses_reentrant_checkpointing(self):
             raise ValueError(
                 "gradient_checkpointing with use_reentrant=True is not supported with per-example clipping: "

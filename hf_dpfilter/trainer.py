@@ -38,6 +38,7 @@ from hf_dpfilter import units as privacy_units
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPArgumentsMixin
 from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
+from hf_dpfilter.loss_scaling import attach_loss_scaler
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.micro_batches import (
     NUM_EXAMPLES_KEY,
@@ -64,6 +65,7 @@ from hf_dpfilter.proofs.row_segments import RowSegmentsGuard
 from hf_dpfilter.proofs.separation import SeparationChecks
 from hf_dpfilter.router_loss import add_router_aux_loss
 from hf_dpfilter.run_guard import RunGuard
+from hf_dpfilter.start_report import announce_start
 
 if TYPE_CHECKING:
     from hf_dpfilter.engine import GhostClippingEngine
@@ -299,6 +301,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         )
         self.optimizer = self.dp_optimizer
         self.dp_optimizer.warn_nonfinite = self.args.dp_log_nonprivate_metrics
+        attach_loss_scaler(self)  # fp16: the DP loss scaler replaces Accelerate's GradScaler
         if self.privacy_plan.is_private:
             self.dp_optimizer.pre_release_hooks.append(self._write_privacy_ledger)
             self.dp_optimizer.pre_release_hooks.append(self._mark_parameters_released)
@@ -311,6 +314,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         """Log the privacy plan and warn, with the fix, when it cannot rise above the noise."""
         if not self.is_world_process_zero():
             return
+        announce_start(self)  # epsilon, delta, sigma, q, steps where the script's user sees them; lr, unit warnings
         count = self.trainable_parameter_count()
         logger.info("%s", self.privacy_plan.describe(count))
         if self._user_index is not None:  # the plan's N, B and q count users (hf_dpfilter/units.py)

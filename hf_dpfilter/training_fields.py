@@ -291,7 +291,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "liger_kernel_config": FieldPolicy(_H, "only read with use_liger_kernel, which is refused"),
     "use_cache": FieldPolicy(_H, "key/value cache of the forward (no gradient through it)"),
     "bf16": FieldPolicy(_H, "bf16 autocast; per-example norms and clipped sums in fp32"),
-    "fp16": FieldPolicy(_R, "True is refused (fp16 loss scaling with per-example clipping is untested)"),
+    "fp16": FieldPolicy(
+        _H, "fp16 autocast with the DP loss scaler (dp_fp16_loss_scale): exact per-example clipping of the scaled "
+        "gradients, overflow zeroed per example, the scale moved only by the noised gradient; dpsgd (and none) only"),
     "bf16_full_eval": FieldPolicy(_H, "evaluation only"),
     "fp16_full_eval": FieldPolicy(_H, "evaluation only"),
     "tf32": FieldPolicy(_H, "matmul precision (public)"),
@@ -409,6 +411,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "dp_batchnorm_eval": FieldPolicy(
         _H, "frozen BatchNorms run in eval mode (stored statistics) in every step; without it every BatchNorm is "
         "refused, and a trainable one is refused either way"),
+    "dp_fp16_loss_scale": FieldPolicy(
+        _H, "fp16: the loss scale (a power of two, public), divided out exactly before clipping; halved only when "
+        "the noised gradient is non-finite"),
     "dp_eval_disjoint_from_train": FieldPolicy(
         _O, "the user's declaration that eval_dataset shares no example with the training set; allows "
         "evaluation-driven checkpoint selection, lr scheduling and early stopping (identical rows refused)"),

@@ -57,9 +57,10 @@ def test_negative_noise_multiplier(tmp_path):
         _args(tmp_path, noise_multiplier=-0.5)
 
 
-def test_fp16_refused(tmp_path):
-    with pytest.raises(ValueError, match="fp16 is not supported"):
-        _args(tmp_path, noise_multiplier=1.0, fp16=True)
+def test_fp16_refused_with_a_method_whose_state_follows_every_step(tmp_path):
+    # fp16 itself is supported (the DP loss scaler, tests/test_fp16_and_start.py); not with DiSK
+    with pytest.raises(ValueError, match="fp16=True is supported with dp_method in"):
+        _args(tmp_path, noise_multiplier=1.0, fp16=True, dp_method="disk")
 
 
 def test_gradient_accumulation_conflicting_with_logical_batch(tmp_path):

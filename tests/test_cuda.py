@@ -1,4 +1,5 @@
-"""CUDA checks: CPU/CUDA parity of every method in float64, the noise on CUDA, bf16 autocast on CUDA.
+"""CUDA checks: CPU/CUDA parity of every method in float64, the noise on CUDA, bf16 autocast on CUDA, and fp16
+with the DP loss scaler (Accelerate's fp16 autocast and GradScaler path, hf_dpfilter/loss_scaling.py).
 
 Runs only where a CUDA device is visible; elsewhere every test is skipped with the reason shown by
 ``pytest -rs``. The CUDA-specific code paths it covers: products of bf16 terms with fp32 accumulation on
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.skipif(
 METHOD_ARGS = {"pmlf": {"k": 2}}
 
 
-def _train(method: str, cuda: bool, tmp_path, dtype=torch.float64, bf16: bool = False, steps: int = 3):
+def _train(method: str, cuda: bool, tmp_path, dtype=torch.float64, bf16: bool = False, steps: int = 3,
+           fp16: bool = False, check=None):
     """Parameters after a short DPTrainer run (noise 0, fixed data order) on CPU or on the GPU."""
     model = tiny_roberta(dtype=dtype)
     examples = make_examples(16, VOCAB, causal=False, seed=1)
@@ -35,11 +37,13 @@ def _train(method: str, cuda: bool, tmp_path, dtype=torch.float64, bf16: bool = 
         noise_multiplier=0.0, per_sample_max_grad_norm=0.05, logical_batch_size=4, per_device_train_batch_size=2,
         max_steps=steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         report_to=[], use_cpu=not cuda, save_strategy="no", remove_unused_columns=False, dp_seed=0, seed=3,
-        bf16=bf16,
+        bf16=bf16, fp16=fp16,
     )
     trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
     before = flat([p.detach().cpu().clone() for p in model.parameters()])
     trainer.train()
+    if check is not None:
+        check(trainer)
     device = next(model.parameters()).device
     assert device.type == ("cuda" if cuda else "cpu"), device
     return before, flat([p.detach().cpu() for p in model.parameters()])
@@ -74,6 +78,65 @@ def test_bf16_autocast_close_to_fp32_on_cuda(tmp_path):
     _, mixed = _train("dpsgd", cuda=True, tmp_path=tmp_path / "bf16", dtype=torch.float32, bf16=True, steps=1)
     rel = ((mixed - full).norm() / (full - start).norm()).item()
     assert rel < 0.05, rel
+
+
+def test_fp16_loss_scaled_step_close_to_fp32_on_cuda(tmp_path):
+    """fp16=True on CUDA, the whole path: Accelerate's fp16 autocast on the forward, its GradScaler removed (it
+    would skip steps on the private sum), the DP loss scaler's S = 2^10 on the engine's backward and divided out
+    before clipping; one step within fp16 rounding of the fp32 step (hf_dpfilter/loss_scaling.py)."""
+    dtypes = set()
+
+    def check(trainer):
+        assert trainer.accelerator.scaler is None and getattr(trainer.optimizer, "scaler", None) is None
+        assert trainer.dp_optimizer.loss_scaler is not None and trainer.engine.loss_scale == 2.0**10
+        assert trainer.dp_optimizer.loss_scaler.skipped_steps == 0
+
+    def record_dtype(module, inputs, output):
+        dtypes.add(output.dtype)
+
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: record_dtype(m, i, o) if isinstance(m, torch.nn.Linear) else None)
+    try:
+        start, full = _train("dpsgd", cuda=True, tmp_path=tmp_path / "fp32", dtype=torch.float32, steps=1)
+        dtypes.clear()
+        _, mixed = _train("dpsgd", cuda=True, tmp_path=tmp_path / "fp16", dtype=torch.float32, fp16=True, steps=1,
+                          check=check)
+    finally:
+        hook.remove()
+    assert torch.float16 in dtypes, dtypes  # the forward ran under fp16 autocast
+    rel = ((mixed - full).norm() / (full - start).norm()).item()
+    assert rel < 0.05, rel
+
+
+def _fp16_scaled_clip_contract(device: str) -> None:
+    """Under fp16 autocast with S = 2^10 the clipping norm bounds the exact norm of the stored terms divided by S
+    (those of S g_i), and each clipped contribution is finite and within C."""
+    from test_mixed_precision import _exact_norms
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 5, 48, generator=g)
+    x[3] *= 1e-4  # tiny activations: output gradients that fp16 would lose unscaled
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(device)
+    engine = GhostClippingEngine(model, verify_first_backward=False)
+    engine.loss_scale = 2.0**10
+    with torch.autocast(device, dtype=torch.float16), engine.record(batch_size=6):
+        losses = model(x.to(device)).float().pow(2).sum(dim=(1, 2))
+    grads = engine.per_example_gradients(losses)
+    exact = _exact_norms(grads) / 2.0**10
+    bounds = grads.clipping_norms().double().cpu()
+    assert bool((bounds >= exact).all()), (bounds, exact)
+    factors = (1e-2 / (grads.clipping_norms() + 1e-6)).clamp(max=1.0)
+    for i in range(6):
+        coefficient = torch.zeros(6, device=device)
+        coefficient[i] = factors[i]
+        released = grads.weighted_sum(coefficient)
+        norm = sum(float(v.double().pow(2).sum()) for v in released.values()) ** 0.5
+        assert norm <= 1e-2 * (1 + 1e-3), (i, norm)
+
+
+def test_fp16_scaled_clip_contract_on_cuda():
+    _fp16_scaled_clip_contract("cuda")
 
 
 @pytest.mark.parametrize("tf32", [False, True])

@@ -1,4 +1,5 @@
-"""bf16 autocast is allowed with fp32 norms and fp32 clipped-sum accumulation; fp16 is refused (test_bad_inputs)."""
+"""bf16 autocast is allowed with fp32 norms and fp32 clipped-sum accumulation; fp16 with the DP loss scaler is
+tested in tests/test_fp16_and_start.py."""
 
 from __future__ import annotations
 

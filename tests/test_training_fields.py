@@ -127,7 +127,6 @@ REFUSED_EXAMPLE = {
     "label_smoothing_factor": (dict(label_smoothing_factor=0.2), "label_smoothing_factor"),
     "neftune_noise_alpha": (dict(neftune_noise_alpha=1.0), "NEFTune"),
     "use_liger_kernel": (dict(use_liger_kernel=True), "Liger"),
-    "fp16": (dict(fp16=True), "fp16 is not supported"),
     "activation_checkpointing_kwargs": (
         dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant"),
     "gradient_checkpointing_kwargs": (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -56,13 +58,22 @@ class PerExampleGradients:
         dtype: torch.dtype,
         precise: bool = False,
         stack_layers: bool | None = None,
+        loss_scale: float = 1.0,
     ) -> None:
         """``terms`` is consumed: its entries are removed as they are merged, so that the originals can be freed
         as soon as a fused or stacked copy replaces them (the caller must not hold other references).
 
         ``stack_layers``: stack same-shape layers (see :func:`_stack_blocks`); None means on CUDA only, where
         a step of a small model is bound by kernel launches. On CPU the batched products save nothing and the
-        stack is a transient copy."""
+        stack is a transient copy.
+
+        ``loss_scale``: the terms are those of ``loss_scale * g_i`` (fp16 loss scaling: the backward ran on the
+        scaled loss). Every result (norms, bounds, weighted sums) is of the unscaled ``g_i``: the scale is a power
+        of two, so dividing the float64 squared norms and bounds by its square, and the fp32/fp64 coefficients
+        of the weighted sums by it, is exact (no rounding: only the exponent changes)."""
+        if loss_scale <= 0 or math.frexp(loss_scale)[0] != 0.5:
+            raise ValueError(f"loss_scale must be a power of two (exact to divide out), got {loss_scale!r}.")
+        self.loss_scale = float(loss_scale)
         self.batch_size = batch_size
         self.precise = precise
         self.dtype = torch.float64 if precise else dtype
@@ -322,6 +333,8 @@ class PerExampleGradients:
                 bound = bound + group_bound.to(device)
             cast_unit = 2.0**-52 if self.dtype == torch.float64 else 2.0**-23
             bound = bound + (cast_unit + _gamma(count, 2.0**-52)) * (magnitude + total.abs() + bound)
+            if self.loss_scale != 1.0:  # the terms are of loss_scale * g_i: 1 / scale^2 is a power of two
+                total, bound = total * self.loss_scale**-2, bound * self.loss_scale**-2
             self._squared_norms64 = total
             self._error_bounds = bound
             self._squared_norms = total.to(self.dtype)
@@ -379,6 +392,8 @@ class PerExampleGradients:
         if release:
             self.squared_norms()  # norms need every term; compute them before anything is freed
             self._released = True
+        if self.loss_scale != 1.0:  # sum_i c_i g_i = sum_i (c_i / scale) (scale g_i), exactly (a power of two)
+            coefficients = coefficients * (1.0 / self.loss_scale)
         out: dict[nn.Parameter, torch.Tensor] = {}
         converted: dict[torch.device, torch.Tensor] = {}
         for param in list(self._merged):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,8 +24,28 @@ from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import StateWrittenError
 
-if TYPE_CHECKING:
-    from hf_dpfilter.engine.recorder import _Record
+
+@dataclass
+class _Record:
+    """One recorded layer call: what its rule needs in the backward, as its batch-axis verdict left it."""
+
+    module: nn.Module
+    activations: torch.Tensor
+    # Where the output's gradient arrives. Not the output tensor itself: holding it would keep every
+    # checkpointed layer's output alive (checkpointing frees them) and would follow in-place changes of it.
+    output_edge: torch.autograd.graph.GradientEdge
+    output_dtype: torch.dtype
+    #: the tensors the forward used for the module's sharded parameters (FSDP2 gathers whole ones), for the check
+    used: dict[str, torch.Tensor] | None = None
+    #: why the call's batch axis is not proven (hf_dpfilter.proofs.batch_axis); refused if its output gets gradient
+    unproven: str | None = None
+    #: rows of the output per example when the batch was merged into its leading dimension (MERGED), else 0;
+    #: the activations are already viewed as (B, rows, ...), the output gradient is viewed so in the backward
+    rows_per_example: int = 0
+    #: the output itself when it is shared by every example (SHARED), and the tensors the forward used for the
+    #: module's parameters (call_model's values, FSDP2's gathered ones): its terms come from shared_outputs
+    shared_output: torch.Tensor | None = None
+    shared_used: dict[str, torch.Tensor] | None = None
 
 
 def _same_values(copy: torch.Tensor | None, tensor: torch.Tensor) -> bool:
@@ -36,7 +57,6 @@ def _same_values(copy: torch.Tensor | None, tensor: torch.Tensor) -> bool:
     if copy.is_floating_point() or copy.is_complex():
         return bool(((copy == tensor) | (copy.isnan() & tensor.isnan())).all())
     return bool(torch.equal(copy, tensor))
-
 
 
 class _ProvingStep:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,7 +63,7 @@ from hf_dpfilter.engine.precision import (
     _accumulation_dtype,
     _term_dtype,
 )
-from hf_dpfilter.engine.proving import _ProvingStep
+from hf_dpfilter.engine.proving import _ProvingStep, _Record
 from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
 from hf_dpfilter.engine.shared_outputs import shared_output_terms
 from hf_dpfilter.engine.shared_tables import declared_tables
@@ -78,27 +77,6 @@ from hf_dpfilter.proofs.validators import (
 )
 
 __all__ = ["GhostClippingEngine", "UnsupportedLayerError"]
-
-
-@dataclass
-class _Record:
-    module: nn.Module
-    activations: torch.Tensor
-    # Where the output's gradient arrives. Not the output tensor itself: holding it would keep every
-    # checkpointed layer's output alive (checkpointing frees them) and would follow in-place changes of it.
-    output_edge: torch.autograd.graph.GradientEdge
-    output_dtype: torch.dtype
-    #: the tensors the forward used for the module's sharded parameters (FSDP2 gathers whole ones), for the check
-    used: dict[str, torch.Tensor] | None = None
-    #: why the call's batch axis is not proven (hf_dpfilter.proofs.batch_axis); refused if its output gets gradient
-    unproven: str | None = None
-    #: rows of the output per example when the batch was merged into its leading dimension (MERGED), else 0;
-    #: the activations are already viewed as (B, rows, ...), the output gradient is viewed so in the backward
-    rows_per_example: int = 0
-    #: the output itself when it is shared by every example (SHARED), and the tensors the forward used for the
-    #: module's parameters (call_model's values, FSDP2's gathered ones): its terms come from shared_outputs
-    shared_output: torch.Tensor | None = None
-    shared_used: dict[str, torch.Tensor] | None = None
 
 
 _OWNED_BY_THE_OPTIMIZER = (
@@ -149,6 +127,11 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._active_values: dict[str, torch.Tensor] | None = None  # call_model's values, during its forward
         self._recorded_at_other_values = False
         self._replaying_values = 0
+        #: fp16 loss scaling: the backward runs on ``loss_scale * sum_i loss_i`` (a power of two, public; set by the
+        #: DP optimizer from its :class:`~hf_dpfilter.loss_scaling.DPLossScaler`) and the per-example gradients
+        #: divide it out exactly (:class:`PerExampleGradients`)
+        self.loss_scale = 1.0
+        self._pending_scale = 1.0
         self._in_own_backward = False
         self._batch_size: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -491,6 +474,9 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 f"{_REENTRANT_REFUSED} If these layers are meant to get no gradient, freeze their parameters."
             )
         self._pending_dtype = _accumulation_dtype(per_example_loss.dtype)
+        self._pending_scale = float(self.loss_scale)
+        if self._pending_scale != 1.0:  # fp16: output gradients that would underflow are lifted (exact: 2^k)
+            per_example_loss = per_example_loss * self._pending_scale  # every term, shared ones too, is of S * g_i
         shared = [(self._module_params[r.module], r.shared_used, r.shared_output) for r in records
                   if r.shared_output is not None]
         if shared or self._shared_tables:  # before the backward below frees the graph
@@ -541,6 +527,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             if grad is None:
                 continue
             grad = grad.full_tensor() if is_sharded(grad) else grad
+            if self._pending_scale != 1.0:  # compared with the unscaled per-example sum (2^k: exact)
+                grad = grad / self._pending_scale
             reference[param] = grad if param not in reference else reference[param] + grad
         self._pending_reference = reference
 
@@ -553,7 +541,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         # RMSNorm multiplies in float32): autograd's gradient is then only float32-accurate, and so is the check.
         float32_terms = {param for param, ts in terms.items() if any(_term_dtype(t) == torch.float32 for t in ts)}
         grads = PerExampleGradients(
-            terms, self._batch_size, self._pending_dtype, precise=precise, stack_layers=self.stack_layers
+            terms, self._batch_size, self._pending_dtype, precise=precise, stack_layers=self.stack_layers,
+            loss_scale=self._pending_scale,
         )
         if self.verify_first_backward:
             reference = self._pending_reference or {}

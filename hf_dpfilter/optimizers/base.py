@@ -62,6 +62,7 @@ from hf_dpfilter.optimizers.method_state import copy_all_, index_to_params, para
 from hf_dpfilter.optimizers.wrapped import WrappedOptimizer, build_base_optimizer
 
 if TYPE_CHECKING:
+    from hf_dpfilter.loss_scaling import DPLossScaler
     from hf_dpfilter.plan import PrivacyPlan
 
 
@@ -128,6 +129,9 @@ class DPOptimizer(WrappedOptimizer):
         #: warn at every step that zeroes examples, with the count (off by default: the warning is that signal;
         #: DPTrainer sets it from ``dp_log_nonprivate_metrics``)
         self.warn_nonfinite = False
+        #: fp16 loss scaling (hf_dpfilter.loss_scaling): the scale of the engine's backward, divided out exactly,
+        #: and moved only by the noised gradient. None: no scaling (fp32, bf16)
+        self.loss_scaler: DPLossScaler | None = None
 
     # ------------------------------------------------------------------------- the plan's settings
     @property
@@ -230,6 +234,7 @@ class DPOptimizer(WrappedOptimizer):
     ) -> tuple[PerExampleGradients, torch.Tensor, torch.Tensor | None]:
         """The engine's pass at the method's gradient points: (per-example gradients of the combination,
         combined losses, losses at the current point); :func:`hf_dpfilter.engine.points.per_example_combination`."""
+        engine.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         return per_example_combination(engine, loss_fn, self.gradient_points(), batch_size, self.params, self.sharded)
 
     def _accumulate_gradients(
@@ -366,12 +371,15 @@ class DPOptimizer(WrappedOptimizer):
             hook(self)
         noisy = self.privatize(self._summed_gradients())
         self._sums = {}
-        for p, g in self.postprocess(noisy).items():
-            p.grad = g.to(p.dtype)
-        self.base_step()
-        for p in self.params:
-            p.grad = None  # consumed: a stale privatized gradient must not look like a new one
-        self.after_step()
+        # fp16: the loss scaler reads the noised gradient only (post-processing); a non-finite one is not applied,
+        # and the step is accounted all the same (it was released)
+        if self.loss_scaler is None or self.loss_scaler.after_noise(noisy):
+            for p, g in self.postprocess(noisy).items():
+                p.grad = g.to(p.dtype)
+            self.base_step()
+            for p in self.params:
+                p.grad = None  # consumed: a stale privatized gradient must not look like a new one
+            self.after_step()
         self.record_privacy_step()
         self.dp_steps += 1
         self._accumulated = False
@@ -417,6 +425,7 @@ class DPOptimizer(WrappedOptimizer):
                 "noise_multiplier": self.noise_multiplier,
                 "run_id": self.run_id,
                 **({"privacy_unit": self.unit_identity} if self.unit_identity is not None else {}),
+                **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}),
                 "accountant": self.accountant.state_dict(),
                 "method_state": params_to_index(method_state, param_index),
             },
@@ -447,6 +456,8 @@ class DPOptimizer(WrappedOptimizer):
             self.refresh_randomness()
             self.restored_from_checkpoint = True
         self.accountant.load_state_dict(dp_state["accountant"])
+        if self.loss_scaler is not None and "loss_scaler" in dp_state:
+            self.loss_scaler.load_state_dict(dp_state["loss_scaler"])
         params = self.params
         self.load_method_state_dict(index_to_params(dp_state["method_state"], params))
 

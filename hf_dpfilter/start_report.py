@@ -1,0 +1,158 @@
+"""What a swapped script shows when training starts: the privacy plan, and the settings left from a non-private run.
+
+A script made private by swapping ``Trainer`` -> ``DPTrainer`` keeps everything else, its learning rate and the
+way it preprocessed its rows included. Three things are shown once, on the main process, where the script's user
+sees them (a WARNING on this module's logger, which Python prints on stderr when no logging is configured and
+through the script's handlers when it is; and ``warnings.warn``), at the start of ``train()``:
+
+* :func:`plan_banner` -- epsilon, delta, sigma, q, the number of steps and the unit: the plan, public quantities
+  computed from the arguments and N before any private data is read.
+* :func:`learning_rate_problems` -- one warning when the learning rate or its warmup is the non-private script's:
+  ``Trainer``'s default 5e-5 and TRL's 2e-5 are 10-100x under what DP-Adam needed in every measured setting of
+  docs/choosing.md (5e-4 to 2e-3 full fine-tuning, 2e-3 LoRA, 1e-2 a head); a long warmup spends the noisy steps
+  at a small learning rate. Read from the arguments only.
+* :func:`fixed_length_blocks` -- one warning when the rows look like run_clm's ``group_texts`` blocks (documents
+  concatenated and cut into fixed-length blocks): then the protected unit is a block, not a document. Read from
+  the *structure* of a few rows (their lengths, whether there is padding, whether the labels are the inputs),
+  never their values; the warning names only the row length, the block size the script chose.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["DP_ADAM_LR_RANGE", "announce_start", "fixed_length_blocks", "learning_rate_problems", "plan_banner"]
+
+logger = logging.getLogger(__name__)
+
+#: the learning rates DP-Adam needed in the measured settings of docs/choosing.md (full fine-tuning 5e-4 to 2e-3,
+#: LoRA 2e-3, a linear head 1e-2); an Adam-type learning rate below a fifth of the lower end is a non-private one
+DP_ADAM_LR_RANGE = (5e-4, 1e-2)
+#: warmup over more than this share of the planned steps: the measured runs used a constant schedule, no warmup
+MAX_WARMUP_SHARE = 0.1
+#: how many rows the block heuristic looks at (their lengths and structure only)
+ROWS_LOOKED_AT = 8
+
+
+def plan_banner(trainer: Any) -> str:
+    """The plan in one block (public: computed from the arguments and N; never the seed)."""
+    plan = trainer.privacy_plan
+    args = trainer.args
+    unit = "user" if getattr(args, "privacy_unit", "example") == "user" else "example"
+    if not plan.is_private:
+        return (f"***** Differential privacy: none (dp_method='none', a non-private run: no guarantee) *****\n"
+                f"  N = {plan.num_examples:,}, logical batch {plan.expected_batch_size:g}, {plan.steps} steps")
+    # a trainer's plan always has its number of steps (max_steps or epochs); a bare optimizer's plan may not
+    spent = (f"epsilon = {plan.epsilon():.4g}, delta = {plan.delta:.3g} (accountant {plan.accountant}), for "
+             f"{plan.steps:,} steps") if plan.steps is not None else f"delta = {plan.delta:.3g}, steps not planned"
+    lines = [
+        "***** Differential privacy *****",
+        f"  {spent}",
+        f"  sigma = {plan.noise_multiplier:.4g}, q = {plan.sample_rate:.4g} (expected logical batch "
+        f"{plan.expected_batch_size:g} of N = {plan.num_examples:,} {unit}s), C = {plan.max_grad_norm:g}, "
+        f"method {plan.method}",
+        f"  protected unit: one {unit} (add/remove one {unit}"
+        + (", all of its examples" if unit == "user" else ": one row of the training set") + ")",
+    ]
+    return "\n".join(lines)
+
+
+def learning_rate_problems(args: Any, steps: int | None) -> list[str]:
+    """The learning-rate settings of ``args`` that are far from what the measured DP settings needed."""
+    problems = []
+    lr = float(args.learning_rate)
+    optim = str(getattr(args, "optim", "")).lower()
+    if "adam" in optim and lr < DP_ADAM_LR_RANGE[0] / 5:
+        problems.append(
+            f"learning_rate={lr:g} with {optim}: DP-Adam needed {DP_ADAM_LR_RANGE[0]:g} to 2e-3 in every measured "
+            f"full fine-tuning, 2e-3 with LoRA and 1e-2 for a head (docs/choosing.md); at {lr:g} the noisy updates "
+            "barely move the model. Non-private defaults (Trainer 5e-5, SFTConfig 2e-5) are 10-100x too small"
+        )
+    warmup = args.get_warmup_steps(steps) if steps and hasattr(args, "get_warmup_steps") else 0
+    if steps and warmup > MAX_WARMUP_SHARE * steps:
+        problems.append(
+            f"warmup of {warmup} of the {steps} planned steps: every step costs privacy, and warmup spends "
+            f"{warmup / steps:.0%} of them at a reduced learning rate (the measured DP runs used a constant "
+            "schedule without warmup: lr_scheduler_type='constant', warmup_steps=0)"
+        )
+    return problems
+
+
+def _row_lengths(row: dict) -> tuple[int, bool, bool] | None:
+    """(length, padded?, labels are the inputs?) of one row, from its structure; None when not token rows."""
+    ids = row.get("input_ids")
+    if ids is None:
+        return None
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 1:
+        return None
+    mask = row.get("attention_mask")
+    padded = mask is not None and not bool(torch.as_tensor(mask).bool().all())
+    labels = row.get("labels")
+    same = labels is None or (torch.as_tensor(labels).shape == ids.shape and torch.equal(torch.as_tensor(labels), ids))
+    return ids.shape[0], padded, same
+
+
+def fixed_length_blocks(dataset: Any, causal_lm: bool) -> int | None:
+    """The block length when the first rows look like concatenated text cut into fixed-length blocks (run_clm's
+    ``group_texts``): a causal LM, every row looked at has the same length, none is padded and each one's labels
+    (if any) are its inputs. None otherwise.
+
+    A heuristic that reads structure only (lengths, the padding mask, labels == inputs): whole documents truncated
+    to one length also match it, which is why it warns and never refuses. The verdict never leaves this process
+    except as the block length, which the script chose (block_size)."""
+    if not causal_lm:
+        return None
+    try:
+        count = min(ROWS_LOOKED_AT, len(dataset))
+        rows = [dataset[i] for i in range(count)]
+    except Exception:  # an iterable or lazily-built set: nothing cheap to look at
+        return None
+    if count < 2 or not all(isinstance(r, dict) for r in rows):
+        return None
+    shapes = [_row_lengths(r) for r in rows]
+    if any(s is None for s in shapes):
+        return None
+    lengths = {s[0] for s in shapes}
+    if len(lengths) != 1 or any(s[1] or not s[2] for s in shapes):
+        return None
+    length = lengths.pop()
+    return length if length >= 2 else None
+
+
+def _block_warning(length: int) -> str:
+    return (
+        f"The training rows all have {length} tokens, no padding, and labels equal to their inputs: they look like "
+        "documents concatenated and cut into fixed-length blocks (run_clm's group_texts). Then the protected unit "
+        "is one block, not one document: a document spread over several blocks, or several documents in one "
+        "block, are not protected as a whole. To protect documents, pack after sampling (DPSFTTrainer with "
+        "packing=True: each sampled document clipped as one unit), or keep a document id column and train with "
+        "privacy_unit='user', user_id_column=<that column> (docs/choosing.md, 'The unit of a preprocessed row'). "
+        "If each row is one whole document truncated to this length, the unit is the document and this warning "
+        "does not apply."
+    )
+
+
+def announce_start(trainer: Any) -> None:
+    """At the start of training, on the main process: the plan banner, then the warnings above (each once)."""
+    plan = trainer.privacy_plan
+    logger.warning("%s", plan_banner(trainer))
+    if not plan.is_private:
+        return
+    problems = learning_rate_problems(trainer.args, plan.steps)
+    if problems:
+        warnings.warn(
+            "Settings left from a non-private script: " + "; ".join(problems) + ". Tune the learning rate for DP "
+            "(docs/choosing.md, 'Where to start'), on public data or with the tuning runs accounted.",
+            UserWarning, stacklevel=3,
+        )
+    structure = getattr(trainer, "_batch_structure", None)
+    packed = bool(getattr(structure, "packed", False))
+    if getattr(trainer.args, "privacy_unit", "example") == "example" and not packed:
+        length = fixed_length_blocks(trainer.train_dataset, bool(getattr(trainer, "_causal_lm", False)))
+        if length is not None:
+            warnings.warn(_block_warning(length), UserWarning, stacklevel=3)
