@@ -58,6 +58,28 @@ def test_scaled_norms_and_clipped_sums_equal_the_unscaled_ones_exactly(ids, dtyp
     assert all(torch.equal(a[p], b[p]) for p in a)
 
 
+class _ArangePositions(torch.nn.Module):
+    """A positional table on torch.arange(T): its output is SHARED by every example (engine/shared_outputs.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Embedding(16, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, input_ids):
+        hidden = torch.tanh(self.embed(input_ids) + self.pos(torch.arange(input_ids.shape[1])))
+        return type("Output", (), {"logits": self.head(hidden.mean(1))})
+
+
+def test_scaled_shared_outputs_equal_the_unscaled_ones_exactly(ids):
+    """The shared outputs' per-example terms are of S * g_i like every other term (S divided out once)."""
+    torch.manual_seed(0)
+    model = _ArangePositions().double()
+    plain, scaled = _grads(model, ids, 1.0), _grads(model, ids, 2.0**12)
+    assert torch.equal(plain.clipping_norms(), scaled.clipping_norms())
+    a, b = plain.weighted_sum(torch.ones(4, dtype=torch.float64)), scaled.weighted_sum(torch.ones(4, dtype=torch.float64))
+    assert all(torch.equal(a[p], b[p]) for p in a) and a[model.pos.weight].abs().sum() > 0
+
+
 def test_a_scale_that_is_not_a_power_of_two_is_refused():
     with pytest.raises(ValueError, match="power of two"):
         DPLossScaler(scale=1000.0)
