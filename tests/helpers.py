@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.utils.data import Dataset
 
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.losses import per_example_loss
+
+
+def freeze_imported_objects() -> None:
+    """Take the objects alive now (the imported modules) out of the garbage collector, for worker processes.
+
+    Trainer.train() starts with a full gc.collect() (accelerate's free_memory), which walks every object of the
+    process; the modules of torch and transformers are most of them and are never garbage. Freezing them leaves
+    each collection only the objects created afterwards (tests/conftest.py does the same for pytest)."""
+    gc.collect()
+    gc.freeze()
 
 
 class ListDataset(Dataset):
