@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
@@ -19,6 +23,18 @@ def freeze_imported_objects() -> None:
     each collection only the objects created afterwards (tests/conftest.py does the same for pytest)."""
     gc.collect()
     gc.freeze()
+
+
+@functools.cache
+def recipe_help(script: str) -> str:
+    """What ``python recipes/<script> --help`` prints, run from the checkout root as a user would.
+
+    Run once per test session: each run starts an interpreter that imports torch and transformers (~6 CPU s),
+    and tests/test_recipes.py and tests/test_readme_commands.py both read the same text."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "recipes" / script), "--help"], capture_output=True,
+                            text=True, check=True, cwd=root)
+    return result.stdout
 
 
 class ListDataset(Dataset):
