@@ -24,7 +24,7 @@ demo: $(STAMP)
 # instead of skipping, so `make test` always executes them.
 test: $(STAMP)
 	$(PY) -m ruff check hf_dpfilter tests recipes benchmarks
-	HF_DPFILTER_NO_SKIP=1 HF_DPFILTER_DATA=$(abspath $(DATA_DIR)) $(PY) -m pytest -q -m "not slow" tests
+	HF_DPFILTER_NO_SKIP=1 HF_DPFILTER_DATA=$(abspath $(DATA_DIR)) $(PY) -m pytest -q -m "not slow" --durations=25 tests
 	# smoke stage: the README's other command runs as written, so it cannot rot
 	$(MAKE) demo
 

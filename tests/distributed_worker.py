@@ -20,7 +20,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
 from _common import finish_run  # noqa: E402
-from helpers import ListDataset, PadCollator, make_examples  # noqa: E402
+from helpers import ListDataset, PadCollator, freeze_imported_objects, make_examples  # noqa: E402
 from models import VOCAB, tiny_roberta  # noqa: E402
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments  # noqa: E402
@@ -75,6 +75,7 @@ def run(out: str, method: str, sigma: float) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    freeze_imported_objects()
     out = sys.argv[1]
     for config in sys.argv[2:]:
         method, sigma = config.split(":")

@@ -23,7 +23,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from helpers import ListDataset, PadCollator, make_examples  # noqa: E402
+from helpers import ListDataset, PadCollator, freeze_imported_objects, make_examples  # noqa: E402
 from models import VOCAB, tiny_roberta  # noqa: E402
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine, make_dp_optimizer  # noqa: E402
@@ -181,6 +181,7 @@ def run_trainer(out: str, method: str, sigma: float) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    freeze_imported_objects()
     out, configs = sys.argv[1], sys.argv[2:]
     trainer = configs[:1] == ["trainer"]
     if trainer:

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import functools
+import gc
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from torch.utils.data import Dataset
 
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.losses import per_example_loss
+
+
+def freeze_imported_objects() -> None:
+    """Take the objects alive now (the imported modules) out of the garbage collector, for worker processes.
+
+    Trainer.train() starts with a full gc.collect() (accelerate's free_memory), which walks every object of the
+    process; the modules of torch and transformers are most of them and are never garbage. Freezing them leaves
+    each collection only the objects created afterwards (tests/conftest.py does the same for pytest)."""
+    gc.collect()
+    gc.freeze()
+
+
+@functools.cache
+def recipe_help(script: str) -> str:
+    """What ``python recipes/<script> --help`` prints, run from the checkout root as a user would.
+
+    Run once per test session: each run starts an interpreter that imports torch and transformers (~6 CPU s),
+    and tests/test_recipes.py and tests/test_readme_commands.py both read the same text."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "recipes" / script), "--help"], capture_output=True,
+                            text=True, check=True, cwd=root)
+    return result.stdout
 
 
 class ListDataset(Dataset):

@@ -17,7 +17,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from helpers import LeftPadCollator, ListDataset, make_examples  # noqa: E402
+from helpers import LeftPadCollator, ListDataset, freeze_imported_objects, make_examples  # noqa: E402
 from models import VOCAB, tiny_gpt2  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -35,6 +35,7 @@ class HookOnRankZero(TrainerCallback):
 
 def main() -> None:
     torch.set_num_threads(1)
+    freeze_imported_objects()
     for mode in sys.argv[2:]:  # ``train refuse``: both in one launch (the refusal ends it)
         run(os.path.join(sys.argv[1], mode), mode)
 

@@ -19,12 +19,12 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import recipe_help
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -88,9 +88,7 @@ def readme_commands() -> list[str]:
 def help_example_commands() -> list[str]:
     commands = []
     for script in ("glue.py", "table2text.py"):
-        result = subprocess.run([sys.executable, str(ROOT / "recipes" / script), "--help"], capture_output=True,
-                                text=True, check=True, cwd=ROOT)
-        block = result.stdout.split("Examples::", 1)[1]
+        block = recipe_help(script).split("Examples::", 1)[1]
         lines = []
         for line in block.splitlines()[1:]:
             if line and not line.startswith("    "):

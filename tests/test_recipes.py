@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from helpers import recipe_help
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("HF_DPFILTER_DATA", os.path.join(ROOT, "..", "shared", "data"))
@@ -319,8 +320,7 @@ def test_help_shows_every_default(recipe):
             continue
         text = formatter._get_help_string(action) % {"default": action.default}
         assert "default" in text.lower(), f"{action.option_strings[0]}: {text!r}"
-    printed = subprocess.run([sys.executable, recipe.__file__, "--help"], capture_output=True, text=True,
-                             check=True).stdout
+    printed = recipe_help(os.path.basename(recipe.__file__))
     assert "(default: 32)" in printed and "(default: prv)" in printed and "Examples::" in printed
     assert "(default: None)" not in printed
 

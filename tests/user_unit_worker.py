@@ -18,7 +18,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from helpers import ListDataset, flat  # noqa: E402
+from helpers import ListDataset, flat, freeze_imported_objects  # noqa: E402
 from test_user_unit import _extreme_user, _users, accumulate_packed_users  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
@@ -80,6 +80,7 @@ def train_user_level(out: str) -> dict[str, torch.Tensor]:
 
 
 def main(out: str) -> None:
+    freeze_imported_objects()
     params = train_user_level(os.path.join(out, "trainer"))  # sets up the gloo process group (DDP)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
