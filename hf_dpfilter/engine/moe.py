@@ -76,7 +76,8 @@ def split_rows(value: torch.Tensor | RoutedTokens | None, batch: int,
 
             raise PackingError(
                 "Mixture-of-experts layers on packed rows are not supported (their routed tokens are not regrouped "
-                "per packed example). Use a padding collator (one example per row) for this model."
+                "per packed example). Use a padding collator (one example per row) for this model (DPSFTConfig: "
+                "packing=False, padding_free=False)."
             )
         return RoutedTokens(*(split_rows(t, batch) for t in (value.hidden, value.index, value.weights)))
     return value.reshape(batch, value.shape[0] // batch, *value.shape[1:])
