@@ -7,6 +7,8 @@ The engine computes; it never clips (the DP optimizer clips, adds noise and acco
 * :mod:`~hf_dpfilter.engine.proving` -- the proving step (batch axes, state written, modules never called);
 * :mod:`~hf_dpfilter.engine.checkpointing` -- gradient checkpointing: refusals and replay at recorded values;
 * :mod:`~hf_dpfilter.engine.rules` -- the per-layer rule registry (:func:`register_grad_rule`);
+* :mod:`~hf_dpfilter.engine.moe` -- mixture-of-experts routers and experts (Mixtral, Qwen2-MoE), and the calls on a
+  merged token axis ``(B·T, d)`` whose batch part the tracer proved;
 * :mod:`~hf_dpfilter.engine.per_example` -- :class:`PerExampleGradients`: norms, proven bounds, weighted sums;
 * :mod:`~hf_dpfilter.engine.blocks` -- fusion, stacking and Gram algebra of the terms;
 * :mod:`~hf_dpfilter.engine.precision` -- term and accumulation dtypes, bf16 splits, rounding-error bounds;

@@ -9,7 +9,8 @@ model whose leading size is the declared batch size (``input_ids``, ``attention_
 ...) with "batch axis 0" and propagates the tag through every torch function: a result gets a tag when one of
 its inputs has one, with the batch axis followed through transposes, permutes, broadcasting, indexing and
 reshapes (a view that merges the batch axis with the dimensions after it, as ``Conv1D``'s ``x.view(-1, d)``
-does, keeps it as the major part of the merged dimension, and a view back recovers it), and marked lost
+does, keeps it as the major part of the merged dimension, and a view back recovers it; an operation along a
+merged dimension, like one along a plain batch axis, loses it), and marked lost
 (``LOST``) where an operation reduces, concatenates, splits, merges into an earlier dimension or
 advanced-indexes along it, normalises over it (``F.batch_norm`` in training, ``F.normalize``/
 ``cosine_similarity`` along it, ``group_norm``/``instance_norm``/``layer_norm`` whose statistics span it), or
@@ -22,6 +23,8 @@ batch-first by construction.
 A layer call is then:
 
 * ``BATCH`` -- its input's batch axis is the leading one: per example, as the rules assume;
+* ``MERGED`` (:mod:`hf_dpfilter.engine.moe`) -- its input's leading axis is the batch merged with the dimensions
+  after it (``x.view(-1, d)``): the engine splits the rows back to ``(B, T, ...)`` before the rule;
 * ``BROADCAST`` -- its input carries no batch axis and its output has leading size 1 (BERT's and GPT-2's
   ``(1, T)`` position ids): the engine expands the output to the batch (a view), so the gradient stays per
   example, exactly, provided every use of the expanded copy broadcasts it along the batch; an operation that
