@@ -88,7 +88,7 @@ def test_load_balancing_loss_is_computed_per_example(kind, tmp_path):
               data_collator=LeftPadCollator(0)).train()
     got = -len(examples) * flat([p.detach() - b for p, b in zip(params, before)])
     assert float((got - expected).abs().max()) <= 1e-6
-    assert float((got - expected).norm() / expected.norm()) <= 1e-7
+    assert float((got - expected).norm() / expected.norm()) <= 1e-6  # the model sums its aux loss in float32
 
 
 # --------------------------------------------------------------------------------------- refused routing

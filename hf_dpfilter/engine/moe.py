@@ -19,7 +19,7 @@ at the tokens' rows. What makes this per example, and how each piece is establis
   ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I), concatenated gate/up, no bias, no post-expert norm)
   compute, for each token ``n`` and each of its routes ``(e, w)``, ``w · down_e(act(gate_e x_n) · up_e x_n)``
   added at row ``n``: row ``n`` of the output depends on row ``n`` of the three inputs only, whichever kernel runs
-  it (eager loop, grouped or batched matmuls). This is checked once per class on a probe against
+  it (eager loop, grouped or batched matmuls). This is checked once per class and kernel on a probe against
   :func:`_experts_reference`, which is row-wise by construction; the tracer then tags the output with the input's
   token axis. The rule recomputes each route's activations from the recorded inputs and gives, per example, the
   sum over its own tokens only: an :class:`OuterTerm` whose left factor places each token's gradient in the block
@@ -75,7 +75,8 @@ def split_rows(value: torch.Tensor | RoutedTokens | None, batch: int,
 
             raise PackingError(
                 "Mixture-of-experts layers on packed rows are not supported (their routed tokens are not regrouped "
-                "per packed example). Use a padding collator (one example per row) for this model."
+                "per packed example). Use a padding collator (one example per row) for this model (DPSFTConfig: "
+                "packing=False, padding_free=False)."
             )
         return RoutedTokens(*(split_rows(t, batch) for t in (value.hidden, value.index, value.weights)))
     return value.reshape(batch, value.shape[0] // batch, *value.shape[1:])
@@ -140,18 +141,20 @@ def _experts_reference(module: nn.Module, hidden: torch.Tensor, index: torch.Ten
     return out
 
 
-_CHECKED_CLASSES: dict[type, str | None] = {}
+_CHECKED_FORMS: dict[tuple, str | None] = {}
 
 
 def check_experts_forward(module: nn.Module) -> str | None:
-    """Once per class: whether ``module.forward`` equals :func:`_experts_reference` on a float64 probe (None if so)."""
-    cls = type(module)
-    if cls not in _CHECKED_CLASSES:
+    """Whether ``module.forward`` equals :func:`_experts_reference` on a probe (None if so), once per class, experts
+    kernel (``config._experts_implementation``, chosen per model) and dtype."""
+    kernel = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    key = (type(module), str(kernel), getattr(module.gate_up_proj, "dtype", None))
+    if key not in _CHECKED_FORMS:
         problem = experts_layout_problem(module)
         if problem is None:
             problem = _probe(module)
-        _CHECKED_CLASSES[cls] = problem
-    return _CHECKED_CLASSES[cls]
+        _CHECKED_FORMS[key] = problem
+    return _CHECKED_FORMS[key]
 
 
 def _probe(module: nn.Module) -> str | None:

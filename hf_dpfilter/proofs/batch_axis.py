@@ -9,7 +9,8 @@ model whose leading size is the declared batch size (``input_ids``, ``attention_
 ...) with "batch axis 0" and propagates the tag through every torch function: a result gets a tag when one of
 its inputs has one, with the batch axis followed through transposes, permutes, broadcasting, indexing and
 reshapes (a view that merges the batch axis with the dimensions after it, as ``Conv1D``'s ``x.view(-1, d)``
-does, keeps it as the major part of the merged dimension, and a view back recovers it), and marked lost
+does, keeps it as the major part of the merged dimension, and a view back recovers it; an operation along a
+merged dimension, like one along a plain batch axis, loses it), and marked lost
 (``LOST``) where an operation reduces, concatenates, splits, merges into an earlier dimension or
 advanced-indexes along it, normalises over it (``F.batch_norm`` in training, ``F.normalize``/
 ``cosine_similarity`` along it, ``group_norm``/``instance_norm``/``layer_norm`` whose statistics span it), or
