@@ -374,7 +374,9 @@ def _probe_added_or_scaled(module: nn.Module) -> tuple[bool, GradRule | None]:
     (a layer scale such as DINOv2's ``x * lambda1``, a learned bias added on its own): that form's rule; otherwise
     not decided (the module stays without a rule unless another check or a base class gives one)."""
     own = _own_vector(module)
-    if own is None or own[1].device.type == "meta" or not own[1].is_floating_point():
+    # a module with buffers is not probed: its forward might write them (running statistics) from the probe
+    if (own is None or own[1].device.type == "meta" or not own[1].is_floating_point()
+            or next(module.buffers(recurse=False), None) is not None):
         return False, None
     name, param = own
     generator = torch.Generator().manual_seed(0)
