@@ -7,6 +7,9 @@
   equals the float64 per-example reference (each example alone, decoder labels padded with -100) within 1e-6.
 * BERT's ``cls.predictions.bias`` and RoBERTa's ``lm_head.bias`` are the decoder's bias (tied): the decoder's
   rule covers them, used only inside it (checked on the proving forward); BERT and RoBERTa MLM exact.
+* A leaf module adding or multiplying its one vector parameter (``x + v``, a layer scale ``x * v``, as DINOv2's
+  ``Dinov2LayerScale``) gets that form's rule from a structural probe (at a random ``v``); another form is refused
+  by name.
 * A shared table evaluated at several parameter points (``call_model``, as DiSK/PMLF/DIFF2 do): each example's
   combination equals the one-example-at-a-time reference.
 * A module whose untagged output was built from values of the batch read into Python is refused by name; a module
@@ -166,3 +169,49 @@ def test_a_shared_table_at_several_parameter_points_is_exact():
     points = [(1.0, None), (-0.5, other)]
     grads, _, _ = per_example_combination(engine, _loss_fn(engine, ids), points, len(ids), params)
     torch.testing.assert_close(grads.norms(), points_reference(model, ids, points, 0), rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------- a vector added or multiplied
+class _LayerScale(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+class _AddedBias(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(dim))  # zero at first: the probe uses a random value, not this one
+
+    def forward(self, x):
+        return x + self.shift
+
+
+class _ShiftedScale(_AddedBias):
+    def forward(self, x):
+        return x * self.shift + 1.0  # neither form
+
+
+class _VectorModel(_Classifier):
+    def __init__(self, vector: nn.Module) -> None:
+        super().__init__(_ArangeTable(16, 8))
+        self.vector = vector
+
+    def forward(self, input_ids, attention_mask, **kwargs):
+        h = torch.tanh(self.vector(self.embed(input_ids) + self.pos(input_ids)))
+        mask = attention_mask.unsqueeze(-1).to(h.dtype)
+        return SequenceClassifierOutput(logits=self.head((h * mask).sum(1) / mask.sum(1)))
+
+
+@pytest.mark.parametrize("vector", [_LayerScale, _AddedBias], ids=["scale", "bias"])
+def test_a_vector_added_or_multiplied_in_a_leaf_forward_is_exact(vector, tmp_path):
+    model = _VectorModel(vector(8)).double()
+    assert _max_difference(model, tmp_path, "cls", PadCollator(0)) <= 1e-6
+
+
+def test_a_vector_in_another_form_is_refused_by_name(tmp_path):
+    with pytest.raises(UnsupportedLayerError, match=r"'vector.shift'.*_ShiftedScale"):
+        _train_classifier(_VectorModel(_ShiftedScale(8)), tmp_path)

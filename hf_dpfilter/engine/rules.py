@@ -285,7 +285,9 @@ _register_importable(_hf_offset_rms_norm, *_OFFSET_FORM_RMS_NORMS)
 #   attribute, and ``module.forward`` on a probe input equals the scale form ``w * n(x)`` or the offset form
 #   ``n(x) * (1 + w)`` (checked once per class, on float64 copies of the probe and the module's weight);
 # * scaled word embedding: an ``nn.Embedding`` subclass with an ``embed_scale`` attribute whose forward
-#   equals ``embedding(ids) * embed_scale`` on a probe (Gemma's ``sqrt(hidden)``, BART's, ...).
+#   equals ``embedding(ids) * embed_scale`` on a probe (Gemma's ``sqrt(hidden)``, BART's, ...);
+# * added or multiplied vector: a leaf module with one 1-D parameter ``v`` whose forward equals ``x + v`` or
+#   ``x * v`` on a probe, bit for bit (a layer scale, a learned bias added on its own).
 #
 # Anything else stays without a rule, and the engine refuses it (UnsupportedLayerError) rather than train it
 # with a guessed gradient.
@@ -343,7 +345,58 @@ def _probe_scaled_embedding(module: nn.Module) -> tuple[bool, GradRule | None]:
     return True, (_scaled_embedding if matches else None)
 
 
-_STRUCTURAL_CHECKS = (_probe_scaled_embedding, _probe_rms_norm_form)
+def _own_vector(module: nn.Module) -> tuple[str, nn.Parameter] | None:
+    """The module's one parameter (trainable or not) when it is 1-D, and the module has no sub-modules."""
+    own = list(module.named_parameters(recurse=False))
+    if len(own) != 1 or own[0][1].dim() != 1 or next(module.children(), None) is not None:
+        return None
+    return own[0]
+
+
+def _added_vector(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: x + v (v along the last dimension): d out / d v = 1 at every position
+    name, param = _own_vector(module)
+    if not param.requires_grad:
+        return {}
+    return {name: DenseTerm(_tokens_and_features(grad_output, grad_output.shape[0], param))}
+
+
+def _scaled_by_vector(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: x * v (a layer scale, v along the last dimension): d out / d v = x at every position
+    name, param = _own_vector(module)
+    if not param.requires_grad:
+        return {}
+    return {name: DenseTerm(_tokens_and_features(grad_output * activations, grad_output.shape[0], param))}
+
+
+def _probe_added_or_scaled(module: nn.Module) -> tuple[bool, GradRule | None]:
+    """A leaf module with one 1-D parameter ``v`` whose ``forward(x)`` equals ``x + v`` or ``x * v`` on a probe
+    (a layer scale such as DINOv2's ``x * lambda1``, a learned bias added on its own): that form's rule; otherwise
+    not decided (the module stays without a rule unless another check or a base class gives one)."""
+    own = _own_vector(module)
+    # a module with buffers is not probed: its forward might write them (running statistics) from the probe
+    if (own is None or own[1].device.type == "meta" or not own[1].is_floating_point()
+            or next(module.buffers(recurse=False), None) is not None):
+        return False, None
+    name, param = own
+    generator = torch.Generator().manual_seed(0)
+    probe, value = (torch.randn(*shape, generator=generator).to(device=param.device, dtype=param.dtype)
+                    for shape in ((2, 3, param.shape[0]), (param.shape[0],)))
+    try:  # at a random value of v (not the module's own, which may be 0 or 1): the form, not a coincidence
+        with torch.no_grad():
+            out = torch.func.functional_call(module, {name: value}, (probe,))
+    except Exception:  # noqa: BLE001 -- a forward that fails on the probe is not a form we know
+        return False, None
+    if not isinstance(out, torch.Tensor) or out.shape != probe.shape or out.dtype != probe.dtype:
+        return False, None
+    if torch.equal(out, probe + value):
+        return True, _added_vector
+    if torch.equal(out, probe * value):
+        return True, _scaled_by_vector
+    return False, None
+
+
+_STRUCTURAL_CHECKS = (_probe_scaled_embedding, _probe_rms_norm_form, _probe_added_or_scaled)
 _STRUCTURAL_RULES: dict[type, GradRule] = {}  # per class, once matched: the forms are properties of the forward
 
 
