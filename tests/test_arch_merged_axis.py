@@ -57,6 +57,8 @@ TRACED = {  # x: (B=2, T=3, d=4) batch-first -> the tag of the result
     "merged, summed over rows": (lambda x: x.reshape(-1, 4).sum(0), LOST_TAG),
     "merged, transposed": (lambda x: x.reshape(-1, 4).t(), (1, 3)),
     "bmm on (B*H, T, D)": (lambda x: torch.bmm(_heads(x), _heads(x).transpose(1, 2)), (0, 2)),
+    "matmul on (B*H, T, D) (DeBERTa's q @ k^T)": (lambda x: torch.matmul(_heads(x), _heads(x).transpose(-1, -2) / 2),
+                                                 (0, 2)),
     "bmm, batch on a matrix dim": (lambda x: torch.bmm(_heads(x).transpose(0, 1), _heads(x).transpose(0, 1).mT),
                                    LOST_TAG),
     "baddbmm (ALiBi)": (lambda x: _heads(x)[:, :1, :1].expand(4, 3, 3).baddbmm(
