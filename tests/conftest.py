@@ -18,7 +18,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # Garbage collection. transformers' Trainer.train() starts with accelerate's free_memory(), a full gc.collect(),
 # and Python runs its own full collections as objects pile up: each walks every object of the process (torch,
-# transformers and all test modules: ~0.3 s on CI), and they were about half the suite's CPU time. The objects
+# transformers and all test modules: ~0.25 s each), a third to a half of the suite's CPU time. The objects
 # alive once the tests are collected (modules, classes, functions) are frozen out of the collector: they stay
 # alive anyway, so no collection would free them. Frozen again at each module's end, after its fixtures are torn
 # down, for the modules imported lazily meanwhile. Every test still runs the same collections over its own objects.
@@ -34,5 +34,5 @@ def pytest_collection_finish(session) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield  # the test's fixtures, and the module's when it is the module's last test, are torn down
-    if nextitem is None or nextitem.module is not item.module:
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         _freeze_what_is_alive()

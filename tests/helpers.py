@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,14 +28,23 @@ def freeze_imported_objects() -> None:
 
 
 @functools.cache
-def recipe_help(script: str) -> str:
-    """What ``python recipes/<script> --help`` prints, run from the checkout root as a user would.
+def script_help(script: str) -> subprocess.CompletedProcess:
+    """``python <script> --help`` (``script``: a path from the checkout root), started as a user would from another
+    directory, with nothing on PYTHONPATH.
 
-    Run once per test session: each run starts an interpreter that imports torch and transformers (~6 CPU s),
-    and tests/test_recipes.py and tests/test_readme_commands.py both read the same text."""
+    Run once per test session: each run starts an interpreter that imports torch and transformers (~6 CPU s), and
+    test_application_layout.py, test_recipes.py and test_readme_commands.py all check the same run."""
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(root / "recipes" / script), "--help"], capture_output=True,
-                            text=True, check=True, cwd=root)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with tempfile.TemporaryDirectory() as elsewhere:
+        return subprocess.run([sys.executable, str(root / script), "--help"], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+
+def recipe_help(script: str) -> str:
+    """What ``python recipes/<script> --help`` prints (one run per session, see ``script_help``)."""
+    result = script_help(f"recipes/{script}")
+    assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 

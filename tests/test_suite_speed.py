@@ -9,7 +9,7 @@ import torch
 
 def test_the_objects_alive_after_collection_are_frozen_out_of_the_collector():
     """tests/conftest.py freezes the imported modules: without it each Trainer.train() (a full gc.collect()) walks
-    all of torch and transformers, about half the suite's CPU time."""
+    all of torch and transformers, a third to a half of the suite's CPU time."""
     assert gc.get_freeze_count() > 100_000
 
 
