@@ -343,7 +343,10 @@ def random_keys(collate_fn: Callable[[list], dict[str, Any]], example: Any, keys
         with torch.random.fork_rng(devices=[]):
             draws = []
             for seed in range(_RANDOM_PROBE_SEEDS):
-                torch.manual_seed(seed)
+                # the CPU generator only, the one forked above (collators draw on the CPU): torch.manual_seed would
+                # also re-seed every CUDA generator, unrestored, and on a CPU-only build queue a call with a
+                # formatted stack per device type (~1 ms each, most of this probe's cost)
+                torch.random.default_generator.manual_seed(seed)
                 draws.append(dict(collate_fn([example] * _RANDOM_PROBE_COPIES)))
     finally:
         random.setstate(python_state)
