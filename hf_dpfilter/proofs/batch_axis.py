@@ -92,6 +92,7 @@ _BATCH_NORMS = {"batch_norm", "native_batch_norm"}
 _STATISTICS_ALONG = {"group_norm", "instance_norm", "layer_norm", "normalize", "cosine_similarity", "softmin"}
 _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
 _CONCATS = {"cat", "concat", "concatenate"}
+_STACKS = {"stack"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
 #: reads of a tensor's attributes (``p.device``, ``p.shape``, ``p.dim()``): not uses of its values
 _METADATA_READS = {
@@ -256,6 +257,8 @@ class BatchAxisTracer(TorchFunctionMode):
 
     def _result_tag(self, func: Any, args: tuple, kwargs: dict, tagged: list, result: torch.Tensor) -> tuple[int, int]:
         name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: h.T, h.mT transpose (their getter is named __get__, like h.shape's)
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
         first = args[0] if args else None
         first_tag = self.tag_of(first)
         if name == "__getitem__" and first_tag == (0, 1) and len(args) > 1:
@@ -290,15 +293,42 @@ class BatchAxisTracer(TorchFunctionMode):
             dim = _normalize(kwargs.get("dim", args[1] if len(args) > 1 else 0), result.dim())
             if any(tag[0] == LOST or tag[0] == dim for _, tag in tagged):
                 return LOST, 1
-        for source, (axis, inner) in tagged:  # the first input whose batch axis lines up with the result
+        if name in _STACKS and args and isinstance(args[0], (list, tuple)):
+            return self._stack_tag(args, kwargs, tagged, result)
+        return self._combined_tag(tagged, result)
+
+    @staticmethod
+    def _combined_tag(tagged: list, result: torch.Tensor) -> tuple[int, int]:
+        """The general rule: every batch-derived input's batch axis must land on one and the same dimension of the
+        result. An input whose batch axis was lost (``w.sum(0)``, ``h.mean(0)``) or lands elsewhere (``h + h.T``)
+        carries the other examples' values into every row, so the result's rows are no longer per example: LOST
+        (before, the first input that lined up gave its tag, and ``w / w.sum(0)`` passed as per example)."""
+        landed = set()
+        for source, (axis, inner) in tagged:
             if axis == LOST:
-                continue
+                return LOST, 1
             if axis == 0 and result.dim() >= 1 and result.shape[0] == source.shape[0]:
-                return 0, inner
+                landed.add((0, inner))
+                continue
             aligned = result.dim() - source.dim() + axis  # broadcasting aligns trailing dimensions
-            if 0 <= aligned < result.dim() and result.shape[aligned] == source.shape[axis]:
-                return aligned, inner
-        return LOST, 1
+            if not (0 <= aligned < result.dim() and result.shape[aligned] == source.shape[axis]):
+                return LOST, 1
+            landed.add((aligned, inner))
+        return landed.pop() if len(landed) == 1 else (LOST, 1)
+
+    @staticmethod
+    def _stack_tag(args: tuple, kwargs: dict, tagged: list, result: torch.Tensor) -> tuple[int, int]:
+        """``torch.stack(tensors, dim)``: a new dimension at ``dim``, the batch axis after it moves by one; LOST
+        unless every batch-derived operand has the same tag (a size match of the new dimension with the batch
+        size, two tensors stacked for B == 2, says nothing)."""
+        dim = _normalize(kwargs.get("dim", args[1] if len(args) > 1 else 0), result.dim())
+        tags = {tag for _, tag in tagged}
+        if len(tags) != 1:
+            return LOST, 1
+        axis, inner = tags.pop()
+        if axis == LOST:
+            return LOST, 1
+        return (axis + 1 if axis >= dim else axis), inner
 
     def _contracts_batch(self, a: Any, b: Any) -> bool:
         """Whether ``a @ b`` sums over the batch axis of either operand (``h.T @ h``)."""
@@ -426,6 +456,10 @@ class BatchAxisTracer(TorchFunctionMode):
             return d1 if axis == d0 else d0 if axis == d1 else axis
         if name in ("t", "t_"):
             return (1 - axis) if ndim == 2 else axis
+        if name == "T":  # reverses every dimension
+            return ndim - 1 - axis
+        if name in ("mT", "mH"):  # swaps the last two
+            return {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(axis, axis) if ndim >= 2 else axis
         if name == "permute":
             dims = args[1:] if len(args) > 2 or isinstance(args[1] if len(args) > 1 else None, int) else (
                 args[1] if len(args) > 1 else kwargs.get("dims"))
