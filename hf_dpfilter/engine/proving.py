@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
@@ -59,6 +60,14 @@ def _same_values(copy: torch.Tensor | None, tensor: torch.Tensor) -> bool:
     return bool(torch.equal(copy, tensor))
 
 
+def _input_signature(args: tuple, kwargs: dict) -> tuple:
+    """What the verdicts of a proof hold for: the model's inputs' structure, tensor shapes and dtypes, and plain
+    values (a flag can change the forward as a shape can)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    return spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (
+        t if isinstance(t, (int, float, str, bool, type(None))) else type(t)) for t in leaves)
+
+
 class _ProvingStep:
     """The proving step of :class:`~hf_dpfilter.engine.recorder.GhostClippingEngine` (a mixin of it)."""
 
@@ -73,19 +82,49 @@ class _ProvingStep:
         """
         self.hold_eval_modes()
         self._call_counts = {}
+        self._signature = None
         if self._axis_verdicts is not None and not self._reprove:
             # Later steps: a forward may write state only on some steps (e.g. a dynamic RoPE replacing its
             # inv_freq once a batch is long enough), so every step compares identities and version counters, and
             # the buffers' values (a write through `.data` moves no version counter), before its backward, i.e.
-            # before anything of the step is released. Buffers are small next to the parameters.
+            # before anything of the step is released. Buffers are small next to the parameters. The verdicts
+            # are those proven for the step's input shapes; inputs of shapes no step had are traced now
+            # (_select_verdicts): a forward can merge or mix the batch differently on another shape.
             snapshot = self._state_snapshot(self._check_parameters)
-            yield
-            if self._recorded_modules and not self._state_surely_unchanged(snapshot):
+            self._late_proof, self._may_prove_late = None, True
+            try:
+                yield
+            finally:
+                late, self._late_proof, self._may_prove_late = self._late_proof, None, False
+                if late is not None:
+                    self._tracer = None
+                    late[0].__exit__(None, None, None)
+                    for handle in late[1]:
+                        handle.remove()
+            if late is not None:
+                self._conclude_proof(late[0], snapshot, self._check_parameters)
+            elif self._recorded_modules and not self._state_surely_unchanged(snapshot):
                 self._check_state_unchanged(snapshot, self._check_parameters)  # finds and names the change
             return
         self._reprove = False
         with_parameters = self._check_parameters = not self._under_fsdp()
         snapshot = self._state_snapshot(with_parameters)
+        tracer, handles = self._start_proof()
+        try:
+            with tracer:
+                yield
+        except RuntimeError as error:
+            if self._expanded_in_proof:  # a torch error after an expansion of ours: name the module, not torch
+                raise self._expansion_failed_error(error) from error
+            raise
+        finally:
+            self._tracer = None
+            for handle in handles:
+                handle.remove()
+        self._conclude_proof(tracer, snapshot, with_parameters)
+
+    def _start_proof(self) -> tuple[BatchAxisTracer, list]:
+        """The tracer of a proving forward and the hooks that follow its module calls."""
         # packed rows: the model's inputs are rows (the layout maps them to examples)
         tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
         self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
@@ -98,17 +137,29 @@ class _ProvingStep:
         for module in self.model.modules():
             handles.append(module.register_forward_pre_hook(self._trace_entry, prepend=True, with_kwargs=True))
             handles.append(module.register_forward_hook(self._trace_exit, always_call=True))
-        try:
-            with tracer:
-                yield
-        except RuntimeError as error:
-            if self._expanded_in_proof:  # a torch error after an expansion of ours: name the module, not torch
-                raise self._expansion_failed_error(error) from error
-            raise
-        finally:
-            self._tracer = None
-            for handle in handles:
-                handle.remove()
+        return tracer, handles
+
+    def _select_verdicts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """At the model's first forward of a later step: the verdicts proven for inputs of these shapes (and these
+        other arguments), or, for shapes no step had, a proof of this step's own (traced from here, concluded at
+        the end of the block, before the backward). A later forward of the block with other shapes than the first
+        finds no verdict: its trainable calls are refused and the next step proves again."""
+        signature = _input_signature(args, kwargs)
+        if self._model_forwards > 1:
+            if signature != self._signature:
+                self._axis_verdicts = {}
+            return
+        self._signature = signature
+        proven = self._proven_by_signature.get(signature)
+        if proven is not None:
+            self._axis_verdicts, self._proven_forwards = proven
+            return
+        self._late_proof = self._start_proof()
+        self._late_proof[0].__enter__()
+        self._trace_entry(module, args, kwargs)  # the hooks just added run from the next call on
+
+    def _conclude_proof(self, tracer: BatchAxisTracer, snapshot: dict, with_parameters: bool) -> None:
+        """The checks of a proving block after its forwards (before the backward), then its verdicts kept."""
         if not self._recorded_modules:
             if self._forward_ran:
                 # the model ran but none of its trainable modules did (e.g. LoRA through target_parameters, whose
@@ -133,6 +184,8 @@ class _ProvingStep:
             # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
             self._axis_verdicts = self._new_verdicts
             self._proven_forwards = self._model_forwards
+            if self._signature is not None and not tracer.value_dependent:
+                self._proven_by_signature[self._signature] = (self._new_verdicts, self._model_forwards)
             self._reprove = tracer.value_dependent  # proven from this batch's values: trace the next step too
 
     def _expansion_failed_error(self, error: RuntimeError) -> UnsupportedLayerError:
@@ -172,6 +225,10 @@ class _ProvingStep:
 
     def _trace_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._trace_depth = max(0, self._trace_depth - 1)
+        if self._tracer is not None and is_experts(module) and isinstance(output, torch.Tensor):
+            # frozen experts too: their output keeps the tokens' axis only when proven row-wise (moe), as trainable
+            # ones do; otherwise it stays lost (the in-place index_add_ along it), and what it feeds is refused
+            experts_verdict(self._tracer, module, args, output)
         if self._tracer is not None and self._entries and self._entries[-1][0] is module:
             self._entries.pop()
 
@@ -322,9 +379,13 @@ class _ProvingStep:
             )
         return output, activations, None, 0
 
-    def _count_model_forward(self, module: nn.Module, args: tuple) -> None:
+    def _count_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._recording and torch.is_grad_enabled() and not _inside_backward():
             self._model_forwards += 1
+            if self._may_prove_late and self._tracer is None:
+                self._select_verdicts(module, args, kwargs)
+            elif self._tracer is not None and self._model_forwards == 1:
+                self._signature = _input_signature(args, kwargs)
 
     def _repeats_proven_calls(self, proven_calls: int, index: int) -> bool:
         """Whether call ``index`` of a module proven with ``proven_calls`` same-verdict calls is one of the same

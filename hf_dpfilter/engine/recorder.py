@@ -171,6 +171,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if problems:
             raise ModuleValidationError(problems)
         self._axis_verdicts = None  # the hooked modules may have changed: prove the batch axes again
+        self._proven_by_signature: dict[tuple, tuple] = {}  # the verdicts per input signature (proving.py)
+        self._may_prove_late, self._late_proof, self._signature = False, None, None
         self._shares, self._shared_tables = declared_tables(self.model)  # hf_dpfilter.engine.shared_tables
         self._owners = {}
         self._param_names = {}
@@ -227,7 +229,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
         # the model's forwards inside record(): the verdicts proven for one forward extend to repeated forwards
         # (several parameter points), never to more calls within one forward (see _call_verdict)
-        self._handles.append(self.model.register_forward_pre_hook(self._count_model_forward))
+        self._handles.append(self.model.register_forward_pre_hook(self._count_model_forward, with_kwargs=True))
 
     def hold_eval_modes(self) -> None:
         """Put the modules the options hold in eval mode back there (``batchnorm_eval``); call after

@@ -322,13 +322,8 @@ class BatchAxisTracer(TorchFunctionMode):
         unless every batch-derived operand has the same tag (a size match of the new dimension with the batch
         size, two tensors stacked for B == 2, says nothing)."""
         dim = _normalize(kwargs.get("dim", args[1] if len(args) > 1 else 0), result.dim())
-        tags = {tag for _, tag in tagged}
-        if len(tags) != 1:
-            return LOST, 1
-        axis, inner = tags.pop()
-        if axis == LOST:
-            return LOST, 1
-        return (axis + 1 if axis >= dim else axis), inner
+        (axis, inner), *others = {tag for _, tag in tagged}
+        return (LOST, 1) if others or axis == LOST else ((axis + 1 if axis >= dim else axis), inner)
 
     def _contracts_batch(self, a: Any, b: Any) -> bool:
         """Whether ``a @ b`` sums over the batch axis of either operand (``h.T @ h``)."""
@@ -563,15 +558,17 @@ class BatchAxisTracer(TorchFunctionMode):
         advanced = [i for i, item in enumerate(items) if isinstance(item, (torch.Tensor, list))]
         if axis == 0 and advanced and advanced[0] == 0 and advanced == list(range(len(advanced))):
             # x[torch.arange(B), lengths - 1]: one row per example, in order (checked on the values, once)
+            # (or transformers' mask functions' padding_mask[arange(B).view(B, 1, 1, 1), kv_idx]: the other indices
+            # have no more dimensions, so the broadcast's leading one is the rows': each example reads its own row)
             rows = items[0]
             if (
                 isinstance(rows, torch.Tensor)
-                and rows.dim() == 1
+                and rows.dim() >= 1
                 and not rows.is_floating_point()
                 and rows.dtype != torch.bool
-                and rows.shape[0] == source.shape[0]
-                and all(isinstance(items[i], torch.Tensor) and items[i].dim() <= 1 for i in advanced)
-                and bool(torch.equal(rows.cpu(), torch.arange(source.shape[0])))
+                and rows.shape[0] == source.shape[0] == rows.numel()
+                and all(isinstance(items[i], torch.Tensor) and items[i].dim() <= rows.dim() for i in advanced)
+                and bool(torch.equal(rows.reshape(-1).cpu(), torch.arange(source.shape[0])))
             ):
                 return 0
         if len(advanced) > 1 and advanced != list(range(advanced[0], advanced[-1] + 1)):
