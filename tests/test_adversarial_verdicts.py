@@ -1,0 +1,145 @@
+"""Adversarial review of issue 30's engine verdicts (merged batch axes, shared outputs, MoE), through the public API.
+
+Each test is an attack that found a hole (now closed):
+
+* an element-wise operation combining a batch tensor with one whose batch axis was lost (``h / h.sum(0)``,
+  ``h - h.mean(0)``, a branch on a batch statistic) or lands on another dimension (``h + h.T`` when B == d), and
+  ``torch.stack`` of two tensors for B == 2, used to keep the batch tag of the first operand that lined up by size,
+  so a trainable layer after it passed as per example (only the sampled first-step check could see it): the
+  tracer now marks such a result lost, and the layer is refused before release;
+* Mixtral's experts frozen (LoRA on the attention) with a routing that mixes the batch: their in-place
+  ``index_add_`` loses the token axis, and ``h + out`` used to take the residual's tag; frozen experts now get
+  the trainable ones' verdict (row-wise form and routing on the tokens' own axis, :mod:`hf_dpfilter.engine.moe`);
+* a merge that interleaves the examples only on a later shape (``(T*B, d)`` for T > 8, OPT's ``(B*T, d)``
+  otherwise): the verdicts were proven once, on the first step, and reused by call index, so the later step
+  viewed interleaved rows as ``(B, T, d)`` (per-example norms off by 10x, with the same losses: no loss re-check
+  can see it). Verdicts are now kept per input signature and a new one is traced on its own step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_dpfilter.factory import make_engine, make_optimizer
+from hf_dpfilter.plan import PrivacyPlan
+
+
+def _engine_and_optimizer(model: nn.Module, batch: int):
+    plan = PrivacyPlan.create(num_examples=100, logical_batch_size=batch, epochs=1, noise_multiplier=0.0,
+                              max_grad_norm=0.05, seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return make_engine(plan, model), make_optimizer(plan, params, base=torch.optim.SGD, lr=0.0)
+
+
+def _refused_before_release(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, match: str) -> None:
+    engine, optimizer = _engine_and_optimizer(model, x.shape[0])
+    with pytest.raises(RuntimeError, match=match):
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"),
+                             batch_size=x.shape[0])
+    assert all(float(s.abs().sum()) == 0 for s in optimizer._local_sums().values())
+
+
+class _LostOperand(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.enc = nn.Linear(3, 2)
+        self.head = nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = self.enc(x)  # (B, 2) with B == 2: shapes that coincide
+        if self.kind == "h / h.abs().sum(0)":
+            return self.head(h / h.abs().sum(0))
+        if self.kind == "h - h.mean(0)":
+            return self.head(h - h.mean(0, keepdim=True))
+        if self.kind == "where(h.sum(0) > 0)":
+            return self.head(torch.where(h.sum(0) > 0, h, -h))
+        if self.kind == "h + h.T":
+            return self.head(h + h.T)
+        if self.kind == "stack([h, 2h]) for B == 2":
+            return self.head(torch.stack([h, 2 * h])).sum(0)  # (2, B, 2): the batch on dimension 1
+        if self.kind == "per-example statistics":  # negative control: each example's own values only
+            return self.head(h / h.norm(dim=-1, keepdim=True) + torch.stack([h, h], dim=1).mean(1))
+        raise AssertionError(self.kind)
+
+
+_LOST = ["h / h.abs().sum(0)", "h - h.mean(0)", "where(h.sum(0) > 0)", "h + h.T", "stack([h, 2h]) for B == 2"]
+
+
+@pytest.mark.parametrize("kind", _LOST)
+def test_an_operand_without_the_batch_axis_makes_the_rows_mixed(kind):
+    torch.manual_seed(0)
+    _refused_before_release(_LostOperand(kind), torch.randn(2, 3), torch.tensor([0, 1]),
+                            r"(?s)Module 'head'.*(lost its batch axis|batch axis at dimension 1).*Nothing was released")
+
+
+def test_per_example_statistics_stay_accepted():
+    torch.manual_seed(0)
+    model = _LostOperand("per-example statistics")
+    engine, optimizer = _engine_and_optimizer(model, 2)
+    x, labels = torch.randn(2, 3), torch.tensor([0, 1])
+    optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=2)
+
+
+def test_frozen_experts_routed_over_the_batch_are_not_taken_as_per_example():
+    from test_arch_moe import COMMON, GQA, MOE, _BatchNormalisedRouting
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("mixtral", **{**COMMON, **GQA, **MOE["mixtral"]})
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = _BatchNormalisedRouting(config)
+    model.experts.requires_grad_(False)
+    model.gate.requires_grad_(False)
+    ids = torch.randint(3, 20, (3, 5))
+
+    class LastToken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, ids):
+            return self.inner(ids)["logits"][:, -1]
+
+    _refused_before_release(LastToken(), ids, torch.tensor([1, 2, 3]),
+                            r"(?s)Module 'inner.head'.*lost its batch axis.*Nothing was released")
+
+
+class _InterleavesWhenLong(nn.Module):
+    """A LayerNorm on OPT's ``(B*T, d)`` rows while T <= 8, on ``(T*B, d)`` (interleaved examples) when T > 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(3, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.enc(x)
+        batch, length, width = h.shape
+        if length > 8:
+            rows = self.norm(h.transpose(0, 1).reshape(length * batch, width))
+            return self.head(rows.reshape(length, batch, width).transpose(0, 1)).sum(1)
+        return self.head(self.norm(h.reshape(batch * length, width)).reshape(batch, length, width)).sum(1)
+
+
+def test_a_merge_that_interleaves_on_a_later_shape_is_refused_on_that_step():
+    torch.manual_seed(0)
+    model = _InterleavesWhenLong()
+    engine, optimizer = _engine_and_optimizer(model, 3)
+    labels = torch.tensor([0, 1, 0])
+
+    def step(length: int) -> None:
+        x = torch.randn(3, length, 3)
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=3)
+
+    step(4)  # proven: MERGED, rows of example r // T
+    step(6)  # a new shape, traced on its step: the same merge, accepted
+    sums = {p: s.clone() for p, s in optimizer._local_sums().items()}
+    with pytest.raises(RuntimeError, match=r"(?s)Module 'norm' \(LayerNorm.*lost its batch axis.*Nothing was released"):
+        step(12)
+    assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())
+    step(4)  # a proven shape keeps its verdicts
