@@ -21,7 +21,7 @@ from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, experts_verdict, is_experts, split_rows
-from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule
+from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule, vector_form
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import StateWrittenError
 
@@ -83,6 +83,7 @@ class _ProvingStep:
         self.hold_eval_modes()
         self._call_counts = {}
         self._signature = None
+        self._form_checks: list[tuple[nn.Module, torch.Tensor]] = []
         if self._axis_verdicts is not None and not self._reprove:
             # Later steps: a forward may write state only on some steps (e.g. a dynamic RoPE replacing its
             # inv_freq once a batch is long enough), so every step compares identities and version counters, and
@@ -101,6 +102,7 @@ class _ProvingStep:
                     late[0].__exit__(None, None, None)
                     for handle in late[1]:
                         handle.remove()
+            self._check_vector_forms()
             if late is not None:
                 self._conclude_proof(late[0], snapshot, self._check_parameters)
             elif self._recorded_modules and not self._state_surely_unchanged(snapshot):
@@ -121,7 +123,38 @@ class _ProvingStep:
             self._tracer = None
             for handle in handles:
                 handle.remove()
+        self._check_vector_forms()
         self._conclude_proof(tracer, snapshot, with_parameters)
+
+    def _queue_vector_form(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor) -> None:
+        """A leaf whose rule is ``x + v`` or ``x * v`` (rules.py: recognised on a probe, once per class): whether
+        this call computed that form on its real input, bit for bit, as a flag checked after the forward
+        (:meth:`_check_vector_forms`, one synchronisation per step): a forward that branches on the values, the
+        dtype or the shape, or an instance that computes another form than its class's first, is refused."""
+        form = vector_form(module)
+        if form is None or source is None:
+            return
+        with torch.no_grad():
+            expected = form(source)
+            same = expected.shape == output.shape and expected.dtype == output.dtype
+            flag = ((expected == output) | (expected.isnan() & output.isnan())).all() if same else None
+        self._form_checks.append((module, flag))
+
+    def _check_vector_forms(self) -> None:
+        checks, self._form_checks = self._form_checks, []
+        flags = [flag for _, flag in checks if flag is not None]
+        if len(flags) == len(checks) and (not flags or bool(torch.stack([f.to(flags[0].device) for f in flags]).all())):
+            return
+        wrong = [module for module, flag in checks if flag is None or not bool(flag)]
+        if wrong:
+            names = ", ".join(dict.fromkeys(f"'{self._module_name(m)}' ({type(m).__name__})" for m in wrong))
+            raise UnsupportedLayerError(
+                f"Module {names} computed x + v (or x * v) on the engine's probe, which gave it that form's "
+                "per-example gradient rule, but not on this batch (a branch on the values, the dtype or the shape, "
+                "or another form than its class's first instance): its per-example gradient would be wrong. Freeze "
+                "it (requires_grad_(False)) or register a rule with hf_dpfilter.register_grad_rule. Nothing was "
+                "released."
+            )
 
     def _start_proof(self) -> tuple[BatchAxisTracer, list]:
         """The tracer of a proving forward and the hooks that follow its module calls."""
@@ -267,6 +300,7 @@ class _ProvingStep:
         """BATCH, BROADCAST, MERGED (the batch is the major part of a leading token axis, as after ``x.view(-1, d)``),
         SHARED (an output derived from no batch tensor), or why this call's batch axis is not proven
         (hf_dpfilter.proofs.batch_axis, hf_dpfilter.engine.moe)."""
+        self._queue_vector_form(module, source, output)
         key = id(module)
         index = self._call_counts.get(key, 0)
         self._call_counts[key] = index + 1
