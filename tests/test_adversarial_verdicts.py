@@ -13,7 +13,10 @@ Each test is an attack that found a hole (now closed):
 * a merge that interleaves the examples only on a later shape (``(T*B, d)`` for T > 8, OPT's ``(B*T, d)``
   otherwise): the verdicts were proven once, on the first step, and reused by call index, so the later step
   viewed interleaved rows as ``(B, T, d)`` (per-example norms off by 10x, with the same losses: no loss re-check
-  can see it). Verdicts are now kept per input signature and a new one is traced on its own step.
+  can see it). Verdicts are now kept per input signature and a new one is traced on its own step;
+* a leaf given the ``x + v`` / ``x * v`` rule by its class's probe that computes another form on real data (a
+  branch on the values, or an instance whose form differs from its class's first): each call is now checked
+  against the form, after the forward and before the backward.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_dpfilter import GhostClippingEngine
+from hf_dpfilter.engine.rules import UnsupportedLayerError
 from hf_dpfilter.factory import make_engine, make_optimizer
 from hf_dpfilter.plan import PrivacyPlan
 
@@ -36,7 +41,7 @@ def _engine_and_optimizer(model: nn.Module, batch: int):
 
 def _refused_before_release(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, match: str) -> None:
     engine, optimizer = _engine_and_optimizer(model, x.shape[0])
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises((RuntimeError, UnsupportedLayerError), match=match):
         optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"),
                              batch_size=x.shape[0])
     assert all(float(s.abs().sum()) == 0 for s in optimizer._local_sums().values())
@@ -143,3 +148,62 @@ def test_a_merge_that_interleaves_on_a_later_shape_is_refused_on_that_step():
         step(12)
     assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())
     step(4)  # a proven shape keeps its verdicts
+
+
+class _BranchOnValues(nn.Module):
+    """``x + v`` on the probe (values of order 1), ``x * v`` on an input with a value above 20."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x + self.v if bool(x.abs().max() < 20) else x * self.v
+
+
+class _Form(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(4))
+        self.form = form
+
+    def forward(self, x):
+        return x + self.v if self.form == "add" else x * self.v
+
+
+class _WithLeaf(nn.Module):
+    def __init__(self, leaf: nn.Module) -> None:
+        super().__init__()
+        self.enc = nn.Linear(3, 4)
+        self.leaf = leaf
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.leaf(self.enc(x)))
+
+
+def test_a_vector_leaf_that_branches_on_the_values_is_refused_on_the_step_it_branches():
+    """The x + v rule gave such a leaf a wrong per-example gradient (norms off by 5.7 on the large batch)."""
+    torch.manual_seed(0)
+    model = _WithLeaf(_BranchOnValues())
+    engine, optimizer = _engine_and_optimizer(model, 3)
+    labels = torch.tensor([0, 1, 0])
+
+    def step(x):
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=3)
+
+    step(torch.randn(3, 3))
+    sums = {p: s.clone() for p, s in optimizer._local_sums().items()}
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)Module 'leaf' \(_BranchOnValues\).*Nothing was released"):
+        step(100 * torch.randn(3, 3))
+    assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())
+
+
+def test_an_instance_with_another_form_than_its_class_probe_is_refused():
+    """The form is probed once per class: a later model's instance computing x * v got the first one's x + v."""
+    torch.manual_seed(0)
+    _WithLeaf(_Form("add"))(torch.randn(2, 3))
+    GhostClippingEngine(_WithLeaf(_Form("add"))).detach()  # the class is probed: x + v
+    model = _WithLeaf(_Form("mul"))
+    _refused_before_release(model, torch.randn(3, 3), torch.tensor([0, 1, 0]),
+                            r"(?s)Module 'leaf' \(_Form\).*another form than its class's first")
