@@ -2,8 +2,11 @@
 
 Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.proofs.batch_axis`): the first
 recorded step traces the batch axis from the model's batch-first inputs and caches a verdict per module and
-call. The same step refuses parameters and buffers written by the forward and trainable modules never called;
-every later step checks that no state was written, before its backward (before anything is released).
+call, per signature of the model's inputs (a later step whose inputs have a new signature is traced on that step:
+a forward may merge or mix the batch differently on another shape). The same step refuses parameters and buffers
+written by the forward and trainable modules never called; every later step checks that no state was written,
+and that each leaf with the ``x + v`` / ``x * v`` rule computed that form, before its backward (before anything
+is released).
 """
 
 from __future__ import annotations

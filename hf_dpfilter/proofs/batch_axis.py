@@ -15,7 +15,7 @@ merged dimension, like one along a plain batch axis, loses it), and marked lost
 advanced-indexes along it, normalises over it (``F.batch_norm`` in training, ``F.normalize``/
 ``cosine_similarity`` along it, ``group_norm``/``instance_norm``/``layer_norm`` whose statistics span it), or
 pairs two batch-derived operands example by example (``h @ h.T``, ``cdist(h, h)``, ``outer``, an einsum keeping
-two batch letters). Tensors that derive only from parameters, buffers and constants (``arange``
+two batch letters, an operand lost or on another dimension: ``h / h.sum(0)``, ``h + h.T``). Tensors that derive only from parameters, buffers and constants (``arange``
 position ids, bucketed relative positions, a weight matrix) carry no tag, except a constant of leading size 1
 expanded to the batch size (``token_type_ids`` buffers, ``position_ids.expand(B, -1)``): one copy per example,
 batch-first by construction.
@@ -44,8 +44,9 @@ A layer call is then:
   shows that it carries gradient; a call whose output gets no gradient (DoRA's weight-norm path, which is
   detached) is harmless and skipped.
 
-The verdicts are cached per module and call (the k-th call of a module in a micro-batch), so later steps pay
-nothing; a call the first step did not see is treated as unproven and makes the next step trace again.
+The verdicts are cached per module and call (the k-th call of a module in a micro-batch) and per signature of
+the model's inputs (engine/proving.py: a new one is traced on its own step); a call the proof did not see is
+treated as unproven and makes the next step trace again.
 """
 
 from __future__ import annotations
