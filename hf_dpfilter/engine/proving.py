@@ -321,7 +321,11 @@ class _ProvingStep:
                     ".tolist(), ...): its output may depend on the examples' data in a way the trace cannot follow"
                 )
             elif axis == 0:
-                verdict = BATCH
+                # a subclass of a layer with a rule (the base class's rule) whose forward mixes the rows: refused
+                verdict = BATCH if source is None or tracer.tag_of(output) == tag else (
+                    "is per example, but its output does not keep those rows per example (the layer's forward mixes "
+                    "rows of the batch)"
+                )
             elif tag is not None and tag[0] == 0 and tag[1] > 1:
                 # the batch merged with the dimensions after it, by traced views; the layer must keep those rows
                 verdict = MERGED if source is None or tracer.tag_of(output) == tag else (
