@@ -16,7 +16,9 @@ Each test is an attack that found a hole (now closed):
   can see it). Verdicts are now kept per input signature and a new one is traced on its own step;
 * a leaf given the ``x + v`` / ``x * v`` rule by its class's probe that computes another form on real data (a
   branch on the values, or an instance whose form differs from its class's first): each call is now checked
-  against the form, after the forward and before the backward.
+  against the form, after the forward and before the backward;
+* a subclass of a layer with a rule (the base class's) whose forward mixes the rows (``x.roll(1, 0)``) only on
+  some shape: its input was per example, so the call passed as such; its output must now keep the rows too.
 """
 
 from __future__ import annotations
@@ -207,3 +209,24 @@ def test_an_instance_with_another_form_than_its_class_probe_is_refused():
     model = _WithLeaf(_Form("mul"))
     _refused_before_release(model, torch.randn(3, 3), torch.tensor([0, 1, 0]),
                             r"(?s)Module 'leaf' \(_Form\).*another form than its class's first")
+
+
+class _RollsRows(nn.Linear):
+    """A Linear subclass (the Linear rule, by its base class) whose forward shifts the rows by one example when
+    the micro-batch has 3 examples: its input is per example, its output is not."""
+
+    def forward(self, x):
+        return super().forward(x.roll(1, 0) if x.shape[0] == 3 else x)
+
+
+def test_a_layer_subclass_whose_forward_mixes_the_rows_is_refused_on_that_shape():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), _RollsRows(4, 2))
+    engine, optimizer = _engine_and_optimizer(model, 4)
+    optimizer.accumulate(engine, lambda values: F.cross_entropy(model(torch.randn(4, 3)), torch.tensor([0, 1, 0, 1]),
+                                                                reduction="none"), batch_size=4)
+    sums = {p: s.clone() for p, s in optimizer._local_sums().items()}
+    x, labels = torch.randn(3, 3), torch.tensor([0, 1, 0])
+    with pytest.raises(RuntimeError, match=r"(?s)Module '2' \(_RollsRows.*does not keep those rows per example"):
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=3)
+    assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())
