@@ -221,7 +221,10 @@ class _ProvingStep:
             self._axis_verdicts = self._new_verdicts
             self._proven_forwards = self._model_forwards
             if self._signature is not None and not tracer.value_dependent:
-                self._proven_by_signature[self._signature] = (self._new_verdicts, self._model_forwards)
+                # most signatures prove the same verdicts: one dict kept for them all (memory: one per kind)
+                kept = {id(v): v for v, _ in self._proven_by_signature.values()}.values()
+                self._axis_verdicts = next((v for v in kept if v == self._new_verdicts), self._new_verdicts)
+                self._proven_by_signature[self._signature] = (self._axis_verdicts, self._model_forwards)
             self._reprove = tracer.value_dependent  # proven from this batch's values: trace the next step too
 
     def _expansion_failed_error(self, error: RuntimeError) -> UnsupportedLayerError:
