@@ -230,3 +230,14 @@ def test_a_layer_subclass_whose_forward_mixes_the_rows_is_refused_on_that_shape(
     with pytest.raises(RuntimeError, match=r"(?s)Module '2' \(_RollsRows.*does not keep those rows per example"):
         optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=3)
     assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())
+
+
+def test_shared_outputs_under_gradient_checkpointing_stay_exact(tmp_path, monkeypatch):
+    """Holds (no test covered it): T5's relative attention bias (a shared output) with checkpointed layers, whose
+    recomputation runs inside the engine's per-example backward to the shared outputs."""
+    import test_arch_positions as positions
+    from test_model_families import Seq2SeqCollator, _args
+
+    model = positions._model("t5-s2s")
+    monkeypatch.setattr(positions, "_args", lambda *args, **kwargs: _args(*args, gradient_checkpointing=True, **kwargs))
+    assert positions._max_difference(model, tmp_path, "s2s", Seq2SeqCollator(model.config.pad_token_id)) < 1e-9
