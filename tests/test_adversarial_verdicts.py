@@ -7,6 +7,8 @@ Each test is an attack that found a hole (now closed):
   ``torch.stack`` of two tensors for B == 2, used to keep the batch tag of the first operand that lined up by size,
   so a trainable layer after it passed as per example (only the sampled first-step check could see it): the
   tracer now marks such a result lost, and the layer is refused before release;
+* an element-wise operation broadcasting a ``(B, d)`` tensor into ``(L, B, d)`` with L == B was given the batch
+  on dimension 0 (the size matched), so a layer on it passed as per example with every example in each row;
 * Mixtral's experts frozen (LoRA on the attention) with a routing that mixes the batch: their in-place
   ``index_add_`` loses the token axis, and ``h + out`` used to take the residual's tag; frozen experts now get
   the trainable ones' verdict (row-wise form and routing on the tokens' own axis, :mod:`hf_dpfilter.engine.moe`);
@@ -68,12 +70,15 @@ class _LostOperand(nn.Module):
             return self.head(h + h.T)
         if self.kind == "stack([h, 2h]) for B == 2":
             return self.head(torch.stack([h, 2 * h])).sum(0)  # (2, B, 2): the batch on dimension 1
+        if self.kind == "table (L, 1, d) + h for L == B":  # (L, B, d): row l holds every example
+            return self.head(torch.ones(2, 1, 2) + h).mean(1)
         if self.kind == "per-example statistics":  # negative control: each example's own values only
             return self.head(h / h.norm(dim=-1, keepdim=True) + torch.stack([h, h], dim=1).mean(1))
         raise AssertionError(self.kind)
 
 
-_LOST = ["h / h.abs().sum(0)", "h - h.mean(0)", "where(h.sum(0) > 0)", "h + h.T", "stack([h, 2h]) for B == 2"]
+_LOST = ["h / h.abs().sum(0)", "h - h.mean(0)", "where(h.sum(0) > 0)", "h + h.T", "stack([h, 2h]) for B == 2",
+         "table (L, 1, d) + h for L == B"]
 
 
 @pytest.mark.parametrize("kind", _LOST)

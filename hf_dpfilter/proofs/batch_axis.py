@@ -94,6 +94,9 @@ _STATISTICS_ALONG = {"group_norm", "instance_norm", "layer_norm", "normalize", "
 _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
 _CONCATS = {"cat", "concat", "concatenate"}
 _STACKS = {"stack"}
+#: element-wise operations (names without their operator underscores, or in-place ``_``): they broadcast
+_ELEMENTWISE = {"add", "radd", "iadd", "sub", "rsub", "isub", "mul", "rmul", "imul", "div", "truediv", "rtruediv",
+                "itruediv", "true_divide", "where", "maximum", "minimum", "masked_fill", "addcmul", "addcdiv", "lerp"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
 #: reads of a tensor's attributes (``p.device``, ``p.shape``, ``p.dim()``): not uses of its values
 _METADATA_READS = {
@@ -103,13 +106,11 @@ _METADATA_READS = {
 }
 #: operations that read a tensor's values into Python: what is built from them carries no tag
 _HOST_READS = {"item", "tolist", "numpy", "__int__", "__float__", "__index__", "__bool__", "__complex__", "__array__"}
+_RESHAPES = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "ravel", "_unsafe_view"}
 
 
 def _normalize(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
-
-
-_RESHAPES = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "ravel", "_unsafe_view"}
 
 
 def _prod(sizes: Any) -> int:
@@ -296,19 +297,21 @@ class BatchAxisTracer(TorchFunctionMode):
                 return LOST, 1
         if name in _STACKS and args and isinstance(args[0], (list, tuple)):
             return self._stack_tag(args, kwargs, tagged, result)
-        return self._combined_tag(tagged, result)
+        return self._combined_tag(tagged, result, name.strip("_") in _ELEMENTWISE)
 
     @staticmethod
-    def _combined_tag(tagged: list, result: torch.Tensor) -> tuple[int, int]:
-        """The general rule: every batch-derived input's batch axis must land on one and the same dimension of the
-        result. An input whose batch axis was lost (``w.sum(0)``, ``h.mean(0)``) or lands elsewhere (``h + h.T``)
-        carries the other examples' values into every row, so the result's rows are no longer per example: LOST
-        (before, the first input that lined up gave its tag, and ``w / w.sum(0)`` passed as per example)."""
+    def _combined_tag(tagged: list, result: torch.Tensor, elementwise: bool = False) -> tuple[int, int]:
+        """The general rule: every batch-derived input's batch axis lands on one and the same dimension of the
+        result; an input whose batch axis was lost (``w.sum(0)``) or lands elsewhere (``h + h.T``) carries the
+        other examples' values into every row, so the result is LOST (``w / w.sum(0)`` mixes the examples)."""
         landed = set()
         for source, (axis, inner) in tagged:
             if axis == LOST:
                 return LOST, 1
-            if axis == 0 and result.dim() >= 1 and result.shape[0] == source.shape[0]:
+            # an element-wise operation broadcasts from the right: a (B, d) operand of a (L, B, d) result has its
+            # batch on dimension 1 even when L == B (other functions, F.embedding(ids), grow dimensions at the end)
+            if axis == 0 and result.dim() >= 1 and result.shape[0] == source.shape[0] and not (
+                    elementwise and source.dim() < result.dim()):
                 landed.add((0, inner))
                 continue
             aligned = result.dim() - source.dim() + axis  # broadcasting aligns trailing dimensions
@@ -319,9 +322,8 @@ class BatchAxisTracer(TorchFunctionMode):
 
     @staticmethod
     def _stack_tag(args: tuple, kwargs: dict, tagged: list, result: torch.Tensor) -> tuple[int, int]:
-        """``torch.stack(tensors, dim)``: a new dimension at ``dim``, the batch axis after it moves by one; LOST
-        unless every batch-derived operand has the same tag (a size match of the new dimension with the batch
-        size, two tensors stacked for B == 2, says nothing)."""
+        """``torch.stack(tensors, dim)``: the batch axis moves by one if after ``dim``; LOST unless every batch
+        operand has the same tag (that two tensors stacked for B == 2 make a leading size B says nothing)."""
         dim = _normalize(kwargs.get("dim", args[1] if len(args) > 1 else 0), result.dim())
         (axis, inner), *others = {tag for _, tag in tagged}
         return (LOST, 1) if others or axis == LOST else ((axis + 1 if axis >= dim else axis), inner)
