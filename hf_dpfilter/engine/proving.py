@@ -85,7 +85,7 @@ class _ProvingStep:
         """
         self.hold_eval_modes()
         self._call_counts = {}
-        self._signature = None
+        self._signatures: list[tuple] = []  # of the block's forwards while a proof runs
         self._form_checks: list[tuple[nn.Module, torch.Tensor]] = []
         if self._axis_verdicts is not None and not self._reprove:
             # Later steps: a forward may write state only on some steps (e.g. a dynamic RoPE replacing its
@@ -175,23 +175,22 @@ class _ProvingStep:
             handles.append(module.register_forward_hook(self._trace_exit, always_call=True))
         return tracer, handles
 
-    def _select_verdicts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _select_verdicts(self, module: nn.Module, args: tuple, kwargs: dict, signature: tuple) -> None:
         """At the model's first forward of a later step: the verdicts proven for inputs of these shapes (and these
         other arguments), or, for shapes no step had, a proof of this step's own (traced from here, concluded at
-        the end of the block, before the backward). A later forward of the block with other shapes than the first
-        finds no verdict: its trainable calls are refused and the next step proves again."""
-        signature = _input_signature(args, kwargs)
+        the end of the block, before the backward). A later forward of the block with a signature that the proof
+        did not see in its block finds no verdict: its trainable calls are refused and the next step proves again."""
         if self._model_forwards > 1:
-            if signature != self._signature:
+            if signature not in self._proven_block:
                 self._axis_verdicts = {}
             return
-        self._signature = signature
         proven = self._proven_by_signature.get(signature)
         if proven is not None:
-            self._axis_verdicts, self._proven_forwards = proven
+            self._axis_verdicts, self._proven_forwards, self._proven_block = proven
             return
         self._late_proof = self._start_proof()
         self._late_proof[0].__enter__()
+        self._signatures.append(signature)
         self._trace_entry(module, args, kwargs)  # the hooks just added run from the next call on
 
     def _conclude_proof(self, tracer: BatchAxisTracer, snapshot: dict, with_parameters: bool) -> None:
@@ -220,11 +219,13 @@ class _ProvingStep:
             # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
             self._axis_verdicts = self._new_verdicts
             self._proven_forwards = self._model_forwards
-            if self._signature is not None and not tracer.value_dependent:
+            self._proven_block = frozenset(self._signatures)
+            if self._signatures and not tracer.value_dependent:
                 # most signatures prove the same verdicts: one dict kept for them all (memory: one per kind)
-                kept = {id(v): v for v, _ in self._proven_by_signature.values()}.values()
+                kept = {id(v[0]): v[0] for v in self._proven_by_signature.values()}.values()
                 self._axis_verdicts = next((v for v in kept if v == self._new_verdicts), self._new_verdicts)
-                self._proven_by_signature[self._signature] = (self._axis_verdicts, self._model_forwards)
+                self._proven_by_signature[self._signatures[0]] = (
+                    self._axis_verdicts, self._model_forwards, self._proven_block)
             self._reprove = tracer.value_dependent  # proven from this batch's values: trace the next step too
 
     def _expansion_failed_error(self, error: RuntimeError) -> UnsupportedLayerError:
@@ -426,10 +427,11 @@ class _ProvingStep:
     def _count_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._recording and torch.is_grad_enabled() and not _inside_backward():
             self._model_forwards += 1
-            if self._may_prove_late and self._tracer is None:
-                self._select_verdicts(module, args, kwargs)
-            elif self._tracer is not None and self._model_forwards == 1:
-                self._signature = _input_signature(args, kwargs)
+            signature = _input_signature(args, kwargs)
+            if self._tracer is not None:  # a proof: the signatures its verdicts hold for
+                self._signatures.append(signature)
+            elif self._may_prove_late:
+                self._select_verdicts(module, args, kwargs, signature)
 
     def _repeats_proven_calls(self, proven_calls: int, index: int) -> bool:
         """Whether call ``index`` of a module proven with ``proven_calls`` same-verdict calls is one of the same

@@ -172,7 +172,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             raise ModuleValidationError(problems)
         self._axis_verdicts = None  # the hooked modules may have changed: prove the batch axes again
         self._proven_by_signature: dict[tuple, tuple] = {}  # the verdicts per input signature (proving.py)
-        self._may_prove_late, self._late_proof, self._signature = False, None, None
+        self._may_prove_late, self._late_proof, self._signatures, self._proven_block = False, None, [], frozenset()
         self._shares, self._shared_tables = declared_tables(self.model)  # hf_dpfilter.engine.shared_tables
         self._owners = {}
         self._param_names = {}
