@@ -246,3 +246,20 @@ def test_shared_outputs_under_gradient_checkpointing_stay_exact(tmp_path, monkey
     model = positions._model("t5-s2s")
     monkeypatch.setattr(positions, "_args", lambda *args, **kwargs: _args(*args, gradient_checkpointing=True, **kwargs))
     assert positions._max_difference(model, tmp_path, "s2s", Seq2SeqCollator(model.config.pad_token_id)) < 1e-9
+
+
+def test_two_forwards_of_other_shapes_in_one_step_keep_their_proof():
+    """Negative control of the verdicts per input signature: a step whose loss runs the model on two views of
+    other lengths is proven once for both, on each new pair of shapes, and not refused on later steps."""
+    torch.manual_seed(0)
+    pool = nn.Sequential(nn.Embedding(20, 4), nn.Linear(4, 2))
+    engine, optimizer = _engine_and_optimizer(pool, 3)
+    labels = torch.tensor([0, 1, 0])
+    for length in (4, 4, 6, 4):
+        short, long_ = torch.randint(0, 20, (3, length)), torch.randint(0, 20, (3, length + 3))
+
+        def loss(values, short=short, long_=long_):
+            return sum(F.cross_entropy(pool(ids).mean(1), labels, reduction="none") for ids in (short, long_))
+
+        optimizer.accumulate(engine, loss, batch_size=3)
+    assert len(engine._proven_by_signature) == 2
