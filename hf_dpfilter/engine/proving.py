@@ -98,6 +98,10 @@ class _ProvingStep:
             self._late_proof, self._may_prove_late = None, True
             try:
                 yield
+            except RuntimeError as error:
+                if self._late_proof is not None and self._expanded_in_proof:  # as in a first proof, below
+                    raise self._expansion_failed_error(error) from error
+                raise
             finally:
                 late, self._late_proof, self._may_prove_late = self._late_proof, None, False
                 if late is not None:
