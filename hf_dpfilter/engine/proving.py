@@ -86,6 +86,7 @@ class _ProvingStep:
         self.hold_eval_modes()
         self._call_counts = {}
         self._signatures: list[tuple] = []  # of the block's forwards while a proof runs
+        self._proof_tracer: BatchAxisTracer | None = None  # this block's, for the losses' check (_check_loss_axis)
         self._form_checks: list[tuple[nn.Module, torch.Tensor]] = []
         if self._axis_verdicts is not None and not self._reprove:
             # Later steps: a forward may write state only on some steps (e.g. a dynamic RoPE replacing its
@@ -197,8 +198,24 @@ class _ProvingStep:
         self._signatures.append(signature)
         self._trace_entry(module, args, kwargs)  # the hooks just added run from the next call on
 
+    def _check_loss_axis(self, per_example_loss: torch.Tensor) -> None:
+        """After a proof, before its backward: per-example losses computed in the block whose batch axis the trace
+        lost mix the examples (``loss + loss.mean()``, a model output combined with a batch statistic after its last
+        trainable layer), so each example's gradient would carry the others': refused. Packed rows map rows to
+        examples by the layout (not traced), and losses computed outside the block carry no tag: not checked."""
+        tracer, self._proof_tracer = self._proof_tracer, None
+        tag = tracer.tag_of(per_example_loss) if tracer is not None and self._packing is None else None
+        if tag is not None and tag != (0, 1):
+            raise RuntimeError(
+                "The per-example losses of the proving step derive from the batch but lost its batch axis: an "
+                "operation between the model's inputs and the losses mixes the examples (a statistic over the batch, "
+                "a pairing of examples), so one example's gradient would depend on the others. Fix: compute each "
+                "example's loss from its own outputs only. Nothing was released."
+            )
+
     def _conclude_proof(self, tracer: BatchAxisTracer, snapshot: dict, with_parameters: bool) -> None:
         """The checks of a proving block after its forwards (before the backward), then its verdicts kept."""
+        self._proof_tracer = tracer
         if not self._recorded_modules:
             if self._forward_ran:
                 # the model ran but none of its trainable modules did (e.g. LoRA through target_parameters, whose

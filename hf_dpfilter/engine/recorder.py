@@ -459,6 +459,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if self._batch_size is not None and batch != self._batch_size:
             raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has {self._batch_size}.")
         self._batch_size = batch
+        self._check_loss_axis(per_example_loss)  # after a proof: the losses keep the batch axis (proving.py)
         records, self._records = self._records, []
         self._recorded_inputs = {}  # the records hold what they need; the inputs themselves may go
         if not records:
