@@ -20,7 +20,10 @@ Each test is an attack that found a hole (now closed):
   branch on the values, or an instance whose form differs from its class's first): each call is now checked
   against the form, after the forward and before the backward;
 * a subclass of a layer with a rule (the base class's) whose forward mixes the rows (``x.roll(1, 0)``) only on
-  some shape: its input was per example, so the call passed as such; its output must now keep the rows too.
+  some shape: its input was per example, so the call passed as such; its output must now keep the rows too;
+* logits centred over the batch after the last trainable layer (on one shape): no layer's input is mixed, the
+  first backward's sum check agrees, and only the first-step check saw it; the losses of a proof must now keep
+  the batch axis.
 """
 
 from __future__ import annotations
@@ -263,3 +266,29 @@ def test_two_forwards_of_other_shapes_in_one_step_keep_their_proof():
 
         optimizer.accumulate(engine, loss, batch_size=3)
     assert len(engine._proven_by_signature) == 2
+
+
+class _CentredLogits(nn.Module):
+    """Logits centred over the batch after the last trainable layer: no layer sees the mixing, the losses do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        logits = self.head(torch.tanh(self.enc(x)))
+        return logits - logits.mean(0) if x.shape[0] == 3 else logits
+
+
+def test_losses_that_mix_the_examples_after_the_last_layer_are_refused_on_that_shape():
+    torch.manual_seed(0)
+    model = _CentredLogits()
+    engine, optimizer = _engine_and_optimizer(model, 4)
+    optimizer.accumulate(engine, lambda values: F.cross_entropy(model(torch.randn(4, 3)), torch.tensor([0, 1, 0, 1]),
+                                                                reduction="none"), batch_size=4)
+    sums = {p: s.clone() for p, s in optimizer._local_sums().items()}
+    x, labels = torch.randn(3, 3), torch.tensor([0, 1, 0])
+    with pytest.raises(RuntimeError, match=r"(?s)per-example losses of the proving step.*lost its batch axis"):
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=3)
+    assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())
