@@ -459,7 +459,6 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if self._batch_size is not None and batch != self._batch_size:
             raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has {self._batch_size}.")
         self._batch_size = batch
-        self._check_loss_axis(per_example_loss)  # after a proof: the losses keep the batch axis (proving.py)
         records, self._records = self._records, []
         self._recorded_inputs = {}  # the records hold what they need; the inputs themselves may go
         if not records:
@@ -511,6 +510,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 )
             for param_name, term in rule(record.module, activations, grad_output).items():
                 self._pending_terms.setdefault(module_params[param_name], []).append(term)
+        self._check_loss_axis(per_example_loss)  # after a proof: the losses keep the batch axis (proving.py)
 
     def _add_reference(self, total: torch.Tensor, records: list[_Record]) -> None:
         """Add autograd's ordinary gradient of ``total`` to the reference of the first-backward check.
