@@ -455,7 +455,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 f"per_example_loss must have shape (batch,), got {tuple(per_example_loss.shape)}: reduce each "
                 "example's loss over its own tokens only (see hf_dpfilter.losses)."
             )
-        batch = per_example_loss.shape[0]
+        batch, given = per_example_loss.shape[0], per_example_loss  # (given: as the block computed it, unscaled)
         if self._batch_size is not None and batch != self._batch_size:
             raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has {self._batch_size}.")
         self._batch_size = batch
@@ -510,7 +510,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 )
             for param_name, term in rule(record.module, activations, grad_output).items():
                 self._pending_terms.setdefault(module_params[param_name], []).append(term)
-        self._check_loss_axis(per_example_loss)  # after a proof: the losses keep the batch axis (proving.py)
+        self._check_loss_axis(given)  # after a proof: the losses keep the batch axis (proving.py)
 
     def _add_reference(self, total: torch.Tensor, records: list[_Record]) -> None:
         """Add autograd's ordinary gradient of ``total`` to the reference of the first-backward check.
