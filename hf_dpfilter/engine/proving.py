@@ -26,6 +26,7 @@ from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, experts_verdict, is_experts, split_rows
 from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule, vector_form
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, SHARED, BatchAxisTracer
+from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
 from hf_dpfilter.proofs.validators import StateWrittenError
 
 
@@ -204,13 +205,15 @@ class _ProvingStep:
         trainable layer), so each example's gradient would carry the others': refused. Packed rows map rows to
         examples by the layout (not traced), and losses computed outside the block carry no tag: not checked."""
         tracer, self._proof_tracer = self._proof_tracer, None
-        tag = tracer.tag_of(per_example_loss) if tracer is not None and self._packing is None else None
+        if tracer is None or self._packing is not None or (tracer.batch_size or 0) < 2:
+            return  # (one example alone cannot be mixed with another: its pairings are with itself)
+        tag = tracer.tag_of(per_example_loss)
         if tag is not None and tag != (0, 1):
-            raise RuntimeError(
+            raise PerExampleCheckError(
                 "The per-example losses of the proving step derive from the batch but lost its batch axis: an "
-                "operation between the model's inputs and the losses mixes the examples (a statistic over the batch, "
-                "a pairing of examples), so one example's gradient would depend on the others. Fix: compute each "
-                "example's loss from its own outputs only. Nothing was released."
+                "operation between the model's inputs and the losses couples examples (a statistic over the batch, "
+                "a pairing of examples such as in-batch negatives), so one example's gradient would depend on the "
+                "others. Fix: compute each example's loss from its own outputs only. Nothing was released."
             )
 
     def _conclude_proof(self, tracer: BatchAxisTracer, snapshot: dict, with_parameters: bool) -> None:
