@@ -383,7 +383,10 @@ def test_a_new_dptrainer_on_parameters_of_an_earlier_run_is_refused(tmp_path):
 
 # ---------------------------------------------------------- a call the proving step did not see, T == B
 class _ExtraCallLater(nn.Module):
-    """Calls its positional table on the batch's ids; on long batches also on arange(T) (shared by every example)."""
+    """Calls its positional table on the batch's ids; when an id is 0 also on arange(T) (shared by every example).
+
+    (A branch on the values: a branch on the shape is traced on its own step, the verdicts are kept per input
+    shape.)"""
 
     def __init__(self) -> None:
         super().__init__()
@@ -392,7 +395,7 @@ class _ExtraCallLater(nn.Module):
 
     def forward(self, ids):
         h = self.pos(ids)
-        if ids.shape[1] >= 4:
+        if bool((ids == 0).any()):
             h = h + self.pos(torch.arange(ids.shape[1]))  # (T, 4): rows are positions, not examples
         return self.head(h.mean(1))
 
@@ -409,11 +412,13 @@ def test_an_extra_call_within_a_forward_does_not_inherit_the_proven_verdict_when
     def step(ids):
         optimizer.accumulate(engine, lambda values: F.cross_entropy(model(ids), labels, reduction="none"), batch_size=4)
 
-    step(torch.randint(0, 16, (4, 3)))  # proving step: one call of pos, on the batch ids
+    step(torch.randint(1, 16, (4, 4)))  # proving step: one call of pos, on the batch ids
     optimizer.zero_grad()
+    with_zero = torch.randint(1, 16, (4, 4))
+    with_zero[1, 2] = 0
     with pytest.raises(RuntimeError, match=r"(?s)Module 'pos'.*was not seen by the step that proved"):
-        step(torch.randint(0, 16, (4, 4)))  # T == B == 4: the (T, 4) output looks batch-first
+        step(with_zero)  # T == B == 4: the (T, 4) output looks batch-first
     assert all(float(s.abs().sum()) == 0 for s in optimizer._local_sums().values())
     optimizer.zero_grad()
-    step(torch.randint(0, 16, (4, 5)))  # proven again: the arange call's output is shared by every example (exact)
+    step(with_zero)  # proven again: the arange call's output is shared by every example (exact)
     assert engine._axis_verdicts[id(model.pos)] == [BATCH, SHARED]

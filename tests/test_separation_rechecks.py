@@ -190,14 +190,17 @@ def test_loss_normalised_by_the_micro_batch_is_refused_by_a_recheck(tmp_path, cl
 
 # -------------------------------------------------------------------------------------------------- case 5
 class _CapMicroBatchNorm:
-    """Caps the whole micro-batch's embedding norm at ``limit`` (a branch on a batch-wide statistic)."""
+    """Reverses every example's embedding features when the whole micro-batch's norm exceeds ``limit`` (a branch
+    on a batch-wide statistic). The norm is read into Python (``float``), out of the batch-axis trace's sight: a
+    tensor scale (``output * limit / output.norm()``) is refused by the tracer first
+    (tests/test_adversarial_verdicts.py); a branch on the values is the re-check's case."""
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
 
     def __call__(self, module, args, output):
-        norm = output.norm()
-        return output * (self.limit / norm) if norm > self.limit else output
+        norm = float(output.norm())
+        return output.flip(-1) if norm > self.limit else output  # a branch: every example's features reversed
 
 
 def _gpt2(cap: bool):
@@ -210,9 +213,9 @@ def _gpt2(cap: bool):
 
 @pytest.mark.parametrize("cap", [True, False])
 def test_data_dependent_branch_in_micro_batch_two_is_refused(tmp_path, cap):
-    """Case 5: the cap triggers only when the long example (no label of its own: its bound is 0) lands in micro-batch
-    2 (micro-batch norms 0.47 and 0.39 without it, 1.32 with it; limit 0.5). Without the checks the float32
-    aggregate moves by 1.25 C; with them (the default) the re-check of micro-batch 2's new shape refuses before the
+    """Case 5: the branch triggers only when the long example (no label of its own: its bound is 0) lands in
+    micro-batch 2 (micro-batch norms 0.47 and 0.39 without it, 1.32 with it; limit 0.5). Without the checks the
+    float32 aggregate moves by more than C; with them (the default) the re-check of micro-batch 2's new shape refuses before the
     step is released. Without the hook it trains and the example moves the aggregate by at most C."""
     shorts = [_example(4, seed, causal=True) for seed in range(1, 8)]
     long_ = _example(36, 9, causal=True, labelled=False)

@@ -2,8 +2,11 @@
 
 Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.proofs.batch_axis`): the first
 recorded step traces the batch axis from the model's batch-first inputs and caches a verdict per module and
-call. The same step refuses parameters and buffers written by the forward and trainable modules never called;
-every later step checks that no state was written, before its backward (before anything is released).
+call, per signature of the model's inputs (a later step whose inputs have a new signature is traced on that step:
+a forward may merge or mix the batch differently on another shape). The same step refuses parameters and buffers
+written by the forward and trainable modules never called; every later step checks that no state was written,
+and that each leaf with the ``x + v`` / ``x * v`` rule computed that form, before its backward (before anything
+is released).
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from hf_dpfilter.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, experts_verdict, is_experts, split_rows
-from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule
+from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule, vector_form
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, SHARED, BatchAxisTracer
+from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
 from hf_dpfilter.proofs.validators import StateWrittenError
 
 
@@ -59,6 +64,14 @@ def _same_values(copy: torch.Tensor | None, tensor: torch.Tensor) -> bool:
     return bool(torch.equal(copy, tensor))
 
 
+def _input_signature(args: tuple, kwargs: dict) -> tuple:
+    """What the verdicts of a proof hold for: the model's inputs' structure, tensor shapes and dtypes, and plain
+    values (a flag can change the forward as a shape can)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    return spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (
+        t if isinstance(t, (int, float, str, bool, type(None))) else type(t)) for t in leaves)
+
+
 class _ProvingStep:
     """The proving step of :class:`~hf_dpfilter.engine.recorder.GhostClippingEngine` (a mixin of it)."""
 
@@ -73,19 +86,87 @@ class _ProvingStep:
         """
         self.hold_eval_modes()
         self._call_counts = {}
+        self._signatures: list[tuple] = []  # of the block's forwards while a proof runs
+        self._proof_tracer: BatchAxisTracer | None = None  # this block's, for the losses' check (_check_loss_axis)
+        self._form_checks: list[tuple[nn.Module, torch.Tensor]] = []
         if self._axis_verdicts is not None and not self._reprove:
             # Later steps: a forward may write state only on some steps (e.g. a dynamic RoPE replacing its
             # inv_freq once a batch is long enough), so every step compares identities and version counters, and
             # the buffers' values (a write through `.data` moves no version counter), before its backward, i.e.
-            # before anything of the step is released. Buffers are small next to the parameters.
+            # before anything of the step is released. Buffers are small next to the parameters. The verdicts
+            # are those proven for the step's input shapes; inputs of shapes no step had are traced now
+            # (_select_verdicts): a forward can merge or mix the batch differently on another shape.
             snapshot = self._state_snapshot(self._check_parameters)
-            yield
-            if self._recorded_modules and not self._state_surely_unchanged(snapshot):
+            self._late_proof, self._may_prove_late = None, True
+            try:
+                yield
+            except RuntimeError as error:
+                if self._late_proof is not None and self._expanded_in_proof:  # as in a first proof, below
+                    raise self._expansion_failed_error(error) from error
+                raise
+            finally:
+                late, self._late_proof, self._may_prove_late = self._late_proof, None, False
+                if late is not None:
+                    self._tracer = None
+                    late[0].__exit__(None, None, None)
+                    for handle in late[1]:
+                        handle.remove()
+            self._check_vector_forms()
+            if late is not None:
+                self._conclude_proof(late[0], snapshot, self._check_parameters)
+            elif self._recorded_modules and not self._state_surely_unchanged(snapshot):
                 self._check_state_unchanged(snapshot, self._check_parameters)  # finds and names the change
             return
         self._reprove = False
         with_parameters = self._check_parameters = not self._under_fsdp()
         snapshot = self._state_snapshot(with_parameters)
+        tracer, handles = self._start_proof()
+        try:
+            with tracer:
+                yield
+        except RuntimeError as error:
+            if self._expanded_in_proof:  # a torch error after an expansion of ours: name the module, not torch
+                raise self._expansion_failed_error(error) from error
+            raise
+        finally:
+            self._tracer = None
+            for handle in handles:
+                handle.remove()
+        self._check_vector_forms()
+        self._conclude_proof(tracer, snapshot, with_parameters)
+
+    def _queue_vector_form(self, module: nn.Module, source: torch.Tensor | None, output: torch.Tensor) -> None:
+        """A leaf whose rule is ``x + v`` or ``x * v`` (rules.py: recognised on a probe, once per class): whether
+        this call computed that form on its real input, bit for bit, as a flag checked after the forward
+        (:meth:`_check_vector_forms`, one synchronisation per step): a forward that branches on the values, the
+        dtype or the shape, or an instance that computes another form than its class's first, is refused."""
+        form = vector_form(module)
+        if form is None or source is None:
+            return
+        with torch.no_grad():
+            expected = form(source)
+            same = expected.shape == output.shape and expected.dtype == output.dtype
+            flag = ((expected == output) | (expected.isnan() & output.isnan())).all() if same else None
+        self._form_checks.append((module, flag))
+
+    def _check_vector_forms(self) -> None:
+        checks, self._form_checks = self._form_checks, []
+        flags = [flag for _, flag in checks if flag is not None]
+        if len(flags) == len(checks) and (not flags or bool(torch.stack([f.to(flags[0].device) for f in flags]).all())):
+            return
+        wrong = [module for module, flag in checks if flag is None or not bool(flag)]
+        if wrong:
+            names = ", ".join(dict.fromkeys(f"'{self._module_name(m)}' ({type(m).__name__})" for m in wrong))
+            raise UnsupportedLayerError(
+                f"Module {names} computed x + v (or x * v) on the engine's probe, which gave it that form's "
+                "per-example gradient rule, but not on this batch (a branch on the values, the dtype or the shape, "
+                "or another form than its class's first instance): its per-example gradient would be wrong. Freeze "
+                "it (requires_grad_(False)) or register a rule with hf_dpfilter.register_grad_rule. Nothing was "
+                "released."
+            )
+
+    def _start_proof(self) -> tuple[BatchAxisTracer, list]:
+        """The tracer of a proving forward and the hooks that follow its module calls."""
         # packed rows: the model's inputs are rows (the layout maps them to examples)
         tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
         self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
@@ -98,17 +179,46 @@ class _ProvingStep:
         for module in self.model.modules():
             handles.append(module.register_forward_pre_hook(self._trace_entry, prepend=True, with_kwargs=True))
             handles.append(module.register_forward_hook(self._trace_exit, always_call=True))
-        try:
-            with tracer:
-                yield
-        except RuntimeError as error:
-            if self._expanded_in_proof:  # a torch error after an expansion of ours: name the module, not torch
-                raise self._expansion_failed_error(error) from error
-            raise
-        finally:
-            self._tracer = None
-            for handle in handles:
-                handle.remove()
+        return tracer, handles
+
+    def _select_verdicts(self, module: nn.Module, args: tuple, kwargs: dict, signature: tuple) -> None:
+        """At the model's first forward of a later step: the verdicts proven for inputs of these shapes (and these
+        other arguments), or, for shapes no step had, a proof of this step's own (traced from here, concluded at
+        the end of the block, before the backward). A later forward of the block with a signature that the proof
+        did not see in its block finds no verdict: its trainable calls are refused and the next step proves again."""
+        if self._model_forwards > 1:
+            if signature not in self._proven_block:
+                self._axis_verdicts = {}
+            return
+        proven = self._proven_by_signature.get(signature)
+        if proven is not None:
+            self._axis_verdicts, self._proven_forwards, self._proven_block = proven
+            return
+        self._late_proof = self._start_proof()
+        self._late_proof[0].__enter__()
+        self._signatures.append(signature)
+        self._trace_entry(module, args, kwargs)  # the hooks just added run from the next call on
+
+    def _check_loss_axis(self, per_example_loss: torch.Tensor) -> None:
+        """After a proof, before its backward: per-example losses computed in the block whose batch axis the trace
+        lost mix the examples (``loss + loss.mean()``, a model output combined with a batch statistic after its last
+        trainable layer), so each example's gradient would carry the others': refused. Packed rows map rows to
+        examples by the layout (not traced), and losses computed outside the block carry no tag: not checked."""
+        tracer, self._proof_tracer = self._proof_tracer, None
+        if tracer is None or self._packing is not None or (tracer.batch_size or 0) < 2:
+            return  # (one example alone cannot be mixed with another: its pairings are with itself)
+        tag = tracer.tag_of(per_example_loss)
+        if tag is not None and tag != (0, 1):
+            raise PerExampleCheckError(
+                "The per-example losses of the proving step derive from the batch but lost its batch axis: an "
+                "operation between the model's inputs and the losses couples examples (a statistic over the batch, "
+                "a pairing of examples such as in-batch negatives), so one example's gradient would depend on the "
+                "others. Fix: compute each example's loss from its own outputs only. Nothing was released."
+            )
+
+    def _conclude_proof(self, tracer: BatchAxisTracer, snapshot: dict, with_parameters: bool) -> None:
+        """The checks of a proving block after its forwards (before the backward), then its verdicts kept."""
+        self._proof_tracer = tracer
         if not self._recorded_modules:
             if self._forward_ran:
                 # the model ran but none of its trainable modules did (e.g. LoRA through target_parameters, whose
@@ -133,6 +243,13 @@ class _ProvingStep:
             # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
             self._axis_verdicts = self._new_verdicts
             self._proven_forwards = self._model_forwards
+            self._proven_block = frozenset(self._signatures)
+            if self._signatures and not tracer.value_dependent:
+                # most signatures prove the same verdicts: one dict kept for them all (memory: one per kind)
+                kept = {id(v[0]): v[0] for v in self._proven_by_signature.values()}.values()
+                self._axis_verdicts = next((v for v in kept if v == self._new_verdicts), self._new_verdicts)
+                self._proven_by_signature[self._signatures[0]] = (
+                    self._axis_verdicts, self._model_forwards, self._proven_block)
             self._reprove = tracer.value_dependent  # proven from this batch's values: trace the next step too
 
     def _expansion_failed_error(self, error: RuntimeError) -> UnsupportedLayerError:
@@ -172,6 +289,10 @@ class _ProvingStep:
 
     def _trace_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._trace_depth = max(0, self._trace_depth - 1)
+        if self._tracer is not None and is_experts(module) and isinstance(output, torch.Tensor):
+            # frozen experts too: their output keeps the tokens' axis only when proven row-wise (moe), as trainable
+            # ones do; otherwise it stays lost (the in-place index_add_ along it), and what it feeds is refused
+            experts_verdict(self._tracer, module, args, output)
         if self._tracer is not None and self._entries and self._entries[-1][0] is module:
             self._entries.pop()
 
@@ -210,6 +331,7 @@ class _ProvingStep:
         """BATCH, BROADCAST, MERGED (the batch is the major part of a leading token axis, as after ``x.view(-1, d)``),
         SHARED (an output derived from no batch tensor), or why this call's batch axis is not proven
         (hf_dpfilter.proofs.batch_axis, hf_dpfilter.engine.moe)."""
+        self._queue_vector_form(module, source, output)
         key = id(module)
         index = self._call_counts.get(key, 0)
         self._call_counts[key] = index + 1
@@ -227,7 +349,11 @@ class _ProvingStep:
                     ".tolist(), ...): its output may depend on the examples' data in a way the trace cannot follow"
                 )
             elif axis == 0:
-                verdict = BATCH
+                # a subclass of a layer with a rule (the base class's rule) whose forward mixes the rows: refused
+                verdict = BATCH if source is None or tracer.tag_of(output) == tag else (
+                    "is per example, but its output does not keep those rows per example (the layer's forward mixes "
+                    "rows of the batch)"
+                )
             elif tag is not None and tag[0] == 0 and tag[1] > 1:
                 # the batch merged with the dimensions after it, by traced views; the layer must keep those rows
                 verdict = MERGED if source is None or tracer.tag_of(output) == tag else (
@@ -322,9 +448,14 @@ class _ProvingStep:
             )
         return output, activations, None, 0
 
-    def _count_model_forward(self, module: nn.Module, args: tuple) -> None:
+    def _count_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._recording and torch.is_grad_enabled() and not _inside_backward():
             self._model_forwards += 1
+            signature = _input_signature(args, kwargs)
+            if self._tracer is not None:  # a proof: the signatures its verdicts hold for
+                self._signatures.append(signature)
+            elif self._may_prove_late:
+                self._select_verdicts(module, args, kwargs, signature)
 
     def _repeats_proven_calls(self, proven_calls: int, index: int) -> bool:
         """Whether call ``index`` of a module proven with ``proven_calls`` same-verdict calls is one of the same

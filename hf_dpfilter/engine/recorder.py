@@ -171,6 +171,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if problems:
             raise ModuleValidationError(problems)
         self._axis_verdicts = None  # the hooked modules may have changed: prove the batch axes again
+        self._proven_by_signature: dict[tuple, tuple] = {}  # the verdicts per input signature (proving.py)
+        self._may_prove_late, self._late_proof, self._signatures, self._proven_block = False, None, [], frozenset()
         self._shares, self._shared_tables = declared_tables(self.model)  # hf_dpfilter.engine.shared_tables
         self._owners = {}
         self._param_names = {}
@@ -227,7 +229,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
         # the model's forwards inside record(): the verdicts proven for one forward extend to repeated forwards
         # (several parameter points), never to more calls within one forward (see _call_verdict)
-        self._handles.append(self.model.register_forward_pre_hook(self._count_model_forward))
+        self._handles.append(self.model.register_forward_pre_hook(self._count_model_forward, with_kwargs=True))
 
     def hold_eval_modes(self) -> None:
         """Put the modules the options hold in eval mode back there (``batchnorm_eval``); call after
@@ -453,7 +455,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 f"per_example_loss must have shape (batch,), got {tuple(per_example_loss.shape)}: reduce each "
                 "example's loss over its own tokens only (see hf_dpfilter.losses)."
             )
-        batch = per_example_loss.shape[0]
+        batch, given = per_example_loss.shape[0], per_example_loss  # (given: as the block computed it, unscaled)
         if self._batch_size is not None and batch != self._batch_size:
             raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has {self._batch_size}.")
         self._batch_size = batch
@@ -508,6 +510,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 )
             for param_name, term in rule(record.module, activations, grad_output).items():
                 self._pending_terms.setdefault(module_params[param_name], []).append(term)
+        self._check_loss_axis(given)  # after a proof: the losses keep the batch axis (proving.py)
 
     def _add_reference(self, total: torch.Tensor, records: list[_Record]) -> None:
         """Add autograd's ordinary gradient of ``total`` to the reference of the first-backward check.

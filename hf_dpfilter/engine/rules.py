@@ -396,6 +396,16 @@ def _probe_added_or_scaled(module: nn.Module) -> tuple[bool, GradRule | None]:
     return False, None
 
 
+def vector_form(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``x -> x + v`` or ``x -> x * v`` when ``module``'s rule is the added or multiplied vector's, else None (the
+    engine checks each call's output against it: the probe shows the form of one call, not of every call)."""
+    rule = find_grad_rule(module)
+    if rule is not _added_vector and rule is not _scaled_by_vector:
+        return None
+    _, param = _own_vector(module)
+    return (lambda x: x + param) if rule is _added_vector else (lambda x: x * param)
+
+
 _STRUCTURAL_CHECKS = (_probe_scaled_embedding, _probe_rms_norm_form, _probe_added_or_scaled)
 _STRUCTURAL_RULES: dict[type, GradRule] = {}  # per class, once matched: the forms are properties of the forward
 

@@ -15,7 +15,7 @@ merged dimension, like one along a plain batch axis, loses it), and marked lost
 advanced-indexes along it, normalises over it (``F.batch_norm`` in training, ``F.normalize``/
 ``cosine_similarity`` along it, ``group_norm``/``instance_norm``/``layer_norm`` whose statistics span it), or
 pairs two batch-derived operands example by example (``h @ h.T``, ``cdist(h, h)``, ``outer``, an einsum keeping
-two batch letters). Tensors that derive only from parameters, buffers and constants (``arange``
+two batch letters, an operand lost or on another dimension: ``h / h.sum(0)``, ``h + h.T``). Tensors that derive only from parameters, buffers and constants (``arange``
 position ids, bucketed relative positions, a weight matrix) carry no tag, except a constant of leading size 1
 expanded to the batch size (``token_type_ids`` buffers, ``position_ids.expand(B, -1)``): one copy per example,
 batch-first by construction.
@@ -44,8 +44,9 @@ A layer call is then:
   shows that it carries gradient; a call whose output gets no gradient (DoRA's weight-norm path, which is
   detached) is harmless and skipped.
 
-The verdicts are cached per module and call (the k-th call of a module in a micro-batch), so later steps pay
-nothing; a call the first step did not see is treated as unproven and makes the next step trace again.
+The verdicts are cached per module and call (the k-th call of a module in a micro-batch) and per signature of
+the model's inputs (engine/proving.py: a new one is traced on its own step); a call the proof did not see is
+treated as unproven and makes the next step trace again.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ _BATCH_NORMS = {"batch_norm", "native_batch_norm"}
 _STATISTICS_ALONG = {"group_norm", "instance_norm", "layer_norm", "normalize", "cosine_similarity", "softmin"}
 _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
 _CONCATS = {"cat", "concat", "concatenate"}
+_STACKS = {"stack"}
+#: element-wise operations (names without their operator underscores, or in-place ``_``): they broadcast
+_ELEMENTWISE = {"add", "radd", "iadd", "sub", "rsub", "isub", "mul", "rmul", "imul", "div", "truediv", "rtruediv",
+                "itruediv", "true_divide", "where", "maximum", "minimum", "masked_fill", "addcmul", "addcdiv", "lerp"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
 #: reads of a tensor's attributes (``p.device``, ``p.shape``, ``p.dim()``): not uses of its values
 _METADATA_READS = {
@@ -101,13 +106,11 @@ _METADATA_READS = {
 }
 #: operations that read a tensor's values into Python: what is built from them carries no tag
 _HOST_READS = {"item", "tolist", "numpy", "__int__", "__float__", "__index__", "__bool__", "__complex__", "__array__"}
+_RESHAPES = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "ravel", "_unsafe_view"}
 
 
 def _normalize(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
-
-
-_RESHAPES = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "ravel", "_unsafe_view"}
 
 
 def _prod(sizes: Any) -> int:
@@ -256,6 +259,8 @@ class BatchAxisTracer(TorchFunctionMode):
 
     def _result_tag(self, func: Any, args: tuple, kwargs: dict, tagged: list, result: torch.Tensor) -> tuple[int, int]:
         name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: h.T, h.mT transpose (their getter is named __get__, like h.shape's)
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
         first = args[0] if args else None
         first_tag = self.tag_of(first)
         if name == "__getitem__" and first_tag == (0, 1) and len(args) > 1:
@@ -290,15 +295,38 @@ class BatchAxisTracer(TorchFunctionMode):
             dim = _normalize(kwargs.get("dim", args[1] if len(args) > 1 else 0), result.dim())
             if any(tag[0] == LOST or tag[0] == dim for _, tag in tagged):
                 return LOST, 1
-        for source, (axis, inner) in tagged:  # the first input whose batch axis lines up with the result
+        if name in _STACKS and args and isinstance(args[0], (list, tuple)):
+            return self._stack_tag(args, kwargs, tagged, result)
+        return self._combined_tag(tagged, result, name.strip("_") in _ELEMENTWISE)
+
+    @staticmethod
+    def _combined_tag(tagged: list, result: torch.Tensor, elementwise: bool = False) -> tuple[int, int]:
+        """The general rule: every batch-derived input's batch axis lands on one and the same dimension of the
+        result; an input whose batch axis was lost (``w.sum(0)``) or lands elsewhere (``h + h.T``) carries the
+        other examples' values into every row, so the result is LOST (``w / w.sum(0)`` mixes the examples)."""
+        landed = set()
+        for source, (axis, inner) in tagged:
             if axis == LOST:
+                return LOST, 1
+            # an element-wise operation broadcasts from the right: a (B, d) operand of a (L, B, d) result has its
+            # batch on dimension 1 even when L == B (other functions, F.embedding(ids), grow dimensions at the end)
+            if axis == 0 and result.dim() >= 1 and result.shape[0] == source.shape[0] and not (
+                    elementwise and source.dim() < result.dim()):
+                landed.add((0, inner))
                 continue
-            if axis == 0 and result.dim() >= 1 and result.shape[0] == source.shape[0]:
-                return 0, inner
             aligned = result.dim() - source.dim() + axis  # broadcasting aligns trailing dimensions
-            if 0 <= aligned < result.dim() and result.shape[aligned] == source.shape[axis]:
-                return aligned, inner
-        return LOST, 1
+            if not (0 <= aligned < result.dim() and result.shape[aligned] == source.shape[axis]):
+                return LOST, 1
+            landed.add((aligned, inner))
+        return landed.pop() if len(landed) == 1 else (LOST, 1)
+
+    @staticmethod
+    def _stack_tag(args: tuple, kwargs: dict, tagged: list, result: torch.Tensor) -> tuple[int, int]:
+        """``torch.stack(tensors, dim)``: the batch axis moves by one if after ``dim``; LOST unless every batch
+        operand has the same tag (that two tensors stacked for B == 2 make a leading size B says nothing)."""
+        dim = _normalize(kwargs.get("dim", args[1] if len(args) > 1 else 0), result.dim())
+        (axis, inner), *others = {tag for _, tag in tagged}
+        return (LOST, 1) if others or axis == LOST else ((axis + 1 if axis >= dim else axis), inner)
 
     def _contracts_batch(self, a: Any, b: Any) -> bool:
         """Whether ``a @ b`` sums over the batch axis of either operand (``h.T @ h``)."""
@@ -426,6 +454,10 @@ class BatchAxisTracer(TorchFunctionMode):
             return d1 if axis == d0 else d0 if axis == d1 else axis
         if name in ("t", "t_"):
             return (1 - axis) if ndim == 2 else axis
+        if name == "T":  # reverses every dimension
+            return ndim - 1 - axis
+        if name in ("mT", "mH"):  # swaps the last two
+            return {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(axis, axis) if ndim >= 2 else axis
         if name == "permute":
             dims = args[1:] if len(args) > 2 or isinstance(args[1] if len(args) > 1 else None, int) else (
                 args[1] if len(args) > 1 else kwargs.get("dims"))
@@ -529,15 +561,17 @@ class BatchAxisTracer(TorchFunctionMode):
         advanced = [i for i, item in enumerate(items) if isinstance(item, (torch.Tensor, list))]
         if axis == 0 and advanced and advanced[0] == 0 and advanced == list(range(len(advanced))):
             # x[torch.arange(B), lengths - 1]: one row per example, in order (checked on the values, once)
+            # (or transformers' mask functions' padding_mask[arange(B).view(B, 1, 1, 1), kv_idx]: the other indices
+            # have no more dimensions, so the broadcast's leading one is the rows': each example reads its own row)
             rows = items[0]
             if (
                 isinstance(rows, torch.Tensor)
-                and rows.dim() == 1
+                and rows.dim() >= 1
                 and not rows.is_floating_point()
                 and rows.dtype != torch.bool
-                and rows.shape[0] == source.shape[0]
-                and all(isinstance(items[i], torch.Tensor) and items[i].dim() <= 1 for i in advanced)
-                and bool(torch.equal(rows.cpu(), torch.arange(source.shape[0])))
+                and rows.shape[0] == source.shape[0] == rows.numel()
+                and all(isinstance(items[i], torch.Tensor) and items[i].dim() <= rows.dim() for i in advanced)
+                and bool(torch.equal(rows.reshape(-1).cpu(), torch.arange(source.shape[0])))
             ):
                 return 0
         if len(advanced) > 1 and advanced != list(range(advanced[0], advanced[-1] + 1)):
