@@ -53,11 +53,13 @@ def _check_power_of_two(name: str, value: float) -> None:
 FP16_METHODS = ("dpsgd", "none")
 
 
-def check_fp16_method(method: str, scale: float) -> None:
-    """Refuse fp16 with a method whose state a skipped step would desynchronise, or a scale that is not 2^k."""
+def check_fp16_method(method: str, scale: float, source: str = "fp16=True") -> None:
+    """Refuse fp16 with a method whose state a skipped step would desynchronise, or a scale that is not 2^k.
+
+    ``source`` names how fp16 was asked for (``fp16=True``, or Accelerate's mixed precision)."""
     if method not in FP16_METHODS:
         raise ValueError(
-            f"fp16=True is supported with dp_method in {FP16_METHODS}, not {method!r}: a step the loss scaler does "
+            f"fp16 ({source}) is supported with dp_method in {FP16_METHODS}, not {method!r}: a step the loss scaler does "
             "not apply (a non-finite noised gradient) would desynchronise that method's state, which follows every "
             "base optimizer step. Use bf16=True (same memory, no loss scaling needed) or fp32 with this method."
         )
@@ -131,7 +133,8 @@ class DPLossScaler:
 
 
 def attach_loss_scaler(trainer: Any) -> None:
-    """``fp16=True``: give the trainer's DP optimizer a :class:`DPLossScaler` and take Accelerate's away.
+    """fp16 (``fp16=True``, or Accelerate's mixed precision): give the trainer's DP optimizer a
+    :class:`DPLossScaler`; take Accelerate's ``GradScaler`` away in every run.
 
     Accelerate builds a ``torch.amp.GradScaler`` for fp16 on an accelerator and wraps the optimizer's step in
     ``scaler.step`` / ``scaler.update``, which skip the step when *any* gradient is inf: a noiseless function of
@@ -139,9 +142,13 @@ def attach_loss_scaler(trainer: Any) -> None:
     divides out and decides instead, so the accelerator's scaler is removed before ``prepare`` wraps the
     optimizer; fp16 autocast (Accelerate's wrapping of the model's forward) is kept.
     """
-    if not getattr(trainer.args, "fp16", False):
-        return
-    trainer.dp_optimizer.loss_scaler = DPLossScaler(scale=float(trainer.args.dp_fp16_loss_scale))
     accelerator = getattr(trainer, "accelerator", None)
     if accelerator is not None and getattr(accelerator, "scaler", None) is not None:
-        accelerator.scaler = None
+        accelerator.scaler = None  # whatever asked for it: its skip test reads private gradients without noise
+    fp16 = getattr(trainer.args, "fp16", False) or getattr(accelerator, "mixed_precision", "no") == "fp16"
+    if not fp16:
+        return
+    # the accelerator's own precision too (arguments changed after it was built): checked before any step
+    check_fp16_method(trainer.args.dp_method, float(trainer.args.dp_fp16_loss_scale),
+                      source="the accelerator's mixed_precision='fp16'")
+    trainer.dp_optimizer.loss_scaler = DPLossScaler(scale=float(trainer.args.dp_fp16_loss_scale))

@@ -301,3 +301,23 @@ def test_add_remove_sensitivity_of_the_scaled_fp16_clipped_sum(ids):
     for removed in range(4):
         rest = clipped_sum([i for i in range(4) if i != removed])
         assert (full - rest).norm().item() / clip <= 1 + 1e-4, removed
+
+
+# ------------------------------------------------------------------------------ fp16 asked for another way
+def test_accelerate_fp16_environment_is_the_fp16_run(tmp_path, monkeypatch):
+    """`accelerate launch --mixed_precision fp16` (ACCELERATE_MIXED_PRECISION=fp16) without fp16=True: the method
+    check applies, and the run gets the DP loss scaler in place of Accelerate's GradScaler (put back here as
+    Accelerate does on CUDA: kept, its step wrapper reads the empty p.grad and fails inside torch)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ValueError, match="ACCELERATE_MIXED_PRECISION=fp16"):
+        _swapped_args(tmp_path, dp_method="disk")
+    args = _swapped_args(tmp_path, learning_rate=1e-3, max_steps=1)
+    assert args.fp16
+    model = tiny_roberta(dtype=torch.float32)
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
+                        data_collator=PadCollator(1))
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    before = flat([p.detach().clone() for p in model.parameters()])
+    trainer.train()
+    assert trainer.accelerator.scaler is None and trainer.dp_optimizer.loss_scaler.scale == 2.0**10
+    assert not torch.equal(before, flat([p.detach() for p in model.parameters()]))
