@@ -10,7 +10,8 @@ through the script's handlers when it is; and ``warnings.warn``), at the start o
 * :func:`learning_rate_problems` -- one warning when the learning rate or its warmup is the non-private script's:
   ``Trainer``'s default 5e-5 and TRL's 2e-5 are 10-100x under what DP-Adam needed in every measured setting of
   docs/choosing.md (5e-4 to 2e-3 full fine-tuning, 2e-3 LoRA, 1e-2 a head); a long warmup spends the noisy steps
-  at a small learning rate. Read from the arguments only.
+  at a small learning rate. Read from the arguments and the base optimizer built for the run (its class and
+  initial rates: a script's own optimizer runs at its own rate, not at ``args.learning_rate``).
 * :func:`fixed_length_blocks` -- one warning when the rows look like run_clm's ``group_texts`` blocks (documents
   concatenated and cut into fixed-length blocks): then the protected unit is a block, not a document. Read from
   the *structure* of a few rows (their lengths, whether there is padding, whether the labels are the inputs),
@@ -61,11 +62,22 @@ def plan_banner(trainer: Any) -> str:
     return "\n".join(lines)
 
 
-def learning_rate_problems(args: Any, steps: int | None) -> list[str]:
-    """The learning-rate settings of ``args`` that are far from what the measured DP settings needed."""
+def _judged_optimizer(args: Any, optimizer: torch.optim.Optimizer | None) -> tuple[str, float]:
+    """(name, learning rate) of the optimizer the run uses: the one built, when given (a script's own through
+    ``optimizers=`` or ``optimizer_cls_and_kwargs``, whose rate ``args.learning_rate`` is not), its largest
+    initial rate over the parameter groups; else ``args.optim`` and ``args.learning_rate``."""
+    if optimizer is not None and optimizer.param_groups:
+        rate = max(float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups)
+        return type(optimizer).__name__.lower(), rate
+    optim = getattr(args, "optim", "")
+    return str(getattr(optim, "value", optim)).lower(), float(args.learning_rate)
+
+
+def learning_rate_problems(args: Any, steps: int | None, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
+    """The learning-rate settings far from what the measured DP settings needed: the rate of ``optimizer`` (the
+    base optimizer built for the run) or of ``args``, and the warmup of ``args``."""
     problems = []
-    lr = float(args.learning_rate)
-    optim = str(getattr(args, "optim", "")).lower()
+    optim, lr = _judged_optimizer(args, optimizer)
     if "adam" in optim and lr < DP_ADAM_LR_RANGE[0] / 5:
         problems.append(
             f"learning_rate={lr:g} with {optim}: DP-Adam needed {DP_ADAM_LR_RANGE[0]:g} to 2e-3 in every measured "
@@ -143,7 +155,8 @@ def announce_start(trainer: Any) -> None:
     logger.warning("%s", plan_banner(trainer))
     if not plan.is_private:
         return
-    problems = learning_rate_problems(trainer.args, plan.steps)
+    base = getattr(getattr(trainer, "dp_optimizer", None), "original_optimizer", None)
+    problems = learning_rate_problems(trainer.args, plan.steps, base if isinstance(base, torch.optim.Optimizer) else None)
     if problems:
         warnings.warn(
             "Settings left from a non-private script: " + "; ".join(problems) + ". Tune the learning rate for DP "

@@ -261,6 +261,23 @@ def test_learning_rate_warning_only_for_non_private_settings(tmp_path, overrides
     assert len(problems) == len(expected) and all(e in p for e, p in zip(expected, problems)), problems
 
 
+
+def test_learning_rate_warning_judges_the_optimizer_the_run_uses(tmp_path):
+    """A script's own optimizer (``optimizers=`` or ``optimizer_cls_and_kwargs``) runs at its own rate, not at
+    ``args.learning_rate`` (Trainer's 5e-5 left as is): judged from the optimizer built, named as torch names it."""
+    model = tiny_roberta(dtype=torch.float32)
+    args = _swapped_args(tmp_path, lr_scheduler_type="constant")
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
+                        data_collator=PadCollator(1), optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-3), None))
+    trainer.create_optimizer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        announce_start(trainer)
+    assert not caught, [str(w.message) for w in caught]
+    problems = learning_rate_problems(args, 100, torch.optim.AdamW(model.parameters(), lr=2e-5))
+    assert len(problems) == 1 and "learning_rate=2e-05 with adamw:" in problems[0], problems
+    assert "optimizernames" not in learning_rate_problems(args, 100)[0]  # args.optim's value, not the enum's name
+
 def _blocks(length: int, n: int = 4, padded: bool = False) -> list[dict]:
     rows = []
     for i, ids in enumerate(torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(6))):
