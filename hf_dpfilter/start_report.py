@@ -14,8 +14,8 @@ through the script's handlers when it is; and ``warnings.warn``), at the start o
   initial rates: a script's own optimizer runs at its own rate, not at ``args.learning_rate``).
 * :func:`fixed_length_blocks` -- one warning when the rows look like run_clm's ``group_texts`` blocks (documents
   concatenated and cut into fixed-length blocks): then the protected unit is a block, not a document. Read from
-  the *structure* of a few rows (their lengths, whether there is padding, whether the labels are the inputs),
-  never their values; the warning names only the row length, the block size the script chose.
+  the *structure* of the first rows (their lengths, whether there is padding, whether the labels equal the
+  inputs), never what their tokens are; the warning is a fixed text that names no number read from the rows.
 """
 
 from __future__ import annotations
@@ -115,8 +115,10 @@ def fixed_length_blocks(dataset: Any, causal_lm: bool) -> int | None:
     (if any) are its inputs. None otherwise.
 
     A heuristic that reads structure only (lengths, the padding mask, labels == inputs): whole documents truncated
-    to one length also match it, which is why it warns and never refuses. The verdict never leaves this process
-    except as the block length, which the script chose (block_size)."""
+    to one length also match it, which is why it warns and never refuses. What leaves this process is whether it
+    warned (a fixed text, on the local console only, never in the logs, metrics or ledger): the length it returns
+    is the block size for blocks, but the length of the first documents when they merely happen to be equal, so
+    it is not printed."""
     if not causal_lm:
         return None
     try:
@@ -136,15 +138,17 @@ def fixed_length_blocks(dataset: Any, causal_lm: bool) -> int | None:
     return length if length >= 2 else None
 
 
-def _block_warning(length: int) -> str:
+def _block_warning() -> str:
+    # no number read from the rows (their common length is a document's length when they are not blocks)
     return (
-        f"The training rows all have {length} tokens, no padding, and labels equal to their inputs: they look like "
-        "documents concatenated and cut into fixed-length blocks (run_clm's group_texts). Then the protected unit "
-        "is one block, not one document: a document spread over several blocks, or several documents in one "
-        "block, are not protected as a whole. To protect documents, pack after sampling (DPSFTTrainer with "
-        "packing=True: each sampled document clipped as one unit), or keep a document id column and train with "
+        "The first training rows all have the same number of tokens, no padding, and labels equal to their inputs: "
+        "they look like documents concatenated and cut into fixed-length blocks (run_clm's group_texts). Then the "
+        "protected unit is one block, not one document: a document spread over several blocks, or several "
+        "documents in one block, are not protected as a whole. To protect documents, pack after sampling "
+        "(DPSFTTrainer with packing=True: each sampled document clipped as one unit), or keep a document id column "
+        "and train with "
         "privacy_unit='user', user_id_column=<that column> (docs/choosing.md, 'The unit of a preprocessed row'). "
-        "If each row is one whole document truncated to this length, the unit is the document and this warning "
+        "If each row is one whole document truncated to one length, the unit is the document and this warning "
         "does not apply."
     )
 
@@ -156,7 +160,8 @@ def announce_start(trainer: Any) -> None:
     if not plan.is_private:
         return
     base = getattr(getattr(trainer, "dp_optimizer", None), "original_optimizer", None)
-    problems = learning_rate_problems(trainer.args, plan.steps, base if isinstance(base, torch.optim.Optimizer) else None)
+    built = base if isinstance(base, torch.optim.Optimizer) else None
+    problems = learning_rate_problems(trainer.args, plan.steps, built)
     if problems:
         warnings.warn(
             "Settings left from a non-private script: " + "; ".join(problems) + ". Tune the learning rate for DP "
@@ -168,4 +173,4 @@ def announce_start(trainer: Any) -> None:
     if getattr(trainer.args, "privacy_unit", "example") == "example" and not packed:
         length = fixed_length_blocks(trainer.train_dataset, bool(getattr(trainer, "_causal_lm", False)))
         if length is not None:
-            warnings.warn(_block_warning(length), UserWarning, stacklevel=3)
+            warnings.warn(_block_warning(), UserWarning, stacklevel=3)
