@@ -53,13 +53,14 @@ def _check_power_of_two(name: str, value: float) -> None:
 FP16_METHODS = ("dpsgd", "none")
 
 
-def check_fp16_method(method: str, scale: float, source: str = "fp16=True") -> None:
+def check_fp16_method(method: str, scale: float, source: str | None = None) -> None:
     """Refuse fp16 with a method whose state a skipped step would desynchronise, or a scale that is not 2^k.
 
-    ``source`` names how fp16 was asked for (``fp16=True``, or Accelerate's mixed precision)."""
+    ``source`` names how fp16 was asked for when not by ``fp16=True`` (Accelerate's mixed precision)."""
     if method not in FP16_METHODS:
+        asked = "fp16=True" if source is None else f"fp16 ({source})"
         raise ValueError(
-            f"fp16 ({source}) is supported with dp_method in {FP16_METHODS}, not {method!r}: a step the loss scaler does "
+            f"{asked} is supported with dp_method in {FP16_METHODS}, not {method!r}: a step the loss scaler does "
             "not apply (a non-finite noised gradient) would desynchronise that method's state, which follows every "
             "base optimizer step. Use bf16=True (same memory, no loss scaling needed) or fp32 with this method."
         )
