@@ -338,3 +338,32 @@ def test_accelerate_fp16_environment_is_the_fp16_run(tmp_path, monkeypatch):
     trainer.train()
     assert trainer.accelerator.scaler is None and trainer.dp_optimizer.loss_scaler.scale == 2.0**10
     assert not torch.equal(before, flat([p.detach() for p in model.parameters()]))
+
+
+def test_an_overflowing_example_changes_nothing_the_trainer_shows(tmp_path):
+    """DPTrainer(fp16=True), D and D' differing in one example whose forward overflows (a token embedded at 1e38:
+    inf logits, NaN loss): on the first micro-batch, so the first-step check sees it too. It is zeroed; the run
+    is not refused, and the logs, warnings, privacy report and loss scale are those of D'."""
+
+    def run(poisoned: bool, out: str):
+        model = tiny_roberta(dtype=torch.float32)
+        with torch.no_grad():
+            model.roberta.embeddings.word_embeddings.weight[3] = 1e38
+        rows = make_examples(4, VOCAB, causal=False, seed=3)
+        for row in rows:
+            row["input_ids"] = torch.where(torch.as_tensor(row["input_ids"]) == 3, 4, torch.as_tensor(row["input_ids"]))
+        rows[1]["input_ids"][1] = 3 if poisoned else 4
+        trainer = DPTrainer(model=model, args=_swapped_args(tmp_path / out, max_steps=1, learning_rate=1e-3, fp16=True,
+                                                            lr_scheduler_type="constant", logging_steps=1),
+                            train_dataset=ListDataset(rows), data_collator=PadCollator(1))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        logs = [{k: v for k, v in log.items() if "runtime" not in k and "per_second" not in k}
+                for log in trainer.state.log_history]
+        shown = (logs, sorted(str(w.message) for w in caught), trainer.privacy_report(),
+                 trainer.dp_optimizer.loss_scaler.state_dict())
+        return shown, trainer.dp_optimizer.nonfinite_examples
+
+    (clean, none), (poisoned, zeroed) = run(False, "clean"), run(True, "poisoned")
+    assert (none, zeroed) == (0, 1) and clean == poisoned
