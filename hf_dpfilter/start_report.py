@@ -124,11 +124,11 @@ def fixed_length_blocks(dataset: Any, causal_lm: bool) -> int | None:
     try:
         count = min(ROWS_LOOKED_AT, len(dataset))
         rows = [dataset[i] for i in range(count)]
-    except Exception:  # an iterable or lazily-built set: nothing cheap to look at
+        if count < 2 or not all(isinstance(r, dict) for r in rows):
+            return None
+        shapes = [_row_lengths(r) for r in rows]
+    except Exception:  # an iterable or lazily-built set, ragged or non-numeric columns: not token rows to judge
         return None
-    if count < 2 or not all(isinstance(r, dict) for r in rows):
-        return None
-    shapes = [_row_lengths(r) for r in rows]
     if any(s is None for s in shapes):
         return None
     lengths = {s[0] for s in shapes}

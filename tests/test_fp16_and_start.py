@@ -291,6 +291,8 @@ def test_fixed_length_blocks_only_for_causal_unpadded_rows_of_one_length(tmp_pat
     assert fixed_length_blocks(_blocks(8), causal_lm=True) == 8
     assert fixed_length_blocks(_blocks(8, padded=True), causal_lm=True) is None  # documents of their own length
     assert fixed_length_blocks(_blocks(8), causal_lm=False) is None
+    ragged = [{"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3]]}] * 2  # a warning's heuristic never fails a run
+    assert fixed_length_blocks(ragged, causal_lm=True) is None
     trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=_swapped_args(tmp_path, learning_rate=1e-3),
                         train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)), data_collator=PadCollator(1))
     with warnings.catch_warnings(record=True) as caught:
