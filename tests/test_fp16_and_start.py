@@ -342,6 +342,17 @@ def test_accelerate_fp16_environment_is_the_fp16_run(tmp_path, monkeypatch):
     assert not torch.equal(before, flat([p.detach() for p in model.parameters()]))
 
 
+def test_fp16_set_after_the_arguments_is_checked_before_any_step(tmp_path):
+    """``args.fp16 = True`` after construction (a script's ``if cuda: args.fp16 = True``) with a stateful method:
+    refused when the optimizer is built, before any step, not given a loss scaler that could skip its steps."""
+    args = _swapped_args(tmp_path, dp_method="disk", learning_rate=1e-3)
+    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=args,
+                        train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)), data_collator=PadCollator(1))
+    args.fp16 = True
+    with pytest.raises(ValueError, match="is supported with dp_method in"):
+        trainer.create_optimizer()
+
+
 def test_an_overflowing_example_changes_nothing_the_trainer_shows(tmp_path):
     """DPTrainer(fp16=True), D and D' differing in one example whose forward overflows (a token embedded at 1e38:
     inf logits, NaN loss): on the first micro-batch, so the first-step check sees it too. It is zeroed; the run
