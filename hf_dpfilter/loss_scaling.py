@@ -36,10 +36,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_INIT_SCALE", "FP16_METHODS", "DPLossScaler", "all_finite", "check_fp16_method"]
+__all__ = ["DEFAULT_INIT_SCALE", "FP16_METHODS", "MAX_INIT_SCALE", "DPLossScaler", "all_finite", "check_fp16_method"]
 
 #: the default fp16 loss scale: 2^10 (see the module docstring)
 DEFAULT_INIT_SCALE = 2.0**10
+#: the largest scale accepted: a cross-entropy's gradient at the logits has entries up to 1 per example, so S of
+#: them reach S; from 2^16 on that is past fp16's largest value (65504) and every confidently wrong example
+#: overflows and is zeroed, silently (how many is a private count)
+MAX_INIT_SCALE = 2.0**15
 
 
 def _check_power_of_two(name: str, value: float) -> None:
@@ -65,6 +69,12 @@ def check_fp16_method(method: str, scale: float, source: str | None = None) -> N
             "base optimizer step. Use bf16=True (same memory, no loss scaling needed) or fp32 with this method."
         )
     _check_power_of_two("dp_fp16_loss_scale", float(scale))
+    if scale > MAX_INIT_SCALE:
+        raise ValueError(
+            f"dp_fp16_loss_scale={scale:g} is above 2^15: a cross-entropy's gradient at the logits has entries up to "
+            "1 per example, S times that passes fp16's largest value (65504), and every example that overflows is "
+            "replaced by zero without a trace (their number is private). Use at most 2^15 (default 2^10)."
+        )
 
 
 def all_finite(tensors: dict[Any, torch.Tensor]) -> bool:

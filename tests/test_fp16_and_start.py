@@ -86,6 +86,9 @@ def test_a_scale_that_is_not_a_power_of_two_is_refused():
     with pytest.raises(ValueError, match="power of two"):
         DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, fp16=True, dp_fp16_loss_scale=3.0,
                             use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="65504"):  # a power of two that makes a logit gradient of 1 overflow
+        DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, fp16=True, dp_fp16_loss_scale=2.0**16,
+                            use_cpu=True, report_to=[])
 
 
 def test_fp16_with_a_stateful_method_is_refused_with_the_reason():
