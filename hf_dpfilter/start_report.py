@@ -116,7 +116,7 @@ def fixed_length_blocks(dataset: Any, causal_lm: bool) -> int | None:
 
     A heuristic that reads structure only (lengths, the padding mask, labels == inputs): whole documents truncated
     to one length also match it, which is why it warns and never refuses. What leaves this process is whether it
-    warned (a fixed text, on the local console only, never in the logs, metrics or ledger): the length it returns
+    warned (a fixed text through ``warnings.warn``, never in the metrics, results or ledger): the length it returns
     is the block size for blocks, but the length of the first documents when they merely happen to be equal, so
     it is not printed."""
     if not causal_lm:
