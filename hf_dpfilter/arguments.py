@@ -266,6 +266,12 @@ class DPArgumentsMixin:
         # Batch-level clipping would act on the clipped sum before the noise and change nothing useful.
         self.max_grad_norm = 0.0
         super().__post_init__()
+        if getattr(self, "mixed_precision", "no") == "fp16" and not self.fp16:
+            # `accelerate launch --mixed_precision fp16` (or its config file): TrainingArguments reads fp16 from
+            # ACCELERATE_MIXED_PRECISION and Accelerate then runs fp16 autocast with its GradScaler. Under DP that
+            # run is the fp16=True one, with its method check and the DP loss scaler (hf_dpfilter/loss_scaling.py)
+            check_fp16_method(self.dp_method, self.dp_fp16_loss_scale, source="ACCELERATE_MIXED_PRECISION=fp16")
+            self.fp16 = True
         if accumulation > 1:
             # HF's fixed accumulation does not fit Poisson batches of random size: translate it into the
             # logical batch (accumulated inside one DP step) instead of silently changing the semantics.

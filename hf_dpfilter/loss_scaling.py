@@ -36,10 +36,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_INIT_SCALE", "FP16_METHODS", "DPLossScaler", "all_finite", "check_fp16_method"]
+__all__ = ["DEFAULT_INIT_SCALE", "FP16_METHODS", "MAX_INIT_SCALE", "DPLossScaler", "all_finite", "check_fp16_method"]
 
 #: the default fp16 loss scale: 2^10 (see the module docstring)
 DEFAULT_INIT_SCALE = 2.0**10
+#: the largest scale accepted: a cross-entropy's gradient at the logits has entries up to 1 per example, so S of
+#: them reach S; from 2^16 on that is past fp16's largest value (65504) and every confidently wrong example
+#: overflows and is zeroed, silently (how many is a private count)
+MAX_INIT_SCALE = 2.0**15
 
 
 def _check_power_of_two(name: str, value: float) -> None:
@@ -53,15 +57,24 @@ def _check_power_of_two(name: str, value: float) -> None:
 FP16_METHODS = ("dpsgd", "none")
 
 
-def check_fp16_method(method: str, scale: float) -> None:
-    """Refuse fp16 with a method whose state a skipped step would desynchronise, or a scale that is not 2^k."""
+def check_fp16_method(method: str, scale: float, source: str | None = None) -> None:
+    """Refuse fp16 with a method whose state a skipped step would desynchronise, or a scale that is not 2^k.
+
+    ``source`` names how fp16 was asked for when not by ``fp16=True`` (Accelerate's mixed precision)."""
     if method not in FP16_METHODS:
+        asked = "fp16=True" if source is None else f"fp16 ({source})"
         raise ValueError(
-            f"fp16=True is supported with dp_method in {FP16_METHODS}, not {method!r}: a step the loss scaler does "
+            f"{asked} is supported with dp_method in {FP16_METHODS}, not {method!r}: a step the loss scaler does "
             "not apply (a non-finite noised gradient) would desynchronise that method's state, which follows every "
             "base optimizer step. Use bf16=True (same memory, no loss scaling needed) or fp32 with this method."
         )
     _check_power_of_two("dp_fp16_loss_scale", float(scale))
+    if scale > MAX_INIT_SCALE:
+        raise ValueError(
+            f"dp_fp16_loss_scale={scale:g} is above 2^15: a cross-entropy's gradient at the logits has entries up to "
+            "1 per example, S times that passes fp16's largest value (65504), and every example that overflows is "
+            "replaced by zero without a trace (their number is private). Use at most 2^15 (default 2^10)."
+        )
 
 
 def all_finite(tensors: dict[Any, torch.Tensor]) -> bool:
@@ -131,7 +144,8 @@ class DPLossScaler:
 
 
 def attach_loss_scaler(trainer: Any) -> None:
-    """``fp16=True``: give the trainer's DP optimizer a :class:`DPLossScaler` and take Accelerate's away.
+    """fp16 (``fp16=True``, or Accelerate's mixed precision): give the trainer's DP optimizer a
+    :class:`DPLossScaler`; take Accelerate's ``GradScaler`` away in every run.
 
     Accelerate builds a ``torch.amp.GradScaler`` for fp16 on an accelerator and wraps the optimizer's step in
     ``scaler.step`` / ``scaler.update``, which skip the step when *any* gradient is inf: a noiseless function of
@@ -139,9 +153,13 @@ def attach_loss_scaler(trainer: Any) -> None:
     divides out and decides instead, so the accelerator's scaler is removed before ``prepare`` wraps the
     optimizer; fp16 autocast (Accelerate's wrapping of the model's forward) is kept.
     """
-    if not getattr(trainer.args, "fp16", False):
-        return
-    trainer.dp_optimizer.loss_scaler = DPLossScaler(scale=float(trainer.args.dp_fp16_loss_scale))
     accelerator = getattr(trainer, "accelerator", None)
     if accelerator is not None and getattr(accelerator, "scaler", None) is not None:
-        accelerator.scaler = None
+        accelerator.scaler = None  # whatever asked for it: its skip test reads private gradients without noise
+    fp16 = getattr(trainer.args, "fp16", False) or getattr(accelerator, "mixed_precision", "no") == "fp16"
+    if not fp16:
+        return
+    # the accelerator's own precision too (arguments changed after it was built): checked before any step
+    check_fp16_method(trainer.args.dp_method, float(trainer.args.dp_fp16_loss_scale),
+                      source="the accelerator's mixed_precision='fp16'")
+    trainer.dp_optimizer.loss_scaler = DPLossScaler(scale=float(trainer.args.dp_fp16_loss_scale))

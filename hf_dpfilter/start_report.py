@@ -10,11 +10,12 @@ through the script's handlers when it is; and ``warnings.warn``), at the start o
 * :func:`learning_rate_problems` -- one warning when the learning rate or its warmup is the non-private script's:
   ``Trainer``'s default 5e-5 and TRL's 2e-5 are 10-100x under what DP-Adam needed in every measured setting of
   docs/choosing.md (5e-4 to 2e-3 full fine-tuning, 2e-3 LoRA, 1e-2 a head); a long warmup spends the noisy steps
-  at a small learning rate. Read from the arguments only.
+  at a small learning rate. Read from the arguments and the base optimizer built for the run (its class and
+  initial rates: a script's own optimizer runs at its own rate, not at ``args.learning_rate``).
 * :func:`fixed_length_blocks` -- one warning when the rows look like run_clm's ``group_texts`` blocks (documents
   concatenated and cut into fixed-length blocks): then the protected unit is a block, not a document. Read from
-  the *structure* of a few rows (their lengths, whether there is padding, whether the labels are the inputs),
-  never their values; the warning names only the row length, the block size the script chose.
+  the *structure* of the first rows (their lengths, whether there is padding, whether the labels equal the
+  inputs), never what their tokens are; the warning is a fixed text that names no number read from the rows.
 """
 
 from __future__ import annotations
@@ -61,11 +62,22 @@ def plan_banner(trainer: Any) -> str:
     return "\n".join(lines)
 
 
-def learning_rate_problems(args: Any, steps: int | None) -> list[str]:
-    """The learning-rate settings of ``args`` that are far from what the measured DP settings needed."""
+def _judged_optimizer(args: Any, optimizer: torch.optim.Optimizer | None) -> tuple[str, float]:
+    """(name, learning rate) of the optimizer the run uses: the one built, when given (a script's own through
+    ``optimizers=`` or ``optimizer_cls_and_kwargs``, whose rate ``args.learning_rate`` is not), its largest
+    initial rate over the parameter groups; else ``args.optim`` and ``args.learning_rate``."""
+    if optimizer is not None and optimizer.param_groups:
+        rate = max(float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups)
+        return type(optimizer).__name__.lower(), rate
+    optim = getattr(args, "optim", "")
+    return str(getattr(optim, "value", optim)).lower(), float(args.learning_rate)
+
+
+def learning_rate_problems(args: Any, steps: int | None, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
+    """The learning-rate settings far from what the measured DP settings needed: the rate of ``optimizer`` (the
+    base optimizer built for the run) or of ``args``, and the warmup of ``args``."""
     problems = []
-    lr = float(args.learning_rate)
-    optim = str(getattr(args, "optim", "")).lower()
+    optim, lr = _judged_optimizer(args, optimizer)
     if "adam" in optim and lr < DP_ADAM_LR_RANGE[0] / 5:
         problems.append(
             f"learning_rate={lr:g} with {optim}: DP-Adam needed {DP_ADAM_LR_RANGE[0]:g} to 2e-3 in every measured "
@@ -103,18 +115,20 @@ def fixed_length_blocks(dataset: Any, causal_lm: bool) -> int | None:
     (if any) are its inputs. None otherwise.
 
     A heuristic that reads structure only (lengths, the padding mask, labels == inputs): whole documents truncated
-    to one length also match it, which is why it warns and never refuses. The verdict never leaves this process
-    except as the block length, which the script chose (block_size)."""
+    to one length also match it, which is why it warns and never refuses. What leaves this process is whether it
+    warned (a fixed text through ``warnings.warn``, never in the metrics, results or ledger): the length it returns
+    is the block size for blocks, but the length of the first documents when they merely happen to be equal, so
+    it is not printed."""
     if not causal_lm:
         return None
     try:
         count = min(ROWS_LOOKED_AT, len(dataset))
         rows = [dataset[i] for i in range(count)]
-    except Exception:  # an iterable or lazily-built set: nothing cheap to look at
+        if count < 2 or not all(isinstance(r, dict) for r in rows):
+            return None
+        shapes = [_row_lengths(r) for r in rows]
+    except Exception:  # an iterable or lazily-built set, ragged or non-numeric columns: not token rows to judge
         return None
-    if count < 2 or not all(isinstance(r, dict) for r in rows):
-        return None
-    shapes = [_row_lengths(r) for r in rows]
     if any(s is None for s in shapes):
         return None
     lengths = {s[0] for s in shapes}
@@ -124,15 +138,17 @@ def fixed_length_blocks(dataset: Any, causal_lm: bool) -> int | None:
     return length if length >= 2 else None
 
 
-def _block_warning(length: int) -> str:
+def _block_warning() -> str:
+    # no number read from the rows (their common length is a document's length when they are not blocks)
     return (
-        f"The training rows all have {length} tokens, no padding, and labels equal to their inputs: they look like "
-        "documents concatenated and cut into fixed-length blocks (run_clm's group_texts). Then the protected unit "
-        "is one block, not one document: a document spread over several blocks, or several documents in one "
-        "block, are not protected as a whole. To protect documents, pack after sampling (DPSFTTrainer with "
-        "packing=True: each sampled document clipped as one unit), or keep a document id column and train with "
+        "The first training rows all have the same number of tokens, no padding, and labels equal to their inputs: "
+        "they look like documents concatenated and cut into fixed-length blocks (run_clm's group_texts). Then the "
+        "protected unit is one block, not one document: a document spread over several blocks, or several "
+        "documents in one block, are not protected as a whole. To protect documents, pack after sampling "
+        "(DPSFTTrainer with packing=True: each sampled document clipped as one unit), or keep a document id column "
+        "and train with "
         "privacy_unit='user', user_id_column=<that column> (docs/choosing.md, 'The unit of a preprocessed row'). "
-        "If each row is one whole document truncated to this length, the unit is the document and this warning "
+        "If each row is one whole document truncated to one length, the unit is the document and this warning "
         "does not apply."
     )
 
@@ -143,7 +159,9 @@ def announce_start(trainer: Any) -> None:
     logger.warning("%s", plan_banner(trainer))
     if not plan.is_private:
         return
-    problems = learning_rate_problems(trainer.args, plan.steps)
+    base = getattr(getattr(trainer, "dp_optimizer", None), "original_optimizer", None)
+    built = base if isinstance(base, torch.optim.Optimizer) else None
+    problems = learning_rate_problems(trainer.args, plan.steps, built)
     if problems:
         warnings.warn(
             "Settings left from a non-private script: " + "; ".join(problems) + ". Tune the learning rate for DP "
@@ -155,4 +173,4 @@ def announce_start(trainer: Any) -> None:
     if getattr(trainer.args, "privacy_unit", "example") == "example" and not packed:
         length = fixed_length_blocks(trainer.train_dataset, bool(getattr(trainer, "_causal_lm", False)))
         if length is not None:
-            warnings.warn(_block_warning(length), UserWarning, stacklevel=3)
+            warnings.warn(_block_warning(), UserWarning, stacklevel=3)

@@ -431,10 +431,14 @@ def planned_dataset_size(trainer: Any) -> int | None:
 
 
 def describe_users(users: UserIndex, k: int) -> str:
-    """The plan's line about the unit: its N, logical batch and q count users."""
-    return (f"  privacy unit: user (column '{users.column}'): N = {users.num_users} users over {len(users.unit_of)} "
-            f"examples (largest user {users.largest}), the logical batch and q count users, at most k = {k} examples "
-            "of a sampled user per step, each user's examples clipped as one vector")
+    """The plan's line about the unit: its N, logical batch and q count users.
+
+    Only the plan's public quantities: N (users, as N examples at example level) and k. Not the number of examples
+    nor the largest user's count: adding or removing one user changes them by that user's own count, released
+    without noise wherever the log goes."""
+    return (f"  privacy unit: user (column '{users.column}'): N = {users.num_users} users, the logical batch and q "
+            f"count users, at most k = {k} examples of a sampled user per step, each user's examples clipped as one "
+            "vector")
 
 
 def user_loading(users: UserIndex, dataset: Any, collate_fn: Callable) -> tuple[UnitTaggedDataset, UnitCollator]:

@@ -65,6 +65,9 @@ def test_two_processes_equal_one_process(tmp_path):
     output, _ = proc.communicate(timeout=600)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert proc.returncode == 0, output[-5000:]
+    # the start-of-training banner (hf_dpfilter/start_report.py): once per run, on the main process only
+    banner = "***** Differential privacy"
+    assert output.count(banner) == (one.stdout + one.stderr).count(banner) == len(configs), output.count(banner)
     for config in configs:
         method, sigma = config.split(":")
         name = f"{method}_{sigma}"

@@ -86,6 +86,9 @@ def test_a_scale_that_is_not_a_power_of_two_is_refused():
     with pytest.raises(ValueError, match="power of two"):
         DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, fp16=True, dp_fp16_loss_scale=3.0,
                             use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="65504"):  # a power of two that makes a logit gradient of 1 overflow
+        DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, fp16=True, dp_fp16_loss_scale=2.0**16,
+                            use_cpu=True, report_to=[])
 
 
 def test_fp16_with_a_stateful_method_is_refused_with_the_reason():
@@ -247,7 +250,7 @@ def test_a_swapped_clm_script_shows_the_plan_and_warns_once_for_the_lr_and_the_b
     lr = [str(w.message) for w in caught if "Settings left from a non-private script" in str(w.message)]
     assert len(lr) == 1 and "learning_rate=5e-05" in lr[0]
     blocks = [str(w.message) for w in caught if "fixed-length blocks" in str(w.message)]
-    assert len(blocks) == 1 and "all have 8 tokens" in blocks[0]
+    assert len(blocks) == 1 and "8" not in blocks[0]  # no length read from the rows (a document's, when not blocks)
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
@@ -260,6 +263,23 @@ def test_learning_rate_warning_only_for_non_private_settings(tmp_path, overrides
     problems = learning_rate_problems(_swapped_args(tmp_path, **overrides), steps=100)
     assert len(problems) == len(expected) and all(e in p for e, p in zip(expected, problems)), problems
 
+
+
+def test_learning_rate_warning_judges_the_optimizer_the_run_uses(tmp_path):
+    """A script's own optimizer (``optimizers=`` or ``optimizer_cls_and_kwargs``) runs at its own rate, not at
+    ``args.learning_rate`` (Trainer's 5e-5 left as is): judged from the optimizer built, named as torch names it."""
+    model = tiny_roberta(dtype=torch.float32)
+    args = _swapped_args(tmp_path, lr_scheduler_type="constant")
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
+                        data_collator=PadCollator(1), optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-3), None))
+    trainer.create_optimizer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        announce_start(trainer)
+    assert not caught, [str(w.message) for w in caught]
+    problems = learning_rate_problems(args, 100, torch.optim.AdamW(model.parameters(), lr=2e-5))
+    assert len(problems) == 1 and "learning_rate=2e-05 with adamw:" in problems[0], problems
+    assert "optimizernames" not in learning_rate_problems(args, 100)[0]  # args.optim's value, not the enum's name
 
 def _blocks(length: int, n: int = 4, padded: bool = False) -> list[dict]:
     rows = []
@@ -274,6 +294,8 @@ def test_fixed_length_blocks_only_for_causal_unpadded_rows_of_one_length(tmp_pat
     assert fixed_length_blocks(_blocks(8), causal_lm=True) == 8
     assert fixed_length_blocks(_blocks(8, padded=True), causal_lm=True) is None  # documents of their own length
     assert fixed_length_blocks(_blocks(8), causal_lm=False) is None
+    ragged = [{"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3]]}] * 2  # a warning's heuristic never fails a run
+    assert fixed_length_blocks(ragged, causal_lm=True) is None
     trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=_swapped_args(tmp_path, learning_rate=1e-3),
                         train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)), data_collator=PadCollator(1))
     with warnings.catch_warnings(record=True) as caught:
@@ -301,3 +323,63 @@ def test_add_remove_sensitivity_of_the_scaled_fp16_clipped_sum(ids):
     for removed in range(4):
         rest = clipped_sum([i for i in range(4) if i != removed])
         assert (full - rest).norm().item() / clip <= 1 + 1e-4, removed
+
+
+# ------------------------------------------------------------------------------ fp16 asked for another way
+def test_accelerate_fp16_environment_is_the_fp16_run(tmp_path, monkeypatch):
+    """`accelerate launch --mixed_precision fp16` (ACCELERATE_MIXED_PRECISION=fp16) without fp16=True: the method
+    check applies, and the run gets the DP loss scaler in place of Accelerate's GradScaler (put back here as
+    Accelerate does on CUDA: kept, its step wrapper reads the empty p.grad and fails inside torch)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ValueError, match="ACCELERATE_MIXED_PRECISION=fp16"):
+        _swapped_args(tmp_path, dp_method="disk")
+    args = _swapped_args(tmp_path, learning_rate=1e-3, max_steps=1)
+    assert args.fp16
+    model = tiny_roberta(dtype=torch.float32)
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
+                        data_collator=PadCollator(1))
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    before = flat([p.detach().clone() for p in model.parameters()])
+    trainer.train()
+    assert trainer.accelerator.scaler is None and trainer.dp_optimizer.loss_scaler.scale == 2.0**10
+    assert not torch.equal(before, flat([p.detach() for p in model.parameters()]))
+
+
+def test_fp16_set_after_the_arguments_is_checked_before_any_step(tmp_path):
+    """``args.fp16 = True`` after construction (a script's ``if cuda: args.fp16 = True``) with a stateful method:
+    refused when the optimizer is built, before any step, not given a loss scaler that could skip its steps."""
+    args = _swapped_args(tmp_path, dp_method="disk", learning_rate=1e-3)
+    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=args,
+                        train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)), data_collator=PadCollator(1))
+    args.fp16 = True
+    with pytest.raises(ValueError, match="is supported with dp_method in"):
+        trainer.create_optimizer()
+
+
+def test_an_overflowing_example_changes_nothing_the_trainer_shows(tmp_path):
+    """DPTrainer(fp16=True), D and D' differing in one example whose forward overflows (a token embedded at 1e38:
+    inf logits, NaN loss): on the first micro-batch, so the first-step check sees it too. It is zeroed; the run
+    is not refused, and the logs, warnings, privacy report and loss scale are those of D'."""
+
+    def run(poisoned: bool, out: str):
+        model = tiny_roberta(dtype=torch.float32)
+        with torch.no_grad():
+            model.roberta.embeddings.word_embeddings.weight[3] = 1e38
+        rows = make_examples(4, VOCAB, causal=False, seed=3)
+        for row in rows:
+            row["input_ids"] = torch.where(torch.as_tensor(row["input_ids"]) == 3, 4, torch.as_tensor(row["input_ids"]))
+        rows[1]["input_ids"][1] = 3 if poisoned else 4
+        trainer = DPTrainer(model=model, args=_swapped_args(tmp_path / out, max_steps=1, learning_rate=1e-3, fp16=True,
+                                                            lr_scheduler_type="constant", logging_steps=1),
+                            train_dataset=ListDataset(rows), data_collator=PadCollator(1))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        logs = [{k: v for k, v in log.items() if "runtime" not in k and "per_second" not in k}
+                for log in trainer.state.log_history]
+        shown = (logs, sorted(str(w.message) for w in caught), trainer.privacy_report(),
+                 trainer.dp_optimizer.loss_scaler.state_dict())
+        return shown, trainer.dp_optimizer.nonfinite_examples
+
+    (clean, none), (poisoned, zeroed) = run(False, "clean"), run(True, "poisoned")
+    assert (none, zeroed) == (0, 1) and clean == poisoned

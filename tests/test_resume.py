@@ -128,6 +128,35 @@ def test_resume_restores_the_state_and_draws_fresh_randomness(method, tmp_path):
     assert not torch.equal(_params(resumed), _params(full)), f"{method}: the resumed run replayed the noise"
 
 
+def test_resume_restores_the_fp16_loss_scale_before_any_step(tmp_path):
+    """fp16: the DP loss scaler is attached when the optimizer is built, before the Trainer loads the checkpoint,
+    so a scale lowered by a skipped step (a non-finite noised gradient) is the resumed run's first scale."""
+    from transformers import TrainerCallback
+
+    examples = make_examples(N, VOCAB, causal=False, seed=11)
+
+    class Skip(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                kwargs["optimizer"].optimizer.loss_scaler.update(False)  # as after a non-finite noised step
+
+    cut = DPTrainer(model=tiny_roberta(), args=_args(tmp_path, "dpsgd", 4, fp16=True),
+                    train_dataset=ListDataset(examples), data_collator=PadCollator(1), callbacks=[Skip(), _stop_at(3)])
+    cut.train()
+    seen = {}
+
+    class Capture(DPTrainer):
+        def _begin_privacy_session(self):
+            seen.update(self.dp_optimizer.loss_scaler.state_dict())  # restored, before any step
+            return super()._begin_privacy_session()
+
+    resumed = Capture(model=tiny_roberta(), args=_args(tmp_path, "dpsgd", 4, fp16=True),
+                      train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert seen == {"scale": 2.0**9, "finite_steps": 2, "skipped_steps": 1}
+    assert resumed.engine.loss_scale == 2.0**9 and resumed.privacy_report()["steps"] == 4
+
+
 def test_resume_draws_fresh_batches(tmp_path):
     """The batches after a mid-epoch resume are fresh Poisson samples, not the remaining batches of the first
     run's order (which dp_seed and the step would regenerate); two resumes differ as well."""

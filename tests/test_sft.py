@@ -256,6 +256,18 @@ def test_dp_step_equals_the_clipped_per_example_reference(tmp_path):
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-6
 
 
+
+def test_fp16_sft_gets_the_dp_loss_scaler_and_refuses_a_stateful_method(tmp_path):
+    """DPSFTConfig(fp16=True): SFTConfig's bf16 default yields, the DP loss scaler (not Accelerate's GradScaler)
+    scales the step, and a method whose state a skipped step would desynchronise is refused with the config."""
+    with pytest.raises(ValueError, match="fp16=True is supported with dp_method in"):
+        config(tmp_path, 4, fp16=True, dp_method="disk", noise_multiplier=1.0)
+    trainer = trainer_for(tmp_path, chat_rows(4), fp16=True, bf16=None, dp_fp16_loss_scale=2.0**12)
+    assert trainer.args.fp16 and not trainer.args.bf16
+    trainer.train()
+    assert trainer.engine.loss_scale == 2.0**12 and trainer.accelerator.scaler is None
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize(("options", "fix"), [
     ({"packing_strategy": "wrapped"}, "packing_strategy='bfd'"),

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -393,6 +394,35 @@ def test_dptrainer_user_level_step_equals_the_per_user_reference(collator, tmp_p
     report = trainer.privacy_report()
     assert report["privacy_unit"] == "user" and report["num_units"] == 4 and report["unit_sample_rate"] == 1.0
     assert report["max_examples_per_user"] == 3 and "one user" in report["neighbouring_relation"]
+
+
+def test_fp16_loss_scaling_at_user_level_equals_the_per_user_reference(tmp_path, caplog):
+    """fp16=True at user level: the scale S = 2^12 multiplies each user's summed loss and is divided out exactly
+    (float64 model: the update equals the float64 per-user reference), the step clipping each user to C; the
+    start report's user line names public quantities only."""
+    model = tiny_gpt2()
+    model.eval()
+    data = _user_data()
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_user: dict[str, torch.Tensor] = {}
+    for e in data:
+        per_user[e["user"]] = per_user.get(e["user"], 0) + _alone_gradient(model, e, params)
+    clip = float(torch.stack([v.norm() for v in per_user.values()]).median())
+    expected = -sum(clip_factors(v.norm().reshape(1), clip, "abadi")[0] * v for v in per_user.values()) / 4
+    trainer = DPTrainer(model=model, args=_args(tmp_path, per_sample_max_grad_norm=clip, fp16=True,
+                                                dp_fp16_loss_scale=2.0**12),
+                        train_dataset=ListDataset(data), data_collator=PadCollator(0))
+    before = [p.detach().clone() for p in params]
+    with caplog.at_level(logging.INFO, logger="hf_dpfilter"):
+        trainer.train()
+    # the start report: public quantities only, not the examples (8) nor the largest user's count (3), nor the
+    # first-step check's measured errors (rounding of the first examples' gradients)
+    started = "\n".join(r.getMessage() for r in caplog.records)
+    assert "N = 4 users" in started and "check passed" in started, started
+    assert "8 examples" not in started and "largest" not in started and "relative errors" not in started, started
+    assert trainer.engine.loss_scale == 2.0**12 and trainer.dp_optimizer.loss_scaler.skipped_steps == 0
+    got = flat([p.detach() - b for p, b in zip(params, before)])
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-10
 
 
 def test_epsilon_over_users_is_the_accountants_and_the_card_says_user_level(tmp_path):

@@ -187,7 +187,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 raise TypeError(
                     f"Trainable parameter '{name}' is {param.dtype}. hf_dpfilter keeps trainable parameters in "
                     "fp32 and accumulates norms and clipped sums in fp32: load the model in float32 and use "
-                    "bf16 autocast (TrainingArguments(bf16=True)) for mixed precision."
+                    "bf16 autocast (bf16=True), or fp16 autocast with the DP loss scaler (fp16=True), for mixed "
+                    "precision."
                 )
         hooked: list[nn.Module] = []
         for module_name, module in self.model.named_modules(remove_duplicate=False):

@@ -187,12 +187,13 @@ class SeparationChecks:
         return raw
 
     def _first_step(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any]) -> None:
-        worst = verify_per_example(
+        verify_per_example(
             self.engine, model, self.loss_fn, micro_batch, lambda i: self.alone(raw[i], micro_batch, i, True), self.packed,
             low_precision=self.low_precision,
         )
         self.first_step_pending = False
-        logger.info("First-step per-example check passed (largest relative errors: %s).", worst)
+        # not the errors measured: the rounding of the first examples' losses and gradients, without noise
+        logger.info("First-step per-example check passed (within its public tolerance).")
 
     def recheck(
         self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any], why: str,
