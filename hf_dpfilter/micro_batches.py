@@ -183,7 +183,7 @@ class MicroBatchMixin:
                 used = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
                 decoder_side = _decoder_side(self.model)
                 if used < mask.shape[1] and bool(mask[:, used:].eq(0).all()):
-                    seq = mask.shape[1]
+                    seq, original = mask.shape[1], micro
                     micro = {
                         k: v[:, :used]
                         if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
@@ -191,7 +191,13 @@ class MicroBatchMixin:
                         for k, v in micro.items()
                     }
                     if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq and not decoder_side:
-                        micro_labels = micro_labels[:, :used]
+                        # cut the labels with the columns only when the head declares them per token; a head of
+                        # undeclared kind keeps the row's width (its padding stays masked, as in the whole batch)
+                        along = _labels_along_tokens(self.model, self.label_names)
+                        if along is None:
+                            micro = original
+                        elif along:
+                            micro_labels = micro_labels[:, :used]
             if getattr(self, "_causal_lm", False):  # no target predicted from a leading pad (as alone)
                 micro_labels = padding.causal_labels(micro, micro_labels, structure)
             yield padding.with_positions(self.model, micro, micro_labels, structure), micro_labels, None
@@ -306,6 +312,37 @@ def _decoder_side(model: Any) -> bool:
     chance (a batch's longest source as long as its longest target); cutting them to the encoder's used width would
     drop target tokens of the batch that the example alone keeps."""
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForTokenClassification")
+_EXAMPLE_HEADS = ("ForSequenceClassification", "ForQuestionAnswering", "ForMultipleChoice")
+
+
+def _labels_along_tokens(model: Any, label_names: Any) -> bool | None:
+    """Whether the labels run along the tokens (one per column, cut with the inputs' padding columns), as the
+    model's head declares it: True for a language-modelling or token-classification head, False for a head with
+    one label row per example (sequence classification, multi-label or regression targets of ``num_labels``
+    columns; extractive QA's (start, end) pair, also declared by its ``label_names``; multiple choice), None for a
+    head of neither kind. Never decided by the labels' width: a multi-label target of 8 classes in a batch padded
+    to 8 tokens (``pad_to_multiple_of=8``), or QA's pair in a micro-batch 2 tokens wide, is as wide as the row by
+    chance, and cutting it would drop label columns of the example."""
+    from transformers.models.auto import modeling_auto as auto
+
+    from hf_dpfilter.question_answering import SPAN_LABEL_NAMES
+
+    if label_names is not None and sorted(label_names) == sorted(SPAN_LABEL_NAMES):
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    token_maps = (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                  auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
+    example_maps = (auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+                    auto.MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES)
+    if name.endswith(_EXAMPLE_HEADS) or any(name in m.values() for m in example_maps):
+        return False
+    if name.endswith(_TOKEN_HEADS) or any(name in m.values() for m in token_maps):
+        return True
+    return None
 
 
 def _example_count(micro_batch: tuple) -> int:
