@@ -258,7 +258,7 @@ class MicroBatchMixin:
             cut, start = [], 0
             for micro_batch in privacy_units.unit_micro_batches(
                 self._training_batch_structure(), self._micro_batches, inputs, labels, units,
-                self.args.per_device_train_batch_size,
+                self.args.per_device_train_batch_size, _labels_along_tokens(self.model, self.label_names),
             ):
                 count = _example_count(micro_batch)
                 cut.append((micro_batch, tuple(range(start, start + count))))
