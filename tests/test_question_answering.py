@@ -144,3 +144,10 @@ def test_an_overflow_mapping_at_example_level_is_refused(tmp_path):
                                logical_batch_size=2, max_steps=1, report_to=[], use_cpu=True, save_strategy="no")
     with pytest.raises(PrivacyUnitError, match="privacy_unit='user', user_id_column='example_id'"):
         DPTrainer(model=tiny_bert_qa(), args=args, train_dataset=Dataset.from_list(rows), data_collator=collate).train()
+
+
+def test_label_smoothing_is_refused_for_the_span_loss():
+    logits = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="label_smoothing_factor=0.1 with extractive QA"):
+        span_loss({"start_logits": logits, "end_logits": logits}, torch.zeros(1, 2, dtype=torch.long), None,
+                  label_smoothing=0.1)

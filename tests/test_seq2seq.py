@@ -124,3 +124,39 @@ def test_one_step_equals_the_per_example_reference_when_source_and_target_widths
     got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
     assert (got - expected).abs().max().item() <= 1e-6
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
+
+
+def test_label_smoothing_is_applied_per_example(tmp_path):
+    """``label_smoothing_factor`` (run_summarization/run_translation's common 0.1): one step at noise 0 equals the
+    reference with the Trainer's own LabelSmoother on each example alone (it was refused as ignored)."""
+    from helpers import ListDataset, flat
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from hf_dpfilter.clipping import clip_factors
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_t5(lora=False, vocab_size=len(tokenizer)).double()
+    g = torch.Generator().manual_seed(2)
+    rows = [{"input_ids": torch.randint(5, len(tokenizer), (s,), generator=g).tolist(),
+             "labels": torch.randint(5, len(tokenizer), (t,), generator=g).tolist()} for s, t in ((6, 3), (4, 5), (3, 2))]
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for row in rows:
+        alone = collator([dict(row)])
+        labels = alone.pop("labels")
+        loss = LabelSmoother(epsilon=0.1)(model(**alone), labels)
+        grads.append(flat(torch.autograd.grad(loss, params)))
+    norms = torch.stack([x.norm() for x in grads])
+    clip = float(norms.median())
+    expected = sum(x * f for x, f in zip(grads, clip_factors(norms, clip)))
+    before = [p.detach().clone() for p in params]
+    args = DPSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
+        label_smoothing_factor=0.1,
+    )
+    DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collator).train()
+    got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-7  # full T5 in float64: ~1e-8
