@@ -200,6 +200,7 @@ class MicroBatchMixin:
                             micro_labels = micro_labels[:, :used]
             if getattr(self, "_causal_lm", False):  # no target predicted from a leading pad (as alone)
                 micro_labels = padding.causal_labels(micro, micro_labels, structure)
+            micro = _with_decoder_inputs(self.model, micro, micro_labels)
             yield padding.with_positions(self.model, micro, micro_labels, structure), micro_labels, None
 
     def _no_cache_when_packed(self, micro_batch: tuple) -> tuple:
@@ -312,6 +313,21 @@ def _decoder_side(model: Any) -> bool:
     chance (a batch's longest source as long as its longest target); cutting them to the encoder's used width would
     drop target tokens of the batch that the example alone keeps."""
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def _with_decoder_inputs(model: Any, micro: dict[str, Any], labels: torch.Tensor) -> dict[str, Any]:
+    """An encoder-decoder's ``decoder_input_ids`` built from its labels when the collator gave none (a
+    ``DataCollatorForSeq2Seq`` without ``model=``): what the model's forward does itself when it is given labels,
+    which the trainer keeps out of it (the loss is per example). ``prepare_decoder_input_ids_from_labels`` shifts
+    each row right on its own (the start token first, -100 read as padding): one example's decoder inputs come
+    from its own labels only."""
+    if not _decoder_side(model) or "decoder_input_ids" in micro or "decoder_inputs_embeds" in micro:
+        return micro
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+    if prepare is None or labels.dim() != 2:
+        return micro
+    return {**micro, "decoder_input_ids": prepare(labels=labels)}
 
 
 _TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForTokenClassification")
