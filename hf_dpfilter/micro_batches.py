@@ -182,14 +182,14 @@ class MicroBatchMixin:
                 # Drop trailing columns that are padding in every example of this micro-batch.
                 used = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
                 decoder_side = _decoder_side(self.model)
-                if used < mask.shape[1] and bool(mask[:, used:].eq(0).all()):
-                    seq, original = mask.shape[1], micro
-                    micro = {
-                        k: v[:, :used]
-                        if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
-                        and v.shape[1] == seq and not (decoder_side and k.startswith("decoder_")) else v
-                        for k, v in micro.items()
-                    }
+                seq = mask.shape[1]
+                wide = {k for k, v in micro.items() if k in structure.per_example and isinstance(v, torch.Tensor)
+                        and v.dim() >= 2 and v.shape[1] == seq and not (decoder_side and k.startswith("decoder_"))}
+                if used < seq and bool(mask[:, used:].eq(0).all()) and wide <= TOKEN_KEYS:
+                    # only the keys declared to run along the tokens are cut; another key as wide as the row (a
+                    # feature vector of 8 values in a row padded to 8) keeps the whole micro-batch at its width
+                    original = micro
+                    micro = {k: v[:, :used] if k in wide else v for k, v in micro.items()}
                     if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq and not decoder_side:
                         # cut the labels with the columns only when the head declares them per token; a head of
                         # undeclared kind keeps the row's width (its padding stays masked, as in the whole batch)
@@ -313,6 +313,11 @@ def _decoder_side(model: Any) -> bool:
     chance (a batch's longest source as long as its longest target); cutting them to the encoder's used width would
     drop target tokens of the batch that the example alone keeps."""
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+#: The model inputs that run along the tokens (one column per token), cut with a micro-batch's padding columns.
+TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "special_tokens_mask",
+                        "inputs_embeds", "mm_token_type_ids"})
 
 
 def _with_decoder_inputs(model: Any, micro: dict[str, Any], labels: torch.Tensor) -> dict[str, Any]:

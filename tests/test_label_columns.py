@@ -1,4 +1,5 @@
-"""The labels are cut with a micro-batch's padding columns only when the model's head declares them per token.
+"""A micro-batch's padding columns are cut from the inputs that run along the tokens, and from the labels only when
+the model's head declares them per token; never from a tensor because it is as wide as the row.
 
 A batch padded to a multiple of 8 (``pad_to_multiple_of=8``, run_glue's fp16 default) is 8 columns wide; a
 multi-label target of 8 classes is then as wide as the row by chance, and QA's (start, end) pair is as wide as a
@@ -60,6 +61,48 @@ def test_labels_as_wide_as_the_row_by_chance_keep_their_columns(case, tmp_path):
         output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
         per_device_train_batch_size=1, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
         weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
+    )
+    DPTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collate).train()
+    got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
+
+
+class _TextAndFeatures(torch.nn.Module):
+    """A model of the user's own: a masked mean of token embeddings and a vector of 8 features per example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(97, 6, dtype=torch.float64)
+        self.features = torch.nn.Linear(8, 6, dtype=torch.float64)
+        self.head = torch.nn.Linear(6, 2, dtype=torch.float64)
+
+    def forward(self, input_ids, attention_mask, features, labels=None):
+        mask = attention_mask.unsqueeze(-1).to(torch.float64)
+        text = (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
+        logits = self.head(torch.tanh(text + self.features(features.to(torch.float64))))
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_feature_vector_as_wide_as_the_row_keeps_its_columns(tmp_path):
+    """A per-example input that does not run along the tokens (8 features, rows padded to 8 columns) is never cut
+    with the padding columns: the micro-batch keeps its width (it was cut to the used columns and the step failed)."""
+    model = _TextAndFeatures()
+    g = torch.Generator().manual_seed(4)
+    rows = [{"input_ids": torch.randint(3, 90, (n,), generator=g).tolist(),
+             "features": torch.randn(8, generator=g).tolist(), "labels": n % 2} for n in (3, 5, 7)]
+    collate = lambda rows: _pad(rows, 8)  # noqa: E731
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [flat(torch.autograd.grad(model(**collate([r]))["loss"], params)) for r in rows]
+    norms = torch.stack([g.norm() for g in grads])
+    clip = float(norms.max()) / 2
+    expected = sum(g * f for g, f in zip(grads, clip_factors(norms, clip)))
+    before = [p.detach().clone() for p in params]
+    args = DPTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
+        per_device_train_batch_size=1, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
     )
     DPTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collate).train()
     got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
