@@ -193,7 +193,7 @@ class MicroBatchMixin:
                     if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq and not decoder_side:
                         # cut the labels with the columns only when the head declares them per token; a head of
                         # undeclared kind keeps the row's width (its padding stays masked, as in the whole batch)
-                        along = _labels_along_tokens(self.model, self.label_names)
+                        along = padding.labels_along_tokens(self.model, self.label_names)
                         if along is None:
                             micro = original
                         elif along:
@@ -259,7 +259,7 @@ class MicroBatchMixin:
             cut, start = [], 0
             for micro_batch in privacy_units.unit_micro_batches(
                 self._training_batch_structure(), self._micro_batches, inputs, labels, units,
-                self.args.per_device_train_batch_size, _labels_along_tokens(self.model, self.label_names),
+                self.args.per_device_train_batch_size, padding.labels_along_tokens(self.model, self.label_names),
             ):
                 count = _example_count(micro_batch)
                 cut.append((micro_batch, tuple(range(start, start + count))))
@@ -333,37 +333,6 @@ def _with_decoder_inputs(model: Any, micro: dict[str, Any], labels: torch.Tensor
     if prepare is None or labels.dim() != 2:
         return micro
     return {**micro, "decoder_input_ids": prepare(labels=labels)}
-
-
-_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForTokenClassification")
-_EXAMPLE_HEADS = ("ForSequenceClassification", "ForQuestionAnswering", "ForMultipleChoice")
-
-
-def _labels_along_tokens(model: Any, label_names: Any) -> bool | None:
-    """Whether the labels run along the tokens (one per column, cut with the inputs' padding columns), as the
-    model's head declares it: True for a language-modelling or token-classification head, False for a head with
-    one label row per example (sequence classification, multi-label or regression targets of ``num_labels``
-    columns; extractive QA's (start, end) pair, also declared by its ``label_names``; multiple choice), None for a
-    head of neither kind. Never decided by the labels' width: a multi-label target of 8 classes in a batch padded
-    to 8 tokens (``pad_to_multiple_of=8``), or QA's pair in a micro-batch 2 tokens wide, is as wide as the row by
-    chance, and cutting it would drop label columns of the example."""
-    from transformers.models.auto import modeling_auto as auto
-
-    from hf_dpfilter.question_answering import SPAN_LABEL_NAMES
-
-    if label_names is not None and sorted(label_names) == sorted(SPAN_LABEL_NAMES):
-        return False
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    name = type(base).__name__
-    token_maps = (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-                  auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
-    example_maps = (auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
-                    auto.MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES)
-    if name.endswith(_EXAMPLE_HEADS) or any(name in m.values() for m in example_maps):
-        return False
-    if name.endswith(_TOKEN_HEADS) or any(name in m.values() for m in token_maps):
-        return True
-    return None
 
 
 def _example_count(micro_batch: tuple) -> int:

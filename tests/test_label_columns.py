@@ -107,3 +107,30 @@ def test_a_feature_vector_as_wide_as_the_row_keeps_its_columns(tmp_path):
     DPTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collate).train()
     got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
+
+
+def test_left_padding_with_a_multi_label_target_as_wide_as_the_row_is_refused(tmp_path):
+    """BERT's head reads the first column, a pad for every short example under left padding: refused on every
+    micro-batch, also when the integer multi-label target (8 classes) is as wide as the row (8 tokens, the longest
+    example): it was taken for a token-level label and the coupled step released (without the first-step check)."""
+    from hf_dpfilter.proofs.padding import PaddingError
+
+    model, _, _ = _multi_label()
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, 90, (n,), generator=g).tolist(),
+             "labels": torch.randint(0, 2, (8,), generator=g).tolist()} for n in (3, 8, 5, 4)]
+
+    def left(rows):
+        width = max(len(r["input_ids"]) for r in rows)
+        return {"input_ids": torch.tensor([[0] * (width - len(r["input_ids"])) + r["input_ids"] for r in rows]),
+                "attention_mask": torch.tensor([[0] * (width - len(r["input_ids"])) + [1] * len(r["input_ids"])
+                                                for r in rows]),
+                "labels": torch.tensor([r["labels"] for r in rows])}
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
+                               logical_batch_size=4, per_device_train_batch_size=2, max_steps=1, report_to=[],
+                               use_cpu=True, save_strategy="no", dp_seed=0, dp_verify_first_step=False)
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=left)
+    with pytest.raises(PaddingError, match="reads the first column"):
+        trainer.train()
+    assert trainer.accountant.steps == 0

@@ -48,6 +48,7 @@ __all__ = [
     "PositionScheme",
     "check_collator_padding",
     "check_padded_rows_have_a_mask",
+    "labels_along_tokens",
     "leading_padding",
     "needs_alone_widths",
     "positions_from_mask",
@@ -166,6 +167,37 @@ def _mask_of(micro: dict[str, Any], structure: Any) -> torch.Tensor | None:
     return None
 
 
+_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForTokenClassification")
+_EXAMPLE_HEADS = ("ForSequenceClassification", "ForQuestionAnswering", "ForMultipleChoice")
+
+
+def labels_along_tokens(model: Any, label_names: Any) -> bool | None:
+    """Whether the labels run along the tokens (one per column, cut with the inputs' padding columns), as the
+    model's head declares it: True for a language-modelling or token-classification head, False for a head with
+    one label row per example (sequence classification, multi-label or regression targets of ``num_labels``
+    columns; extractive QA's (start, end) pair, also declared by its ``label_names``; multiple choice), None for a
+    head of neither kind. Never decided by the labels' width: a multi-label target of 8 classes in a batch padded
+    to 8 tokens (``pad_to_multiple_of=8``), or QA's pair in a micro-batch 2 tokens wide, is as wide as the row by
+    chance, and cutting it would drop label columns of the example."""
+    from transformers.models.auto import modeling_auto as auto
+
+    from hf_dpfilter.question_answering import SPAN_LABEL_NAMES
+
+    if label_names is not None and sorted(label_names) == sorted(SPAN_LABEL_NAMES):
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    token_maps = (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                  auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
+    example_maps = (auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+                    auto.MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES)
+    if name.endswith(_EXAMPLE_HEADS) or any(name in m.values() for m in example_maps):
+        return False
+    if name.endswith(_TOKEN_HEADS) or any(name in m.values() for m in token_maps):
+        return True
+    return None
+
+
 # ------------------------------------------------------------------------------------ per micro-batch
 def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, structure: Any) -> dict[str, Any]:
     """The micro-batch as the model must get it so that no example's positions depend on the others' lengths.
@@ -192,8 +224,9 @@ def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, stru
             "if it numbers positions from the first column, every example's positions would shift with the longest "
             f"example of its batch. Fix: {RIGHT_PADDING_FIX}. Nothing of this step was released."
         )
-    # one integer label per column: a token-level head; anything else (a class, multi-label floats) is pooled
-    token_level = labels.dim() == 2 and labels.shape[1] == mask.shape[1] and not labels.is_floating_point()
+    # a head declared token-level (one label per column); a class, a multi-label target (integer or float, as wide
+    # as the row or not) or a head of undeclared kind is pooled
+    token_level = labels_along_tokens(model, None) is True and labels.dim() == 2 and labels.shape[1] == mask.shape[1]
     if scheme.reads_first_column(config) and not token_level:
         raise PaddingError(
             f"A micro-batch is padded on the left with {name}, whose sequence-level head reads the first column: for "
