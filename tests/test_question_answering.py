@@ -151,3 +151,31 @@ def test_label_smoothing_is_refused_for_the_span_loss():
     with pytest.raises(ValueError, match="label_smoothing_factor=0.1 with extractive QA"):
         span_loss({"start_logits": logits, "end_logits": logits}, torch.zeros(1, 2, dtype=torch.long), None,
                   label_smoothing=0.1)
+
+
+def test_left_padding_is_refused_on_every_micro_batch(tmp_path):
+    """Positions from the tokenizer count from the example's first token; padded on the left, the collated row moves
+    them by the batch's longest example: a Llama QA head (its positions scheme does not read the first column) was
+    released coupled without the first-step check. Refused on the micro-batch, before any release."""
+    from transformers import LlamaConfig, LlamaForQuestionAnswering
+
+    from hf_dpfilter.proofs.padding import PaddingError
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForQuestionAnswering(config).double()
+
+    def left(rows):
+        batch = collate(rows)
+        lengths = batch["attention_mask"].sum(1).tolist()
+        return {k: torch.stack([torch.cat([row[n:], row[:n]]) for row, n in zip(v, lengths)]) if v.dim() == 2 else v
+                for k, v in batch.items()}
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
+                               logical_batch_size=5, per_device_train_batch_size=2, max_steps=1, report_to=[],
+                               use_cpu=True, save_strategy="no", dp_seed=0, dp_verify_first_step=False)
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(qa_examples()), data_collator=left)
+    with pytest.raises(PaddingError, match="extractive QA"):
+        trainer.train()
+    assert trainer.accountant.steps == 0

@@ -171,6 +171,15 @@ _TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForTokenClassifica
 _EXAMPLE_HEADS = ("ForSequenceClassification", "ForQuestionAnswering", "ForMultipleChoice")
 
 
+def _is_question_answering(model: Any) -> bool:
+    """Whether the model's head is extractive QA's (start/end logits over the columns), by its class."""
+    from transformers.models.auto import modeling_auto as auto
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    return name.endswith("ForQuestionAnswering") or name in auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES.values()
+
+
 def labels_along_tokens(model: Any, label_names: Any) -> bool | None:
     """Whether the labels run along the tokens (one per column, cut with the inputs' padding columns), as the
     model's head declares it: True for a language-modelling or token-classification head, False for a head with
@@ -217,6 +226,14 @@ def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, stru
     if not bool(padded.any()):
         return micro
     name = type(model).__name__
+    if _is_question_answering(model):
+        raise PaddingError(
+            f"A micro-batch is padded on the left with {name} (extractive QA): the start/end positions index the "
+            "collated row, and an example's leading pads depend on the longest example of its batch, so its positions "
+            "point at other tokens than alone (a tokenizer's positions count from the example's first token). Fix: "
+            f"{RIGHT_PADDING_FIX}; the QA head reads every column, so right padding is exact. Nothing of this step "
+            "was released."
+        )
     if scheme is None:
         raise PaddingError(
             f"A micro-batch is padded on the left (attention_mask starts with zeros) and the position scheme of "
