@@ -185,3 +185,25 @@ def test_a_collator_without_the_model_gets_the_decoder_inputs_from_each_example_
     error = _relative_error_of_one_step(tmp_path, model, rows, DataCollatorForSeq2Seq(tokenizer),
                                         lambda m, batch, labels: m(**batch, labels=labels).loss)
     assert error <= 1e-7
+
+
+def test_labels_padded_on_the_left_are_refused_on_every_micro_batch(tmp_path):
+    """A tokenizer padding on the left makes DataCollatorForSeq2Seq pad the labels on the left: the decoder attends
+    to those pads, as many as the batch's longest target asks. With sources of one length (no encoder padding to
+    refuse) such a step was released coupled without the first-step check; refused on the micro-batch."""
+    from helpers import ListDataset
+
+    from hf_dpfilter.proofs.padding import PaddingError
+
+    tokenizer, model, _ = _t5_rows()
+    tokenizer.padding_side = "left"
+    rows = [{"input_ids": list(range(5, 10)), "labels": list(range(5, 5 + t))} for t in (3, 5, 2, 4)]
+    args = DPSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=1.0, logical_batch_size=4,
+        per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
+        remove_unused_columns=False, dp_verify_first_step=False)
+    trainer = DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows),
+                               data_collator=DataCollatorForSeq2Seq(tokenizer, model=model))
+    with pytest.raises(PaddingError, match="labels are padded on the left"):
+        trainer.train()
+    assert trainer.accountant.steps == 0

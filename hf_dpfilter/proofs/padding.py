@@ -47,6 +47,7 @@ __all__ = [
     "PaddingError",
     "PositionScheme",
     "check_collator_padding",
+    "check_decoder_labels_not_left_padded",
     "check_padded_rows_have_a_mask",
     "labels_along_tokens",
     "leading_padding",
@@ -205,6 +206,27 @@ def labels_along_tokens(model: Any, label_names: Any) -> bool | None:
     if name.endswith(_TOKEN_HEADS) or any(name in m.values() for m in token_maps):
         return True
     return None
+
+
+def check_decoder_labels_not_left_padded(labels: torch.Tensor) -> None:
+    """An encoder-decoder's labels padded on the left are refused (on every micro-batch, before any release).
+
+    The decoder's inputs are the labels shifted right, and the decoder attends causally to every column before a
+    target, pads included (``DataCollatorForSeq2Seq`` gives no decoder attention mask): an example's target then
+    follows as many pads as the longest target of its batch asks, so its loss depends on the other examples. A row
+    whose first label is ignored (-100) and a later one is not is a left-padded target (a collator pads labels on the
+    tokenizer's side)."""
+    if labels.dim() != 2 or labels.shape[1] < 2:
+        return
+    ignored = labels.eq(IGNORE_INDEX)
+    if bool((ignored[:, 0] & (~ignored[:, 1:]).any(dim=1)).any()):
+        raise PaddingError(
+            "An encoder-decoder's labels are padded on the left (a row starts with ignored labels, -100, before its "
+            "target): the decoder attends to those pads, as many as the longest target of the batch asks, so an "
+            'example\'s loss depends on the others. Fix: pad on the right (tokenizer.padding_side = "right" before '
+            "building DataCollatorForSeq2Seq, which pads the labels on the tokenizer's side). Nothing of this step "
+            "was released."
+        )
 
 
 # ------------------------------------------------------------------------------------ per micro-batch
