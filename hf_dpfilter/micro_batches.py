@@ -201,7 +201,7 @@ class MicroBatchMixin:
             if getattr(self, "_causal_lm", False):  # no target predicted from a leading pad (as alone)
                 micro_labels = padding.causal_labels(micro, micro_labels, structure)
             if _decoder_side(self.model):  # the decoder attends to a left-padded target's pads
-                padding.check_decoder_labels_not_left_padded(micro_labels)
+                padding.check_decoder_labels_not_left_padded(self.data_collator)
             micro = _with_decoder_inputs(self.model, micro, micro_labels)
             yield padding.with_positions(self.model, micro, micro_labels, structure), micro_labels, None
 

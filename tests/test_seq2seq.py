@@ -190,7 +190,8 @@ def test_a_collator_without_the_model_gets_the_decoder_inputs_from_each_example_
 def test_labels_padded_on_the_left_are_refused_on_every_micro_batch(tmp_path):
     """A tokenizer padding on the left makes DataCollatorForSeq2Seq pad the labels on the left: the decoder attends
     to those pads, as many as the batch's longest target asks. With sources of one length (no encoder padding to
-    refuse) such a step was released coupled without the first-step check; refused on the micro-batch."""
+    refuse) such a step was released coupled without the first-step check; the collator's declared side is refused
+    on every micro-batch (not the labels' leading -100, which may be the example's own)."""
     from helpers import ListDataset
 
     from hf_dpfilter.proofs.padding import PaddingError
@@ -204,6 +205,6 @@ def test_labels_padded_on_the_left_are_refused_on_every_micro_batch(tmp_path):
         remove_unused_columns=False, dp_verify_first_step=False)
     trainer = DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows),
                                data_collator=DataCollatorForSeq2Seq(tokenizer, model=model))
-    with pytest.raises(PaddingError, match="labels are padded on the left"):
+    with pytest.raises(PaddingError, match="labels are padded on the left too"):
         trainer.train()
     assert trainer.accountant.steps == 0

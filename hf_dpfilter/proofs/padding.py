@@ -208,24 +208,26 @@ def labels_along_tokens(model: Any, label_names: Any) -> bool | None:
     return None
 
 
-def check_decoder_labels_not_left_padded(labels: torch.Tensor) -> None:
-    """An encoder-decoder's labels padded on the left are refused (on every micro-batch, before any release).
+def check_decoder_labels_not_left_padded(collator: Any) -> None:
+    """An encoder-decoder trained through a collator that declares left padding of its labels is refused (checked on
+    every micro-batch, before any release).
 
     The decoder's inputs are the labels shifted right, and the decoder attends causally to every column before a
-    target, pads included (``DataCollatorForSeq2Seq`` gives no decoder attention mask): an example's target then
-    follows as many pads as the longest target of its batch asks, so its loss depends on the other examples. A row
-    whose first label is ignored (-100) and a later one is not is a left-padded target (a collator pads labels on the
-    tokenizer's side)."""
-    if labels.dim() != 2 or labels.shape[1] < 2:
+    target, pads included (``DataCollatorForSeq2Seq`` gives no decoder attention mask): a target padded on the left
+    follows as many pads as the longest target of its batch asks, so an example's loss depends on the others.
+    ``DataCollatorForSeq2Seq`` pads the labels on its tokenizer's ``padding_side``: that declaration is read (not
+    the labels, whose leading -100 may be the example's own)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    if not isinstance(collator, DataCollatorForSeq2Seq):
         return
-    ignored = labels.eq(IGNORE_INDEX)
-    if bool((ignored[:, 0] & (~ignored[:, 1:]).any(dim=1)).any()):
+    side = getattr(collator, "padding_side", None) or getattr(collator.tokenizer, "padding_side", None)
+    if side == "left":
         raise PaddingError(
-            "An encoder-decoder's labels are padded on the left (a row starts with ignored labels, -100, before its "
-            "target): the decoder attends to those pads, as many as the longest target of the batch asks, so an "
-            'example\'s loss depends on the others. Fix: pad on the right (tokenizer.padding_side = "right" before '
-            "building DataCollatorForSeq2Seq, which pads the labels on the tokenizer's side). Nothing of this step "
-            "was released."
+            f"An encoder-decoder trained with {type(collator).__name__} padding on the left: the labels are padded "
+            "on the left too, and the decoder attends to those pads, as many as the longest target of the batch "
+            "asks, so an example's loss depends on the others. Fix: pad on the right (tokenizer.padding_side = "
+            '"right" before building the collator). Nothing of this step was released.'
         )
 
 
