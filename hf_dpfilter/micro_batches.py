@@ -182,18 +182,27 @@ class MicroBatchMixin:
                 # Drop trailing columns that are padding in every example of this micro-batch.
                 used = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
                 decoder_side = _decoder_side(self.model)
-                if used < mask.shape[1] and bool(mask[:, used:].eq(0).all()):
-                    seq = mask.shape[1]
-                    micro = {
-                        k: v[:, :used]
-                        if k in structure.per_example and isinstance(v, torch.Tensor) and v.dim() >= 2
-                        and v.shape[1] == seq and not (decoder_side and k.startswith("decoder_")) else v
-                        for k, v in micro.items()
-                    }
+                seq = mask.shape[1]
+                wide = {k for k, v in micro.items() if k in structure.per_example and isinstance(v, torch.Tensor)
+                        and v.dim() >= 2 and v.shape[1] == seq and not (decoder_side and k.startswith("decoder_"))}
+                if used < seq and bool(mask[:, used:].eq(0).all()) and wide <= TOKEN_KEYS:
+                    # only the keys declared to run along the tokens are cut; another key as wide as the row (a
+                    # feature vector of 8 values in a row padded to 8) keeps the whole micro-batch at its width
+                    original = micro
+                    micro = {k: v[:, :used] if k in wide else v for k, v in micro.items()}
                     if micro_labels.dim() >= 2 and micro_labels.shape[1] == seq and not decoder_side:
-                        micro_labels = micro_labels[:, :used]
+                        # cut the labels with the columns only when the head declares them per token; a head of
+                        # undeclared kind keeps the row's width (its padding stays masked, as in the whole batch)
+                        along = padding.labels_along_tokens(self.model, self.label_names)
+                        if along is None:
+                            micro = original
+                        elif along:
+                            micro_labels = micro_labels[:, :used]
             if getattr(self, "_causal_lm", False):  # no target predicted from a leading pad (as alone)
                 micro_labels = padding.causal_labels(micro, micro_labels, structure)
+            if _decoder_side(self.model):  # the decoder attends to a left-padded target's pads
+                padding.check_decoder_labels_not_left_padded(self.data_collator)
+            micro = _with_decoder_inputs(self.model, micro, micro_labels)
             yield padding.with_positions(self.model, micro, micro_labels, structure), micro_labels, None
 
     def _no_cache_when_packed(self, micro_batch: tuple) -> tuple:
@@ -252,7 +261,7 @@ class MicroBatchMixin:
             cut, start = [], 0
             for micro_batch in privacy_units.unit_micro_batches(
                 self._training_batch_structure(), self._micro_batches, inputs, labels, units,
-                self.args.per_device_train_batch_size,
+                self.args.per_device_train_batch_size, padding.labels_along_tokens(self.model, self.label_names),
             ):
                 count = _example_count(micro_batch)
                 cut.append((micro_batch, tuple(range(start, start + count))))
@@ -306,6 +315,26 @@ def _decoder_side(model: Any) -> bool:
     chance (a batch's longest source as long as its longest target); cutting them to the encoder's used width would
     drop target tokens of the batch that the example alone keeps."""
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+#: The model inputs that run along the tokens (one column per token), cut with a micro-batch's padding columns.
+TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "special_tokens_mask",
+                        "inputs_embeds", "mm_token_type_ids"})
+
+
+def _with_decoder_inputs(model: Any, micro: dict[str, Any], labels: torch.Tensor) -> dict[str, Any]:
+    """An encoder-decoder's ``decoder_input_ids`` built from its labels when the collator gave none (a
+    ``DataCollatorForSeq2Seq`` without ``model=``): what the model's forward does itself when it is given labels,
+    which the trainer keeps out of it (the loss is per example). ``prepare_decoder_input_ids_from_labels`` shifts
+    each row right on its own (the start token first, -100 read as padding): one example's decoder inputs come
+    from its own labels only."""
+    if not _decoder_side(model) or "decoder_input_ids" in micro or "decoder_inputs_embeds" in micro:
+        return micro
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+    if prepare is None or labels.dim() != 2:
+        return micro
+    return {**micro, "decoder_input_ids": prepare(labels=labels)}
 
 
 def _example_count(micro_batch: tuple) -> int:

@@ -76,9 +76,20 @@ def _side_loss(logits: torch.Tensor, positions: torch.Tensor, valid: torch.Tenso
     return torch.where(kept, losses, torch.zeros_like(losses))
 
 
-def span_loss(outputs: Any, labels: torch.Tensor, attention_mask: torch.Tensor | None, packed: bool = False) -> torch.Tensor:
+def span_loss(
+    outputs: Any, labels: torch.Tensor, attention_mask: torch.Tensor | None, packed: bool = False,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
     """Per-example QA loss, shape (B,): ``(CE(start) + CE(end)) / 2`` over each example's own real tokens (see the
-    module docstring); ``labels`` (B, 2) holds the start and end positions, ``attention_mask`` marks the padding."""
+    module docstring); ``labels`` (B, 2) holds the start and end positions, ``attention_mask`` marks the padding.
+    ``label_smoothing`` (the Trainer's ``label_smoothing_factor``) is refused: the Trainer's LabelSmoother reads a
+    ``logits`` output, which a QA head does not have, and smoothing over the pad columns would couple examples."""
+    if label_smoothing:
+        raise ValueError(
+            f"label_smoothing_factor={label_smoothing} with extractive QA: the Trainer's label smoother applies to a "
+            "model's `logits`, not to a QA head's start/end logits, and DPTrainer's per-example QA loss has no "
+            "smoothing. Set label_smoothing_factor=0."
+        )
     if packed:
         raise ValueError(
             "Extractive QA with packed rows: the start/end softmax runs over the whole row, across the examples "

@@ -16,6 +16,9 @@ through the script's handlers when it is; and ``warnings.warn``), at the start o
   concatenated and cut into fixed-length blocks): then the protected unit is a block, not a document. Read from
   the *structure* of the first rows (their lengths, whether there is padding, whether the labels equal the
   inputs), never what their tokens are; the warning is a fixed text that names no number read from the rows.
+* :data:`QA_FEATURES_WARNING` -- one warning for extractive QA at example level: run_qa's preprocessing splits a
+  long context into several rows (features) and drops the mapping, so the unit is then a feature; read from the
+  model's declared labels only (a training set that keeps ``overflow_to_sample_mapping`` is refused, units.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DP_ADAM_LR_RANGE", "announce_start", "fixed_length_blocks", "learning_rate_problems", "plan_banner"]
+from hf_dpfilter.question_answering import SPAN_LABEL_NAMES
+
+__all__ = ["DP_ADAM_LR_RANGE", "QA_FEATURES_WARNING", "announce_start", "fixed_length_blocks", "learning_rate_problems", "plan_banner"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +158,16 @@ def _block_warning() -> str:
     )
 
 
+QA_FEATURES_WARNING = (
+    "Extractive QA at privacy_unit='example': each training row is protected. run_qa's prepare_train_features "
+    "splits a context longer than max_seq_length into several rows (return_overflowing_tokens=True, doc_stride): "
+    "such an example is then several units, not one. To protect examples, keep each row's example id (example_id = "
+    "examples['id'][sample_mapping[i]], as run_qa does for validation features) and train with "
+    "privacy_unit='user', user_id_column='example_id', max_examples_per_user=k (docs/tasks.md, 'Extractive QA'). "
+    "If every example gives one row (no overflow), this warning does not apply."
+)
+
+
 def announce_start(trainer: Any) -> None:
     """At the start of training, on the main process: the plan banner, then the warnings above (each once)."""
     plan = trainer.privacy_plan
@@ -174,3 +189,6 @@ def announce_start(trainer: Any) -> None:
         length = fixed_length_blocks(trainer.train_dataset, bool(getattr(trainer, "_causal_lm", False)))
         if length is not None:
             warnings.warn(_block_warning(), UserWarning, stacklevel=3)
+        names = getattr(trainer, "label_names", None) or ()
+        if sorted(names) == sorted(SPAN_LABEL_NAMES):
+            warnings.warn(QA_FEATURES_WARNING, UserWarning, stacklevel=3)

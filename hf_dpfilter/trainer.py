@@ -384,11 +384,12 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         packed rows (several examples per row) ``self.packed_layout`` says which tokens belong to which example.
         """
         outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
+        smoothing = float(self.args.label_smoothing_factor or 0.0)
         if span_labels.is_span_output(outputs):  # extractive QA's start/end logits (hf_dpfilter/question_answering.py)
-            return span_labels.span_loss(outputs, labels, inputs.get("attention_mask"), self._packed_layout is not None)
+            return span_labels.span_loss(outputs, labels, inputs.get("attention_mask"), self._packed_layout is not None,
+                                         label_smoothing=smoothing)
         logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
         problem_type = getattr(getattr(model, "config", None), "problem_type", None)
-        smoothing = float(self.args.label_smoothing_factor or 0.0)
         if self._packed_layout is not None:
             if logits.dim() != 3:
                 raise PackingError(

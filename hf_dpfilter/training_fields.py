@@ -269,10 +269,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
         "pointer to per_sample_max_grad_norm (the DP bound)", _max_grad_norm),
     # ---- the loss and the forward
     "label_smoothing_factor": FieldPolicy(
-        _R, "> 0 is refused: the per-example loss does not apply it", _truthy(
-            "label_smoothing_factor",
-            "label_smoothing_factor={value} is not applied by DPTrainer's per-example loss (it would be silently "
-            "ignored). Remove it (set label_smoothing_factor=0.0).")),
+        _H, "applied per example: the Trainer's LabelSmoother (smoothed cross-entropy) over each example's own "
+        "tokens or class, packed rows included; refused at the first step, before any release, where the loss has no "
+        "smoothing (regression, multi-label, extractive QA's start/end)"),
     "average_tokens_across_devices": FieldPolicy(
         _H, "no effect on training: the DP loss is per example, normalized by the declared logical batch"),
     "neftune_noise_alpha": FieldPolicy(

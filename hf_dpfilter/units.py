@@ -38,6 +38,9 @@ from hf_dpfilter.sampling import PoissonBatchSampler
 from hf_dpfilter.secure_rng import derive_seed, secure_uniform
 from hf_dpfilter.user_ids import PrivacyUnitError, checked_user_ids, read_user_ids
 
+#: The tokenizer's column mapping each row to its example when it splits long inputs (return_overflowing_tokens).
+OVERFLOW_COLUMN = "overflow_to_sample_mapping"
+
 __all__ = [
     "PRIVACY_UNITS",
     "UNITS_KEY",
@@ -333,10 +336,16 @@ def unit_micro_batches(
     labels: torch.Tensor,
     units: torch.Tensor,
     size: int,
+    labels_along_tokens: bool | None = True,
 ) -> list[tuple[dict[str, Any], torch.Tensor, UnitLayout]]:
     """Micro-batches cut at unit boundaries (every example of a unit in ONE micro-batch), each with its
     :class:`UnitLayout`. ``micro_batches(inputs, labels, num_examples, size=...)`` is the trainer's example-level
-    cutter, applied to the examples of one group at a time (so padding trimming and re-packing stay its own)."""
+    cutter, applied to the examples of one group at a time (so padding trimming and re-packing stay its own).
+
+    Padded rows span the inputs' columns: the labels' width when they run along the tokens, the attention mask's
+    (or the input ids') when the head declares one label row per example (``labels_along_tokens=False``: extractive
+    QA's (start, end) pair, whose head is token-wise: every layer's output is then regrouped per unit, and a layer
+    that is not token-wise, a pooler, is refused by the engine)."""
     from hf_dpfilter.proofs.batch_structure import _boundaries
 
     unit_list = [int(u) for u in units.tolist()]
@@ -372,14 +381,32 @@ def unit_micro_batches(
                 "row) does not have. Use privacy_unit='example' for this model."
             )
         rows, length = (examples.rows, examples.length) if examples is not None else tuple(micro_labels.shape[:2])
+        width = micro.get("attention_mask", micro.get("input_ids"))
+        if examples is None and labels_along_tokens is False and isinstance(width, torch.Tensor) and width.dim() == 2:
+            rows, length = tuple(width.shape)
         out.append((micro, micro_labels, UnitLayout.of(unit_list[start:stop], examples, rows, length)))
     return out
 
 
 # ------------------------------------------------------------------------------------- trainer glue
 def user_index_for(args: Any, dataset: Any) -> UserIndex | None:
-    """The users of the training set when ``privacy_unit='user'`` (None at example level)."""
+    """The users of the training set when ``privacy_unit='user'`` (None at example level).
+
+    At example level, a training set with an ``overflow_to_sample_mapping`` column (the tokenizer's
+    ``return_overflowing_tokens=True``) is refused: it declares several rows (features) per example, and each row
+    would be protected, not the example; the fix names the user-level run with the example's id as the unit."""
     if getattr(args, "privacy_unit", "example") != "user":
+        names = getattr(dataset, "column_names", None)
+        if isinstance(names, list) and OVERFLOW_COLUMN in names:
+            raise PrivacyUnitError(
+                f"The training set has a '{OVERFLOW_COLUMN}' column: the tokenizer split an example into several "
+                "rows (return_overflowing_tokens=True, e.g. run_qa's doc_stride), and with privacy_unit='example' "
+                "each row would be protected, not the example. Keep each row's example id (as run_qa does for "
+                "its validation features: example_id = examples['id'][overflow_to_sample_mapping[i]]; the mapping "
+                "itself counts from 0 in every batch of a batched map) and train with privacy_unit='user', "
+                "user_id_column='example_id', max_examples_per_user=k (each example's features clipped as one "
+                "vector; docs/tasks.md), or keep one row per example."
+            )
         return None
     users = UserIndex.from_dataset(dataset, args.user_id_column)
     batch = args.logical_batch_size or args.per_device_train_batch_size * max(1, args.world_size)

@@ -80,7 +80,8 @@ def test_one_step_equals_the_per_example_reference(tmp_path):
         per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
         weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
     )  # remove_unused_columns left at the Trainer's default: the positions are the model's declared labels
-    DPTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collate).train()
+    with pytest.warns(UserWarning, match="Extractive QA at privacy_unit='example'"):  # the unit: one feature
+        DPTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collate).train()
     got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
     assert (got - expected).abs().max().item() <= 1e-6
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
@@ -108,3 +109,73 @@ def test_packed_rows_are_refused():
     logits = torch.zeros(1, 4)
     with pytest.raises(ValueError, match="packed rows"):
         span_loss({"start_logits": logits, "end_logits": logits}, torch.zeros(1, 2, dtype=torch.long), None, packed=True)
+
+
+def test_the_features_of_one_example_are_clipped_as_one_unit(tmp_path):
+    """run_qa's long contexts give several rows (features) per example: with the example's id as the user, its
+    features' gradients are summed and clipped as one vector (the QA head is token-wise: the engine regroups it)."""
+    model = tiny_bert_qa()
+    rows = [{**r, "example_id": u} for r, u in zip(qa_examples()[:4], ["a", "a", "b", "c"])]
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [flat(torch.autograd.grad(_alone_loss(model, r), params)) for r in rows]
+    units = [grads[0] + grads[1], grads[2], grads[3]]
+    norms = torch.stack([g.norm() for g in units])
+    clip = float(norms.max()) / 2
+    expected = sum(g * f for g, f in zip(units, clip_factors(norms, clip)))
+    before = [p.detach().clone() for p in params]
+    args = DPTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=3,
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, privacy_unit="user",
+        user_id_column="example_id", max_examples_per_user=2,
+    )
+    DPTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collate).train()
+    got = -3 * flat([p.detach() - b for p, b in zip(params, before)])
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
+
+
+def test_an_overflow_mapping_at_example_level_is_refused(tmp_path):
+    from datasets import Dataset
+
+    from hf_dpfilter.units import PrivacyUnitError
+
+    rows = [{**r, "overflow_to_sample_mapping": i // 2} for i, r in enumerate(qa_examples()[:4])]
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
+                               logical_batch_size=2, max_steps=1, report_to=[], use_cpu=True, save_strategy="no")
+    with pytest.raises(PrivacyUnitError, match="privacy_unit='user', user_id_column='example_id'"):
+        DPTrainer(model=tiny_bert_qa(), args=args, train_dataset=Dataset.from_list(rows), data_collator=collate).train()
+
+
+def test_label_smoothing_is_refused_for_the_span_loss():
+    logits = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="label_smoothing_factor=0.1 with extractive QA"):
+        span_loss({"start_logits": logits, "end_logits": logits}, torch.zeros(1, 2, dtype=torch.long), None,
+                  label_smoothing=0.1)
+
+
+def test_left_padding_is_refused_on_every_micro_batch(tmp_path):
+    """Positions from the tokenizer count from the example's first token; padded on the left, the collated row moves
+    them by the batch's longest example: a Llama QA head (its positions scheme does not read the first column) was
+    released coupled without the first-step check. Refused on the micro-batch, before any release."""
+    from transformers import LlamaConfig, LlamaForQuestionAnswering
+
+    from hf_dpfilter.proofs.padding import PaddingError
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForQuestionAnswering(config).double()
+
+    def left(rows):
+        batch = collate(rows)
+        lengths = batch["attention_mask"].sum(1).tolist()
+        return {k: torch.stack([torch.cat([row[n:], row[:n]]) for row, n in zip(v, lengths)]) if v.dim() == 2 else v
+                for k, v in batch.items()}
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
+                               logical_batch_size=5, per_device_train_batch_size=2, max_steps=1, report_to=[],
+                               use_cpu=True, save_strategy="no", dp_seed=0, dp_verify_first_step=False)
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(qa_examples()), data_collator=left)
+    with pytest.raises(PaddingError, match="extractive QA"):
+        trainer.train()
+    assert trainer.accountant.steps == 0

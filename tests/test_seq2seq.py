@@ -124,3 +124,87 @@ def test_one_step_equals_the_per_example_reference_when_source_and_target_widths
     got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
     assert (got - expected).abs().max().item() <= 1e-6
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
+
+
+
+def _relative_error_of_one_step(tmp_path, model, rows, collator, loss_alone, **extra) -> float:
+    """One DPSeq2SeqTrainer step at noise 0 against the float64 reference: ``loss_alone(model, batch, labels)`` on
+    each row collated alone, its gradient clipped, summed."""
+    from helpers import ListDataset, flat
+
+    from hf_dpfilter.clipping import clip_factors
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for row in rows:
+        alone = collator([dict(row)])
+        labels = alone.pop("labels")
+        grads.append(flat(torch.autograd.grad(loss_alone(model, alone, labels), params)))
+    norms = torch.stack([x.norm() for x in grads])
+    clip = float(norms.median())
+    expected = sum(x * f for x, f in zip(grads, clip_factors(norms, clip)))
+    before = [p.detach().clone() for p in params]
+    args = DPSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
+        **extra,
+    )
+    DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collator).train()
+    got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+def _t5_rows():
+    tokenizer = tiny_tokenizer()
+    model = tiny_t5(lora=False, vocab_size=len(tokenizer)).double()
+    g = torch.Generator().manual_seed(2)
+    rows = [{"input_ids": torch.randint(5, len(tokenizer), (s,), generator=g).tolist(),
+             "labels": torch.randint(5, len(tokenizer), (t,), generator=g).tolist()} for s, t in ((6, 3), (4, 5), (3, 2))]
+    return tokenizer, model, rows
+
+
+def test_label_smoothing_is_applied_per_example(tmp_path):
+    """``label_smoothing_factor`` (run_summarization/run_translation's common 0.1): one step at noise 0 equals the
+    reference with the Trainer's own LabelSmoother on each example alone (it was refused as ignored; without the
+    smoothing the step is 7% away)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    tokenizer, model, rows = _t5_rows()
+    error = _relative_error_of_one_step(
+        tmp_path, model, rows, DataCollatorForSeq2Seq(tokenizer, model=model),
+        lambda m, batch, labels: LabelSmoother(epsilon=0.1)(m(**batch), labels), label_smoothing_factor=0.1)
+    assert error <= 1e-7  # full T5 in float64: ~1e-8
+
+
+def test_a_collator_without_the_model_gets_the_decoder_inputs_from_each_example_labels(tmp_path):
+    """``DataCollatorForSeq2Seq(tokenizer)`` without ``model=`` gives no ``decoder_input_ids``: the model builds them
+    from its labels, which the trainer keeps out of its forward; they are built per row from the labels
+    (``prepare_decoder_input_ids_from_labels``; it failed inside T5). The reference: HF's own loss, labels given."""
+    tokenizer, model, rows = _t5_rows()
+    error = _relative_error_of_one_step(tmp_path, model, rows, DataCollatorForSeq2Seq(tokenizer),
+                                        lambda m, batch, labels: m(**batch, labels=labels).loss)
+    assert error <= 1e-7
+
+
+def test_labels_padded_on_the_left_are_refused_on_every_micro_batch(tmp_path):
+    """A tokenizer padding on the left makes DataCollatorForSeq2Seq pad the labels on the left: the decoder attends
+    to those pads, as many as the batch's longest target asks. With sources of one length (no encoder padding to
+    refuse) such a step was released coupled without the first-step check; the collator's declared side is refused
+    on every micro-batch (not the labels' leading -100, which may be the example's own)."""
+    from helpers import ListDataset
+
+    from hf_dpfilter.proofs.padding import PaddingError
+
+    tokenizer, model, _ = _t5_rows()
+    tokenizer.padding_side = "left"
+    rows = [{"input_ids": list(range(5, 10)), "labels": list(range(5, 5 + t))} for t in (3, 5, 2, 4)]
+    args = DPSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=1.0, logical_batch_size=4,
+        per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
+        remove_unused_columns=False, dp_verify_first_step=False)
+    trainer = DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows),
+                               data_collator=DataCollatorForSeq2Seq(tokenizer, model=model))
+    with pytest.raises(PaddingError, match="labels are padded on the left too"):
+        trainer.train()
+    assert trainer.accountant.steps == 0

@@ -78,7 +78,6 @@ REFUSED = [
     (dict(eval_strategy="steps", save_strategy="best", metric_for_best_model="loss"), r"save_strategy='best'"),
     (dict(eval_strategy="steps", lr_scheduler_type="reduce_lr_on_plateau"), r"reduce_lr_on_plateau"),
     # other fields that would be silently ignored or break the per-example bound
-    (dict(label_smoothing_factor=0.1), r"label_smoothing_factor=0\.1 is not applied"),
     (dict(use_liger_kernel=True), r"use_liger_kernel=True"),
     (dict(torch_compile=True), r"torch_compile"),
     (dict(torch_compile_mode="default"), r"torch_compile"),
@@ -124,7 +123,6 @@ REFUSED_EXAMPLE = {
     "lr_scheduler_type": (dict(eval_strategy="steps", lr_scheduler_type="reduce_lr_on_plateau"), "reduce_lr"),
     "optim": (dict(optim="adalomo"), "adalomo"),
     "max_grad_norm": (dict(max_grad_norm=2.0), "per_sample_max_grad_norm"),
-    "label_smoothing_factor": (dict(label_smoothing_factor=0.2), "label_smoothing_factor"),
     "neftune_noise_alpha": (dict(neftune_noise_alpha=1.0), "NEFTune"),
     "use_liger_kernel": (dict(use_liger_kernel=True), "Liger"),
     "activation_checkpointing_kwargs": (

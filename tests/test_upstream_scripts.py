@@ -149,6 +149,17 @@ def test_run_qa(stage, tmp_path):
     assert "eval_loss" in trainer.state.log_history[-1]
 
 
+def test_run_qa_features_of_one_example_as_one_unit(stage, tmp_path):
+    """Long contexts split into several features (max_seq_length 12, doc_stride 4): with each feature's example id
+    as the user, an example's features are one unit (N counts examples, not features)."""
+    root, files = stage
+    trainer = _run("run_qa", ["--model_name_or_path", str(root / "bert"), "--train_file", files["qa_train"],
+                              "--max_seq_length", "12", "--doc_stride", "4", "--keep_example_id", "--privacy_unit",
+                              "user", "--user_id_column", "example_id", "--max_examples_per_user", "4",
+                              *_dp_flags(tmp_path)])
+    assert len(trainer.train_dataset) > trainer.privacy_plan.num_examples == 6  # 6 examples, more features
+
+
 def test_run_summarization(stage, tmp_path):
     root, files = stage
     trainer = _run("run_summarization", [

@@ -47,7 +47,9 @@ __all__ = [
     "PaddingError",
     "PositionScheme",
     "check_collator_padding",
+    "check_decoder_labels_not_left_padded",
     "check_padded_rows_have_a_mask",
+    "labels_along_tokens",
     "leading_padding",
     "needs_alone_widths",
     "positions_from_mask",
@@ -166,6 +168,69 @@ def _mask_of(micro: dict[str, Any], structure: Any) -> torch.Tensor | None:
     return None
 
 
+_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForTokenClassification")
+_EXAMPLE_HEADS = ("ForSequenceClassification", "ForQuestionAnswering", "ForMultipleChoice")
+
+
+def _is_question_answering(model: Any) -> bool:
+    """Whether the model's head is extractive QA's (start/end logits over the columns), by its class."""
+    from transformers.models.auto import modeling_auto as auto
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    return name.endswith("ForQuestionAnswering") or name in auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES.values()
+
+
+def labels_along_tokens(model: Any, label_names: Any) -> bool | None:
+    """Whether the labels run along the tokens (one per column, cut with the inputs' padding columns), as the
+    model's head declares it: True for a language-modelling or token-classification head, False for a head with
+    one label row per example (sequence classification, multi-label or regression targets of ``num_labels``
+    columns; extractive QA's (start, end) pair, also declared by its ``label_names``; multiple choice), None for a
+    head of neither kind. Never decided by the labels' width: a multi-label target of 8 classes in a batch padded
+    to 8 tokens (``pad_to_multiple_of=8``), or QA's pair in a micro-batch 2 tokens wide, is as wide as the row by
+    chance, and cutting it would drop label columns of the example."""
+    from transformers.models.auto import modeling_auto as auto
+
+    from hf_dpfilter.question_answering import SPAN_LABEL_NAMES
+
+    if label_names is not None and sorted(label_names) == sorted(SPAN_LABEL_NAMES):
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    token_maps = (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                  auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
+    example_maps = (auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+                    auto.MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES)
+    if name.endswith(_EXAMPLE_HEADS) or any(name in m.values() for m in example_maps):
+        return False
+    if name.endswith(_TOKEN_HEADS) or any(name in m.values() for m in token_maps):
+        return True
+    return None
+
+
+def check_decoder_labels_not_left_padded(collator: Any) -> None:
+    """An encoder-decoder trained through a collator that declares left padding of its labels is refused (checked on
+    every micro-batch, before any release).
+
+    The decoder's inputs are the labels shifted right, and the decoder attends causally to every column before a
+    target, pads included (``DataCollatorForSeq2Seq`` gives no decoder attention mask): a target padded on the left
+    follows as many pads as the longest target of its batch asks, so an example's loss depends on the others.
+    ``DataCollatorForSeq2Seq`` pads the labels on its tokenizer's ``padding_side``: that declaration is read (not
+    the labels, whose leading -100 may be the example's own)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    if not isinstance(collator, DataCollatorForSeq2Seq):
+        return
+    side = getattr(collator, "padding_side", None) or getattr(collator.tokenizer, "padding_side", None)
+    if side == "left":
+        raise PaddingError(
+            f"An encoder-decoder trained with {type(collator).__name__} padding on the left: the labels are padded "
+            "on the left too, and the decoder attends to those pads, as many as the longest target of the batch "
+            "asks, so an example's loss depends on the others. Fix: pad on the right (tokenizer.padding_side = "
+            '"right" before building the collator). Nothing of this step was released.'
+        )
+
+
 # ------------------------------------------------------------------------------------ per micro-batch
 def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, structure: Any) -> dict[str, Any]:
     """The micro-batch as the model must get it so that no example's positions depend on the others' lengths.
@@ -185,6 +250,14 @@ def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, stru
     if not bool(padded.any()):
         return micro
     name = type(model).__name__
+    if _is_question_answering(model):
+        raise PaddingError(
+            f"A micro-batch is padded on the left with {name} (extractive QA): the start/end positions index the "
+            "collated row, and an example's leading pads depend on the longest example of its batch, so its positions "
+            "point at other tokens than alone (a tokenizer's positions count from the example's first token). Fix: "
+            f"{RIGHT_PADDING_FIX}; the QA head reads every column, so right padding is exact. Nothing of this step "
+            "was released."
+        )
     if scheme is None:
         raise PaddingError(
             f"A micro-batch is padded on the left (attention_mask starts with zeros) and the position scheme of "
@@ -192,8 +265,9 @@ def with_positions(model: Any, micro: dict[str, Any], labels: torch.Tensor, stru
             "if it numbers positions from the first column, every example's positions would shift with the longest "
             f"example of its batch. Fix: {RIGHT_PADDING_FIX}. Nothing of this step was released."
         )
-    # one integer label per column: a token-level head; anything else (a class, multi-label floats) is pooled
-    token_level = labels.dim() == 2 and labels.shape[1] == mask.shape[1] and not labels.is_floating_point()
+    # a head declared token-level (one label per column); a class, a multi-label target (integer or float, as wide
+    # as the row or not) or a head of undeclared kind is pooled
+    token_level = labels_along_tokens(model, None) is True and labels.dim() == 2 and labels.shape[1] == mask.shape[1]
     if scheme.reads_first_column(config) and not token_level:
         raise PaddingError(
             f"A micro-batch is padded on the left with {name}, whose sequence-level head reads the first column: for "

@@ -32,6 +32,10 @@ class DataTrainingArguments:
     validation_file: str | None = field(default=None, metadata={"help": "The same for held-out data."})
     max_seq_length: int = field(default=48, metadata={"help": "Longer question+context pairs are truncated."})
     doc_stride: int = field(default=8, metadata={"help": "Overlap of the chunks a long context is split into."})
+    keep_example_id: bool = field(default=False, metadata={
+        "help": "Keep each feature's example id (example_id), as run_qa does for its validation features: the user "
+                "column of a run that protects examples, not features (--privacy_unit user --user_id_column "
+                "example_id)."})
 
 
 def main(argv: list[str] | None = None) -> Trainer:
@@ -53,6 +57,8 @@ def main(argv: list[str] | None = None) -> Trainer:
             stride=data_args.doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True, padding=False,
         )
         sample_mapping = tokenized_examples.pop("overflow_to_sample_mapping")
+        if data_args.keep_example_id:  # several features of one long context: one unit (docs/tasks.md)
+            tokenized_examples["example_id"] = [examples["id"][i] for i in sample_mapping]
         offset_mapping = tokenized_examples.pop("offset_mapping")
         tokenized_examples["start_positions"] = []
         tokenized_examples["end_positions"] = []
