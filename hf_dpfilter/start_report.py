@@ -14,8 +14,8 @@ through the script's handlers when it is; and ``warnings.warn``), at the start o
   initial rates: a script's own optimizer runs at its own rate, not at ``args.learning_rate``).
 * :func:`fixed_length_blocks` -- one warning when the rows look like run_clm's ``group_texts`` blocks (documents
   concatenated and cut into fixed-length blocks): then the protected unit is a block, not a document. Read from
-  the *structure* of the first rows (their lengths, whether there is padding, whether the labels equal the
-  inputs), never what their tokens are; the warning is a fixed text that names no number read from the rows.
+  the collator the script passes (one that cannot pad, as run_clm's ``default_data_collator``), never from the
+  rows: whether it warns is no function of the private data.
 * :data:`QA_FEATURES_WARNING` -- one warning for extractive QA at example level: run_qa's preprocessing splits a
   long context into several rows (features) and drops the mapping, so the unit is then a feature; read from the
   model's declared labels only (a training set that keeps ``overflow_to_sample_mapping`` is refused, units.py).
@@ -40,8 +40,6 @@ logger = logging.getLogger(__name__)
 DP_ADAM_LR_RANGE = (5e-4, 1e-2)
 #: warmup over more than this share of the planned steps: the measured runs used a constant schedule, no warmup
 MAX_WARMUP_SHARE = 0.1
-#: how many rows the block heuristic looks at (their lengths and structure only)
-ROWS_LOOKED_AT = 8
 
 
 def plan_banner(trainer: Any) -> str:
@@ -99,54 +97,25 @@ def learning_rate_problems(args: Any, steps: int | None, optimizer: torch.optim.
     return problems
 
 
-def _row_lengths(row: dict) -> tuple[int, bool, bool] | None:
-    """(length, padded?, labels are the inputs?) of one row, from its structure; None when not token rows."""
-    ids = row.get("input_ids")
-    if ids is None:
-        return None
-    ids = torch.as_tensor(ids)
-    if ids.dim() != 1:
-        return None
-    mask = row.get("attention_mask")
-    padded = mask is not None and not bool(torch.as_tensor(mask).bool().all())
-    labels = row.get("labels")
-    same = labels is None or (torch.as_tensor(labels).shape == ids.shape and torch.equal(torch.as_tensor(labels), ids))
-    return ids.shape[0], padded, same
+def fixed_length_blocks(collator: Any, causal_lm: bool) -> bool:
+    """Whether a causal LM's rows are collated by a collator that cannot pad (``transformers.default_data_collator``
+    or ``DefaultDataCollator``), so every row has one length: run_clm's ``group_texts`` blocks, documents
+    concatenated and cut into fixed-length blocks.
 
-
-def fixed_length_blocks(dataset: Any, causal_lm: bool) -> int | None:
-    """The block length when the first rows look like concatenated text cut into fixed-length blocks (run_clm's
-    ``group_texts``): a causal LM, every row looked at has the same length, none is padded and each one's labels
-    (if any) are its inputs. None otherwise.
-
-    A heuristic that reads structure only (lengths, the padding mask, labels == inputs): whole documents truncated
-    to one length also match it, which is why it warns and never refuses. What leaves this process is whether it
-    warned (a fixed text through ``warnings.warn``, never in the metrics, results or ledger): the length it returns
-    is the block size for blocks, but the length of the first documents when they merely happen to be equal, so
-    it is not printed."""
+    Read from the script's code (the collator it passes) and the model's head, never from the rows: whether a
+    warning is printed is then no function of the private data (a check on the rows' lengths would print one bit
+    about the first rows). Whole documents truncated or padded to one length beforehand match it too, which is why
+    it warns and never refuses."""
     if not causal_lm:
-        return None
-    try:
-        count = min(ROWS_LOOKED_AT, len(dataset))
-        rows = [dataset[i] for i in range(count)]
-        if count < 2 or not all(isinstance(r, dict) for r in rows):
-            return None
-        shapes = [_row_lengths(r) for r in rows]
-    except Exception:  # an iterable or lazily-built set, ragged or non-numeric columns: not token rows to judge
-        return None
-    if any(s is None for s in shapes):
-        return None
-    lengths = {s[0] for s in shapes}
-    if len(lengths) != 1 or any(s[1] or not s[2] for s in shapes):
-        return None
-    length = lengths.pop()
-    return length if length >= 2 else None
+        return False
+    from transformers import DefaultDataCollator, default_data_collator
+
+    return collator is default_data_collator or isinstance(collator, DefaultDataCollator)
 
 
 def _block_warning() -> str:
-    # no number read from the rows (their common length is a document's length when they are not blocks)
     return (
-        "The first training rows all have the same number of tokens, no padding, and labels equal to their inputs: "
+        "A causal LM's rows collated by default_data_collator (which cannot pad) all have one length: "
         "they look like documents concatenated and cut into fixed-length blocks (run_clm's group_texts). Then the "
         "protected unit is one block, not one document: a document spread over several blocks, or several "
         "documents in one block, are not protected as a whole. To protect documents, pack after sampling "
@@ -186,8 +155,7 @@ def announce_start(trainer: Any) -> None:
     structure = getattr(trainer, "_batch_structure", None)
     packed = bool(getattr(structure, "packed", False))
     if getattr(trainer.args, "privacy_unit", "example") == "example" and not packed:
-        length = fixed_length_blocks(trainer.train_dataset, bool(getattr(trainer, "_causal_lm", False)))
-        if length is not None:
+        if fixed_length_blocks(trainer.data_collator, bool(getattr(trainer, "_causal_lm", False))):
             warnings.warn(_block_warning(), UserWarning, stacklevel=3)
         names = getattr(trainer, "label_names", None) or ()
         if sorted(names) == sorted(SPAN_LABEL_NAMES):

@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 from helpers import ListDataset, PadCollator, flat, make_examples, reference_clipped_sum
-from models import VOCAB, tiny_gpt2, tiny_roberta
+from models import VOCAB, tiny_gpt2, tiny_roberta, tiny_tokenizer
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
 from hf_dpfilter.factory import make_engine, make_optimizer
@@ -232,12 +232,13 @@ def _group_texts(documents: list[list[int]], block_size: int) -> dict:
 
 def test_a_swapped_clm_script_shows_the_plan_and_warns_once_for_the_lr_and_the_block_unit(tmp_path, caplog):
     import datasets
+    from transformers import default_data_collator
 
     g = torch.Generator().manual_seed(5)
     documents = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(5, 20, (8,), generator=g)]
     train = datasets.Dataset.from_dict(_group_texts(documents, block_size=8)).with_format("torch")
     trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=_swapped_args(tmp_path),
-                        train_dataset=train, data_collator=PadCollator(0))
+                        train_dataset=train, data_collator=default_data_collator)  # run_clm's
     with caplog.at_level(logging.WARNING, logger="hf_dpfilter"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -281,21 +282,15 @@ def test_learning_rate_warning_judges_the_optimizer_the_run_uses(tmp_path):
     assert len(problems) == 1 and "learning_rate=2e-05 with adamw:" in problems[0], problems
     assert "optimizernames" not in learning_rate_problems(args, 100)[0]  # args.optim's value, not the enum's name
 
-def _blocks(length: int, n: int = 4, padded: bool = False) -> list[dict]:
-    rows = []
-    for i, ids in enumerate(torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(6))):
-        size = length - (i % 2 if padded else 0)
-        rows.append({"input_ids": ids[:size], "attention_mask": torch.ones(size, dtype=torch.long),
-                     "labels": ids[:size].clone()})
-    return rows
+def test_fixed_length_blocks_read_from_the_collator_only(tmp_path):
+    """The block warning is decided by the script's code (a causal LM's collator that cannot pad: run_clm's
+    default_data_collator), never by the rows, so whether it prints is no function of the private data."""
+    from transformers import DataCollatorWithPadding, DefaultDataCollator, default_data_collator
 
-
-def test_fixed_length_blocks_only_for_causal_unpadded_rows_of_one_length(tmp_path):
-    assert fixed_length_blocks(_blocks(8), causal_lm=True) == 8
-    assert fixed_length_blocks(_blocks(8, padded=True), causal_lm=True) is None  # documents of their own length
-    assert fixed_length_blocks(_blocks(8), causal_lm=False) is None
-    ragged = [{"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3]]}] * 2  # a warning's heuristic never fails a run
-    assert fixed_length_blocks(ragged, causal_lm=True) is None
+    assert fixed_length_blocks(default_data_collator, causal_lm=True)
+    assert fixed_length_blocks(DefaultDataCollator(), causal_lm=True)
+    assert not fixed_length_blocks(default_data_collator, causal_lm=False)
+    assert not fixed_length_blocks(DataCollatorWithPadding(tiny_tokenizer()), causal_lm=True)  # pads: documents
     trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=_swapped_args(tmp_path, learning_rate=1e-3),
                         train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)), data_collator=PadCollator(1))
     with warnings.catch_warnings(record=True) as caught:
