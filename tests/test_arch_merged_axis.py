@@ -144,3 +144,37 @@ def _dataset(n: int):
     from helpers import ListDataset, make_examples
 
     return ListDataset(make_examples(n, VOCAB, causal=False, seed=3))
+
+
+class _FlattenedFeedForward(nn.Module):
+    """An embedding, then a Linear on the tokens merged with the batch (OPT's ``reshape(-1, d)``), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids, position_ids=None, **_):
+        h = self.embed(input_ids)
+        h = self.mid(h.reshape(-1, h.shape[-1])).reshape(h.shape)
+        return self.head(h)
+
+
+def test_merged_batch_axis_on_packed_rows_is_refused_by_name():
+    """On packed rows the engine regroups one token axis per packed example; which axes the batch was merged with
+    (OPT's tokens, BLOOM's heads, which a head count equal to the row length would pass for tokens) is not
+    recorded, so a call on a merged batch is refused by name, with the fix, before any gradient is formed."""
+    from helpers import make_examples
+    from transformers import DataCollatorWithFlattening
+
+    from hf_dpfilter import GhostClippingEngine
+    from hf_dpfilter.packing import PackedLayout, PackingError
+
+    model = _FlattenedFeedForward()
+    batch = DataCollatorWithFlattening()(make_examples(3, VOCAB, causal=True))
+    layout = PackedLayout.from_position_ids(batch["position_ids"])
+    engine = GhostClippingEngine(model, verify_first_backward=False)
+    with pytest.raises(PackingError, match="'mid'.*merged with other axes.*padding collator"):
+        with engine.packed(layout), engine.record(batch_size=layout.num_examples):
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])

@@ -421,6 +421,17 @@ class _ProvingStep:
                     self._expanded_in_proof.append(module)  # named if the forward then fails (_proving_step)
             return output, activations, None, 0
         if verdict == MERGED:
+            if self._packing is not None and not isinstance(activations, RoutedTokens):  # experts: moe refuses
+                from hf_dpfilter.packing import PackingError
+
+                # The regrouping per packed example knows one token axis; which axes the batch was merged with
+                # (OPT's tokens, BLOOM's heads) is not recorded, and guessing it from a size is what we never do.
+                raise PackingError(
+                    f"Module '{self._module_name(module)}' ({type(module).__name__}) is called on the batch merged "
+                    "with other axes (OPT's (B*T, d), BLOOM's (B*H, T, D)), which is not supported on packed rows. "
+                    "Use a padding collator (one example per row) for this model (DPSFTConfig: packing=False, "
+                    "padding_free=False)."
+                )
             rows = output.shape[0] // batch if output.dim() >= 1 else 0
             if rows >= 1 and output.shape[0] == batch * rows and (source is None or source.shape[0] == output.shape[0]):
                 if isinstance(activations, RoutedTokens):
