@@ -140,6 +140,13 @@ class PackedLayout:
         self._index_cache[key] = index
         return index
 
+    def over_rows(self, width: int) -> PackedLayout | None:
+        """This layout for a tensor viewed as ``(rows, width, ...)`` whose row r is all of example r's (a layer
+        called on the batch merged with other axes, viewed per row); None here: packed examples share a row, and
+        which axes were merged into it is not recorded (:class:`hf_dpfilter.units.UnitLayout` over padded rows,
+        one example per row, has one)."""
+        return None
+
     def is_token_wise(self, tensor: torch.Tensor) -> bool:
         return tensor.dim() >= 2 and tuple(tensor.shape[:2]) == (self.rows, self.length)
 

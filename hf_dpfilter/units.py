@@ -26,6 +26,7 @@ Which example belongs to which user is read from the declared column by index, n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -257,6 +258,15 @@ class UnitLayout(PackedLayout):
     def examples_layout(self) -> PackedLayout | None:
         """The per-example layout (for the per-example losses); None for padded rows (one example per row)."""
         return PackedLayout(self.spans, self.rows, self.length) if self.packed_rows else None
+
+    def over_rows(self, width: int) -> UnitLayout | None:
+        """Padded rows (one example per row): each example's whole row r, ``width`` entries wide, so a unit's
+        vector concatenates its rows' entries whatever axes the model merged into them (OPT's ``(B*T, d)`` viewed
+        ``(B, T, d)``, proven row r // T by the tracer); None for packed rows (examples share a row)."""
+        if self.packed_rows:
+            return None
+        return dataclasses.replace(self, spans=tuple((r, 0, width) for r, _, _ in self.spans), length=width,
+                                   _index_cache={})
 
     def unit_of_example(self, device: torch.device | None = None) -> torch.Tensor:
         index = torch.empty(len(self.spans), dtype=torch.long)

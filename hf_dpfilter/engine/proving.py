@@ -421,7 +421,8 @@ class _ProvingStep:
                     self._expanded_in_proof.append(module)  # named if the forward then fails (_proving_step)
             return output, activations, None, 0
         if verdict == MERGED:
-            if self._packing is not None and not isinstance(activations, RoutedTokens):  # experts: moe refuses
+            packed = self._packing is not None and self._packing.over_rows(1) is None  # examples share rows
+            if packed and not isinstance(activations, RoutedTokens):  # experts: moe refuses
                 from hf_dpfilter.packing import PackingError
 
                 # The regrouping per packed example knows one token axis; which axes the batch was merged with

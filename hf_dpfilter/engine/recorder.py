@@ -505,9 +505,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             rule = find_grad_rule(record.module)
             module_params = self._module_params[record.module]
             activations = record.activations
-            if self._packing is not None:
+            if self._packing is not None:  # a merged call regroups by whole rows (proving refused packed rows)
+                layout = self._packing.over_rows(record.rows_per_example) if record.rows_per_example else None
                 activations, grad_output = regroup_record(
-                    self._packing, lambda m=record.module: self._module_name(m), activations, grad_output, regrouped
+                    layout or self._packing, lambda m=record.module: self._module_name(m), activations, grad_output, regrouped
                 )
             for param_name, term in rule(record.module, activations, grad_output).items():
                 self._pending_terms.setdefault(module_params[param_name], []).append(term)
