@@ -218,7 +218,7 @@ def regroup_record(
     Refuses a layer whose input or output is not one entry per token of the packed rows: its per-example
     gradient would not be a sum over the example's own tokens, so regrouping could not make it exact.
     """
-    tensors = [("output", grad_output)] + ([("input", activations)] if activations is not None else [])
+    tensors = [("output", grad_output)] + ([("input", activations)] if isinstance(activations, torch.Tensor) else [])
     for what, tensor in tensors:
         if not layout.is_token_wise(tensor):
             raise PackingError(
@@ -228,8 +228,8 @@ def regroup_record(
                 "examples packed in one row. Use a padding collator (one example per row) for this model, or "
                 "freeze that module."
             )
-    grouped = None
-    if activations is not None:
+    grouped = None if isinstance(activations, torch.Tensor) else activations  # routed tokens: moe regrouped them
+    if isinstance(activations, torch.Tensor):
         grouped = cache.get(id(activations))
         if grouped is None:
             grouped = cache[id(activations)] = layout.regroup(activations)

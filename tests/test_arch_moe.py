@@ -177,3 +177,27 @@ def test_add_remove_sensitivity_of_the_clipped_sum(tmp_path):
     ratio = sensitivity_ratio(model, lambda m, inputs: m(**inputs).logits, {"input_ids": ids}, labels,
                               {"input_ids": extra}, extra_label)
     assert 0.5 < ratio <= 1.0 + 1e-4
+
+
+def test_user_level_units_on_padded_rows_with_the_load_balancing_loss(tmp_path):
+    """privacy_unit='user' (a user's rows concatenated per unit: the router on (B*T, d), the experts' routed
+    tokens regrouped, zero past a unit's end): one step at noise 0, left padding, the aux loss on, equals each
+    user's clipped sum of the model's own losses of its examples alone (it was refused as "packed rows")."""
+    from test_user_unit import _args as _user_args
+    from test_user_unit import _user_data
+
+    model = moe_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    data = _user_data(n_users=3, per_user=(2, 1, 2))
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_user: dict[str, torch.Tensor] = {}
+    for e in data:
+        loss = model(**PadCollator(0)([{k: v for k, v in e.items() if k != "user"}])).loss
+        per_user[e["user"]] = per_user.get(e["user"], 0) + flat(torch.autograd.grad(loss, params))
+    clip = float(torch.stack([v.norm() for v in per_user.values()]).median())
+    expected = -sum(clip_factors(v.norm().reshape(1), clip)[0] * v for v in per_user.values()) / 3
+    before = [p.detach().clone() for p in params]
+    args = _user_args(tmp_path, per_sample_max_grad_norm=clip, logical_batch_size=3)
+    DPTrainer(model=model, args=args, train_dataset=ListDataset(data),
+              data_collator=LeftPadCollator(0)).train()
+    got = flat([p.detach() - b for p, b in zip(params, before)])
+    assert float((got - expected).norm() / expected.norm()) <= 1e-6  # the model sums its aux loss in float32

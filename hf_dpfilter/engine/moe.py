@@ -66,10 +66,16 @@ class RoutedTokens:
 
 def split_rows(value: torch.Tensor | RoutedTokens | None, batch: int,
                packing: PackedLayout | None = None) -> torch.Tensor | RoutedTokens | None:
-    """``(B·T, ...) -> (B, T, ...)`` for a call whose merged leading axis has the batch as its major part."""
+    """``(B·T, ...) -> (B, T, ...)`` for a call whose merged leading axis has the batch as its major part; the
+    routing of user-level units over padded rows regrouped per unit (``(U, T_max, ...)``, zero past a unit's end:
+    a zero token with zero weight and zero output gradient adds nothing to any expert's gradient)."""
     if value is None:
         return None
     if isinstance(value, RoutedTokens):
+        layout = packing.over_rows(value.index.shape[0] // batch) if packing is not None else None
+        if layout is not None:  # units of padded rows: each unit's rows concatenated (zeros route nothing)
+            return RoutedTokens(*(layout.regroup(split_rows(t, batch)) for t in (value.hidden, value.index,
+                                                                                    value.weights)))
         if packing is not None:
             from hf_dpfilter.packing import PackingError
 
