@@ -218,6 +218,10 @@ def regroup_record(
     Refuses a layer whose input or output is not one entry per token of the packed rows: its per-example
     gradient would not be a sum over the example's own tokens, so regrouping could not make it exact.
     """
+    if not layout.is_token_wise(grad_output) and grad_output.dim() >= 3 and grad_output.shape[0] == layout.rows:
+        # one example per row (user-level units of padded rows): a row of another width (an encoder-decoder's
+        # source tokens) is all its example's, its unit's rows concatenated (None where examples share rows)
+        layout = layout.over_rows(grad_output.shape[1]) or layout
     tensors = [("output", grad_output)] + ([("input", activations)] if isinstance(activations, torch.Tensor) else [])
     for what, tensor in tensors:
         if not layout.is_token_wise(tensor):

@@ -208,3 +208,46 @@ def test_labels_padded_on_the_left_are_refused_on_every_micro_batch(tmp_path):
     with pytest.raises(PaddingError, match="labels are padded on the left too"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+def test_user_level_units_clip_each_users_source_and_target_rows_together(tmp_path):
+    """privacy_unit='user' on T5 (full: the relative bias is a shared output, its per-unit gradient from the
+    per-user losses): a user's encoder rows (the source width) and decoder rows (the target width) are each
+    concatenated per user, so one step at noise 0 equals the float64 per-user reference (it was refused: the
+    encoder's rows are not the labels' width)."""
+    from helpers import ListDataset, flat
+
+    from hf_dpfilter.clipping import clip_factors
+    from hf_dpfilter.losses import per_example_loss
+
+    tokenizer, model, _ = _t5_rows()
+    model.eval()
+    g = torch.Generator().manual_seed(2)
+    rows = [{"input_ids": torch.randint(5, len(tokenizer), (s,), generator=g).tolist(),
+             "labels": torch.randint(5, len(tokenizer), (t,), generator=g).tolist(), "user": u}
+            for (s, t), u in zip(((6, 3), (4, 5), (3, 2), (5, 4), (2, 3)), "aabcc")]
+    seq2seq = DataCollatorForSeq2Seq(tokenizer, model=model)
+
+    def collator(features):
+        return seq2seq([{k: v for k, v in f.items() if k != "user"} for f in features])
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_user: dict[str, torch.Tensor] = {}
+    for row in rows:
+        alone = collator([row])
+        labels = alone.pop("labels")
+        loss = per_example_loss(model(**alone).logits, labels, causal_lm=False).sum()
+        per_user[row["user"]] = per_user.get(row["user"], 0) + flat(torch.autograd.grad(loss, params))
+    norms = torch.stack(list(per_user.values())).norm(dim=1)
+    clip = float(norms.median())
+    expected = sum(v * f for v, f in zip(per_user.values(), clip_factors(norms, clip)))
+    before = [p.detach().clone() for p in params]
+    args = DPSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=3,
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
+        privacy_unit="user", user_id_column="user", max_examples_per_user=2,
+    )
+    DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collator).train()
+    got = -3 * flat([p.detach() - b for p, b in zip(params, before)])
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
