@@ -17,7 +17,7 @@ from models import VOCAB
 from test_model_families import COMMON, GQA, _args, _relative_error
 from torch import nn
 
-from hf_dpfilter import DPTrainer
+from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.router_loss import add_router_aux_loss
@@ -201,3 +201,25 @@ def test_user_level_units_on_padded_rows_with_the_load_balancing_loss(tmp_path):
               data_collator=LeftPadCollator(0)).train()
     got = flat([p.detach() - b for p, b in zip(params, before)])
     assert float((got - expected).norm() / expected.norm()) <= 1e-6  # the model sums its aux loss in float32
+
+
+def test_diff2_difference_round_on_float32_experts_telescopes_to_gradient_descent(tmp_path):
+    """DIFF2 records a float32 model's difference round in float64: the experts' rule recomputes in the recorded
+    dtype (it crashed inside torch, float64 tokens against float32 experts). Noise 0, no clipping, q = 1, two
+    micro-batches per step: restart then difference round equals two DP-SGD steps (the telescoping sum)."""
+    import copy
+
+    examples = make_examples(4, VOCAB, causal=True, seed=3)
+    model = moe_model("mixtral", dtype=torch.float32, output_router_logits=True, router_aux_loss_coef=0.1)
+    runs = []
+    for method, extra in (("dpsgd", {}), ("diff2", {"dp_method_args": {"difference_max_grad_norm": 1e9}})):
+        run = copy.deepcopy(model)
+        args = DPTrainingArguments(
+            output_dir=str(tmp_path), dp_method=method, noise_multiplier=0.0, per_sample_max_grad_norm=1e9,
+            logical_batch_size=4, per_device_train_batch_size=2, max_steps=2, optim="sgd", learning_rate=0.1,
+            lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
+            remove_unused_columns=False, dp_seed=0, **extra)
+        DPTrainer(model=run, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0)).train()
+        runs.append(flat([p.detach() for p in run.parameters()]))
+    start = flat([p.detach() for p in model.parameters()])
+    assert float((runs[1] - runs[0]).norm() / (runs[0] - start).norm()) <= 1e-4

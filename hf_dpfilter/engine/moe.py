@@ -187,10 +187,11 @@ def _probe(module: nn.Module) -> str | None:
 
 def _experts(module: nn.Module, activations: RoutedTokens, grad_output: torch.Tensor) -> dict[str, Term]:
     """Per-example terms of ``gate_up_proj`` and ``down_proj`` from the recorded routing (B, T, ...)."""
-    gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
+    x, index, weights = activations.hidden, activations.index, activations.weights
+    # in the recorded tokens' dtype: float64 when a precise combination (DIFF2) records a float32 model in float64
+    gate_up, down = module.gate_up_proj.detach().to(x.dtype), module.down_proj.detach().to(x.dtype)
     num_experts, two_i, d = gate_up.shape
     inter = down.shape[2]
-    x, index, weights = activations.hidden, activations.index, activations.weights
     batch, tokens, k = index.shape
     dtype = x.dtype
     g = grad_output.to(dtype)
