@@ -221,6 +221,16 @@ def _hf_scale_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output
     return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
 
 
+def _hf_float32_scale_rms_norm(module: nn.Module, activations: torch.Tensor,
+                               grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: (n(x) * weight.float()).type_as(x) (Gemma 4): the product and its gradient are float32, so the term
+    # stays float32 as in the offset form (a float64 term would be more accurate than autograd's own gradient).
+    if not module.weight.requires_grad:
+        return {}
+    grad = grad_output.to(torch.float32) * _hf_rms_normalized(module, activations)
+    return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
+
+
 def _hf_offset_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
     # forward: (n(x) * (1 + weight.float())).type_as(x): the product and its gradient are float32.
     if not module.weight.requires_grad:
@@ -317,7 +327,33 @@ def _probe_rms_norm_form(module: nn.Module) -> tuple[bool, GradRule | None]:
     offset_form = out.shape == normalized.shape and torch.allclose(out, normalized * (1.0 + w), **tolerance)
     if scale_form == offset_form:  # neither form (both cannot hold: w and 1 + w differ by 1 everywhere)
         return False, None
-    return True, _hf_scale_rms_norm if scale_form else _hf_offset_rms_norm
+    if not scale_form:
+        return True, _hf_offset_rms_norm
+    return True, _hf_float32_scale_rms_norm if _multiplies_in_float32(module) else _hf_scale_rms_norm
+
+
+def _multiplies_in_float32(module: nn.Module) -> bool:
+    """Whether a scale-form norm's product ``n(x) * w`` is float32 (``w.float()``, Gemma 4) rather than in the
+    input's dtype (Llama): told apart, whatever the model's dtype, on a float64 copy with a weight that float32
+    does not represent, where the two products differ. A forward that fails on the copy keeps the input-dtype form
+    (the first-step check then compares at float64 precision and refuses a float32 product by name)."""
+    import copy
+
+    generator = torch.Generator().manual_seed(1)
+    try:
+        probe_module = copy.deepcopy(module).to(torch.float64)
+        dim = probe_module.weight.shape[0]
+        with torch.no_grad():
+            probe_module.weight.copy_(1.0 + torch.randn(dim, generator=generator, dtype=torch.float64) / 3)
+            probe = torch.randn(2, 3, dim, generator=generator, dtype=torch.float64)
+            out = probe_module.forward(probe)
+    except Exception:  # noqa: BLE001 -- see the docstring
+        return False
+    normalized = _hf_rms_normalized(probe_module, probe)
+    w = probe_module.weight.detach()
+    in_float32 = (normalized * w.to(torch.float32)).to(torch.float64)
+    in_input_dtype = normalized.to(torch.float64) * w
+    return bool((out - in_float32).abs().max() < (out - in_input_dtype).abs().max())
 
 
 def _scaled_embedding(module: nn.Embedding, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
