@@ -4,8 +4,8 @@ the float64 per-example reference, or refused by name before any step, never a c
 A few representatives of the sweep's table (docs/large_models.md, "Architectures swept"): families exact through
 the generic rules and structural checks, Helium and Gemma 4 whose RMSNorm multiplies in float32 (``w.float() *
 n(x)``: a float32 term, where the input-dtype scale form's float64 term failed the first-step check in float64),
-and layers without a rule refused by name (Cohere's LayerNorm, DiffLlama's attention with its own
-parameters).
+Cohere's float32 LayerNorm without bias (its own rule), and layers without a rule refused by name (DeBERTa v1's
+LayerNorm, DiffLlama's attention with its own parameters).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ EXACT = {
     "biogpt": {},
     "ernie4_5": TINY,
     "eurobert": TINY,
+    "cohere": dict(TINY, use_qk_norm=True),  # CohereLayerNorm: (d,) and per-head (heads, head_dim) weights
 }
 REFUSED = {
-    "cohere": (TINY, "CohereLayerNorm"),
+    "deberta": ({}, "DebertaLayerNorm"),
     "diffllama": (TINY, "lambda_q1"),
 }
 
@@ -52,4 +53,5 @@ def test_swept_family_is_exact(model_type, tmp_path):
 def test_swept_family_is_refused_by_name(model_type, tmp_path):
     extra, name = REFUSED[model_type]
     with pytest.raises(UnsupportedLayerError, match=name):
-        _train(_model(model_type, extra, "lm", torch.float32), tmp_path, "lm")
+        head = "cls" if model_type == "deberta" else "lm"
+        _train(_model(model_type, extra, head, torch.float32), tmp_path, head)

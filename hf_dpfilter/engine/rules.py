@@ -251,6 +251,19 @@ def _t5_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torc
     return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
 
 
+def _cohere_layer_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: (weight.float() * (x - mean(x)) * rsqrt(var(x) + eps)).to(input_dtype), all in float32, no bias; the
+    # weight is (d,) or (heads, head_dim) for the QK norms, normalized over the last axis either way. The term stays
+    # float32, the precision this forward gives the gradient.
+    if not module.weight.requires_grad:
+        return {}
+    x = activations.to(torch.float32)
+    centered = x - x.mean(-1, keepdim=True)
+    normalized = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    grad = grad_output.to(torch.float32) * normalized
+    return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
+
+
 def _register_importable(rule: GradRule, *qualified_names: str) -> None:
     """Register ``rule`` for each ``module.Class`` that this transformers version has (others are skipped)."""
     import importlib
@@ -284,6 +297,8 @@ _T5_FORM_RMS_NORMS = (
 _register_importable(_hf_scale_rms_norm, *_SCALE_FORM_RMS_NORMS)
 _register_importable(_t5_rms_norm, *_T5_FORM_RMS_NORMS)
 _register_importable(_hf_offset_rms_norm, *_OFFSET_FORM_RMS_NORMS)
+_register_importable(_cohere_layer_norm, "transformers.models.cohere.modeling_cohere.CohereLayerNorm",
+                     "transformers.models.cohere2.modeling_cohere2.Cohere2LayerNorm")
 
 
 # ------------------------------------------------------------------------------------ structural checks
