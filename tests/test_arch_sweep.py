@@ -4,8 +4,8 @@ the float64 per-example reference, or refused by name before any step, never a c
 A few representatives of the sweep's table (docs/large_models.md, "Architectures swept"): families exact through
 the generic rules and structural checks, Helium and Gemma 4 whose RMSNorm multiplies in float32 (``w.float() *
 n(x)``: a float32 term, where the input-dtype scale form's float64 term failed the first-step check in float64),
-Cohere's float32 LayerNorm without bias (its own rule), and layers without a rule refused by name (DeBERTa v1's
-LayerNorm, DiffLlama's attention with its own parameters).
+Cohere's float32 LayerNorm without bias and MobileBERT's ``NoNorm`` (``x * w + b``), each with its own rule, and
+layers without a rule refused by name (DeBERTa v1's LayerNorm, DiffLlama's attention with its own parameters).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ EXACT = {
     "biogpt": {},
     "ernie4_5": TINY,
     "eurobert": TINY,
+    "mobilebert": dict(embedding_size=16, intra_bottleneck_size=8, num_feedforward_networks=1),  # NoNorm
     "cohere": dict(TINY, use_qk_norm=True),  # CohereLayerNorm: (d,) and per-head (heads, head_dim) weights
 }
 REFUSED = {
@@ -43,7 +44,7 @@ def _model(model_type: str, extra: dict, head: str, dtype=torch.float64):
 def test_swept_family_is_exact(model_type, tmp_path):
     from helpers import PadCollator
 
-    head = "cls" if model_type == "eurobert" else "lm"
+    head = "cls" if model_type in ("eurobert", "mobilebert") else "lm"
     model = _model(model_type, EXACT[model_type], head)
     # a float32 product (Helium's, Gemma 4's RMSNorm) rounds its term to float32: ~1e-8 relative
     assert _relative_error(model, tmp_path, head, PadCollator(model.config.pad_token_id or 0)) <= 1e-6

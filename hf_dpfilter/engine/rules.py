@@ -264,6 +264,16 @@ def _cohere_layer_norm(module: nn.Module, activations: torch.Tensor, grad_output
     return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
 
 
+def _no_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: x * weight + bias (MobileBERT's NoNorm), elementwise over the last axis.
+    batch, terms = activations.shape[0], {}
+    if module.weight.requires_grad:
+        terms["weight"] = DenseTerm(_tokens_and_features(grad_output * activations, batch, module.weight))
+    if module.bias.requires_grad:
+        terms["bias"] = DenseTerm(_tokens_and_features(grad_output, batch, module.bias))
+    return terms
+
+
 def _register_importable(rule: GradRule, *qualified_names: str) -> None:
     """Register ``rule`` for each ``module.Class`` that this transformers version has (others are skipped)."""
     import importlib
@@ -299,6 +309,7 @@ _register_importable(_t5_rms_norm, *_T5_FORM_RMS_NORMS)
 _register_importable(_hf_offset_rms_norm, *_OFFSET_FORM_RMS_NORMS)
 _register_importable(_cohere_layer_norm, "transformers.models.cohere.modeling_cohere.CohereLayerNorm",
                      "transformers.models.cohere2.modeling_cohere2.Cohere2LayerNorm")
+_register_importable(_no_norm, "transformers.models.mobilebert.modeling_mobilebert.NoNorm")
 
 
 # ------------------------------------------------------------------------------------ structural checks
