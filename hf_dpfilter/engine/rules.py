@@ -221,6 +221,16 @@ def _hf_scale_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output
     return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
 
 
+def _hf_float32_scale_rms_norm(module: nn.Module, activations: torch.Tensor,
+                               grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: (n(x) * weight.float()).type_as(x) (Gemma 4): the product and its gradient are float32, so the term
+    # stays float32 as in the offset form (a float64 term would be more accurate than autograd's own gradient).
+    if not module.weight.requires_grad:
+        return {}
+    grad = grad_output.to(torch.float32) * _hf_rms_normalized(module, activations)
+    return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
+
+
 def _hf_offset_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
     # forward: (n(x) * (1 + weight.float())).type_as(x): the product and its gradient are float32.
     if not module.weight.requires_grad:
@@ -239,6 +249,29 @@ def _t5_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torc
     variance = activations.to(torch.float32).pow(2).mean(-1, keepdim=True)
     grad = grad_output * (activations * torch.rsqrt(variance + module.variance_epsilon))
     return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
+
+
+def _cohere_layer_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: (weight.float() * (x - mean(x)) * rsqrt(var(x) + eps)).to(input_dtype), all in float32, no bias; the
+    # weight is (d,) or (heads, head_dim) for the QK norms, normalized over the last axis either way. The term stays
+    # float32, the precision this forward gives the gradient.
+    if not module.weight.requires_grad:
+        return {}
+    x = activations.to(torch.float32)
+    centered = x - x.mean(-1, keepdim=True)
+    normalized = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    grad = grad_output.to(torch.float32) * normalized
+    return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
+
+
+def _no_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+    # forward: x * weight + bias (MobileBERT's NoNorm), elementwise over the last axis.
+    batch, terms = activations.shape[0], {}
+    if module.weight.requires_grad:
+        terms["weight"] = DenseTerm(_tokens_and_features(grad_output * activations, batch, module.weight))
+    if module.bias.requires_grad:
+        terms["bias"] = DenseTerm(_tokens_and_features(grad_output, batch, module.bias))
+    return terms
 
 
 def _register_importable(rule: GradRule, *qualified_names: str) -> None:
@@ -274,6 +307,9 @@ _T5_FORM_RMS_NORMS = (
 _register_importable(_hf_scale_rms_norm, *_SCALE_FORM_RMS_NORMS)
 _register_importable(_t5_rms_norm, *_T5_FORM_RMS_NORMS)
 _register_importable(_hf_offset_rms_norm, *_OFFSET_FORM_RMS_NORMS)
+_register_importable(_cohere_layer_norm, "transformers.models.cohere.modeling_cohere.CohereLayerNorm",
+                     "transformers.models.cohere2.modeling_cohere2.Cohere2LayerNorm")
+_register_importable(_no_norm, "transformers.models.mobilebert.modeling_mobilebert.NoNorm")
 
 
 # ------------------------------------------------------------------------------------ structural checks
@@ -317,7 +353,33 @@ def _probe_rms_norm_form(module: nn.Module) -> tuple[bool, GradRule | None]:
     offset_form = out.shape == normalized.shape and torch.allclose(out, normalized * (1.0 + w), **tolerance)
     if scale_form == offset_form:  # neither form (both cannot hold: w and 1 + w differ by 1 everywhere)
         return False, None
-    return True, _hf_scale_rms_norm if scale_form else _hf_offset_rms_norm
+    if not scale_form:
+        return True, _hf_offset_rms_norm
+    return True, _hf_float32_scale_rms_norm if _multiplies_in_float32(module) else _hf_scale_rms_norm
+
+
+def _multiplies_in_float32(module: nn.Module) -> bool:
+    """Whether a scale-form norm's product ``n(x) * w`` is float32 (``w.float()``, Gemma 4) rather than in the
+    input's dtype (Llama): told apart, whatever the model's dtype, on a float64 copy with a weight that float32
+    does not represent, where the two products differ. A forward that fails on the copy keeps the input-dtype form
+    (the first-step check then compares at float64 precision and refuses a float32 product by name)."""
+    import copy
+
+    generator = torch.Generator().manual_seed(1)
+    try:
+        probe_module = copy.deepcopy(module).to(torch.float64)
+        dim = probe_module.weight.shape[0]
+        with torch.no_grad():
+            probe_module.weight.copy_(1.0 + torch.randn(dim, generator=generator, dtype=torch.float64) / 3)
+            probe = torch.randn(2, 3, dim, generator=generator, dtype=torch.float64)
+            out = probe_module.forward(probe)
+    except Exception:  # noqa: BLE001 -- see the docstring
+        return False
+    normalized = _hf_rms_normalized(probe_module, probe)
+    w = probe_module.weight.detach()
+    in_float32 = (normalized * w.to(torch.float32)).to(torch.float64)
+    in_input_dtype = normalized.to(torch.float64) * w
+    return bool((out - in_float32).abs().max() < (out - in_input_dtype).abs().max())
 
 
 def _scaled_embedding(module: nn.Embedding, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
