@@ -295,6 +295,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_pairs(args: argparse.Namespace, settings: dict[str, Any], recipe: str) -> tuple[list, list]:
+    """The training pairs and evaluation groups the options ask for (``--max_*_samples``); a logical batch larger
+    than the training set becomes N // 4 (said on the console, under the recipe's name)."""
+    train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction, args.seed)
+    if args.max_train_samples is not None:
+        train_pairs = train_pairs[: args.max_train_samples]
+    if args.max_eval_samples is not None:
+        eval_groups = eval_groups[: args.max_eval_samples]
+    n_train = len(train_pairs)
+    if settings["logical_batch_size"] > n_train:
+        print(f"[{recipe}] logical batch {settings['logical_batch_size']} > N = {n_train}: using N // 4.")
+        settings["logical_batch_size"] = max(1, n_train // 4)
+    return train_pairs, eval_groups
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = build_parser().parse_args(argv)
     start = time.time()
@@ -305,15 +320,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     from hf_dpfilter import DPTrainer
 
-    train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction, args.seed)
-    if args.max_train_samples is not None:
-        train_pairs = train_pairs[: args.max_train_samples]
-    if args.max_eval_samples is not None:
-        eval_groups = eval_groups[: args.max_eval_samples]
+    train_pairs, eval_groups = load_pairs(args, settings, "table2text")
     n_train = len(train_pairs)
-    if settings["logical_batch_size"] > n_train:
-        print(f"[table2text] logical batch {settings['logical_batch_size']} > N = {n_train}: using N // 4.")
-        settings["logical_batch_size"] = max(1, n_train // 4)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=base_model_dtype(args))

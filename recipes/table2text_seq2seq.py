@@ -39,7 +39,7 @@ from _common import (  # noqa: E402
     training_arguments,
 )
 from table2text import build_parser as build_table2text_parser  # noqa: E402
-from table2text import copy_baseline, load_table2text, resolve_settings  # noqa: E402
+from table2text import copy_baseline, load_pairs, resolve_settings  # noqa: E402
 
 
 def build_parser():
@@ -73,15 +73,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     from hf_dpfilter import DPSeq2SeqTrainer, DPSeq2SeqTrainingArguments
 
-    train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction, args.seed)
-    if args.max_train_samples is not None:
-        train_pairs = train_pairs[: args.max_train_samples]
-    if args.max_eval_samples is not None:
-        eval_groups = eval_groups[: args.max_eval_samples]
+    train_pairs, eval_groups = load_pairs(args, settings, "table2text_seq2seq")
     n_train = len(train_pairs)
-    if settings["logical_batch_size"] > n_train:
-        print(f"[table2text_seq2seq] logical batch {settings['logical_batch_size']} > N = {n_train}: using N // 4.")
-        settings["logical_batch_size"] = max(1, n_train // 4)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model, dtype=base_model_dtype(args))
