@@ -32,6 +32,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                       "cost of summing the clipped sums across processes, bucketed or not"),
     "gpu-report": Subcommand("gpu_report", "docs/performance.md",
                              "every GPU figure in one run (make gpu-report); one line and exit 0 without CUDA"),
+    "gpu-carry": Subcommand("gpu_carry", "docs/performance.md",
+                            "the wheels and data a GPU machine without network needs, into ignored folders"),
     "checkpointing-memory": Subcommand("checkpointing_memory", "docs/large_models.md",
                                        "peak memory of a DP step with and without activation checkpointing"),
     "opacus-parity": Subcommand("opacus_parity", "docs/opacus_parity.md",
