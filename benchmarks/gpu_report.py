@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time_scale", type=float, default=1.0, help="multiply every step's usual time limit")
     parser.add_argument("--render", action="store_true", help="only rebuild the tables from the saved JSON")
     args = parser.parse_args(argv)
-    if not cuda_available():
+    if not args.render and not cuda_available():  # --render needs no GPU: the tables from results brought back
         print(NO_CUDA, flush=True)
         return 0
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
@@ -472,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.results, exist_ok=True)
     meta_path = os.path.join(args.results, "gpu_report.json")
     meta = _load(meta_path) or {}
+    if args.render and not meta:
+        raise SystemExit(f"gpu-report --render: no saved report in {args.results} (gpu_report.json)")
     if not args.render:
         meta.update(device_info(), budget_s=args.budget_s)
         kept = [s for s in meta.get("steps", []) if s["step"] not in steps]

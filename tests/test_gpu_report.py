@@ -222,6 +222,13 @@ def test_the_budget_runs_steps_in_priority_order_cuts_the_overrun_and_writes_par
     assert "| roberta full B=32 T=128 | 1.21x met | 1.10x met | - | - |" in text
     assert f"fp32 ({gpu_report.NOT_RUN})" in text and "Not measured." in text
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("gpu-report: tables in")
+    # the results brought back from a GPU machine render here, without CUDA; without saved results it refuses
+    monkeypatch.setattr(gpu_report, "cuda_available", lambda: False)
+    (results / "gpu_report.md").unlink()
+    assert gpu_report.main(["--render", "--results", str(results), "--out", ""]) == 0
+    assert (results / "gpu_report.md").read_text() == text
+    with pytest.raises(SystemExit, match="no saved report"):
+        gpu_report.main(["--render", "--results", str(tmp_path / "empty"), "--out", ""])
 
 
 def test_a_missing_real_length_subcommand_is_marked_not_available(tmp_path, monkeypatch):
