@@ -172,16 +172,25 @@ def step_commands(step: str, results: str, data_dir: str, data_root: str = "../s
     raise ValueError(f"unknown step {step!r}; the steps are {', '.join(STEPS)}")
 
 
+def _sigint_default() -> None:
+    # a shell that starts a background job ignores SIGINT in it, and children inherit that: restore it, so that
+    # the first signal of the deadline reaches Python as KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run_until(command: list[str], log, deadline: float) -> int | None:
     """Run ``command`` in its own process group until it ends or ``deadline`` (time.monotonic()); at the deadline
-    the whole group is killed (a benchmark's memory subprocesses too). Returns the exit code, None when killed."""
+    the whole group gets SIGINT (pytest then writes the JUnit file of the tests it finished; a benchmark keeps
+    the JSON it wrote after each case), then SIGTERM, then SIGKILL, a few seconds apart: a benchmark's memory
+    subprocesses go with it. Returns the exit code, None when the deadline stopped it."""
     proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_sigint_default,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"))
     try:
         return proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
     except subprocess.TimeoutExpired:
         pass
-    for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):  # SIGTERM first: let it flush its JSON
+    for sig, grace in ((signal.SIGINT, 5.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -191,6 +200,10 @@ def _run_until(command: list[str], log, deadline: float) -> int | None:
             break
         except subprocess.TimeoutExpired:
             continue
+    try:  # what the group's leader left behind (a child that ignored the signals that ended its parent)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     return None
 
 

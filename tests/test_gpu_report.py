@@ -263,3 +263,14 @@ def test_the_wheels_for_a_gpu_machine_without_network(capsys):
     for needle in ("--no-index --no-deps", "--target", "PYTHONPATH", "gpu-report", "BUDGET_S", "HF_DPFILTER_DATA"):
         assert needle in script, needle
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", "gpu_session.sh")]).returncode == 0
+
+
+def test_a_test_run_cut_at_the_deadline_keeps_the_counts_of_the_tests_it_finished(tmp_path):
+    """The deadline's first signal is SIGINT: pytest stops and still writes the JUnit file of what it ran."""
+    (tmp_path / "test_fake.py").write_text("import time\n\ndef test_a():\n    pass\n\ndef test_b():\n    time.sleep(60)\n")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir",
+               str(tmp_path), str(tmp_path / "test_fake.py"), f"--junitxml={tmp_path / 'tests_cuda.xml'}"]
+    with open(tmp_path / "tests.log", "w") as log:
+        assert gpu_report._run_until(command, log, time.monotonic() + 6) is None
+    counts = gpu_report._junit(str(tmp_path / "tests_cuda.xml"))
+    assert counts["passed"] == 1 and counts["failed"] == [], (tmp_path / "tests.log").read_text()
