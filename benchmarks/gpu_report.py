@@ -347,6 +347,24 @@ def _generic_table(rows: list[dict]) -> list[str]:
             + ["| " + " | ".join(cell(r.get(k, "-")) for k in keys) + " |" for r in rows])
 
 
+def _real_length_table(saved: dict) -> list[str]:
+    """``python -m benchmarks real-length --json``: per task, each variant's logical-batch time and padding."""
+    settings = saved.get("settings", {})
+    lines = [f"Logical batch {settings.get('logical_batch', '?')} (DP: Poisson, expected), micro-batch "
+             f"{settings.get('micro_batch', '?')}, {settings.get('rounds', '?')} interleaved rounds after each "
+             "variant's first step.", "",
+             "| task | variant | step (s) | step / Trainer | first step (s) | padded / real tokens | tokens / Trainer |",
+             "|---|---|---|---|---|---|---|"]
+    for result in saved["results"]:
+        for name, row in result["variants"].items():
+            lines.append(f"| {result['task']} | {name} | {row['step_s']:.3f} | {row['ratio']:.2f}x | "
+                         f"{row['first_step_s']:.2f} | {row['padded_per_real']:.2f} | {row['tokens_ratio']:.2f} |")
+    lines.append("")
+    lines += [f"- {r['task']}: {r.get('model', '?')}; {r.get('examples', '?')} examples, mean "
+              f"{r.get('mean_length', 0):.1f} tokens, max {r.get('max_length', '?')}." for r in saved["results"]]
+    return lines
+
+
 def _steps_table(meta: dict) -> list[str]:
     lines = ["| step (priority order) | status | time | limit | note |", "|---|---|---|---|---|"]
     for s in meta.get("steps", []):
@@ -400,9 +418,11 @@ def render(results: str, meta: dict) -> str:
         lines += _speed_table(saved) + ["", f"Against the targets ({title}):", ""] + _targets(saved)
     saved = _load(os.path.join(results, "real_length_cuda.json"))
     lines += ["", f"### Real-length training (SST-2, E2E), bf16{state('real_length')}", ""]
-    if saved is None or not saved.get("rows"):
+    if saved is None or not (saved.get("results") or saved.get("rows")):
         note = status.get("real_length", {}).get("note")
         lines.append("Not measured" + (f": {note}." if note else "."))
+    elif saved.get("results"):
+        lines += _real_length_table(saved)
     else:
         lines += _generic_table(saved["rows"])
     saved = _load(os.path.join(results, "speed_cuda_methods.json"))

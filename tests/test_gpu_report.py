@@ -39,7 +39,8 @@ def test_without_cuda_it_prints_one_line_and_exits_0():
         assert f"-m benchmarks gpu-report {flags}" in dry.stdout, dry.stdout + dry.stderr
 
 
-def test_every_step_runs_existing_scripts_with_their_flags(tmp_path):
+def test_every_step_runs_existing_scripts_with_their_flags(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_report, "_has_minilm", lambda: False)  # real-length then adds --tasks e2e: checked too
     for step in gpu_report.STEPS:
         if step == "real_length" and "real-length" not in SUBCOMMANDS:  # another branch adds it
             assert gpu_report.unavailable(step, "data", "data") is not None
@@ -97,6 +98,13 @@ def test_tables_from_saved_results_go_between_the_cuda_markers(tmp_path):
                        for m, t in (("none", 10.0), ("dpsgd", 12.0))],
               "end_to_end_ratio": 1.2, "step_ratio": 1.21, "arguments": {"steps": 60, "batch": 32, "repeats": 1}}
     (results / "recipe_throughput_cuda.json").write_text(json.dumps(recipe))
+    variant = {"step_s": 0.5, "ratio": 1.0, "ratios": [1.0], "first_step_s": 2.0, "padded_per_real": 3.0,
+               "tokens_ratio": 1.0}
+    real = {"settings": {"logical_batch": 256, "micro_batch": 32, "rounds": 5},
+            "results": [{"task": "e2e", "model": "GPT-2 6x384", "examples": 4672, "mean_length": 40.0, "max_length": 90,
+                         "variants": {"Trainer": variant, "DPTrainer grouped": dict(
+                             variant, step_s=0.45, ratio=0.9, padded_per_real=1.2, tokens_ratio=0.4)}}]}
+    (results / "real_length_cuda.json").write_text(json.dumps(real))
     (results / "tests_cuda.xml").write_text(
         '<testsuites><testsuite name="pytest" tests="3" failures="1" errors="0" skipped="0">'
         '<testcase classname="tests.test_cuda" name="test_a"/><testcase classname="tests.test_cuda" name="test_b"/>'
@@ -112,6 +120,7 @@ def test_tables_from_saved_results_go_between_the_cuda_markers(tmp_path):
     assert "fp32 (timed out, 7.0 min)" in text and "Not measured." in text
     assert "| roberta full B=32 T=128 | diff2 | 0.190 s | 1.90x |" in text
     assert "| dpsgd | 12.00 s | 11.50 s | 0.50 s | 160.0 |" in text  # 60 steps x 32 examples / 12 s
+    assert "| e2e | DPTrainer grouped | 0.450 | 0.90x | 2.00 | 1.20 | 0.40 |" in text
     doc = tmp_path / "performance.md"
     shutil.copy(os.path.join(ROOT, "docs", "performance.md"), doc)
     before = doc.read_text()
