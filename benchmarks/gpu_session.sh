@@ -37,12 +37,15 @@ print("gpu_session:", "python", __import__("sys").version.split()[0], "torch", t
       "cuda", torch.cuda.is_available(), "transformers", transformers.__version__, "peft", peft.__version__,
       "accelerate", accelerate.__version__, "opacus", opacus.__version__, "datasets", datasets.__version__)'
 if ! $PY -c "$check"; then
-    echo "gpu_session: the carried transformers does not import here; trying the image's own" >&2
-    export PYTHONPATH="$SITE${PYTHONPATH#"$SITE-transformers:$SITE"}"
-    $PY -c "$check" || echo "gpu_session: imports fail (above): the report's steps will fail" >&2
+    if [ -d "$SITE-transformers" ]; then
+        echo "gpu_session: the carried transformers does not import here; trying the image's own" >&2
+        export PYTHONPATH="$SITE${PYTHONPATH#"$SITE-transformers:$SITE"}"
+        $PY -c "$check"
+    fi || echo "gpu_session: imports fail (above): the report's steps will fail" >&2
 fi
 
 left=$((BUDGET_S - ($(date +%s) - started)))
+[ "$left" -lt 60 ] && left=60  # the install overran: still a short report (0 would mean no budget at all)
 if command -v make >/dev/null; then
     make -s gpu-report GPU_PYTHON="$PY" BUDGET_S="$left" GPU_REPORT_ARGS="$*"
 else
