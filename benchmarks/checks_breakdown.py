@@ -37,6 +37,8 @@ import torch
 from benchmarks.common import minilm_path, read_glue_tsv, sst2_dir
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 class _Pad:
     """Right-pads to the micro-batch's longest example with an attention mask (``DataCollatorWithPadding``'s output)."""
@@ -53,8 +55,16 @@ class _Pad:
 
 def sst2_examples(count: int, data_dir: str | None, tokenizer: Any | None, seed: int = 0) -> list[dict]:
     """``count`` SST-2 training sentences (a seeded draw), as token ids of ``tokenizer`` (None: random ids of the
-    sentence's length in words + 2, for a tiny model)."""
-    sentences, labels = read_glue_tsv(os.path.join(sst2_dir(data_dir), "train.tsv"))
+    sentence's length in words + 2, for a tiny model; without SST-2, synthetic lengths)."""
+    try:
+        sentences, labels = read_glue_tsv(os.path.join(sst2_dir(data_dir), "train.tsv"))
+    except SystemExit:  # no SST-2 here (the smoke test): sentences of a seeded synthetic draw of lengths
+        if tokenizer is not None:
+            raise
+        from benchmarks.recheck_cost import example_lengths
+
+        lengths, _ = example_lengths(count, seed, data_dir)
+        sentences, labels = [" ".join(["w"] * max(n - 2, 1)) for n in lengths], [i % 2 for i in range(count)]
     rng = random.Random(seed)
     picked = [rng.randrange(len(sentences)) for _ in range(count)]
     out = []
@@ -263,4 +273,100 @@ def census_main(argv: list[str] | None = None) -> dict:
         stretches = ", ".join(f"steps {k}: {v:.1%}" for k, v in census["new_fraction_by_stretch"].items())
         print(f"  {'length-grouped' if grouped else 'random'} micro-batches: {census['distinct_shapes']} distinct shapes, "
               f"{census['new_fraction']:.1%} of {census['micro_batches']} micro-batches new ({stretches})")
+    return out
+
+
+# ------------------------------------------------------------------ the dynamically padded scripts (issue 31's 1.6-2.4x)
+def _stage_scripts(root: str, data_dir: str | None, examples: int) -> None:
+    """A tiny BERT and word-level tokenizer (tests/models.py), ``examples`` NER rows of SST-2's sentence lengths, and
+    four copies of tests/scripts/run_ner.py: private (as written: the swap) or not, dynamic padding or max_length."""
+    import json
+    import sys
+
+    from transformers import BertConfig, BertForMaskedLM
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from models import WORDS, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=24, max_position_embeddings=64, pad_token_id=0)).save_pretrained(
+        os.path.join(root, "bert"))
+    tokenizer.save_pretrained(os.path.join(root, "bert"))
+    rows = sst2_examples(examples, data_dir, None)
+    rng = random.Random(0)
+    with open(os.path.join(root, "ner.json"), "w", encoding="utf-8") as handle:
+        for row in rows:
+            words = [rng.choice(WORDS) for _ in range(max(len(row["input_ids"]) - 2, 1))]
+            tags = ["B-X" if w in ("cat", "dog", "bird") else "O" for w in words]
+            handle.write(json.dumps({"tokens": words, "ner_tags": tags}) + "\n")
+    source = open(os.path.join(ROOT, "tests", "scripts", "run_ner.py"), encoding="utf-8").read()
+    collator = "DataCollatorForTokenClassification(tokenizer"
+    for private in (True, False):
+        for padded in (False, True):
+            text = source
+            if not private:
+                text = text.replace("from hf_dpfilter import DPTrainer as Trainer", "from transformers import Trainer")
+                text = text.replace("from hf_dpfilter import DPTrainingArguments as TrainingArguments",
+                                    "from transformers import TrainingArguments")
+            if padded:
+                text = text.replace(collator, collator + ", padding='max_length', max_length=64")
+            with open(os.path.join(root, f"ner_{'dp' if private else 'np'}_{'pad' if padded else 'dyn'}.py"), "w",
+                      encoding="utf-8") as handle:
+                handle.write(text)
+
+
+def _script_run(root: str, private: bool, padded: bool, steps: int) -> float:
+    """One fresh process running the script's ``main()``; returns ``main()``'s seconds."""
+    import json
+    import subprocess
+    import sys
+
+    module = f"ner_{'dp' if private else 'np'}_{'pad' if padded else 'dyn'}"
+    argv = ["--model_name_or_path", os.path.join(root, "bert"), "--train_file", os.path.join(root, "ner.json"),
+            "--output_dir", os.path.join(root, "out"), "--per_device_train_batch_size", "8", "--max_steps", str(steps),
+            "--learning_rate", "1e-3", "--report_to", "none", "--use_cpu", "--save_strategy", "no",
+            "--disable_tqdm", "true", "--logging_strategy", "no"]
+    argv += (["--noise_multiplier", "1.0", "--logical_batch_size", "32", "--dp_seed", "0"] if private
+             else ["--gradient_accumulation_steps", "4"])
+    code = (f"import sys, time; sys.path.insert(0, {root!r}); import {module} as m; start = time.perf_counter(); "
+            f"m.main({argv!r}); print('SECONDS', time.perf_counter() - start)")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SECONDS")]
+    if not lines:
+        raise RuntimeError(f"{module} failed:\n{done.stderr[-2000:]}")
+    return json.loads(lines[-1].split()[1])
+
+
+def scripts_main(argv: list[str] | None = None) -> dict:
+    """``recheck-cost --scripts``: run_ner private vs non-private, dynamic padding vs max_length, fresh processes,
+    interleaved (which goes first flips every round); the median of per-round ratios of ``main()``'s time."""
+    parser = argparse.ArgumentParser(description="tests/scripts/run_ner.py private vs non-private, fresh processes")
+    parser.add_argument("--scripts", action="store_true")
+    parser.add_argument("--data_dir", default=None, help="SST-2 (train.tsv); default $HF_DPFILTER_DATA or ../shared/data")
+    parser.add_argument("--examples", type=int, default=512)
+    parser.add_argument("--steps", default="5,50", help="comma-separated max_steps")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    results: dict[tuple, list[float]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        _stage_scripts(root, args.data_dir, args.examples)
+        for round_ in range(args.rounds):
+            for steps in [int(s) for s in args.steps.split(",")]:
+                for padded in (False, True):
+                    for private in ((False, True) if round_ % 2 == 0 else (True, False)):
+                        results.setdefault((steps, padded, private), []).append(
+                            _script_run(root, private, padded, steps))
+    out = {}
+    print(f"recheck-cost --scripts: tests/scripts/run_ner.py, tiny BERT, {args.examples} examples (SST-2 lengths), "
+          f"micro-batches 8, logical batch 32, fresh processes, {args.rounds} rounds")
+    for steps, padded in sorted({(k[0], k[1]) for k in results}):
+        plain, private = results[(steps, padded, False)], results[(steps, padded, True)]
+        ratio = statistics.median(p / n for p, n in zip(private, plain))
+        out[f"{steps} steps, {'max_length' if padded else 'dynamic'}"] = {
+            "non_private_s": statistics.median(plain), "private_s": statistics.median(private), "ratio": ratio}
+        print(f"  {steps:4d} steps, {'max_length' if padded else 'dynamic padding':15s} main(): non-private "
+              f"{statistics.median(plain):.2f} s, private {statistics.median(private):.2f} s, ratio {ratio:.2f}")
     return out

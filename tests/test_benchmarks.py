@@ -121,3 +121,30 @@ def test_checks_cost_runs_both_sides_interleaved_without_git(tmp_path, monkeypat
     for row in result["figures"].values():
         assert row["reference_step_ms"] > 0
         assert all(row[v]["median"] > 0 for v in ("default", "rate 0", "no per-example checks"))
+
+
+def test_recheck_cost_breakdown_times_each_check_where_it_runs(tmp_path, monkeypatch):
+    """``recheck-cost --breakdown tiny``: the first-step check once, the state comparison on every recorded
+    micro-batch, the new-shape re-checks, each as a fraction of the run's step time."""
+    monkeypatch.setenv("HF_DPFILTER_DATA", str(tmp_path))  # no SST-2 there: synthetic lengths
+    argv = ["--breakdown", "tiny", "--examples", "48", "--batch", "8", "--micro_batch", "4", "--steps", "2"]
+    result = importlib.import_module("benchmarks.recheck_cost").main(argv)
+    fractions = result["fractions"]
+    assert fractions["first-step check"]["calls"] == 1
+    assert fractions["state comparison"]["calls"] >= 2 * result["micro_batches"]  # snapshot and comparison
+    assert all(0 <= row["of_run"] < 1 for row in fractions.values())
+    assert result["new_shapes"] >= 1
+
+
+def test_shape_census_counts_new_shapes_random_and_grouped():
+    """The census of micro-batch shapes: every shape of the first step is new, both orders cut the same draws into
+    as many micro-batches, and the fractions are of those micro-batches."""
+    from benchmarks.checks_breakdown import shape_census
+
+    lengths = [3 + (i * 7) % 40 for i in range(2000)]
+    random_order = shape_census(lengths, 64, 16, 60, grouped=False)
+    grouped = shape_census(lengths, 64, 16, 60, grouped=True)
+    assert random_order["new_fraction_by_stretch"]["1-1"] == grouped["new_fraction_by_stretch"]["1-1"] == 1.0
+    assert grouped["micro_batches"] == random_order["micro_batches"]
+    for census in (random_order, grouped):
+        assert 0 < census["new_fraction"] <= 1 and census["distinct_shapes"] <= census["micro_batches"]
