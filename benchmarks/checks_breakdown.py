@@ -61,9 +61,8 @@ def sst2_examples(count: int, data_dir: str | None, tokenizer: Any | None, seed:
     except SystemExit:  # no SST-2 here (the smoke test): sentences of a seeded synthetic draw of lengths
         if tokenizer is not None:
             raise
-        from benchmarks.recheck_cost import example_lengths
-
-        lengths, _ = example_lengths(count, seed, data_dir)
+        draw = random.Random(seed)  # recheck_cost.example_lengths' synthetic law (not imported: no import circle)
+        lengths = [min(int(draw.lognormvariate(2.2, 0.6)) + 2, 64) for _ in range(count)]
         sentences, labels = [" ".join(["w"] * max(n - 2, 1)) for n in lengths], [i % 2 for i in range(count)]
     rng = random.Random(seed)
     picked = [rng.randrange(len(sentences)) for _ in range(count)]
