@@ -48,6 +48,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                  "examples/s of DP SFT packed vs unpacked, and DP vs non-private SFTTrainer"),
     "recheck-cost": Subcommand("recheck_cost", "docs/performance.md",
                                "step time with the per-example re-checks at the default rate vs off, first-step check"),
+    "checks-breakdown": Subcommand("checks_breakdown", "docs/performance.md",
+                                   "each privacy check's share of a step on real lengths; new shapes; dynamic scripts"),
     "checks-cost": Subcommand("checks_cost", "docs/performance.md",
                               "step time of the current code vs the step before issue 29 (b24efd1), interleaved"),
     "user-level-cost": Subcommand("user_level_cost", "docs/privacy.md",

@@ -1,4 +1,4 @@
-"""Each privacy check's cost as a fraction of a step, timed where it runs (``recheck-cost --breakdown``).
+"""Each privacy check's cost as a fraction of a step, timed where it runs (``python -m benchmarks checks-breakdown``).
 
 One ``DPTrainer`` with the default checks (``dp_verify_first_step`` on, ``dp_recheck_rate`` at its default) trains
 from its first step on logical batches with dynamic padding (each micro-batch padded to its own longest example,
@@ -19,6 +19,11 @@ Set-ups: ``minilm``: the pretrained all-MiniLM-L6-v2 (6 layers, hidden 384, its 
 from ``train.tsv``; ``tiny``: BERT 2 layers, hidden 16, 2 heads, random weights, on the same sentences' lengths
 (random token ids). The fractions are of the step time of this run (training_step, the collator outside), so a
 check's fraction is its share of what the user waits for in a step.
+
+    python -m benchmarks checks-breakdown                  # docs/performance.md, "The privacy checks' cost on real lengths"
+    python -m benchmarks checks-breakdown --setup tiny
+    python -m benchmarks checks-breakdown --census         # new shapes of an 800-step SST-2 run, random vs grouped
+    python -m benchmarks checks-breakdown --scripts        # run_ner private vs not, fresh processes (the 1.6-2.4x)
 """
 
 from __future__ import annotations
@@ -179,7 +184,7 @@ def report(args: argparse.Namespace, result: dict) -> dict:
     timers, steps = result["timers"], result["steps"]
     total, later = sum(steps), sum(steps[1:])
     fractions = {}
-    print(f"recheck-cost --breakdown {args.setup}: logical batch {args.batch} (Poisson), micro-batches {args.micro_batch}, "
+    print(f"checks-breakdown --setup {args.setup}: logical batch {args.batch} (Poisson), micro-batches {args.micro_batch}, "
           f"{len(steps)} steps from the first, {result['micro_batches']} micro-batches, {result['new_shapes']} shapes "
           f"re-checked as new, CPU, {torch.get_num_threads()} thread(s)")
     print(f"  step: first {steps[0]:.3f} s, later median {statistics.median(steps[1:] or steps):.3f} s; total {total:.2f} s")
@@ -196,14 +201,24 @@ def report(args: argparse.Namespace, result: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """``checks-breakdown [--setup minilm|tiny]``; ``--census``: :func:`census_main`; ``--scripts``: :func:`scripts_main`."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--census" in argv:
+        return census_main(argv)
+    if "--scripts" in argv:
+        return scripts_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--breakdown", dest="setup", choices=("minilm", "tiny"), default="minilm")
+    parser.add_argument("--setup", choices=("minilm", "tiny"), default="minilm", help="the model (see above)")
+    parser.add_argument("--census", action="store_true", help="count the micro-batch shapes of a simulated run instead")
+    parser.add_argument("--scripts", action="store_true", help="time tests/scripts/run_ner.py private vs not instead")
     parser.add_argument("--data_dir", default=None, help="SST-2 (train.tsv); default $HF_DPFILTER_DATA or ../shared/data")
     parser.add_argument("--examples", type=int, default=8192, help="training set size N (SST-2 sentences drawn)")
     parser.add_argument("--batch", type=int, default=256, help="expected logical batch (Poisson)")
     parser.add_argument("--micro_batch", type=int, default=32, help="per_device_train_batch_size")
     parser.add_argument("--steps", type=int, default=12, help="logical batches from the first")
-    args, _ = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     return report(args, run(args))
 
@@ -249,7 +264,7 @@ def shape_census(lengths: list[int], batch: int, micro_batch: int, steps: int, g
 
 
 def census_main(argv: list[str] | None = None) -> dict:
-    """``recheck-cost --census``: new shapes of a run on SST-2's MiniLM token lengths, random vs length-grouped."""
+    """``checks-breakdown --census``: new shapes of a run on SST-2's MiniLM token lengths, random vs length-grouped."""
     parser = argparse.ArgumentParser(description="micro-batch shapes of a simulated run on SST-2's token lengths")
     parser.add_argument("--census", action="store_true")
     parser.add_argument("--data_dir", default=None, help="SST-2 (train.tsv); default $HF_DPFILTER_DATA or ../shared/data")
@@ -263,7 +278,7 @@ def census_main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     lengths = [len(ids) for ids in tokenizer(sentences, truncation=True, max_length=64)["input_ids"]]
     out = {}
-    print(f"recheck-cost --census: SST-2 train ({len(lengths)} sentences, MiniLM tokens: mean "
+    print(f"checks-breakdown --census: SST-2 train ({len(lengths)} sentences, MiniLM tokens: mean "
           f"{statistics.mean(lengths):.1f}, max {max(lengths)}), Poisson batch {args.batch}, micro-batches "
           f"{args.micro_batch}, {args.steps} steps")
     for grouped in (False, True):
@@ -340,7 +355,7 @@ def _script_run(root: str, private: bool, padded: bool, steps: int) -> float:
 
 
 def scripts_main(argv: list[str] | None = None) -> dict:
-    """``recheck-cost --scripts``: run_ner private vs non-private, dynamic padding vs max_length, fresh processes,
+    """``checks-breakdown --scripts``: run_ner private vs non-private, dynamic padding vs max_length, fresh processes,
     interleaved (which goes first flips every round); the median of per-round ratios of ``main()``'s time."""
     parser = argparse.ArgumentParser(description="tests/scripts/run_ner.py private vs non-private, fresh processes")
     parser.add_argument("--scripts", action="store_true")
@@ -359,7 +374,7 @@ def scripts_main(argv: list[str] | None = None) -> dict:
                         results.setdefault((steps, padded, private), []).append(
                             _script_run(root, private, padded, steps))
     out = {}
-    print(f"recheck-cost --scripts: tests/scripts/run_ner.py, tiny BERT, {args.examples} examples (SST-2 lengths), "
+    print(f"checks-breakdown --scripts: tests/scripts/run_ner.py, tiny BERT, {args.examples} examples (SST-2 lengths), "
           f"micro-batches 8, logical batch 32, fresh processes, {args.rounds} rounds")
     for steps, padded in sorted({(k[0], k[1]) for k in results}):
         plain, private = results[(steps, padded, False)], results[(steps, padded, True)]

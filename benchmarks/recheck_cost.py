@@ -19,16 +19,8 @@ against autograd alone) against the same step without it (fresh trainers, median
     python -m benchmarks recheck-cost                      # docs/performance.md, "The per-example checks"
     python -m benchmarks recheck-cost --rounds 2 --warmup 1 --tiny   # the smoke test
 
-``--breakdown minilm`` (or ``tiny``) instead times each privacy check where it runs, as a fraction of a step, from a
-run's first step: the first-step check, the re-checks (new shapes, schedule), the per-micro-batch state comparison,
-the traced new input signatures (:mod:`benchmarks.checks_breakdown`); ``--census`` counts the new shapes of a
-simulated run on real token lengths, with random and with length-grouped micro-batches (lengths only, no model);
-``--scripts`` times tests/scripts/run_ner.py private against non-private in fresh processes:
-
-    python -m benchmarks recheck-cost --breakdown minilm   # docs/performance.md, "The privacy checks' cost on real lengths"
-    python -m benchmarks recheck-cost --breakdown tiny
-    python -m benchmarks recheck-cost --census             # MiniLM's SST-2 token lengths, logical batch 256, micro 32
-    python -m benchmarks recheck-cost --scripts            # tests/scripts/run_ner.py private vs not, fresh processes
+Each check's share of a step from a run's first step, on real lengths (MiniLM, SST-2), is measured by
+``python -m benchmarks checks-breakdown`` (:mod:`benchmarks.checks_breakdown`).
 """
 
 from __future__ import annotations
@@ -177,22 +169,6 @@ def shape_census(lengths: list[int], batch: int, micro_batch: int, steps: int, s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    if argv is None:
-        import sys
-
-        argv = sys.argv[1:]
-    if "--breakdown" in argv:
-        from benchmarks.checks_breakdown import main as breakdown
-
-        return breakdown(argv)
-    if "--census" in argv:
-        from benchmarks.checks_breakdown import census_main
-
-        return census_main(argv)
-    if "--scripts" in argv:
-        from benchmarks.checks_breakdown import scripts_main
-
-        return scripts_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default=None, help="SST-2 (train.tsv); default $HF_DPFILTER_DATA or ../shared/data")
     parser.add_argument("--examples", type=int, default=4096, help="training set size N")

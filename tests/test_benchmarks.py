@@ -124,11 +124,11 @@ def test_checks_cost_runs_both_sides_interleaved_without_git(tmp_path, monkeypat
 
 
 def test_recheck_cost_breakdown_times_each_check_where_it_runs(tmp_path, monkeypatch):
-    """``recheck-cost --breakdown tiny``: the first-step check once, the state comparison on every recorded
+    """``checks-breakdown --setup tiny``: the first-step check once, the state comparison on every recorded
     micro-batch, the new-shape re-checks, each as a fraction of the run's step time."""
     monkeypatch.setenv("HF_DPFILTER_DATA", str(tmp_path))  # no SST-2 there: synthetic lengths
-    argv = ["--breakdown", "tiny", "--examples", "48", "--batch", "8", "--micro_batch", "4", "--steps", "2"]
-    result = importlib.import_module("benchmarks.recheck_cost").main(argv)
+    argv = ["--setup", "tiny", "--examples", "48", "--batch", "8", "--micro_batch", "4", "--steps", "2"]
+    result = importlib.import_module("benchmarks.checks_breakdown").main(argv)
     fractions = result["fractions"]
     assert fractions["first-step check"]["calls"] == 1
     assert fractions["state comparison"]["calls"] >= 2 * result["micro_batches"]  # snapshot and comparison
