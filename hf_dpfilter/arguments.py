@@ -148,6 +148,17 @@ class DPArgumentsMixin:
             "only. The norms and sums are the same either way (docs/performance.md)."
         },
     )
+    dp_group_by_length: bool = field(
+        default=True,
+        metadata={
+            "help": "Order each step's sampled examples by length, longest first (an out-of-memory shows at the "
+            "first micro-batch), before they are cut into micro-batches of per_device_train_batch_size, so each "
+            "micro-batch holds examples of similar length and is padded only to its own longest. The length is "
+            "the row's attention_mask sum (else its input_ids length); without either the sampled order is kept. "
+            "With privacy_unit='user' each user's examples stay together (users ordered by their longest). The "
+            "sum of clipped gradients does not depend on the order (hf_dpfilter/length_grouping.py)."
+        },
+    )
     dp_batchnorm_eval: bool = field(
         default=False,
         metadata={

@@ -407,6 +407,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "dp_recheck_rate": FieldPolicy(
         _H, "the probability that a micro-batch of a shape already seen is re-checked (new shapes always are)"),
     "dp_stack_layers": FieldPolicy(_H, "a speed setting; the norms and sums are the same"),
+    "dp_group_by_length": FieldPolicy(
+        _H, "a speed setting: each step's sample ordered by length, longest first, before it is cut into "
+        "micro-batches; the clipped sum is the same"),
     "dp_batchnorm_eval": FieldPolicy(
         _H, "frozen BatchNorms run in eval mode (stored statistics) in every step; without it every BatchNorm is "
         "refused, and a trainable one is refused either way"),
