@@ -25,6 +25,7 @@ from models import VOCAB, tiny_bert, tiny_gpt2
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.length_grouping import example_lengths, longest_first, micro_batch_groups
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
+from hf_dpfilter.proofs.separation import SeparationError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("HF_DPFILTER_DATA", os.path.join(ROOT, "..", "shared", "data"))
@@ -230,3 +231,29 @@ def test_a_loss_coupling_examples_is_caught_on_a_grouped_batch(tmp_path):
     with pytest.raises(PerExampleCheckError, match="couples examples"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+class _MeanCountLoss(DPTrainer):
+    """Token NLL summed per example, divided by the MICRO-BATCH's mean label count: batch-wide."""
+
+    def compute_per_example_loss(self, model, inputs, labels, param_values=None):
+        outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
+        logits, targets = outputs["logits"][:, :-1], labels[:, 1:]
+        nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none").sum(1)
+        return nll / (targets != -100).sum(1).to(nll.dtype).mean()
+
+
+def test_a_recheck_still_refuses_a_grouped_micro_batch(tmp_path):
+    """Grouped, micro-batch 1 holds the two longest examples, of one length (the mean count is each one's own: the
+    first-step check passes); micro-batch 2 a 6- and a 3-token example, a new shape, whose re-check refuses."""
+    examples = [*make_examples(2, VOCAB, causal=True, seed=1, min_len=3, max_len=6),
+                *make_examples(2, VOCAB, causal=True, seed=2, min_len=10, max_len=10)]
+    examples[1] = make_examples(1, VOCAB, causal=True, seed=3, min_len=3, max_len=3)[0]
+    trainer = _MeanCountLoss(model=tiny_gpt2(torch.float32), args=_args(tmp_path, logical_batch_size=4,
+                             per_device_train_batch_size=2, dp_recheck_rate=0.0), train_dataset=ListDataset(examples),
+                             data_collator=PadCollator(0))
+    trainer.create_optimizer()
+    collate = trainer.get_train_dataloader().collate_fn
+    with pytest.raises(SeparationError, match="(?s)Re-check \\(a new shape\\) of micro-batch 2"):
+        trainer.training_step(trainer.model, collate(examples))
+    assert trainer._per_example_checked and trainer.accountant.steps == 0
