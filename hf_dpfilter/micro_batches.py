@@ -297,13 +297,21 @@ class MicroBatchMixin:
             return None, None
         lengths = length_grouping.example_lengths(inputs, raw, structure.per_example)
         if lengths is None or len(lengths) != len(raw):
+            if getattr(self.args, "dp_micro_batch_tokens", None) is not None and not getattr(self, "_budget_warned", 0):
+                self._budget_warned = True
+                logger.warning("dp_micro_batch_tokens is not applied: the training batches declare no length "
+                               "(no attention_mask among the per-example keys, no input_ids in the raw rows).")
             return None, None
         order = length_grouping.longest_first(lengths, None if units is None else [int(u) for u in units.tolist()])
         if units is not None:
             return None, (None if order == sorted(order) else [raw[i] for i in order])
         size = self.args.per_device_train_batch_size
+        budget = getattr(self.args, "dp_micro_batch_tokens", None)
+        multiple = getattr(self.data_collator, "pad_to_multiple_of", None)  # the padded widths the budget bounds
+        if budget is not None and isinstance(multiple, int) and multiple > 1:
+            lengths = [-(-n // multiple) * multiple for n in lengths]
         cut = []
-        for members in length_grouping.micro_batch_groups(order, lengths, size):
+        for members in length_grouping.micro_batch_groups(order, lengths, size, budget):
             micro_inputs, micro_labels, _ = self._collated([raw[i] for i in members])
             pieces = list(self._micro_batches(micro_inputs, micro_labels, len(members), size=len(members)))
             if len(pieces) != 1 or _example_count(pieces[0]) != len(members):

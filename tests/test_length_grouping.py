@@ -100,7 +100,11 @@ def test_clipped_sum_does_not_depend_on_the_grouping(name, collator, tmp_path):
                                  dp_verify_first_step=False)
     on, seen_on = _clipped_sum(tmp_path / "on", model, examples, COLLATORS[collator](), dp_verify_first_step=False)
     on2, _ = _clipped_sum(tmp_path / "on2", model, examples, COLLATORS[collator](), per_device_train_batch_size=2)
-    for got in (on, on2):
+    budget, seen_budget = _clipped_sum(tmp_path / "budget", model, examples, COLLATORS[collator](),
+                                       dp_micro_batch_tokens=30, dp_verify_first_step=False)
+    assert all(rows * cols <= 30 or rows == 1 for rows, cols in seen_budget), seen_budget
+    assert sum(rows for rows, _ in seen_budget) == 8
+    for got in (on, on2, budget):
         assert ((got - off).norm() / off.norm()).item() <= 1e-10
     reference, _ = reference_clipped_sum(model, examples, causal, 1.0)
     expected = flat([reference[p] for p in model.parameters() if p.requires_grad])
@@ -135,6 +139,17 @@ def test_user_level_grouping_keeps_each_users_examples_together(tmp_path):
         n for n, v in zip(lengths, users) if v == u))
     assert all(users[a] != users[b] or abs(order.index(a) - order.index(b)) < users.count(users[a]) for a in order
                for b in order)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dp_micro_batch_tokens=0), "positive number of tokens"),
+    (dict(dp_micro_batch_tokens=64, dp_group_by_length=False), "set dp_group_by_length=True"),
+    (dict(dp_micro_batch_tokens=64, privacy_unit="user", user_id_column="user", max_examples_per_user=2),
+     "privacy_unit='example'"),
+])
+def test_a_token_budget_that_cannot_apply_is_refused(kw, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        _args(tmp_path, **kw)
 
 
 def test_lengths_are_read_from_what_is_declared():
