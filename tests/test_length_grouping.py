@@ -23,7 +23,7 @@ from helpers import LeftPadCollator, ListDataset, PadCollator, flat, make_exampl
 from models import VOCAB, tiny_bert, tiny_gpt2
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.length_grouping import example_lengths, longest_first, micro_batch_groups
+from hf_dpfilter.length_grouping import example_lengths, longest_first, micro_batch_groups, padded_token_ratio
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
 from hf_dpfilter.proofs.separation import SeparationError
 
@@ -161,6 +161,8 @@ def test_lengths_are_read_from_what_is_declared():
     assert longest_first([2, 3, 2, 5]) == [3, 1, 0, 2]  # ties in sampled order
     assert micro_batch_groups([3, 1, 0, 2], [2, 3, 2, 5], 2) == [[3, 1], [0, 2]]
     assert micro_batch_groups([3, 1, 0, 2], [2, 3, 2, 5], 9, token_budget=10) == [[3, 1], [0, 2]]
+    lengths = [3 + (i * 7) % 40 for i in range(300)]
+    assert padded_token_ratio(lengths, 64, 8, grouped=True, steps=5) < padded_token_ratio(lengths, 64, 8, False, 5)
 
 
 def _sst2_sentences(n: int) -> list[str]:
