@@ -152,6 +152,12 @@ def test_a_token_budget_that_cannot_apply_is_refused(kw, match, tmp_path):
         _args(tmp_path, **kw)
 
 
+def test_the_trainers_group_by_length_is_honoured_by_the_grouping(tmp_path):
+    """A script's train_sampling_strategy='group_by_length' asks for less padding: DPTrainer gives it inside each
+    Poisson sample (refused only with dp_group_by_length=False, tests/test_training_fields.py)."""
+    assert _args(tmp_path, train_sampling_strategy="group_by_length").dp_group_by_length
+
+
 def test_lengths_are_read_from_what_is_declared():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 1, 1]])
     raw = [{"input_ids": [5, 6]}, {"input_ids": [5, 6, 7]}, {"input_ids": [5, 6]}]
