@@ -310,16 +310,25 @@ class MicroBatchMixin:
                 logger.warning("dp_micro_batch_tokens is not applied: the training batches declare no length "
                                "(no attention_mask among the per-example keys, no input_ids in the raw rows).")
             return None, None
+        # The run's first micro-batch (the one the first-step check verifies) holds the first sampled examples, as
+        # in the sampled order: examples of mixed lengths, where a loss coupled through a statistic of the
+        # micro-batch (its mean token count) shows; a micro-batch of equal lengths could hide it. The rest is
+        # grouped. Decided by the run, not by the check's setting: the same micro-batches (and collator draws)
+        # with the checks on or off.
+        checking, self._sampled_lead_done = not getattr(self, "_sampled_lead_done", False), True
         order = length_grouping.longest_first(lengths, None if units is None else [int(u) for u in units.tolist()])
         if units is not None:
-            return None, (None if order == sorted(order) else [raw[i] for i in order])
+            return None, (None if checking or order == sorted(order) else [raw[i] for i in order])
         size = self.args.per_device_train_batch_size
         budget = getattr(self.args, "dp_micro_batch_tokens", None)
         multiple = getattr(self.data_collator, "pad_to_multiple_of", None)  # the padded widths the budget bounds
         if budget is not None and isinstance(multiple, int) and multiple > 1:
             lengths = [-(-n // multiple) * multiple for n in lengths]
+        lead = length_grouping.micro_batch_groups(range(len(raw)), lengths, size, budget)[0] if checking else []
+        groups = [lead] if lead else []
+        groups += length_grouping.micro_batch_groups([i for i in order if i >= len(lead)], lengths, size, budget)
         cut = []
-        for members in length_grouping.micro_batch_groups(order, lengths, size, budget):
+        for members in groups:
             micro_inputs, micro_labels, _ = self._collated([raw[i] for i in members])
             if set(micro_inputs) != set(inputs):
                 return None, None
