@@ -292,7 +292,8 @@ class MicroBatchMixin:
         examples and draws by the same positions (``raw`` None: unchanged). With ``privacy_unit='user'`` (``cut`` None)
         the units move whole, and ``raw`` comes back in the new order for the caller to collate and cut at unit
         boundaries (their trailing padding trimmed per micro-batch, as in the sampled order); the run's first step
-        keeps the sampled order there (its first micro-batch is the first-step check's, see below).
+        keeps the sampled order there (its first micro-batch is the first-step check's, see below; "first": until a
+        step is released).
 
         The micro-batches are the training collator's on the raw rows: the logical batch is still held to the probed
         keys first, and one whose keys differ from its micro-batches' (a ``training_step`` override that adds a key)
@@ -314,9 +315,10 @@ class MicroBatchMixin:
         # The run's first micro-batch (the one the first-step check verifies) holds the first sampled examples, as
         # in the sampled order: examples of mixed lengths, where a loss coupled through a statistic of the
         # micro-batch (its mean token count) shows; a micro-batch of equal lengths could hide it. The rest is
-        # grouped. Decided by the run, not by the check's setting: the same micro-batches (and collator draws)
-        # with the checks on or off.
-        checking, self._sampled_lead_done = not getattr(self, "_sampled_lead_done", False), True
+        # grouped. Decided by the run (until a first step is released), not by the check's setting: the same
+        # micro-batches (and collator draws) with the checks on or off, and in a train() run again after a refusal.
+        accountant = getattr(self, "accountant", None)
+        checking = accountant is None or getattr(accountant, "steps", 0) == 0
         order = length_grouping.longest_first(lengths, None if units is None else [int(u) for u in units.tolist()])
         if units is not None:
             return None, (None if checking or order == sorted(order) else [raw[i] for i in order])
