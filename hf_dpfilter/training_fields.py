@@ -158,10 +158,17 @@ def _sampling_strategy(args: Any, stage: str) -> str | None:
     value = str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy))
     if value == "random":
         return None
+    if value == "group_by_length" and getattr(args, "dp_group_by_length", True):
+        return None  # what it asks for, inside each Poisson sample: the sample ordered by length (dp_group_by_length)
+    if value == "group_by_length":
+        return ("train_sampling_strategy='group_by_length' with dp_group_by_length=False: DPTrainer groups by length "
+                "inside each Poisson sample only (the sampling stays Poisson), which dp_group_by_length=False turns "
+                "off. Keep dp_group_by_length=True (the default), or remove train_sampling_strategy.")
     return (
         f"train_sampling_strategy={value!r} cannot apply: DPTrainer draws each step's batch by Poisson sampling, "
-        "which the privacy accounting assumes (grouping by length or a fixed order would need another analysis). "
-        "Remove it (the default 'random' is what DPTrainer's Poisson sampler replaces)."
+        "which the privacy accounting assumes (a fixed order or batches chosen by length would need another "
+        "analysis). Remove it (the default 'random' is what DPTrainer's Poisson sampler replaces); each step's sample "
+        "is already ordered by length into its micro-batches (dp_group_by_length)."
     )
 
 
@@ -233,8 +240,10 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
             "per_device_train_batch_size to a micro-batch that fits (the logical batch does not depend on it) "
             "and leave auto_find_batch_size=False.")),
     "train_sampling_strategy": FieldPolicy(
-        _R, "only 'random' (replaced by Poisson sampling); 'sequential'/'group_by_length' are refused", _sampling_strategy),
-    "length_column_name": FieldPolicy(_H, "no effect (only read by group_by_length, which is refused)"),
+        _R, "'random' is replaced by Poisson sampling; 'group_by_length' by each Poisson sample ordered by length "
+        "(dp_group_by_length, refused with it off); 'sequential'/'batch_rebalance' are refused", _sampling_strategy),
+    "length_column_name": FieldPolicy(
+        _H, "no effect: dp_group_by_length reads each example's length from its attention mask or input_ids"),
     "dataloader_drop_last": FieldPolicy(_H, _INERT_DATA),
     "dataloader_num_workers": FieldPolicy(_H, "loader workers (public)"),
     "dataloader_pin_memory": FieldPolicy(_H, "loader setting (public)"),
@@ -404,9 +413,15 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "secure_rng": FieldPolicy(_P, "noise and sampling from the OS CSPRNG"),
     "dp_verify_first_step": FieldPolicy(
         _H, "a check of the per-example gradients on the first micro-batch, and the loss-only re-checks over the run"),
+    "dp_micro_batch_tokens": FieldPolicy(
+        _H, "a memory setting: micro-batches of the length-ordered examples cut by a token budget instead of a "
+        "number of examples; the clipped sum is the same"),
     "dp_recheck_rate": FieldPolicy(
         _H, "the probability that a micro-batch of a shape already seen is re-checked (new shapes always are)"),
     "dp_stack_layers": FieldPolicy(_H, "a speed setting; the norms and sums are the same"),
+    "dp_group_by_length": FieldPolicy(
+        _H, "a speed setting: each step's sample ordered by length, longest first, before it is cut into "
+        "micro-batches; the clipped sum is the same"),
     "dp_batchnorm_eval": FieldPolicy(
         _H, "frozen BatchNorms run in eval mode (stored statistics) in every step; without it every BatchNorm is "
         "refused, and a trainable one is refused either way"),
