@@ -288,6 +288,7 @@ class Diff2(DPOptimizer):
         self.neighbouring = config.neighbouring
         self.precision_route = config.precision_route
         self._alone = False  # the micro-batch being accumulated is one example collated alone (declared)
+        self._points_cache: tuple[tuple[int, bool], list] | None = None  # this round's points (_round_points)
         self.full_batch = self.sample_rate is not None and self.sample_rate >= 1.0
         self._estimate: dict[nn.Parameter, torch.Tensor] | None = None  # v~_{r-1}
         self._previous: dict[nn.Parameter, torch.Tensor] | None = None  # x_{r-2}
@@ -310,8 +311,9 @@ class Diff2(DPOptimizer):
                     f"DIFF2 step {self.dp_steps} is a difference round but the optimizer holds no previous point "
                     "or estimate (a checkpoint without the method state?). Resume from a full DPOptimizer state_dict."
                 )
+            # a function of released values only (public): computed in the parameters' dtype, summed in float64
             movement = math.sqrt(self.collectives.squared_norm(
-                [p.detach().double() - self._previous[p].double() for p in self.params]
+                [p.detach() - self._previous[p] for p in self.params]
             ))
             threshold = self.difference_coefficient(movement) * movement
         self._round_cache = _Round(self.dp_steps, restart, threshold)
@@ -332,17 +334,31 @@ class Diff2(DPOptimizer):
     def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
         if self.current_round().restart:
             return [(1.0, None)]
+        batch_invariant = self._alone and self.precision_route == "batch_invariant"
+        native = batch_invariant or self.sharded or all(p.dtype == torch.float64 for p in self.params)
+        # both points in float64 otherwise, the whole model (engine.call_model): the "float64" route, and the
+        # fallback of a micro-batch of several examples (or not declared alone); module docstring, "Precision"
+        return self._round_points(native)
+
+    def _round_points(self, native: bool) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
+        """The round's two points, built once per round and shared by its micro-batches (the parameters do not
+        change within a step; each costs passes over every parameter, which per micro-batch of one example
+        would cost more than the example). Their graph saves no tensor (add, sub, casts), so several backwards
+        may pass through it."""
+        key = (self.dp_steps, native)
+        if self._points_cache is not None and self._points_cache[0] == key:
+            return self._points_cache[1]
         # x_{r-2} exactly (no x - (x - x') rounding): "+ (p - p.detach())" (= 0) keeps the value and makes it
         # differentiable in x, so the clipping hooks see that forward too and the first-backward check (an
         # ordinary backward of the combined loss) sees the difference g(x) - g(x_{r-2}) the engine clips.
         previous = {p: v + (p - p.detach()) for p, v in self._previous.items()}
-        batch_invariant = self._alone and self.precision_route == "batch_invariant"
-        if batch_invariant or self.sharded or all(p.dtype == torch.float64 for p in previous):
-            return [(1.0, None), (-1.0, previous)]
-        # both points in float64, the whole model (engine.call_model): the "float64" route, and the fallback of
-        # a micro-batch of several examples (or not declared alone); module docstring, "Precision of ..."
-        here = CurrentPoint({p: p.double() for p in previous})
-        return [(1.0, here), (-1.0, {p: v.double() for p, v in previous.items()})]
+        if native:
+            points = [(1.0, None), (-1.0, previous)]
+        else:
+            here = CurrentPoint({p: p.double() for p in previous})
+            points = [(1.0, here), (-1.0, {p: v.double() for p, v in previous.items()})]
+        self._points_cache = (key, points)
+        return points
 
     def wants_examples_alone(self) -> bool:
         """True in a difference round of the ``"batch_invariant"`` route (a float32/bf16 model): the caller should
@@ -383,9 +399,15 @@ class Diff2(DPOptimizer):
     def privatize(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         rnd = self.current_round()
         std = self.round_noise_multiplier() * self.sensitivity()
+        self._points_cache = None  # the round's points (their float64 copies) are not needed any more
         self._pending_previous = {p: p.detach().clone() for p in self.params}  # x_{r-1}, before the update
         estimate = {} if rnd.restart else self._estimate
-        for p, increment in noisy_averages(sums, std, self.expected_batch_size, self.noise_source()).items():
+        # a difference round's sums are float64 (precise mode): the noise is drawn in the parameters' dtype, as
+        # DP-SGD's, and added in float64 (the sums are not rounded before the noise; the rounding of the noisy
+        # average to the estimate's dtype is post-processing)
+        noise_dtype = None if all(p.dtype == torch.float64 for p in self.params) else torch.float32
+        for p, increment in noisy_averages(sums, std, self.expected_batch_size, self.noise_source(),
+                                           noise_dtype).items():
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             if rnd.restart:
                 estimate[p] = increment.to(dtype)
@@ -413,6 +435,7 @@ class Diff2(DPOptimizer):
         self._previous = state.get("previous")
         self._pending_previous = None
         self._round_cache = None
+        self._points_cache = None
         self.restart_rounds = int(state.get("restart_rounds", 0))
         self._reference_movement = state.get("reference_movement")
 
