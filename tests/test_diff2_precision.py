@@ -22,6 +22,7 @@ from models import tiny_bert
 from hf_dpfilter import PrivacyPlan
 from hf_dpfilter.engine import GhostClippingEngine
 from hf_dpfilter.factory import make_private
+from hf_dpfilter.noise import noisy_averages
 from hf_dpfilter.optimizers.diff2 import Diff2Config
 
 
@@ -333,3 +334,23 @@ def test_trainer_difference_round_batch_invariant_against_float64(tmp_path):
     difference = float((s_invariant - s_reference).norm()) / threshold
     print(f"||S_32 - S_64|| / C_2r = {difference:.3g}, ||S_64|| / C_2r = {float(s_reference.norm()) / threshold:.3g}")
     assert difference <= 1e-3, f"the routes' clipped sums differ by {difference:.2e} x C_2,r"
+
+
+def test_noise_drawn_in_float32_is_added_to_the_float64_sums():
+    """A difference round's sums are float64 (precise mode): the noise is drawn in float32 (as DP-SGD's, a
+    fraction of a float64 draw's cost) and added in float64, so the sums are not rounded before the noise."""
+    from hf_dpfilter.collectives import Collectives
+    from hf_dpfilter.noise import NoiseSource
+
+    drawn = []
+
+    def draw(shape, std, like):
+        drawn.append(like.dtype)
+        return torch.full(shape, 0.5, dtype=like.dtype)
+
+    source = NoiseSource(draw=draw, generator=lambda device: None, secure=False, collectives=Collectives())
+    p = torch.nn.Parameter(torch.zeros(3))
+    sums = {p: torch.tensor([1.0 + 2.0**-40, 2.0, 3.0], dtype=torch.float64)}  # not a float32 value
+    out = noisy_averages(sums, std=1.0, batch=2.0, source=source, noise_dtype=torch.float32)
+    assert drawn == [torch.float32] and out[p].dtype == torch.float64
+    assert out[p].tolist() == [0.5 + (1.0 + 2.0**-40) / 2, 1.5, 2.0]
