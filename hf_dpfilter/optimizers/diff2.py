@@ -18,7 +18,8 @@ parameters with weight +1 and x_{r-2} with weight -1, and the engine clips each 
 it in precise mode (float64 terms, a proven upper bound of each norm; see
 :class:`hf_dpfilter.engine.PerExampleGradients` and docs/privacy.md, "Precision of the clip"): the clip holds in
 float32 and under bf16 autocast for any step size. A zero threshold (no movement) clips everything to 0
-and adds no noise.
+and adds no noise. Difference rounds always use min-clipping (the absolute 0.01 of automatic clipping has no
+meaning at the scale of a difference); restart rounds use ``clipping_fn`` like DP-SGD.
 
 **Precision of the difference rounds** (``Diff2Config.difference_precision``). Write d^_j(D) for example j's
 difference AS COMPUTED inside batch D (the terms the forwards and the backward produce, in whatever dtype). For
@@ -49,15 +50,18 @@ route must make the second term vanish or be negligible:
 * ``"float64"``: both points of every difference micro-batch run the whole model in float64 (batched). This is
   not exactly batch-invariant, but the batch-dependent rounding is 2^-29 times float32's, far inside the clip's
   relative margin of 1e-6. Needed where examples cannot be computed alone; costs float64 copies of the model's
-  tensors and, on CPU, about twice DIFF2's step (on a GPU float64 runs at a fraction of the bf16 rate).
+  tensors during the round. On one CPU thread it costs about what the batch-invariant route does (a float64
+  GEMM there is little slower than float32, and a micro-batch of one less efficient than a batch;
+  docs/performance.md); on a GPU float64 runs at a fraction of the bf16 tensor-core rate.
 * A threshold lowered by a bound on the float32 error of the difference, from the two points' norms, was
   considered and rejected: a rigorous forward error bound of a whole transformer forward and backward
   (softmax, layer norm, GELU, attention over the batch's padded width) is not available in closed form, an
   empirical factor is not a proof, and the bound would be a function of the private per-example norms.
 
 Under FSDP2 sharding the points are written into the shards: no float64 copy is made there, and only the
-``"batch_invariant"`` route with micro-batches declared alone is batch-invariant. Difference rounds always use min-clipping (the absolute 0.01 of automatic clipping has no
-meaning at the scale of a difference); restart rounds use ``clipping_fn`` like DP-SGD.
+``"batch_invariant"`` route with micro-batches declared alone is batch-invariant. On both routes the round's
+sums are float64; the noise is drawn in float32 (as DP-SGD's) and added to them in float64, so the sums are not
+rounded before the noise (:meth:`Diff2.privatize`).
 
 **Batches.** The paper analyses full batch (DIFF2-GD): ``logical_batch_size = N`` gives q = 1 and every
 example in every round. With Poisson minibatches (q < 1) each round is still a Poisson-subsampled Gaussian
