@@ -338,7 +338,8 @@ def test_trainer_difference_round_batch_invariant_against_float64(tmp_path):
 
 def test_noise_drawn_in_float32_is_added_to_the_float64_sums():
     """A difference round's sums are float64 (precise mode): the noise is drawn in float32 (as DP-SGD's, a
-    fraction of a float64 draw's cost) and added in float64, so the sums are not rounded before the noise."""
+    fraction of a float64 draw's cost) and noise + sum / B is computed in float64 and rounded once: the sums are
+    not rounded before the noise."""
     from hf_dpfilter.collectives import Collectives
     from hf_dpfilter.noise import NoiseSource
 
@@ -346,11 +347,12 @@ def test_noise_drawn_in_float32_is_added_to_the_float64_sums():
 
     def draw(shape, std, like):
         drawn.append(like.dtype)
-        return torch.full(shape, 0.5, dtype=like.dtype)
+        return torch.full(shape, 2.0**-24, dtype=like.dtype)
 
     source = NoiseSource(draw=draw, generator=lambda device: None, secure=False, collectives=Collectives())
-    p = torch.nn.Parameter(torch.zeros(3))
-    sums = {p: torch.tensor([1.0 + 2.0**-40, 2.0, 3.0], dtype=torch.float64)}  # not a float32 value
-    out = noisy_averages(sums, std=1.0, batch=2.0, source=source, noise_dtype=torch.float32)
-    assert drawn == [torch.float32] and out[p].dtype == torch.float64
-    assert out[p].tolist() == [0.5 + (1.0 + 2.0**-40) / 2, 1.5, 2.0]
+    p = torch.nn.Parameter(torch.zeros(2))
+    # 1 + 2^-24 - 2^-40 rounds to 1 in float32 (then + 2^-24 rounds to 1 again); added first, 1 + 2^-23
+    sums = {p: torch.tensor([1.0 + 2.0**-24 - 2.0**-40, 3.0], dtype=torch.float64)}
+    out = noisy_averages(sums, std=1.0, batch=1.0, source=source, noise_dtype=torch.float32)
+    assert drawn == [torch.float32] and out[p].dtype == torch.float32
+    assert out[p].tolist() == [1.0 + 2.0**-23, 3.0]

@@ -406,9 +406,9 @@ class Diff2(DPOptimizer):
         self._points_cache = None  # the round's points (their float64 copies) are not needed any more
         self._pending_previous = {p: p.detach().clone() for p in self.params}  # x_{r-1}, before the update
         estimate = {} if rnd.restart else self._estimate
-        # a difference round's sums are float64 (precise mode): the noise is drawn in the parameters' dtype, as
-        # DP-SGD's, and added in float64 (the sums are not rounded before the noise; the rounding of the noisy
-        # average to the estimate's dtype is post-processing)
+        # a difference round's sums are float64 (precise mode): the noise is drawn in float32, as DP-SGD's, and
+        # noise + sum / B is computed in float64 and rounded once to the estimate's float32 (the sums are not
+        # rounded before the noise; that rounding is post-processing)
         noise_dtype = None if all(p.dtype == torch.float64 for p in self.params) else torch.float32
         for p, increment in noisy_averages(sums, std, self.expected_batch_size, self.noise_source(),
                                            noise_dtype).items():
