@@ -125,10 +125,22 @@ def hf_dpfilter_step(
             out = engine.call_model(values, **inputs)
         return per_example_loss(out.logits.float(), labels, causal_lm=causal)
 
+    def loss_fn_of(rows: slice):  # one example's rows: all of the same length, so a slice is it collated alone
+        def one_loss_fn(values):
+            with autocast():
+                out = engine.call_model(values, **{k: v[rows] for k, v in inputs.items()})
+            return per_example_loss(out.logits.float(), labels[rows], causal_lm=causal)
+
+        return one_loss_fn
+
     def step() -> float:
         synchronize()
         t0 = time.perf_counter()
-        opt.accumulate(engine, loss_fn, labels.shape[0])
+        if opt.wants_examples_alone():  # DIFF2's batch-invariant difference rounds: each example on its own
+            for i in range(labels.shape[0]):
+                opt.accumulate(engine, loss_fn_of(slice(i, i + 1)), 1, alone=True)
+        else:
+            opt.accumulate(engine, loss_fn, labels.shape[0])
         synchronize()
         elapsed = time.perf_counter() - t0
         opt.step()
@@ -298,19 +310,20 @@ def run_case(case: Case, rounds: int, memory: bool, opacus: bool, timeout: float
     return rows
 
 
-def method_overheads(case: Case, rounds: int, log) -> list[dict]:
+def method_overheads(case: Case, rounds: int, log, only: list[str] | None = None) -> list[dict]:
     """DiSK / DOPPLER / DiceSGD / DIFF2 step cost and DP-PMLF's k-point cost, against DP-SGD, interleaved.
 
     DIFF2 alternates restart rounds (one gradient point) and difference rounds (two); its median over the rounds
-    is a difference round's cost (restart_every = 10)."""
+    is a difference round's cost (restart_every = 10); ``diff2 float64`` is its float64 route. ``only``: the
+    methods to run (with DP-SGD), each model held at once (RoBERTa-base with AdamW: about 2 GB each)."""
     methods = available_methods()
     wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"k": 2}), ("pmlf", {"k": 3}), ("dicesgd", {}),
-              ("diff2", {})]
-    wanted = [(m, kw) for m, kw in wanted if m in methods]
+              ("diff2", {}), ("diff2", {"difference_precision": "float64"})]
+    wanted = [(m, kw) for m, kw in wanted if m in methods and (only is None or m == "dpsgd" or m in only)]
     inputs, labels, causal = make_batch(case)
     runners = {}
     for method, kwargs in wanted:
-        name = method + "".join(f" k={v}" for v in kwargs.values())
+        name = method + "".join(f" k={v}" if k == "k" else f" {v}" for k, v in kwargs.items())
         model = build_model(case.model, case.mode)
         step, opt = hf_dpfilter_step(model, inputs, labels, causal, method=method, method_args=kwargs)
         step()
@@ -450,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-opacus", action="store_true", help="skip Opacus")
     parser.add_argument("--no-methods", action="store_true", help="skip the DiSK/DOPPLER/DP-PMLF section")
     parser.add_argument("--only-methods", action="store_true", help="run only the DiSK/DOPPLER/DP-PMLF section")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated subset of the methods section (dpsgd is always run), e.g. 'diff2'")
     parser.add_argument("--out", default=None, help="write the markdown table here (e.g. docs/performance.md)")
     parser.add_argument("--json", default=None, help="also write the raw rows as JSON here")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per memory subprocess")
@@ -541,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         case = Case("roberta", "full", *pts[0])
         log(f"== DP methods on {case.label}")
         try:
-            method_rows = method_overheads(case, rounds, log)
+            method_rows = method_overheads(case, rounds, log, args.methods.split(",") if args.methods else None)
         except Exception:  # noqa: BLE001
             log(traceback.format_exc())
     elapsed = time.perf_counter() - start

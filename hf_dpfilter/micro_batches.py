@@ -277,8 +277,25 @@ class MicroBatchMixin:
                 start += count
         if raw is not None and sum(len(members) for _, members in cut) != len(raw):
             raise PackingError(f"The micro-batches hold {sum(len(m) for _, m in cut)} examples; {len(raw)} were collated.")
-        return [(self._no_cache_when_packed(micro_batch), None if raw is None else [raw[i] for i in members])
-                for micro_batch, members in cut]
+        out = [(self._no_cache_when_packed(micro_batch), None if raw is None else [raw[i] for i in members])
+               for micro_batch, members in cut]
+        return self._each_example_alone(out, raw is not None and units is None)
+
+    #: ``accumulate``'s keyword for this step's micro-batches: ``{"alone": True}`` when each was collated alone
+    _alone_declaration: dict[str, bool] = {}
+
+    def _each_example_alone(self, cut: list[tuple[tuple, list | None]], possible: bool) -> list[tuple[tuple, list | None]]:
+        """When the optimizer asks for it (DIFF2's batch-invariant difference rounds, ``wants_examples_alone``),
+        every example of the step as a micro-batch of its own, collated from its raw row alone (:meth:`_alone`,
+        keeping the batch's draws of the collator's random keys), and declared so to ``accumulate``: its
+        arithmetic then reads no other example. Without raw rows, or with user-level units, the micro-batches
+        stay as cut and nothing is declared (the optimizer then falls back to float64)."""
+        optimizer = getattr(self, "dp_optimizer", None)
+        alone = possible and optimizer is not None and optimizer.wants_examples_alone()
+        self._alone_declaration = {"alone": True} if alone else {}
+        if not alone:
+            return cut
+        return [(self._alone(one, micro_batch, i), [one]) for micro_batch, raws in cut for i, one in enumerate(raws)]
 
     def _grouped_by_length(self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None,
                            units: torch.Tensor | None, raw: list | None) -> tuple[list | None, list | None]:

@@ -129,14 +129,18 @@ def noisy_average(summed: torch.Tensor, std: float, batch: float, draw: Draw) ->
 
 
 def noisy_averages(
-    sums: dict[nn.Parameter, torch.Tensor], std: float, batch: float, source: NoiseSource
+    sums: dict[nn.Parameter, torch.Tensor], std: float, batch: float, source: NoiseSource,
+    noise_dtype: torch.dtype | None = None,
 ) -> dict[nn.Parameter, torch.Tensor]:
     """``(sum_p + N(0, std^2 I)) / batch`` for every parameter: the step's one Gaussian draw, taken at once.
 
     The noise of all parameters (per device and dtype, in the order of ``sums``) is **one** draw of
     ``sum_p numel(p)`` coordinates from the generator (or the CSPRNG), split into views, and the sums are
     added with one ``foreach`` kernel: a constant number of kernels per step instead of three per
-    parameter. The values are views of one buffer (contiguous, disjoint).
+    parameter. The values are views of one buffer (contiguous, disjoint). ``noise_dtype`` (unsharded sums): draw
+    the noise in that dtype and return the averages in it, each ``noise + sum / batch`` computed in the sums'
+    precision and rounded once (float32 noise on float64 sums, DIFF2: the draw costs a fraction of a float64
+    one, and the sums are not rounded before the noise is added; the final rounding is post-processing).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
     for p, s in sums.items():
@@ -148,7 +152,8 @@ def noisy_averages(
         if any(is_sharded(v) for v in values):
             out.update(zip(params, _sharded_noisy_averages(values, sizes, std / batch, 1.0 / batch, source)))
             continue
-        flat = source.draw(torch.Size([sum(sizes)]), std / batch, values[0])
+        like = values[0] if noise_dtype is None else values[0].new_empty(0, dtype=noise_dtype)
+        flat = source.draw(torch.Size([sum(sizes)]), std / batch, like)
         noisy = [piece.view(v.shape) for piece, v in zip(flat.split(sizes), values)]
         torch._foreach_add_(noisy, values, alpha=1.0 / batch)
         out.update(zip(params, noisy))

@@ -476,7 +476,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
                     self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=size)
                     continue
-                losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size)
+                losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size, **self._alone_declaration)
             if recheck is not None:  # a due re-check on this forward's own losses, before the step is released
                 recheck(here[0] if len(here) == 1 else None)
             total = total + losses.sum()

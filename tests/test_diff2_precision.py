@@ -3,9 +3,12 @@
 The ghost norm of g_i(x) - g_i(x') sums token products whose cross terms cancel, so in float32 its relative
 error grows like eps32 (||g|| / ||g(x) - g(x')||)^2 and a squared norm that rounds to <= 0 used to let the
 example in unclipped. Now difference rounds run in precise mode (float64 terms, a proven upper bound of each
-norm): with neighbouring batches D and D u {x} (x extreme), noise 0 and step sizes down to tiny ones, the
-pre-noise aggregate never moves by more than the round's sensitivity Delta = C2 ||x_{r-1} - x_{r-2}||, in
-float32 and under bf16 autocast.
+norm), and each example's computed difference must not depend on the other examples of its batch: on the
+``batch_invariant`` route (default) each example is a micro-batch of its own, computed in the model's dtype;
+on the ``float64`` route the batch runs in float64. With neighbouring batches D and D u {x} (x extreme), noise 0
+and step sizes down to tiny ones, the pre-noise aggregate never moves by more than the round's sensitivity
+Delta = C2 ||x_{r-1} - x_{r-2}||, in float32 and under bf16 autocast, on both routes; float32 points of a batch
+of several examples (no longer offered) break it under the batch-dependent rounding stand-in.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from models import tiny_bert
 from hf_dpfilter import PrivacyPlan
 from hf_dpfilter.engine import GhostClippingEngine
 from hf_dpfilter.factory import make_private
+from hf_dpfilter.noise import noisy_averages
+from hf_dpfilter.optimizers.diff2 import Diff2Config
 
 
 def _batch(n: int, seed: int, target_scale: float = 1.0):
@@ -34,20 +39,46 @@ def _round_like_a_batch_dependent_kernel(module, inputs, output):
     return (output * scale) / scale
 
 
-def _difference_round_sums(batch, lr: float, bf16: bool, batch_dependent_rounding: bool = False,
-                           float64_differences: bool = True):
+ROUTES = ["batch_invariant", "float64"]
+
+
+def _float32_batched_points(optimizer):
+    """The float32 points of a whole batch (the route before float64, no longer offered): for the teeth tests."""
+    return [(1.0, None), (-1.0, {p: v + (p - p.detach()) for p, v in optimizer._previous.items()})]
+
+
+def _accumulate_round(optimizer, engine, loss_fn_of, ids, y, route: str):
+    """One difference round's micro-batches: each example alone (declared) on the batch-invariant route, the
+    batch at once otherwise (``"float32-batched"``: the batch with float32 points)."""
+    if route == "batch_invariant":
+        for i in range(len(y)):  # rows of one length: a row is the example collated alone
+            optimizer.accumulate(engine, loss_fn_of(ids[i:i + 1], y[i:i + 1]), batch_size=1, alone=True)
+        return
+    if route == "float32-batched":
+        optimizer.gradient_points = lambda: _float32_batched_points(optimizer)
+    optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=len(y))
+
+
+def _make(lr: float, route: str, batch_dependent_rounding: bool):
     model = tiny_bert(num_labels=1, dtype=torch.float32)
     if batch_dependent_rounding:
         model.bert.embeddings.register_forward_hook(_round_like_a_batch_dependent_kernel)
+    precision = "float64" if route == "float64" else "batch_invariant"
     plan = PrivacyPlan.for_optimizer(
         method="diff2",
-        method_args={"restart_every": 2, "difference_max_grad_norm": 1.0, "float64_differences": float64_differences},
+        method_args={"restart_every": 2, "difference_max_grad_norm": 1.0, "difference_precision": precision},
         noise_multiplier=0.0,
         max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=lr, verify_first_backward=False)
+    return model, engine, optimizer
 
-    def accumulate(ids, y):
+
+def _difference_round_sums(batch, lr: float, bf16: bool, batch_dependent_rounding: bool = False,
+                           route: str = "batch_invariant"):
+    model, engine, optimizer = _make(lr, route, batch_dependent_rounding)
+
+    def loss_fn_of(ids, y):
         def loss_fn(values):
             context = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
             with context:
@@ -55,38 +86,61 @@ def _difference_round_sums(batch, lr: float, bf16: bool, batch_dependent_roundin
             return (out.to(torch.float64 if out.dtype == torch.float64 else torch.float32) - y.to(
                 torch.float64 if out.dtype == torch.float64 else torch.float32)) ** 2
 
-        optimizer.accumulate(engine, loss_fn, batch_size=len(y))
+        return loss_fn
 
-    accumulate(*_batch(8, 0))  # restart round on shared data
+    optimizer.accumulate(engine, loss_fn_of(*_batch(8, 0)), batch_size=8)  # restart round on shared data
     optimizer.step()
-    accumulate(*batch)  # the difference round under test
     assert not optimizer.current_round().restart
+    _accumulate_round(optimizer, engine, loss_fn_of, *batch, route)  # the difference round under test
     local = optimizer._local_sums()
     sums = [local[p].double().clone() if p in local else torch.zeros_like(p, dtype=torch.float64)
             for p in optimizer.params]
     return sums, optimizer.sensitivity()
 
 
-@pytest.mark.parametrize("kernels", ["own-cpu", "batch-dependent"])
-@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
-@pytest.mark.parametrize("lr", [5e-2, 5e-4, 5e-6, 5e-8, 1e-10])
-def test_difference_round_never_exceeds_its_sensitivity(lr, bf16, kernels):
-    """``batch-dependent``: the forward rounds as kernels that block by the batch's size do on some CPUs
-    (issue 21 item 7: 1.0000073 x Delta there with float32 points; 1.00002 to 1.0017 x Delta here with this
-    stand-in and float32 points, <= 1 with the default float64 points)."""
-    rounding = kernels == "batch-dependent"
+def _worst_movement(lr: float, bf16: bool, rounding: bool, route: str, seeds: int = 4) -> float:
+    """max over extreme examples x of ||S(D u {x}) - S(D)|| / Delta in one difference round."""
     base = _batch(6, 1)
     worst = 0.0
-    for seed in range(4):  # several extreme examples x
+    for seed in range(seeds):  # several extreme examples x
         x_ids, _ = _batch(1, 100 + seed)
         x_target = torch.tensor([1e3 * (seed + 1)])
         with_x = (torch.cat([base[0], x_ids]), torch.cat([base[1], x_target]))
-        s_without, delta = _difference_round_sums(base, lr, bf16, rounding)
-        s_with, delta_with = _difference_round_sums(with_x, lr, bf16, rounding)
+        s_without, delta = _difference_round_sums(base, lr, bf16, rounding, route)
+        s_with, delta_with = _difference_round_sums(with_x, lr, bf16, rounding, route)
         assert delta == delta_with and delta > 0
         moved = sum(float((a - b).pow(2).sum()) for a, b in zip(s_with, s_without)) ** 0.5
         worst = max(worst, moved / delta)
+    return worst
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("kernels", ["own-cpu", "batch-dependent"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("lr", [5e-2, 5e-4, 5e-6, 5e-8, 1e-10])
+def test_difference_round_never_exceeds_its_sensitivity(lr, bf16, kernels, route):
+    """``batch-dependent``: the forward rounds as kernels that block by the batch's size do on some CPUs
+    (issue 21 item 7: 1.0000073 x Delta there with float32 points; 1.00002 to 1.0017 x Delta here with this
+    stand-in and float32 points of a batch, <= 1 on both routes: each example alone, or float64 points)."""
+    # kept small (each example is a micro-batch of its own): the batch-invariant route under the stand-in at
+    # every step size, two extreme examples; the float64 route at the middle step sizes, four
+    if route == "batch_invariant" and (kernels == "own-cpu" and lr != 5e-6 or (lr, bf16) == (5e-6, False)):
+        pytest.skip("the batch-invariant route: the stand-in's rounding covers the CPU's own kernels (and float32 "
+                    "at 5e-6 under the stand-in is test_the_stand_in_breaks_float32_batched_differences)")
+    if route == "float64" and lr in (5e-2, 1e-10):
+        pytest.skip("the float64 route at the extreme step sizes: covered by the batch-invariant route's runs")
+    worst = _worst_movement(lr, bf16, kernels == "batch-dependent", route, seeds=2 if route == "batch_invariant" else 4)
     assert worst <= 1.0, f"lr={lr}: the aggregate moved by {worst:.3g} x the sensitivity"
+
+
+def test_the_stand_in_breaks_float32_batched_differences():
+    """Teeth: with the batch-dependent rounding stand-in, float32 points of a batch of several examples move the
+    aggregate by more than the sensitivity (the stand-in does what it stands for), where the batch-invariant
+    route, on the same data, does not."""
+    worst = _worst_movement(5e-6, False, True, "float32-batched", seeds=2)  # 1.000285 x Delta on our CPU
+    assert worst > 1.0, f"the stand-in no longer breaks float32 batched differences ({worst:.6g} x Delta)"
+    held = _worst_movement(5e-6, False, True, "batch_invariant", seeds=2)
+    assert held <= 1.0, f"the batch-invariant route moved the aggregate by {held:.6g} x Delta"
 
 
 def test_precise_norm_bound_covers_total_cancellation():
@@ -116,16 +170,10 @@ def test_precise_norm_bound_covers_total_cancellation():
     assert grads.dtype == torch.float64
 
 
-def _difference_norms(batch, lr: float, float64_differences: bool) -> torch.Tensor:
-    """Per-example norms of the clipped combination g_i(x_{r-1}) - g_i(x_{r-2}) in a difference round."""
-    model = tiny_bert(num_labels=1, dtype=torch.float32)
-    model.bert.embeddings.register_forward_hook(_round_like_a_batch_dependent_kernel)
-    plan = PrivacyPlan.for_optimizer(
-        method="diff2",
-        method_args={"restart_every": 2, "difference_max_grad_norm": 1.0, "float64_differences": float64_differences},
-        noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
-    )
-    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=lr, verify_first_backward=False)
+def _difference_norms(batch, lr: float, route: str) -> tuple[torch.Tensor, torch.dtype]:
+    """Per-example norms of the clipped combination g_i(x_{r-1}) - g_i(x_{r-2}) in a difference round, with the
+    batch-dependent rounding stand-in (each example alone on the batch-invariant route)."""
+    model, engine, optimizer = _make(lr, route, True)
 
     def loss_fn_of(ids, y):
         def loss_fn(values):  # in the dtype of the point (a cast of the logits to float32 would round again)
@@ -134,54 +182,177 @@ def _difference_norms(batch, lr: float, float64_differences: bool) -> torch.Tens
 
         return loss_fn
 
-    restart = _batch(8, 0)
-    optimizer.accumulate(engine, loss_fn_of(*restart), batch_size=8)
+    optimizer.accumulate(engine, loss_fn_of(*_batch(8, 0)), batch_size=8)
     optimizer.step()
-    grads, _, _ = optimizer._per_example_pass(engine, loss_fn_of(*batch), len(batch[1]))
     assert not optimizer.current_round().restart
-    return grads.norms().double(), grads.dtype
+    ids, y = batch
+    if route == "float32-batched":
+        optimizer.gradient_points = lambda: _float32_batched_points(optimizer)
+    if route != "batch_invariant":
+        grads, _, _ = optimizer._per_example_pass(engine, loss_fn_of(ids, y), len(y))
+        return grads.norms().double(), grads.dtype
+    norms, dtype = [], None
+    for i in range(len(y)):
+        optimizer._alone = True  # what accumulate(..., alone=True) declares, for the pass alone
+        grads, _, _ = optimizer._per_example_pass(engine, loss_fn_of(ids[i:i + 1], y[i:i + 1]), 1)
+        optimizer._alone = False
+        norms.append(grads.norms().double())
+        dtype = grads.dtype
+    return torch.cat(norms), dtype
 
 
+@pytest.mark.parametrize("route", ROUTES + ["float32-batched"])
 @pytest.mark.parametrize("lr", [5e-4, 5e-6])
-def test_difference_of_an_example_does_not_depend_on_the_other_examples_of_the_batch(lr):
+def test_difference_of_an_example_does_not_depend_on_the_other_examples_of_the_batch(lr, route):
     """Issue 21 item 7: a float32 forward rounds differently when the batch holds other examples (the kernels
     block by the batch's size), and the difference g(x) - g(x') amplifies that by ||g|| / ||g(x) - g(x')||: a
     neighbouring batch then moved the OTHER examples' clipped differences, and the aggregate by more than the
-    round's sensitivity on some CPUs. With both points in float64 (the default), an example's difference is the
-    same whichever examples share its batch, to float64 accuracy."""
+    round's sensitivity on some CPUs. Each example alone (batch-invariant route): the same difference bit for
+    bit whichever examples share the step. Both points in float64: the same to float64 accuracy. Float32 points
+    of the batch (teeth): moved by 8e-5 and 1e-2."""
     base = _batch(12, 1)
     x_ids, _ = _batch(1, 100)
     with_x = (torch.cat([base[0], x_ids]), torch.cat([base[1], torch.tensor([1e3])]))
-    without, dtype = _difference_norms(base, lr, True)
-    with_, _ = _difference_norms(with_x, lr, True)
-    assert dtype == torch.float64
+    without, dtype = _difference_norms(base, lr, route)
+    with_, _ = _difference_norms(with_x, lr, route)
+    assert dtype == torch.float64  # precise mode on every route
     drift = ((with_[:12] - without).abs() / without).max().item()
-    limit = 1e-8 if lr >= 5e-4 else 1e-5  # float32 points: 8e-5 and 1e-2 (the norm of a difference is
-    # sensitive to its terms' rounding in proportion to (||g|| / ||g(x) - g(x')||)^2)
-    assert drift <= limit, f"an example's clipped difference moved by {drift:.2e} when x joined the batch"
+    if route == "batch_invariant":
+        assert drift == 0.0, f"an example's difference moved by {drift:.2e} when x joined the step"
+    elif route == "float64":
+        limit = 1e-8 if lr >= 5e-4 else 1e-5  # (the norm of a difference is sensitive to its terms' rounding
+        # in proportion to (||g|| / ||g(x) - g(x')||)^2)
+        assert drift <= limit, f"an example's clipped difference moved by {drift:.2e} when x joined the batch"
+    else:
+        assert drift > 1e-6, f"float32 batched points moved only by {drift:.2e}: the stand-in has no teeth"
 
 
-def test_difference_round_runs_the_model_in_float64_and_reports_the_current_loss():
+@pytest.mark.parametrize("route", ["float64", "batch_invariant", "batch_invariant-undeclared"])
+def test_difference_round_dtype_and_the_current_loss(route):
+    """The float64 route runs both points in float64; the batch-invariant route runs an example declared alone
+    in the model's float32, and falls back to float64 for a batch of several (nothing declared). Each reports
+    the current point's losses; the model itself stays float32."""
     model = tiny_bert(num_labels=1, dtype=torch.float32)
+    precision = "float64" if route == "float64" else "batch_invariant"
     plan = PrivacyPlan.for_optimizer(
-        method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0}, noise_multiplier=0.0,
-        max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
+        method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0,
+                                     "difference_precision": precision},
+        noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3, verify_first_backward=True)
     ids, y = _batch(8, 0)
     seen = []
 
-    def loss_fn(values):
-        out = engine.call_model(values, input_ids=ids).logits.squeeze(-1)
-        seen.append(out.dtype)
-        return (out - y.to(out.dtype)) ** 2
+    def loss_fn_of(ids, y):
+        def loss_fn(values):
+            out = engine.call_model(values, input_ids=ids).logits.squeeze(-1)
+            seen.append(out.dtype)
+            return (out - y.to(out.dtype)) ** 2
 
-    optimizer.accumulate(engine, loss_fn, batch_size=8)  # restart round: float32
+        return loss_fn
+
+    assert not optimizer.wants_examples_alone()  # a restart round
+    optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=8)  # restart round: float32
     optimizer.step()
-    reported = optimizer.accumulate(engine, loss_fn, batch_size=8)  # difference round: both points in float64
-    assert seen == [torch.float32, torch.float64, torch.float64]
+    assert optimizer.wants_examples_alone() == (route != "float64")
+    if route == "batch_invariant":
+        reported = torch.cat([optimizer.accumulate(engine, loss_fn_of(ids[i:i + 1], y[i:i + 1]), 1, alone=True)
+                              for i in range(8)])
+        assert seen == [torch.float32] * 17
+    else:
+        reported = optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=8)  # both points in float64
+        assert seen == [torch.float32, torch.float64, torch.float64]
     with torch.no_grad():
         here = (model(input_ids=ids).logits.squeeze(-1) - y) ** 2
     torch.testing.assert_close(reported.float(), here, rtol=1e-5, atol=1e-6)  # the current point's losses
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the model itself is untouched
     optimizer.step()
+
+
+def test_float64_differences_keeps_its_meaning():
+    """The earlier switch: True selects the float64 route, False the batch-invariant one (not float32 batches)."""
+    assert Diff2Config(float64_differences=True).precision_route == "float64"
+    assert Diff2Config(float64_differences=False).precision_route == "batch_invariant"
+    assert Diff2Config().precision_route == "batch_invariant"
+    assert Diff2Config(difference_precision="float64").precision_route == "float64"
+    with pytest.raises(ValueError, match="difference_precision"):
+        Diff2Config(difference_precision="float32")
+
+
+def _trainer_difference_round(tmp_path, precision: str, lr: float):
+    """Two DPTrainer steps at noise 0 on a tiny float32 RoBERTa, full batch of 8 examples of 3-10 tokens
+    (right-padded, micro-batches of 4): a restart round, then a difference round on ``precision``'s route.
+    Returns the trainer and the parameters after each step."""
+    from helpers import ListDataset, PadCollator, make_examples
+    from models import VOCAB, tiny_roberta
+    from transformers import TrainerCallback
+
+    from hf_dpfilter import DPTrainer, DPTrainingArguments
+
+    class _Keep(TrainerCallback):
+        def __init__(self):
+            self.points = []
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.on_step_end(args, state, control, model=model)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.points.append(torch.cat([p.detach().double().flatten() for p in model.parameters()]))
+
+    examples = make_examples(8, VOCAB, causal=False, seed=3)
+    args = DPTrainingArguments(
+        output_dir=str(tmp_path / precision), dp_method="diff2", noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
+        logical_batch_size=8, per_device_train_batch_size=4, max_steps=2, optim="sgd", learning_rate=lr,
+        lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
+        remove_unused_columns=False, dp_seed=0, accountant="rdp",
+        dp_method_args={"restart_every": 2, "difference_max_grad_norm": 0.5, "difference_precision": precision},
+    )
+    keep = _Keep()
+    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(1), callbacks=[keep])
+    trainer.train()
+    return trainer, keep.points
+
+
+def test_trainer_difference_round_batch_invariant_against_float64(tmp_path):
+    """One DPTrainer DIFF2 difference round at noise 0: the batch-invariant route (each example alone, float32)
+    against the float64 route. The restart rounds are the same code; the difference round's clipped sum S
+    differs only by the float32 rounding of each example's difference: ||S_32 - S_64|| <= sum_j
+    ||d^32_j - d^64_j||, each of relative size about u32 ||g_j|| / ||d_j|| (u32 = 2^-24) times the conditioning
+    of the forward and backward. Measured: ||S_32 - S_64|| = 2.5e-5 C_2,r (||S_64|| = 3.25 C_2,r); the tolerance
+    allows 1e-3 C_2,r."""
+    lr = 0.1
+    invariant, (x0, x1, x2) = _trainer_difference_round(tmp_path, "batch_invariant", lr)
+    reference, (y0, y1, y2) = _trainer_difference_round(tmp_path, "float64", lr)
+    assert invariant._alone_declaration == {"alone": True} and reference._alone_declaration == {}
+    assert torch.equal(x0, y0) and torch.equal(x1, y1)  # the restart round: the same code on both routes
+    # noise 0, SGD, B = 8: x1 - x0 = -lr v~_1 and x2 - x1 = -lr (v~_1 + S / B), so S = B ((x1 - x0) - (x2 - x1)) / lr
+    s_invariant = 8 * ((x1 - x0) - (x2 - x1)) / lr
+    s_reference = 8 * ((y1 - y0) - (y2 - y1)) / lr
+    threshold = 0.5 * float((x1 - x0).norm())  # C_2,r = C2 ||x_1 - x_0|| (every parameter is trained)
+    assert threshold > 0 and float(s_reference.norm()) > 0.1 * threshold
+    difference = float((s_invariant - s_reference).norm()) / threshold
+    print(f"||S_32 - S_64|| / C_2r = {difference:.3g}, ||S_64|| / C_2r = {float(s_reference.norm()) / threshold:.3g}")
+    assert difference <= 1e-3, f"the routes' clipped sums differ by {difference:.2e} x C_2,r"
+
+
+def test_noise_drawn_in_float32_is_added_to_the_float64_sums():
+    """A difference round's sums are float64 (precise mode): the noise is drawn in float32 (as DP-SGD's, a
+    fraction of a float64 draw's cost) and noise + sum / B is computed in float64 and rounded once: the sums are
+    not rounded before the noise."""
+    from hf_dpfilter.collectives import Collectives
+    from hf_dpfilter.noise import NoiseSource
+
+    drawn = []
+
+    def draw(shape, std, like):
+        drawn.append(like.dtype)
+        return torch.full(shape, 2.0**-24, dtype=like.dtype)
+
+    source = NoiseSource(draw=draw, generator=lambda device: None, secure=False, collectives=Collectives())
+    p = torch.nn.Parameter(torch.zeros(2))
+    # 1 + 2^-24 - 2^-40 rounds to 1 in float32 (then + 2^-24 rounds to 1 again); added first, 1 + 2^-23
+    sums = {p: torch.tensor([1.0 + 2.0**-24 - 2.0**-40, 3.0], dtype=torch.float64)}
+    out = noisy_averages(sums, std=1.0, batch=1.0, source=source, noise_dtype=torch.float32)
+    assert drawn == [torch.float32] and out[p].dtype == torch.float32
+    assert out[p].tolist() == [1.0 + 2.0**-23, 3.0]

@@ -176,6 +176,11 @@ class DPOptimizer(WrappedOptimizer):
         """(weight, parameter values or None for the current ones) of the per-example combination."""
         return [(1.0, None)]
 
+    def wants_examples_alone(self) -> bool:
+        """Whether the next micro-batches should each be ONE example collated alone, declared to
+        ``accumulate(..., alone=True)`` (DIFF2's batch-invariant difference rounds); False: any grouping."""
+        return False
+
     def sensitivity(self) -> float:
         """L2 sensitivity (add/remove one example) of the pre-noise sum this method privatizes."""
         return self.max_grad_norm

@@ -21,6 +21,48 @@ float32 and under bf16 autocast for any step size. A zero threshold (no movement
 and adds no noise. Difference rounds always use min-clipping (the absolute 0.01 of automatic clipping has no
 meaning at the scale of a difference); restart rounds use ``clipping_fn`` like DP-SGD.
 
+**Precision of the difference rounds** (``Diff2Config.difference_precision``). Write d^_j(D) for example j's
+difference AS COMPUTED inside batch D (the terms the forwards and the backward produce, in whatever dtype). For
+neighbours D and D' = D u {x}, at noise 0, clipping being 1-Lipschitz,
+
+    || sum_{j in D'} clip(d^_j(D'), C_r) - sum_{j in D} clip(d^_j(D), C_r) ||
+        <= C_r + sum_{j in D} || d^_j(D') - d^_j(D) ||,
+
+where "clip" is the engine's: a factor from a proven UPPER bound of ||d^_j|| (precise mode), so each clipped
+term is <= C_r whatever the rounding of d^_j. The first term is the sensitivity; the second is zero exactly when
+each example's computed difference does not depend on the batch it is computed in (batch-invariance), whatever
+its precision. A float32 forward of a batch is not batch-invariant (kernels block by the batch's size, and the
+difference amplifies that rounding by ||g|| / ||g(x) - g(x')||, 10^4 and more at small step sizes), so some
+route must make the second term vanish or be negligible:
+
+* ``"batch_invariant"`` (default): each example's difference is computed in a micro-batch of its own, collated
+  from that example alone (DPTrainer cuts a difference round's sample so and declares it,
+  ``accumulate(..., alone=True)``), in the model's own dtype (float32, or bf16 autocast). The arithmetic of
+  example j then reads only j's inputs, the parameters and x_{r-2}: the same operations on the same values in D
+  and in D', hence the same d^_j bit for bit (deterministic kernels), and the second term is 0. Where a kernel is
+  not deterministic run to run (CUDA atomics), d^_j is a random variable whose law depends on j's own
+  inputs only: coupling the draws of D and D' example by example bounds every coupled pair by C_r, and the
+  mechanism's output, a mixture over the couplings, keeps the Gaussian mechanism's guarantee (joint convexity of
+  the divergence) -- as for dropout masks, which are i.i.d. draws wherever x falls in the stream. The rounding
+  then only costs utility (d^_j's relative error about u ||g|| / ||d||, u = 2^-24 in float32), never privacy.
+  A micro-batch of several examples, or one not declared collated alone, falls back to float64 (below): the
+  route never trusts a shape for the privacy.
+* ``"float64"``: both points of every difference micro-batch run the whole model in float64 (batched). This is
+  not exactly batch-invariant, but the batch-dependent rounding is 2^-29 times float32's, far inside the clip's
+  relative margin of 1e-6. Needed where examples cannot be computed alone; costs float64 copies of the model's
+  tensors during the round. On one CPU thread it costs about what the batch-invariant route does (a float64
+  GEMM there is little slower than float32, and a micro-batch of one less efficient than a batch;
+  docs/performance.md); on a GPU float64 runs at a fraction of the bf16 tensor-core rate.
+* A threshold lowered by a bound on the float32 error of the difference, from the two points' norms, was
+  considered and rejected: a rigorous forward error bound of a whole transformer forward and backward
+  (softmax, layer norm, GELU, attention over the batch's padded width) is not available in closed form, an
+  empirical factor is not a proof, and the bound would be a function of the private per-example norms.
+
+Under FSDP2 sharding the points are written into the shards: no float64 copy is made there, and only the
+``"batch_invariant"`` route with micro-batches declared alone is batch-invariant. On both routes the round's
+sums are float64; the noise is drawn in float32 (as DP-SGD's) and added to them in float64, so the sums are not
+rounded before the noise (:meth:`Diff2.privatize`).
+
 **Batches.** The paper analyses full batch (DIFF2-GD): ``logical_batch_size = N`` gives q = 1 and every
 example in every round. With Poisson minibatches (q < 1) each round is still a Poisson-subsampled Gaussian
 mechanism given the released history, so the accounting below holds, but the algorithm (a SPIDER-like
@@ -56,8 +98,10 @@ if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan
 
 DIFF2_NEIGHBOURINGS = ("add_remove", "replace_one")
+#: routes of the difference rounds' precision (module docstring, "Precision of the difference rounds")
+DIFF2_PRECISIONS = ("batch_invariant", "float64")
 
-__all__ = ["DIFF2_NEIGHBOURINGS", "Diff2", "Diff2Config", "diff2_history"]
+__all__ = ["DIFF2_NEIGHBOURINGS", "DIFF2_PRECISIONS", "Diff2", "Diff2Config", "diff2_history"]
 
 
 def diff2_history(
@@ -94,14 +138,14 @@ class Diff2Config(MethodConfig):
             are calibrated (``budget_split``).
         budget_split: u > 1, the paper's split (restarts get 1/u of the budget; Prop. 4.1).
         neighbouring: ``"add_remove"`` or ``"replace_one"`` (the paper; doubles the sensitivity; full batch only).
-        float64_differences: run both points of a difference round in float64 (the whole model, for that round's
-            two forwards and its backward; default True). The per-example difference g(x) - g(x') cancels all but
-            ||g(x) - g(x')|| / ||g|| of each gradient, so float32 points would carry rounding errors amplified by
-            the inverse of that ratio (10^4 and more at small step sizes), and a float32 forward's rounding depends
-            on which other examples share the batch (the kernels' blocking): a neighbouring batch would move the
-            other examples' clipped differences too, beyond the round's sensitivity. In float64 those errors are
-            2^-29 times smaller, far inside the clip's margin. Costs float64 copies of the model's tensors during
-            those rounds. Not applied under FSDP2 sharding (the points are written into the shards).
+        difference_precision: how a difference round computes each example's g_i(x_{r-1}) - g_i(x_{r-2}) so that
+            it does not depend on the other examples of the batch (see the module docstring, "Precision of the
+            difference rounds"). ``"batch_invariant"`` (default): each example in a micro-batch of its own,
+            collated alone, in the model's dtype; a micro-batch of several examples (or one not declared alone)
+            falls back to float64. ``"float64"``: every difference micro-batch in float64, batched.
+        float64_differences: the earlier switch, kept for compatibility: True selects ``"float64"``; False selects
+            ``"batch_invariant"`` (float32 points of a batch of several examples are no longer offered: they are
+            not batch-invariant); None (default): ``difference_precision`` decides.
     """
 
     name = "diff2"
@@ -112,7 +156,8 @@ class Diff2Config(MethodConfig):
     difference_noise_multiplier: float | None = None
     budget_split: float = 1.25
     neighbouring: str = "add_remove"
-    float64_differences: bool = True
+    difference_precision: str = "batch_invariant"
+    float64_differences: bool | None = None
 
     def __post_init__(self) -> None:
         t = self.restart_every
@@ -128,6 +173,18 @@ class Diff2Config(MethodConfig):
             raise ValueError(f"diff2: budget_split (u) must be > 1, got {self.budget_split}.")
         if self.neighbouring not in DIFF2_NEIGHBOURINGS:
             raise ValueError(f"diff2: neighbouring must be one of {DIFF2_NEIGHBOURINGS}, got {self.neighbouring!r}.")
+        if self.difference_precision not in DIFF2_PRECISIONS:
+            raise ValueError(f"diff2: difference_precision must be one of {DIFF2_PRECISIONS}, got "
+                             f"{self.difference_precision!r}.")
+        if self.float64_differences is not None and not isinstance(self.float64_differences, bool):
+            raise ValueError(f"diff2: float64_differences must be True, False or None, got {self.float64_differences!r}.")
+
+    @property
+    def precision_route(self) -> str:
+        """The route of the difference rounds: ``float64_differences`` (when given) or ``difference_precision``."""
+        if self.float64_differences is not None:
+            return "float64" if self.float64_differences else "batch_invariant"
+        return self.difference_precision
 
     @property
     def mechanism_period(self) -> int:  # type: ignore[override]
@@ -233,7 +290,9 @@ class Diff2(DPOptimizer):
         self.difference_noise_multiplier = float(plan.noise.get("difference_noise_multiplier", self.noise_multiplier))
         self.budget_split = float(config.budget_split)
         self.neighbouring = config.neighbouring
-        self.float64_differences = bool(config.float64_differences)
+        self.precision_route = config.precision_route
+        self._alone = False  # the micro-batch being accumulated is one example collated alone (declared)
+        self._points_cache: tuple[tuple[int, bool], list] | None = None  # this round's points (_round_points)
         self.full_batch = self.sample_rate is not None and self.sample_rate >= 1.0
         self._estimate: dict[nn.Parameter, torch.Tensor] | None = None  # v~_{r-1}
         self._previous: dict[nn.Parameter, torch.Tensor] | None = None  # x_{r-2}
@@ -256,8 +315,9 @@ class Diff2(DPOptimizer):
                     f"DIFF2 step {self.dp_steps} is a difference round but the optimizer holds no previous point "
                     "or estimate (a checkpoint without the method state?). Resume from a full DPOptimizer state_dict."
                 )
+            # a function of released values only (public): computed in the parameters' dtype, summed in float64
             movement = math.sqrt(self.collectives.squared_norm(
-                [p.detach().double() - self._previous[p].double() for p in self.params]
+                [p.detach() - self._previous[p] for p in self.params]
             ))
             threshold = self.difference_coefficient(movement) * movement
         self._round_cache = _Round(self.dp_steps, restart, threshold)
@@ -278,15 +338,50 @@ class Diff2(DPOptimizer):
     def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
         if self.current_round().restart:
             return [(1.0, None)]
+        batch_invariant = self._alone and self.precision_route == "batch_invariant"
+        native = batch_invariant or self.sharded or all(p.dtype == torch.float64 for p in self.params)
+        # both points in float64 otherwise, the whole model (engine.call_model): the "float64" route, and the
+        # fallback of a micro-batch of several examples (or not declared alone); module docstring, "Precision"
+        return self._round_points(native)
+
+    def _round_points(self, native: bool) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
+        """The round's two points, built once per round and shared by its micro-batches (the parameters do not
+        change within a step; each costs passes over every parameter, which per micro-batch of one example
+        would cost more than the example). Their graph saves no tensor (add, sub, casts), so several backwards
+        may pass through it."""
+        key = (self.dp_steps, native)
+        if self._points_cache is not None and self._points_cache[0] == key:
+            return self._points_cache[1]
         # x_{r-2} exactly (no x - (x - x') rounding): "+ (p - p.detach())" (= 0) keeps the value and makes it
         # differentiable in x, so the clipping hooks see that forward too and the first-backward check (an
         # ordinary backward of the combined loss) sees the difference g(x) - g(x_{r-2}) the engine clips.
         previous = {p: v + (p - p.detach()) for p, v in self._previous.items()}
-        if not self.float64_differences or self.sharded or all(p.dtype == torch.float64 for p in previous):
-            return [(1.0, None), (-1.0, previous)]
-        # both points in float64, the whole model (engine.call_model): see Diff2Config.float64_differences
-        here = CurrentPoint({p: p.double() for p in previous})
-        return [(1.0, here), (-1.0, {p: v.double() for p, v in previous.items()})]
+        if native:
+            points = [(1.0, None), (-1.0, previous)]
+        else:
+            here = CurrentPoint({p: p.double() for p in previous})
+            points = [(1.0, here), (-1.0, {p: v.double() for p, v in previous.items()})]
+        self._points_cache = (key, points)
+        return points
+
+    def wants_examples_alone(self) -> bool:
+        """True in a difference round of the ``"batch_invariant"`` route (a float32/bf16 model): the caller should
+        give each example as a micro-batch of its own, collated alone, with ``accumulate(..., alone=True)``."""
+        if self.precision_route != "batch_invariant" or self.current_round().restart:
+            return False
+        return not all(p.dtype == torch.float64 for p in self.params)
+
+    def accumulate(self, engine: Any, loss_fn: Any, batch_size: int, alone: bool = False) -> torch.Tensor:
+        """:meth:`DPOptimizer.accumulate`; ``alone=True`` declares that the micro-batch is ONE example (one privacy
+        unit) collated from itself alone (its own padding and width, nothing read from other examples): a
+        difference round of the ``"batch_invariant"`` route then computes it in the model's dtype. Without the
+        declaration (or with several examples) a difference round runs in float64. The declaration is the
+        caller's: DPTrainer makes it only for the micro-batches it collated alone."""
+        self._alone = bool(alone) and batch_size == 1
+        try:
+            return super().accumulate(engine, loss_fn, batch_size)
+        finally:
+            self._alone = False
 
     def sensitivity(self) -> float:
         """L2 sensitivity of this round's pre-noise sum: C1 or C_{2,r}, doubled under replace-one."""
@@ -308,9 +403,15 @@ class Diff2(DPOptimizer):
     def privatize(self, sums: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         rnd = self.current_round()
         std = self.round_noise_multiplier() * self.sensitivity()
+        self._points_cache = None  # the round's points (their float64 copies) are not needed any more
         self._pending_previous = {p: p.detach().clone() for p in self.params}  # x_{r-1}, before the update
         estimate = {} if rnd.restart else self._estimate
-        for p, increment in noisy_averages(sums, std, self.expected_batch_size, self.noise_source()).items():
+        # a difference round's sums are float64 (precise mode): the noise is drawn in float32, as DP-SGD's, and
+        # noise + sum / B is computed in float64 and rounded once to the estimate's float32 (the sums are not
+        # rounded before the noise; that rounding is post-processing)
+        noise_dtype = None if all(p.dtype == torch.float64 for p in self.params) else torch.float32
+        for p, increment in noisy_averages(sums, std, self.expected_batch_size, self.noise_source(),
+                                           noise_dtype).items():
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             if rnd.restart:
                 estimate[p] = increment.to(dtype)
@@ -338,6 +439,7 @@ class Diff2(DPOptimizer):
         self._previous = state.get("previous")
         self._pending_previous = None
         self._round_cache = None
+        self._points_cache = None
         self.restart_rounds = int(state.get("restart_rounds", 0))
         self._reference_movement = state.get("reference_movement")
 
