@@ -375,15 +375,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="tiny models (the test); never for figures")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--out", default=None, help="write the table between the markers of this file (docs/performance.md)")
+    if parser.parse_known_args(argv)[0].quick:  # smaller defaults; options given explicitly still win
+        parser.set_defaults(logical_batch=64, micro_batch=16, rounds=2, steps=1, examples=1024)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.logical_batch, args.micro_batch, args.rounds, args.steps = 64, 16, 2, 1
-        args.examples = min(args.examples, 1024)
     if args.data_dir is None:
         args.data_dir = os.environ.get("HF_DPFILTER_DATA", "../shared/data")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     builders = {"sst2": sst2_task, "e2e": e2e_task}
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = set(tasks) - set(TASKS)
