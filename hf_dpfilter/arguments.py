@@ -159,6 +159,16 @@ class DPArgumentsMixin:
             "sum of clipped gradients does not depend on the order (hf_dpfilter/length_grouping.py)."
         },
     )
+    dp_micro_batch_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "With dp_group_by_length: a token budget per micro-batch instead of a fixed number of examples. "
+            "Each micro-batch takes as many of the length-ordered examples as keep examples x padded length <= "
+            "the budget (at least one example; per_device_train_batch_size is then not a cap), so memory stays "
+            "flat across lengths. privacy_unit='example' only; packed rows keep their own sizes. None (default): "
+            "per_device_train_batch_size examples per micro-batch."
+        },
+    )
     dp_batchnorm_eval: bool = field(
         default=False,
         metadata={
@@ -324,6 +334,7 @@ class DPArgumentsMixin:
             self.dp_method_args = {k: v for k, v in config.to_dict().items() if k in self.dp_method_args}
         if self.fp16:
             check_fp16_method(self.dp_method, self.dp_fp16_loss_scale)
+        self._validate_token_budget()
         if _uses_reentrant_checkpointing(self):
             raise ValueError(
                 "gradient_checkpointing with use_reentrant=True is not supported with per-example clipping: "
@@ -331,6 +342,19 @@ class DPArgumentsMixin:
                 "the clipping hooks never see those layers. Use the non-reentrant kind: "
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (the default when no kwargs are given)."
             )
+
+    def _validate_token_budget(self) -> None:
+        budget = self.dp_micro_batch_tokens
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"dp_micro_batch_tokens must be a positive number of tokens, got {budget!r}.")
+        if not self.dp_group_by_length:
+            raise ValueError("dp_micro_batch_tokens cuts the length-ordered examples: set dp_group_by_length=True "
+                             "(the default), or leave dp_micro_batch_tokens=None.")
+        if self.privacy_unit != "example":
+            raise ValueError("dp_micro_batch_tokens applies to privacy_unit='example': with privacy_unit='user' the "
+                             "micro-batches hold whole users (per_device_train_batch_size examples). Leave it None.")
 
 
 @refuse_retired_names

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from hf_dpfilter import length_grouping
 from hf_dpfilter import units as privacy_units
 from hf_dpfilter.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
 from hf_dpfilter.proofs import collator_draws, padding
@@ -181,6 +182,9 @@ class MicroBatchMixin:
             if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
                 # Drop trailing columns that are padding in every example of this micro-batch.
                 used = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
+                multiple = getattr(self.data_collator, "pad_to_multiple_of", None)  # declared by the collator
+                if isinstance(multiple, int) and multiple > 1:
+                    used = -(-used // multiple) * multiple
                 decoder_side = _decoder_side(self.model)
                 seq = mask.shape[1]
                 wide = {k for k, v in micro.items() if k in structure.per_example and isinstance(v, torch.Tensor)
@@ -254,10 +258,15 @@ class MicroBatchMixin:
     ) -> list[tuple[tuple, list | None]]:
         """The logical batch's micro-batches, each with the raw examples it holds in its own order (None without
         ``raw``, the rows the training collator attached): see :meth:`_micro_batches_with_members`; with
-        ``privacy_unit='user'`` cut at unit boundaries (``unit_micro_batches``: consecutive groups, in order)."""
-        if units is None:
+        ``privacy_unit='user'`` cut at unit boundaries (``unit_micro_batches``: consecutive groups, in order). With
+        ``dp_group_by_length`` the examples are first ordered by length (:meth:`_grouped_by_length`)."""
+        cut, grouped_raw = self._grouped_by_length(inputs, units, raw)
+        if grouped_raw is not None:  # user level: the units moved whole, the logical batch collated in the new order
+            raw = grouped_raw
+            inputs, labels, units = self._collated(raw)
+        if cut is None and units is None:
             cut = self._micro_batches_with_members(inputs, labels, num_examples)
-        else:
+        elif cut is None:
             cut, start = [], 0
             for micro_batch in privacy_units.unit_micro_batches(
                 self._training_batch_structure(), self._micro_batches, inputs, labels, units,
@@ -270,6 +279,55 @@ class MicroBatchMixin:
             raise PackingError(f"The micro-batches hold {sum(len(m) for _, m in cut)} examples; {len(raw)} were collated.")
         return [(self._no_cache_when_packed(micro_batch), None if raw is None else [raw[i] for i in members])
                 for micro_batch, members in cut]
+
+    def _grouped_by_length(self, inputs: dict[str, Any], units: torch.Tensor | None, raw: list | None
+                           ) -> tuple[list | None, list | None]:
+        """``dp_group_by_length``: the logical batch's examples ordered longest first (hf_dpfilter/length_grouping.py),
+        as ``(cut, raw)``; ``(None, None)`` where the sampled order is kept (the option off, no raw rows, packed rows,
+        which have no padding, nothing that declares a length, or nothing that moves).
+
+        At example level each micro-batch is collated from its own raw examples by the training collator (padded to
+        its own longest, on its own padding side and ``pad_to_multiple_of``), then cut as one micro-batch: ``cut``
+        holds each with the indices of its examples in ``raw``, so the per-micro-batch proofs index rows, raw
+        examples and draws by the same positions (``raw`` None: unchanged). With ``privacy_unit='user'`` (``cut`` None)
+        the units move whole, and ``raw`` comes back in the new order for the caller to collate and cut at unit
+        boundaries (their trailing padding trimmed per micro-batch, as in the sampled order)."""
+        structure = self._training_batch_structure()
+        if not getattr(self.args, "dp_group_by_length", False) or raw is None or len(raw) < 2 or structure.packed:
+            return None, None
+        lengths = length_grouping.example_lengths(inputs, raw, structure.per_example)
+        if lengths is None or len(lengths) != len(raw):
+            if getattr(self.args, "dp_micro_batch_tokens", None) is not None and not getattr(self, "_budget_warned", 0):
+                self._budget_warned = True
+                logger.warning("dp_micro_batch_tokens is not applied: the training batches declare no length "
+                               "(no attention_mask among the per-example keys, no input_ids in the raw rows).")
+            return None, None
+        order = length_grouping.longest_first(lengths, None if units is None else [int(u) for u in units.tolist()])
+        if units is not None:
+            return None, (None if order == sorted(order) else [raw[i] for i in order])
+        size = self.args.per_device_train_batch_size
+        budget = getattr(self.args, "dp_micro_batch_tokens", None)
+        multiple = getattr(self.data_collator, "pad_to_multiple_of", None)  # the padded widths the budget bounds
+        if budget is not None and isinstance(multiple, int) and multiple > 1:
+            lengths = [-(-n // multiple) * multiple for n in lengths]
+        cut = []
+        for members in length_grouping.micro_batch_groups(order, lengths, size, budget):
+            micro_inputs, micro_labels, _ = self._collated([raw[i] for i in members])
+            pieces = list(self._micro_batches(micro_inputs, micro_labels, len(members), size=len(members)))
+            if len(pieces) != 1 or _example_count(pieces[0]) != len(members):
+                raise PackingError(f"{len(members)} examples collated together did not give one micro-batch of them.")
+            cut.append((pieces[0], tuple(members)))
+        return cut, None
+
+    def _collated(self, rows: list) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
+        """``rows`` collated by the training collator (its checks included) and prepared as a training step's
+        inputs: ``(inputs, labels, units)``."""
+        batch = dict(self._padding_collator(rows))
+        batch.pop(RAW_EXAMPLES_KEY, None)
+        inputs = dict(self._prepare_inputs(batch))
+        inputs.pop(NUM_EXAMPLES_KEY, None)
+        units = inputs.pop(privacy_units.UNITS_KEY, None)
+        return inputs, inputs.pop("labels"), units
 
     def _alone(self, raw: Any, micro_batch: tuple | None = None, index: int = 0, each_row: bool = False) -> tuple:
         """One raw example as the trainer would compute it as a batch of one: the training collator on that row

