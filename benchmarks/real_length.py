@@ -273,6 +273,11 @@ class Private:
         self.trainer.optimizer.zero_grad()
 
 
+def _rechecks(variant: Any) -> int:
+    checks = getattr(variant.trainer, "_separation", None)
+    return checks.rechecks_run if checks is not None else 0
+
+
 def has_grouping_field() -> bool:
     from hf_dpfilter import DPTrainingArguments
 
@@ -305,6 +310,7 @@ def measure(task: Task, args: argparse.Namespace) -> dict[str, Any]:
             synchronize()
             first[name] = time.perf_counter() - start
             variant.tokens.on = True
+        checks_before = {n: _rechecks(v) for n, v in variants.items()}
 
         def rounds_of(variant: Any) -> Callable[[], float]:
             def run() -> float:  # its seconds (time_interleaved's "grad" time: here the whole steps)
@@ -325,6 +331,9 @@ def measure(task: Task, args: argparse.Namespace) -> dict[str, Any]:
                 "padded_per_real": tokens.ratio, "tokens_ratio": tokens.ratio / max(reference_tokens, 1e-12),
                 "forwards_per_step": tokens.forwards / (args.rounds * args.steps),
                 "positions": tokens.positions, "real_tokens": tokens.real,
+                # the DP re-checks run in the timed steps (new micro-batch shapes, and dp_recheck_rate): two
+                # forwards without gradients each (one with a model without dropout), a cost of a run's early steps
+                "rechecks_per_step": (_rechecks(variant) - checks_before[name]) / (args.rounds * args.steps),
             }
     lengths = [len(r["input_ids"]) for r in task.rows]
     return {"task": task.name, "model": task.model_label, "lengths": task.source, "examples": len(lengths),
@@ -341,13 +350,15 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, load: str) ->
         f"{args.rounds} interleaved rounds of {args.steps} logical batch(es) after each variant's first step; "
         f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`, load {load}.",
         "",
-        "| task | variant | step (s) | step / Trainer | first step (s) | padded / real tokens | tokens / Trainer |",
-        "|---|---|---|---|---|---|---|",
+        "| task | variant | step (s) | step / Trainer | first step (s) | padded / real tokens | tokens / Trainer "
+        "| forwards / step | re-checks / step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for name, row in result["variants"].items():
             lines.append(f"| {result['task']} | {name} | {row['step_s']:.2f} | {row['ratio']:.2f} | "
-                         f"{row['first_step_s']:.2f} | {row['padded_per_real']:.2f} | {row['tokens_ratio']:.2f} |")
+                         f"{row['first_step_s']:.2f} | {row['padded_per_real']:.2f} | {row['tokens_ratio']:.2f} | "
+                         f"{row['forwards_per_step']:.1f} | {row['rechecks_per_step']:.1f} |")
     lines.append("")
     for result in results:
         lines.append(f"- {result['task']}: {result['model']}; {result['lengths']}; {result['examples']} examples, "
