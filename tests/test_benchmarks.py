@@ -143,3 +143,6 @@ def test_real_length_reports_every_variant_with_its_padding(tmp_path, monkeypatc
             assert row["step_s"] > 0 and row["ratio"] > 0 and row["first_step_s"] > 0
             assert row["padded_per_real"] >= 1.0 and row["real_tokens"] > 0 and row["forwards_per_step"] >= 1
         assert result["variants"]["Trainer"]["ratio"] == 1.0 and result["variants"]["Trainer"]["tokens_ratio"] == 1.0
+        if result["grouping_field"]:  # the same sampled batches, ordered by length: never more padding
+            dp, grouped = result["variants"]["DPTrainer"], result["variants"]["DPTrainer grouped"]
+            assert grouped["real_tokens"] == dp["real_tokens"] and grouped["positions"] <= dp["positions"]
