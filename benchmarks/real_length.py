@@ -263,6 +263,25 @@ class Private:
         self.collate = self.trainer.get_train_dataloader().collate_fn
         self.tokens = TokenCount(self.trainer.model)
         self.batches, self.next = batches, 0
+        self.recheck_s = 0.0
+
+    def time_rechecks(self) -> None:
+        """Sum the seconds of the re-checks in ``recheck_s`` (timed where they run, on the checks' instance; built
+        at the first step), to tell the cost of a run's early steps (most micro-batch shapes new) from the rest."""
+        checks = self.trainer._separation
+        if checks is None:
+            return
+        recheck = checks.recheck
+
+        def timed(*args: Any, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            try:
+                recheck(*args, **kwargs)
+            finally:
+                synchronize()
+                self.recheck_s += time.perf_counter() - start
+
+        checks.recheck = timed
 
     def step(self) -> None:
         indices = self.batches[self.next % len(self.batches)]
@@ -310,17 +329,26 @@ def measure(task: Task, args: argparse.Namespace) -> dict[str, Any]:
             synchronize()
             first[name] = time.perf_counter() - start
             variant.tokens.on = True
+            if isinstance(variant, Private):
+                variant.time_rechecks()
         checks_before = {n: _rechecks(v) for n, v in variants.items()}
 
-        def rounds_of(variant: Any) -> Callable[[], float]:
+        seconds: dict[str, list[float]] = {n: [] for n in variants}
+        in_rechecks: dict[str, list[float]] = {n: [] for n in variants}
+
+        def rounds_of(name: str, variant: Any) -> Callable[[], float]:
             def run() -> float:  # its seconds (time_interleaved's "grad" time: here the whole steps)
+                before = getattr(variant, "recheck_s", 0.0)
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     variant.step()
-                return time.perf_counter() - start
+                synchronize()
+                seconds[name].append(time.perf_counter() - start)
+                in_rechecks[name].append(getattr(variant, "recheck_s", 0.0) - before)
+                return seconds[name][-1]
             return run
 
-        timing = time_interleaved({n: rounds_of(v) for n, v in variants.items()}, args.rounds)
+        timing = time_interleaved({n: rounds_of(n, v) for n, v in variants.items()}, args.rounds)
         rows = {}
         reference_tokens = variants["Trainer"].tokens.ratio
         for name, variant in variants.items():
@@ -334,6 +362,10 @@ def measure(task: Task, args: argparse.Namespace) -> dict[str, Any]:
                 # the DP re-checks run in the timed steps (new micro-batch shapes, and dp_recheck_rate): two
                 # forwards without gradients each (one with a model without dropout), a cost of a run's early steps
                 "rechecks_per_step": (_rechecks(variant) - checks_before[name]) / (args.rounds * args.steps),
+                "recheck_share": sum(in_rechecks[name]) / max(sum(seconds[name]), 1e-12),
+                # the step less its re-checks, over the Trainer's: what it costs once most shapes are seen
+                "ratio_without_rechecks": statistics.median(
+                    (t - r) / ref for t, r, ref in zip(seconds[name], in_rechecks[name], seconds["Trainer"])),
             }
     lengths = [len(r["input_ids"]) for r in task.rows]
     return {"task": task.name, "model": task.model_label, "lengths": task.source, "examples": len(lengths),
@@ -351,14 +383,15 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, load: str) ->
         f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`, load {load}.",
         "",
         "| task | variant | step (s) | step / Trainer | first step (s) | padded / real tokens | tokens / Trainer "
-        "| forwards / step | re-checks / step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| forwards / step | re-checks / step | time in re-checks | step less re-checks / Trainer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for name, row in result["variants"].items():
             lines.append(f"| {result['task']} | {name} | {row['step_s']:.2f} | {row['ratio']:.2f} | "
                          f"{row['first_step_s']:.2f} | {row['padded_per_real']:.2f} | {row['tokens_ratio']:.2f} | "
-                         f"{row['forwards_per_step']:.1f} | {row['rechecks_per_step']:.1f} |")
+                         f"{row['forwards_per_step']:.1f} | {row['rechecks_per_step']:.1f} | "
+                         f"{row['recheck_share']:.0%} | {row['ratio_without_rechecks']:.2f} |")
     lines.append("")
     for result in results:
         lines.append(f"- {result['task']}: {result['model']}; {result['lengths']}; {result['examples']} examples, "

@@ -142,6 +142,7 @@ def test_real_length_reports_every_variant_with_its_padding(tmp_path, monkeypatc
         for row in result["variants"].values():
             assert row["step_s"] > 0 and row["ratio"] > 0 and row["first_step_s"] > 0
             assert row["padded_per_real"] >= 1.0 and row["real_tokens"] > 0 and row["forwards_per_step"] >= 1
+            assert 0.0 <= row["recheck_share"] < 1.0 and row["ratio_without_rechecks"] > 0
         assert result["variants"]["Trainer"]["ratio"] == 1.0 and result["variants"]["Trainer"]["tokens_ratio"] == 1.0
         if result["grouping_field"]:  # the same sampled batches, ordered by length: never more padding
             dp, grouped = result["variants"]["DPTrainer"], result["variants"]["DPTrainer grouped"]
