@@ -156,6 +156,7 @@ class DPArgumentsMixin:
             "micro-batch holds examples of similar length and is padded only to its own longest. The length is "
             "the row's attention_mask sum (else its input_ids length); without either the sampled order is kept. "
             "With privacy_unit='user' each user's examples stay together (users ordered by their longest). The "
+            "run's first micro-batch (the one the first-step check verifies) keeps the first sampled examples. The "
             "sum of clipped gradients does not depend on the order (hf_dpfilter/length_grouping.py)."
         },
     )

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["example_lengths", "longest_first", "micro_batch_groups"]
+__all__ = ["example_lengths", "longest_first", "micro_batch_groups", "padded_token_ratio"]
 
 
 def example_lengths(inputs: dict[str, Any], raw: Sequence[Any] | None, per_example: frozenset[str] | set[str]
@@ -81,3 +81,24 @@ def micro_batch_groups(order: Sequence[int], lengths: Sequence[int], size: int, 
                 continue
         groups.append([i])
     return groups
+
+
+def padded_token_ratio(lengths: Sequence[int], logical_batch: int, micro_batch: int, grouped: bool, steps: int = 200,
+                       seed: int = 0) -> float:
+    """The token positions the forwards compute per real token, over ``steps`` Poisson samples of a data set with
+    these example ``lengths`` (rate ``logical_batch / len(lengths)``), cut into micro-batches of ``micro_batch``
+    examples each padded to its own longest: in sampled order (the non-private Trainer's random micro-batches) or
+    ``grouped`` longest first. The figure of docs/performance.md, 'Micro-batches grouped by length'."""
+    import random
+
+    rng = random.Random(seed)
+    rate = logical_batch / len(lengths)
+    padded = real = 0
+    for _ in range(steps):
+        sample = [n for n in lengths if rng.random() < rate]
+        real += sum(sample)
+        if grouped:
+            sample = [sample[i] for i in longest_first(sample)]
+        for group in micro_batch_groups(range(len(sample)), sample, micro_batch):
+            padded += len(group) * max(sample[i] for i in group)
+    return padded / max(real, 1)

@@ -260,7 +260,7 @@ class MicroBatchMixin:
         ``raw``, the rows the training collator attached): see :meth:`_micro_batches_with_members`; with
         ``privacy_unit='user'`` cut at unit boundaries (``unit_micro_batches``: consecutive groups, in order). With
         ``dp_group_by_length`` the examples are first ordered by length (:meth:`_grouped_by_length`)."""
-        cut, grouped_raw = self._grouped_by_length(inputs, units, raw)
+        cut, grouped_raw = self._grouped_by_length(inputs, labels, num_examples, units, raw)
         if grouped_raw is not None:  # user level: the units moved whole, the logical batch collated in the new order
             raw = grouped_raw
             inputs, labels, units = self._collated(raw)
@@ -280,8 +280,8 @@ class MicroBatchMixin:
         return [(self._no_cache_when_packed(micro_batch), None if raw is None else [raw[i] for i in members])
                 for micro_batch, members in cut]
 
-    def _grouped_by_length(self, inputs: dict[str, Any], units: torch.Tensor | None, raw: list | None
-                           ) -> tuple[list | None, list | None]:
+    def _grouped_by_length(self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None,
+                           units: torch.Tensor | None, raw: list | None) -> tuple[list | None, list | None]:
         """``dp_group_by_length``: the logical batch's examples ordered longest first (hf_dpfilter/length_grouping.py),
         as ``(cut, raw)``; ``(None, None)`` where the sampled order is kept (the option off, no raw rows, packed rows,
         which have no padding, nothing that declares a length, or nothing that moves).
@@ -291,10 +291,20 @@ class MicroBatchMixin:
         holds each with the indices of its examples in ``raw``, so the per-micro-batch proofs index rows, raw
         examples and draws by the same positions (``raw`` None: unchanged). With ``privacy_unit='user'`` (``cut`` None)
         the units move whole, and ``raw`` comes back in the new order for the caller to collate and cut at unit
-        boundaries (their trailing padding trimmed per micro-batch, as in the sampled order)."""
+        boundaries (their trailing padding trimmed per micro-batch, as in the sampled order); the run's first step
+        keeps the sampled order there (its first micro-batch is the first-step check's, see below; "first": until a
+        step is released).
+
+        The micro-batches are the training collator's on the raw rows: the logical batch is still held to the probed
+        keys first, and one whose keys differ from its micro-batches' (a ``training_step`` override that adds a key)
+        keeps the sampled order; a subclass that edits the collated values in ``training_step`` should set
+        ``dp_group_by_length=False``."""
         structure = self._training_batch_structure()
         if not getattr(self.args, "dp_group_by_length", False) or raw is None or len(raw) < 2 or structure.packed:
             return None, None
+        structure.check({**inputs, "labels": labels})  # the logical batch's keys, as in the sampled order
+        if labels.shape[0] != len(raw) or num_examples not in (None, len(raw)):
+            return None, None  # the sampled order's path names the mismatch
         lengths = length_grouping.example_lengths(inputs, raw, structure.per_example)
         if lengths is None or len(lengths) != len(raw):
             if getattr(self.args, "dp_micro_batch_tokens", None) is not None and not getattr(self, "_budget_warned", 0):
@@ -302,17 +312,29 @@ class MicroBatchMixin:
                 logger.warning("dp_micro_batch_tokens is not applied: the training batches declare no length "
                                "(no attention_mask among the per-example keys, no input_ids in the raw rows).")
             return None, None
+        # The run's first micro-batch (the one the first-step check verifies) holds the first sampled examples, as
+        # in the sampled order: examples of mixed lengths, where a loss coupled through a statistic of the
+        # micro-batch (its mean token count) shows; a micro-batch of equal lengths could hide it. The rest is
+        # grouped. Decided by the run (until a first step is released), not by the check's setting: the same
+        # micro-batches (and collator draws) with the checks on or off, and in a train() run again after a refusal.
+        accountant = getattr(self, "accountant", None)
+        checking = accountant is None or getattr(accountant, "steps", 0) == 0
         order = length_grouping.longest_first(lengths, None if units is None else [int(u) for u in units.tolist()])
         if units is not None:
-            return None, (None if order == sorted(order) else [raw[i] for i in order])
+            return None, (None if checking or order == sorted(order) else [raw[i] for i in order])
         size = self.args.per_device_train_batch_size
         budget = getattr(self.args, "dp_micro_batch_tokens", None)
         multiple = getattr(self.data_collator, "pad_to_multiple_of", None)  # the padded widths the budget bounds
         if budget is not None and isinstance(multiple, int) and multiple > 1:
             lengths = [-(-n // multiple) * multiple for n in lengths]
+        lead = length_grouping.micro_batch_groups(range(len(raw)), lengths, size, budget)[0] if checking else []
+        groups = [lead] if lead else []
+        groups += length_grouping.micro_batch_groups([i for i in order if i >= len(lead)], lengths, size, budget)
         cut = []
-        for members in length_grouping.micro_batch_groups(order, lengths, size, budget):
+        for members in groups:
             micro_inputs, micro_labels, _ = self._collated([raw[i] for i in members])
+            if set(micro_inputs) != set(inputs):
+                return None, None
             pieces = list(self._micro_batches(micro_inputs, micro_labels, len(members), size=len(members)))
             if len(pieces) != 1 or _example_count(pieces[0]) != len(members):
                 raise PackingError(f"{len(members)} examples collated together did not give one micro-batch of them.")

@@ -158,10 +158,17 @@ def _sampling_strategy(args: Any, stage: str) -> str | None:
     value = str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy))
     if value == "random":
         return None
+    if value == "group_by_length" and getattr(args, "dp_group_by_length", True):
+        return None  # what it asks for, inside each Poisson sample: the sample ordered by length (dp_group_by_length)
+    if value == "group_by_length":
+        return ("train_sampling_strategy='group_by_length' with dp_group_by_length=False: DPTrainer groups by length "
+                "inside each Poisson sample only (the sampling stays Poisson), which dp_group_by_length=False turns "
+                "off. Keep dp_group_by_length=True (the default), or remove train_sampling_strategy.")
     return (
         f"train_sampling_strategy={value!r} cannot apply: DPTrainer draws each step's batch by Poisson sampling, "
-        "which the privacy accounting assumes (grouping by length or a fixed order would need another analysis). "
-        "Remove it (the default 'random' is what DPTrainer's Poisson sampler replaces)."
+        "which the privacy accounting assumes (a fixed order or batches chosen by length would need another "
+        "analysis). Remove it (the default 'random' is what DPTrainer's Poisson sampler replaces); each step's sample "
+        "is already ordered by length into its micro-batches (dp_group_by_length)."
     )
 
 
@@ -233,8 +240,10 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
             "per_device_train_batch_size to a micro-batch that fits (the logical batch does not depend on it) "
             "and leave auto_find_batch_size=False.")),
     "train_sampling_strategy": FieldPolicy(
-        _R, "only 'random' (replaced by Poisson sampling); 'sequential'/'group_by_length' are refused", _sampling_strategy),
-    "length_column_name": FieldPolicy(_H, "no effect (only read by group_by_length, which is refused)"),
+        _R, "'random' is replaced by Poisson sampling; 'group_by_length' by each Poisson sample ordered by length "
+        "(dp_group_by_length, refused with it off); 'sequential'/'batch_rebalance' are refused", _sampling_strategy),
+    "length_column_name": FieldPolicy(
+        _H, "no effect: dp_group_by_length reads each example's length from its attention mask or input_ids"),
     "dataloader_drop_last": FieldPolicy(_H, _INERT_DATA),
     "dataloader_num_workers": FieldPolicy(_H, "loader workers (public)"),
     "dataloader_pin_memory": FieldPolicy(_H, "loader setting (public)"),

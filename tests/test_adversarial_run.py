@@ -176,7 +176,8 @@ def test_a_shape_refused_by_a_recheck_is_checked_again_in_the_next_attempt(tmp_p
     batch = [_example(6, 1, causal=True), _example(6, 2, causal=True), _example(3, 3, causal=True),
              _example(30, 4, causal=True)]
     trainer = _MeanCountLoss(model=tiny_gpt2(torch.float32), data_collator=PadCollator(0),
-                             args=recheck_args(tmp_path, per_sample_max_grad_norm=2.0, dp_recheck_rate=0.0),
+                             args=recheck_args(tmp_path, per_sample_max_grad_norm=2.0, dp_recheck_rate=0.0,
+                                               dp_group_by_length=False),  # micro-batch 2 as laid out
                              train_dataset=ListDataset(batch))
     for _ in range(2):
         with pytest.raises(SeparationError, match="Re-check \\(a new shape\\)"):

@@ -23,7 +23,7 @@ from helpers import LeftPadCollator, ListDataset, PadCollator, flat, make_exampl
 from models import VOCAB, tiny_bert, tiny_gpt2
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.length_grouping import example_lengths, longest_first, micro_batch_groups
+from hf_dpfilter.length_grouping import example_lengths, longest_first, micro_batch_groups, padded_token_ratio
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
 from hf_dpfilter.proofs.separation import SeparationError
 
@@ -36,7 +36,7 @@ NO_SKIP = os.environ.get("HF_DPFILTER_NO_SKIP") == "1"
 def _args(tmp_path, **kw) -> DPTrainingArguments:
     base = dict(
         output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
-        logical_batch_size=8, per_device_train_batch_size=3, max_steps=1, optim="sgd", learning_rate=1.0,
+        logical_batch_size=12, per_device_train_batch_size=3, max_steps=1, optim="sgd", learning_rate=1.0,
         lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
         remove_unused_columns=False, dp_seed=0,
     )
@@ -93,7 +93,7 @@ def _clipped_sum(tmp_path, model, examples, collator, **kw) -> tuple[torch.Tenso
 @pytest.mark.parametrize("name,collator", CASES)
 def test_clipped_sum_does_not_depend_on_the_grouping(name, collator, tmp_path):
     build, causal = MODELS[name]
-    examples = make_examples(8, VOCAB, causal=causal, seed=5, min_len=2, max_len=13)
+    examples = make_examples(12, VOCAB, causal=causal, seed=5, min_len=2, max_len=13)
     model = build()
     model.eval()  # dropout is off in the tiny configs; eval for the reference
     off, seen_off = _clipped_sum(tmp_path / "off", model, examples, COLLATORS[collator](), dp_group_by_length=False,
@@ -103,16 +103,18 @@ def test_clipped_sum_does_not_depend_on_the_grouping(name, collator, tmp_path):
     budget, seen_budget = _clipped_sum(tmp_path / "budget", model, examples, COLLATORS[collator](),
                                        dp_micro_batch_tokens=30, dp_verify_first_step=False)
     assert all(rows * cols <= 30 or rows == 1 for rows, cols in seen_budget), seen_budget
-    assert sum(rows for rows, _ in seen_budget) == 8
+    assert sum(rows for rows, _ in seen_budget) == 12
     for got in (on, on2, budget):
         assert ((got - off).norm() / off.norm()).item() <= 1e-10
     reference, _ = reference_clipped_sum(model, examples, causal, 1.0)
     expected = flat([reference[p] for p in model.parameters() if p.requires_grad])
     assert ((on - expected).norm() / expected.norm()).item() <= 1e-6
-    # grouped: longest first, each micro-batch padded to its own longest (to a multiple of 4 where declared)
-    lengths = sorted((len(e["input_ids"]) for e in examples), reverse=True)
+    # the run's first micro-batch: the first 3 sampled examples (the one the first-step check verifies); then the
+    # rest longest first, each micro-batch padded to its own longest (to a multiple of 4 where declared)
+    lengths = [len(e["input_ids"]) for e in examples]
+    rest = sorted(lengths[3:], reverse=True)
     multiple = 4 if collator == "multiple4" else 1
-    expected_widths = [-(-lengths[i] // multiple) * multiple for i in range(0, 8, 3)]
+    expected_widths = [-(-n // multiple) * multiple for n in (max(lengths[:3]), *rest[::3])]
     assert [cols for _, cols in seen_on] == expected_widths, seen_on
     assert sum(r * c for r, c in seen_on) < sum(r * c for r, c in seen_off)
 
@@ -123,16 +125,22 @@ def test_user_level_grouping_keeps_each_users_examples_together(tmp_path):
     examples = make_examples(7, VOCAB, causal=True, seed=3, min_len=2, max_len=12)
     users = [0, 1, 1, 2, 2, 2, 3]
     data = [{**e, "user": f"u{u}"} for e, u in zip(examples, users)]
-    deltas = []
-    for group in (False, True):
+    deltas, shapes = [], []
+    for group in (False, True):  # two steps: the run's first keeps the sampled order (the first-step check's)
         model = tiny_gpt2()
         params = [p for p in model.parameters() if p.requires_grad]
         before = [p.detach().clone() for p in params]
         args = _args(tmp_path / str(group), logical_batch_size=4, per_device_train_batch_size=3, privacy_unit="user",
-                     user_id_column="user", max_examples_per_user=3, dp_group_by_length=group)
+                     user_id_column="user", max_examples_per_user=3, dp_group_by_length=group, max_steps=2,
+                     dp_verify_first_step=False)
+        seen, handle = _widths(model)
         DPTrainer(model=model, args=args, train_dataset=ListDataset(data), data_collator=PadCollator(0)).train()
+        handle.remove()
         deltas.append(flat([p.detach() - b for p, b in zip(params, before)]))
+        shapes.append(seen)
     assert ((deltas[1] - deltas[0]).norm() / deltas[0].norm()).item() <= 1e-10
+    assert shapes[0][:len(shapes[0]) // 2] == shapes[1][:len(shapes[1]) // 2]  # step 1: the sampled order
+    assert shapes[0] != shapes[1]  # step 2 grouped
     lengths = [len(e["input_ids"]) for e in examples]
     order = longest_first(lengths, users)
     assert [users[i] for i in order] == sorted([users[i] for i in order], key=lambda u: -max(
@@ -152,6 +160,12 @@ def test_a_token_budget_that_cannot_apply_is_refused(kw, match, tmp_path):
         _args(tmp_path, **kw)
 
 
+def test_the_trainers_group_by_length_is_honoured_by_the_grouping(tmp_path):
+    """A script's train_sampling_strategy='group_by_length' asks for less padding: DPTrainer gives it inside each
+    Poisson sample (refused only with dp_group_by_length=False, tests/test_training_fields.py)."""
+    assert _args(tmp_path, train_sampling_strategy="group_by_length").dp_group_by_length
+
+
 def test_lengths_are_read_from_what_is_declared():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 1, 1]])
     raw = [{"input_ids": [5, 6]}, {"input_ids": [5, 6, 7]}, {"input_ids": [5, 6]}]
@@ -161,6 +175,8 @@ def test_lengths_are_read_from_what_is_declared():
     assert longest_first([2, 3, 2, 5]) == [3, 1, 0, 2]  # ties in sampled order
     assert micro_batch_groups([3, 1, 0, 2], [2, 3, 2, 5], 2) == [[3, 1], [0, 2]]
     assert micro_batch_groups([3, 1, 0, 2], [2, 3, 2, 5], 9, token_budget=10) == [[3, 1], [0, 2]]
+    lengths = [3 + (i * 7) % 40 for i in range(300)]
+    assert padded_token_ratio(lengths, 64, 8, grouped=True, steps=5) < padded_token_ratio(lengths, 64, 8, False, 5)
 
 
 def _sst2_sentences(n: int) -> list[str]:
@@ -225,7 +241,8 @@ def test_adding_the_longest_example_moves_the_grouped_sum_by_at_most_c(tmp_path)
     clip = 0.1
     model = tiny_bert(dtype=torch.float32)
     base, _ = _clipped_sum(tmp_path / "d", model, d, PadCollator(0), per_sample_max_grad_norm=clip, logical_batch_size=7)
-    moved, seen = _clipped_sum(tmp_path / "d2", model, d + longest, PadCollator(0), per_sample_max_grad_norm=clip)
+    moved, seen = _clipped_sum(tmp_path / "d2", model, d + longest, PadCollator(0), per_sample_max_grad_norm=clip,
+                               logical_batch_size=8)
     assert (3, 20) in seen  # the longest leads the first micro-batch: every example of D moved by one place
     ratio = float((moved - base).norm()) / clip
     assert ratio <= 1 + 1e-4, f"the clipped sum moved by {ratio:.4f} C"
@@ -241,7 +258,7 @@ class _Contrastive(DPTrainer):
 
 def test_a_loss_coupling_examples_is_caught_on_a_grouped_batch(tmp_path):
     examples = make_examples(8, VOCAB, causal=False, seed=4, min_len=2, max_len=13)
-    trainer = _Contrastive(model=tiny_bert(), args=_args(tmp_path), train_dataset=ListDataset(examples),
+    trainer = _Contrastive(model=tiny_bert(), args=_args(tmp_path, logical_batch_size=8), train_dataset=ListDataset(examples),
                            data_collator=PadCollator(0))
     with pytest.raises(PerExampleCheckError, match="couples examples"):
         trainer.train()
@@ -259,16 +276,19 @@ class _MeanCountLoss(DPTrainer):
 
 
 def test_a_recheck_still_refuses_a_grouped_micro_batch(tmp_path):
-    """Grouped, micro-batch 1 holds the two longest examples, of one length (the mean count is each one's own: the
-    first-step check passes); micro-batch 2 a 6- and a 3-token example, a new shape, whose re-check refuses."""
-    examples = [*make_examples(2, VOCAB, causal=True, seed=1, min_len=3, max_len=6),
-                *make_examples(2, VOCAB, causal=True, seed=2, min_len=10, max_len=10)]
-    examples[1] = make_examples(1, VOCAB, causal=True, seed=3, min_len=3, max_len=3)[0]
-    trainer = _MeanCountLoss(model=tiny_gpt2(torch.float32), args=_args(tmp_path, logical_batch_size=4,
+    """The first micro-batch of the run holds the first sampled examples (two of one length: the mean count is each
+    one's own, the first-step check passes); the rest is grouped: the two 12-token examples (equal again), then a
+    6- and a 3-token example, micro-batch 3 (in sampled order they would be micro-batch 2 and 3 with 3 and 12
+    tokens, and 12 and 6), whose re-check of a new shape refuses before the step is released."""
+    def one(length, seed):
+        return make_examples(1, VOCAB, causal=True, seed=seed, min_len=length, max_len=length)[0]
+
+    examples = [one(10, 1), one(10, 2), one(3, 3), one(12, 4), one(6, 5), one(12, 6)]
+    trainer = _MeanCountLoss(model=tiny_gpt2(torch.float32), args=_args(tmp_path, logical_batch_size=6,
                              per_device_train_batch_size=2, dp_recheck_rate=0.0), train_dataset=ListDataset(examples),
                              data_collator=PadCollator(0))
     trainer.create_optimizer()
     collate = trainer.get_train_dataloader().collate_fn
-    with pytest.raises(SeparationError, match="(?s)Re-check \\(a new shape\\) of micro-batch 2"):
+    with pytest.raises(SeparationError, match="(?s)Re-check \\(a new shape\\) of micro-batch 3, shape \\('padded', 2, 6"):
         trainer.training_step(trainer.model, collate(examples))
     assert trainer._per_example_checked and trainer.accountant.steps == 0

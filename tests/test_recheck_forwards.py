@@ -95,9 +95,9 @@ def test_a_coupling_only_while_recording_is_refused(tmp_path, cap):
         model.transformer.wpe.requires_grad_(False)  # position embeddings are called on (1, T): frozen here
         if cap:
             model.transformer.drop.register_forward_hook(_CapWhileRecording(0.5))
-        # in sampled order (dp_group_by_length=False): grouped, the long example would be in micro-batch 1
+        # the hole in sampled order (grouped, the long example would be in micro-batch 1); the control grouped
         args = _args(tmp_path / name, logical_batch_size=8, per_device_train_batch_size=4,
-                     per_sample_max_grad_norm=0.01, dp_group_by_length=False, **kw)
+                     per_sample_max_grad_norm=0.01, dp_group_by_length=not cap, **kw)
         return DPTrainer(model=model, args=args, train_dataset=ListDataset(d_prime), data_collator=PadCollator(0))
 
     def ratio(**kw) -> float:

@@ -174,10 +174,11 @@ def test_loss_normalised_by_the_micro_batch_is_refused_by_a_recheck(tmp_path, cl
     short, long_ = _example(3, 3, causal=True), _example(30, 4, causal=True)
 
     def make(name):
-        # the micro-batches in sampled order (dp_group_by_length=False): grouped, the long example leads micro-batch
-        # 1 and the first-step check refuses instead (tests/test_length_grouping.py)
+        # the refused case in sampled order: grouped, the long example leads micro-batch 1 and the first-step check
+        # refuses instead (tests/test_length_grouping.py); the control runs grouped (the default)
         return cls(model=tiny_gpt2(torch.float32), args=_args(tmp_path / name, per_sample_max_grad_norm=2.0,
-                                                              dp_recheck_rate=0.0, dp_group_by_length=False),
+                                                              dp_recheck_rate=0.0,
+                                                              dp_group_by_length=cls is _OwnCountLoss),
                    train_dataset=ListDataset([*equal, short, long_]), data_collator=PadCollator(0))
 
     if cls is _MeanCountLoss:
@@ -224,9 +225,9 @@ def test_data_dependent_branch_in_micro_batch_two_is_refused(tmp_path, cap):
     d, d_prime = shorts, [*shorts, long_]
 
     def make(name, **kw):
-        # in sampled order (dp_group_by_length=False): grouped, the long example would be in micro-batch 1
+        # the hole in sampled order (grouped, the long example would be in micro-batch 1); the control grouped
         args = _args(tmp_path / name, logical_batch_size=8, per_device_train_batch_size=4,
-                     per_sample_max_grad_norm=0.01, dp_group_by_length=False, **kw)
+                     per_sample_max_grad_norm=0.01, dp_group_by_length=not cap, **kw)
         return DPTrainer(model=_gpt2(cap), args=args, train_dataset=ListDataset(d_prime), data_collator=PadCollator(0))
 
     if not cap:

@@ -81,7 +81,9 @@ REFUSED = [
     (dict(use_liger_kernel=True), r"use_liger_kernel=True"),
     (dict(torch_compile=True), r"torch_compile"),
     (dict(torch_compile_mode="default"), r"torch_compile"),
-    (dict(train_sampling_strategy="group_by_length"), r"train_sampling_strategy='group_by_length'.*Poisson"),
+    (dict(train_sampling_strategy="group_by_length", dp_group_by_length=False),
+     r"train_sampling_strategy='group_by_length' with dp_group_by_length=False.*Poisson"),
+    (dict(train_sampling_strategy="sequential"), r"train_sampling_strategy='sequential'.*Poisson"),
 ]
 
 
