@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import (
+    SETTINGS,
     e2e_dir,
     minilm_path,
     read_glue_tsv,
@@ -422,6 +423,9 @@ def main(argv: list[str] | None = None) -> dict:
     if parser.parse_known_args(argv)[0].quick:  # smaller defaults; options given explicitly still win
         parser.set_defaults(logical_batch=64, micro_batch=16, rounds=2, steps=1, examples=1024)
     args = parser.parse_args(argv)
+    SETTINGS.update(device=args.device, bf16=args.bf16)  # synchronize() waits for the GPU on CUDA
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("real-length --device cuda: no CUDA device visible.")
     if args.data_dir is None:
         args.data_dir = os.environ.get("HF_DPFILTER_DATA", "../shared/data")
     from transformers.utils import logging as hf_logging
