@@ -52,6 +52,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                    "each privacy check's share of a step on real lengths; new shapes; dynamic scripts"),
     "checks-cost": Subcommand("checks_cost", "docs/performance.md",
                               "step time of the current code vs the step before issue 29 (b24efd1), interleaved"),
+    "real-length": Subcommand("real_length", "docs/performance.md",
+                              "time per logical batch and padded/real tokens on SST-2 and E2E lengths, DP vs Trainer"),
     "user-level-cost": Subcommand("user_level_cost", "docs/privacy.md",
                                   "epsilon at the same noise, example vs user level, on E2E with synthetic users"),
 }

@@ -148,3 +148,29 @@ def test_shape_census_counts_new_shapes_random_and_grouped():
     assert grouped["micro_batches"] == random_order["micro_batches"]
     for census in (random_order, grouped):
         assert 0 < census["new_fraction"] <= 1 and census["distinct_shapes"] <= census["micro_batches"]
+
+
+def test_real_length_reports_every_variant_with_its_padding(tmp_path, monkeypatch):
+    """The real-length benchmark on tiny models and synthetic lengths (64 examples, one SST-2-like and one E2E-like
+    task): every variant steps, is timed against the non-private Trainer, and its padded/real token ratio is
+    counted (at least 1: every forward sees its real tokens and its padding); the JSON holds it all."""
+    monkeypatch.setenv("HF_DPFILTER_DATA", str(tmp_path))  # no data there: synthetic lengths
+    out = tmp_path / "real_length.json"
+    argv = ["--tiny", "--quick", "--examples", "64", "--logical-batch", "16", "--micro-batch", "8", "--rounds", "1",
+            "--json", str(out)]
+    module = importlib.import_module("benchmarks.real_length")
+    module.main(argv)
+    results = json.loads(out.read_text())["results"]
+    assert [r["task"] for r in results] == ["sst2", "e2e"]
+    for result in results:
+        assert result["lengths"].startswith("synthetic")
+        expected = set(module.VARIANTS) if result["grouping_field"] else set(module.VARIANTS) - {"DPTrainer grouped"}
+        assert set(result["variants"]) == expected
+        for row in result["variants"].values():
+            assert row["step_s"] > 0 and row["ratio"] > 0 and row["first_step_s"] > 0
+            assert row["padded_per_real"] >= 1.0 and row["real_tokens"] > 0 and row["forwards_per_step"] >= 1
+            assert 0.0 <= row["recheck_share"] < 1.0 and row["ratio_without_rechecks"] > 0
+        assert result["variants"]["Trainer"]["ratio"] == 1.0 and result["variants"]["Trainer"]["tokens_ratio"] == 1.0
+        if result["grouping_field"]:  # the same sampled batches, ordered by length: never more padding
+            dp, grouped = result["variants"]["DPTrainer"], result["variants"]["DPTrainer grouped"]
+            assert grouped["real_tokens"] == dp["real_tokens"] and grouped["positions"] <= dp["positions"]
