@@ -35,6 +35,7 @@ from torch import nn
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.method_config import MethodConfig
 from hf_dpfilter.optimizers.method_state import copy_all_
+from hf_dpfilter.optimizers.point_values import PointCache, Points
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,9 @@ class DiSKOptimizer(DPOptimizer):
         else:
             self.look_ahead_weight = one_pass_gamma / self.gamma
         self._filtered: list[torch.Tensor] | None = None  # g~_{t-1}
-        self._delta: list[torch.Tensor] | None = None  # d_{t-1}; holds x_t between postprocess and after_step
+        # -d_{t-1} = x_{t-1} - x_t (the sign saves a pass); holds x_t between postprocess and after_step
+        self._back: list[torch.Tensor] | None = None
+        self._points = PointCache()  # the look-ahead point, built at the step's first micro-batch
         self._step_params: list[nn.Parameter] = []
         self.lr_factor = config.adam_lr_factor if config.adam_step_match else 1.0
         if config.adam_step_match and not all("betas" in group for group in self.original_optimizer.param_groups):
@@ -126,54 +129,60 @@ class DiSKOptimizer(DPOptimizer):
     def one_pass(self) -> bool:
         return self.look_ahead_weight in (0.0, 1.0)
 
-    def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
+    def gradient_points(self) -> Points:
         c = self.look_ahead_weight
-        if self._delta is None or c == 0.0:
+        if self._back is None or c == 0.0:
             return [(1.0, None)]  # d_{-1} = 0: both points are x_t
-        # x_t + gamma d_{t-1}, kept differentiable in x (Jacobian I) so an ordinary backward sees the combination.
+        return self._points.get(self.params, self._look_ahead_points)
+
+    def _look_ahead_points(self) -> Points:
+        # x_t + gamma d_{t-1}, kept differentiable in x (Jacobian I) so an ordinary backward sees the combination;
+        # built once per step (every micro-batch of the step evaluates the same point)
         params = self.params
-        shifted = dict(zip(params, torch._foreach_add(params, self._delta, alpha=self.gamma)))
+        shifted = dict(zip(params, torch._foreach_add(params, self._back, alpha=-self.gamma)))
+        c = self.look_ahead_weight
         if c == 1.0:
             return [(1.0, shifted)]
         return [(1.0 - c, None), (c, shifted)]
 
     @torch.no_grad()
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        self._points.clear()  # the step moves x and d: the next step builds its own look-ahead point
         noisy = list(grads.values())
         if self._filtered is None:
             self._filtered = [g.clone() for g in noisy]
         else:
-            torch._foreach_mul_(self._filtered, 1.0 - self.kappa)
-            torch._foreach_add_(self._filtered, noisy, alpha=self.kappa)
-        copy_all_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
-        # Remember x_t so after_step can form d_t = x_{t+1} - x_t in the same buffer.
+            # g~_t = (1 - kappa) g~_{t-1} + kappa g_t in one pass (lerp: g~ + kappa (g - g~))
+            torch._foreach_lerp_(self._filtered, noisy, self.kappa)
+            copy_all_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
+        # Remember x_t so after_step can form -d_t = x_t - x_{t+1} in the same buffer.
         self._step_params = list(grads)
         current = [p.detach() for p in self._step_params]
-        if self._delta is None:
-            self._delta = [x.clone() for x in current]
+        if self._back is None:
+            self._back = [x.clone() for x in current]
         else:
-            copy_all_(self._delta, current)
+            copy_all_(self._back, current)
         return grads
 
     @torch.no_grad()
     def after_step(self) -> None:
-        if self._delta is None or not self._step_params:
+        if self._back is None or not self._step_params:
             return
-        torch._foreach_sub_(self._delta, [p.detach() for p in self._step_params])  # x_t - x_{t+1}
-        torch._foreach_neg_(self._delta)
+        torch._foreach_sub_(self._back, [p.detach() for p in self._step_params])  # x_t - x_{t+1} = -d_t
         self._step_params = []
 
     def method_state_dict(self) -> dict[str, Any]:
         params = self.params
         return {
             "filtered": None if self._filtered is None else dict(zip(params, self._filtered)),
-            "delta": None if self._delta is None else dict(zip(params, self._delta)),
+            "delta": None if self._back is None else dict(zip(params, torch._foreach_neg(self._back))),
         }
 
     def load_method_state_dict(self, state: dict[str, Any]) -> None:
         params = self.params
         self._filtered = None if state["filtered"] is None else [state["filtered"][p] for p in params]
-        self._delta = None if state["delta"] is None else [state["delta"][p] for p in params]
+        self._back = None if state["delta"] is None else torch._foreach_neg([state["delta"][p] for p in params])
+        self._points.clear()
 
 
 __all__ = ["DiSKConfig", "DiSKOptimizer"]

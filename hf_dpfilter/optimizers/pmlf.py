@@ -32,6 +32,7 @@ from torch import nn
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.filters import LowPassConfig
 from hf_dpfilter.optimizers.method_state import copy_all_
+from hf_dpfilter.optimizers.point_values import PointCache, Points, with_identity_gradient
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class PMLFOptimizer(DPOptimizer):
         self.beta = float(self.config.beta)
         self.lowpass = self.config.make_postprocessor(optimizer)
         self._snapshots: list[list[torch.Tensor]] = []  # x_{t-1}, x_{t-2}, ... (most recent first)
+        self._points = PointCache()  # the step's points, built at its first micro-batch
 
     def point_weights(self) -> list[float]:
         """w_j = beta^j / sum_l beta^l for the K = min(k, t + 1) points of the current step."""
@@ -78,21 +80,24 @@ class PMLFOptimizer(DPOptimizer):
         total = sum(raw)
         return [w / total for w in raw]
 
-    def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
-        weights = self.point_weights()
-        if len(weights) == 1:
+    def gradient_points(self) -> Points:
+        if not self._snapshots:
             return [(1.0, None)]
-        points: list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]] = [(weights[0], None)]
+        return self._points.get(self.params, self._snapshot_points)
+
+    def _snapshot_points(self) -> Points:
+        weights = self.point_weights()
+        points: Points = [(weights[0], None)]
         params = self.params
-        # "p - p.detach()" (= 0) keeps each point differentiable in x with value = the stored copy exactly, so
-        # an ordinary backward of the combined loss equals the engine's per-example combination.
-        zeros = torch._foreach_sub(params, [p.detach() for p in params])
+        # each point is differentiable in x (Jacobian I) with value = the stored copy exactly, without a copy, so
+        # an ordinary backward of the combined loss equals the engine's per-example combination
         for weight, snapshot in zip(weights[1:], self._snapshots):
-            points.append((weight, dict(zip(params, torch._foreach_add(snapshot, zeros)))))
+            points.append((weight, dict(zip(params, with_identity_gradient(params, snapshot)))))
         return points
 
     @torch.no_grad()
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        self._points.clear()  # the snapshots move: the next step builds its own points
         if self.k > 1:  # x_t becomes x_{(t+1)-1}: push it, recycling the oldest copy's storage
             current = [p.detach() for p in grads]
             if len(self._snapshots) < self.k - 1:
@@ -114,6 +119,7 @@ class PMLFOptimizer(DPOptimizer):
     def load_method_state_dict(self, state: dict[str, Any]) -> None:
         params = self.params
         self._snapshots = [[snapshot[p] for p in params] for snapshot in state["snapshots"]]
+        self._points.clear()
         self.lowpass.load_state_dict(state["lowpass"], params)
 
 
