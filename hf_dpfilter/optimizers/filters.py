@@ -240,7 +240,10 @@ class LowPassPostprocessor:
         self.scaled_state = lowpass.state_scale is not None and not self.adam_direction
 
     def __call__(self, grads: list[torch.Tensor], noise_variance: float = 0.0) -> list[torch.Tensor]:
-        """Filtered (bias-corrected) gradients; ``noise_variance`` = Phi of LP-DPAdamBC (per coordinate)."""
+        """Filtered (bias-corrected) gradients; ``noise_variance`` = Phi of LP-DPAdamBC (per coordinate).
+
+        ``grads`` are the step's own privatized tensors and are consumed: in the first-order form they receive
+        the filter's new state (the methods pass the noise buffers, which nothing reads afterwards)."""
         if self.buffers is None:
             self.buffers = [[torch.zeros_like(g) for g in grads] for _ in range(self.lowpass.order)]
         c = self.lowpass.bias_correction(self.t, self.c_history)
