@@ -2,9 +2,9 @@
 
 * the float64 squared norm without a float64 copy (DiceSGD's error buffer, DIFF2's movement) equals the
   float64 reference across chunk boundaries;
-* DiSK's look-ahead point and DP-PMLF's snapshots are built once per logical step, whatever the number of
-  micro-batches, and the clipped sum does not depend on how the step's examples are split into micro-batches;
-  the snapshots are handed over without a copy and stay differentiable in x with Jacobian I;
+* DiSK's look-ahead point (formed in place once per step) and DP-PMLF's snapshots are handed to every
+  micro-batch as the stored tensors, without a copy, differentiable in x with Jacobian I; the clipped sum
+  does not depend on how the step's examples are split into micro-batches;
 * a first-order filter's two-lerp form resumes from a checkpoint of the general form.
 
 float64, the tiny RoBERTa of tests/models.py, no dropout.
@@ -54,26 +54,31 @@ POINT_METHODS = [("disk", {"kappa": 0.7}), ("disk", {"kappa": 0.7, "gamma": 0.2}
 
 
 @pytest.mark.parametrize("method,kw", POINT_METHODS)
-def test_points_built_once_per_step_and_the_split_into_micro_batches_does_not_matter(method, kw):
+def test_points_are_the_stored_tensors_and_the_split_into_micro_batches_does_not_matter(method, kw):
     model = tiny_roberta(num_labels=1)
     model.eval()
     engine = GhostClippingEngine(model)
     opt = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, method=method, method_args=kw,
                             noise_multiplier=0.5, max_grad_norm=0.5, expected_batch_size=6, seed=3, lr=0.05)
+    params = [p for p in model.parameters() if p.requires_grad]
     for seed in (10, 11, 12):  # build d / the snapshots (noised steps)
+        before = [p.detach().clone() for p in params]
         opt.zero_grad()
         batch = _batch(6, seed)
         opt.accumulate(engine, _loss_fn(engine, batch), 6)
         opt.step()
-    builds = []
-    original = opt._points.get
+    stored = opt._anchor if method == "disk" else [t for snapshot in opt._snapshots for t in snapshot]
+    storage = {t.data_ptr() for t in stored}
+    seen = []
+    gradient_points = opt.gradient_points
 
-    def counting_get(params, build):
-        return original(params, lambda: builds.append(1) or build())
+    def spy():  # every micro-batch's points: their tensors are the stored ones, not copies
+        points = gradient_points()
+        seen.append([v for _, values in points if values is not None for v in values.values()])
+        return points
 
-    opt._points.get = counting_get
+    opt.gradient_points = spy
     batch = _batch(6, 20)
-    params = [p for p in model.parameters() if p.requires_grad]
 
     def presum(splits):
         opt.zero_grad()
@@ -88,11 +93,12 @@ def test_points_built_once_per_step_and_the_split_into_micro_batches_does_not_ma
     assert not engine.verify_first_backward  # the check ran, and passed
     split = presum([[5, 2], [0], [1, 3, 4]])
     torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-14)
-    assert len(builds) == 1  # one build for the four micro-batches of the two accumulations
-    with torch.no_grad():
-        params[0].add_(1.0)  # a parameter moved in place outside the step: the points are rebuilt
-    presum([[0, 1]])
-    assert len(builds) == 2
+    assert len(seen) == 4 and all(len(values) == len(stored) for values in seen)
+    assert all(v.data_ptr() in storage for values in seen for v in values)
+    if method == "disk":  # formed once for the step: x_t + gamma (x_t - x_{t-1}) at every micro-batch
+        gamma = opt.gamma
+        for value, x, x_prev in zip(seen[-1], params, before):
+            torch.testing.assert_close(value, x + gamma * (x - x_prev), rtol=1e-12, atol=1e-15)
     opt.zero_grad()
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.filters import LowPassConfig
 from hf_dpfilter.optimizers.method_state import copy_all_
-from hf_dpfilter.optimizers.point_values import PointCache, Points, with_identity_gradient
+from hf_dpfilter.optimizers.point_values import Points, with_identity_gradient
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,6 @@ class PMLFOptimizer(DPOptimizer):
         self.beta = float(self.config.beta)
         self.lowpass = self.config.make_postprocessor(optimizer)
         self._snapshots: list[list[torch.Tensor]] = []  # x_{t-1}, x_{t-2}, ... (most recent first)
-        self._points = PointCache()  # the step's points, built at its first micro-batch
 
     def point_weights(self) -> list[float]:
         """w_j = beta^j / sum_l beta^l for the K = min(k, t + 1) points of the current step."""
@@ -83,9 +82,6 @@ class PMLFOptimizer(DPOptimizer):
     def gradient_points(self) -> Points:
         if not self._snapshots:
             return [(1.0, None)]
-        return self._points.get(self.params, self._snapshot_points)
-
-    def _snapshot_points(self) -> Points:
         weights = self.point_weights()
         points: Points = [(weights[0], None)]
         params = self.params
@@ -97,7 +93,6 @@ class PMLFOptimizer(DPOptimizer):
 
     @torch.no_grad()
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
-        self._points.clear()  # the snapshots move: the next step builds its own points
         if self.k > 1:  # x_t becomes x_{(t+1)-1}: push it, recycling the oldest copy's storage
             current = [p.detach() for p in grads]
             if len(self._snapshots) < self.k - 1:
@@ -119,7 +114,6 @@ class PMLFOptimizer(DPOptimizer):
     def load_method_state_dict(self, state: dict[str, Any]) -> None:
         params = self.params
         self._snapshots = [[snapshot[p] for p in params] for snapshot in state["snapshots"]]
-        self._points.clear()
         self.lowpass.load_state_dict(state["lowpass"], params)
 
 

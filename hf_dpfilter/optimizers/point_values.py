@@ -1,4 +1,4 @@
-"""The parameter values of a method's extra gradient points: built once per step, differentiable in x.
+"""The parameter values of a method's extra gradient points: stored tensors, differentiable in x, never copied.
 
 DiSK's look-ahead point and DP-PMLF's snapshots are handed to the engine as parameter values
 (:meth:`~hf_dpfilter.optimizers.base.DPOptimizer.gradient_points`). Two things hold for them:
@@ -8,14 +8,14 @@ DiSK's look-ahead point and DP-PMLF's snapshots are handed to the engine as para
   per-example combination that the engine clips. :func:`with_identity_gradient` gives a stored tensor that
   property without copying it (a custom autograd function whose backward passes the gradient through); the
   older form ``value + (p - p.detach())`` wrote two parameter-sized tensors per point.
-* **Built once per logical step.** The points only depend on x_t and the method's state, which change in the
-  optimizer step; every micro-batch of the step uses the same values. :class:`PointCache` keeps them from the
-  first micro-batch to the step (it is dropped when a parameter changes in place, so values are never stale).
+* **Never copied per micro-batch.** DP-PMLF's points are its stored snapshots themselves; DiSK's look-ahead
+  point is formed in place once per logical step (:mod:`hf_dpfilter.optimizers.disk`). A step of many
+  micro-batches adds no parameter-sized work per micro-batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 
 from hf_dpfilter.collectives import is_sharded
 
-__all__ = ["PointCache", "Points", "with_identity_gradient"]
+__all__ = ["Points", "with_identity_gradient"]
 
 #: a method's gradient points: (weight, parameter values or None for the current ones)
 Points = list[tuple[float, "dict[nn.Parameter, torch.Tensor] | None"]]
@@ -51,27 +51,3 @@ def with_identity_gradient(params: Sequence[nn.Parameter], values: Sequence[torc
         zeros = torch._foreach_sub(list(params), [p.detach() for p in params])
         return list(torch._foreach_add(list(values), zeros))
     return [_IdentityGradient.apply(p, v.detach()) for p, v in zip(params, values)]
-
-
-class PointCache:
-    """The gradient points of the current step, built by ``build()`` at the first micro-batch and reused.
-
-    Call :meth:`clear` when the method's state or the parameters move (the optimizer step, a loaded state).
-    A parameter changed in place by other code between micro-batches (its version counter moved) also
-    rebuilds the points.
-    """
-
-    def __init__(self) -> None:
-        self._points: Points | None = None
-        self._versions: list[int] = []
-
-    def get(self, params: Sequence[nn.Parameter], build: Callable[[], Points]) -> Points:
-        versions = [p._version for p in params]
-        if self._points is None or versions != self._versions:
-            self._points = build()
-            self._versions = versions
-        return self._points
-
-    def clear(self) -> None:
-        self._points = None
-        self._versions = []
