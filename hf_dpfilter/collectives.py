@@ -33,6 +33,7 @@ __all__ = [
     "ProcessGroupCollectives",
     "ShardingError",
     "default_collectives",
+    "float64_squared_norm",
     "is_sharded",
     "shard_bounds",
 ]
@@ -126,12 +127,38 @@ class Collectives:
 
     def squared_norm(self, tensors: Sequence[torch.Tensor]) -> float:
         """``sum ||t||^2`` over the whole (unsharded) tensors, in float64, the same on every process."""
-        local = [_local(t) for t in tensors]
-        if not local:
-            return 0.0
-        # one fused norm and one host sync for all tensors, accumulated in float64
-        norms = torch._foreach_norm(local, 2, dtype=torch.float64)
+        return float64_squared_norm([_local(t) for t in tensors])
+
+
+#: elements converted to float64 at a time by :func:`float64_squared_norm` on CPU (4 MiB, cache-sized)
+_NORM_CHUNK = 1 << 19
+
+
+def float64_squared_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """``sum ||t||^2`` accumulated in float64 (one host sync), without a float64 copy of the tensors on CPU.
+
+    On CUDA one fused ``_foreach_norm`` in float64. On CPU that fused norm first writes a float64 copy of every
+    tensor (for DiceSGD's error buffer, twice its size in fresh memory at every step: 5x the time of the norm
+    itself on RoBERTa-base); here each piece of :data:`_NORM_CHUNK` elements is converted into one reused
+    float64 buffer and its squares are summed there (``torch.dot`` in float64), so every product and partial sum
+    is a float64 operation as before.
+    """
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return 0.0
+    if any(t.device.type != "cpu" for t in tensors):
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
         return float(torch.stack([n.to(norms[0].device) for n in norms]).pow(2).sum())
+    total = torch.zeros((), dtype=torch.float64)
+    buffer = torch.empty(min(_NORM_CHUNK, max(t.numel() for t in tensors)), dtype=torch.float64)
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), _NORM_CHUNK):
+            piece = flat[start : start + _NORM_CHUNK]
+            converted = buffer[: piece.numel()]
+            converted.copy_(piece)
+            total += torch.dot(converted, converted)
+    return float(total)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -267,8 +294,8 @@ class ProcessGroupCollectives(Collectives):
         return results  # type: ignore[return-value]
 
     def squared_norm(self, tensors: Sequence[torch.Tensor]) -> float:
-        local = sum(float(_local(t).double().pow(2).sum()) for t in tensors if is_sharded(t))
-        whole = sum(float(t.double().pow(2).sum()) for t in tensors if not is_sharded(t))
+        local = float64_squared_norm([_local(t) for t in tensors if is_sharded(t)])
+        whole = float64_squared_norm([t for t in tensors if not is_sharded(t)])
         if not any(is_sharded(t) for t in tensors):
             return whole
         value = torch.tensor([local], dtype=torch.float64, device=self._device())

@@ -261,7 +261,8 @@ class DiceSGD(DPOptimizer):
     def accumulate_per_example(self, grads: PerExampleGradients) -> None:
         factors = self.clip_factors(grads)
         self.add_to_sums(grads.weighted_sum(factors))
-        for p, r in grads.weighted_sum(1.0 - factors).items():
+        # the last sum of the batch frees each layer's terms as it goes (the sums replace them in memory)
+        for p, r in grads.weighted_sum(1.0 - factors, release=True).items():
             if p in self._residual:
                 self._residual[p].add_(r)
             else:

@@ -35,6 +35,7 @@ from torch import nn
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.method_config import MethodConfig
 from hf_dpfilter.optimizers.method_state import copy_all_
+from hf_dpfilter.optimizers.point_values import Points, with_identity_gradient
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,10 @@ class DiSKOptimizer(DPOptimizer):
         else:
             self.look_ahead_weight = one_pass_gamma / self.gamma
         self._filtered: list[torch.Tensor] | None = None  # g~_{t-1}
-        self._delta: list[torch.Tensor] | None = None  # d_{t-1}; holds x_t between postprocess and after_step
-        self._step_params: list[nn.Parameter] = []
+        # x_{t-1} between steps (d_{t-1} = x_t - x_{t-1}); from the step's first micro-batch to its optimizer step
+        # the look-ahead point x_t + gamma d_{t-1} itself, formed in place (_anchor_is_point)
+        self._anchor: list[torch.Tensor] | None = None
+        self._anchor_is_point = False
         self.lr_factor = config.adam_lr_factor if config.adam_step_match else 1.0
         if config.adam_step_match and not all("betas" in group for group in self.original_optimizer.param_groups):
             raise ValueError(
@@ -126,13 +129,19 @@ class DiSKOptimizer(DPOptimizer):
     def one_pass(self) -> bool:
         return self.look_ahead_weight in (0.0, 1.0)
 
-    def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
+    def gradient_points(self) -> Points:
         c = self.look_ahead_weight
-        if self._delta is None or c == 0.0:
+        if self._anchor is None or c == 0.0:
             return [(1.0, None)]  # d_{-1} = 0: both points are x_t
-        # x_t + gamma d_{t-1}, kept differentiable in x (Jacobian I) so an ordinary backward sees the combination.
         params = self.params
-        shifted = dict(zip(params, torch._foreach_add(params, self._delta, alpha=self.gamma)))
+        if not self._anchor_is_point:
+            # x_t + gamma d_{t-1} = x_{t-1} + (1 + gamma) (x_t - x_{t-1}): one in-place pass over the stored x_{t-1},
+            # once per step (every micro-batch of the step evaluates the same point), no new tensor
+            with torch.no_grad():
+                torch._foreach_lerp_(self._anchor, [p.detach() for p in params], 1.0 + self.gamma)
+            self._anchor_is_point = True
+        # differentiable in x with Jacobian I (no copy) so an ordinary backward sees the combination
+        shifted = dict(zip(params, with_identity_gradient(params, self._anchor)))
         if c == 1.0:
             return [(1.0, shifted)]
         return [(1.0 - c, None), (c, shifted)]
@@ -143,37 +152,44 @@ class DiSKOptimizer(DPOptimizer):
         if self._filtered is None:
             self._filtered = [g.clone() for g in noisy]
         else:
-            torch._foreach_mul_(self._filtered, 1.0 - self.kappa)
-            torch._foreach_add_(self._filtered, noisy, alpha=self.kappa)
-        copy_all_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
-        # Remember x_t so after_step can form d_t = x_{t+1} - x_t in the same buffer.
-        self._step_params = list(grads)
-        current = [p.detach() for p in self._step_params]
-        if self._delta is None:
-            self._delta = [x.clone() for x in current]
+            # g~_t = (1 - kappa) g~_{t-1} + kappa g_t in one pass (lerp: g~ + kappa (g - g~))
+            torch._foreach_lerp_(self._filtered, noisy, self.kappa)
+            copy_all_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
+        # x_t becomes x_{(t+1)-1}: d_t = x_{t+1} - x_t is formed from it at the next step's point
+        current = [p.detach() for p in grads]
+        if self._anchor is None:
+            self._anchor = [x.clone() for x in current]
         else:
-            copy_all_(self._delta, current)
+            copy_all_(self._anchor, current)
+        self._anchor_is_point = False
         return grads
-
-    @torch.no_grad()
-    def after_step(self) -> None:
-        if self._delta is None or not self._step_params:
-            return
-        torch._foreach_sub_(self._delta, [p.detach() for p in self._step_params])  # x_t - x_{t+1}
-        torch._foreach_neg_(self._delta)
-        self._step_params = []
 
     def method_state_dict(self) -> dict[str, Any]:
         params = self.params
         return {
             "filtered": None if self._filtered is None else dict(zip(params, self._filtered)),
-            "delta": None if self._delta is None else dict(zip(params, self._delta)),
+            # x_{t-1}: d_{t-1} = x_t - x_{t-1} is formed from it exactly as in an uninterrupted run
+            "anchor": None if self._anchor is None else dict(zip(params, self._anchor_values())),
         }
+
+    def _anchor_values(self) -> list[torch.Tensor]:
+        """x_{t-1}; inside a step (the look-ahead point formed) x_t - (point - x_t) / gamma, to rounding."""
+        if not self._anchor_is_point:
+            return list(self._anchor)
+        params = [p.detach() for p in self.params]
+        change = torch._foreach_sub(self._anchor, params)  # gamma d_{t-1}
+        return torch._foreach_sub(params, torch._foreach_div(change, self.gamma))
 
     def load_method_state_dict(self, state: dict[str, Any]) -> None:
         params = self.params
         self._filtered = None if state["filtered"] is None else [state["filtered"][p] for p in params]
-        self._delta = None if state["delta"] is None else [state["delta"][p] for p in params]
+        if "anchor" in state:
+            self._anchor = None if state["anchor"] is None else [state["anchor"][p] for p in params]
+        else:  # a checkpoint of an earlier version keeps d_{t-1}: x_{t-1} = x_t - d_{t-1}
+            delta = state.get("delta")
+            self._anchor = None if delta is None else torch._foreach_sub([p.detach() for p in params],
+                                                                         [delta[p] for p in params])
+        self._anchor_is_point = False
 
 
 __all__ = ["DiSKConfig", "DiSKOptimizer"]

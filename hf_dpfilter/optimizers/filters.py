@@ -106,6 +106,23 @@ class LowPassFilter:
         self.order = max(len(self.a), len(self.b) - 1)
         self._b_padded = self.b + (0.0,) * (self.order + 1 - len(self.b))
         self._a_padded = self.a + (0.0,) * (self.order - len(self.a))
+        self.state_scale = self._first_order_state_scale()
+
+    def _first_order_state_scale(self) -> float | None:
+        """k of the two-lerp form of a first-order filter (:meth:`filter_first_order_`), or None.
+
+        With the state kept as s = z / k and k = (b_1 - a_1 b_0) / (1 + a_1), one step is two interpolations:
+        L = s + w_1 (g - s) with w_1 = b_0 / (k + b_0), so that m = (k + b_0) L; and the new
+        s = (b_1 / k) g - a_1 ((k + b_0) / k) L, whose weights sum to 1 by the choice of k, i.e. g + w_2 (L - g)
+        with w_2 = -a_1 (k + b_0) / k. (1 + a_1 > 0: the pole -a_1 is inside the unit circle.)
+        """
+        if self.order != 1 or not self.a:
+            return None
+        b0, b1, a1 = self._b_padded[0], self._b_padded[1], self.a[0]
+        k = (b1 - a1 * b0) / (1.0 + a1)
+        if not math.isfinite(k) or abs(k) < 1e-6 or abs(k + b0) < 1e-6:
+            return None  # no state to carry (b_1 = a_1 b_0) or a degenerate scale: the general form
+        return k
 
     @classmethod
     def resolve(
@@ -137,6 +154,23 @@ class LowPassFilter:
         if abs(c) < 1e-12:
             raise ValueError(f"The filter's bias correction c_{t} is 0: the step response vanishes; use another filter.")
         return c
+
+    def filter_first_order_(
+        self, state: list[torch.Tensor], grads: list[torch.Tensor], scale: float
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One step of a first-order filter with the state kept as s = z / k (:attr:`state_scale` = k):
+        ``(scale * m_t, new s)``, in three memory passes and no new tensor.
+
+        Both lists are overwritten: the output is written into ``state``'s tensors and the new state into
+        ``grads``' (the general form takes four passes and a new parameter-sized output).
+        """
+        k, b0, a1 = self.state_scale, self._b_padded[0], self.a[0]
+        torch._foreach_lerp_(state, grads, b0 / (k + b0))  # L, so that m = (k + b0) L
+        torch._foreach_lerp_(grads, state, -a1 * (k + b0) / k)  # the new s
+        factor = scale * (k + b0)
+        if factor != 1.0:
+            torch._foreach_mul_(state, factor)
+        return state, grads
 
     def filter_(self, buffers: list[list[torch.Tensor]], grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """One transposed-direct-form-II step for every tensor at once.
@@ -201,14 +235,25 @@ class LowPassPostprocessor:
         self.c_history = [0.0] * len(lowpass.a)
         self.buffers: list[list[torch.Tensor]] | None = None
         self.second_moment: list[torch.Tensor] | None = None
+        #: first-order filter handing m_hat on: the two-lerp form, the state kept as z / k in ``buffers``
+        #: (the Adam directions read the unfiltered gradient after filtering, so they keep the general form)
+        self.scaled_state = lowpass.state_scale is not None and not self.adam_direction
 
     def __call__(self, grads: list[torch.Tensor], noise_variance: float = 0.0) -> list[torch.Tensor]:
-        """Filtered (bias-corrected) gradients; ``noise_variance`` = Phi of LP-DPAdamBC (per coordinate)."""
+        """Filtered (bias-corrected) gradients; ``noise_variance`` = Phi of LP-DPAdamBC (per coordinate).
+
+        ``grads`` are the step's own privatized tensors and are consumed: in the first-order form they receive
+        the filter's new state (the methods pass the noise buffers, which nothing reads afterwards)."""
         if self.buffers is None:
             self.buffers = [[torch.zeros_like(g) for g in grads] for _ in range(self.lowpass.order)]
         c = self.lowpass.bias_correction(self.t, self.c_history)
-        m, self.buffers = self.lowpass.filter_(self.buffers, grads)
-        torch._foreach_div_(m, c)
+        if self.scaled_state:
+            # the privatized gradients are this step's own tensors: the new state is written into them
+            m, state = self.lowpass.filter_first_order_(self.buffers[0], grads, 1.0 / c)
+            self.buffers = [state]
+        else:
+            m, self.buffers = self.lowpass.filter_(self.buffers, grads)
+            torch._foreach_div_(m, c)
         if self.adam_direction:
             if self.second_moment is None:
                 self.second_moment = [torch.zeros_like(g) for g in grads]
@@ -232,6 +277,8 @@ class LowPassPostprocessor:
             "t": self.t,
             "c_history": list(self.c_history),
             "buffers": None if self.buffers is None else [dict(zip(params, z)) for z in self.buffers],
+            # the buffers hold z / state_scale (the two-lerp form), or z when None
+            "state_scale": self.lowpass.state_scale if self.scaled_state else None,
             "second_moment": None if self.second_moment is None else dict(zip(params, self.second_moment)),
         }
 
@@ -240,6 +287,13 @@ class LowPassPostprocessor:
         self.c_history = [float(x) for x in state["c_history"]]
         buffers = state["buffers"]
         self.buffers = None if buffers is None else [[z[p] for p in params] for z in buffers]
+        saved_scale = state.get("state_scale")  # None: z itself (the general form, and older checkpoints)
+        scale = self.lowpass.state_scale if self.scaled_state else None
+        if self.buffers is not None and saved_scale != scale:  # another form: convert (exact when the same form)
+            if saved_scale is not None:
+                self.buffers = [torch._foreach_mul(z, saved_scale) for z in self.buffers]
+            if scale is not None:
+                self.buffers = [torch._foreach_div(z, scale) for z in self.buffers]
         moment = state["second_moment"]
         self.second_moment = None if moment is None else [moment[p] for p in params]
 

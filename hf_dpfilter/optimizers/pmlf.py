@@ -32,6 +32,7 @@ from torch import nn
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.filters import LowPassConfig
 from hf_dpfilter.optimizers.method_state import copy_all_
+from hf_dpfilter.optimizers.point_values import Points, with_identity_gradient
 
 
 @dataclass(frozen=True)
@@ -78,17 +79,16 @@ class PMLFOptimizer(DPOptimizer):
         total = sum(raw)
         return [w / total for w in raw]
 
-    def gradient_points(self) -> list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]]:
-        weights = self.point_weights()
-        if len(weights) == 1:
+    def gradient_points(self) -> Points:
+        if not self._snapshots:
             return [(1.0, None)]
-        points: list[tuple[float, dict[nn.Parameter, torch.Tensor] | None]] = [(weights[0], None)]
+        weights = self.point_weights()
+        points: Points = [(weights[0], None)]
         params = self.params
-        # "p - p.detach()" (= 0) keeps each point differentiable in x with value = the stored copy exactly, so
-        # an ordinary backward of the combined loss equals the engine's per-example combination.
-        zeros = torch._foreach_sub(params, [p.detach() for p in params])
+        # each point is differentiable in x (Jacobian I) with value = the stored copy exactly, without a copy, so
+        # an ordinary backward of the combined loss equals the engine's per-example combination
         for weight, snapshot in zip(weights[1:], self._snapshots):
-            points.append((weight, dict(zip(params, torch._foreach_add(snapshot, zeros)))))
+            points.append((weight, dict(zip(params, with_identity_gradient(params, snapshot)))))
         return points
 
     @torch.no_grad()

@@ -1,0 +1,132 @@
+"""The methods' step cost: what was made cheaper still computes the same thing.
+
+* the float64 squared norm without a float64 copy (DiceSGD's error buffer, DIFF2's movement) equals the
+  float64 reference across chunk boundaries;
+* DiSK's look-ahead point (formed in place once per step) and DP-PMLF's snapshots are handed to every
+  micro-batch as the stored tensors, without a copy, differentiable in x with Jacobian I; the clipped sum
+  does not depend on how the step's examples are split into micro-batches;
+* a first-order filter's two-lerp form resumes from a checkpoint of the general form.
+
+float64, the tiny RoBERTa of tests/models.py, no dropout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import flat
+from models import padded_batch, tiny_roberta
+
+from hf_dpfilter import GhostClippingEngine, make_dp_optimizer
+from hf_dpfilter import collectives as collectives_module
+from hf_dpfilter.collectives import float64_squared_norm
+from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.optimizers.filters import LowPassFilter, LowPassPostprocessor
+from hf_dpfilter.optimizers.point_values import with_identity_gradient
+
+
+def test_float64_squared_norm_without_a_copy_equals_the_float64_reference(monkeypatch):
+    monkeypatch.setattr(collectives_module, "_NORM_CHUNK", 7)  # many chunks and partial last chunks
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5, 3, generator=g) * 1e3, torch.randn(16, generator=g), torch.randn(0),
+               torch.randn(2, 2, dtype=torch.float64, generator=g)]
+    expected = sum(float(t.double().pow(2).sum()) for t in tensors)
+    assert float64_squared_norm(tensors) == pytest.approx(expected, rel=1e-14)
+    assert float64_squared_norm([]) == 0.0
+
+
+def _batch(n: int, seed: int) -> dict:
+    batch = padded_batch(n, seed=seed)
+    batch["labels"] = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    return batch
+
+
+def _loss_fn(engine, batch):
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+
+    def loss_fn(values):
+        return per_example_loss(engine.call_model(values, **inputs).logits, batch["labels"], causal_lm=False)
+
+    return loss_fn
+
+
+POINT_METHODS = [("disk", {"kappa": 0.7}), ("disk", {"kappa": 0.7, "gamma": 0.2}), ("pmlf", {"k": 3, "beta": 0.9})]
+
+
+@pytest.mark.parametrize("method,kw", POINT_METHODS)
+def test_points_are_the_stored_tensors_and_the_split_into_micro_batches_does_not_matter(method, kw):
+    model = tiny_roberta(num_labels=1)
+    model.eval()
+    engine = GhostClippingEngine(model)
+    opt = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, method=method, method_args=kw,
+                            noise_multiplier=0.5, max_grad_norm=0.5, expected_batch_size=6, seed=3, lr=0.05)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for seed in (10, 11, 12):  # build d / the snapshots (noised steps)
+        before = [p.detach().clone() for p in params]
+        opt.zero_grad()
+        batch = _batch(6, seed)
+        opt.accumulate(engine, _loss_fn(engine, batch), 6)
+        opt.step()
+    stored = opt._anchor if method == "disk" else [t for snapshot in opt._snapshots for t in snapshot]
+    storage = {t.data_ptr() for t in stored}
+    seen = []
+    gradient_points = opt.gradient_points
+
+    def spy():  # every micro-batch's points: their tensors are the stored ones, not copies
+        points = gradient_points()
+        seen.append([v for _, values in points if values is not None for v in values.values()])
+        return points
+
+    opt.gradient_points = spy
+    batch = _batch(6, 20)
+
+    def presum(splits):
+        opt.zero_grad()
+        for rows in splits:
+            part = {k: v[rows] for k, v in batch.items()}
+            opt.accumulate(engine, _loss_fn(engine, part), len(rows))
+        sums = opt._local_sums()
+        return flat([sums[p].clone() for p in params])
+
+    engine.verify_first_backward = True  # the ordinary backward through the points = the engine's combination
+    whole = presum([[0, 1, 2, 3, 4, 5]])
+    assert not engine.verify_first_backward  # the check ran, and passed
+    split = presum([[5, 2], [0], [1, 3, 4]])
+    torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-14)
+    assert len(seen) == 4 and all(len(values) == len(stored) for values in seen)
+    assert all(v.data_ptr() in storage for values in seen for v in values)
+    if method == "disk":  # formed once for the step: x_t + gamma (x_t - x_{t-1}) at every micro-batch
+        gamma = opt.gamma
+        for value, x, x_prev in zip(seen[-1], params, before):
+            torch.testing.assert_close(value, x + gamma * (x - x_prev), rtol=1e-12, atol=1e-15)
+    opt.zero_grad()
+
+
+def test_snapshot_values_are_not_copied_and_carry_the_gradient_to_x():
+    params = [torch.nn.Parameter(torch.randn(3, 2, dtype=torch.float64)) for _ in range(2)]
+    values = [torch.randn(3, 2, dtype=torch.float64) for _ in range(2)]
+    points = with_identity_gradient(params, values)
+    assert all(torch.equal(p, v) and p.data_ptr() == v.data_ptr() for p, v in zip(points, values))
+    weights = [torch.randn(3, 2, dtype=torch.float64) for _ in range(2)]
+    sum((w * p.pow(2)).sum() for w, p in zip(weights, points)).backward()
+    for param, w, v in zip(params, weights, values):
+        torch.testing.assert_close(param.grad, 2 * w * v, rtol=0, atol=0)
+
+
+def test_first_order_two_lerp_form_resumes_from_the_general_form():
+    lowpass = LowPassFilter((1 / 11, 1 / 11), (-9 / 11,))
+    assert lowpass.state_scale == pytest.approx(10 / 11)
+    g = torch.Generator().manual_seed(0)
+    seq = [torch.randn(4, generator=g, dtype=torch.float64) for _ in range(6)]
+    reference = LowPassPostprocessor(lowpass)
+    out = [reference([x.clone()])[0] for x in seq]
+    resumed = LowPassPostprocessor(lowpass)
+    for x in seq[:3]:
+        resumed([x.clone()])
+    state = resumed.state_dict(["p"])
+    assert state["state_scale"] == lowpass.state_scale
+    state = {**state, "state_scale": None, "buffers": [{"p": z["p"] * lowpass.state_scale} for z in state["buffers"]]}
+    fresh = LowPassPostprocessor(lowpass)
+    fresh.load_state_dict(state, ["p"])
+    for x, expected in zip(seq[3:], out[3:]):
+        torch.testing.assert_close(fresh([x.clone()])[0], expected, rtol=1e-12, atol=1e-15)
