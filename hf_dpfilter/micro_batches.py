@@ -315,10 +315,15 @@ class MicroBatchMixin:
         # The run's first micro-batch (the one the first-step check verifies) holds the first sampled examples, as
         # in the sampled order: examples of mixed lengths, where a loss coupled through a statistic of the
         # micro-batch (its mean token count) shows; a micro-batch of equal lengths could hide it. The rest is
-        # grouped. Decided by the run (until a first step is released), not by the check's setting: the same
-        # micro-batches (and collator draws) with the checks on or off, and in a train() run again after a refusal.
+        # grouped. Decided by the run (until this trainer releases a first step), not by the check's setting: the
+        # same micro-batches (and collator draws) with the checks on or off, and in a train() run again after a
+        # refusal. A run resumed from a checkpoint is a fresh trainer whose first-step check is still pending: its
+        # steps are counted from the restored accountant's, not from 0, so its first micro-batch is sampled too.
         accountant = getattr(self, "accountant", None)
-        checking = accountant is None or getattr(accountant, "steps", 0) == 0
+        steps = getattr(accountant, "steps", 0) if accountant is not None else 0
+        if getattr(self, "_sampled_lead_until", None) is None:
+            self._sampled_lead_until = steps  # the steps released before this trainer's first cut
+        checking = steps == self._sampled_lead_until
         order = length_grouping.longest_first(lengths, None if units is None else [int(u) for u in units.tolist()])
         if units is not None:
             return None, (None if checking or order == sorted(order) else [raw[i] for i in order])

@@ -292,3 +292,26 @@ def test_a_recheck_still_refuses_a_grouped_micro_batch(tmp_path):
     with pytest.raises(SeparationError, match="(?s)Re-check \\(a new shape\\) of micro-batch 3, shape \\('padded', 2, 6"):
         trainer.training_step(trainer.model, collate(examples))
     assert trainer._per_example_checked and trainer.accountant.steps == 0
+
+
+def test_a_resumed_runs_first_step_check_sees_the_sampled_order(tmp_path):
+    """A run resumed from a checkpoint is a fresh trainer: its first-step check runs on its first micro-batch, which
+    keeps the first sampled examples there too (the restored accountant already counts a step). Sampled [6, 3 | 6, 6
+    | 6] tokens, the last with 2 targets, the others all theirs: the check's micro-batch mixes target counts and
+    refuses the mean-count loss. Grouped, the check would pass [6, 6] (5 targets each: the mean is each one's own)
+    and the coupled [6, 6] of 5 and 2 targets, of the same shape, would be released without a re-check."""
+    def one(length, seed, masked=0):
+        example = make_examples(1, VOCAB, causal=True, seed=seed, min_len=length, max_len=length)[0]
+        example["labels"][:masked] = -100
+        return example
+
+    data = ListDataset([one(6, 1), one(3, 2), one(6, 3), one(6, 4), one(6, 5, masked=4)])
+    kw = dict(logical_batch_size=5, per_device_train_batch_size=2, save_strategy="steps", save_steps=1,
+              accountant="rdp")  # q = 1: every step samples the data set in order
+    DPTrainer(model=tiny_gpt2(torch.float32), args=_args(tmp_path, dp_verify_first_step=False, **kw),
+              train_dataset=data, data_collator=PadCollator(0)).train()
+    resumed = _MeanCountLoss(model=tiny_gpt2(torch.float32), args=_args(tmp_path, max_steps=2, dp_recheck_rate=0.0,
+                             **kw), train_dataset=data, data_collator=PadCollator(0))
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert resumed.accountant.steps == 1
