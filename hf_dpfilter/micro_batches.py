@@ -333,6 +333,8 @@ class MicroBatchMixin:
         if budget is not None and isinstance(multiple, int) and multiple > 1:
             lengths = [-(-n // multiple) * multiple for n in lengths]
         lead = length_grouping.micro_batch_groups(range(len(raw)), lengths, size, budget)[0] if checking else []
+        if checking and budget is not None and len(lead) < 2:  # the first-step check needs two examples to compare
+            lead = [0, 1]  # over the budget if need be, for the run's first micro-batch only
         groups = [lead] if lead else []
         groups += length_grouping.micro_batch_groups([i for i in order if i >= len(lead)], lengths, size, budget)
         cut = []
@@ -381,6 +383,13 @@ class MicroBatchMixin:
         if len(pieces) != 1 or _example_count(pieces[0]) != 1:
             raise PackingError("One example collated alone did not give one micro-batch of one example.")
         return self._no_cache_when_packed(pieces[0])
+
+    def _examples_per_micro_batch(self) -> int:
+        """The most examples a micro-batch can hold (an upper bound): ``per_device_train_batch_size``, unbounded
+        under ``dp_micro_batch_tokens`` (short examples fill the budget), as the first-step check must know."""
+        if getattr(self.args, "dp_micro_batch_tokens", None) is not None:
+            return 1 << 30
+        return self.args.per_device_train_batch_size
 
     def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
         """One training example as a micro-batch, for a process with no example of its own under FSDP2.

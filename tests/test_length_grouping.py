@@ -102,7 +102,8 @@ def test_clipped_sum_does_not_depend_on_the_grouping(name, collator, tmp_path):
     on2, _ = _clipped_sum(tmp_path / "on2", model, examples, COLLATORS[collator](), per_device_train_batch_size=2)
     budget, seen_budget = _clipped_sum(tmp_path / "budget", model, examples, COLLATORS[collator](),
                                        dp_micro_batch_tokens=30, dp_verify_first_step=False)
-    assert all(rows * cols <= 30 or rows == 1 for rows, cols in seen_budget), seen_budget
+    # the run's first micro-batch: at least two examples (the first-step check compares two), over the budget here
+    assert seen_budget[0][0] >= 2 and all(rows * cols <= 30 or rows == 1 for rows, cols in seen_budget[1:]), seen_budget
     assert sum(rows for rows, _ in seen_budget) == 12
     for got in (on, on2, budget):
         assert ((got - off).norm() / off.norm()).item() <= 1e-10
@@ -294,18 +295,20 @@ def test_a_recheck_still_refuses_a_grouped_micro_batch(tmp_path):
     assert trainer._per_example_checked and trainer.accountant.steps == 0
 
 
+def _causal(length: int, seed: int, masked: int = 0) -> dict:
+    """A causal LM example of ``length`` tokens, its first ``masked`` labels ignored (fewer targets)."""
+    example = make_examples(1, VOCAB, causal=True, seed=seed, min_len=length, max_len=length)[0]
+    example["labels"][:masked] = -100
+    return example
+
+
 def test_a_resumed_runs_first_step_check_sees_the_sampled_order(tmp_path):
     """A run resumed from a checkpoint is a fresh trainer: its first-step check runs on its first micro-batch, which
     keeps the first sampled examples there too (the restored accountant already counts a step). Sampled [6, 3 | 6, 6
     | 6] tokens, the last with 2 targets, the others all theirs: the check's micro-batch mixes target counts and
     refuses the mean-count loss. Grouped, the check would pass [6, 6] (5 targets each: the mean is each one's own)
     and the coupled [6, 6] of 5 and 2 targets, of the same shape, would be released without a re-check."""
-    def one(length, seed, masked=0):
-        example = make_examples(1, VOCAB, causal=True, seed=seed, min_len=length, max_len=length)[0]
-        example["labels"][:masked] = -100
-        return example
-
-    data = ListDataset([one(6, 1), one(3, 2), one(6, 3), one(6, 4), one(6, 5, masked=4)])
+    data = ListDataset([_causal(6, 1), _causal(3, 2), _causal(6, 3), _causal(6, 4), _causal(6, 5, masked=4)])
     kw = dict(logical_batch_size=5, per_device_train_batch_size=2, save_strategy="steps", save_steps=1,
               accountant="rdp")  # q = 1: every step samples the data set in order
     DPTrainer(model=tiny_gpt2(torch.float32), args=_args(tmp_path, dp_verify_first_step=False, **kw),
@@ -315,3 +318,19 @@ def test_a_resumed_runs_first_step_check_sees_the_sampled_order(tmp_path):
     with pytest.raises(PerExampleCheckError, match="couples examples"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert resumed.accountant.steps == 1
+
+
+def test_the_first_micro_batch_under_a_token_budget_holds_two_examples(tmp_path):
+    """dp_micro_batch_tokens=10 on sampled [6, 3, 3, 3, 3, 3, 3] tokens: the budget alone would give the run's first
+    micro-batch the 6-token example only (two would pad to 12), the first-step check would wait for the grouped [3,
+    3, 3] (equal counts: passed) and the next [3, 3, 3] of the same shape, one of them with a masked target, would
+    be released coupled through the mean count. The first micro-batch holds the first two sampled examples."""
+    examples = [_causal(6, 1)] + [_causal(3, seed) for seed in range(2, 7)] + [_causal(3, 7, masked=2)]
+    trainer = _MeanCountLoss(model=tiny_gpt2(torch.float32), args=_args(tmp_path, logical_batch_size=7,
+                             dp_micro_batch_tokens=10, dp_recheck_rate=0.0), train_dataset=ListDataset(examples),
+                             data_collator=PadCollator(0))
+    trainer.create_optimizer()
+    collate = trainer.get_train_dataloader().collate_fn
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        trainer.training_step(trainer.model, collate(examples))
+    assert trainer.accountant.steps == 0
