@@ -6,9 +6,10 @@
   one-example-at-a-time reference.
 * On SST-2 lengths (the MiniLM tokenizer), DPTrainer's training forwards see at most half the padded/real token
   positions of the non-private Trainer's.
-* Sensitivity with the grouping on (float32): adding the longest example, which reorders every micro-batch, moves
-  the clipped sum by at most C.
-* A loss that couples the examples of a micro-batch is still caught on a grouped batch.
+* Sensitivity with the grouping on (float32), also under a token budget: adding the longest example, which reorders
+  every micro-batch, moves the clipped sum by at most C.
+* A loss that couples the examples of a micro-batch is still caught on a grouped batch, and the first-step check
+  sees the first sampled examples (mixed lengths) in a resumed run and under a token budget too.
 """
 
 from __future__ import annotations
@@ -234,17 +235,20 @@ def test_sst2_padding_is_at_most_half_the_non_private_trainers(tmp_path):
     assert grouped <= plain / 2, (grouped, plain)  # measured: 1.3 against 3.0 (docs/performance.md)
 
 
-def test_adding_the_longest_example_moves_the_grouped_sum_by_at_most_c(tmp_path):
+@pytest.mark.parametrize("budget", [None, 24])
+def test_adding_the_longest_example_moves_the_grouped_sum_by_at_most_c(budget, tmp_path):
     """float32, noise 0: D' = D + an example longer than all of D, which moves every example of D to another
-    micro-batch (the grouping is on, the default); the clipped sum moves by at most C."""
+    micro-batch (the grouping is on, the default); the clipped sum moves by at most C. Under a token budget of 24
+    (smaller than the longest row: a micro-batch of its own) the micro-batches of D' are others in number and size."""
     d = make_examples(7, VOCAB, causal=False, seed=2, min_len=2, max_len=9)
-    longest = make_examples(1, VOCAB, causal=False, seed=9, min_len=20, max_len=20)
+    longest = make_examples(1, VOCAB, causal=False, seed=9, min_len=30, max_len=30)
     clip = 0.1
     model = tiny_bert(dtype=torch.float32)
-    base, _ = _clipped_sum(tmp_path / "d", model, d, PadCollator(0), per_sample_max_grad_norm=clip, logical_batch_size=7)
-    moved, seen = _clipped_sum(tmp_path / "d2", model, d + longest, PadCollator(0), per_sample_max_grad_norm=clip,
-                               logical_batch_size=8)
-    assert (3, 20) in seen  # the longest leads the first micro-batch: every example of D moved by one place
+    kw = dict(per_sample_max_grad_norm=clip, dp_micro_batch_tokens=budget)
+    base, _ = _clipped_sum(tmp_path / "d", model, d, PadCollator(0), logical_batch_size=7, **kw)
+    moved, seen = _clipped_sum(tmp_path / "d2", model, d + longest, PadCollator(0), logical_batch_size=8, **kw)
+    # the longest leads the grouped micro-batches (alone under the budget): every example of D moved
+    assert ((1, 30) if budget else (3, 30)) in seen, seen
     ratio = float((moved - base).norm()) / clip
     assert ratio <= 1 + 1e-4, f"the clipped sum moved by {ratio:.4f} C"
 
