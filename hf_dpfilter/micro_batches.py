@@ -384,12 +384,13 @@ class MicroBatchMixin:
             raise PackingError("One example collated alone did not give one micro-batch of one example.")
         return self._no_cache_when_packed(pieces[0])
 
-    def _examples_per_micro_batch(self) -> int:
-        """The most examples a micro-batch can hold (an upper bound): ``per_device_train_batch_size``, unbounded
-        under ``dp_micro_batch_tokens`` (short examples fill the budget), as the first-step check must know."""
+    def _first_check_examples(self) -> int:
+        """How many examples the first-step check waits for in a micro-batch: two (a coupling needs two), one only
+        when no micro-batch can hold two (``per_device_train_batch_size=1`` without ``dp_micro_batch_tokens``, under
+        which short examples fill a micro-batch whatever the size)."""
         if getattr(self.args, "dp_micro_batch_tokens", None) is not None:
-            return 1 << 30
-        return self.args.per_device_train_batch_size
+            return 2
+        return min(2, self.args.per_device_train_batch_size)
 
     def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
         """One training example as a micro-batch, for a process with no example of its own under FSDP2.
