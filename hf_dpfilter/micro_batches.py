@@ -292,8 +292,8 @@ class MicroBatchMixin:
         examples and draws by the same positions (``raw`` None: unchanged). With ``privacy_unit='user'`` (``cut`` None)
         the units move whole, and ``raw`` comes back in the new order for the caller to collate and cut at unit
         boundaries (their trailing padding trimmed per micro-batch, as in the sampled order); the run's first step
-        keeps the sampled order there (its first micro-batch is the first-step check's, see below; "first": until a
-        step is released).
+        keeps the sampled order there (its first micro-batch is the first-step check's, see below; "first": until this
+        trainer releases a step, in a resumed run too).
 
         The micro-batches are the training collator's on the raw rows: the logical batch is still held to the probed
         keys first, and one whose keys differ from its micro-batches' (a ``training_step`` override that adds a key)
