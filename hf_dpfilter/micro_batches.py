@@ -300,17 +300,19 @@ class MicroBatchMixin:
         keeps the sampled order; a subclass that edits the collated values in ``training_step`` should set
         ``dp_group_by_length=False``."""
         structure = self._training_batch_structure()
-        if not getattr(self.args, "dp_group_by_length", False) or raw is None or len(raw) < 2 or structure.packed:
+        if not getattr(self.args, "dp_group_by_length", False) or raw is None or len(raw) < 2:
+            return None, None
+        if structure.packed:
+            self._budget_not_applied("the training batches are packed rows (no padding to group; the packing sets "
+                                     "the tokens of a micro-batch)")
             return None, None
         structure.check({**inputs, "labels": labels})  # the logical batch's keys, as in the sampled order
         if labels.shape[0] != len(raw) or num_examples not in (None, len(raw)):
             return None, None  # the sampled order's path names the mismatch
         lengths = length_grouping.example_lengths(inputs, raw, structure.per_example)
         if lengths is None or len(lengths) != len(raw):
-            if getattr(self.args, "dp_micro_batch_tokens", None) is not None and not getattr(self, "_budget_warned", 0):
-                self._budget_warned = True
-                logger.warning("dp_micro_batch_tokens is not applied: the training batches declare no length "
-                               "(no attention_mask among the per-example keys, no input_ids in the raw rows).")
+            self._budget_not_applied("the training batches declare no length (no attention_mask among the "
+                                     "per-example keys, no input_ids in the raw rows)")
             return None, None
         # The run's first micro-batch (the one the first-step check verifies) holds the first sampled examples, as
         # in the sampled order: examples of mixed lengths, where a loss coupled through a statistic of the
@@ -347,6 +349,12 @@ class MicroBatchMixin:
                 raise PackingError(f"{len(members)} examples collated together did not give one micro-batch of them.")
             cut.append((pieces[0], tuple(members)))
         return cut, None
+
+    def _budget_not_applied(self, why: str) -> None:
+        """Warn once that ``dp_micro_batch_tokens`` is set but does not cut these batches, and why."""
+        if getattr(self.args, "dp_micro_batch_tokens", None) is not None and not getattr(self, "_budget_warned", False):
+            self._budget_warned = True
+            logger.warning("dp_micro_batch_tokens is not applied: %s.", why)
 
     def _collated(self, rows: list) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
         """``rows`` collated by the training collator (its checks included) and prepared as a training step's
@@ -386,8 +394,8 @@ class MicroBatchMixin:
 
     def _first_check_examples(self) -> int:
         """How many examples the first-step check waits for in a micro-batch: two (a coupling needs two), one only
-        when no micro-batch can hold two (``per_device_train_batch_size=1`` without ``dp_micro_batch_tokens``, under
-        which short examples fill a micro-batch whatever the size)."""
+        when no micro-batch can hold two: ``per_device_train_batch_size=1`` without ``dp_micro_batch_tokens`` (a
+        token budget fills a micro-batch with short examples whatever the size)."""
         if getattr(self.args, "dp_micro_batch_tokens", None) is not None:
             return 2
         return min(2, self.args.per_device_train_batch_size)

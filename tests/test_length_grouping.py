@@ -338,3 +338,15 @@ def test_the_first_micro_batch_under_a_token_budget_holds_two_examples(tmp_path)
     with pytest.raises(PerExampleCheckError, match="couples examples"):
         trainer.training_step(trainer.model, collate(examples))
     assert trainer.accountant.steps == 0
+
+
+def test_a_token_budget_on_packed_rows_is_named_not_applied(tmp_path, caplog):
+    """Packed rows (DataCollatorWithFlattening) have no padding to group: the budget does not cut them, and the run
+    says so once (it was silent), as when nothing declares a length."""
+    from transformers import DataCollatorWithFlattening
+
+    examples = [{k: v.tolist() for k, v in e.items()} for e in make_examples(4, VOCAB, causal=True, seed=1)]
+    with caplog.at_level("WARNING", logger="hf_dpfilter.micro_batches"):
+        _clipped_sum(tmp_path, tiny_gpt2(), examples, DataCollatorWithFlattening(), logical_batch_size=4,
+                     dp_micro_batch_tokens=8, dp_verify_first_step=False)
+    assert "dp_micro_batch_tokens is not applied: the training batches are packed rows" in caplog.text
