@@ -337,11 +337,12 @@ class MicroBatchMixin:
         lead = length_grouping.micro_batch_groups(range(len(raw)), lengths, size, budget)[0] if checking else []
         if checking and budget is not None and len(lead) < 2:  # the first-step check needs two examples to compare
             lead = [0, 1]  # over the budget if need be, for the run's first micro-batch only
-        rest = [i for i in order if i >= len(lead)]
-        if budget is None and rest == sorted(rest):
-            return None, None  # nothing moves (fixed-length blocks): the sampled cut is the same, collated once
+        if budget is None and len(set(lengths)) == 1:
+            # one length (fixed-length blocks): nothing moves nor is padded, the sampled cut is the same, collated once
+            # (not when only the order holds: a left-padded micro-batch cut from the batch keeps its leading pads)
+            return None, None
         groups = [lead] if lead else []
-        groups += length_grouping.micro_batch_groups(rest, lengths, size, budget)
+        groups += length_grouping.micro_batch_groups([i for i in order if i >= len(lead)], lengths, size, budget)
         cut = []
         for members in groups:
             micro_inputs, micro_labels, _ = self._collated([raw[i] for i in members])
