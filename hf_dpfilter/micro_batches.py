@@ -309,33 +309,40 @@ class MicroBatchMixin:
         examples and draws by the same positions (``raw`` None: unchanged). With ``privacy_unit='user'`` (``cut`` None)
         the units move whole, and ``raw`` comes back in the new order for the caller to collate and cut at unit
         boundaries (their trailing padding trimmed per micro-batch, as in the sampled order); the run's first step
-        keeps the sampled order there (its first micro-batch is the first-step check's, see below; "first": until a
-        step is released).
+        keeps the sampled order there (its first micro-batch is the first-step check's, see below; "first": until this
+        trainer releases a step, in a resumed run too).
 
         The micro-batches are the training collator's on the raw rows: the logical batch is still held to the probed
         keys first, and one whose keys differ from its micro-batches' (a ``training_step`` override that adds a key)
         keeps the sampled order; a subclass that edits the collated values in ``training_step`` should set
         ``dp_group_by_length=False``."""
         structure = self._training_batch_structure()
-        if not getattr(self.args, "dp_group_by_length", False) or raw is None or len(raw) < 2 or structure.packed:
+        if not getattr(self.args, "dp_group_by_length", False) or raw is None or len(raw) < 2:
+            return None, None
+        if structure.packed:
+            self._budget_not_applied("the training batches are packed rows (no padding to group; the packing sets "
+                                     "the tokens of a micro-batch)")
             return None, None
         structure.check({**inputs, "labels": labels})  # the logical batch's keys, as in the sampled order
         if labels.shape[0] != len(raw) or num_examples not in (None, len(raw)):
             return None, None  # the sampled order's path names the mismatch
         lengths = length_grouping.example_lengths(inputs, raw, structure.per_example)
         if lengths is None or len(lengths) != len(raw):
-            if getattr(self.args, "dp_micro_batch_tokens", None) is not None and not getattr(self, "_budget_warned", 0):
-                self._budget_warned = True
-                logger.warning("dp_micro_batch_tokens is not applied: the training batches declare no length "
-                               "(no attention_mask among the per-example keys, no input_ids in the raw rows).")
+            self._budget_not_applied("the training batches declare no length (no attention_mask among the "
+                                     "per-example keys, no input_ids in the raw rows)")
             return None, None
         # The run's first micro-batch (the one the first-step check verifies) holds the first sampled examples, as
         # in the sampled order: examples of mixed lengths, where a loss coupled through a statistic of the
         # micro-batch (its mean token count) shows; a micro-batch of equal lengths could hide it. The rest is
-        # grouped. Decided by the run (until a first step is released), not by the check's setting: the same
-        # micro-batches (and collator draws) with the checks on or off, and in a train() run again after a refusal.
+        # grouped. Decided by the run (until this trainer releases a first step), not by the check's setting: the
+        # same micro-batches (and collator draws) with the checks on or off, and in a train() run again after a
+        # refusal. A run resumed from a checkpoint is a fresh trainer whose first-step check is still pending: its
+        # steps are counted from the restored accountant's, not from 0, so its first micro-batch is sampled too.
         accountant = getattr(self, "accountant", None)
-        checking = accountant is None or getattr(accountant, "steps", 0) == 0
+        steps = getattr(accountant, "steps", 0) if accountant is not None else 0
+        if getattr(self, "_sampled_lead_until", None) is None:
+            self._sampled_lead_until = steps  # the steps released before this trainer's first cut
+        checking = steps == self._sampled_lead_until
         order = length_grouping.longest_first(lengths, None if units is None else [int(u) for u in units.tolist()])
         if units is not None:
             return None, (None if checking or order == sorted(order) else [raw[i] for i in order])
@@ -345,6 +352,12 @@ class MicroBatchMixin:
         if budget is not None and isinstance(multiple, int) and multiple > 1:
             lengths = [-(-n // multiple) * multiple for n in lengths]
         lead = length_grouping.micro_batch_groups(range(len(raw)), lengths, size, budget)[0] if checking else []
+        if checking and budget is not None and len(lead) < 2:  # the first-step check needs two examples to compare
+            lead = [0, 1]  # over the budget if need be, for the run's first micro-batch only
+        if budget is None and len(set(lengths)) == 1:
+            # one length (fixed-length blocks): nothing moves nor is padded, the sampled cut is the same, collated once
+            # (not when only the order holds: a left-padded micro-batch cut from the batch keeps its leading pads)
+            return None, None
         groups = [lead] if lead else []
         groups += length_grouping.micro_batch_groups([i for i in order if i >= len(lead)], lengths, size, budget)
         cut = []
@@ -357,6 +370,12 @@ class MicroBatchMixin:
                 raise PackingError(f"{len(members)} examples collated together did not give one micro-batch of them.")
             cut.append((pieces[0], tuple(members)))
         return cut, None
+
+    def _budget_not_applied(self, why: str) -> None:
+        """Warn once that ``dp_micro_batch_tokens`` is set but does not cut these batches, and why."""
+        if getattr(self.args, "dp_micro_batch_tokens", None) is not None and not getattr(self, "_budget_warned", False):
+            self._budget_warned = True
+            logger.warning("dp_micro_batch_tokens is not applied: %s.", why)
 
     def _collated(self, rows: list) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
         """``rows`` collated by the training collator (its checks included) and prepared as a training step's
@@ -393,6 +412,14 @@ class MicroBatchMixin:
         if len(pieces) != 1 or _example_count(pieces[0]) != 1:
             raise PackingError("One example collated alone did not give one micro-batch of one example.")
         return self._no_cache_when_packed(pieces[0])
+
+    def _first_check_examples(self) -> int:
+        """How many examples the first-step check waits for in a micro-batch: two (a coupling needs two), one only
+        when no micro-batch can hold two: ``per_device_train_batch_size=1`` without ``dp_micro_batch_tokens`` (a
+        token budget fills a micro-batch with short examples whatever the size)."""
+        if getattr(self.args, "dp_micro_batch_tokens", None) is not None:
+            return 2
+        return min(2, self.args.per_device_train_batch_size)
 
     def _padding_micro_batch(self) -> tuple[dict[str, Any], torch.Tensor]:
         """One training example as a micro-batch, for a process with no example of its own under FSDP2.

@@ -509,7 +509,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             self._separation = SeparationChecks(
                 self.engine, loss_fn, self._packed, self._alone,
                 first_step=self.args.dp_verify_first_step, rechecks=self.args.dp_verify_first_step,
-                rate=self.args.dp_recheck_rate, min_examples=min(2, self.args.per_device_train_batch_size),
+                rate=self.args.dp_recheck_rate, min_examples=self._first_check_examples(),
                 # the precision the accelerator really computes in (fixed when the Trainer was created)
                 low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),
             )

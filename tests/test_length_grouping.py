@@ -6,9 +6,10 @@
   one-example-at-a-time reference.
 * On SST-2 lengths (the MiniLM tokenizer), DPTrainer's training forwards see at most half the padded/real token
   positions of the non-private Trainer's.
-* Sensitivity with the grouping on (float32): adding the longest example, which reorders every micro-batch, moves
-  the clipped sum by at most C.
-* A loss that couples the examples of a micro-batch is still caught on a grouped batch.
+* Sensitivity with the grouping on (float32), also under a token budget: adding the longest example, which reorders
+  every micro-batch, moves the clipped sum by at most C.
+* A loss that couples the examples of a micro-batch is still caught on a grouped batch, and the first-step check
+  sees the first sampled examples (mixed lengths) in a resumed run and under a token budget too.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def test_clipped_sum_does_not_depend_on_the_grouping(name, collator, tmp_path):
     on2, _ = _clipped_sum(tmp_path / "on2", model, examples, COLLATORS[collator](), per_device_train_batch_size=2)
     budget, seen_budget = _clipped_sum(tmp_path / "budget", model, examples, COLLATORS[collator](),
                                        dp_micro_batch_tokens=30, dp_verify_first_step=False)
-    assert all(rows * cols <= 30 or rows == 1 for rows, cols in seen_budget), seen_budget
+    # the run's first micro-batch: at least two examples (the first-step check compares two), over the budget here
+    assert seen_budget[0][0] >= 2 and all(rows * cols <= 30 or rows == 1 for rows, cols in seen_budget[1:]), seen_budget
     assert sum(rows for rows, _ in seen_budget) == 12
     for got in (on, on2, budget):
         assert ((got - off).norm() / off.norm()).item() <= 1e-10
@@ -233,17 +235,20 @@ def test_sst2_padding_is_at_most_half_the_non_private_trainers(tmp_path):
     assert grouped <= plain / 2, (grouped, plain)  # measured: 1.3 against 3.0 (docs/performance.md)
 
 
-def test_adding_the_longest_example_moves_the_grouped_sum_by_at_most_c(tmp_path):
+@pytest.mark.parametrize("budget", [None, 24])
+def test_adding_the_longest_example_moves_the_grouped_sum_by_at_most_c(budget, tmp_path):
     """float32, noise 0: D' = D + an example longer than all of D, which moves every example of D to another
-    micro-batch (the grouping is on, the default); the clipped sum moves by at most C."""
+    micro-batch (the grouping is on, the default); the clipped sum moves by at most C. Under a token budget of 24
+    (smaller than the longest row: a micro-batch of its own) the micro-batches of D' are others in number and size."""
     d = make_examples(7, VOCAB, causal=False, seed=2, min_len=2, max_len=9)
-    longest = make_examples(1, VOCAB, causal=False, seed=9, min_len=20, max_len=20)
+    longest = make_examples(1, VOCAB, causal=False, seed=9, min_len=30, max_len=30)
     clip = 0.1
     model = tiny_bert(dtype=torch.float32)
-    base, _ = _clipped_sum(tmp_path / "d", model, d, PadCollator(0), per_sample_max_grad_norm=clip, logical_batch_size=7)
-    moved, seen = _clipped_sum(tmp_path / "d2", model, d + longest, PadCollator(0), per_sample_max_grad_norm=clip,
-                               logical_batch_size=8)
-    assert (3, 20) in seen  # the longest leads the first micro-batch: every example of D moved by one place
+    kw = dict(per_sample_max_grad_norm=clip, dp_micro_batch_tokens=budget)
+    base, _ = _clipped_sum(tmp_path / "d", model, d, PadCollator(0), logical_batch_size=7, **kw)
+    moved, seen = _clipped_sum(tmp_path / "d2", model, d + longest, PadCollator(0), logical_batch_size=8, **kw)
+    # the longest leads the grouped micro-batches (alone under the budget): every example of D moved
+    assert ((1, 30) if budget else (3, 30)) in seen, seen
     ratio = float((moved - base).norm()) / clip
     assert ratio <= 1 + 1e-4, f"the clipped sum moved by {ratio:.4f} C"
 
@@ -292,3 +297,79 @@ def test_a_recheck_still_refuses_a_grouped_micro_batch(tmp_path):
     with pytest.raises(SeparationError, match="(?s)Re-check \\(a new shape\\) of micro-batch 3, shape \\('padded', 2, 6"):
         trainer.training_step(trainer.model, collate(examples))
     assert trainer._per_example_checked and trainer.accountant.steps == 0
+
+
+def _causal(length: int, seed: int, masked: int = 0) -> dict:
+    """A causal LM example of ``length`` tokens, its first ``masked`` labels ignored (fewer targets)."""
+    example = make_examples(1, VOCAB, causal=True, seed=seed, min_len=length, max_len=length)[0]
+    example["labels"][:masked] = -100
+    return example
+
+
+def test_a_resumed_runs_first_step_check_sees_the_sampled_order(tmp_path):
+    """A run resumed from a checkpoint is a fresh trainer: its first-step check runs on its first micro-batch, which
+    keeps the first sampled examples there too (the restored accountant already counts a step). Sampled [6, 3 | 6, 6
+    | 6] tokens, the last with 2 targets, the others all theirs: the check's micro-batch mixes target counts and
+    refuses the mean-count loss. Grouped, the check would pass [6, 6] (5 targets each: the mean is each one's own)
+    and the coupled [6, 6] of 5 and 2 targets, of the same shape, would be released without a re-check."""
+    data = ListDataset([_causal(6, 1), _causal(3, 2), _causal(6, 3), _causal(6, 4), _causal(6, 5, masked=4)])
+    kw = dict(logical_batch_size=5, per_device_train_batch_size=2, save_strategy="steps", save_steps=1,
+              accountant="rdp")  # q = 1: every step samples the data set in order
+    DPTrainer(model=tiny_gpt2(torch.float32), args=_args(tmp_path, dp_verify_first_step=False, **kw),
+              train_dataset=data, data_collator=PadCollator(0)).train()
+    resumed = _MeanCountLoss(model=tiny_gpt2(torch.float32), args=_args(tmp_path, max_steps=2, dp_recheck_rate=0.0,
+                             **kw), train_dataset=data, data_collator=PadCollator(0))
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert resumed.accountant.steps == 1
+
+
+def test_the_first_micro_batch_under_a_token_budget_holds_two_examples(tmp_path):
+    """dp_micro_batch_tokens=10 on sampled [6, 3, 3, 3, 3, 3, 3] tokens: the budget alone would give the run's first
+    micro-batch the 6-token example only (two would pad to 12), the first-step check would wait for the grouped [3,
+    3, 3] (equal counts: passed) and the next [3, 3, 3] of the same shape, one of them with a masked target, would
+    be released coupled through the mean count. The first micro-batch holds the first two sampled examples."""
+    examples = [_causal(6, 1)] + [_causal(3, seed) for seed in range(2, 7)] + [_causal(3, 7, masked=2)]
+    trainer = _MeanCountLoss(model=tiny_gpt2(torch.float32), args=_args(tmp_path, logical_batch_size=7,
+                             dp_micro_batch_tokens=10, dp_recheck_rate=0.0), train_dataset=ListDataset(examples),
+                             data_collator=PadCollator(0))
+    trainer.create_optimizer()
+    collate = trainer.get_train_dataloader().collate_fn
+    with pytest.raises(PerExampleCheckError, match="couples examples"):
+        trainer.training_step(trainer.model, collate(examples))
+    assert trainer.accountant.steps == 0
+
+
+def test_a_token_budget_on_packed_rows_is_named_not_applied(tmp_path, caplog):
+    """Packed rows (DataCollatorWithFlattening) have no padding to group: the budget does not cut them, and the run
+    says so once (it was silent), as when nothing declares a length."""
+    from transformers import DataCollatorWithFlattening
+
+    examples = [{k: v.tolist() for k, v in e.items()} for e in make_examples(4, VOCAB, causal=True, seed=1)]
+    with caplog.at_level("WARNING", logger="hf_dpfilter.micro_batches"):
+        _clipped_sum(tmp_path, tiny_gpt2(), examples, DataCollatorWithFlattening(), logical_batch_size=4,
+                     dp_micro_batch_tokens=8, dp_verify_first_step=False)
+    assert "dp_micro_batch_tokens is not applied: the training batches are packed rows" in caplog.text
+
+
+class _Counting(PadCollator):
+    calls = 0
+
+    def __call__(self, examples):
+        _Counting.calls += 1
+        return super().__call__(examples)
+
+
+@pytest.mark.parametrize("same_length,collations", [(True, 0), (False, 3)])
+def test_nothing_that_moves_is_not_collated_again(same_length, collations, tmp_path):
+    """Examples of one length (run_clm's fixed blocks): the grouped order is the sampled one, so the step's
+    micro-batches are cut from the logical batch as collated, not collated again from their rows (mixed lengths:
+    each of the three is)."""
+    examples = make_examples(9, VOCAB, causal=True, seed=3, min_len=2 if not same_length else 8, max_len=8)
+    trainer = DPTrainer(model=tiny_gpt2(), args=_args(tmp_path, logical_batch_size=9, dp_verify_first_step=False),
+                        train_dataset=ListDataset(examples), data_collator=_Counting(0))
+    trainer.create_optimizer()
+    batch = trainer.get_train_dataloader().collate_fn(examples)
+    _Counting.calls = 0
+    trainer.training_step(trainer.model, batch)
+    assert _Counting.calls == collations
