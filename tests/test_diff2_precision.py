@@ -356,3 +356,49 @@ def test_noise_drawn_in_float32_is_added_to_the_float64_sums():
     out = noisy_averages(sums, std=1.0, batch=1.0, source=source, noise_dtype=torch.float32)
     assert drawn == [torch.float32] and out[p].dtype == torch.float32
     assert out[p].tolist() == [1.0 + 2.0**-23, 3.0]
+
+
+def test_sharded_difference_rounds_run_only_examples_alone():
+    """FSDP2 writes a difference round's points into the shards (no float64 copy): only an example computed alone
+    is batch-invariant there. A float32 sharded model (one gloo process: FSDP2's DTensors) is refused on the
+    float64 route at its first micro-batch, and on the batch-invariant route for a difference micro-batch of
+    several examples (it used to run in float32, batched); examples declared alone run."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed with gloo and no process group of the test session")
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for precision in ("float64", "batch_invariant"):
+            model = tiny_bert(num_labels=1, dtype=torch.float32)
+            fully_shard(model)
+            plan = PrivacyPlan.for_optimizer(
+                method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0,
+                                             "difference_precision": precision},
+                noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
+            )
+            engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.1, verify_first_backward=False)
+            ids, y = _batch(4, 0)
+
+            def loss_fn_of(ids, y, engine=engine):
+                return lambda values: (engine.call_model(values, input_ids=ids).logits.squeeze(-1) - y) ** 2
+
+            if precision == "float64":
+                with pytest.raises(ValueError, match="FSDP2"):
+                    optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=4)
+                continue
+            optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=4)  # a restart round: any grouping
+            optimizer.step()
+            optimizer.zero_grad()
+            with pytest.raises(ValueError, match="FSDP2"):
+                optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=4)
+            optimizer.zero_grad()
+            for i in range(4):
+                optimizer.accumulate(engine, loss_fn_of(ids[i:i + 1], y[i:i + 1]), batch_size=1, alone=True)
+            optimizer.run_without_contributing(engine, loss_fn_of(ids[:1], y[:1]), batch_size=1)  # FSDP2's padding
+            optimizer.step()
+            assert optimizer.dp_steps == 2
+    finally:
+        dist.destroy_process_group()

@@ -59,7 +59,10 @@ route must make the second term vanish or be negligible:
   empirical factor is not a proof, and the bound would be a function of the private per-example norms.
 
 Under FSDP2 sharding the points are written into the shards: no float64 copy is made there, and only the
-``"batch_invariant"`` route with micro-batches declared alone is batch-invariant. On both routes the round's
+``"batch_invariant"`` route with micro-batches declared alone is batch-invariant, so a float32/bf16 sharded model
+is refused with the fix on the ``"float64"`` route (at its first micro-batch) and for a difference micro-batch
+not declared alone (before that round is released); FSDP2's padding micro-batch, which releases nothing, runs as
+it is. On both routes the round's
 sums are float64; the noise is drawn in float32 (as DP-SGD's) and added to them in float64, so the sums are not
 rounded before the noise (:meth:`Diff2.privatize`).
 
@@ -102,6 +105,17 @@ DIFF2_NEIGHBOURINGS = ("add_remove", "replace_one")
 DIFF2_PRECISIONS = ("batch_invariant", "float64")
 
 __all__ = ["DIFF2_NEIGHBOURINGS", "DIFF2_PRECISIONS", "Diff2", "Diff2Config", "diff2_history"]
+
+#: DIFF2 under FSDP2 with a float32/bf16 model, a difference micro-batch not declared alone (or the float64 route)
+_SHARDED_REFUSAL = (
+    "DIFF2 under FSDP2 sharding writes the difference round's points into the shards, in the model's dtype (no "
+    "float64 copy of a sharded model is made), so only an example computed alone is batch-invariant there; a "
+    "micro-batch of several examples (or not declared alone), or difference_precision='float64', would let one "
+    "example move the others' clipped differences beyond the sensitivity. Fix: keep "
+    "difference_precision='batch_invariant' with DPTrainer at example level (it computes each example of a "
+    "difference round alone and declares it), call accumulate(..., batch_size=1, alone=True) for one example "
+    "collated alone in a loop of your own, or train a float64 model."
+)
 
 
 def diff2_history(
@@ -292,6 +306,7 @@ class Diff2(DPOptimizer):
         self.neighbouring = config.neighbouring
         self.precision_route = config.precision_route
         self._alone = False  # the micro-batch being accumulated is one example collated alone (declared)
+        self._discarded = False  # the micro-batch being run is FSDP2's padding (run_without_contributing)
         self._points_cache: tuple[tuple[int, bool], list] | None = None  # this round's points (_round_points)
         self.full_batch = self.sample_rate is not None and self.sample_rate >= 1.0
         self._estimate: dict[nn.Parameter, torch.Tensor] | None = None  # v~_{r-1}
@@ -339,7 +354,12 @@ class Diff2(DPOptimizer):
         if self.current_round().restart:
             return [(1.0, None)]
         batch_invariant = self._alone and self.precision_route == "batch_invariant"
-        native = batch_invariant or self.sharded or all(p.dtype == torch.float64 for p in self.params)
+        float64_model = all(p.dtype == torch.float64 for p in self.params)
+        if self.sharded and not (batch_invariant or float64_model or self._discarded):
+            # FSDP2 writes the points into the shards (no float64 copy): a batch of several examples would run
+            # in the model's dtype, batched, which is not batch-invariant (module docstring, "Precision")
+            raise ValueError(_SHARDED_REFUSAL)
+        native = batch_invariant or self.sharded or float64_model
         # both points in float64 otherwise, the whole model (engine.call_model): the "float64" route, and the
         # fallback of a micro-batch of several examples (or not declared alone); module docstring, "Precision"
         return self._round_points(native)
@@ -378,10 +398,21 @@ class Diff2(DPOptimizer):
         declaration (or with several examples) a difference round runs in float64. The declaration is the
         caller's: DPTrainer makes it only for the micro-batches it collated alone."""
         self._alone = bool(alone) and batch_size == 1
+        if self.sharded and self.precision_route == "float64" and not all(p.dtype == torch.float64 for p in self.params):
+            raise ValueError(_SHARDED_REFUSAL)  # at the first micro-batch of the run, before any release
         try:
             return super().accumulate(engine, loss_fn, batch_size)
         finally:
             self._alone = False
+
+    def run_without_contributing(self, engine: Any, loss_fn: Any, batch_size: int) -> None:
+        """:meth:`DPOptimizer.run_without_contributing`: FSDP2's padding micro-batch runs at the round's points in
+        the shards' dtype (nothing of it is released, so its precision is free)."""
+        self._discarded = True
+        try:
+            super().run_without_contributing(engine, loss_fn, batch_size)
+        finally:
+            self._discarded = False
 
     def sensitivity(self) -> float:
         """L2 sensitivity of this round's pre-noise sum: C1 or C_{2,r}, doubled under replace-one."""
