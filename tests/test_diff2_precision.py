@@ -277,6 +277,9 @@ def test_float64_differences_keeps_its_meaning():
     assert Diff2Config(difference_precision="float64").precision_route == "float64"
     with pytest.raises(ValueError, match="difference_precision"):
         Diff2Config(difference_precision="float32")
+    with pytest.raises(ValueError, match="contradicts"):  # used to select batch_invariant silently
+        Diff2Config(float64_differences=False, difference_precision="float64")
+    assert Diff2Config(float64_differences=True, difference_precision="float64").precision_route == "float64"
 
 
 def _trainer_difference_round(tmp_path, precision: str, lr: float):
@@ -402,3 +405,47 @@ def test_sharded_difference_rounds_run_only_examples_alone():
             assert optimizer.dp_steps == 2
     finally:
         dist.destroy_process_group()
+
+
+def _float64_adapters_norms(n: int, precision: str):
+    """Per-example difference norms of a difference round with float64 LoRA adapters on a float32 base (the
+    batch-dependent rounding stand-in on the base's embeddings), batched, and whether the round asks for the
+    examples alone."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_bert(num_labels=1, dtype=torch.float32)
+    base.bert.embeddings.register_forward_hook(_round_like_a_batch_dependent_kernel)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["query", "value"]))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.double()
+    plan = PrivacyPlan.for_optimizer(
+        method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0,
+                                     "difference_precision": precision},
+        noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
+    )
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=5e-6, verify_first_backward=False)
+    ids, y = _batch(13, 1)
+    y[12] = 1e3
+
+    def loss_fn_of(ids, y):
+        return lambda values: (engine.call_model(values, input_ids=ids).logits.squeeze(-1).double() - y.double()) ** 2
+
+    optimizer.accumulate(engine, loss_fn_of(ids[:8], y[:8]), batch_size=8)
+    optimizer.step()
+    grads, _, _ = optimizer._per_example_pass(engine, loss_fn_of(ids[:n], y[:n]), n)
+    return grads.norms().double(), optimizer.wants_examples_alone()
+
+
+def test_float64_adapters_on_a_float32_base_are_not_a_float64_model():
+    """Float64 trainable parameters do not make a float64 model: with float64 LoRA adapters on a float32 base the
+    base ran in float32, batched (the batch-invariant route took it for a float64 model and asked for no example
+    alone; the float64 route gave points only to the adapters), and an example's difference moved by 36% when a
+    neighbour joined the batch. Now the batch-invariant route asks for each example alone and a batch runs the
+    whole model in float64 (both routes)."""
+    without, alone = _float64_adapters_norms(12, "float64")
+    with_x, _ = _float64_adapters_norms(13, "float64")
+    assert not alone  # the float64 route: batched, in float64
+    drift = ((with_x[:12] - without).abs() / without).max().item()
+    assert drift <= 1e-5, f"an example's clipped difference moved by {drift:.2e} when x joined the batch"
+    assert _float64_adapters_norms(1, "batch_invariant")[1]  # each example alone: the base is float32
