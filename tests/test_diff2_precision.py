@@ -449,3 +449,71 @@ def test_float64_adapters_on_a_float32_base_are_not_a_float64_model():
     drift = ((with_x[:12] - without).abs() / without).max().item()
     assert drift <= 1e-5, f"an example's clipped difference moved by {drift:.2e} when x joined the batch"
     assert _float64_adapters_norms(1, "batch_invariant")[1]  # each example alone: the base is float32
+
+
+def test_difference_round_noise_has_the_rounds_std_in_float32():
+    """An empty difference round of a float32 model releases pure noise: v~_2 - v~_1 = N(0, (z2 C_2,r / B)^2 I), in
+    float32, with the round's own threshold (not C1) and z2 (6465 coordinates: the std within 5%)."""
+    model = tiny_bert(num_labels=1, dtype=torch.float32)
+    plan = PrivacyPlan.for_optimizer(
+        method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 3.0,
+                                     "difference_noise_multiplier": 2.0},
+        noise_multiplier=0.5, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
+    )
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3, verify_first_backward=False)
+    ids, y = _batch(4, 0)
+    optimizer.accumulate(engine, lambda v: (engine.call_model(v, input_ids=ids).logits.squeeze(-1) - y) ** 2, 4)
+    optimizer.step()
+    optimizer.zero_grad()
+    before = {p: v.clone() for p, v in optimizer._estimate.items()}
+    threshold = optimizer.sensitivity()
+    assert threshold != 1.0 and optimizer.round_noise_multiplier() == 2.0
+    optimizer.accumulate(engine, None, batch_size=0)  # an empty Poisson sample: the noise alone
+    optimizer.step()
+    increment = torch.cat([(optimizer._estimate[p] - before[p]).flatten() for p in before])
+    assert {v.dtype for v in optimizer._estimate.values()} == {torch.float32}
+    assert float(increment.double().std()) == pytest.approx(2.0 * threshold / 4.0, rel=0.05)
+
+
+def test_resume_between_a_restart_and_its_difference_rounds(tmp_path):
+    """A checkpoint after the restart round and one difference round (T = 3), resumed: the resumed run's first
+    step is a difference round, cut example by example (declared alone) before the resumed optimizer has seen an
+    engine, and computed from the restored x_{r-2} and v~; at noise 0 and full batch it ends where the
+    uninterrupted run ends."""
+    from helpers import ListDataset, PadCollator, make_examples
+    from models import VOCAB, tiny_roberta
+    from transformers import TrainerCallback
+
+    from hf_dpfilter import DPTrainer, DPTrainingArguments
+
+    examples = make_examples(6, VOCAB, causal=False, seed=3)
+    declared = []
+
+    class Spy(DPTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            out = super().training_step(model, inputs, num_items_in_batch)
+            declared.append((self.dp_optimizer.dp_steps, self._alone_declaration.get("alone", False)))
+            return out
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2 and args.output_dir.endswith("cut")
+
+    def run(name, resume=None):
+        args = DPTrainingArguments(
+            output_dir=str(tmp_path / name), dp_method="diff2", noise_multiplier=0.0, per_sample_max_grad_norm=0.01,
+            logical_batch_size=6, per_device_train_batch_size=3, max_steps=3, optim="sgd", learning_rate=0.1,
+            lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="steps",
+            save_steps=2, remove_unused_columns=False, dp_seed=0, accountant="rdp", dp_method_args={"restart_every": 3},
+        )
+        trainer = Spy(model=tiny_roberta(dtype=torch.float32), args=args, train_dataset=ListDataset(examples),
+                      data_collator=PadCollator(1), callbacks=[Stop()])
+        trainer.train(resume_from_checkpoint=resume)
+        return torch.cat([p.detach().double().flatten() for p in trainer.model.parameters()])
+
+    full = run("full")
+    run("cut")
+    declared.clear()
+    resumed = run("cut", resume=str(tmp_path / "cut" / "checkpoint-2"))
+    assert declared == [(2, True)]  # the resumed run's only step: a difference round, each example alone
+    assert float((resumed - full).norm()) <= 1e-6 * float(full.norm())
