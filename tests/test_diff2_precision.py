@@ -365,7 +365,8 @@ def test_sharded_difference_rounds_run_only_examples_alone():
     """FSDP2 writes a difference round's points into the shards (no float64 copy): only an example computed alone
     is batch-invariant there. A float32 sharded model (one gloo process: FSDP2's DTensors) is refused on the
     float64 route at its first micro-batch, and on the batch-invariant route for a difference micro-batch of
-    several examples (it used to run in float32, batched); examples declared alone run."""
+    several examples (it used to run in float32, batched); examples declared alone run, and so does a float64
+    model on the float64 route."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
@@ -374,8 +375,9 @@ def test_sharded_difference_rounds_run_only_examples_alone():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        for precision in ("float64", "batch_invariant"):
-            model = tiny_bert(num_labels=1, dtype=torch.float32)
+        for precision, dtype in (("float64", torch.float64), ("float64", torch.float32),
+                                 ("batch_invariant", torch.float32)):
+            model = tiny_bert(num_labels=1, dtype=dtype)
             fully_shard(model)
             plan = PrivacyPlan.for_optimizer(
                 method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0,
@@ -388,6 +390,12 @@ def test_sharded_difference_rounds_run_only_examples_alone():
             def loss_fn_of(ids, y, engine=engine):
                 return lambda values: (engine.call_model(values, input_ids=ids).logits.squeeze(-1) - y) ** 2
 
+            if dtype == torch.float64:  # a float64 model: both rounds run batched (no refusal)
+                for _ in range(2):
+                    optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=4)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                continue
             if precision == "float64":
                 with pytest.raises(ValueError, match="FSDP2"):
                     optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=4)

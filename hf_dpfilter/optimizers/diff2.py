@@ -417,8 +417,10 @@ class Diff2(DPOptimizer):
         declaration (or with several examples) a difference round runs in float64. The declaration is the
         caller's: DPTrainer makes it only for the micro-batches it collated alone."""
         self._alone = bool(alone) and batch_size == 1
-        if self.sharded and self.precision_route == "float64" and not self._float64_model():
-            raise ValueError(_SHARDED_REFUSAL)  # at the first micro-batch of the run, before any release
+        if self.sharded and self.precision_route == "float64" and batch_size > 0:
+            self._check_engine(engine)  # its model says whether the whole model is float64
+            if not self._float64_model():
+                raise ValueError(_SHARDED_REFUSAL)  # at the first micro-batch of the run, before any release
         try:
             return super().accumulate(engine, loss_fn, batch_size)
         finally:
