@@ -420,11 +420,12 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         values = {self.parameter_name(p): v for p, v in param_values.items()}
         if isinstance(param_values, Float64Point) or any(
                 v.dtype == torch.float64 and p.dtype != torch.float64 for p, v in param_values.items()):
-            # A point given in float64 runs the whole model in float64 (frozen parameters and floating buffers
-            # too): DIFF2's difference rounds, whose per-example difference g(x) - g(x') cancels, so that its
-            # terms carry no float32 rounding (which depends on the batch's composition through the kernels'
-            # blocking) amplified by ||g|| / ||g(x) - g(x')||. First names only: functional_call ties the other
-            # names of tied weights (tie_weights=True).
+            # A point given in float64 (or a Float64Point: float64 trainable parameters on a float32 base too) runs
+            # the whole model in float64 (frozen parameters and floating buffers too): DIFF2's difference rounds,
+            # whose per-example difference g(x) - g(x') cancels, so that its terms carry no float32 rounding
+            # (which depends on the batch's composition through the kernels' blocking) amplified by
+            # ||g|| / ||g(x) - g(x')||. First names only: functional_call ties the other names of tied weights
+            # (tie_weights=True).
             for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
                 if name not in values and tensor.is_floating_point() and tensor.dtype != torch.float64:
                     values[name] = tensor.double() if tensor.requires_grad else tensor.detach().double()
