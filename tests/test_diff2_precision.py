@@ -277,6 +277,9 @@ def test_float64_differences_keeps_its_meaning():
     assert Diff2Config(difference_precision="float64").precision_route == "float64"
     with pytest.raises(ValueError, match="difference_precision"):
         Diff2Config(difference_precision="float32")
+    with pytest.raises(ValueError, match="contradicts"):  # used to select batch_invariant silently
+        Diff2Config(float64_differences=False, difference_precision="float64")
+    assert Diff2Config(float64_differences=True, difference_precision="float64").precision_route == "float64"
 
 
 def _trainer_difference_round(tmp_path, precision: str, lr: float):
@@ -356,3 +359,169 @@ def test_noise_drawn_in_float32_is_added_to_the_float64_sums():
     out = noisy_averages(sums, std=1.0, batch=1.0, source=source, noise_dtype=torch.float32)
     assert drawn == [torch.float32] and out[p].dtype == torch.float32
     assert out[p].tolist() == [1.0 + 2.0**-23, 3.0]
+
+
+def test_sharded_difference_rounds_run_only_examples_alone():
+    """FSDP2 writes a difference round's points into the shards (no float64 copy): only an example computed alone
+    is batch-invariant there. A float32 sharded model (one gloo process: FSDP2's DTensors) is refused on the
+    float64 route at its first micro-batch, and on the batch-invariant route for a difference micro-batch of
+    several examples (it used to run in float32, batched); examples declared alone run, and so does a float64
+    model on the float64 route."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed with gloo and no process group of the test session")
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for precision, dtype in (("float64", torch.float64), ("float64", torch.float32),
+                                 ("batch_invariant", torch.float32)):
+            model = tiny_bert(num_labels=1, dtype=dtype)
+            fully_shard(model)
+            plan = PrivacyPlan.for_optimizer(
+                method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0,
+                                             "difference_precision": precision},
+                noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
+            )
+            engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.1, verify_first_backward=False)
+            ids, y = _batch(4, 0)
+
+            def loss_fn_of(ids, y, engine=engine):
+                return lambda values: (engine.call_model(values, input_ids=ids).logits.squeeze(-1) - y) ** 2
+
+            if dtype == torch.float64:  # a float64 model: both rounds run batched (no refusal)
+                for _ in range(2):
+                    optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=4)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                continue
+            if precision == "float64":
+                with pytest.raises(ValueError, match="FSDP2"):
+                    optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=4)
+                continue
+            optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=4)  # a restart round: any grouping
+            optimizer.step()
+            optimizer.zero_grad()
+            with pytest.raises(ValueError, match="FSDP2"):
+                optimizer.accumulate(engine, loss_fn_of(ids, y), batch_size=4)
+            optimizer.zero_grad()
+            for i in range(4):
+                optimizer.accumulate(engine, loss_fn_of(ids[i:i + 1], y[i:i + 1]), batch_size=1, alone=True)
+            optimizer.run_without_contributing(engine, loss_fn_of(ids[:1], y[:1]), batch_size=1)  # FSDP2's padding
+            optimizer.step()
+            assert optimizer.dp_steps == 2
+    finally:
+        dist.destroy_process_group()
+
+
+def _float64_adapters_norms(n: int, precision: str):
+    """Per-example difference norms of a difference round with float64 LoRA adapters on a float32 base (the
+    batch-dependent rounding stand-in on the base's embeddings), batched, and whether the round asks for the
+    examples alone."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_bert(num_labels=1, dtype=torch.float32)
+    base.bert.embeddings.register_forward_hook(_round_like_a_batch_dependent_kernel)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["query", "value"]))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.double()
+    plan = PrivacyPlan.for_optimizer(
+        method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0,
+                                     "difference_precision": precision},
+        noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
+    )
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=5e-6, verify_first_backward=False)
+    ids, y = _batch(13, 1)
+    y[12] = 1e3
+
+    def loss_fn_of(ids, y):
+        return lambda values: (engine.call_model(values, input_ids=ids).logits.squeeze(-1).double() - y.double()) ** 2
+
+    optimizer.accumulate(engine, loss_fn_of(ids[:8], y[:8]), batch_size=8)
+    optimizer.step()
+    grads, _, _ = optimizer._per_example_pass(engine, loss_fn_of(ids[:n], y[:n]), n)
+    return grads.norms().double(), optimizer.wants_examples_alone()
+
+
+def test_float64_adapters_on_a_float32_base_are_not_a_float64_model():
+    """Float64 trainable parameters do not make a float64 model: with float64 LoRA adapters on a float32 base the
+    base ran in float32, batched (the batch-invariant route took it for a float64 model and asked for no example
+    alone; the float64 route gave points only to the adapters), and an example's difference moved by 36% when a
+    neighbour joined the batch. Now the batch-invariant route asks for each example alone and a batch runs the
+    whole model in float64 (both routes)."""
+    without, alone = _float64_adapters_norms(12, "float64")
+    with_x, _ = _float64_adapters_norms(13, "float64")
+    assert not alone  # the float64 route: batched, in float64
+    drift = ((with_x[:12] - without).abs() / without).max().item()
+    assert drift <= 1e-5, f"an example's clipped difference moved by {drift:.2e} when x joined the batch"
+    assert _float64_adapters_norms(1, "batch_invariant")[1]  # each example alone: the base is float32
+
+
+def test_difference_round_noise_has_the_rounds_std_in_float32():
+    """An empty difference round of a float32 model releases pure noise: v~_2 - v~_1 = N(0, (z2 C_2,r / B)^2 I), in
+    float32, with the round's own threshold (not C1) and z2 (6465 coordinates: the std within 5%)."""
+    model = tiny_bert(num_labels=1, dtype=torch.float32)
+    plan = PrivacyPlan.for_optimizer(
+        method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 3.0,
+                                     "difference_noise_multiplier": 2.0},
+        noise_multiplier=0.5, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
+    )
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3, verify_first_backward=False)
+    ids, y = _batch(4, 0)
+    optimizer.accumulate(engine, lambda v: (engine.call_model(v, input_ids=ids).logits.squeeze(-1) - y) ** 2, 4)
+    optimizer.step()
+    optimizer.zero_grad()
+    before = {p: v.clone() for p, v in optimizer._estimate.items()}
+    threshold = optimizer.sensitivity()
+    assert threshold != 1.0 and optimizer.round_noise_multiplier() == 2.0
+    optimizer.accumulate(engine, None, batch_size=0)  # an empty Poisson sample: the noise alone
+    optimizer.step()
+    increment = torch.cat([(optimizer._estimate[p] - before[p]).flatten() for p in before])
+    assert {v.dtype for v in optimizer._estimate.values()} == {torch.float32}
+    assert float(increment.double().std()) == pytest.approx(2.0 * threshold / 4.0, rel=0.05)
+
+
+def test_resume_between_a_restart_and_its_difference_rounds(tmp_path):
+    """A checkpoint after the restart round and one difference round (T = 3), resumed: the resumed run's first
+    step is a difference round, cut example by example (declared alone) before the resumed optimizer has seen an
+    engine, and computed from the restored x_{r-2} and v~; at noise 0 and full batch it ends where the
+    uninterrupted run ends."""
+    from helpers import ListDataset, PadCollator, make_examples
+    from models import VOCAB, tiny_roberta
+    from transformers import TrainerCallback
+
+    from hf_dpfilter import DPTrainer, DPTrainingArguments
+
+    examples = make_examples(6, VOCAB, causal=False, seed=3)
+    declared = []
+
+    class Spy(DPTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            out = super().training_step(model, inputs, num_items_in_batch)
+            declared.append((self.dp_optimizer.dp_steps, self._alone_declaration.get("alone", False)))
+            return out
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2 and args.output_dir.endswith("cut")
+
+    def run(name, resume=None):
+        args = DPTrainingArguments(
+            output_dir=str(tmp_path / name), dp_method="diff2", noise_multiplier=0.0, per_sample_max_grad_norm=0.01,
+            logical_batch_size=6, per_device_train_batch_size=3, max_steps=3, optim="sgd", learning_rate=0.1,
+            lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="steps",
+            save_steps=2, remove_unused_columns=False, dp_seed=0, accountant="rdp", dp_method_args={"restart_every": 3},
+        )
+        trainer = Spy(model=tiny_roberta(dtype=torch.float32), args=args, train_dataset=ListDataset(examples),
+                      data_collator=PadCollator(1), callbacks=[Stop()])
+        trainer.train(resume_from_checkpoint=resume)
+        return torch.cat([p.detach().double().flatten() for p in trainer.model.parameters()])
+
+    full = run("full")
+    run("cut")
+    declared.clear()
+    resumed = run("cut", resume=str(tmp_path / "cut" / "checkpoint-2"))
+    assert declared == [(2, True)]  # the resumed run's only step: a difference round, each example alone
+    assert float((resumed - full).norm()) <= 1e-6 * float(full.norm())

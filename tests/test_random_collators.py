@@ -152,3 +152,27 @@ def test_packed_batches_with_random_token_replacement(tmp_path):
     trainer.train()
     assert trainer._batch_structure.packed and trainer._batch_structure.random == frozenset({"input_ids"})
     assert trainer.accountant.steps == 2 and trainer._separation.rechecks_run >= 2
+
+
+def test_diff2_difference_round_examples_alone_keep_their_masks(tmp_path):
+    """DIFF2's difference rounds compute each example as a micro-batch of its own, collated alone: with a masked-LM
+    collator (padded to a multiple of 8, wider alone than its trimmed row) each example alone carries the mask its
+    row drew in the step's micro-batch, not a fresh one (the same draw as the clipped gradient of the batch)."""
+    kept = []
+
+    class Spy(DPTrainer):
+        def _each_example_alone(self, cut, possible):
+            out = super()._each_example_alone(cut, possible)
+            rows = [micro_batch[1][i] for micro_batch, raws in cut for i in range(len(raws))] if out is not cut else []
+            for row, (alone, _) in zip(rows, out):
+                w = min(alone[1].shape[1], row.shape[0])
+                kept.append(torch.equal(alone[1][0, :w], row[:w]) and bool((alone[1][0, w:] == -100).all())
+                            and bool((row[w:] == -100).all()))
+            return out
+
+    collator = DataCollatorForLanguageModeling(_tokenizer(), mlm=True, mlm_probability=0.3, pad_to_multiple_of=8)
+    trainer = Spy(model=_model(), args=_args(tmp_path, dp_method="diff2", max_steps=2,
+                                             dp_method_args={"restart_every": 2, "difference_max_grad_norm": 1.0}),
+                  train_dataset=ListDataset(_rows()), data_collator=collator)
+    trainer.train()
+    assert trainer._alone_declaration == {"alone": True} and kept and all(kept)

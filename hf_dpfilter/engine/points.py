@@ -25,7 +25,7 @@ from hf_dpfilter.engine.per_example import PerExampleGradients
 if TYPE_CHECKING:
     from hf_dpfilter.engine.recorder import GhostClippingEngine
 
-__all__ = ["CurrentPoint", "LossFn", "Point", "per_example_combination"]
+__all__ = ["CurrentPoint", "Float64Point", "LossFn", "Point", "per_example_combination"]
 
 #: ``loss_fn(param_values)``: the per-example losses (B,) of a forward at those values (None: the current ones)
 LossFn = Callable[[dict[nn.Parameter, torch.Tensor] | None], torch.Tensor]
@@ -36,6 +36,16 @@ Point = tuple[float, "dict[nn.Parameter, torch.Tensor] | None"]
 class CurrentPoint(dict):
     """Values of a gradient point that IS the current point, given explicitly (DIFF2 gives it in float64): its
     losses are the ones the step reports, as for a point given as ``None``."""
+
+
+class Float64Point(dict):
+    """Values of a gradient point at which the WHOLE model runs in float64 (frozen parameters and floating buffers
+    too, :meth:`GhostClippingEngine.call_model`), also when the trainable parameters are float64 already: float64
+    adapters on a float32 base would otherwise compute the base in float32 (DIFF2's float64 route)."""
+
+
+class CurrentFloat64Point(CurrentPoint, Float64Point):
+    """The current point, given in float64 for the whole model."""
 
 
 def per_example_combination(

@@ -57,6 +57,7 @@ from hf_dpfilter.engine.checkpointing import (
 from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, is_experts, recorded_output
 from hf_dpfilter.engine.per_example import PerExampleGradients
+from hf_dpfilter.engine.points import Float64Point
 from hf_dpfilter.engine.precision import (
     _AUTOCAST_MATMUL_LAYERS,
     _LOW_PRECISION,
@@ -417,12 +418,14 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if not param_values:
             return self.model(*args, **kwargs)
         values = {self.parameter_name(p): v for p, v in param_values.items()}
-        if any(v.dtype == torch.float64 and p.dtype != torch.float64 for p, v in param_values.items()):
-            # A point given in float64 runs the whole model in float64 (frozen parameters and floating buffers
-            # too): DIFF2's difference rounds, whose per-example difference g(x) - g(x') cancels, so that its
-            # terms carry no float32 rounding (which depends on the batch's composition through the kernels'
-            # blocking) amplified by ||g|| / ||g(x) - g(x')||. First names only: functional_call ties the other
-            # names of tied weights (tie_weights=True).
+        if isinstance(param_values, Float64Point) or any(
+                v.dtype == torch.float64 and p.dtype != torch.float64 for p, v in param_values.items()):
+            # A point given in float64 (or a Float64Point: float64 trainable parameters on a float32 base too) runs
+            # the whole model in float64 (frozen parameters and floating buffers too): DIFF2's difference rounds,
+            # whose per-example difference g(x) - g(x') cancels, so that its terms carry no float32 rounding
+            # (which depends on the batch's composition through the kernels' blocking) amplified by
+            # ||g|| / ||g(x) - g(x')||. First names only: functional_call ties the other names of tied weights
+            # (tie_weights=True).
             for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
                 if name not in values and tensor.is_floating_point() and tensor.dtype != torch.float64:
                     values[name] = tensor.double() if tensor.requires_grad else tensor.detach().double()

@@ -59,9 +59,13 @@ route must make the second term vanish or be negligible:
   empirical factor is not a proof, and the bound would be a function of the private per-example norms.
 
 Under FSDP2 sharding the points are written into the shards: no float64 copy is made there, and only the
-``"batch_invariant"`` route with micro-batches declared alone is batch-invariant. On both routes the round's
-sums are float64; the noise is drawn in float32 (as DP-SGD's) and added to them in float64, so the sums are not
-rounded before the noise (:meth:`Diff2.privatize`).
+``"batch_invariant"`` route with micro-batches declared alone is batch-invariant, so a float32/bf16 sharded model
+is refused with the fix on the ``"float64"`` route (at its first micro-batch) and for a difference micro-batch
+not declared alone (before that round is released); FSDP2's padding micro-batch, which releases nothing, runs as
+it is. "A float64 model" is the whole model (every floating parameter and buffer, frozen ones included; float64
+adapters on a float32 base are not one). On both routes the round's sums are float64; the noise is drawn in
+float32 (as DP-SGD's) and added to them in float64, so the sums are not rounded before the noise
+(:meth:`Diff2.privatize`).
 
 **Batches.** The paper analyses full batch (DIFF2-GD): ``logical_batch_size = N`` gives q = 1 and every
 example in every round. With Poisson minibatches (q < 1) each round is still a Poisson-subsampled Gaussian
@@ -89,7 +93,7 @@ import torch
 from torch import nn
 
 from hf_dpfilter.engine import PerExampleGradients
-from hf_dpfilter.engine.points import CurrentPoint
+from hf_dpfilter.engine.points import CurrentFloat64Point, Float64Point
 from hf_dpfilter.noise import noisy_averages
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
@@ -102,6 +106,17 @@ DIFF2_NEIGHBOURINGS = ("add_remove", "replace_one")
 DIFF2_PRECISIONS = ("batch_invariant", "float64")
 
 __all__ = ["DIFF2_NEIGHBOURINGS", "DIFF2_PRECISIONS", "Diff2", "Diff2Config", "diff2_history"]
+
+#: DIFF2 under FSDP2 with a float32/bf16 model, a difference micro-batch not declared alone (or the float64 route)
+_SHARDED_REFUSAL = (
+    "DIFF2 under FSDP2 sharding writes the difference round's points into the shards, in the model's dtype (no "
+    "float64 copy of a sharded model is made), so only an example computed alone is batch-invariant there; a "
+    "micro-batch of several examples (or not declared alone), or difference_precision='float64', would let one "
+    "example move the others' clipped differences beyond the sensitivity. Fix: keep "
+    "difference_precision='batch_invariant' with DPTrainer at example level (it computes each example of a "
+    "difference round alone and declares it), call accumulate(..., batch_size=1, alone=True) for one example "
+    "collated alone in a loop of your own, or train a float64 model."
+)
 
 
 def diff2_history(
@@ -178,6 +193,9 @@ class Diff2Config(MethodConfig):
                              f"{self.difference_precision!r}.")
         if self.float64_differences is not None and not isinstance(self.float64_differences, bool):
             raise ValueError(f"diff2: float64_differences must be True, False or None, got {self.float64_differences!r}.")
+        if self.float64_differences is False and self.difference_precision == "float64":
+            raise ValueError("diff2: float64_differences=False contradicts difference_precision='float64' (the earlier "
+                             "switch would select 'batch_invariant'); give difference_precision alone.")
 
     @property
     def precision_route(self) -> str:
@@ -292,6 +310,8 @@ class Diff2(DPOptimizer):
         self.neighbouring = config.neighbouring
         self.precision_route = config.precision_route
         self._alone = False  # the micro-batch being accumulated is one example collated alone (declared)
+        self._discarded = False  # the micro-batch being run is FSDP2's padding (run_without_contributing)
+        self._float64_seen: tuple[Any, bool] | None = None  # (engine, whether its whole model is float64)
         self._points_cache: tuple[tuple[int, bool], list] | None = None  # this round's points (_round_points)
         self.full_batch = self.sample_rate is not None and self.sample_rate >= 1.0
         self._estimate: dict[nn.Parameter, torch.Tensor] | None = None  # v~_{r-1}
@@ -339,7 +359,12 @@ class Diff2(DPOptimizer):
         if self.current_round().restart:
             return [(1.0, None)]
         batch_invariant = self._alone and self.precision_route == "batch_invariant"
-        native = batch_invariant or self.sharded or all(p.dtype == torch.float64 for p in self.params)
+        float64_model = self._float64_model()
+        if self.sharded and not (batch_invariant or float64_model or self._discarded):
+            # FSDP2 writes the points into the shards (no float64 copy): a batch of several examples would run
+            # in the model's dtype, batched, which is not batch-invariant (module docstring, "Precision")
+            raise ValueError(_SHARDED_REFUSAL)
+        native = batch_invariant or self.sharded or float64_model
         # both points in float64 otherwise, the whole model (engine.call_model): the "float64" route, and the
         # fallback of a micro-batch of several examples (or not declared alone); module docstring, "Precision"
         return self._round_points(native)
@@ -359,8 +384,8 @@ class Diff2(DPOptimizer):
         if native:
             points = [(1.0, None), (-1.0, previous)]
         else:
-            here = CurrentPoint({p: p.double() for p in previous})
-            points = [(1.0, here), (-1.0, {p: v.double() for p, v in previous.items()})]
+            here = CurrentFloat64Point({p: p.double() for p in previous})
+            points = [(1.0, here), (-1.0, Float64Point({p: v.double() for p, v in previous.items()}))]
         self._points_cache = (key, points)
         return points
 
@@ -369,7 +394,21 @@ class Diff2(DPOptimizer):
         give each example as a micro-batch of its own, collated alone, with ``accumulate(..., alone=True)``."""
         if self.precision_route != "batch_invariant" or self.current_round().restart:
             return False
-        return not all(p.dtype == torch.float64 for p in self.params)
+        return not self._float64_model()
+
+    def _float64_model(self) -> bool:
+        """Whether the whole model is float64, every floating parameter (trainable or frozen) and buffer of the
+        engine's model: only then does a batch run natively in float64. The trainable parameters alone do not
+        say it (float64 adapters on a float32 base compute the base in float32, batched); before an engine is
+        seen (a resumed run's first cut) nothing is proven, and examples are computed alone."""
+        engine = self._engine_checked
+        model = getattr(engine, "model", None)
+        if model is None:
+            return False
+        if self._float64_seen is None or self._float64_seen[0] is not engine:  # once per engine, not per example
+            tensors = [*model.parameters(), *model.buffers()]
+            self._float64_seen = (engine, all(t.dtype == torch.float64 for t in tensors if t.is_floating_point()))
+        return self._float64_seen[1]
 
     def accumulate(self, engine: Any, loss_fn: Any, batch_size: int, alone: bool = False) -> torch.Tensor:
         """:meth:`DPOptimizer.accumulate`; ``alone=True`` declares that the micro-batch is ONE example (one privacy
@@ -378,10 +417,23 @@ class Diff2(DPOptimizer):
         declaration (or with several examples) a difference round runs in float64. The declaration is the
         caller's: DPTrainer makes it only for the micro-batches it collated alone."""
         self._alone = bool(alone) and batch_size == 1
+        if self.sharded and self.precision_route == "float64" and batch_size > 0:
+            self._check_engine(engine)  # its model says whether the whole model is float64
+            if not self._float64_model():
+                raise ValueError(_SHARDED_REFUSAL)  # at the first micro-batch of the run, before any release
         try:
             return super().accumulate(engine, loss_fn, batch_size)
         finally:
             self._alone = False
+
+    def run_without_contributing(self, engine: Any, loss_fn: Any, batch_size: int) -> None:
+        """:meth:`DPOptimizer.run_without_contributing`: FSDP2's padding micro-batch runs at the round's points in
+        the shards' dtype (nothing of it is released, so its precision is free)."""
+        self._discarded = True
+        try:
+            super().run_without_contributing(engine, loss_fn, batch_size)
+        finally:
+            self._discarded = False
 
     def sensitivity(self) -> float:
         """L2 sensitivity of this round's pre-noise sum: C1 or C_{2,r}, doubled under replace-one."""
