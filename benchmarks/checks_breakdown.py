@@ -331,8 +331,8 @@ def _stage_scripts(root: str, data_dir: str | None, examples: int) -> None:
                 handle.write(text)
 
 
-def _script_run(root: str, private: bool, padded: bool, steps: int) -> float:
-    """One fresh process running the script's ``main()``; returns ``main()``'s seconds."""
+def _script_run(root: str, private: bool, padded: bool, steps: int, code_root: str = ROOT) -> float:
+    """One fresh process running the script's ``main()`` with ``code_root``'s hf_dpfilter; returns ``main()``'s seconds."""
     import json
     import subprocess
     import sys
@@ -346,7 +346,7 @@ def _script_run(root: str, private: bool, padded: bool, steps: int) -> float:
              else ["--gradient_accumulation_steps", "4"])
     code = (f"import sys, time; sys.path.insert(0, {root!r}); import {module} as m; start = time.perf_counter(); "
             f"m.main({argv!r}); print('SECONDS', time.perf_counter() - start)")
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "PYTHONPATH": code_root, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("SECONDS")]
     if not lines:
@@ -363,6 +363,9 @@ def scripts_main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--examples", type=int, default=512)
     parser.add_argument("--steps", default="5,50", help="comma-separated max_steps")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", default=None,
+                        help="another checkout (e.g. `git worktree add ../base main`): its private runs are timed "
+                             "interleaved with this one's, as 'private, baseline'")
     args = parser.parse_args(argv)
     results: dict[tuple, list[float]] = {}
     with tempfile.TemporaryDirectory() as root:
@@ -370,17 +373,24 @@ def scripts_main(argv: list[str] | None = None) -> dict:
         for round_ in range(args.rounds):
             for steps in [int(s) for s in args.steps.split(",")]:
                 for padded in (False, True):
-                    for private in ((False, True) if round_ % 2 == 0 else (True, False)):
-                        results.setdefault((steps, padded, private), []).append(
-                            _script_run(root, private, padded, steps))
+                    variants = [(False, ROOT), (True, ROOT)] + ([(True, args.baseline)] if args.baseline else [])
+                    for private, code_root in (variants if round_ % 2 == 0 else variants[::-1]):
+                        key = (steps, padded, "baseline" if code_root != ROOT else private)
+                        results.setdefault(key, []).append(_script_run(root, private, padded, steps, code_root))
     out = {}
     print(f"checks-breakdown --scripts: tests/scripts/run_ner.py, tiny BERT, {args.examples} examples (SST-2 lengths), "
           f"micro-batches 8, logical batch 32, fresh processes, {args.rounds} rounds")
     for steps, padded in sorted({(k[0], k[1]) for k in results}):
         plain, private = results[(steps, padded, False)], results[(steps, padded, True)]
         ratio = statistics.median(p / n for p, n in zip(private, plain))
-        out[f"{steps} steps, {'max_length' if padded else 'dynamic'}"] = {
-            "non_private_s": statistics.median(plain), "private_s": statistics.median(private), "ratio": ratio}
-        print(f"  {steps:4d} steps, {'max_length' if padded else 'dynamic padding':15s} main(): non-private "
-              f"{statistics.median(plain):.2f} s, private {statistics.median(private):.2f} s, ratio {ratio:.2f}")
+        row = {"non_private_s": statistics.median(plain), "private_s": statistics.median(private), "ratio": ratio}
+        line = (f"  {steps:4d} steps, {'max_length' if padded else 'dynamic padding':15s} main(): non-private "
+                f"{statistics.median(plain):.2f} s, private {statistics.median(private):.2f} s, ratio {ratio:.2f}")
+        if (steps, padded, "baseline") in results:
+            base = results[(steps, padded, "baseline")]
+            row["baseline_private_s"] = statistics.median(base)
+            row["baseline_ratio"] = statistics.median(b / n for b, n in zip(base, plain))
+            line += f"; baseline private {row['baseline_private_s']:.2f} s, ratio {row['baseline_ratio']:.2f}"
+        out[f"{steps} steps, {'max_length' if padded else 'dynamic'}"] = row
+        print(line)
     return out

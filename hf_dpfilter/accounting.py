@@ -69,6 +69,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hf_dpfilter.rdp_analysis import opacus_rdp as _opacus_rdp
+
 if TYPE_CHECKING:
     from prv_accountant import PRVAccountant
 
@@ -158,13 +160,12 @@ def _aggregate(history: Iterable[Sequence[float]]) -> _HistoryKey:
 
 @functools.lru_cache(maxsize=4096)
 def _rdp_curve(sigma: float, q: float) -> np.ndarray:
-    from opacus.accountants.analysis import rdp as opacus_rdp
-
+    opacus_rdp = _opacus_rdp()
     return np.asarray(opacus_rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(_RDP_ORDERS)))
 
 
 def _eps_rdp(key: _HistoryKey, delta: float) -> float:
-    from opacus.accountants.analysis import rdp as opacus_rdp
+    opacus_rdp = _opacus_rdp()
 
     total = sum(_rdp_curve(s, q) * n for s, q, n in key)
     with warnings.catch_warnings():

@@ -11,6 +11,7 @@ Nothing maps an old name onto a new one (the project is young): a clear error na
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from typing import Any, TypeVar
@@ -53,12 +54,18 @@ def check_no_retired_names(names: Iterable[str], where: str) -> None:
 def refuse_retired_names(cls: type[_T]) -> type[_T]:
     """Class decorator (after ``@dataclass``): the generated ``__init__`` refuses a retired keyword with the name
     that replaced it, instead of Python's bare "unexpected keyword argument". Wrapping the generated ``__init__``
-    is the one way a dataclass can see names that are not its fields."""
+    is the one way a dataclass can see names that are not its fields.
+
+    Only the keywords that are not fields of ``cls`` are checked: a field is accepted by the generated
+    ``__init__`` whatever its name, so it cannot be a retired name, and every other keyword fails there anyway.
+    This keeps the common case (``HfArgumentParser`` passes every field as a keyword) from importing the DP
+    methods' config modules, which :func:`retired_name_message` needs to know their retired names."""
     generated = cls.__init__
+    field_names = frozenset(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
 
     @functools.wraps(generated)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        check_no_retired_names(kwargs, cls.__name__)
+        check_no_retired_names((name for name in kwargs if name not in field_names), cls.__name__)
         generated(self, *args, **kwargs)
 
     cls.__init__ = __init__  # type: ignore[method-assign]
