@@ -168,28 +168,24 @@ class DiSKOptimizer(DPOptimizer):
         params = self.params
         return {
             "filtered": None if self._filtered is None else dict(zip(params, self._filtered)),
-            # x_{t-1}: d_{t-1} = x_t - x_{t-1} is formed from it exactly as in an uninterrupted run
-            "anchor": None if self._anchor is None else dict(zip(params, self._anchor_values())),
+            # x_{t-1}: d_{t-1} = x_t - x_{t-1} is formed from it exactly as in an uninterrupted run; inside a step
+            # (a state_dict between the first micro-batch and the step) the look-ahead point itself, flagged: x_{t-1}
+            # cannot be recovered from it exactly (the division by gamma magnifies the rounding), the point is
+            # exactly what the rest of the step (at the same x_t) evaluates
+            "anchor": None if self._anchor is None else dict(zip(params, self._anchor)),
+            "anchor_is_point": self._anchor_is_point,
         }
-
-    def _anchor_values(self) -> list[torch.Tensor]:
-        """x_{t-1}; inside a step (the look-ahead point formed) x_t - (point - x_t) / gamma, to rounding."""
-        if not self._anchor_is_point:
-            return list(self._anchor)
-        params = [p.detach() for p in self.params]
-        change = torch._foreach_sub(self._anchor, params)  # gamma d_{t-1}
-        return torch._foreach_sub(params, torch._foreach_div(change, self.gamma))
 
     def load_method_state_dict(self, state: dict[str, Any]) -> None:
         params = self.params
         self._filtered = None if state["filtered"] is None else [state["filtered"][p] for p in params]
+        self._anchor_is_point = False
         if "anchor" in state:
             self._anchor = None if state["anchor"] is None else [state["anchor"][p] for p in params]
+            self._anchor_is_point = self._anchor is not None and bool(state.get("anchor_is_point", False))
         else:  # a checkpoint of an earlier version keeps d_{t-1}: x_{t-1} = x_t - d_{t-1}
             delta = state.get("delta")
             self._anchor = None if delta is None else torch._foreach_sub([p.detach() for p in params],
                                                                          [delta[p] for p in params])
-        self._anchor_is_point = False
-
 
 __all__ = ["DiSKConfig", "DiSKOptimizer"]
