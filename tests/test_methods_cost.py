@@ -189,3 +189,40 @@ def test_points_of_tied_weights_in_micro_batches_equal_the_per_example_reference
         for acc, grad in zip(expected, v):
             acc += factor * grad
     torch.testing.assert_close(flat([sums[p] for p in params]), flat(expected), rtol=1e-10, atol=1e-13)
+
+
+def test_disk_two_points_with_a_negative_weight_in_float32_train_and_keep_sensitivity_c():
+    """c > 1 (gamma below the one-pass value): the combination's negative weight makes the step's sums float64
+    (precise mode) after a first step of one point in float32; the one-`lerp` filter takes both. float32, the
+    clipped sum moves by at most C when one example is removed, over two micro-batches."""
+    model = tiny_roberta(num_labels=1, dtype=torch.float32)
+    model.eval()
+    engine = GhostClippingEngine(model)
+    opt = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, method="disk",
+                            method_args={"kappa": 0.7, "gamma": 0.2}, noise_multiplier=0.0, max_grad_norm=1.0,
+                            expected_batch_size=4, seed=3, lr=0.2)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def presum(batch, splits):
+        opt.zero_grad()
+        for rows in splits:
+            part = {k: v[rows] for k, v in batch.items()}
+            opt.accumulate(engine, lambda values, part=part: per_example_loss(
+                engine.call_model(values, input_ids=part["input_ids"], attention_mask=part["attention_mask"]).logits,
+                part["labels"], causal_lm=False), len(rows))
+        sums = opt._local_sums()
+        return flat([sums[p].float() for p in params])
+
+    for seed in (1, 2, 3):
+        batch = {k: v.float() if v.is_floating_point() else v for k, v in _batch(4, seed).items()}
+        batch["labels"][0] = 30.0  # clipped
+        presum(batch, [[0, 1], [2, 3]])
+        opt.step()
+    assert opt.gradient_points()[0][0] < 0 and all(f.dtype == torch.float32 for f in opt._filtered)
+    batch = {k: v.float() if v.is_floating_point() else v for k, v in _batch(5, 9).items()}
+    batch["labels"][0] = 50.0
+    whole = presum(batch, [[0, 1], [2, 3, 4]])
+    for i in range(5):
+        without = presum(batch, [[j for j in rows if j != i] for rows in ([0, 1], [2, 3, 4])])
+        assert (whole - without).norm() <= 1.0 + 1e-4
+    opt.zero_grad()

@@ -149,11 +149,14 @@ class DiSKOptimizer(DPOptimizer):
     @torch.no_grad()
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         noisy = list(grads.values())
-        if self._filtered is None:
-            self._filtered = [g.clone() for g in noisy]
+        if self._filtered is None:  # g~ in the clipped sums' dtype (float32, float64 for float64 parameters)
+            self._filtered = [g.to(torch.float64 if p.dtype == torch.float64 else torch.float32, copy=True)
+                              for p, g in grads.items()]
         else:
-            # g~_t = (1 - kappa) g~_{t-1} + kappa g_t in one pass (lerp: g~ + kappa (g - g~))
-            torch._foreach_lerp_(self._filtered, noisy, self.kappa)
+            # g~_t = (1 - kappa) g~_{t-1} + kappa g_t in one pass (lerp: g~ + kappa (g - g~)); g_t is float64 in
+            # the steps whose combination has a negative weight (c > 1, the engine's precise mode) and float32 in
+            # the first one (one point): lerp takes one dtype, so it is rounded to g~'s (no copy when the same)
+            torch._foreach_lerp_(self._filtered, [g.to(f.dtype) for f, g in zip(self._filtered, noisy)], self.kappa)
             copy_all_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
         # x_t becomes x_{(t+1)-1}: d_t = x_{t+1} - x_t is formed from it at the next step's point
         current = [p.detach() for p in grads]
