@@ -142,3 +142,18 @@ def test_cpu_loaded_method_state_resumes_on_cuda(method, kw):
     _step(resumed, resumed_engine, 3)
     for p, q in zip(model.parameters(), resumed_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("saved,resumed,match", [
+    (("pmlf", {"k": 3}), ("pmlf", {"k": 2}), "resume with the checkpoint's k"),  # 3 points used silently
+    (("doppler", {}), ("doppler", {"preset": "second_order"}), "of order 1 and this run's of order 2"),  # IndexError
+    (("doppler", {"preset": "second_order"}), ("doppler", {}), "of order 2 and this run's of order 1"),  # silent
+])
+def test_a_checkpoint_of_other_method_settings_is_refused_before_any_step(saved, resumed, match):
+    model = tiny_roberta(num_labels=1).float()
+    engine, opt = _private(model, *saved)
+    for seed in (1, 2, 3):
+        _step(opt, engine, seed)
+    _, other = _private(model, *resumed)
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(opt.state_dict())
