@@ -62,6 +62,7 @@ CASES = [  # (model, method, method args)
     ("llama_lora", "dpsgd", None),
     ("llama", "disk", {"kappa": 0.7, "gamma": 0.5}),  # two points: x_t and x_t + gamma d_{t-1}
     ("llama", "disk", None),  # one point, at x_t + gamma d_{t-1} (other values than the model's)
+    ("llama", "pmlf", {"k": 3, "beta": 0.9}),  # the stored snapshots themselves (views) recomputed in the backward
 ]
 
 

@@ -149,11 +149,14 @@ class DiSKOptimizer(DPOptimizer):
     @torch.no_grad()
     def postprocess(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         noisy = list(grads.values())
-        if self._filtered is None:
-            self._filtered = [g.clone() for g in noisy]
+        if self._filtered is None:  # g~ in the clipped sums' dtype (float32, float64 for float64 parameters)
+            self._filtered = [g.to(torch.float64 if p.dtype == torch.float64 else torch.float32, copy=True)
+                              for p, g in grads.items()]
         else:
-            # g~_t = (1 - kappa) g~_{t-1} + kappa g_t in one pass (lerp: g~ + kappa (g - g~))
-            torch._foreach_lerp_(self._filtered, noisy, self.kappa)
+            # g~_t = (1 - kappa) g~_{t-1} + kappa g_t in one pass (lerp: g~ + kappa (g - g~)); g_t is float64 in
+            # the steps whose combination has a negative weight (c > 1, the engine's precise mode) and float32 in
+            # the first one (one point): lerp takes one dtype, so it is rounded to g~'s (no copy when the same)
+            torch._foreach_lerp_(self._filtered, [g.to(f.dtype) for f, g in zip(self._filtered, noisy)], self.kappa)
             copy_all_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
         # x_t becomes x_{(t+1)-1}: d_t = x_{t+1} - x_t is formed from it at the next step's point
         current = [p.detach() for p in grads]
@@ -168,28 +171,24 @@ class DiSKOptimizer(DPOptimizer):
         params = self.params
         return {
             "filtered": None if self._filtered is None else dict(zip(params, self._filtered)),
-            # x_{t-1}: d_{t-1} = x_t - x_{t-1} is formed from it exactly as in an uninterrupted run
-            "anchor": None if self._anchor is None else dict(zip(params, self._anchor_values())),
+            # x_{t-1}: d_{t-1} = x_t - x_{t-1} is formed from it exactly as in an uninterrupted run; inside a step
+            # (a state_dict between the first micro-batch and the step) the look-ahead point itself, flagged: x_{t-1}
+            # cannot be recovered from it exactly (the division by gamma magnifies the rounding), the point is
+            # exactly what the rest of the step (at the same x_t) evaluates
+            "anchor": None if self._anchor is None else dict(zip(params, self._anchor)),
+            "anchor_is_point": self._anchor_is_point,
         }
-
-    def _anchor_values(self) -> list[torch.Tensor]:
-        """x_{t-1}; inside a step (the look-ahead point formed) x_t - (point - x_t) / gamma, to rounding."""
-        if not self._anchor_is_point:
-            return list(self._anchor)
-        params = [p.detach() for p in self.params]
-        change = torch._foreach_sub(self._anchor, params)  # gamma d_{t-1}
-        return torch._foreach_sub(params, torch._foreach_div(change, self.gamma))
 
     def load_method_state_dict(self, state: dict[str, Any]) -> None:
         params = self.params
         self._filtered = None if state["filtered"] is None else [state["filtered"][p] for p in params]
+        self._anchor_is_point = False
         if "anchor" in state:
             self._anchor = None if state["anchor"] is None else [state["anchor"][p] for p in params]
+            self._anchor_is_point = self._anchor is not None and bool(state.get("anchor_is_point", False))
         else:  # a checkpoint of an earlier version keeps d_{t-1}: x_{t-1} = x_t - d_{t-1}
             delta = state.get("delta")
             self._anchor = None if delta is None else torch._foreach_sub([p.detach() for p in params],
                                                                          [delta[p] for p in params])
-        self._anchor_is_point = False
-
 
 __all__ = ["DiSKConfig", "DiSKOptimizer"]

@@ -286,6 +286,13 @@ class LowPassPostprocessor:
         self.t = int(state["t"])
         self.c_history = [float(x) for x in state["c_history"]]
         buffers = state["buffers"]
+        if buffers is not None and len(buffers) != self.lowpass.order:
+            # the state of another filter would be read as this one's (or not fit it): refused before any step
+            raise ValueError(
+                f"The checkpoint's low-pass filter is of order {len(buffers)} and this run's of order "
+                f"{self.lowpass.order} (preset/b/a in dp_method_args): resume with the settings the checkpoint was "
+                "written with."
+            )
         self.buffers = None if buffers is None else [[z[p] for p in params] for z in buffers]
         saved_scale = state.get("state_scale")  # None: z itself (the general form, and older checkpoints)
         scale = self.lowpass.state_scale if self.scaled_state else None

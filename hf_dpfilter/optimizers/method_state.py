@@ -1,5 +1,10 @@
 """A method's extra state: copied into in place (DTensor-aware), and in a checkpoint with parameter keys replaced by
-their position, and back."""
+their position, and back.
+
+Loaded state keyed by a parameter is placed on that parameter's device (its dtype kept: the methods choose it):
+the Trainer loads ``optimizer.pt`` on the CPU when one GPU trains (``map_location="cpu"``) and torch's optimizers
+move their own state to the parameters, so a method's buffers must follow too (DiSK's in-place look-ahead, DP-PMLF's
+snapshots as parameter values and the filters' state are combined with tensors on the parameters' device)."""
 
 from __future__ import annotations
 
@@ -26,15 +31,17 @@ def params_to_index(obj: Any, index: dict[nn.Parameter, int]) -> Any:
     return obj
 
 
-def index_to_params(obj: Any, params: list[nn.Parameter]) -> Any:
+def index_to_params(obj: Any, params: list[nn.Parameter], device: torch.device | None = None) -> Any:
+    """The inverse of :func:`params_to_index`: fresh tensors, those keyed by a parameter on its device."""
     if isinstance(obj, dict):
         if "__param_keyed__" in obj:
-            return {params[int(i)]: index_to_params(v, params) for i, v in obj["__param_keyed__"].items()}
-        return {k: index_to_params(v, params) for k, v in obj.items()}
+            return {params[int(i)]: index_to_params(v, params, params[int(i)].device)
+                    for i, v in obj["__param_keyed__"].items()}
+        return {k: index_to_params(v, params, device) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [index_to_params(v, params) for v in obj]
+        return [index_to_params(v, params, device) for v in obj]
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        return obj.clone() if device is None or obj.device == device else obj.to(device, copy=True)
     return obj
 
 

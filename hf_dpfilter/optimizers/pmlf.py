@@ -113,6 +113,11 @@ class PMLFOptimizer(DPOptimizer):
 
     def load_method_state_dict(self, state: dict[str, Any]) -> None:
         params = self.params
+        if len(state["snapshots"]) > self.k - 1:  # the extra points would be used, silently, at every step
+            raise ValueError(
+                f"pmlf: the checkpoint holds {len(state['snapshots'])} parameter snapshots (k >= "
+                f"{len(state['snapshots']) + 1}) and this run has k = {self.k}: resume with the checkpoint's k."
+            )
         self._snapshots = [[snapshot[p] for p in params] for snapshot in state["snapshots"]]
         self.lowpass.load_state_dict(state["lowpass"], params)
 
