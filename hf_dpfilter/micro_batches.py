@@ -343,11 +343,13 @@ class MicroBatchMixin:
         if getattr(self, "_sampled_lead_until", None) is None:
             self._sampled_lead_until = steps  # the steps released before this trainer's first cut
         checking = steps == self._sampled_lead_until
+        budget = getattr(self.args, "dp_micro_batch_tokens", None)
+        if budget is not None and _decoder_side(self.model):  # the budget bounds the decoder's tokens too
+            lengths = length_grouping.with_target_lengths(lengths, raw)
         order = length_grouping.longest_first(lengths, None if units is None else [int(u) for u in units.tolist()])
         if units is not None:
             return None, (None if checking or order == sorted(order) else [raw[i] for i in order])
         size = self.args.per_device_train_batch_size
-        budget = getattr(self.args, "dp_micro_batch_tokens", None)
         multiple = getattr(self.data_collator, "pad_to_multiple_of", None)  # the padded widths the budget bounds
         if budget is not None and isinstance(multiple, int) and multiple > 1:
             lengths = [-(-n // multiple) * multiple for n in lengths]
