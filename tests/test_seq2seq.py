@@ -256,7 +256,7 @@ def test_user_level_units_clip_each_users_source_and_target_rows_together(tmp_pa
 def test_a_token_budget_bounds_the_decoder_side_too(tmp_path):
     """dp_micro_batch_tokens=16 on short sources with long targets (2-3 source tokens, 8-10 target tokens): each
     grouped micro-batch's rows x padded width stays within the budget on the decoder side too (it counted the
-    sources only: 6 rows of 3 source but 10 target tokens, 60 decoder positions), and one step at noise 0 equals the
+    sources only: 5 rows of 3 source but 10 target tokens, 50 decoder positions), and one step at noise 0 equals the
     ungrouped one (float64)."""
     from helpers import ListDataset, flat
 
