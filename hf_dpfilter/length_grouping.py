@@ -12,7 +12,8 @@ The length is read from what is declared, never guessed from a shape: the collat
 when ``attention_mask`` is a probed per-example key (for an encoder-decoder, the source's), else the raw row's
 ``input_ids`` length; with neither the sampled order is kept. Ties keep the sampled order (a stable sort). With
 ``privacy_unit='user'`` each unit's examples stay together and consecutive (units ordered by their longest example),
-as :func:`hf_dpfilter.units.unit_micro_batches` needs them.
+as :func:`hf_dpfilter.units.unit_micro_batches` needs them. Under a token budget an encoder-decoder's example counts
+its source or its target, whichever is longer (:func:`with_target_lengths`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["example_lengths", "longest_first", "micro_batch_groups", "padded_token_ratio"]
+__all__ = ["example_lengths", "longest_first", "micro_batch_groups", "padded_token_ratio", "with_target_lengths"]
 
 
 def example_lengths(inputs: dict[str, Any], raw: Sequence[Any] | None, per_example: frozenset[str] | set[str]
@@ -45,6 +46,24 @@ def example_lengths(inputs: dict[str, Any], raw: Sequence[Any] | None, per_examp
             return None
         lengths.append(len(ids))
     return lengths
+
+
+def with_target_lengths(lengths: Sequence[int], raw: Sequence[Any]) -> list[int]:
+    """An encoder-decoder's lengths for a token budget: each example's source length or its target's (the raw row's
+    ``labels``, or ``decoder_input_ids``, which the model's config declares to run along the decoder's tokens),
+    whichever is longer. A micro-batch's decoder side is padded to its longest target, so a budget counting the
+    sources alone let short sources with long targets fill a micro-batch far over it (memory, not privacy: each
+    example's gradient is the same in any micro-batch)."""
+    out = []
+    for n, row in zip(lengths, raw):
+        for key in ("labels", "decoder_input_ids"):
+            ids = row.get(key) if isinstance(row, dict) else None
+            if isinstance(ids, torch.Tensor) and ids.dim() != 1:
+                continue
+            if ids is not None and not isinstance(ids, (str, bytes)) and hasattr(ids, "__len__"):
+                n = max(n, len(ids))
+        out.append(n)
+    return out
 
 
 def longest_first(lengths: Sequence[int], units: Sequence[int] | None = None) -> list[int]:

@@ -259,8 +259,11 @@ class MicroBatchMixin:
         """The logical batch's micro-batches, each with the raw examples it holds in its own order (None without
         ``raw``, the rows the training collator attached): see :meth:`_micro_batches_with_members`; with
         ``privacy_unit='user'`` cut at unit boundaries (``unit_micro_batches``: consecutive groups, in order). With
-        ``dp_group_by_length`` the examples are first ordered by length (:meth:`_grouped_by_length`)."""
-        cut, grouped_raw = self._grouped_by_length(inputs, labels, num_examples, units, raw)
+        ``dp_group_by_length`` the examples are first ordered by length (:meth:`_grouped_by_length`), except in a step
+        whose examples are each computed alone (:meth:`_each_example_alone`): there no micro-batch of several is
+        computed, so none is collated (it was, and then dropped)."""
+        alone = raw is not None and units is None and self._examples_alone_wanted()
+        cut, grouped_raw = (None, None) if alone else self._grouped_by_length(inputs, labels, num_examples, units, raw)
         if grouped_raw is not None:  # user level: the units moved whole, the logical batch collated in the new order
             raw = grouped_raw
             inputs, labels, units = self._collated(raw)
@@ -290,12 +293,16 @@ class MicroBatchMixin:
         keeping the batch's draws of the collator's random keys), and declared so to ``accumulate``: its
         arithmetic then reads no other example. Without raw rows, or with user-level units, the micro-batches
         stay as cut and nothing is declared (the optimizer then falls back to float64)."""
-        optimizer = getattr(self, "dp_optimizer", None)
-        alone = possible and optimizer is not None and optimizer.wants_examples_alone()
+        alone = possible and self._examples_alone_wanted()
         self._alone_declaration = {"alone": True} if alone else {}
         if not alone:
             return cut
         return [(self._alone(one, micro_batch, i), [one]) for micro_batch, raws in cut for i, one in enumerate(raws)]
+
+    def _examples_alone_wanted(self) -> bool:
+        """Whether the optimizer asks for this step's examples each alone (``DPOptimizer.wants_examples_alone``)."""
+        optimizer = getattr(self, "dp_optimizer", None)
+        return optimizer is not None and optimizer.wants_examples_alone()
 
     def _grouped_by_length(self, inputs: dict[str, Any], labels: torch.Tensor, num_examples: int | None,
                            units: torch.Tensor | None, raw: list | None) -> tuple[list | None, list | None]:
@@ -343,11 +350,13 @@ class MicroBatchMixin:
         if getattr(self, "_sampled_lead_until", None) is None:
             self._sampled_lead_until = steps  # the steps released before this trainer's first cut
         checking = steps == self._sampled_lead_until
+        budget = getattr(self.args, "dp_micro_batch_tokens", None)
+        if budget is not None and _decoder_side(self.model):  # the budget bounds the decoder's tokens too
+            lengths = length_grouping.with_target_lengths(lengths, raw)
         order = length_grouping.longest_first(lengths, None if units is None else [int(u) for u in units.tolist()])
         if units is not None:
             return None, (None if checking or order == sorted(order) else [raw[i] for i in order])
         size = self.args.per_device_train_batch_size
-        budget = getattr(self.args, "dp_micro_batch_tokens", None)
         multiple = getattr(self.data_collator, "pad_to_multiple_of", None)  # the padded widths the budget bounds
         if budget is not None and isinstance(multiple, int) and multiple > 1:
             lengths = [-(-n // multiple) * multiple for n in lengths]

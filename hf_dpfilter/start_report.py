@@ -62,6 +62,10 @@ def plan_banner(trainer: Any) -> str:
         f"  protected unit: one {unit} (add/remove one {unit}"
         + (", all of its examples" if unit == "user" else ": one row of the training set") + ")",
     ]
+    if not getattr(args, "dp_verify_first_step", True):  # said where it is decided, not found in the docs afterwards
+        lines.append("  per-example checks: off (dp_verify_first_step=False: no first-step check, no re-checks); still "
+                     "on: the engine's batch-axis proof of each input shape, the collator's probed structure, the "
+                     "packed-row guard; an own compute_per_example_loss is refused")
     return "\n".join(lines)
 
 

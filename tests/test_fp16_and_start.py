@@ -27,7 +27,7 @@ from hf_dpfilter.factory import make_engine, make_optimizer
 from hf_dpfilter.loss_scaling import DPLossScaler
 from hf_dpfilter.losses import per_example_loss
 from hf_dpfilter.plan import PrivacyPlan
-from hf_dpfilter.start_report import announce_start, fixed_length_blocks, learning_rate_problems
+from hf_dpfilter.start_report import announce_start, fixed_length_blocks, learning_rate_problems, plan_banner
 
 LABELS = torch.tensor([0, 1, 1, 0])
 
@@ -252,6 +252,20 @@ def test_a_swapped_clm_script_shows_the_plan_and_warns_once_for_the_lr_and_the_b
     assert len(lr) == 1 and "learning_rate=5e-05" in lr[0]
     blocks = [str(w.message) for w in caught if "fixed-length blocks" in str(w.message)]
     assert len(blocks) == 1 and "8" not in blocks[0]  # no length read from the rows (a document's, when not blocks)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_banner_says_when_the_per_example_checks_are_off(verify, tmp_path):
+    """dp_verify_first_step=False turns the first-step check and the re-checks off: the start banner says so, and
+    what still holds (it was said nowhere at the start of such a run)."""
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
+                               logical_batch_size=4, per_device_train_batch_size=2, max_steps=2, report_to=[],
+                               use_cpu=True, save_strategy="no", dp_verify_first_step=verify)
+    trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
+                        data_collator=PadCollator(1))
+    banner = plan_banner(trainer)
+    assert ("per-example checks: off (dp_verify_first_step=False" in banner) is not verify, banner
+    assert "protected unit: one example" in banner
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

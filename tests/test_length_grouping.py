@@ -373,3 +373,20 @@ def test_nothing_that_moves_is_not_collated_again(same_length, collations, tmp_p
     _Counting.calls = 0
     trainer.training_step(trainer.model, batch)
     assert _Counting.calls == collations
+
+
+def test_a_difference_round_of_examples_alone_collates_no_grouped_micro_batch(tmp_path):
+    """DIFF2's batch-invariant difference round (float32) computes each example alone: the grouping collates no
+    micro-batch of several there (it collated them all, then dropped them). Two steps (a restart round, grouped,
+    then a difference round) collate with the grouping on only the restart round's micro-batches more than off."""
+    examples = make_examples(6, VOCAB, causal=True, seed=3, min_len=2, max_len=9)
+    calls = {}
+    for group in (False, True):
+        args = _args(tmp_path / str(group), logical_batch_size=6, per_device_train_batch_size=2, max_steps=2,
+                     dp_method="diff2", dp_method_args={"restart_every": 2}, dp_verify_first_step=False,
+                     accountant="rdp", dp_group_by_length=group)  # q = 1: both steps sample all six
+        _Counting.calls = 0
+        DPTrainer(model=tiny_gpt2(torch.float32), args=args, train_dataset=ListDataset(examples),
+                  data_collator=_Counting(0)).train()
+        calls[group] = _Counting.calls
+    assert calls[True] - calls[False] == 3, calls  # the restart round's three micro-batches, collated grouped

@@ -251,3 +251,34 @@ def test_user_level_units_clip_each_users_source_and_target_rows_together(tmp_pa
     DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collator).train()
     got = -3 * flat([p.detach() - b for p, b in zip(params, before)])
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-9
+
+
+def test_a_token_budget_bounds_the_decoder_side_too(tmp_path):
+    """dp_micro_batch_tokens=16 on short sources with long targets (2-3 source tokens, 8-10 target tokens): each
+    grouped micro-batch's rows x padded width stays within the budget on the decoder side too (it counted the
+    sources only: 5 rows of 3 source but 10 target tokens, 50 decoder positions), and one step at noise 0 equals the
+    ungrouped one (float64)."""
+    from helpers import ListDataset, flat
+
+    tokenizer, _, _ = _t5_rows()
+    g = torch.Generator().manual_seed(4)
+    rows = [{"input_ids": torch.randint(5, len(tokenizer), (2 + i % 2,), generator=g).tolist(),
+             "labels": torch.randint(5, len(tokenizer), (8 + i % 3,), generator=g).tolist()} for i in range(8)]
+
+    def step(**kw):
+        _, model, _ = _t5_rows()
+        seen = []
+        model.register_forward_pre_hook(lambda m, a, k: seen.append(
+            (k["input_ids"].shape[0], max(k["input_ids"].shape[1], k["decoder_input_ids"].shape[1]))), with_kwargs=True)
+        args = DPSeq2SeqTrainingArguments(
+            output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=0.5, logical_batch_size=8,
+            per_device_train_batch_size=8, max_steps=1, optim="sgd", learning_rate=1.0, report_to=[], use_cpu=True,
+            save_strategy="no", dp_seed=0, remove_unused_columns=False, dp_verify_first_step=False, **kw)
+        DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows),
+                         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model)).train()
+        return flat([p.detach() for p in model.parameters()]), seen
+
+    off, _ = step(dp_group_by_length=False)
+    on, seen = step(dp_micro_batch_tokens=16)
+    assert sum(n for n, _ in seen) == 8 and all(n * width <= 16 for n, width in seen[1:]), seen  # [0]: the lead
+    assert ((on - off).norm() / off.norm()).item() <= 1e-12
