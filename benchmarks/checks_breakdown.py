@@ -39,23 +39,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import minilm_path, read_glue_tsv, sst2_dir
+from benchmarks.common import PadCollator, minilm_path, read_glue_tsv, sst2_dir
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class _Pad:
-    """Right-pads to the micro-batch's longest example with an attention mask (``DataCollatorWithPadding``'s output)."""
-
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(e["input_ids"]) for e in examples)
-        ids = torch.zeros((len(examples), longest), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, e in enumerate(examples):
-            ids[i, : len(e["input_ids"])], mask[i, : len(e["input_ids"])] = torch.as_tensor(e["input_ids"]), 1
-        return {"input_ids": ids, "attention_mask": mask,
-                "labels": torch.tensor([e["labels"] for e in examples], dtype=torch.long)}
 
 
 def sst2_examples(count: int, data_dir: str | None, tokenizer: Any | None, seed: int = 0) -> list[dict]:
@@ -135,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
             output_dir=out, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
             dp_method="dpsgd", noise_multiplier=1.0, per_sample_max_grad_norm=1.0, logical_batch_size=args.batch,
             per_device_train_batch_size=args.micro_batch, max_steps=10_000, optim="sgd", learning_rate=0.0, dp_seed=0)
-        trainer = DPTrainer(model=model, args=training, train_dataset=data, data_collator=_Pad())
+        trainer = DPTrainer(model=model, args=training, train_dataset=data, data_collator=PadCollator())
         trainer.create_optimizer()
         collate = trainer.get_train_dataloader().collate_fn
         engine, optimizer, checks = trainer.engine, trainer.dp_optimizer, trainer._separation_checks()

@@ -37,7 +37,7 @@ from recipes.common.models import packaged_model_path as minilm_path  # noqa: E4
 __all__ = [
     "DEFAULT_DATA", "NUM_LABELS", "ROOT", "SETTINGS", "Case", "Step", "autocast", "build_model", "current_rss_kb",
     "device", "e2e_dir", "make_batch", "minilm_path", "peak_rss_kb", "read_glue_tsv", "reset_peak_rss",
-    "sst2_dir", "synchronize", "time_interleaved", "trainable", "write_json",
+    "sst2_dir", "synchronize", "time_interleaved", "time_rechecks", "trainable", "write_json", "PadCollator",
 ]
 
 #: the data sets the benchmarks read, relative to the repository root (where the benchmarks are run from)
@@ -64,6 +64,43 @@ def synchronize() -> None:
     """Wait for the GPU, so that a wall-clock interval covers the kernels launched in it."""
     if device().type == "cuda":
         torch.cuda.synchronize()
+
+
+class PadCollator:
+    """Right-pads ``input_ids`` to the batch's longest example, with an attention mask and the examples' ``labels``
+    (``DataCollatorWithPadding``'s output: dynamic padding)."""
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(e["input_ids"]) for e in examples)
+        ids = torch.zeros((len(examples), longest), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, e in enumerate(examples):
+            ids[i, : len(e["input_ids"])], mask[i, : len(e["input_ids"])] = torch.as_tensor(e["input_ids"]), 1
+        return {"input_ids": ids, "attention_mask": mask,
+                "labels": torch.tensor([e["labels"] for e in examples], dtype=torch.long)}
+
+
+def time_rechecks(trainer: Any, record: Callable[[float], None]) -> bool:
+    """Time a DPTrainer's re-checks where they run: ``record(seconds)`` after each (CUDA-synchronized). The checks'
+    instance is built at the trainer's first step, so call it after that step; False while there is none yet (or
+    the checks are off), True once wrapped (a second call leaves the first wrapper in place)."""
+    checks = getattr(trainer, "_separation", None)
+    if checks is None:
+        return False
+    if getattr(checks, "_timed", False):
+        return True
+    recheck = checks.recheck
+
+    def timed(*args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            recheck(*args, **kwargs)
+        finally:
+            synchronize()
+            record(time.perf_counter() - start)
+
+    checks.recheck, checks._timed = timed, True
+    return True
 
 
 # --------------------------------------------------------------------------------------------- models

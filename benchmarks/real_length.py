@@ -59,6 +59,7 @@ from benchmarks.common import (
     sst2_dir,
     synchronize,
     time_interleaved,
+    time_rechecks,
     write_json,
 )
 from benchmarks.generated_markers import replace_between
@@ -267,22 +268,12 @@ class Private:
         self.recheck_s = 0.0
 
     def time_rechecks(self) -> None:
-        """Sum the seconds of the re-checks in ``recheck_s`` (timed where they run, on the checks' instance; built
+        """Sum the seconds of the re-checks in ``recheck_s`` (timed where they run; the checks' instance is built
         at the first step), to tell the cost of a run's early steps (most micro-batch shapes new) from the rest."""
-        checks = self.trainer._separation
-        if checks is None:
-            return
-        recheck = checks.recheck
+        time_rechecks(self.trainer, self._add_recheck)
 
-        def timed(*args: Any, **kwargs: Any) -> None:
-            start = time.perf_counter()
-            try:
-                recheck(*args, **kwargs)
-            finally:
-                synchronize()
-                self.recheck_s += time.perf_counter() - start
-
-        checks.recheck = timed
+    def _add_recheck(self, seconds: float) -> None:
+        self.recheck_s += seconds
 
     def step(self) -> None:
         indices = self.batches[self.next % len(self.batches)]

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import read_glue_tsv, sst2_dir, time_interleaved
+from benchmarks.common import PadCollator, read_glue_tsv, sst2_dir, time_interleaved, time_rechecks
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.proofs.separation import DEFAULT_RECHECK_RATE
 
@@ -60,19 +60,6 @@ def build_model(tiny: bool, dropout: float = 0.1) -> torch.nn.Module:
                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     torch.manual_seed(0)
     return BertForSequenceClassification(config)
-
-
-class PadCollator:
-    """Right-pads ``input_ids`` to the batch's longest example, with an attention mask (dynamic padding)."""
-
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(e["input_ids"]) for e in examples)
-        ids = torch.zeros((len(examples), longest), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, e in enumerate(examples):
-            ids[i, : len(e["input_ids"])], mask[i, : len(e["input_ids"])] = e["input_ids"], 1
-        return {"input_ids": ids, "attention_mask": mask,
-                "labels": torch.tensor([e["labels"] for e in examples], dtype=torch.long)}
 
 
 def make_trainer(data: list[dict], out: str, args: argparse.Namespace, **fields: Any) -> DPTrainer:
@@ -100,20 +87,11 @@ class Clock:
         self.count = 0
 
     def time_rechecks(self, trainer: DPTrainer) -> None:
-        checks = trainer._separation
-        if checks is None or getattr(checks, "_timed", False):
-            return
-        recheck = checks.recheck
+        time_rechecks(trainer, self._add_recheck)
 
-        def timed(*args: Any, **kwargs: Any) -> None:
-            start = time.perf_counter()
-            try:
-                recheck(*args, **kwargs)
-            finally:
-                self.rechecks += time.perf_counter() - start
-                self.count += 1
-
-        checks.recheck, checks._timed = timed, True
+    def _add_recheck(self, seconds: float) -> None:
+        self.rechecks += seconds
+        self.count += 1
 
 
 def stepper(trainer: DPTrainer, batches: list[list[int]], data: list[dict], clock: Clock | None = None):
