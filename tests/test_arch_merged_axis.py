@@ -185,19 +185,13 @@ def test_user_level_units_on_padded_rows_clip_each_users_merged_rows_together(tm
     a user's rows concatenated, so one step at noise 0 equals the float64 per-user reference (it was refused as
     "packed rows" although every example had its own row)."""
     from helpers import ListDataset, flat
-    from test_user_unit import _alone_gradient, _user_data
     from test_user_unit import _args as _user_args
-
-    from hf_dpfilter.clipping import clip_factors
+    from test_user_unit import _per_user_reference, _user_data
 
     model = _model("opt", "lm", torch.float64).eval()
     data = _user_data()
     params = [p for p in model.parameters() if p.requires_grad]
-    per_user: dict[str, torch.Tensor] = {}
-    for e in data:
-        per_user[e["user"]] = per_user.get(e["user"], 0) + _alone_gradient(model, e, params)
-    clip = float(torch.stack([v.norm() for v in per_user.values()]).median())
-    expected = -sum(clip_factors(v.norm().reshape(1), clip, "abadi")[0] * v for v in per_user.values()) / 4
+    clip, expected = _per_user_reference(model, data, params)
     before = [p.detach().clone() for p in params]
     DPTrainer(model=model, args=_user_args(tmp_path, per_sample_max_grad_norm=clip), train_dataset=ListDataset(data),
               data_collator=PadCollator(model.config.pad_token_id)).train()

@@ -60,6 +60,16 @@ def _example(length: int, seed: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
+def _per_user_reference(model, data: list[dict], params: list) -> tuple[float, torch.Tensor]:
+    """The float64 per-user reference of one step at lr 1 over the 4 users of ``data``: each user's summed gradient
+    (every example alone) clipped to C = the median user norm (so some users are clipped, some not); (C, update)."""
+    per_user: dict[str, torch.Tensor] = {}
+    for e in data:
+        per_user[e["user"]] = per_user.get(e["user"], 0) + _alone_gradient(model, e, params)
+    clip = float(torch.stack([v.norm() for v in per_user.values()]).median())
+    return clip, -sum(clip_factors(v.norm().reshape(1), clip, "abadi")[0] * v for v in per_user.values()) / 4
+
+
 def _alone_gradient(model, example, params):
     ids = example["input_ids"].unsqueeze(0)
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
@@ -404,11 +414,7 @@ def test_fp16_loss_scaling_at_user_level_equals_the_per_user_reference(tmp_path,
     model.eval()
     data = _user_data()
     params = [p for p in model.parameters() if p.requires_grad]
-    per_user: dict[str, torch.Tensor] = {}
-    for e in data:
-        per_user[e["user"]] = per_user.get(e["user"], 0) + _alone_gradient(model, e, params)
-    clip = float(torch.stack([v.norm() for v in per_user.values()]).median())
-    expected = -sum(clip_factors(v.norm().reshape(1), clip, "abadi")[0] * v for v in per_user.values()) / 4
+    clip, expected = _per_user_reference(model, data, params)
     trainer = DPTrainer(model=model, args=_args(tmp_path, per_sample_max_grad_norm=clip, fp16=True,
                                                 dp_fp16_loss_scale=2.0**12),
                         train_dataset=ListDataset(data), data_collator=PadCollator(0))
