@@ -46,21 +46,31 @@ TOP_LAYERS = 2
 PROTOCOLS: dict[str, dict[str, Any]] = {
     "disk_lora": {
         "paper": "DiSK (Zhang et al.), Table 3: LoRA r = 16, DP-AdamW base, kappa 0.7, gamma 0.5",
-        "scale": "top", "train": "lora16", "epsilons": [1.0, 6.7], "claims": {1.0: 2.0, 6.7: 1.6},
+        "scale": "top", "train": "lora16", "epsilons": [1.0, 6.7], "claims": {1.0: 2.0, 6.7: 1.6}, "tune_epsilon": 1.0,
         "common": {"clipping_fn": "automatic", "max_grad_norm": 1.0, "batch": 500, "epochs": 3,
                    "schedule": "linear", "optim": "adamw_torch"},
-        "grid": {"learning_rate": [1e-3, 3e-3, 1e-2]},
+        "grid": {"learning_rate": [3e-3, 1e-2, 3e-2]},
         "methods": {"DP-AdamW": {"dp_method": "dpsgd"},
                     "DiSK": {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5}}},
     },
     "disk_full": {
         "paper": "DiSK (Zhang et al.), Table 1: full fine-tuning, DP-AdamW base, kappa 0.7, gamma 0.5",
-        "scale": "top", "train": "full", "epsilons": [1.0, 6.7], "claims": {1.0: 0.1, 6.7: 1.3},
+        "scale": "top", "train": "full", "epsilons": [1.0, 6.7], "claims": {1.0: 0.1, 6.7: 1.3}, "tune_epsilon": 1.0,
         "common": {"clipping_fn": "automatic", "max_grad_norm": 1.0, "batch": 500, "epochs": 3,
                    "schedule": "linear", "optim": "adamw_torch"},
         "grid": {"learning_rate": [2.5e-4, 5e-4, 1e-3]},
         "methods": {"DP-AdamW": {"dp_method": "dpsgd"},
                     "DiSK": {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5}}},
+    },
+    "pmlf_lora": {
+        "paper": "DP-PMLF (Xu et al.), Table 2 (RoBERTa-base fine-tuning), on the LoRA scale: DP-SGD base, k = 2, "
+                 "beta = 0.1, filter b = [0.1], a = [-0.9]",
+        "scale": "top", "train": "lora16", "epsilons": [1.0], "claims": {1.0: 1.88}, "tune_epsilon": 1.0,
+        "common": {"clipping_fn": "abadi", "max_grad_norm": 1.0, "batch": 500, "epochs": 3,
+                   "schedule": "constant", "optim": "sgd"},
+        "grid": {"learning_rate": [0.5, 1.0, 2.0]},
+        "methods": {"DP-SGD": {"dp_method": "dpsgd"},
+                    "DP-PMLF": {"dp_method": "pmlf", "dp_method_args": {"k": 2, "beta": 0.1, "preset": "pmlf_mnist"}}},
     },
     "disk_head": {
         "paper": "DiSK (Zhang et al.), Tables 1/3, the optimizer alone: kappa 0.7, gamma 0.5, DP-AdamW base, on the head",
@@ -133,8 +143,10 @@ class TopLayersClassifier(nn.Module):
         self.layers = nn.ModuleList(encoder.encoder.layer[first_layer:])
         self.head = MeanPooledClassifier(encoder.config.hidden_size, num_labels)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        # position_ids: the trainer passes them to every BERT-configured model; the bottom layers already added
+        # each example's position embeddings (computed alone, right-padded), so the top layers ignore them
         from transformers.masking_utils import create_bidirectional_mask
 
         from recipes.common.models import mean_pool
@@ -175,9 +187,23 @@ def splits(args: argparse.Namespace) -> dict[str, tuple[list[str], np.ndarray]]:
             "dev": (dev_texts, np.array(dev_labels))}
 
 
+def top_splits(split: dict[str, tuple[list[str], np.ndarray]],
+               args: argparse.Namespace) -> dict[str, tuple[list[str], np.ndarray]]:
+    """The top scale's splits: the first ``top_train_samples`` training examples, the first
+    ``top_validation_samples`` validation examples whose text no training example has (SST-2 repeats phrases: an
+    identical row would score the training set, and the trainer refuses to evaluate on training rows), the dev set."""
+    train_texts, train_labels = split["train"]
+    train = (train_texts[: args.top_train_samples], train_labels[: args.top_train_samples])
+    seen = set(train[0])
+    texts, labels = split["validation"]
+    keep = [i for i, text in enumerate(texts) if text not in seen][: args.top_validation_samples]
+    return {"train": train, "validation": ([texts[i] for i in keep], labels[keep]), "dev": split["dev"]}
+
+
 def scale_data(scale: str, args: argparse.Namespace) -> dict[str, Any]:
     """Per split: the inputs of the scale's model, computed once with the frozen encoder and cached on disk."""
-    cache = os.path.join(args.work_dir, f"{scale}_inputs.pt")
+    sizes = "" if scale == "head" else f"_{args.top_train_samples}_{args.top_validation_samples}"
+    cache = os.path.join(args.work_dir, f"{scale}_inputs{sizes}.pt")  # per size: another size never reads it
     if os.path.isfile(cache):
         return torch.load(cache, weights_only=False)  # our own cache file (numpy label arrays)
     from transformers import AutoModel, AutoTokenizer
@@ -187,12 +213,10 @@ def scale_data(scale: str, args: argparse.Namespace) -> dict[str, Any]:
     tokenizer, encoder = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path())
     encoder.eval()
     data = {}
-    for split, (texts, labels) in splits(args).items():
+    for split, (texts, labels) in (splits(args) if scale == "head" else top_splits(splits(args), args)).items():
         if scale == "head":
             data[split] = (mean_pooled_embeddings(encoder, tokenizer, texts, 64), labels)
             continue
-        limit = {"train": args.top_train_samples, "validation": args.top_validation_samples}.get(split, len(texts))
-        texts, labels = texts[:limit], labels[:limit]
         states = []
         with torch.inference_mode():
             for start in range(0, len(texts), 128):
@@ -267,12 +291,13 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
     trainer = DPTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
                         data_collator=collator,
                         compute_metrics=lambda p: {"accuracy": float((p[0].argmax(-1) == p[1]).mean())})
-    start = time.time()
+    start, cpu_start = time.time(), time.process_time()
     trainer.train()
     accuracy = float(trainer.evaluate()["eval_accuracy"])
     report = trainer.privacy_report()
-    row = {"accuracy": accuracy, "seconds": round(time.time() - start, 1), "epsilon": report["epsilon"],
-           "noise_multiplier": report["noise_multiplier"], "steps": report["steps"]}
+    row = {"accuracy": accuracy, "seconds": round(time.time() - start, 1),
+           "cpu_seconds": round(time.process_time() - cpu_start, 1), "threads": torch.get_num_threads(),
+           "epsilon": report["epsilon"], "noise_multiplier": report["noise_multiplier"], "steps": report["steps"]}
     if "epsilon_paper_claim" in report:
         row["epsilon_paper_claim"] = report["epsilon_paper_claim"]
     return row
@@ -310,40 +335,44 @@ class Store:
             os.replace(self.path + ".tmp", self.path)
 
 
+def finished_or_run(store: Store, key: str, *run_point_args: Any) -> dict[str, Any]:
+    """The stored row of ``key``; else ``run_point(*run_point_args)``'s row with its grid point, saved as soon as it
+    ends (an interrupted sweep resumes where it stopped)."""
+    row = store.load().get(key)
+    if row is None:
+        row = {**run_point(*run_point_args), "point": run_point_args[2]}
+        store.save(key, row)
+        print(key, row, flush=True)
+    return row
+
+
 def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
+    """Per epsilon: each method's grid on the validation split (at ``tune_epsilon`` when the protocol names one: then
+    tuned once for every epsilon), the chosen point with every seed on the dev set, then the reference rows."""
     protocol = PROTOCOLS[name]
     data = scale_data(protocol["scale"], args)
     for epsilon in protocol["epsilons"]:
         if args.epsilons and epsilon not in args.epsilons:
             continue
+        tune_epsilon = protocol.get("tune_epsilon", epsilon)
         chosen: dict[str, dict[str, float]] = {}
         for label, method in protocol["methods"].items():
-            best, best_acc = None, -1.0
+            scores = {}
             for point in grid_points(protocol, label):
-                key = f"{name}|{label}|eps={epsilon:g}|tune|{point_key(point)}"
-                if key not in store.load():
-                    row = run_point(protocol, method, point, epsilon, args.tuning_seed, "validation", data, args)
-                    store.save(key, {**row, "point": point})
-                    print(key, row, flush=True)
-                acc = store.load()[key]["accuracy"]
-                if acc > best_acc:
-                    best, best_acc = point, acc
-            chosen[label] = best
-            for seed in args.seeds:
-                key = f"{name}|{label}|eps={epsilon:g}|seed={seed}"
-                if key not in store.load():
-                    row = run_point(protocol, method, best, epsilon, seed, "dev", data, args)
-                    store.save(key, {**row, "point": best})
-                    print(key, row, flush=True)
+                key = f"{name}|{label}|eps={tune_epsilon:g}|tune|{point_key(point)}"
+                row = finished_or_run(store, key, protocol, method, point, tune_epsilon, args.tuning_seed, "validation",
+                                      data, args)
+                scores[key] = (row["accuracy"], point)
+            chosen[label] = max(scores.values(), key=lambda score: score[0])[1]  # the first of equals
+        runs = [(label, method, chosen[label]) for label, method in protocol["methods"].items()]
         for label, reference in protocol.get("reference", {}).items():
             base = protocol["methods"][reference["from"]]
             method = {**base, "dp_method_args": {**base.get("dp_method_args", {}), **reference["dp_method_args"]}}
+            runs.append((label, method, chosen[reference["from"]]))
+        for label, method, point in runs:
             for seed in args.seeds:
-                key = f"{name}|{label}|eps={epsilon:g}|seed={seed}"
-                if key not in store.load():
-                    row = run_point(protocol, method, chosen[reference["from"]], epsilon, seed, "dev", data, args)
-                    store.save(key, {**row, "point": chosen[reference["from"]]})
-                    print(key, row, flush=True)
+                finished_or_run(store, f"{name}|{label}|eps={epsilon:g}|seed={seed}", protocol, method, point, epsilon,
+                                seed, "dev", data, args)
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -353,6 +382,12 @@ T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7
 def seed_rows(results: dict[str, Any], name: str, label: str, epsilon: float) -> dict[int, dict[str, Any]]:
     prefix = f"{name}|{label}|eps={epsilon:g}|seed="
     return {int(k[len(prefix):]): v for k, v in results.items() if k.startswith(prefix)}
+
+
+def cpu_minutes(rows: Any) -> str:
+    """The median CPU minutes of the rows that recorded them."""
+    recorded = [r["cpu_seconds"] / 60 for r in rows if "cpu_seconds" in r]
+    return f"{np.median(recorded):.1f}" if recorded else "–"
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -381,9 +416,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     lines = [BEGIN, "", "| paper claim (SST-2) | scale | ε | baseline | method | method − baseline, paired (paper) | verdict |",
              "|---|---|---|---|---|---|---|"]
     detail = ["", "Per method (dev accuracy %, mean ± std over seeds; the hyperparameters chosen on the validation "
-              "split; wall seconds per run on this 2-core machine, shared with other jobs):", "",
-              "| protocol | method | ε (sound) | accuracy | seeds | chosen on validation | σ | steps | s/run |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "split; per run, the median wall seconds on this 2-core machine, shared with other jobs, and CPU minutes "
+              "(process time, all threads; – where not recorded)):", "",
+              "| protocol | method | ε (sound) | accuracy | seeds | chosen on validation | σ | steps | s/run | CPU min/run |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, protocol in PROTOCOLS.items():
         labels = list(protocol["methods"]) + list(protocol.get("reference", {})) + protocol.get("extra_labels", [])
         baseline, method = labels[0], labels[1]
@@ -399,7 +435,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 judgement = verdict(diffs, claim)
             elif protocol["scale"] == "top":
                 cell = f"not measured (paper {claim:+.2f})"
-                judgement = "not testable here: about 9 CPU-minutes per run, 48 runs (see below); needs a GPU"
+                judgement = f"not run yet: `python -m benchmarks utility --protocols {name}`"
             else:
                 cell, judgement = "pending", "pending"
             lines.append(f"| {protocol['paper'].split(':')[0]} | {scale} | {epsilon:g} | {baseline} | {method} | {cell} | "
@@ -414,8 +450,14 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 point = point_key(first.get("point", {})) or "–"
                 secs = np.median([r["seconds"] for r in rows.values()])
                 detail.append(f"| {name} | {label} | {first['epsilon']:.2f} | {mean:.1f} ± {std:.1f} | {len(rows)} | {point} | "
-                              f"{first['noise_multiplier']:.3g} | {first['steps']} | {secs:.0f} |")
-    lines += detail + ["", "Protocols (the presets in benchmarks/paper_protocols.py, `python -m benchmarks utility`):", ""]
+                              f"{first['noise_multiplier']:.3g} | {first['steps']} | {secs:.0f} | {cpu_minutes(rows.values())} |")
+    lines += detail + ["", "CPU time of each fine-tuning protocol, every run it made (grid and seeds):", ""]
+    for name, protocol in PROTOCOLS.items():
+        rows = [r for k, r in results.items() if k.startswith(f"{name}|") and "cpu_seconds" in r]
+        if protocol["scale"] == "top" and rows:
+            lines.append(f"- `{name}`: {len(rows)} runs, {sum(r['cpu_seconds'] for r in rows) / 60:.0f} CPU minutes in all, "
+                         f"{sum(r['seconds'] for r in rows) / 60:.0f} wall minutes ({rows[0]['threads']} torch threads per run).")
+    lines += ["", "Protocols (the presets in benchmarks/paper_protocols.py, `python -m benchmarks utility`):", ""]
     for name, protocol in PROTOCOLS.items():
         lines.append(f"- `{name}`: {protocol['paper']}; {json.dumps(protocol['common'])}; grid "
                      f"{json.dumps({**protocol['grid'], **{k: v for g in protocol.get('method_grids', {}).values() for k, v in g.items()}})}.")
@@ -428,10 +470,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         text = text.rstrip("\n") + "\n\n" + generated + "\n"
     with open(args.output, "w") as f:
         f.write(text)
-    plot(results)
+    plot(results, args.plot)
 
 
-def plot(results: dict[str, Any]) -> None:
+def plot(results: dict[str, Any], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -471,8 +513,8 @@ def plot(results: dict[str, Any]) -> None:
         ax.axis("off")
     fig.suptitle("Accuracy against ε per protocol: mean ± std over seeds (dots: single seeds)")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(PLOT), exist_ok=True)
-    fig.savefig(PLOT, dpi=110)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 BEGIN, END = "<!-- BEGIN GENERATED by benchmarks/paper_protocols.py -->", "<!-- END GENERATED by benchmarks/paper_protocols.py -->"
@@ -481,8 +523,11 @@ PLOT = "docs/img/paper_protocols.png"
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--protocols", nargs="+", default=[n for n, p in PROTOCOLS.items() if p["scale"] == "head"],
-                        choices=list(PROTOCOLS), help="default: the head-scale ones (the top-layer ones need a GPU)")
+    parser.add_argument("--protocols", nargs="+", default=[n for n in PROTOCOLS if n != "disk_full"],
+                        choices=list(PROTOCOLS), help="default: all but disk_full (every weight of two layers: run it "
+                                                      "by name)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per run (default: every core; 1 when two sweeps share two cores)")
     parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")
     parser.add_argument("--train_samples", type=int, default=20000)
     parser.add_argument("--top_train_samples", type=int, default=6000)
@@ -493,10 +538,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", action="store_true", help="only rewrite the tables and plots")
     parser.add_argument("--json", default="benchmarks/results/paper_protocols.json")
     parser.add_argument("--output", default="docs/results.md")
+    parser.add_argument("--plot", default=PLOT)
     parser.add_argument("--work_dir", default="outputs/paper_protocols")
     args = parser.parse_args(argv)
     args.data_dir = sst2_dir(args.data_dir)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     store = Store(args.json)
     if not args.report:
         for name in args.protocols:

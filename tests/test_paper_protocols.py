@@ -1,0 +1,108 @@
+"""``python -m benchmarks utility`` on the LoRA scale, at a tiny size: the code path of the papers'-regime sweep.
+
+The real sweep (the pretrained MiniLM, LoRA r = 16 on its top two layers, 6,000 SST-2 examples, a learning-rate grid
+on a validation split carved from the training set, then seeds on the dev set) takes CPU-hours; here the same
+protocols run with a few dozen examples and one step per run, so that the sweep, its resume and its report cannot rot.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import paper_protocols
+from benchmarks.common import sst2_dir
+
+
+@pytest.fixture
+def tiny_protocols(monkeypatch):
+    """disk_lora and pmlf_lora as the module defines them, shrunk to one step of 16 examples per run."""
+    tiny = {}
+    for name, grid in (("disk_lora", [1e-3, 1e-2]), ("pmlf_lora", [0.5])):
+        protocol = paper_protocols.PROTOCOLS[name]
+        tiny[name] = {**protocol, "common": {**protocol["common"], "batch": 16, "epochs": 1},
+                      "grid": {"learning_rate": grid}}
+    monkeypatch.setattr(paper_protocols, "PROTOCOLS", tiny)
+    full_splits = paper_protocols.splits
+
+    def splits_with_a_tiny_dev_set(args):
+        split = full_splits(args)
+        return {**split, "dev": (split["dev"][0][:16], split["dev"][1][:16])}
+
+    monkeypatch.setattr(paper_protocols, "splits", splits_with_a_tiny_dev_set)
+    return tiny
+
+
+def sweep(tmp_path, *extra: str) -> dict:
+    try:
+        data_dir = sst2_dir(None)
+    except (FileNotFoundError, OSError, ValueError) as error:
+        pytest.skip(f"SST-2 not found: {error}")
+    (tmp_path / "results.md").touch()
+    paper_protocols.main([
+        "--protocols", "disk_lora", "pmlf_lora", "--data_dir", data_dir, "--top_train_samples", "16",
+        "--top_validation_samples", "16", "--seeds", "0", "--threads", "1", "--json", str(tmp_path / "runs.json"),
+        "--output", str(tmp_path / "results.md"), "--plot", str(tmp_path / "plot.png"), "--work_dir", str(tmp_path / "work"), *extra,
+    ])
+    return json.loads((tmp_path / "runs.json").read_text())
+
+
+def test_the_lora_sweep_tunes_once_runs_every_cell_resumes_and_reports(tmp_path, tiny_protocols, monkeypatch):
+    runs = sweep(tmp_path)
+    # the grid runs once per method, at the protocol's tuning epsilon, on the validation split
+    tuned = sorted(k for k in runs if "|tune|" in k)
+    assert tuned == sorted([
+        "disk_lora|DP-AdamW|eps=1|tune|learning_rate=0.001", "disk_lora|DP-AdamW|eps=1|tune|learning_rate=0.01",
+        "disk_lora|DiSK|eps=1|tune|learning_rate=0.001", "disk_lora|DiSK|eps=1|tune|learning_rate=0.01",
+        "pmlf_lora|DP-PMLF|eps=1|tune|learning_rate=0.5", "pmlf_lora|DP-SGD|eps=1|tune|learning_rate=0.5",
+    ])
+    seeded = sorted(k for k in runs if "|seed=" in k)
+    assert seeded == sorted(["disk_lora|DP-AdamW|eps=1|seed=0", "disk_lora|DiSK|eps=1|seed=0",
+                             "disk_lora|DP-AdamW|eps=6.7|seed=0", "disk_lora|DiSK|eps=6.7|seed=0",
+                             "pmlf_lora|DP-SGD|eps=1|seed=0", "pmlf_lora|DP-PMLF|eps=1|seed=0"])
+    for key, row in runs.items():
+        target = float(key.split("|eps=")[1].split("|")[0])
+        assert row["epsilon"] <= target + 1e-9, (key, row)  # every run's epsilon from the library's accountant
+        assert row["steps"] >= 1 and row["cpu_seconds"] > 0 and row["threads"] == 1, (key, row)
+        assert 0.0 <= row["accuracy"] <= 1.0
+    # each method's seeds run the point its own validation grid chose, at every epsilon
+    for label in ("DP-AdamW", "DiSK"):
+        scores = {k: r["accuracy"] for k, r in runs.items() if k.startswith(f"disk_lora|{label}|eps=1|tune|")}
+        best = runs[max(scores, key=scores.get)]["point"]
+        assert runs[f"disk_lora|{label}|eps=1|seed=0"]["point"] == best
+        assert runs[f"disk_lora|{label}|eps=6.7|seed=0"]["point"] == best
+
+    report = (tmp_path / "results.md").read_text()
+    assert "| DiSK (Zhang et al.), Table 3 | top 2 layers lora16, 6k ex. | 6.7 | DP-AdamW | DiSK |" in report
+    assert "(n=1; paper +1.60)" in report and "(n=1; paper +1.88)" in report
+    assert "- `disk_lora`: 8 runs," in report and "CPU minutes in all" in report
+
+    # an interrupted sweep resumes: only the missing run is made again, every finished one is kept
+    missing = "disk_lora|DiSK|eps=6.7|seed=0"
+    kept = {k: v for k, v in runs.items() if k != missing}
+    (tmp_path / "runs.json").write_text(json.dumps(kept))
+    made = []
+    real = paper_protocols.run_point
+    monkeypatch.setattr(paper_protocols, "run_point", lambda *a: made.append(a[3]) or real(*a))
+    resumed = sweep(tmp_path)
+    assert made == [6.7] and set(resumed) == set(runs)
+    assert {k: resumed[k] for k in kept} == kept
+
+
+def test_the_validation_split_holds_no_row_identical_to_a_training_row(tmp_path, monkeypatch):
+    """SST-2 repeats phrases; a validation row equal to a training row would score the training set (and the trainer
+    refuses to evaluate on training rows)."""
+    try:
+        data_dir = sst2_dir(None)
+    except (FileNotFoundError, OSError, ValueError) as error:
+        pytest.skip(f"SST-2 not found: {error}")
+    import argparse
+
+    args = argparse.Namespace(data_dir=data_dir, train_samples=20000, top_train_samples=3000,
+                              top_validation_samples=5000, work_dir=str(tmp_path))
+    split = paper_protocols.splits(args)
+    train = set(split["train"][0][: args.top_train_samples])
+    assert any(text in train for text in split["validation"][0]), "the check below would prove nothing"
+    texts = paper_protocols.top_splits(split, args)["validation"][0]
+    assert texts and not any(text in train for text in texts)
