@@ -49,7 +49,7 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "scale": "top", "train": "lora16", "epsilons": [1.0, 6.7], "claims": {1.0: 2.0, 6.7: 1.6}, "tune_epsilon": 1.0,
         "common": {"clipping_fn": "automatic", "max_grad_norm": 1.0, "batch": 500, "epochs": 3,
                    "schedule": "linear", "optim": "adamw_torch"},
-        "grid": {"learning_rate": [3e-3, 1e-2, 3e-2]},
+        "grid": {"learning_rate": [1e-2, 3e-2, 1e-1]},
         "methods": {"DP-AdamW": {"dp_method": "dpsgd"},
                     "DiSK": {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5}}},
     },
@@ -68,7 +68,7 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "scale": "top", "train": "lora16", "epsilons": [1.0], "claims": {1.0: 1.88}, "tune_epsilon": 1.0,
         "common": {"clipping_fn": "abadi", "max_grad_norm": 1.0, "batch": 500, "epochs": 3,
                    "schedule": "constant", "optim": "sgd"},
-        "grid": {"learning_rate": [0.5, 1.0, 2.0]},
+        "grid": {"learning_rate": [1.0, 2.0, 4.0]},
         "methods": {"DP-SGD": {"dp_method": "dpsgd"},
                     "DP-PMLF": {"dp_method": "pmlf", "dp_method_args": {"k": 2, "beta": 0.1, "preset": "pmlf_mnist"}}},
     },
@@ -335,12 +335,21 @@ class Store:
             os.replace(self.path + ".tmp", self.path)
 
 
-def finished_or_run(store: Store, key: str, *run_point_args: Any) -> dict[str, Any]:
+def finished_or_run(store: Store, key: str, *run_point_args: Any, may_fail: bool = False) -> dict[str, Any]:
     """The stored row of ``key``; else ``run_point(*run_point_args)``'s row with its grid point, saved as soon as it
-    ends (an interrupted sweep resumes where it stopped)."""
+    ends (an interrupted sweep resumes where it stopped). ``may_fail`` (grid points): a run the trainer stops is
+    saved as failed, with the error's first line, and scores no accuracy."""
     row = store.load().get(key)
     if row is None:
-        row = {**run_point(*run_point_args), "point": run_point_args[2]}
+        start, cpu_start = time.time(), time.process_time()
+        try:
+            row = {**run_point(*run_point_args), "point": run_point_args[2]}
+        except RuntimeError as error:  # the trainer's refusals (a re-check's mismatch in a diverging run) included
+            if not may_fail:
+                raise
+            row = {"accuracy": None, "failed": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
+                   "seconds": round(time.time() - start, 1), "cpu_seconds": round(time.process_time() - cpu_start, 1),
+                   "threads": torch.get_num_threads(), "point": run_point_args[2]}
         store.save(key, row)
         print(key, row, flush=True)
     return row
@@ -361,8 +370,8 @@ def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
             for point in grid_points(protocol, label):
                 key = f"{name}|{label}|eps={tune_epsilon:g}|tune|{point_key(point)}"
                 row = finished_or_run(store, key, protocol, method, point, tune_epsilon, args.tuning_seed, "validation",
-                                      data, args)
-                scores[key] = (row["accuracy"], point)
+                                      data, args, may_fail=True)
+                scores[key] = (-1.0 if row["accuracy"] is None else row["accuracy"], point)
             chosen[label] = max(scores.values(), key=lambda score: score[0])[1]  # the first of equals
         runs = [(label, method, chosen[label]) for label, method in protocol["methods"].items()]
         for label, reference in protocol.get("reference", {}).items():

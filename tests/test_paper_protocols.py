@@ -106,3 +106,40 @@ def test_the_validation_split_holds_no_row_identical_to_a_training_row(tmp_path,
     assert any(text in train for text in split["validation"][0]), "the check below would prove nothing"
     texts = paper_protocols.top_splits(split, args)["validation"][0]
     assert texts and not any(text in train for text in texts)
+
+
+def test_a_grid_point_the_trainer_stops_is_saved_as_failed_and_never_chosen(tmp_path, tiny_protocols, monkeypatch):
+    """A learning rate that diverges can end in a refusal (a re-check's mismatch): the grid point is saved as failed,
+    scores nothing and is not run again; a seed run that fails still stops the sweep."""
+    import argparse
+
+    from hf_dpfilter.proofs.separation import SeparationError
+
+    calls = []
+
+    def fake_run_point(protocol, method, point, epsilon, seed, split, data, args):
+        calls.append((method["dp_method"], point["learning_rate"], split, seed))
+        if point["learning_rate"] == 1e-2 and method["dp_method"] == "disk":
+            raise SeparationError("Re-check (a new shape) of micro-batch 3: example 1 has another loss\nmore")
+        return {"accuracy": 0.5 + point["learning_rate"], "seconds": 1.0, "cpu_seconds": 1.0, "threads": 1,
+                "epsilon": epsilon, "noise_multiplier": 1.0, "steps": 1}
+
+    monkeypatch.setattr(paper_protocols, "run_point", fake_run_point)
+    monkeypatch.setattr(paper_protocols, "scale_data", lambda scale, args: {})
+    args = argparse.Namespace(epsilons=None, seeds=[0], tuning_seed=100)
+    store = paper_protocols.Store(str(tmp_path / "runs.json"))
+    paper_protocols.run_protocol("disk_lora", args, store)
+    runs = store.load()
+    failed = runs["disk_lora|DiSK|eps=1|tune|learning_rate=0.01"]
+    assert failed["accuracy"] is None and failed["failed"].startswith("SeparationError: Re-check (a new shape)")
+    assert "more" not in failed["failed"]
+    assert runs["disk_lora|DiSK|eps=6.7|seed=0"]["point"] == {"learning_rate": 1e-3}
+    assert runs["disk_lora|DP-AdamW|eps=6.7|seed=0"]["point"] == {"learning_rate": 1e-2}
+    calls.clear()
+    paper_protocols.run_protocol("disk_lora", args, store)
+    assert calls == []  # the failed point is a finished run: the sweep resumes without it
+
+    args.seeds = [1]
+    monkeypatch.setitem(tiny_protocols["disk_lora"], "grid", {"learning_rate": [1e-2]})
+    with pytest.raises(SeparationError):  # DiSK's only point fails in tuning, then its seed run fails too
+        paper_protocols.run_protocol("disk_lora", args, store)

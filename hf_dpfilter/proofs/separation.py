@@ -252,8 +252,10 @@ class SeparationChecks:
             "their influence. Causes: a compute_per_example_loss normalised over the micro-batch (a mean token "
             "count, a batch-wide statistic: each example's loss must use its own inputs only), a forward hook or "
             "module with a branch or statistic over the micro-batch, padding the model attends to (return an "
-            "attention_mask), or left padding with absolute positions (pad on the right). Nothing of this "
-            "step was released."
+            "attention_mask), or left padding with absolute positions (pad on the right). In a run that has "
+            "diverged (a learning rate too high: activations far beyond their usual range), float32 rounding that "
+            "differs between the two shapes can exceed the check's tolerance: lower the learning rate. Nothing of "
+            "this step was released."
         )
 
     @staticmethod
