@@ -460,12 +460,18 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 secs = np.median([r["seconds"] for r in rows.values()])
                 detail.append(f"| {name} | {label} | {first['epsilon']:.2f} | {mean:.1f} ± {std:.1f} | {len(rows)} | {point} | "
                               f"{first['noise_multiplier']:.3g} | {first['steps']} | {secs:.0f} | {cpu_minutes(rows.values())} |")
-    lines += detail + ["", "CPU time of each fine-tuning protocol, every run it made (grid and seeds):", ""]
+    lines += detail + ["", "CPU time of each fine-tuning protocol, every run in the results file (grid points, failed or "
+                       "left out of a later grid, and seeds):", ""]
     for name, protocol in PROTOCOLS.items():
         rows = [r for k, r in results.items() if k.startswith(f"{name}|") and "cpu_seconds" in r]
         if protocol["scale"] == "top" and rows:
             lines.append(f"- `{name}`: {len(rows)} runs, {sum(r['cpu_seconds'] for r in rows) / 60:.0f} CPU minutes in all, "
-                         f"{sum(r['seconds'] for r in rows) / 60:.0f} wall minutes ({rows[0]['threads']} torch threads per run).")
+                         f"{sum(r['seconds'] for r in rows) / 60:.0f} wall minutes (torch threads per run: "
+                         f"{', '.join(str(t) for t in sorted({r['threads'] for r in rows}))}).")
+    failed = [f"`{key}`: {row['failed'][:160]}" for key, row in results.items() if row.get("failed")]
+    if failed:
+        lines += ["", "Grid points the trainer stopped (saved as failed; they score nothing):", ""]
+        lines += [f"- {entry}" for entry in failed]
     lines += ["", "Protocols (the presets in benchmarks/paper_protocols.py, `python -m benchmarks utility`):", ""]
     for name, protocol in PROTOCOLS.items():
         lines.append(f"- `{name}`: {protocol['paper']}; {json.dumps(protocol['common'])}; grid "

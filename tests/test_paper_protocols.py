@@ -77,6 +77,7 @@ def test_the_lora_sweep_tunes_once_runs_every_cell_resumes_and_reports(tmp_path,
     assert "| DiSK (Zhang et al.), Table 3 | top 2 layers lora16, 6k ex. | 6.7 | DP-AdamW | DiSK |" in report
     assert "(n=1; paper +1.60)" in report and "(n=1; paper +1.88)" in report
     assert "- `disk_lora`: 8 runs," in report and "CPU minutes in all" in report
+    assert "Grid points the trainer stopped" not in report
 
     # an interrupted sweep resumes: only the missing run is made again, every finished one is kept
     missing = "disk_lora|DiSK|eps=6.7|seed=0"
@@ -138,6 +139,11 @@ def test_a_grid_point_the_trainer_stops_is_saved_as_failed_and_never_chosen(tmp_
     calls.clear()
     paper_protocols.run_protocol("disk_lora", args, store)
     assert calls == []  # the failed point is a finished run: the sweep resumes without it
+    args.output, args.plot = str(tmp_path / "results.md"), str(tmp_path / "plot.png")
+    (tmp_path / "results.md").touch()
+    paper_protocols.report(store.load(), args)
+    assert "- `disk_lora|DiSK|eps=1|tune|learning_rate=0.01`: SeparationError: Re-check" in (
+        tmp_path / "results.md").read_text()
 
     args.seeds = [1]
     monkeypatch.setitem(tiny_protocols["disk_lora"], "grid", {"learning_rate": [1e-2]})
