@@ -40,7 +40,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ from hf_dpfilter.proofs.first_step_check import (
 )
 from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, dropout_free, same_draws
 
-__all__ = ["DEFAULT_RECHECK_RATE", "SeparationChecks", "SeparationError", "micro_batch_shape"]
+__all__ = ["DEFAULT_RECHECK_RATE", "SeparationChecks", "SeparationError", "as_float64", "in_float64", "micro_batch_shape"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,32 @@ def micro_batch_shape(micro_batch: MicroBatch) -> tuple:
     return ("padded", labels.shape[0], width, side)
 
 
+@contextlib.contextmanager
+def in_float64(model: nn.Module) -> Iterator[None]:
+    """Every floating parameter and buffer of ``model`` in float64 for the block; the original tensors (the very
+    objects: views into flat buffers stay views) restored after it. Gradients are not touched."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    originals = [t.data for t in tensors]
+    try:
+        for tensor in tensors:
+            tensor.data = tensor.data.double()
+        yield
+    finally:
+        for tensor, original in zip(tensors, originals):
+            tensor.data = original
+
+
+def as_float64(value: Any) -> Any:
+    """``value`` with every floating tensor in it (in dicts, lists and tuples too) in float64."""
+    if isinstance(value, torch.Tensor):
+        return value.double() if value.is_floating_point() else value
+    if isinstance(value, Mapping):
+        return {k: as_float64(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(as_float64(v) for v in value)
+    return value
+
+
 class SeparationChecks:
     """The per-micro-batch proofs of a run (see the module docstring); :meth:`before_accumulate` is the entry.
 
@@ -134,6 +160,7 @@ class SeparationChecks:
         self.seen: set[tuple] = set()
         self.micro_batches = 0  # micro-batches seen by the entry (for the messages)
         self.rechecks_run = 0
+        self.float64_rechecks = 0  # re-checks that float32 rounding failed and float64 passed
         # not the sampler's, not the noise's, not torch's global stream; never saved
         self._choices = random.Random(int.from_bytes(os.urandom(8), "little"))
 
@@ -244,6 +271,11 @@ class SeparationChecks:
                 if mine == own or (math.isnan(mine) and math.isnan(own)) or abs(mine - own) <= tol * max(abs(own), 1e-6):
                     return  # the same loss (a non-finite one alone too: the example's own, zeroed by the optimizer)
             check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")  # random: refused as such
+            if not low_precision and self._same_in_float64(model, micro_batch, raw[index], index):
+                self.float64_rechecks += 1
+                logger.info("Re-check of micro-batch %d: the float32 losses differ beyond the tolerance, the float64 "
+                            "ones agree (rounding, not a coupling).", self.micro_batches)
+                return
         raise SeparationError(
             f"Re-check ({why}) of micro-batch {self.micro_batches}, shape {micro_batch_shape(micro_batch)}: "
             f"example {index} has another loss in the micro-batch than re-collated alone (values not shown: "
@@ -257,6 +289,33 @@ class SeparationChecks:
             "differs between the two shapes can exceed the check's tolerance: lower the learning rate. Nothing of "
             "this step was released."
         )
+
+    def _same_in_float64(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int) -> bool:
+        """The precision argument of a float32 mismatch: the example's loss in its micro-batch and alone again, with
+        every floating weight, buffer, input and label in float64 (same draws, dropout off). A coupling is a
+        function of the other examples and stays in float64; the rounding of two shapes (other padded lengths and
+        row counts: other accumulation orders, amplified by a very confident or diverging model's large
+        activations) shrinks by 2^29. Agreement within the float64 tolerance (1e-6) is a tighter statement than
+        the float32 check's (1e-4). False when the forward cannot run in float64 or does not return float64."""
+        inputs, labels, layout = micro_batch
+        tol = _tolerance(torch.float64, False)
+        try:
+            with in_float64(model), checking_forward(model), torch.no_grad():
+                with same_draws(model, CHECK_SEED), self.packed(layout):
+                    losses = self.loss_fn(as_float64(inputs), as_float64(labels))
+                if losses.dtype != torch.float64:
+                    return False  # computed in float32 somewhere downstream: no precision argument
+                mine = float(losses[index])
+                for each_row in (False, True):
+                    one_inputs, one_labels, one_layout = self.alone(raw, micro_batch, index, each_row)
+                    with same_draws(model, CHECK_SEED), self.packed(one_layout):
+                        alone = self.loss_fn(as_float64(one_inputs), as_float64(one_labels))
+                    own = float(alone.sum())
+                    if alone.dtype == torch.float64 and abs(mine - own) <= tol * max(abs(own), 1e-6):
+                        return True
+        except (RuntimeError, TypeError, ValueError):  # a forward that cannot run in float64 (out of memory too)
+            return False
+        return False
 
     @staticmethod
     def _dtype(model: nn.Module) -> torch.dtype:

@@ -1,0 +1,101 @@
+"""The re-check's precision argument: a float32 mismatch that float64 does not show is rounding, not a coupling.
+
+A run that reaches very confident predictions (or diverges) has large activations; the same example in its
+micro-batch and collated alone then goes through other accumulation orders (other padded lengths, other row
+counts), and in float32 its loss can differ by more than the check's 1e-4 (measured: 1.6e-4 on MiniLM's top
+layers with LoRA at lr 0.03, the run the trainer stopped). The re-check then computes both losses again in float64:
+agreement within 1e-6 passes (rounding shrinks by 2^29), a coupling (a function of the other examples) still
+refuses. The weights are restored as the very tensors they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from hf_dpfilter.proofs.separation import SeparationChecks, SeparationError, as_float64, in_float64
+
+
+class RoundsByRowCount(nn.Module):
+    """Per-example scores; in float32 only, a relative error of 1e-3 whenever the micro-batch has several rows
+    (standing for another accumulation order, amplified); exact in float64. No example affects another."""
+
+    def __init__(self, coupled: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 2.0, 4))
+        self.register_buffer("offset", torch.tensor(0.25))
+        self.coupled = coupled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        score = x @ self.weight + self.offset
+        if self.coupled:  # a statistic over the micro-batch: a real coupling, in every precision
+            score = score + 0.5 * (x @ self.weight).mean()
+        if score.dtype == torch.float32 and x.shape[0] > 1:
+            score = score * (1 + 1e-3)
+        return score
+
+
+def checks_for(model: nn.Module) -> SeparationChecks:
+    def loss_fn(inputs, labels):
+        return (model(inputs["x"]) - labels) ** 2 + 1.0
+
+    def alone(raw, micro_batch, index, each_row):
+        return {"x": raw["x"][None]}, raw["label"][None], None
+
+    return SeparationChecks(None, loss_fn, lambda layout: contextlib.nullcontext(), alone, first_step=False,
+                            rechecks=True, rate=0.0, min_examples=2)
+
+
+def micro_batch():
+    x = torch.arange(24, dtype=torch.float32).reshape(6, 4) / 7.0
+    labels = torch.tensor([1.0, -1.0, 0.5, 2.0, 0.0, 1.5])
+    return ({"x": x}, labels, None), [{"x": x[i], "label": labels[i]} for i in range(6)]
+
+
+def test_a_float32_only_mismatch_passes_by_float64_and_the_weights_come_back_as_they_were():
+    model = RoundsByRowCount()
+    weight, offset, storage = model.weight, model.offset, model.weight.data_ptr()
+    checks = checks_for(model)
+    batch, raw = micro_batch()
+    for _ in range(5):  # any drawn example
+        checks.recheck(model, batch, raw, "a new shape")
+    assert checks.float64_rechecks == 5
+    assert model.weight is weight and model.weight.data_ptr() == storage and model.weight.dtype == torch.float32
+    assert model.offset is offset and model.offset.dtype == torch.float32
+
+
+def test_a_coupling_still_refuses_in_float64():
+    model = RoundsByRowCount(coupled=True)
+    batch, raw = micro_batch()
+    with pytest.raises(SeparationError, match="another loss in the micro-batch than re-collated alone"):
+        checks_for(model).recheck(model, batch, raw, "a new shape")
+    assert model.weight.dtype == torch.float32
+
+
+def test_a_loss_computed_in_float32_downstream_gets_no_precision_argument():
+    """A loss that casts back to float32 is no float64 computation: the mismatch refuses."""
+    model = RoundsByRowCount()
+    checks = checks_for(model)
+    float64_loss = checks.loss_fn
+    checks.loss_fn = lambda inputs, labels: float64_loss(inputs, labels).float() * (
+        1 + 1e-3 * (inputs["x"].shape[0] > 1))
+    batch, raw = micro_batch()
+    with pytest.raises(SeparationError):
+        checks.recheck(model, batch, raw, "a new shape")
+
+
+def test_in_float64_restores_every_tensor_even_when_the_block_raises():
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    before = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    storage = {name: t.data_ptr() for name, t in before.items()}
+    with pytest.raises(RuntimeError), in_float64(model):
+        assert model[0].weight.dtype == torch.float64 and model[1].running_mean.dtype == torch.float64
+        assert model[1].num_batches_tracked.dtype == torch.long
+        raise RuntimeError("inside")
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    assert all(after[name] is before[name] and after[name].data_ptr() == storage[name] for name in before)
+    assert model[0].weight.dtype == torch.float32 and model[1].running_var.dtype == torch.float32
+    assert as_float64({"a": torch.ones(1), "b": [torch.ones(1, dtype=torch.long)]})["a"].dtype == torch.float64
