@@ -5,7 +5,9 @@ micro-batch and collated alone then goes through other accumulation orders (othe
 counts), and in float32 its loss can differ by more than the check's 1e-4 (measured: 1.6e-4 on MiniLM's top
 layers with LoRA at lr 0.03, the run the trainer stopped). The re-check then computes both losses again in float64:
 agreement within 1e-6 passes (rounding shrinks by 2^29), a coupling (a function of the other examples) still
-refuses. The weights are restored as the very tensors they were.
+refuses, and so does a float32 mismatch above ROUNDING_BOUND (1e-2) whatever float64 shows. The weights are restored
+as the very tensors they were. A branch taken only while gradients are recorded is covered by
+tests/test_recheck_forwards.py (the float64 forward records too when the float32 loss came from the training forward).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ class RoundsByRowCount(nn.Module):
     """Per-example scores; in float32 only, a relative error of 1e-3 whenever the micro-batch has several rows
     (standing for another accumulation order, amplified); exact in float64. No example affects another."""
 
-    def __init__(self, coupled: bool = False) -> None:
+    def __init__(self, coupled: bool = False, float32_error: float = 1e-3) -> None:
         super().__init__()
+        self.float32_error = float32_error
         self.weight = nn.Parameter(torch.linspace(0.5, 2.0, 4))
         self.register_buffer("offset", torch.tensor(0.25))
         self.coupled = coupled
@@ -34,7 +37,7 @@ class RoundsByRowCount(nn.Module):
         if self.coupled:  # a statistic over the micro-batch: a real coupling, in every precision
             score = score + 0.5 * (x @ self.weight).mean()
         if score.dtype == torch.float32 and x.shape[0] > 1:
-            score = score * (1 + 1e-3)
+            score = score * (1 + self.float32_error)
         return score
 
 
@@ -99,3 +102,14 @@ def test_in_float64_restores_every_tensor_even_when_the_block_raises():
     assert all(after[name] is before[name] and after[name].data_ptr() == storage[name] for name in before)
     assert model[0].weight.dtype == torch.float32 and model[1].running_var.dtype == torch.float32
     assert as_float64({"a": torch.ones(1), "b": [torch.ones(1, dtype=torch.long)]})["a"].dtype == torch.float64
+
+
+def test_a_float32_mismatch_too_large_for_rounding_refuses_whatever_float64_shows():
+    """A model that couples examples only in float32 (branching on the dtype) must not pass by float64: a mismatch
+    above ROUNDING_BOUND (1e-2) is never called rounding."""
+    model = RoundsByRowCount(float32_error=5e-2)
+    batch, raw = micro_batch()
+    checks = checks_for(model)
+    with pytest.raises(SeparationError):
+        checks.recheck(model, batch, raw, "a new shape")
+    assert checks.float64_rechecks == 0
