@@ -523,7 +523,7 @@ def plot(results: dict[str, Any], path: str) -> None:
         if ax.lines:
             ax.legend(fontsize=8)
         else:
-            ax.text(0.5, 0.5, "not measured (needs a GPU)", ha="center", va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, "not run yet", ha="center", va="center", transform=ax.transAxes)
     for ax in axes.flat[len(PROTOCOLS):]:
         ax.axis("off")
     fig.suptitle("Accuracy against ε per protocol: mean ± std over seeds (dots: single seeds)")
