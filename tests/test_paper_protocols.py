@@ -34,11 +34,15 @@ def tiny_protocols(monkeypatch):
     return tiny
 
 
-def sweep(tmp_path, *extra: str) -> dict:
+def sst2_or_skip() -> str:
     try:
-        data_dir = sst2_dir(None)
+        return sst2_dir(None)
     except (FileNotFoundError, OSError, ValueError) as error:
         pytest.skip(f"SST-2 not found: {error}")
+
+
+def sweep(tmp_path, *extra: str) -> dict:
+    data_dir = sst2_or_skip()
     (tmp_path / "results.md").touch()
     paper_protocols.main([
         "--protocols", "disk_lora", "pmlf_lora", "--data_dir", data_dir, "--top_train_samples", "16",
@@ -94,13 +98,9 @@ def test_the_lora_sweep_tunes_once_runs_every_cell_resumes_and_reports(tmp_path,
 def test_the_validation_split_holds_no_row_identical_to_a_training_row(tmp_path, monkeypatch):
     """SST-2 repeats phrases; a validation row equal to a training row would score the training set (and the trainer
     refuses to evaluate on training rows)."""
-    try:
-        data_dir = sst2_dir(None)
-    except (FileNotFoundError, OSError, ValueError) as error:
-        pytest.skip(f"SST-2 not found: {error}")
     import argparse
 
-    args = argparse.Namespace(data_dir=data_dir, train_samples=20000, top_train_samples=3000,
+    args = argparse.Namespace(data_dir=sst2_or_skip(), train_samples=20000, top_train_samples=3000,
                               top_validation_samples=5000, work_dir=str(tmp_path))
     split = paper_protocols.splits(args)
     train = set(split["train"][0][: args.top_train_samples])

@@ -16,8 +16,13 @@ import contextlib
 
 import pytest
 import torch
+import torch.nn.functional as F
+from helpers import ListDataset, PadCollator
+from models import tiny_gpt2
+from test_separation_rechecks import _args, _example, _step
 from torch import nn
 
+from hf_dpfilter import DPTrainer
 from hf_dpfilter.proofs.separation import SeparationChecks, SeparationError, as_float64, in_float64
 
 
@@ -113,3 +118,63 @@ def test_a_float32_mismatch_too_large_for_rounding_refuses_whatever_float64_show
     with pytest.raises(SeparationError):
         checks.recheck(model, batch, raw, "a new shape")
     assert checks.float64_rechecks == 0
+
+
+# ------------------------------------------------------------------ through the public API: DPTrainer, noise 0
+class _WidthCoupledLoss(DPTrainer):
+    """Own-count token NLL; while the micro-batch is padded beyond 10 tokens, every example's loss is scaled by
+    1 + 1e-3 (the long example's presence reaches the short one's loss): in float32 only (a stand-in for rounding,
+    ``float32_only``) or in every precision (a small real coupling, below ROUNDING_BOUND, above the 1e-4 tolerance)."""
+
+    float32_only = True
+
+    def compute_per_example_loss(self, model, inputs, labels, param_values=None):
+        outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
+        logits, targets = outputs["logits"][:, :-1], labels[:, 1:]
+        nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none").sum(1)
+        nll = nll / (targets != -100).sum(1).clamp(min=1).to(nll.dtype)
+        if inputs["input_ids"].shape[1] > 10 and (nll.dtype == torch.float32 or not self.float32_only):
+            nll = nll * (1 + 1e-3)
+        return nll
+
+
+class _SmallRealCoupling(_WidthCoupledLoss):
+    float32_only = False
+
+
+def _make(tmp_path, cls, examples):
+    def make(name):
+        # sampled order: micro-batch 1 holds the two equal examples (the first-step check), micro-batch 2 the
+        # short and the long one (a new shape: its re-check). The long one has no label (loss 0), so the re-check
+        # draws the short one, whose loss the long one's width moves
+        args = _args(tmp_path / name, per_sample_max_grad_norm=2.0, dp_recheck_rate=0.0, dp_group_by_length=False)
+        return cls(model=tiny_gpt2(torch.float32), args=args, train_dataset=ListDataset(examples),
+                   data_collator=PadCollator(0))
+    return make
+
+
+def test_a_small_real_coupling_in_micro_batch_2_is_refused_in_float64_too(tmp_path):
+    """1e-3 is below ROUNDING_BOUND, so the float64 argument runs; the coupling is there in float64 as well."""
+    equal = [_example(6, seed, causal=True) for seed in (1, 2)]
+    d_prime = [*equal, _example(3, 3, causal=True), _example(30, 4, causal=True, labelled=False)]
+    trainer = _make(tmp_path, _SmallRealCoupling, d_prime)("refused")
+    with pytest.raises(SeparationError, match="Re-check \\(a new shape\\)"):
+        _step(trainer, d_prime)
+    assert trainer.accountant.steps == 0 and trainer._separation.float64_rechecks == 0
+
+
+def test_a_float32_only_mismatch_trains_and_moves_the_aggregate_within_the_rounding_bound(tmp_path):
+    """The stand-in for rounding passes micro-batch 2's re-check by float64; adding the long example then moves
+    the pre-noise aggregate by at most C (1 + ROUNDING_BOUND): the float32 effect the argument accepts is bounded by
+    the bound (here 1e-3 of a loss), never more."""
+    from hf_dpfilter.proofs.separation import ROUNDING_BOUND
+
+    equal = [_example(6, seed, causal=True) for seed in (1, 2)]
+    d = [*equal, _example(3, 3, causal=True)]
+    d_prime = [*d, _example(30, 4, causal=True, labelled=False)]
+    make = _make(tmp_path, _WidthCoupledLoss, d_prime)
+    trainer = make("passes")
+    moved, clip = _step(trainer, d_prime)
+    assert trainer._separation.float64_rechecks == 1
+    base, _ = _step(make("base"), d)
+    assert float((moved - base).norm()) / clip <= 1 + ROUNDING_BOUND

@@ -270,10 +270,8 @@ class SeparationChecks:
             # the collator's random keys as probed on the training set's first rows; on a mismatch, also as this
             # example's own row shows them (a first row with nothing to mask shows none: collator_draws)
             rounding_size = False  # a mismatch small enough to be rounding: the float64 argument may settle it
-            for each_row in (False, True):
-                one_inputs, one_labels, one_layout = self.alone(raw[index], micro_batch, index, each_row)
-                with same_draws(model, CHECK_SEED), self.packed(one_layout):
-                    by_itself = self.loss_fn(one_inputs, one_labels).detach().double()
+            for by_itself in self._losses_alone(model, micro_batch, raw[index], index):
+                by_itself = by_itself.detach().double()
                 if by_itself.numel() != 1:
                     raise SeparationError(
                         f"compute_per_example_loss returned {by_itself.numel()} losses for one example alone: it "
@@ -304,6 +302,15 @@ class SeparationChecks:
             "this step was released."
         )
 
+    def _losses_alone(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int,
+                      cast: Callable[[Any], Any] = lambda value: value) -> Iterator[torch.Tensor]:
+        """The example's loss re-collated alone (inputs and labels through ``cast``), with the collator's random keys
+        as probed on the training set's first rows, then as this example's own row shows them."""
+        for each_row in (False, True):
+            one_inputs, one_labels, one_layout = self.alone(raw, micro_batch, index, each_row)
+            with same_draws(model, CHECK_SEED), self.packed(one_layout):
+                yield self.loss_fn(cast(one_inputs), cast(one_labels))
+
     def _same_in_float64(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int, *,
                          recording: bool) -> bool:
         """The precision argument of a float32 mismatch: the example's loss in its micro-batch and alone again, with
@@ -323,10 +330,7 @@ class SeparationChecks:
                 if losses.dtype != torch.float64:
                     return False  # computed in float32 somewhere downstream: no precision argument
                 mine = float(losses[index])
-                for each_row in (False, True):
-                    one_inputs, one_labels, one_layout = self.alone(raw, micro_batch, index, each_row)
-                    with same_draws(model, CHECK_SEED), self.packed(one_layout):
-                        alone = self.loss_fn(as_float64(one_inputs), as_float64(one_labels))
+                for alone in self._losses_alone(model, micro_batch, raw, index, as_float64):
                     own = float(alone.sum())
                     if alone.dtype == torch.float64 and abs(mine - own) <= tol * max(abs(own), 1e-6):
                         return True
