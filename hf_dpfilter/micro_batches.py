@@ -26,7 +26,7 @@ from hf_dpfilter.proofs.batch_structure import BatchStructure, probe_batch_struc
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NUM_EXAMPLES_KEY", "RAW_EXAMPLES_KEY", "MicroBatchMixin"]
+__all__ = ["NUM_EXAMPLES_KEY", "RAW_EXAMPLES_KEY", "MicroBatchMixin", "dropout_keys"]
 
 #: Key under which the training collator reports how many examples it collated (popped before the forward):
 #: the number of examples a packed batch must hold, declared by the sampler's draw, not inferred from rows.
@@ -476,3 +476,52 @@ def _example_count(micro_batch: tuple) -> int:
     if layout is None:
         return labels.shape[0]
     return getattr(layout, "num_member_examples", layout.num_examples)
+
+
+def declared_padding_side(collator: Any, processing_class: Any = None) -> str:
+    """The side the training rows are padded on, as declared: the collator's ``padding_side`` or its tokenizer's
+    (through the wrappers), else the trainer's processing class's; ``"right"`` when nothing declares one."""
+    seen, todo = set(), [collator]
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        side = getattr(obj, "padding_side", None)
+        if side in ("left", "right"):
+            return side
+        todo.extend(getattr(obj, name, None) for name in ("tokenizer", "processing_class", "collate_fn",
+                                                          "data_collator", "collator"))
+    side = getattr(processing_class, "padding_side", None) or getattr(
+        getattr(processing_class, "tokenizer", None), "padding_side", None)
+    return side if side in ("left", "right") else "right"
+
+
+def dropout_keys(micro_batch: tuple, raws: list | None, model: Any, side: str) -> dict[str, Any]:
+    """``accumulate``'s keywords that key each row's dropout to its example (hf_dpfilter/example_randomness.py):
+    the raw rows the micro-batch holds, in its order, and the run's declared padding side (fixed for the run, so
+    an example's indices are the same in every micro-batch and alone), which the attention mask must agree with;
+    or no keys, with the reason a dropout draw is then refused for.
+
+    Args:
+        micro_batch: ``(inputs, labels, layout)``.
+        raws: the micro-batch's raw examples, one per row (None: the batches carry no raw rows).
+        model: the trained model (an encoder-decoder's left-padded sources cannot be keyed).
+        side: the declared padding side (:func:`declared_padding_side`).
+    """
+    micro, _, layout = micro_batch
+    if raws is None:
+        return {"unkeyed_reason": "the training batches carry no raw rows (a get_train_dataloader of one's own)"}
+    if layout is not None and (not isinstance(layout, privacy_units.UnitLayout) or layout.packed_rows):
+        return {"unkeyed_reason": "the micro-batch packs several examples into one row, so a row's mask cannot be "
+                                  "one example's"}
+    if side == "left" and _decoder_side(model):
+        return {"unkeyed_reason": "an encoder-decoder's sources are padded on the left and its targets on the right "
+                                  "(the two axes of cross-attention count from different sides); pad on the right"}
+    mask = micro.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 0 and not bool(mask.all()):
+        wrong = mask[:, 0] if side == "right" else mask[:, -1]
+        if bool((wrong == 0).any()):
+            return {"unkeyed_reason": f"its rows are padded on the {'left' if side == 'right' else 'right'} while "
+                                      f"the collator declares padding_side={side!r}; declare the side it pads on"}
+    return {"example_keys": raws, "padding_side": side}

@@ -40,6 +40,7 @@ from hf_dpfilter.arguments import DPArgumentsMixin
 from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
 from hf_dpfilter.loss_scaling import attach_loss_scaler
 from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.micro_batches import declared_padding_side, dropout_keys
 from hf_dpfilter.micro_batches import (
     NUM_EXAMPLES_KEY,
     RAW_EXAMPLES_KEY,
@@ -441,6 +442,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         if not self._per_example_checked and self.dp_optimizer.sharded:
             check_hook_verified_when_sharded(self, DPTrainerMixin)  # the same on every process: all refuse together
         separation = self._separation_checks()
+        side = declared_padding_side(self.data_collator, self.processing_class)  # the dropout indices' origin
         rounds = len(micro_batches)
         if self.dp_optimizer.sharded:
             # FSDP2 gathers parameters with collectives in every forward and backward: every process runs as
@@ -474,9 +476,12 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                                                        cut[index][1], step_losses=not units_layout)
             with self._packed(layout):
                 if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
-                    self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=size)
+                    padding_row = [self._padding_collator.dataset[0]]
+                    self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=size,
+                                                               example_keys=padding_row)
                     continue
-                losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size, **self._alone_declaration)
+                losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size, **self._alone_declaration,
+                                                      **dropout_keys(cut[index][0], cut[index][1], self.model, side))
             if recheck is not None:  # a due re-check on this forward's own losses, before the step is released
                 recheck(here[0] if len(here) == 1 else None)
             total = total + losses.sum()

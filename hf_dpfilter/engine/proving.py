@@ -25,6 +25,7 @@ from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, experts_verdict, is_experts, split_rows
 from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule, vector_form
+from hf_dpfilter.example_randomness import KeyedRandomnessError
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
 from hf_dpfilter.proofs.validators import StateWrittenError
@@ -238,6 +239,13 @@ class _ProvingStep:
                 "Nothing was released."
             )
         self._check_every_trainable_module_recorded()
+        if (tracer.batch_size or 0) > 1 and any(tag is None or tag[0] != 0 for tag in tracer.dropout_inputs):
+            raise KeyedRandomnessError(
+                "A dropout of the training forward draws its mask over a tensor whose leading axis the batch-axis "
+                "trace did not find to be the examples (batch merged with another axis, moved, or lost), so its "
+                "mask cannot be keyed to each example: drawn from a shared stream, adding one example would "
+                "re-deal the others' masks. Fix: set that dropout to 0 for private training. Nothing was released."
+            )
         if (tracer.batch_size or 0) > 1:
             # With one example every tensor of leading size 1 looks batch-first (an explicit (1, T) position_ids
             # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.

@@ -42,9 +42,10 @@ noise draw, so noise enters once in total and all replicas stay identical.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +57,7 @@ from hf_dpfilter.clipping import clip_factors, zero_nonfinite_examples
 from hf_dpfilter.collectives import Collectives, default_collectives, is_sharded
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
 from hf_dpfilter.engine.points import LossFn, per_example_combination
+from hf_dpfilter.example_randomness import ExampleRandomness, example_digest, keyed_step
 from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
 from hf_dpfilter.optimizers.method_config import DPSGDConfig, Mechanism, MethodConfig  # noqa: F401 (DPSGDConfig: re-exported)
 from hf_dpfilter.optimizers.method_state import copy_all_, index_to_params, params_to_index
@@ -103,6 +105,8 @@ class DPOptimizer(WrappedOptimizer):
         self.collectives = collectives if collectives is not None else default_collectives()
         self.seed = plan.seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: the secret key of each example's dropout masks and collator draws (never saved nor logged)
+        self.example_randomness = ExampleRandomness.for_plan(plan.secure_rng, plan.seed, self.collectives.agree_on_seed)
         #: a public random id of the run, kept in checkpoints: the privacy ledger recognises its own lineage
         self.run_id = uuid.uuid4().hex
         #: True once load_state_dict restored a checkpoint (its randomness was then refreshed)
@@ -209,22 +213,37 @@ class DPOptimizer(WrappedOptimizer):
             )
         self._engine_checked = engine
 
-    def accumulate(self, engine: GhostClippingEngine | None, loss_fn: LossFn, batch_size: int) -> torch.Tensor:
+    def accumulate(self, engine: GhostClippingEngine | None, loss_fn: LossFn, batch_size: int,
+                   example_keys: Sequence[Any] | None = None, padding_side: str = "right",
+                   unkeyed_reason: str | None = None) -> torch.Tensor:
         """Add one micro-batch to this step: forward at every gradient point, clip each example's combination.
 
-        ``loss_fn(param_values)`` runs the forward at the given parameter values (None: the current ones; use
-        ``engine.call_model(param_values, **inputs)``) and returns the per-example losses, shape
-        ``(batch_size,)``. ``batch_size=0`` declares an empty micro-batch (an empty Poisson sample): nothing is
-        run, and the step then adds noise to a zero sum. Returns the per-example losses at the current point
-        (detached).
+        Args:
+            engine: the clipping engine attached to the model.
+            loss_fn: ``loss_fn(param_values)`` runs the forward at the given parameter values (None: the current
+                ones; use ``engine.call_model(param_values, **inputs)``) and returns the per-example losses, shape
+                ``(batch_size,)``.
+            batch_size: the micro-batch's examples; 0 declares an empty micro-batch (an empty Poisson sample):
+                nothing is run, and the step then adds noise to a zero sum.
+            example_keys: one entry per row of the micro-batch, in order: the example's own content (its raw
+                data-set row, or a tensor of its unpadded values), never its padded row. Each example's dropout
+                masks are keyed to it (:mod:`hf_dpfilter.example_randomness`); without keys a dropout draw in
+                the forward is refused.
+            padding_side: the side the rows are padded on (``"left"``: dropout indices run from the end).
+            unkeyed_reason: why no keys are given (named in the refusal if the forward draws dropout).
+
+        Returns:
+            The per-example losses at the current point (detached).
         """
         if batch_size == 0:
             self._accumulated = True
             return torch.zeros(0)
         self._check_engine(engine)
-        return self._accumulate_gradients(*self._per_example_pass(engine, loss_fn, batch_size))
+        with self._keyed(engine, example_keys, padding_side, unkeyed_reason):
+            return self._accumulate_gradients(*self._per_example_pass(engine, loss_fn, batch_size))
 
-    def run_without_contributing(self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int) -> None:
+    def run_without_contributing(self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int,
+                                 example_keys: Sequence[Any] | None = None, padding_side: str = "right") -> None:
         """Run a micro-batch's forwards and backwards as :meth:`accumulate` does, and discard them.
 
         Nothing enters the step's sums (nothing is released). Under FSDP2 every forward and backward gathers
@@ -232,7 +251,23 @@ class DPOptimizer(WrappedOptimizer):
         whose share of the Poisson sample is smaller runs this for the difference (DPTrainer does).
         """
         self._check_engine(engine)
-        self._per_example_pass(engine, loss_fn, batch_size)
+        with self._keyed(engine, example_keys, padding_side, None):
+            self._per_example_pass(engine, loss_fn, batch_size)
+
+    def _keyed(self, engine: GhostClippingEngine, example_keys: Sequence[Any] | None, padding_side: str,
+               unkeyed_reason: str | None) -> contextlib.AbstractContextManager:
+        """The micro-batch's forwards and backward with each row's dropout keyed to its example."""
+        step = self.accountant.steps
+        randomness = self.example_randomness
+        seeds = None
+        if example_keys is not None:
+            digests = [k if isinstance(k, bytes) else example_digest(k) for k in example_keys]
+            seeds = randomness.row_seeds(step, "dropout", digests)
+        why = unkeyed_reason or ("no example_keys were given to accumulate() (pass one entry per row: the "
+                                 "example's own content, e.g. its raw data-set row)")
+        devices = sorted({p.device.index or 0 for p in self.params if p.device.type == "cuda"})
+        return keyed_step(randomness.step_seed(step, "dropout"), seeds, padding_side, why, devices,
+                          getattr(engine, "model", None))
 
     def _per_example_pass(
         self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int
@@ -310,6 +345,7 @@ class DPOptimizer(WrappedOptimizer):
 
         self.seed = self.collectives.agree_on_seed(fresh_seed())
         self._generators = {}
+        self.example_randomness = ExampleRandomness.for_plan(True, 0, self.collectives.agree_on_seed)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

@@ -43,7 +43,7 @@ route must make the second term vanish or be negligible:
   not deterministic run to run (CUDA atomics), d^_j is a random variable whose law depends on j's own
   inputs only: coupling the draws of D and D' example by example bounds every coupled pair by C_r, and the
   mechanism's output, a mixture over the couplings, keeps the Gaussian mechanism's guarantee (joint convexity of
-  the divergence) -- as for dropout masks, which are i.i.d. draws wherever x falls in the stream. The rounding
+  the divergence) -- as for dropout masks, which are keyed to each example (hf_dpfilter/example_randomness.py). The rounding
   then only costs utility (d^_j's relative error about u ||g|| / ||d||, u = 2^-24 in float32), never privacy.
   A micro-batch of several examples, or one not declared collated alone, falls back to float64 (below): the
   route never trusts a shape for the privacy.
@@ -410,7 +410,8 @@ class Diff2(DPOptimizer):
             self._float64_seen = (engine, all(t.dtype == torch.float64 for t in tensors if t.is_floating_point()))
         return self._float64_seen[1]
 
-    def accumulate(self, engine: Any, loss_fn: Any, batch_size: int, alone: bool = False) -> torch.Tensor:
+    def accumulate(self, engine: Any, loss_fn: Any, batch_size: int, alone: bool = False,
+                   **keys: Any) -> torch.Tensor:
         """:meth:`DPOptimizer.accumulate`; ``alone=True`` declares that the micro-batch is ONE example (one privacy
         unit) collated from itself alone (its own padding and width, nothing read from other examples): a
         difference round of the ``"batch_invariant"`` route then computes it in the model's dtype. Without the
@@ -422,16 +423,16 @@ class Diff2(DPOptimizer):
             if not self._float64_model():
                 raise ValueError(_SHARDED_REFUSAL)  # at the first micro-batch of the run, before any release
         try:
-            return super().accumulate(engine, loss_fn, batch_size)
+            return super().accumulate(engine, loss_fn, batch_size, **keys)
         finally:
             self._alone = False
 
-    def run_without_contributing(self, engine: Any, loss_fn: Any, batch_size: int) -> None:
+    def run_without_contributing(self, engine: Any, loss_fn: Any, batch_size: int, **keys: Any) -> None:
         """:meth:`DPOptimizer.run_without_contributing`: FSDP2's padding micro-batch runs at the round's points in
         the shards' dtype (nothing of it is released, so its precision is free)."""
         self._discarded = True
         try:
-            super().run_without_contributing(engine, loss_fn, batch_size)
+            super().run_without_contributing(engine, loss_fn, batch_size, **keys)
         finally:
             self._discarded = False
 

@@ -8,7 +8,7 @@ the DP methods, so a non-private row differs from a private one only by the priv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,7 +36,9 @@ class NonPrivateOptimizer(DPOptimizer):
 
     method_name = "none"
 
-    def accumulate(self, engine: GhostClippingEngine | None, loss_fn: LossFn, batch_size: int) -> torch.Tensor:
+    def accumulate(self, engine: GhostClippingEngine | None, loss_fn: LossFn, batch_size: int,
+                   **example_keys: Any) -> torch.Tensor:
+        # the non-private baseline: its dropout draws from the run's stream, as the plain Trainer's does
         if batch_size == 0:
             self._accumulated = True
             return torch.zeros(0)

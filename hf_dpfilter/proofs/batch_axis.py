@@ -130,6 +130,22 @@ def _dims_argument(args: tuple, kwargs: dict) -> Any:
     return None
 
 
+def dropout_input(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tensor a dropout call draws a mask over (``F.dropout``/``torch.dropout`` in training with ``p > 0``,
+    the query of ``F.scaled_dot_product_attention`` with ``dropout_p > 0``), or None."""
+    import torch.nn.functional as F
+
+    def arg(index: int, name: str, default: Any) -> Any:
+        return kwargs[name] if name in kwargs else (args[index] if len(args) > index else default)
+
+    if func is F.dropout or func is torch.dropout:
+        training = arg(2, "training" if func is F.dropout else "train", True)
+        return arg(0, "input", None) if training and float(arg(1, "p", 0.5)) != 0.0 else None
+    if func is F.scaled_dot_product_attention and float(arg(4, "dropout_p", 0.0)) != 0.0:
+        return arg(0, "query", None)
+    return None
+
+
 class BatchAxisTracer(TorchFunctionMode):
     """Tags tensors with their batch axis and propagates the tags (see the module docstring).
 
@@ -153,6 +169,9 @@ class BatchAxisTracer(TorchFunctionMode):
         #: id(parameter) -> (parameter, check): ``check()`` is called at each use of the parameter by a torch
         #: function (the engine checks that it runs inside the module whose rule covers it)
         self.watched: dict[int, tuple[torch.Tensor, Any]] = {}
+        #: the tag of each input a dropout drew a mask for, in call order (keyed to the rows of its leading axis
+        #: by hf_dpfilter.example_randomness: the engine refuses one whose leading axis is not the batch)
+        self.dropout_inputs: list[tuple[int, int] | None] = []
 
     # ---------------------------------------------------------------------------------------- tags
     def tag_of(self, tensor: Any) -> tuple[int, int] | None:
@@ -204,6 +223,9 @@ class BatchAxisTracer(TorchFunctionMode):
     # --------------------------------------------------------------------------------- propagation
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        drawn = dropout_input(func, args, kwargs)
+        if drawn is not None:
+            self.dropout_inputs.append(self.tag_of(drawn))
         out = func(*args, **kwargs)
         leaves = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
         if self.watched and getattr(func, "__name__", "") not in _METADATA_READS:
