@@ -40,7 +40,6 @@ from hf_dpfilter.arguments import DPArgumentsMixin
 from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
 from hf_dpfilter.loss_scaling import attach_loss_scaler
 from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.micro_batches import declared_padding_side, dropout_keys
 from hf_dpfilter.micro_batches import (
     NUM_EXAMPLES_KEY,
     RAW_EXAMPLES_KEY,
@@ -49,6 +48,8 @@ from hf_dpfilter.micro_batches import (
     _EmptySafeCollator,
     _FreshRowsCollator,
     _LogicalBatchLoader,
+    declared_padding_side,
+    dropout_keys,
 )
 from hf_dpfilter.packing import PackingError, packed_token_mean_loss
 from hf_dpfilter.plan import PrivacyPlan
