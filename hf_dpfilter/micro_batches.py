@@ -391,10 +391,37 @@ class MicroBatchMixin:
         inputs: ``(inputs, labels, units)``."""
         batch = dict(self._padding_collator(rows))
         batch.pop(RAW_EXAMPLES_KEY, None)
+        if rows:
+            batch = self._keyed_collator_draws(batch, rows)
         inputs = dict(self._prepare_inputs(batch))
         inputs.pop(NUM_EXAMPLES_KEY, None)
         units = inputs.pop(privacy_units.UNITS_KEY, None)
         return inputs, inputs.pop("labels"), units
+
+    def _collator_row_seeds(self, rows: list) -> tuple[list[int], tuple[int, int]]:
+        """Each row's seed of the collator's draws at this step, and the step's two probe seeds."""
+        from hf_dpfilter.example_randomness import example_digest
+
+        optimizer = getattr(self, "dp_optimizer", None)
+        randomness = getattr(optimizer, "example_randomness", None)
+        if randomness is None:  # no DP optimizer yet (a probe): the draws of a fixed secret-free seed
+            return [0] * len(rows), (1, 2)
+        step = optimizer.accountant.steps
+        seeds = [randomness.row_seed(step, "collator", example_digest(row)) for row in rows]
+        probe = randomness.step_seed(step, "collator-probe")
+        return seeds, (probe, probe ^ 1)
+
+    def _keyed_collator_draws(self, batch: dict[str, Any], rows: list) -> dict[str, Any]:
+        """``batch`` with a random collator's draws each example's own (hf_dpfilter.proofs.collator_draws.keyed_draws):
+        the logical batch of a step and each micro-batch collated again from its rows."""
+        collator: _EmptySafeCollator = self._padding_collator
+        seeds, probe = self._collator_row_seeds(rows)
+        side = declared_padding_side(self.data_collator, getattr(self, "processing_class", None))
+        spans = None
+        positions = batch.get("position_ids")
+        if self._training_batch_structure().packed and isinstance(positions, torch.Tensor) and positions.dim() == 2:
+            spans = PackedLayout.from_position_ids(positions).spans
+        return collator_draws.keyed_draws(collator.collate_fn, batch, rows, seeds, side, probe, spans)
 
     def _alone(self, raw: Any, micro_batch: tuple | None = None, index: int = 0, each_row: bool = False) -> tuple:
         """One raw example as the trainer would compute it as a batch of one: the training collator on that row
@@ -408,7 +435,8 @@ class MicroBatchMixin:
         collator: _EmptySafeCollator = self._padding_collator
         structure = self._training_batch_structure()
         drawn = set(structure.random)  # the keys the probe found drawn at random
-        with collator_draws.untouched_streams(collator.collate_fn):
+        (seed,), _ = self._collator_row_seeds([raw])
+        with collator_draws.seeded_streams(collator.collate_fn, seed):  # its draws as in its batch (keyed_draws)
             collated = collator.collate_fn([raw])
             if micro_batch is not None and each_row:  # the keys drawn at random, also as this row shows them
                 drawn |= random_keys(collator.collate_fn, raw, set(structure.per_example | structure.per_token))

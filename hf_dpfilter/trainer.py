@@ -422,6 +422,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             self.engine.hold_eval_modes()  # modules the options keep in eval mode (dp_batchnorm_eval)
         inputs = dict(inputs)
         raw = inputs.pop(RAW_EXAMPLES_KEY, None)  # the collated rows, for re-collating an example alone
+        if raw:  # a random collator's draws, each example's own (at this step: the loader may collate ahead)
+            inputs = self._keyed_collator_draws(inputs, raw)
         inputs = dict(self._prepare_inputs(inputs))
         num_examples = inputs.pop(NUM_EXAMPLES_KEY, None)
         units = inputs.pop(privacy_units.UNITS_KEY, None)  # privacy_unit='user': each example's user

@@ -35,14 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["untouched_streams", "with_batch_draws"]
+__all__ = ["KeyedDrawsError", "keyed_draws", "own_generators", "seeded_streams", "untouched_streams", "with_batch_draws"]
 
 #: attributes through which a collator holds the one it wraps (the trainer's wrappers, transformers'
 #: RemoveColumnsCollator, TRL's): searched for the wrapped collators' own generators
 _WRAPPED = ("collate_fn", "data_collator", "collator")
 
 
-def _own_generators(collate_fn: Any, depth: int = 6) -> list:
+def own_generators(collate_fn: Any, depth: int = 6) -> list:
     """The random generators the collator (or one it wraps) holds as ``generator`` (transformers' collators
     given a ``seed``: a torch.Generator, or a NumPy Generator for ``return_tensors='np'``)."""
     found, seen, todo = [], set(), [collate_fn]
@@ -66,7 +66,7 @@ def untouched_streams(collate_fn: Any) -> Iterator[None]:
     torch's global one (forked), Python's and NumPy's global ones and the collator's own generators (restored).
     A seeded run then gets the same masks, dropout and batches with or without the checks."""
     own = [(g, g.get_state() if isinstance(g, torch.Generator) else g.bit_generator.state)
-           for g in _own_generators(collate_fn)]
+           for g in own_generators(collate_fn)]
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]):
@@ -79,6 +79,23 @@ def untouched_streams(collate_fn: Any) -> Iterator[None]:
                 generator.set_state(state)
             else:
                 generator.bit_generator.state = state
+
+
+@contextlib.contextmanager
+def seeded_streams(collate_fn: Any, seed: int) -> Iterator[None]:
+    """Run the block (one collation) with every random stream a collator may draw from seeded from ``seed``:
+    torch's CPU generator, Python's and NumPy's global ones and the collator's own generators; all restored
+    afterwards (:func:`untouched_streams`), so the run's streams do not move."""
+    with untouched_streams(collate_fn):
+        torch.random.default_generator.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        for generator in own_generators(collate_fn):
+            if isinstance(generator, torch.Generator):
+                generator.manual_seed(seed)
+            else:
+                generator.bit_generator.state = type(generator.bit_generator)(seed).state
+        yield
 
 
 def _example_row(value: Any, index: int, layout: Any) -> Any:
@@ -149,3 +166,113 @@ def with_batch_draws(
             out[key] = _carry(alone[key], row[key], side)
     out_labels = out.pop("labels")
     return out, out_labels
+
+
+class KeyedDrawsError(RuntimeError):
+    """A collator's random draws that cannot be keyed to each example."""
+
+
+def keyed_draws(collate_fn: Any, batch: dict[str, Any], raws: list, row_seeds: list[int], side: str,
+                probe_seeds: tuple[int, int], spans: tuple | None = None) -> dict[str, Any]:
+    """``batch`` (the collation of ``raws``) with each example's random draws its own: the keys the collator
+    draws at random replaced, row by row, by the example's collation alone under its own seed.
+
+    Which keys are random is shown on this very batch (every step, not a sample): the collation of ``raws`` under
+    two seeds (``probe_seeds``) differs on them. Example i's row of such a key then holds its collation alone
+    under ``row_seeds[i]`` (a keyed hash of its content and the step: hf_dpfilter/example_randomness.py) on its own
+    columns, on the declared padding ``side``; the row's other columns must be the same under both seeds (padding)
+    and take that value. A draw over the whole batch (a fixed number of masks over all rows) is thereby replaced
+    by each example's draw alone, whatever the other examples.
+
+    Args:
+        collate_fn: the training collator.
+        batch: its collation of ``raws`` (the logical batch, or a micro-batch of it).
+        raws: the examples, in the batch's row order.
+        row_seeds: one seed per example.
+        side: ``"right"`` or ``"left"``, the declared padding side.
+        probe_seeds: two seeds of the step, to find the random keys.
+        spans: packed rows: example i's ``(row, start, stop)`` (the packing's layout), its segment of every key
+            that runs along the tokens.
+
+    Returns:
+        The batch with the random keys replaced (the same dict when the collator draws nothing at random).
+    """
+    with seeded_streams(collate_fn, probe_seeds[0]):
+        first = dict(collate_fn(list(raws)))
+    with seeded_streams(collate_fn, probe_seeds[1]):
+        second = dict(collate_fn(list(raws)))
+    drawn = sorted(
+        k for k, v in first.items() if isinstance(v, torch.Tensor) and k in batch
+        and not (isinstance(second.get(k), torch.Tensor) and second[k].shape == v.shape and torch.equal(second[k], v))
+    )
+    if not drawn:
+        return batch
+    out = dict(batch)
+    if spans is not None:
+        return _keyed_segments(collate_fn, out, raws, row_seeds, drawn, first, second, spans)
+    for key in drawn:
+        if not isinstance(batch[key], torch.Tensor) or batch[key].shape != first[key].shape or batch[key].dim() < 1 \
+                or batch[key].shape[0] != len(raws):
+            raise KeyedDrawsError(
+                f"The training collator draws '{key}' at random, in a shape that does not give one row per example "
+                f"({tuple(first[key].shape)} for {len(raws)} examples), so each example's draw cannot be its own. "
+                "Fix: a collator whose random draws are made row by row, or no random collator for private training.")
+        out[key] = batch[key].clone()
+    for i, (raw, seed) in enumerate(zip(raws, row_seeds)):
+        with seeded_streams(collate_fn, seed):
+            alone = dict(collate_fn([raw]))
+        for key in drawn:
+            value, target = alone.get(key), out[key]
+            if not isinstance(value, torch.Tensor) or value.shape[0] != 1 or value.dim() != target.dim() or (
+                    value.dim() >= 2 and (value.shape[2:] != target.shape[2:] or value.shape[1] > target.shape[1])):
+                raise KeyedDrawsError(
+                    f"The training collator draws '{key}' at random, and an example collated alone does not give "
+                    f"one row of the batch's (alone {None if value is None else tuple(value.shape)}, batch "
+                    f"{tuple(target.shape)}), so its draw cannot be its own. Fix: a collator that pads each row on "
+                    "one declared side, or no random collator for private training.")
+            value = value.to(device=target.device, dtype=target.dtype)
+            if value.dim() == 1:
+                target[i] = value[0]
+                continue
+            width, total = value.shape[1], target.shape[1]
+            own = slice(0, width) if side == "right" else slice(total - width, total)
+            rest = slice(width, total) if side == "right" else slice(0, total - width)
+            if not torch.equal(first[key][i, rest], second[key][i, rest]):
+                raise KeyedDrawsError(
+                    f"The training collator draws '{key}' at random outside an example's own columns (its padding), "
+                    "so those draws are not the example's own. Fix: a collator that leaves padding deterministic.")
+            target[i, own] = value[0]
+            target[i, rest] = first[key][i, rest].to(device=target.device, dtype=target.dtype)
+    return out
+
+
+def _keyed_segments(collate_fn: Any, out: dict[str, Any], raws: list, row_seeds: list[int], drawn: list[str],
+                    first: dict[str, Any], second: dict[str, Any], spans: tuple) -> dict[str, Any]:
+    """:func:`keyed_draws` for packed rows: example i's segment of each random key is its collation alone."""
+    if len(spans) != len(raws):
+        raise KeyedDrawsError(f"A packed batch of {len(raws)} examples has {len(spans)} segments: each example's "
+                              "random draws cannot be placed in its own segment.")
+    covered = {}
+    for key in drawn:
+        if out[key].shape != first[key].shape or out[key].dim() < 2:
+            raise KeyedDrawsError(f"The training collator draws '{key}' at random in packed rows of shape "
+                                  f"{tuple(first[key].shape)}: not one column per token, so each example's draw "
+                                  "cannot be its own. Fix: no random collator for private training.")
+        out[key] = out[key].clone()
+        covered[key] = torch.zeros(out[key].shape[:2], dtype=torch.bool)
+    for (row, start, stop), raw, seed in zip(spans, raws, row_seeds):
+        with seeded_streams(collate_fn, seed):
+            alone = dict(collate_fn([raw]))
+        for key in drawn:
+            value = alone.get(key)
+            if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[:2] != (1, stop - start) \
+                    or value.shape[2:] != out[key].shape[2:]:
+                raise KeyedDrawsError(f"An example collated alone gives '{key}' of shape "
+                                      f"{None if value is None else tuple(value.shape)}, not its packed segment of "
+                                      f"{stop - start} tokens: its random draw cannot be its own.")
+            out[key][row, start:stop] = value[0].to(device=out[key].device, dtype=out[key].dtype)
+            covered[key][row, start:stop] = True
+    for key in drawn:
+        if not torch.equal(first[key][~covered[key]], second[key][~covered[key]]):
+            raise KeyedDrawsError(f"The training collator draws '{key}' at random outside the examples' segments.")
+    return out
