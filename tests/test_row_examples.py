@@ -171,6 +171,25 @@ def test_collator_that_adds_restarting_positions_is_refused(tmp_path):
     assert "restart" in message
 
 
+class SharedPositionsCollator(PaddingCollator):
+    """Pads on the right and returns one row of `position_ids` for the whole batch (the model broadcasts it),
+    restarting after ``restart_at`` tokens."""
+
+    def __call__(self, rows: list[dict]) -> dict:
+        out = super().__call__([{k: v for k, v in r.items() if k != "position_ids"} for r in rows])
+        width = out["input_ids"].shape[1]
+        cut = min(self.restart_at, width)
+        out["position_ids"] = torch.cat([torch.arange(cut), torch.arange(width - cut)]).unsqueeze(0)
+        return out
+
+
+def test_collator_that_shares_one_restarting_row_of_positions_is_refused(tmp_path):
+    """The probe sees the same (1, T) positions for copies of one row (a shared key): its restart still
+    splits every row it falls inside."""
+    message = _refused(_trainer(tmp_path, _data(), SharedPositionsCollator(restart_at=3)))
+    assert "restart" in message
+
+
 def test_packed_row_first_sampled_at_a_later_step_is_refused_before_that_step(tmp_path):
     """Checked on every batch, not only the probe's rows: the steps before it are released, not its own."""
     rows = _data(8, seed=5)

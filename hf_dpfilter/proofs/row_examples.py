@@ -10,7 +10,8 @@ a row holds is never inferred from a shape; it is read from what the row itself 
 training batch, before the step:
 
 * ``position_ids`` that restart inside a row of a padded batch (between its first and last real token, as
-  the per-example attention mask marks them), the boundaries transformers' packed attention reads;
+  the per-example attention mask marks them; one row of positions shared by the batch, too), the boundaries
+  transformers' packed attention reads;
 * a raw row's own ``position_ids`` column restarting, or a ``seq_lengths`` column of several lengths, also
   when the collator drops them (``DataCollatorWithFlattening`` renumbers each row 0..);
 * the tokenizer's chat template's own start of a conversation (:func:`conversation_start_marker`, rendered
@@ -204,9 +205,12 @@ def check_rows_hold_one_example(
         return
     mask = batch.get("attention_mask") if "attention_mask" in structure.per_example else None
     mask = mask if isinstance(mask, torch.Tensor) and mask.dim() >= 2 else None
-    own = "position_ids" in structure.per_example and isinstance(positions, torch.Tensor)
-    if own and positions.dim() == 2:
+    declared = "position_ids" in structure.per_example or "position_ids" in structure.shared
+    if declared and isinstance(positions, torch.Tensor) and positions.dim() == 2:
         pos = positions.detach().cpu()
+        if pos.shape[0] == 1 and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            # one row of positions shared by every row (broadcast by the model): each row gets its restarts
+            pos = pos.expand(ids.shape[0], -1)
         lead, end = _real_span(mask, *pos.shape)
         restart = (pos[:, 1:] - pos[:, :-1]) != 1  # the rule of transformers' packed attention
         columns = torch.arange(1, pos.shape[1]).unsqueeze(0)
