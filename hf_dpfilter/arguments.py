@@ -216,6 +216,20 @@ class DPArgumentsMixin:
         },
     )
 
+    dp_row_is_unit: bool = field(
+        default=False,
+        metadata={
+            "help": "Declare that a data-set row is the unit, whatever it holds. Default False: a row "
+            "that visibly holds several examples (position_ids restarting inside it, a position_ids or "
+            "seq_lengths column packed before the trainer, the chat template's start of a conversation more "
+            "than once) is refused before its step, since adding an example to a row changes that row and "
+            "the epsilon stated per example would not hold. With True such rows train, each clipped as one "
+            "vector, and the privacy report, the start report and the model card state the guarantee as "
+            "add/remove one row (a row may hold several examples). Packed batches still clip each segment on "
+            "its own: a row of several segments stays refused."
+        },
+    )
+
     dp_eval_disjoint_from_train: bool = field(
         default=False,
         metadata={

@@ -6,7 +6,8 @@ sees them (a WARNING on this module's logger, which Python prints on stderr when
 through the script's handlers when it is; and ``warnings.warn``), at the start of ``train()``:
 
 * :func:`plan_banner` -- epsilon, delta, sigma, q, the number of steps and the unit: the plan, public quantities
-  computed from the arguments and N before any private data is read.
+  computed from the arguments and N before any private data is read; with ``dp_row_is_unit``, that a row
+  may hold several examples.
 * :func:`learning_rate_problems` -- one warning when the learning rate or its warmup is the non-private script's:
   ``Trainer``'s default 5e-5 and TRL's 2e-5 are 10-100x under what DP-Adam needed in every measured setting of
   docs/choosing.md (5e-4 to 2e-3 full fine-tuning, 2e-3 LoRA, 1e-2 a head); a long warmup spends the noisy steps
@@ -47,6 +48,8 @@ def plan_banner(trainer: Any) -> str:
     plan = trainer.privacy_plan
     args = trainer.args
     unit = "user" if getattr(args, "privacy_unit", "example") == "user" else "example"
+    row_is_unit = bool(getattr(args, "dp_row_is_unit", False))
+    counted = "row" if row_is_unit and unit == "example" else unit  # dp_row_is_unit: N and q count rows
     if not plan.is_private:
         return (f"***** Differential privacy: none (dp_method='none', a non-private run: no guarantee) *****\n"
                 f"  N = {plan.num_examples:,}, logical batch {plan.expected_batch_size:g}, {plan.steps} steps")
@@ -57,11 +60,14 @@ def plan_banner(trainer: Any) -> str:
         "***** Differential privacy *****",
         f"  {spent}",
         f"  sigma = {plan.noise_multiplier:.4g}, q = {plan.sample_rate:.4g} (expected logical batch "
-        f"{plan.expected_batch_size:g} of N = {plan.num_examples:,} {unit}s), C = {plan.max_grad_norm:g}, "
+        f"{plan.expected_batch_size:g} of N = {plan.num_examples:,} {counted}s), C = {plan.max_grad_norm:g}, "
         f"method {plan.method}",
-        f"  protected unit: one {unit} (add/remove one {unit}"
+        f"  protected unit: one {counted} (add/remove one {counted}"
         + (", all of its examples" if unit == "user" else ": one row of the training set") + ")",
     ]
+    if row_is_unit:  # declared, so said where the run starts: not each example inside a row
+        lines.append("  a row may hold several examples (dp_row_is_unit=True): the guarantee protects whole "
+                     "rows, not each example inside a row")
     if not getattr(args, "dp_verify_first_step", True):  # said where it is decided, not found in the docs afterwards
         lines.append("  per-example checks: off (dp_verify_first_step=False: no first-step check, no re-checks); still "
                      "on: the engine's batch-axis proof of each input shape, the collator's probed structure, the "

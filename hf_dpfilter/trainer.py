@@ -63,6 +63,7 @@ from hf_dpfilter.proofs.loss_policy import (
     check_loss_policy,
     check_prompt_learning,
 )
+from hf_dpfilter.proofs.row_examples import conversation_start_marker
 from hf_dpfilter.proofs.row_segments import RowSegmentsGuard
 from hf_dpfilter.proofs.separation import SeparationChecks
 from hf_dpfilter.router_loss import add_router_aux_loss
@@ -351,7 +352,10 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             dataset = privacy_units.without_column(dataset, self._user_index.column)
             loaded, collator = privacy_units.user_loading(self._user_index, dataset, collator)
         self._dp_sampler = sampler  # reseeded after a resume (_begin_privacy_session)
-        collator = RowSegmentsGuard(collator)  # packed batches: every segment one whole sampled row (proofs/)
+        # packed batches: every segment one whole sampled row; every batch: no row holding several examples
+        # unless dp_row_is_unit declares the row the unit (proofs/row_segments.py, proofs/row_examples.py)
+        collator = RowSegmentsGuard(collator, row_is_unit=self.args.dp_row_is_unit,
+                                    marker=conversation_start_marker(self.processing_class))
         self._padding_collator = _EmptySafeCollator(collator, dataset)
         # the guard (packed rows) and the maskless-padding check see every batch collated from now on
         self._use_training_structure(
@@ -585,7 +589,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             "accountant_history": [list(e) for e in self.accountant.history],
             # Method-specific accounting details (DiceSGD, DIFF2) extend or refine the entries above.
             **plan.config.report(plan.noise, plan, self.accountant.steps, self.delta),
-        }, self.args.privacy_unit, plan.num_examples, plan.sample_rate, self.args.max_examples_per_user)
+        }, self.args.privacy_unit, plan.num_examples, plan.sample_rate, self.args.max_examples_per_user,
+            row_is_unit=self.args.dp_row_is_unit)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """``Trainer.create_model_card`` plus the privacy paragraph: the unit-level (epsilon, delta) of the run."""

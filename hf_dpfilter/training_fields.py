@@ -406,6 +406,11 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
         _P, "the unit the guarantee protects: 'example', or 'user' (Poisson over users, each user's examples clipped "
         "as one vector, epsilon over users); a user declaration without its column or k is refused"
     ),
+    "dp_row_is_unit": FieldPolicy(
+        _P, "declares a data-set row the unit, whatever it holds: rows holding several examples "
+        "(restarting position_ids, several chat conversations) are refused without it; with it the report, "
+        "the start report and the model card say add/remove one row (a row may hold several examples); part "
+        "of a resume's identity"),
     "user_id_column": FieldPolicy(_P, "privacy_unit='user': the column naming each example's user (N = its distinct values)"),
     "max_examples_per_user": FieldPolicy(_P, "privacy_unit='user': at most k random examples of a sampled user per step"),
     "dp_seed": FieldPolicy(

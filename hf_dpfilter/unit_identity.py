@@ -8,7 +8,8 @@ what the checkpoint and the ledger recorded; any change is refused with the fix.
 
 What is recorded, and where:
 
-* **Public** (:func:`unit_record`): the unit, the id column, k, and at user level the number of users -- the
+* **Public** (:func:`unit_record`): the unit, the id column, k, at user level the number of users, and
+  ``dp_row_is_unit`` when declared (a row, which may hold several examples, is then what is protected) -- the
   settings of ``training_args.bin`` and the N the plan, the report and the model card already publish. Kept in
   the checkpoint's ``optimizer.pt`` (``dp.privacy_unit``) and in each ledger entry (``privacy_unit``).
 * **Private** (:func:`partition_digest`): a SHA-256 of the user partition, i.e. of the sorted multiset of the
@@ -47,10 +48,13 @@ PARTITIONS_FILE = "_privacy_unit_partitions.json"
 def unit_record(args: Any, users: UserIndex | None) -> dict[str, Any]:
     """The public record of the unit a run counts: what its ``training_args`` and its report already publish."""
     unit = getattr(args, "privacy_unit", "example")
+    # dp_row_is_unit: the steps protected rows, not the examples in them; recorded only when declared, so the
+    # records of runs that never set it (and of earlier versions) stay the same
+    row = {"row_is_unit": True} if getattr(args, "dp_row_is_unit", False) else {}
     if users is None:
-        return {"unit": unit}
+        return {"unit": unit, **row}
     return {"unit": unit, "user_id_column": users.column, "max_examples_per_user": args.max_examples_per_user,
-            "num_units": users.num_users}
+            "num_units": users.num_users, **row}
 
 
 def partition_digest(users: UserIndex) -> str:
@@ -69,8 +73,9 @@ def _refuse(where: str, recorded: str, current: str, run_id: str) -> None:
     raise PrivacyUnitError(
         f"Cannot resume run {run_id}: its {where} counted its released steps with {recorded}, but this run declares "
         f"{current}. The (ε, δ) reported for the whole history would claim this unit for steps that protected "
-        "another one. Resume with the unit, user_id_column, max_examples_per_user and training set of the "
-        "checkpoint, or start a fresh run from the original model (no resume_from_checkpoint, a new output_dir)."
+        "another one. Resume with the unit, user_id_column, max_examples_per_user, dp_row_is_unit and "
+        "training set of the checkpoint, or start a fresh run from the original model (no "
+        "resume_from_checkpoint, a new output_dir)."
     )
 
 

@@ -509,32 +509,59 @@ def as_examples(micro_batch: tuple) -> tuple:
 
 
 def card_section(report: dict[str, Any]) -> str:
-    """The model card's privacy paragraph: the unit-level (epsilon, delta) of the run."""
+    """The model card's privacy paragraph: the unit-level (epsilon, delta) of the run.
+
+    Args:
+        report: :meth:`DPTrainerMixin.privacy_report`'s dictionary.
+    """
     unit = report.get("privacy_unit", "example")
+    row = bool(report.get("row_is_unit"))
+    # dp_row_is_unit: the guarantee is about rows, which the card must not call examples
+    level = "row" if row and unit == "example" else unit
     lines = [
         "## Differential privacy",
         "",
-        f"Trained with hf_dpfilter ({report.get('method')}): {unit}-level (ε, δ) = "
+        f"Trained with hf_dpfilter ({report.get('method')}): {level}-level (ε, δ) = "
         f"({report.get('epsilon'):.4g}, {report.get('delta'):.3g}) differential privacy, "
         f"neighbouring relation: {report.get('neighbouring_relation')}.",
-        f"Privacy unit: {unit}; number of units: {report.get('num_units')} (public); sample rate q over "
-        f"{unit}s: {report.get('unit_sample_rate'):.4g}; steps: {report.get('steps')}; clipping norm C per {unit}: "
-        f"{report.get('max_grad_norm')}.",
+        f"Privacy unit: {level}; number of units: {report.get('num_units')} (public); sample rate q over "
+        f"{level}s: {report.get('unit_sample_rate'):.4g}; steps: {report.get('steps')}; clipping norm C per "
+        f"{level}: {report.get('max_grad_norm')}.",
     ]
     if unit == "user":
         lines.append(f"At most {report.get('max_examples_per_user')} examples of a sampled user per step.")
+    if row:
+        lines.append("A training row may hold several examples (declared with dp_row_is_unit=True): the "
+                     "guarantee protects whole rows, not each example inside a row.")
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- reporting
 def with_unit(report: dict[str, Any], unit: str, num_units: int | None, sample_rate: float | None,
-              k: int | None) -> dict[str, Any]:
+              k: int | None, row_is_unit: bool = False) -> dict[str, Any]:
     """The privacy report with the entries that name the unit: the unit, the number of units, q over them, k,
-    and the neighbouring relation in terms of the unit (the method's own relation, add/remove or replace)."""
+    and the neighbouring relation in terms of the unit (the method's own relation, add/remove or replace).
+
+    Args:
+        report: the report's other entries (``neighbouring_relation`` in terms of one example).
+        unit: ``privacy_unit``.
+        num_units: N, the number of units (rows, or users).
+        sample_rate: q over the units.
+        k: ``max_examples_per_user`` (user level).
+        row_is_unit: ``dp_row_is_unit``: the run declares each row the unit, whatever it holds
+            (``row_is_unit`` is then in the report, and the relation says a row may hold several examples).
+    """
     report = dict(report)
     report.update({"privacy_unit": unit, "num_units": num_units, "unit_sample_rate": sample_rate})
+    relation = str(report.get("neighbouring_relation", "add/remove one example"))
     if unit == "user":
         report["max_examples_per_user"] = k
-        relation = str(report.get("neighbouring_relation", "add/remove one example"))
-        report["neighbouring_relation"] = relation.replace("one example", "one user (all of their examples)")
+        whole = "one user (all of their rows; a row may hold several examples)" if row_is_unit else (
+            "one user (all of their examples)")
+        relation = relation.replace("one example", whole)
+    elif row_is_unit:
+        relation = relation.replace("one example", "one row (a row may hold several examples)")
+    report["neighbouring_relation"] = relation
+    if row_is_unit:
+        report["row_is_unit"] = True
     return report

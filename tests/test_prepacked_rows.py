@@ -85,9 +85,9 @@ def _trainer(tmp_path, rows, collator, **kw):
                      train_dataset=ListDataset(rows), data_collator=collator)
 
 
-def clipped_sum(tmp_path, rows, collator) -> torch.Tensor:
+def clipped_sum(tmp_path, rows, collator, **kw) -> torch.Tensor:
     """The step's clipped sum (q = 1, noise 0, SGD lr 1): -B x the update, B = the number of rows."""
-    trainer = _trainer(tmp_path, rows, collator)
+    trainer = _trainer(tmp_path, rows, collator, **kw)
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     trainer.train()
@@ -95,9 +95,9 @@ def clipped_sum(tmp_path, rows, collator) -> torch.Tensor:
     return torch.cat([(b - p.detach()).reshape(-1) for p, b in zip(params, before)]) * len(rows)
 
 
-def ratio(tmp_path, rows, more_rows, collator) -> float:
-    without = clipped_sum(tmp_path / "d", rows, collator)
-    with_row = clipped_sum(tmp_path / "d_prime", more_rows, collator)
+def ratio(tmp_path, rows, more_rows, collator, **kw) -> float:
+    without = clipped_sum(tmp_path / "d", rows, collator, **kw)
+    with_row = clipped_sum(tmp_path / "d_prime", more_rows, collator, **kw)
     return float((with_row - without).norm()) / CLIP
 
 
@@ -177,19 +177,20 @@ def test_trl_padding_free_collator_with_seq_lengths_is_refused_with_the_fix(tmp_
 
 # ------------------------------------------------------------------- route (a): rows kept whole, clipped together
 def test_padding_collator_clips_a_prepacked_row_as_one_unit(tmp_path):
-    """One data-set row = one row of the batch = one clipped vector, whatever it packs: ratio <= 1."""
+    """One data-set row = one row of the batch = one clipped vector, whatever it packs: ratio <= 1 over rows
+    (declared with dp_row_is_unit; without it the row is refused, tests/test_row_examples.py)."""
     data = _data()
     more = data[:3] + [prepacked_row(_segments())] + data[3:]
-    moved = ratio(tmp_path, data, more, PositionsPaddingCollator())
+    moved = ratio(tmp_path, data, more, PositionsPaddingCollator(), dp_row_is_unit=True)
     assert 0.5 < moved <= 1 + 1e-4, moved
 
 
 def test_flattening_collator_keeps_a_prepacked_row_one_segment(tmp_path):
     """DataCollatorWithFlattening numbers each row's positions itself (the row's own are not used): the row is one
-    segment, so one clipped vector."""
+    segment, so one clipped vector (declared with dp_row_is_unit: its own column says it holds several)."""
     data = _data()
     more = data[:3] + [prepacked_row(_segments())] + data[3:]
-    moved = ratio(tmp_path, data, more, DataCollatorWithFlattening())
+    moved = ratio(tmp_path, data, more, DataCollatorWithFlattening(), dp_row_is_unit=True)
     assert 0.5 < moved <= 1 + 1e-4, moved
 
 
@@ -289,12 +290,13 @@ def test_sft_seq_lengths_column_is_refused_when_the_trainer_is_created(tmp_path)
 @needs_trl
 def test_sft_two_conversations_in_a_row_without_boundaries_are_one_unit(tmp_path):
     """TRL's collator numbers a row's positions 0.. itself: the row (two conversations) is one segment, one clipped
-    vector, and the accounting counts rows. Ratio <= 1."""
+    vector, and the accounting counts rows. Ratio <= 1 over rows (declared with dp_row_is_unit; without it the
+    row is refused by the chat template's start marker, tests/test_row_examples.py)."""
     convs, tokenizer = _sft_rows(7, seed=2)
     rows = convs[:4]
     more = rows[:2] + [_two_conversations(convs[4:6])] + rows[2:]
-    without = _sft_sum(tmp_path / "d", rows, tokenizer)
-    with_row = _sft_sum(tmp_path / "d_prime", more, tokenizer)
+    without = _sft_sum(tmp_path / "d", rows, tokenizer, dp_row_is_unit=True)
+    with_row = _sft_sum(tmp_path / "d_prime", more, tokenizer, dp_row_is_unit=True)
     moved = float((with_row - without).norm()) / CLIP
     assert 0.5 < moved <= 1 + 1e-4, moved
 

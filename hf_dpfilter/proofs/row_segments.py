@@ -14,6 +14,10 @@ step, that the segments of the packed batch are its rows, in order: each row col
 the batch's segments have exactly the alone lengths. A pre-packed row is refused with the fix (pack after
 sampling: one example per row; or a padding collator, which keeps the row one example). The cost is one
 collation per sampled row (no forward); padded batches are not re-collated.
+
+Whether a row, padded or packed, holds several examples is checked next, on the same batch
+(:mod:`hf_dpfilter.proofs.row_examples`): such a row is refused unless ``dp_row_is_unit=True`` declares the
+row the unit. A packed row of several segments stays refused either way: its segments are clipped apart.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 import torch
 
 from hf_dpfilter.packing import PackedLayout, PackingError
+from hf_dpfilter.proofs.row_examples import check_rows_hold_one_example
 
 __all__ = ["PrepackedRowError", "RowSegmentsGuard", "check_segments_are_rows"]
 
@@ -86,21 +91,35 @@ def check_segments_are_rows(batch: dict[str, Any], alone: list[dict[str, Any]]) 
 
 
 class RowSegmentsGuard:
-    """The training collator, with :func:`check_segments_are_rows` on every packed batch it collates.
+    """The training collator, with :func:`check_segments_are_rows` on every packed batch it collates, and
+    :func:`~hf_dpfilter.proofs.row_examples.check_rows_hold_one_example` on every batch, padded or packed,
+    unless ``row_is_unit`` (``dp_row_is_unit=True``: the run declares each row the unit, whatever it holds).
 
-    ``structure`` (the :class:`~hf_dpfilter.proofs.batch_structure.BatchStructure` probed on this collator) is
-    set by the trainer once probed; until then (the probe itself) batches pass unchecked. Padded structures are
-    not checked: each data-set row is then one row of the batch, one clipped vector.
+    ``structure`` (the :class:`~hf_dpfilter.proofs.batch_structure.BatchStructure` probed on this collator)
+    is set by the trainer once probed; until then (the probe itself) batches pass unchecked. ``marker`` is
+    the chat template's start of a conversation (None: no chat check).
     """
 
-    def __init__(self, collate_fn: Callable[[list], dict[str, Any]]) -> None:
+    def __init__(self, collate_fn: Callable[[list], dict[str, Any]], row_is_unit: bool = False,
+                 marker: tuple[int, ...] | None = None) -> None:
         self.collate_fn = collate_fn
         self.structure: Any = None
+        self.row_is_unit = bool(row_is_unit)
+        self.marker = marker
 
     def __call__(self, rows: list) -> dict[str, Any]:
         batch = self.collate_fn(rows)
-        if self.structure is None or not self.structure.packed or not rows:
+        if self.structure is None or not rows:
             return batch
+        if self.structure.packed:
+            self._check_packed(rows, batch)
+        if not self.row_is_unit:
+            # after the packed check: a packed row of several segments is refused with its own fix, which a
+            # declaration does not change (each segment would still be clipped on its own)
+            check_rows_hold_one_example(dict(batch), rows, self.structure, self.marker)
+        return batch
+
+    def _check_packed(self, rows: list, batch: dict[str, Any]) -> None:
         # the alone collations must not draw from the random streams the training batches use
         python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
@@ -110,4 +129,3 @@ class RowSegmentsGuard:
             random.setstate(python_state)
             np.random.set_state(numpy_state)
         check_segments_are_rows(dict(batch), alone)
-        return batch

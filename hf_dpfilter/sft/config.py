@@ -83,7 +83,9 @@ SFT_FIELD_POLICIES: dict[str, FieldPolicy] = {
     "dataset_text_field": FieldPolicy("honoured", "which column holds the text."),
     "dataset_kwargs": FieldPolicy("honoured", "skip_prepare_dataset: a row is what is sampled and clipped, one "
                                   "tokenized example (a `seq_lengths` column is refused when the trainer is "
-                                  "created, a row packed with its own `position_ids` at the batch that samples it)."),
+                                  "created, a row packed with its own `position_ids` or holding several "
+                                  "conversations (the chat template's start more than once) at the batch "
+                                  "that samples it, unless dp_row_is_unit=True declares the row the unit)."),
     "dataset_num_proc": FieldPolicy("honoured", "preprocessing workers."),
     "eos_token": FieldPolicy("honoured", "tokenizer setting."),
     "max_length": FieldPolicy("honoured", "each example is truncated to it alone; with packing, the capacity of "
