@@ -520,8 +520,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         return self._separation
 
     def _clipping(self) -> tuple[float, Callable[[torch.Tensor], torch.Tensor]]:
-        """C and the run's per-example clip factors of norms, as the DP optimizer clips (the gradient argument of a
-        re-check: hf_dpfilter/proofs/separation.py)."""
+        """C and the run's per-example clip factors of norms, as the DP optimizer clips (the gradient argument
+        of a re-check: hf_dpfilter/proofs/separation.py)."""
         optimizer = self.dp_optimizer
         bound, fn = float(optimizer.max_grad_norm), optimizer.clipping_fn
         return bound, lambda norms: clip_factors(norms, bound, fn)

@@ -1,14 +1,16 @@
-"""The re-check's argument for a small float32 loss mismatch: the example's clipped gradient, in the run's precision.
+"""The re-check's argument for a small float32 loss mismatch: the example's clipped gradient, in the run's
+precision.
 
 A run that reaches very confident predictions (or diverges) has large activations; the same example in its
 micro-batch and collated alone then goes through other accumulation orders (other padded lengths, other row
 counts), and in float32 its loss can differ by more than the check's 1e-4 (measured: 1.6e-4 on MiniLM's top
-layers with LoRA at lr 0.03, the run the trainer stopped). A mismatch under ROUNDING_BOUND (1e-2) is then settled
-by what is released: the example's clipped gradient in the micro-batch (the engine's, from a recorded forward that
-reproduces the compared loss) within GRADIENT_TOLERANCE (1e-4) C of its clipped gradient alone, both in the run's
-precision. The earlier argument recomputed both losses in float64: a forward branching on the dtype coupled the
-examples in float32 only, passed it, and moved the aggregate by 2.03 / 2.52 / 3.45 C (micro-batches of 4 / 8 / 16).
-Every checking forward records gradients as training does, so a branch on the grad mode shows too.
+layers with LoRA at lr 0.03, the run the trainer stopped). A mismatch under ROUNDING_BOUND (1e-2) is then
+settled by what is released: the example's clipped gradient in the micro-batch (the engine's, from a recorded
+forward that reproduces the compared loss) within GRADIENT_TOLERANCE (1e-4) C of its clipped gradient alone,
+both in the run's precision. The earlier argument recomputed both losses in float64: a forward branching on
+the dtype coupled the examples in float32 only, passed it, and moved the aggregate by 2.03 / 2.52 / 3.45 C
+(micro-batches of 4 / 8 / 16). Every checking forward records gradients as training does, so a branch on the
+grad mode shows too.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def micro_batch():
 
 
 def test_without_a_gradient_argument_a_small_mismatch_refuses_and_the_weights_are_untouched():
-    """Checks with no engine and no clipping (a stand-alone SeparationChecks) have no gradient to settle a mismatch
-    with: a float32-only loss mismatch under ROUNDING_BOUND refuses."""
+    """Checks with no engine and no clipping (a stand-alone SeparationChecks) have no gradient to settle a
+    mismatch with: a float32-only loss mismatch under ROUNDING_BOUND refuses."""
     model = RoundsByRowCount()
     weight, storage = model.weight, model.weight.data_ptr()
     checks = checks_for(model)
@@ -96,10 +98,10 @@ def test_a_float32_mismatch_too_large_for_rounding_refuses():
 # ------------------------------------------------------------------ through the public API: DPTrainer, noise 0
 class _WidthCoupledLoss(DPTrainer):
     """Own-count token NLL; while the micro-batch is padded beyond 10 tokens, every example's loss is scaled by
-    1 + 1e-3 (the long example's presence reaches the short one's loss): in float32 only (``float32_only``) or in
-    every precision (a small real coupling, below ROUNDING_BOUND, above the 1e-4 tolerance); ``value_only``: the
-    loss's value moves, its gradient not (a stand-in for rounding: a confident model's sits in the log-softmax's
-    value, and no example reaches another's gradient)."""
+    1 + 1e-3 (the long example's presence reaches the short one's loss): in float32 only (``float32_only``) or
+    in every precision (a small real coupling, below ROUNDING_BOUND, above the 1e-4 tolerance);
+    ``value_only``: the loss's value moves, its gradient not (a stand-in for rounding: a confident model's
+    sits in the log-softmax's value, and no example reaches another's gradient)."""
 
     float32_only, value_only = True, False
 
@@ -122,7 +124,8 @@ def _make(tmp_path, cls, examples, clip=2.0):
         # sampled order: micro-batch 1 holds the two equal examples (the first-step check), micro-batch 2 the
         # short and the long one (a new shape: its re-check). The long one has no label (loss 0), so the re-check
         # draws the short one, whose loss the long one's width moves
-        args = _args(tmp_path / name, per_sample_max_grad_norm=clip, dp_recheck_rate=0.0, dp_group_by_length=False)
+        args = _args(tmp_path / name, per_sample_max_grad_norm=clip, dp_recheck_rate=0.0,
+                     dp_group_by_length=False)
         return cls(model=tiny_gpt2(torch.float32), args=args, train_dataset=ListDataset(examples),
                    data_collator=PadCollator(0))
     return make
@@ -132,12 +135,14 @@ class _LossValueRounding(_WidthCoupledLoss):
     value_only = True
 
 
-@pytest.mark.parametrize("cls, clip", [(_LossValueRounding, 2.0), (_WidthCoupledLoss, 0.01), (_SmallRealCoupling, 2.0)])
+@pytest.mark.parametrize(
+    "cls, clip", [(_LossValueRounding, 2.0), (_WidthCoupledLoss, 0.01), (_SmallRealCoupling, 2.0)])
 def test_a_loss_mismatch_that_moves_no_clipped_gradient_trains_within_1e_4_C(tmp_path, cls, clip):
-    """Micro-batch 2's loss mismatch (1e-3) is settled by the gradients: a rounding of the loss's value alone, a
-    float32 scale of a gradient clipped anyway (C = 0.01), or a real scale by 1 + 1e-3 in every precision, whose
-    released vector moves by under 1e-4 C (the earlier test refused it: a loss criterion). Adding the long example
-    then moves the pre-noise aggregate by at most C (1 + 1e-4): the bound is about what is summed."""
+    """Micro-batch 2's loss mismatch (1e-3) is settled by the gradients: a rounding of the loss's value alone,
+    a float32 scale of a gradient clipped anyway (C = 0.01), or a real scale by 1 + 1e-3 in every precision,
+    whose released vector moves by under 1e-4 C (the earlier test refused it: a loss criterion). Adding the
+    long example then moves the pre-noise aggregate by at most C (1 + 1e-4): the bound is about what is
+    summed."""
     equal = [_example(6, seed, causal=True) for seed in (1, 2)]
     d = [*equal, _example(3, 3, causal=True)]
     d_prime = [*d, _example(30, 4, causal=True, labelled=False)]
@@ -151,11 +156,12 @@ def test_a_loss_mismatch_that_moves_no_clipped_gradient_trains_within_1e_4_C(tmp
     assert trainers[-1]._separation.rounding_rechecks == 1
 
 
-# ------------------------------------------- a coupling in float32 only that turns the gradients, and its disguises
+# ------------------------------------------- a coupling in float32 only that turns the gradients, and its
+# disguises
 class _Wiggle:
-    """On the final hidden states, beyond 10 tokens (the long example's presence): ``h + 0.3 sin(10 h)``, a loss
-    footprint of 4e-4 to 2e-3 (under ROUNDING_BOUND) and a Jacobian that turns every example's gradient. ``when``:
-    what else the model reads to take the branch only where the checks do not look."""
+    """On the final hidden states, beyond 10 tokens (the long example's presence): ``h + 0.3 sin(10 h)``, a
+    loss footprint of 4e-4 to 2e-3 (under ROUNDING_BOUND) and a Jacobian that turns every example's gradient.
+    ``when``: what else the model reads to take the branch only where the checks do not look."""
 
     def __init__(self, when: str) -> None:
         self.when = when
@@ -166,7 +172,8 @@ class _Wiggle:
         wide = out.shape[1] > 10
         take = {
             "dtype": wide,
-            "grad_enabled": wide and torch.is_grad_enabled(),  # the earlier no-grad in-batch forward saw nothing
+            # the earlier no-grad in-batch forward saw nothing
+            "grad_enabled": wide and torch.is_grad_enabled(),
             "requires_grad": wide and out.requires_grad,
             # alone without gradients (the earlier loss check's alone forward): the coupled value, mimicked
             "mimicked_alone": wide or not torch.is_grad_enabled(),
@@ -180,9 +187,10 @@ def _wiggling(tmp_path, when, examples, m, **kw):
         if when in ("grad_enabled", "requires_grad"):  # dropout: the in-batch forward is the check's own
             model.transformer.drop.p = 0.1
         model.transformer.ln_f.register_forward_hook(_Wiggle(when))
-        args = _args(tmp_path / name, per_sample_max_grad_norm=0.01, dp_recheck_rate=0.0, dp_group_by_length=False,
-                     logical_batch_size=2 * m, per_device_train_batch_size=m, **kw)
-        return DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
+        args = _args(tmp_path / name, per_sample_max_grad_norm=0.01, dp_recheck_rate=0.0,
+                     dp_group_by_length=False, logical_batch_size=2 * m, per_device_train_batch_size=m, **kw)
+        return DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                         data_collator=PadCollator(0))
     return make
 
 
@@ -193,9 +201,10 @@ def _wiggle_data(m):
 
 
 def test_a_float32_only_coupling_that_turns_the_gradients_is_refused(tmp_path):
-    """Micro-batches of 4: the first holds equal lengths (the first-step check), the second three short examples
-    and the long one with no label (a new shape: its re-check). Unchecked, adding the long example moves the
-    aggregate by 2.03 C (the earlier float64 argument passed it: the same); checked, the gradient argument refuses."""
+    """Micro-batches of 4: the first holds equal lengths (the first-step check), the second three short
+    examples and the long one with no label (a new shape: its re-check). Unchecked, adding the long example
+    moves the aggregate by 2.03 C (the earlier float64 argument passed it: the same); checked, the gradient
+    argument refuses."""
     d, d_prime = _wiggle_data(4)
     assert _ratio(_wiggling(tmp_path, "dtype", d_prime, 4, dp_verify_first_step=False), d, d_prime) > 1.5
     trainer = _wiggling(tmp_path, "dtype", d_prime, 4)("checked")
@@ -207,10 +216,10 @@ def test_a_float32_only_coupling_that_turns_the_gradients_is_refused(tmp_path):
 
 @pytest.mark.parametrize("when", ["grad_enabled", "requires_grad", "mimicked_alone"])
 def test_a_coupling_that_reads_the_grad_mode_is_refused(tmp_path, when):
-    """The branch also reads whether gradients are recorded: taken only while recording (the earlier re-check ran
-    a dropout model's in-batch forward without gradients) or mimicked by an example alone without gradients (the
-    earlier re-check's alone forward, against a dropout-free model's training losses). Every checking forward now
-    records gradients as training does: refused before the step is released."""
+    """The branch also reads whether gradients are recorded: taken only while recording (the earlier re-check
+    ran a dropout model's in-batch forward without gradients) or mimicked by an example alone without
+    gradients (the earlier re-check's alone forward, against a dropout-free model's training losses). Every
+    checking forward now records gradients as training does: refused before the step is released."""
     d, d_prime = _wiggle_data(4)
     trainer = _wiggling(tmp_path, when, d_prime, 4)("checked")
     with pytest.raises(SeparationError, match="micro-batch 2.*re-collated alone"):

@@ -24,19 +24,19 @@ trainer's ``alone`` callable; the keys the collator draws at random keep the exa
   seeded from ``os.urandom`` that is neither the sampler's nor the noise's and is never saved: the checks change
   no batch, no noise and no dropout mask of a seeded run.
 
-Every checking forward records gradients as the training forward does (no backward; the graph is dropped at once),
-so a model branching on ``torch.is_grad_enabled()`` or on its activations' ``requires_grad`` computes there what it
-computes in training.
+Every checking forward records gradients as the training forward does (no backward; the graph is dropped at
+once), so a model branching on ``torch.is_grad_enabled()`` or on its activations' ``requires_grad`` computes
+there what it computes in training.
 
-A float32 mismatch below ``ROUNDING_BOUND`` (1e-2 relative) gets a gradient argument before it refuses, in the run's
-own precision: the example's clipped gradient in its micro-batch, as the engine computes it from a recorded forward
-of the micro-batch (whose loss must reproduce the compared one), against its clipped gradient alone (autograd).
-``||clip(g_batch) - clip(g_alone)|| <= GRADIENT_TOLERANCE * C`` (1e-4) passes: what the micro-batch adds to the
-example's released contribution is then bounded by 1e-4 C whatever the loss shows, the criterion is about the very
-vector that is summed (a rounding that moves only the loss, or only the norm of a clipped gradient, passes; a
-coupling that moves the clipped vector refuses), and no precision other than the run's is involved, so a forward
-branching on the dtype has nothing to hide behind. (The earlier argument recomputed both losses in float64: a
-statement about float64 losses, which bounds no float32 gradient.)
+A float32 mismatch below ``ROUNDING_BOUND`` (1e-2 relative) gets a gradient argument before it refuses, in the
+run's own precision: the example's clipped gradient in its micro-batch, as the engine computes it from a
+recorded forward of the micro-batch (whose loss must reproduce the compared one), against its clipped gradient
+alone (autograd). ``||clip(g_batch) - clip(g_alone)|| <= GRADIENT_TOLERANCE * C`` (1e-4) passes: what the
+micro-batch adds to the example's released contribution is then bounded by 1e-4 C whatever the loss shows, the
+criterion is about the very vector that is summed (a rounding that moves only the loss, or only the norm of a
+clipped gradient, passes; a coupling that moves the clipped vector refuses), and no precision other than the
+run's is involved, so a forward branching on the dtype has nothing to hide behind. (The earlier argument
+recomputed both losses in float64: a statement about float64 losses, which bounds no float32 gradient.)
 
 What the re-checks prove: for the examples they draw, that the loss in the released micro-batch is the loss of
 the example alone (no coupling through the loss, a data-dependent branch over the micro-batch, padding or
@@ -70,11 +70,12 @@ from hf_dpfilter.proofs.first_step_check import (
 )
 from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, dropout_free, same_draws
 
-#: the largest relative float32 loss mismatch the gradient argument may settle (measured: up to 8e-4 on a confident
-#: model's top layers); a larger one refuses without it
+#: the largest relative float32 loss mismatch the gradient argument may settle (measured: up to 8e-4 on a
+#: confident model's top layers); a larger one refuses without it
 ROUNDING_BOUND = 1e-2
-#: how far (in units of C) an example's clipped gradient in its micro-batch may be from its clipped gradient alone
-#: for a loss mismatch under ROUNDING_BOUND to pass: the bound on what the micro-batch adds to its contribution
+#: how far (in units of C) an example's clipped gradient in its micro-batch may be from its clipped gradient
+#: alone for a loss mismatch under ROUNDING_BOUND to pass: the bound on what the micro-batch adds to its
+#: contribution
 GRADIENT_TOLERANCE = 1e-4
 
 __all__ = [
@@ -135,8 +136,8 @@ class SeparationChecks:
     micro-batch's layout to the loss and the engine; ``alone(raw, micro_batch, i, each_row)``: the micro-batch of
     one raw example collated alone, example ``i`` of ``micro_batch`` (whose draws of the collator's random keys it
     keeps; ``each_row``: the random keys also probed on that row); ``first_step``: run the first-step check (False: done, or turned off); ``rate``: ``dp_recheck_rate``.
-    ``clipping()``: (C, the run's clip factors of per-example norms), for the gradient argument of a loss mismatch
-    under ROUNDING_BOUND (None: no argument, such a mismatch refuses).
+    ``clipping()``: (C, the run's clip factors of per-example norms), for the gradient argument of a loss
+    mismatch under ROUNDING_BOUND (None: no argument, such a mismatch refuses).
     """
 
     def __init__(
@@ -233,21 +234,22 @@ class SeparationChecks:
         self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any], why: str,
         step_losses: torch.Tensor | None = None, *, per_unit: bool = False,
     ) -> None:
-        """Loss first: one random example of the micro-batch in it and re-collated alone, training mode, dropout
-        off, the same draws, gradients recorded as in training (no backward). On a mismatch, the micro-batch again
-        under another seed tells a random forward (:class:`TrainingRandomnessError`) from a coupling
-        (:class:`SeparationError`), and a mismatch under ROUNDING_BOUND gets the gradient argument
-        (:meth:`_same_clipped_gradient`). Two forwards when it passes (the micro-batch's and the example's); one
-        (the example's) with ``step_losses``: the per-example losses of the micro-batch's own training forward,
-        dropout-free (see :meth:`before_accumulate`), whose values are those of the checking forward (no dropout to
-        turn off; the training forward draws no random number that matters, else the mismatch's second forward
-        refuses it as random)."""
+        """Loss first: one random example of the micro-batch in it and re-collated alone, training mode,
+        dropout off, the same draws, gradients recorded as in training (no backward). On a mismatch, the
+        micro-batch again under another seed tells a random forward (:class:`TrainingRandomnessError`) from a
+        coupling (:class:`SeparationError`), and a mismatch under ROUNDING_BOUND gets the gradient argument
+        (:meth:`_same_clipped_gradient`). Two forwards when it passes (the micro-batch's and the example's);
+        one (the example's) with ``step_losses``: the per-example losses of the micro-batch's own training
+        forward, dropout-free (see :meth:`before_accumulate`), whose values are those of the checking forward
+        (no dropout to turn off; the training forward draws no random number that matters, else the mismatch's
+        second forward refuses it as random)."""
         inputs, labels, layout = micro_batch
         count = _count(micro_batch)
 
         def in_batch(seed: int) -> torch.Tensor:
-            # recording as the training forward does: a branch on torch.is_grad_enabled() (or on an activation's
-            # requires_grad) takes here the path it takes in training; the graph goes with the detached losses
+            # recording as the training forward does: a branch on torch.is_grad_enabled() (or on an
+            # activation's requires_grad) takes here the path it takes in training; the graph goes with the
+            # detached losses
             with same_draws(model, seed), self.packed(layout), torch.enable_grad():
                 return self.loss_fn(inputs, labels).detach()
 
@@ -270,7 +272,8 @@ class SeparationChecks:
             self.rechecks_run += 1
             # the collator's random keys as probed on the training set's first rows; on a mismatch, also as this
             # example's own row shows them (a first row with nothing to mask shows none: collator_draws)
-            rounding_size = False  # a mismatch small enough to be rounding: the gradient argument may settle it
+            # a mismatch small enough to be rounding: the gradient argument may settle it
+            rounding_size = False
             for by_itself in self._losses_alone(model, micro_batch, raw[index], index):
                 by_itself = by_itself.detach().double()
                 if by_itself.numel() != 1:
@@ -299,9 +302,10 @@ class SeparationChecks:
             "module with a branch or statistic over the micro-batch, padding the model attends to (return an "
             "attention_mask), or left padding with absolute positions (pad on the right). In a run that has "
             "diverged (a learning rate too high: activations far beyond their usual range), float32 rounding that "
-            "differs between the two shapes can exceed the check's tolerance, and a small mismatch passes only if "
-            f"the example's clipped gradient in the micro-batch is within {GRADIENT_TOLERANCE:.0e} C of its clipped "
-            "gradient alone: lower the learning rate. Nothing of this step was released."
+            "differs between the two shapes can exceed the check's tolerance, and a small mismatch passes "
+            "only if the example's clipped gradient in the micro-batch is within "
+            f"{GRADIENT_TOLERANCE:.0e} C of its clipped gradient alone: lower the learning rate. Nothing of "
+            "this step was released."
         )
 
     def _losses_alone(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int,
@@ -320,19 +324,20 @@ class SeparationChecks:
                 loss = self.loss_fn(one_inputs, one_labels)
             yield loss  # outside the contexts: the caller's code runs on the run's own stream and grad mode
 
-    def _same_clipped_gradient(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int, mine: float,
-                               tol: float, *, per_unit: bool = False) -> bool:
-        """The gradient argument of a small loss mismatch, in the run's own precision (inside checking_forward).
+    def _same_clipped_gradient(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int,
+                               mine: float, tol: float, *, per_unit: bool = False) -> bool:
+        """The gradient argument of a small loss mismatch, in the run's own precision (inside
+        checking_forward).
 
-        The micro-batch's forward again, recorded by the engine (gradients recorded, as in training; its loss must
-        reproduce ``mine``, the loss compared, within ``tol``, else this forward is not the one that was compared),
-        and the engine's per-example gradient of the example, clipped by the run's clip factors: the vector the
-        step sums. Against the example alone (each way the collator's random keys are probed): its autograd
-        gradient, clipped the same way. Within GRADIENT_TOLERANCE * C passes, whatever the loss showed: the micro-batch
-        then moves this example's contribution by at most that. ``per_unit``: the example is clipped with the rest
-        of its privacy unit, so the unclipped gradients are compared (clipping, a projection onto the ball of radius
-        C, moves two vectors' difference by no more than their distance). False without ``clipping``, or when a
-        value is not finite."""
+        The micro-batch's forward again, recorded by the engine (gradients recorded, as in training; its loss
+        must reproduce ``mine``, the loss compared, within ``tol``, else this forward is not the one that was
+        compared), and the engine's per-example gradient of the example, clipped by the run's clip factors:
+        the vector the step sums. Against the example alone (each way the collator's random keys are probed):
+        its autograd gradient, clipped the same way. Within GRADIENT_TOLERANCE * C passes, whatever the loss
+        showed: the micro-batch then moves this example's contribution by at most that. ``per_unit``: the
+        example is clipped with the rest of its privacy unit, so the unclipped gradients are compared
+        (clipping, a projection onto the ball of radius C, moves two vectors' difference by no more than their
+        distance). False without ``clipping``, or when a value is not finite."""
         if self.engine is None or self.clipping is None:
             return False
         inputs, labels, layout = micro_batch
@@ -368,8 +373,9 @@ class SeparationChecks:
             reference = [torch.zeros(()) if g is None else g.detach().double() for g in reference]
             norm = math.sqrt(sum(float(g.norm()) ** 2 for g in reference))
             factor = float(clip(torch.tensor([norm], dtype=torch.float64))[0])
+            # a parameter the engine holds no gradient for contributes the reference's own norm
             apart = math.sqrt(sum(
-                float((ours[id(p)] - factor * g).norm()) ** 2 if id(p) in ours else float((factor * g).norm()) ** 2
+                float(((ours[id(p)] if id(p) in ours else 0.0) - factor * g).norm()) ** 2
                 for p, g in zip(params, reference)
             ))
             if math.isfinite(apart) and math.isfinite(norm) and apart <= GRADIENT_TOLERANCE * bound:
