@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -37,6 +38,7 @@ from hf_dpfilter import question_answering as span_labels
 from hf_dpfilter import units as privacy_units
 from hf_dpfilter.accounting import PrivacyAccountant
 from hf_dpfilter.arguments import DPArgumentsMixin
+from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
 from hf_dpfilter.loss_scaling import attach_loss_scaler
 from hf_dpfilter.losses import per_example_loss
@@ -480,7 +482,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             recheck = None
             if separation is not None and index < len(micro_batches):  # before it is accumulated
                 recheck = separation.before_accumulate(model, privacy_units.as_examples(cut[index][0]),
-                                                       cut[index][1], step_losses=not units_layout)
+                                                       cut[index][1], step_losses=not units_layout,
+                                                       per_unit=units_layout)
             with self._packed(layout):
                 if index >= len(micro_batches):  # FSDP2 padding: run the collectives, contribute nothing
                     padding_row = [self._padding_collator.dataset[0]]
@@ -524,8 +527,16 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 rate=self.args.dp_recheck_rate, min_examples=self._first_check_examples(),
                 # the precision the accelerator really computes in (fixed when the Trainer was created)
                 low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),
+                clipping=self._clipping,
             )
         return self._separation
+
+    def _clipping(self) -> tuple[float, Callable[[torch.Tensor], torch.Tensor]]:
+        """C and the run's per-example clip factors of norms, as the DP optimizer clips (the gradient argument
+        of a re-check: hf_dpfilter/proofs/separation.py)."""
+        optimizer = self.dp_optimizer
+        bound, fn = float(optimizer.max_grad_norm), optimizer.clipping_fn
+        return bound, lambda norms: clip_factors(norms, bound, fn)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """0 unless ``dp_log_nonprivate_metrics``: the Trainer's count (``total_flos``) is a function of the private

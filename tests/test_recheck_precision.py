@@ -1,13 +1,16 @@
-"""The re-check's precision argument: a float32 mismatch that float64 does not show is rounding, not a coupling.
+"""The re-check's argument for a small float32 loss mismatch: the example's clipped gradient, in the run's
+precision.
 
 A run that reaches very confident predictions (or diverges) has large activations; the same example in its
 micro-batch and collated alone then goes through other accumulation orders (other padded lengths, other row
 counts), and in float32 its loss can differ by more than the check's 1e-4 (measured: 1.6e-4 on MiniLM's top
-layers with LoRA at lr 0.03, the run the trainer stopped). The re-check then computes both losses again in float64:
-agreement within 1e-6 passes (rounding shrinks by 2^29), a coupling (a function of the other examples) still
-refuses, and so does a float32 mismatch above ROUNDING_BOUND (1e-2) whatever float64 shows. The weights are restored
-as the very tensors they were. A branch taken only while gradients are recorded is covered by
-tests/test_recheck_forwards.py (the float64 forward records too when the float32 loss came from the training forward).
+layers with LoRA at lr 0.03, the run the trainer stopped). A mismatch under ROUNDING_BOUND (1e-2) is then
+settled by what is released: the example's clipped gradient in the micro-batch (the engine's, from a recorded
+forward that reproduces the compared loss) within GRADIENT_TOLERANCE (1e-4) C of its clipped gradient alone,
+both in the run's precision. The earlier argument recomputed both losses in float64: a forward branching on
+the dtype coupled the examples in float32 only, passed it, and moved the aggregate by 2.03 / 2.52 / 3.45 C
+(micro-batches of 4 / 8 / 16). Every checking forward records gradients as training does, so a branch on the
+grad mode shows too.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from helpers import ListDataset, PadCollator
 from models import tiny_gpt2
-from test_separation_rechecks import _args, _example, _step
+from test_separation_rechecks import _args, _example, _ratio, _step
 from torch import nn
 
 from hf_dpfilter import DPTrainer
-from hf_dpfilter.proofs.separation import SeparationChecks, SeparationError, as_float64, in_float64
+from hf_dpfilter.proofs.separation import GRADIENT_TOLERANCE, SeparationChecks, SeparationError
 
 
 class RoundsByRowCount(nn.Module):
@@ -63,70 +66,44 @@ def micro_batch():
     return ({"x": x}, labels, None), [{"x": x[i], "label": labels[i]} for i in range(6)]
 
 
-def test_a_float32_only_mismatch_passes_by_float64_and_the_weights_come_back_as_they_were():
+def test_without_a_gradient_argument_a_small_mismatch_refuses_and_the_weights_are_untouched():
+    """Checks with no engine and no clipping (a stand-alone SeparationChecks) have no gradient to settle a
+    mismatch with: a float32-only loss mismatch under ROUNDING_BOUND refuses."""
     model = RoundsByRowCount()
-    weight, offset, storage = model.weight, model.offset, model.weight.data_ptr()
+    weight, storage = model.weight, model.weight.data_ptr()
     checks = checks_for(model)
     batch, raw = micro_batch()
-    for _ in range(5):  # any drawn example
+    with pytest.raises(SeparationError, match="another loss in the micro-batch than re-collated alone"):
         checks.recheck(model, batch, raw, "a new shape")
-    assert checks.float64_rechecks == 5
+    assert checks.rounding_rechecks == 0
     assert model.weight is weight and model.weight.data_ptr() == storage and model.weight.dtype == torch.float32
-    assert model.offset is offset and model.offset.dtype == torch.float32
 
 
-def test_a_coupling_still_refuses_in_float64():
+def test_a_coupling_refuses():
     model = RoundsByRowCount(coupled=True)
     batch, raw = micro_batch()
     with pytest.raises(SeparationError, match="another loss in the micro-batch than re-collated alone"):
         checks_for(model).recheck(model, batch, raw, "a new shape")
-    assert model.weight.dtype == torch.float32
 
 
-def test_a_loss_computed_in_float32_downstream_gets_no_precision_argument():
-    """A loss that casts back to float32 is no float64 computation: the mismatch refuses."""
-    model = RoundsByRowCount()
-    checks = checks_for(model)
-    float64_loss = checks.loss_fn
-    checks.loss_fn = lambda inputs, labels: float64_loss(inputs, labels).float() * (
-        1 + 1e-3 * (inputs["x"].shape[0] > 1))
-    batch, raw = micro_batch()
-    with pytest.raises(SeparationError):
-        checks.recheck(model, batch, raw, "a new shape")
-
-
-def test_in_float64_restores_every_tensor_even_when_the_block_raises():
-    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
-    before = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()]}
-    storage = {name: t.data_ptr() for name, t in before.items()}
-    with pytest.raises(RuntimeError), in_float64(model):
-        assert model[0].weight.dtype == torch.float64 and model[1].running_mean.dtype == torch.float64
-        assert model[1].num_batches_tracked.dtype == torch.long
-        raise RuntimeError("inside")
-    after = dict([*model.named_parameters(), *model.named_buffers()])
-    assert all(after[name] is before[name] and after[name].data_ptr() == storage[name] for name in before)
-    assert model[0].weight.dtype == torch.float32 and model[1].running_var.dtype == torch.float32
-    assert as_float64({"a": torch.ones(1), "b": [torch.ones(1, dtype=torch.long)]})["a"].dtype == torch.float64
-
-
-def test_a_float32_mismatch_too_large_for_rounding_refuses_whatever_float64_shows():
-    """A model that couples examples only in float32 (branching on the dtype) must not pass by float64: a mismatch
-    above ROUNDING_BOUND (1e-2) is never called rounding."""
+def test_a_float32_mismatch_too_large_for_rounding_refuses():
     model = RoundsByRowCount(float32_error=5e-2)
     batch, raw = micro_batch()
     checks = checks_for(model)
     with pytest.raises(SeparationError):
         checks.recheck(model, batch, raw, "a new shape")
-    assert checks.float64_rechecks == 0
+    assert checks.rounding_rechecks == 0
 
 
 # ------------------------------------------------------------------ through the public API: DPTrainer, noise 0
 class _WidthCoupledLoss(DPTrainer):
     """Own-count token NLL; while the micro-batch is padded beyond 10 tokens, every example's loss is scaled by
-    1 + 1e-3 (the long example's presence reaches the short one's loss): in float32 only (a stand-in for rounding,
-    ``float32_only``) or in every precision (a small real coupling, below ROUNDING_BOUND, above the 1e-4 tolerance)."""
+    1 + 1e-3 (the long example's presence reaches the short one's loss): in float32 only (``float32_only``) or
+    in every precision (a small real coupling, below ROUNDING_BOUND, above the 1e-4 tolerance);
+    ``value_only``: the loss's value moves, its gradient not (a stand-in for rounding: a confident model's
+    sits in the log-softmax's value, and no example reaches another's gradient)."""
 
-    float32_only = True
+    float32_only, value_only = True, False
 
     def compute_per_example_loss(self, model, inputs, labels, param_values=None):
         outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
@@ -134,7 +111,7 @@ class _WidthCoupledLoss(DPTrainer):
         nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none").sum(1)
         nll = nll / (targets != -100).sum(1).clamp(min=1).to(nll.dtype)
         if inputs["input_ids"].shape[1] > 10 and (nll.dtype == torch.float32 or not self.float32_only):
-            nll = nll * (1 + 1e-3)
+            nll = nll + 1e-3 * (nll.detach() if self.value_only else nll)
         return nll
 
 
@@ -142,39 +119,109 @@ class _SmallRealCoupling(_WidthCoupledLoss):
     float32_only = False
 
 
-def _make(tmp_path, cls, examples):
+def _make(tmp_path, cls, examples, clip=2.0):
     def make(name):
         # sampled order: micro-batch 1 holds the two equal examples (the first-step check), micro-batch 2 the
         # short and the long one (a new shape: its re-check). The long one has no label (loss 0), so the re-check
         # draws the short one, whose loss the long one's width moves
-        args = _args(tmp_path / name, per_sample_max_grad_norm=2.0, dp_recheck_rate=0.0, dp_group_by_length=False)
+        args = _args(tmp_path / name, per_sample_max_grad_norm=clip, dp_recheck_rate=0.0,
+                     dp_group_by_length=False)
         return cls(model=tiny_gpt2(torch.float32), args=args, train_dataset=ListDataset(examples),
                    data_collator=PadCollator(0))
     return make
 
 
-def test_a_small_real_coupling_in_micro_batch_2_is_refused_in_float64_too(tmp_path):
-    """1e-3 is below ROUNDING_BOUND, so the float64 argument runs; the coupling is there in float64 as well."""
-    equal = [_example(6, seed, causal=True) for seed in (1, 2)]
-    d_prime = [*equal, _example(3, 3, causal=True), _example(30, 4, causal=True, labelled=False)]
-    trainer = _make(tmp_path, _SmallRealCoupling, d_prime)("refused")
-    with pytest.raises(SeparationError, match="Re-check \\(a new shape\\)"):
-        _step(trainer, d_prime)
-    assert trainer.accountant.steps == 0 and trainer._separation.float64_rechecks == 0
+class _LossValueRounding(_WidthCoupledLoss):
+    value_only = True
 
 
-def test_a_float32_only_mismatch_trains_and_moves_the_aggregate_within_the_rounding_bound(tmp_path):
-    """The stand-in for rounding passes micro-batch 2's re-check by float64; adding the long example then moves
-    the pre-noise aggregate by at most C (1 + ROUNDING_BOUND): the float32 effect the argument accepts is bounded by
-    the bound (here 1e-3 of a loss), never more."""
-    from hf_dpfilter.proofs.separation import ROUNDING_BOUND
-
+@pytest.mark.parametrize(
+    "cls, clip", [(_LossValueRounding, 2.0), (_WidthCoupledLoss, 0.01), (_SmallRealCoupling, 2.0)])
+def test_a_loss_mismatch_that_moves_no_clipped_gradient_trains_within_1e_4_C(tmp_path, cls, clip):
+    """Micro-batch 2's loss mismatch (1e-3) is settled by the gradients: a rounding of the loss's value alone,
+    a float32 scale of a gradient clipped anyway (C = 0.01), or a real scale by 1 + 1e-3 in every precision,
+    whose released vector moves by under 1e-4 C (the earlier test refused it: a loss criterion). Adding the
+    long example then moves the pre-noise aggregate by at most C (1 + 1e-4): the bound is about what is
+    summed."""
     equal = [_example(6, seed, causal=True) for seed in (1, 2)]
     d = [*equal, _example(3, 3, causal=True)]
     d_prime = [*d, _example(30, 4, causal=True, labelled=False)]
-    make = _make(tmp_path, _WidthCoupledLoss, d_prime)
-    trainer = make("passes")
-    moved, clip = _step(trainer, d_prime)
-    assert trainer._separation.float64_rechecks == 1
-    base, _ = _step(make("base"), d)
-    assert float((moved - base).norm()) / clip <= 1 + ROUNDING_BOUND
+    trainers = []
+
+    def make(name):
+        trainers.append(_make(tmp_path, cls, d_prime, clip)(name))
+        return trainers[-1]
+
+    assert _ratio(make, d, d_prime) <= 1 + GRADIENT_TOLERANCE
+    assert trainers[-1]._separation.rounding_rechecks == 1
+
+
+# ------------------------------------------- a coupling in float32 only that turns the gradients, and its
+# disguises
+class _Wiggle:
+    """On the final hidden states, beyond 10 tokens (the long example's presence): ``h + 0.3 sin(10 h)``, a
+    loss footprint of 4e-4 to 2e-3 (under ROUNDING_BOUND) and a Jacobian that turns every example's gradient.
+    ``when``: what else the model reads to take the branch only where the checks do not look."""
+
+    def __init__(self, when: str) -> None:
+        self.when = when
+
+    def __call__(self, module, args, out):
+        if out.dtype != torch.float32:
+            return out  # float32 only: the earlier float64 argument saw nothing
+        wide = out.shape[1] > 10
+        take = {
+            "dtype": wide,
+            # the earlier no-grad in-batch forward saw nothing
+            "grad_enabled": wide and torch.is_grad_enabled(),
+            "requires_grad": wide and out.requires_grad,
+            # alone without gradients (the earlier loss check's alone forward): the coupled value, mimicked
+            "mimicked_alone": wide or not torch.is_grad_enabled(),
+        }[self.when]
+        return out + 0.3 * torch.sin(10 * out) if take else out
+
+
+def _wiggling(tmp_path, when, examples, m, **kw):
+    def make(name):
+        model = tiny_gpt2(torch.float32)
+        if when in ("grad_enabled", "requires_grad"):  # dropout: the in-batch forward is the check's own
+            model.transformer.drop.p = 0.1
+        model.transformer.ln_f.register_forward_hook(_Wiggle(when))
+        args = _args(tmp_path / name, per_sample_max_grad_norm=0.01, dp_recheck_rate=0.0,
+                     dp_group_by_length=False, logical_batch_size=2 * m, per_device_train_batch_size=m, **kw)
+        return DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                         data_collator=PadCollator(0))
+    return make
+
+
+def _wiggle_data(m):
+    equal = [_example(6, seed, causal=True) for seed in range(1, m + 1)]
+    d = [*equal, *[_example(3 + s % 4, 100 + s, causal=True) for s in range(m - 1)]]
+    return d, [*d, _example(30, 7, causal=True, labelled=False)]
+
+
+def test_a_float32_only_coupling_that_turns_the_gradients_is_refused(tmp_path):
+    """Micro-batches of 4: the first holds equal lengths (the first-step check), the second three short
+    examples and the long one with no label (a new shape: its re-check). Unchecked, adding the long example
+    moves the aggregate by 2.03 C (the earlier float64 argument passed it: the same); checked, the gradient
+    argument refuses."""
+    d, d_prime = _wiggle_data(4)
+    assert _ratio(_wiggling(tmp_path, "dtype", d_prime, 4, dp_verify_first_step=False), d, d_prime) > 1.5
+    trainer = _wiggling(tmp_path, "dtype", d_prime, 4)("checked")
+    with pytest.raises(SeparationError, match="micro-batch 2.*re-collated alone"):
+        _step(trainer, d_prime)
+    assert trainer._per_example_checked and trainer.accountant.steps == 0
+    assert trainer._separation.rounding_rechecks == 0
+
+
+@pytest.mark.parametrize("when", ["grad_enabled", "requires_grad", "mimicked_alone"])
+def test_a_coupling_that_reads_the_grad_mode_is_refused(tmp_path, when):
+    """The branch also reads whether gradients are recorded: taken only while recording (the earlier re-check
+    ran a dropout model's in-batch forward without gradients) or mimicked by an example alone without
+    gradients (the earlier re-check's alone forward, against a dropout-free model's training losses). Every
+    checking forward now records gradients as training does: refused before the step is released."""
+    d, d_prime = _wiggle_data(4)
+    trainer = _wiggling(tmp_path, when, d_prime, 4)("checked")
+    with pytest.raises(SeparationError, match="micro-batch 2.*re-collated alone"):
+        _step(trainer, d_prime)
+    assert trainer.accountant.steps == 0

@@ -10,7 +10,7 @@ trainer's ``alone`` callable; the keys the collator draws at random keep the exa
 
 * the **first-step check** (:mod:`hf_dpfilter.proofs.first_step_check`), once per run, on the first micro-batch
   with two examples or more: losses, per-example gradients and norms of a few examples against autograd alone;
-* the **re-checks**, loss only (``torch.no_grad``, no backward; two forwards: the micro-batch's and one
+* the **re-checks**, loss only (no backward; two forwards: the micro-batch's and one
   example's): one example of the micro-batch, chosen at random among those with a non-zero loss (an example whose
   every label is ignored has loss 0 whatever the others do), in the micro-batch and alone. The forward is proven
   deterministic (dropout off) by the first-step check (before it, only micro-batches of one example come, which
@@ -24,11 +24,19 @@ trainer's ``alone`` callable; the keys the collator draws at random keep the exa
   seeded from ``os.urandom`` that is neither the sampler's nor the noise's and is never saved: the checks change
   no batch, no noise and no dropout mask of a seeded run.
 
-A float32 mismatch below ``ROUNDING_BOUND`` (1e-2 relative) gets a precision argument before it refuses: both
-losses again with the weights, buffers, inputs and labels in float64 (the in-batch one recording gradients when
-the float32 one came from the training forward). A coupling is a function of the other examples and stays; the
-rounding of two shapes, which a very confident or diverging model's large activations amplify beyond 1e-4, shrinks
-by 2^29, so agreement within 1e-6 passes.
+Every checking forward records gradients as the training forward does (no backward; the graph is dropped at
+once), so a model branching on ``torch.is_grad_enabled()`` or on its activations' ``requires_grad`` computes
+there what it computes in training.
+
+A float32 mismatch below ``ROUNDING_BOUND`` (1e-2 relative) gets a gradient argument before it refuses, in the
+run's own precision: the example's clipped gradient in its micro-batch, as the engine computes it from a
+recorded forward of the micro-batch (whose loss must reproduce the compared one), against its clipped gradient
+alone (autograd). ``||clip(g_batch) - clip(g_alone)|| <= GRADIENT_TOLERANCE * C`` (1e-4) passes: what the
+micro-batch adds to the example's released contribution is then bounded by 1e-4 C whatever the loss shows, the
+criterion is about the very vector that is summed (a rounding that moves only the loss, or only the norm of a
+clipped gradient, passes; a coupling that moves the clipped vector refuses), and no precision other than the
+run's is involved, so a forward branching on the dtype has nothing to hide behind. (The earlier argument
+recomputed both losses in float64: a statement about float64 losses, which bounds no float32 gradient.)
 
 What the re-checks prove: for the examples they draw, that the loss in the released micro-batch is the loss of
 the example alone (no coupling through the loss, a data-dependent branch over the micro-batch, padding or
@@ -46,7 +54,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -62,12 +70,18 @@ from hf_dpfilter.proofs.first_step_check import (
 )
 from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, dropout_free, same_draws
 
-#: the largest relative float32 mismatch the float64 argument may call rounding (measured: up to 8e-4 on a confident
-#: model's top layers); a larger one refuses whatever float64 shows, so a coupling that only a float32 forward
-#: takes (the model's code branching on the dtype) passes only below it
+#: the largest relative float32 loss mismatch the gradient argument may settle (measured: up to 8e-4 on a
+#: confident model's top layers); a larger one refuses without it
 ROUNDING_BOUND = 1e-2
+#: how far (in units of C) an example's clipped gradient in its micro-batch may be from its clipped gradient
+#: alone for a loss mismatch under ROUNDING_BOUND to pass: the bound on what the micro-batch adds to its
+#: contribution
+GRADIENT_TOLERANCE = 1e-4
 
-__all__ = ["DEFAULT_RECHECK_RATE", "SeparationChecks", "SeparationError", "as_float64", "in_float64", "micro_batch_shape"]
+__all__ = [
+    "DEFAULT_RECHECK_RATE", "GRADIENT_TOLERANCE", "ROUNDING_BOUND", "SeparationChecks", "SeparationError",
+    "micro_batch_shape",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -111,30 +125,8 @@ def micro_batch_shape(micro_batch: MicroBatch) -> tuple:
     return ("padded", labels.shape[0], width, side)
 
 
-@contextlib.contextmanager
-def in_float64(model: nn.Module) -> Iterator[None]:
-    """Every floating parameter and buffer of ``model`` in float64 for the block; the original tensors (the very
-    objects: views into flat buffers stay views) restored after it. Gradients are not touched."""
-    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
-    originals = [t.data for t in tensors]
-    try:
-        for tensor in tensors:
-            tensor.data = tensor.data.double()
-        yield
-    finally:
-        for tensor, original in zip(tensors, originals):
-            tensor.data = original
-
-
-def as_float64(value: Any) -> Any:
-    """``value`` with every floating tensor in it (in dicts, lists and tuples too) in float64."""
-    if isinstance(value, torch.Tensor):
-        return value.double() if value.is_floating_point() else value
-    if isinstance(value, Mapping):
-        return {k: as_float64(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(as_float64(v) for v in value)
-    return value
+def _unclipped(norms: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(norms)
 
 
 class SeparationChecks:
@@ -144,6 +136,8 @@ class SeparationChecks:
     micro-batch's layout to the loss and the engine; ``alone(raw, micro_batch, i, each_row)``: the micro-batch of
     one raw example collated alone, example ``i`` of ``micro_batch`` (whose draws of the collator's random keys it
     keeps; ``each_row``: the random keys also probed on that row); ``first_step``: run the first-step check (False: done, or turned off); ``rate``: ``dp_recheck_rate``.
+    ``clipping()``: (C, the run's clip factors of per-example norms), for the gradient argument of a loss
+    mismatch under ROUNDING_BOUND (None: no argument, such a mismatch refuses).
     """
 
     def __init__(
@@ -158,8 +152,10 @@ class SeparationChecks:
         rate: float,
         min_examples: int,
         low_precision: bool = False,
+        clipping: Callable[[], tuple[float, Callable[[torch.Tensor], torch.Tensor]]] | None = None,
     ) -> None:
         self.engine = engine
+        self.clipping = clipping
         self.loss_fn = loss_fn
         self.packed = packed
         self.alone = alone
@@ -171,12 +167,13 @@ class SeparationChecks:
         self.seen: set[tuple] = set()
         self.micro_batches = 0  # micro-batches seen by the entry (for the messages)
         self.rechecks_run = 0
-        self.float64_rechecks = 0  # re-checks that float32 rounding failed and float64 passed
+        self.rounding_rechecks = 0  # loss mismatches the clipped gradients settled (counted, never logged)
         # not the sampler's, not the noise's, not torch's global stream; never saved
         self._choices = random.Random(int.from_bytes(os.urandom(8), "little"))
 
     def before_accumulate(
         self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any] | None, *, step_losses: bool = False,
+        per_unit: bool = False,
     ) -> Callable[[torch.Tensor | None], None] | None:
         """Check one micro-batch before it is accumulated; raises before anything of its step is released.
 
@@ -205,11 +202,11 @@ class SeparationChecks:
             if step_losses and dropout_free(model):
 
                 def recheck_on_step_losses(losses: torch.Tensor | None) -> None:
-                    self.recheck(model, micro_batch, examples, why, losses)
+                    self.recheck(model, micro_batch, examples, why, losses, per_unit=per_unit)
                     self.seen.add(shape)  # once passed: a shape refused stays new for a train() run again
 
                 return recheck_on_step_losses
-            self.recheck(model, micro_batch, examples, why)
+            self.recheck(model, micro_batch, examples, why, per_unit=per_unit)
             self.seen.add(shape)  # once passed: a shape refused stays new for a train() run again after a refusal
         return None
 
@@ -235,25 +232,31 @@ class SeparationChecks:
 
     def recheck(
         self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any], why: str,
-        step_losses: torch.Tensor | None = None,
+        step_losses: torch.Tensor | None = None, *, per_unit: bool = False,
     ) -> None:
-        """Loss only: one random example of the micro-batch in it and re-collated alone, training mode, dropout off,
-        the same draws. On a mismatch, the micro-batch again under another seed tells a random forward
-        (:class:`TrainingRandomnessError`) from a coupling (:class:`SeparationError`). Two forwards when it passes
-        (the micro-batch's and the example's), no backward; one (the example's) with ``step_losses``: the
-        per-example losses of the micro-batch's own training forward, dropout-free (see :meth:`before_accumulate`),
-        whose values are those of the checking forward (no dropout to turn off; the training forward draws no
-        random number that matters, else the mismatch's second forward refuses it as random)."""
+        """Loss first: one random example of the micro-batch in it and re-collated alone, training mode,
+        dropout off, the same draws, gradients recorded as in training (no backward). On a mismatch, the
+        micro-batch again under another seed tells a random forward (:class:`TrainingRandomnessError`) from a
+        coupling (:class:`SeparationError`), and a mismatch under ROUNDING_BOUND gets the gradient argument
+        (:meth:`_same_clipped_gradient`). Two forwards when it passes (the micro-batch's and the example's);
+        one (the example's) with ``step_losses``: the per-example losses of the micro-batch's own training
+        forward, dropout-free (see :meth:`before_accumulate`), whose values are those of the checking forward
+        (no dropout to turn off; the training forward draws no random number that matters, else the mismatch's
+        second forward refuses it as random)."""
         inputs, labels, layout = micro_batch
         count = _count(micro_batch)
 
         def in_batch(seed: int) -> torch.Tensor:
-            with same_draws(model, seed), self.packed(layout):
-                return self.loss_fn(inputs, labels)
+            # recording as the training forward does: a branch on torch.is_grad_enabled() (or on an
+            # activation's requires_grad) takes here the path it takes in training; the graph goes with the
+            # detached losses
+            with same_draws(model, seed), self.packed(layout), torch.enable_grad():
+                return self.loss_fn(inputs, labels).detach()
 
-        with checking_forward(model), torch.no_grad():
+        settled = False
+        with checking_forward(model):
             reused = step_losses is not None and step_losses.dim() == 1 and step_losses.shape[0] == count
-            losses = step_losses.detach().double() if reused else in_batch(CHECK_SEED).detach().double()
+            losses = step_losses.detach().double() if reused else in_batch(CHECK_SEED).double()
             if losses.dim() != 1 or losses.shape[0] != count:
                 raise SeparationError(
                     f"compute_per_example_loss returned shape {tuple(losses.shape)} for {count} examples: it must "
@@ -269,7 +272,8 @@ class SeparationChecks:
             self.rechecks_run += 1
             # the collator's random keys as probed on the training set's first rows; on a mismatch, also as this
             # example's own row shows them (a first row with nothing to mask shows none: collator_draws)
-            rounding_size = False  # a mismatch small enough to be rounding: the float64 argument may settle it
+            # a mismatch small enough to be rounding: the gradient argument may settle it
+            rounding_size = False
             for by_itself in self._losses_alone(model, micro_batch, raw[index], index):
                 by_itself = by_itself.detach().double()
                 if by_itself.numel() != 1:
@@ -282,12 +286,12 @@ class SeparationChecks:
                     return  # the same loss (a non-finite one alone too: the example's own, zeroed by the optimizer)
                 rounding_size = rounding_size or abs(mine - own) <= ROUNDING_BOUND * max(abs(own), 1e-6)
             check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")  # random: refused as such
-            if rounding_size and not low_precision and self._same_in_float64(
-                model, micro_batch, raw[index], index, recording=reused
-            ):
-                # counted, never logged: whether float32 rounding differed is a noiseless function of private data
-                self.float64_rechecks += 1
-                return
+            settled = rounding_size and not low_precision and self._same_clipped_gradient(
+                model, micro_batch, raw[index], index, mine, tol, per_unit=per_unit)
+        if settled:
+            # counted, never logged: whether float32 rounding differed is a noiseless function of private data
+            self.rounding_rechecks += 1
+            return
         raise SeparationError(
             f"Re-check ({why}) of micro-batch {self.micro_batches}, shape {micro_batch_shape(micro_batch)}: "
             f"example {index} has another loss in the micro-batch than re-collated alone (values not shown: "
@@ -298,44 +302,84 @@ class SeparationChecks:
             "module with a branch or statistic over the micro-batch, padding the model attends to (return an "
             "attention_mask), or left padding with absolute positions (pad on the right). In a run that has "
             "diverged (a learning rate too high: activations far beyond their usual range), float32 rounding that "
-            "differs between the two shapes can exceed the check's tolerance: lower the learning rate. Nothing of "
+            "differs between the two shapes can exceed the check's tolerance, and a small mismatch passes "
+            "only if the example's clipped gradient in the micro-batch is within "
+            f"{GRADIENT_TOLERANCE:.0e} C of its clipped gradient alone: lower the learning rate. Nothing of "
             "this step was released."
         )
 
     def _losses_alone(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int,
-                      cast: Callable[[Any], Any] = lambda value: value) -> Iterator[torch.Tensor]:
-        """The example's loss re-collated alone (inputs and labels through ``cast``), with the collator's random keys
-        as probed on the training set's first rows, then as this example's own row shows them."""
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The example's loss re-collated alone (detached), with the collator's random keys as probed on the
+        training set's first rows, then as this example's own row shows them; recorded as in training."""
+        for loss in self._alone_forwards(model, micro_batch, raw, index):
+            yield loss.detach()
+
+    def _alone_forwards(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int,
+                        ) -> Iterator[torch.Tensor]:
+        """The example's loss re-collated alone with its graph (see :meth:`_losses_alone`)."""
         for each_row in (False, True):
             one_inputs, one_labels, one_layout = self.alone(raw, micro_batch, index, each_row)
-            with same_draws(model, CHECK_SEED), self.packed(one_layout):
-                yield self.loss_fn(cast(one_inputs), cast(one_labels))
+            with same_draws(model, CHECK_SEED), self.packed(one_layout), torch.enable_grad():
+                loss = self.loss_fn(one_inputs, one_labels)
+            yield loss  # outside the contexts: the caller's code runs on the run's own stream and grad mode
 
-    def _same_in_float64(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int, *,
-                         recording: bool) -> bool:
-        """The precision argument of a float32 mismatch: the example's loss in its micro-batch and alone again, with
-        every floating weight, buffer, input and label in float64 (same draws, dropout off). A coupling is a
-        function of the other examples and stays in float64; the rounding of two shapes (other padded lengths and
-        row counts: other accumulation orders, amplified by a very confident or diverging model's large
-        activations) shrinks by 2^29. Agreement within the float64 tolerance (1e-6) is a tighter statement than
-        the float32 check's (1e-4). False when the forward cannot run in float64 or does not return float64.
-        ``recording``: the float32 loss in the micro-batch came from the training forward (gradients recorded), so
-        the float64 one does too, and a branch taken only while recording shows in both precisions."""
-        inputs, labels, layout = micro_batch
-        tol = _tolerance(torch.float64, False)
-        try:
-            with in_float64(model), checking_forward(model), torch.no_grad():
-                with torch.set_grad_enabled(recording), same_draws(model, CHECK_SEED), self.packed(layout):
-                    losses = self.loss_fn(as_float64(inputs), as_float64(labels)).detach()
-                if losses.dtype != torch.float64:
-                    return False  # computed in float32 somewhere downstream: no precision argument
-                mine = float(losses[index])
-                for alone in self._losses_alone(model, micro_batch, raw, index, as_float64):
-                    own = float(alone.sum())
-                    if alone.dtype == torch.float64 and abs(mine - own) <= tol * max(abs(own), 1e-6):
-                        return True
-        except (RuntimeError, TypeError, ValueError):  # a forward that cannot run in float64 (out of memory too)
+    def _same_clipped_gradient(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int,
+                               mine: float, tol: float, *, per_unit: bool = False) -> bool:
+        """The gradient argument of a small loss mismatch, in the run's own precision (inside
+        checking_forward).
+
+        The micro-batch's forward again, recorded by the engine (gradients recorded, as in training; its loss
+        must reproduce ``mine``, the loss compared, within ``tol``, else this forward is not the one that was
+        compared), and the engine's per-example gradient of the example, clipped by the run's clip factors:
+        the vector the step sums. Against the example alone (each way the collator's random keys are probed):
+        its autograd gradient, clipped the same way. Within GRADIENT_TOLERANCE * C passes, whatever the loss
+        showed: the micro-batch then moves this example's contribution by at most that. ``per_unit``: the
+        example is clipped with the rest of its privacy unit, so the unclipped gradients are compared
+        (clipping, a projection onto the ball of radius C, moves two vectors' difference by no more than their
+        distance). False without ``clipping``, or when a value is not finite."""
+        if self.engine is None or self.clipping is None:
             return False
+        inputs, labels, layout = micro_batch
+        count, engine = _count(micro_batch), self.engine
+        params = list(engine.trainable_parameters)
+        bound, clip = self.clipping()
+        clip = _unclipped if per_unit else clip
+        verify_sum, engine.verify_first_backward = engine.verify_first_backward, False
+        try:
+            with self.packed(layout), torch.enable_grad():
+                with engine.record(batch_size=count), same_draws(model, CHECK_SEED):
+                    losses = self.loss_fn(inputs, labels)
+                if losses.dim() != 1 or losses.shape[0] != count:
+                    return False
+                again = float(losses[index].detach().double())
+                if not abs(again - mine) <= tol * max(abs(mine), 1e-6):
+                    return False  # the forward recorded here is not the one whose loss was compared
+                grads = engine.per_example_gradients(losses)
+                factors = clip(grads.clipping_norms())
+                coefficients = torch.zeros_like(factors)
+                coefficients[index] = factors[index]
+                ours = grads.weighted_sum(coefficients, release=True)
+        finally:
+            engine.verify_first_backward = verify_sum
+        ours = {id(p): g.detach().double() for p, g in ours.items()}
+        if not ours.keys() <= {id(p) for p in params}:
+            return False  # a gradient for a parameter the engine does not train: nothing to compare it with
+        for loss_alone in self._alone_forwards(model, micro_batch, raw, index):
+            if loss_alone.numel() != 1 or not loss_alone.requires_grad:
+                return False
+            with torch.enable_grad():
+                reference = torch.autograd.grad(loss_alone.sum(), params, allow_unused=True)
+            reference = [torch.zeros(()) if g is None else g.detach().double() for g in reference]
+            norm = math.sqrt(sum(float(g.norm()) ** 2 for g in reference))
+            factor = float(clip(torch.tensor([norm], dtype=torch.float64))[0])
+            # a parameter the engine holds no gradient for contributes the reference's own norm
+            apart = math.sqrt(sum(
+                float(((ours[id(p)] if id(p) in ours else 0.0) - factor * g).norm()) ** 2
+                for p, g in zip(params, reference)
+            ))
+            if math.isfinite(apart) and math.isfinite(norm) and apart <= GRADIENT_TOLERANCE * bound:
+                return True
         return False
 
     @staticmethod
