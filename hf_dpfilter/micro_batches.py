@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from hf_dpfilter import length_grouping
 from hf_dpfilter import units as privacy_units
+from hf_dpfilter.decoder_inputs import with_decoder_inputs
 from hf_dpfilter.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
 from hf_dpfilter.proofs import collator_draws, padding
 from hf_dpfilter.proofs.batch_structure import BatchStructure, probe_batch_structure, random_keys
@@ -206,7 +207,8 @@ class MicroBatchMixin:
                 micro_labels = padding.causal_labels(micro, micro_labels, structure)
             if _decoder_side(self.model):  # the decoder attends to a left-padded target's pads
                 padding.check_decoder_labels_not_left_padded(self.data_collator)
-            micro = _with_decoder_inputs(self.model, micro, micro_labels)
+            # built here, as the model would from the labels kept out of its forward (per row, or refused)
+            micro = with_decoder_inputs(self.model, micro, micro_labels)
             yield padding.with_positions(self.model, micro, micro_labels, structure), micro_labels, None
 
     def _no_cache_when_packed(self, micro_batch: tuple) -> tuple:
@@ -481,21 +483,6 @@ def _decoder_side(model: Any) -> bool:
 #: The model inputs that run along the tokens (one column per token), cut with a micro-batch's padding columns.
 TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "special_tokens_mask",
                         "inputs_embeds", "mm_token_type_ids"})
-
-
-def _with_decoder_inputs(model: Any, micro: dict[str, Any], labels: torch.Tensor) -> dict[str, Any]:
-    """An encoder-decoder's ``decoder_input_ids`` built from its labels when the collator gave none (a
-    ``DataCollatorForSeq2Seq`` without ``model=``): what the model's forward does itself when it is given labels,
-    which the trainer keeps out of it (the loss is per example). ``prepare_decoder_input_ids_from_labels`` shifts
-    each row right on its own (the start token first, -100 read as padding): one example's decoder inputs come
-    from its own labels only."""
-    if not _decoder_side(model) or "decoder_input_ids" in micro or "decoder_inputs_embeds" in micro:
-        return micro
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
-    if prepare is None or labels.dim() != 2:
-        return micro
-    return {**micro, "decoder_input_ids": prepare(labels=labels)}
 
 
 def _example_count(micro_batch: tuple) -> int:

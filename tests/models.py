@@ -139,3 +139,29 @@ def tiny_t5(lora: bool = True, vocab_size: int = VOCAB):
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], lora_dropout=0.0))
     return model
+
+
+
+#: The encoder-decoders of transformers without ``prepare_decoder_input_ids_from_labels`` (their forward
+#: shifts the labels with their module's ``shift_tokens_right``), built tiny by :func:`tiny_shifting_seq2seq`.
+SHIFTING_SEQ2SEQ = ("m2m_100", "blenderbot", "blenderbot-small", "nllb-moe", "seamless_m4t")
+
+
+def tiny_shifting_seq2seq(model_type: str, vocab_size: int = VOCAB):
+    """A 1+1-layer encoder-decoder (d_model 16) of ``model_type`` (:data:`SHIFTING_SEQ2SEQ`), float64, with
+    pad 0, eos 3 and a decoder start of 2 (:func:`tiny_tokenizer`'s [CLS]: unlike the pad, so a wrong start
+    shows); no dropout or LayerDrop (M2M100's default LayerDrop skips layers at random in training)."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    sizes = dict(vocab_size=vocab_size, d_model=16, hidden_size=16, encoder_layers=1, decoder_layers=1,
+                 encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+                 decoder_ffn_dim=24, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                 activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0, pad_token_id=0,
+                 eos_token_id=3, bos_token_id=2, decoder_start_token_id=2)
+    if model_type == "nllb-moe":  # two experts with room for every token: no token dropped by the capacity
+        sizes.update(num_experts=2, expert_capacity=16, router_jitter_noise=0.0)
+    config = AutoConfig.for_model(model_type, **sizes)
+    torch.manual_seed(0)
+    return getattr(transformers, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES[model_type])(config).double()

@@ -9,8 +9,9 @@ Each test is an attack that found a hole (now closed) or that adds coverage the 
   through ``target_parameters`` used to fail with "Nothing was recorded"); ``modules_to_save`` stays exact;
 * a forward that writes state only on some steps (after the first, proving, step): every recorded step
   compares buffer and parameter identities and versions before its backward, so the write is refused before
-  that step releases anything; transformers' dynamic / LongRoPE rotary embeddings (which replace or rewrite
-  ``inv_freq`` from the longest position of the batch) are refused at attach by a validator; so is a trainable
+  that step releases anything; transformers' dynamic rotary embeddings (which replace ``inv_freq`` from the
+  longest position of the batch) and LongRoPE ones other than transformers' are refused at attach by a
+  validator (transformers' LongRoPE is checked on each micro-batch instead); so is a trainable
   ``Embedding(scale_grad_by_freq=True)``;
 * a module called once per forward in the proving step and, later, also on ``arange(T)`` with T == B no longer
   inherits the proven verdict;
@@ -104,14 +105,30 @@ def _llama(rope_type: str):
     return transformers.LlamaForCausalLM(config)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_data_dependent_rope_is_refused_at_attach_with_the_fix(rope_type):
-    with pytest.raises(ModuleValidationError, match=rf"(?s)'model.rotary_emb'.*'{rope_type}'.*Fix: use a static"):
-        GhostClippingEngine(_llama(rope_type))
+def test_data_dependent_rope_is_refused_at_attach_with_the_fix():
+    with pytest.raises(ModuleValidationError, match=r"(?s)'model.rotary_emb'.*'dynamic'.*Fix: use a static"):
+        GhostClippingEngine(_llama("dynamic"))
 
 
-@pytest.mark.parametrize("rope_type", ["linear", "yarn"])
-def test_static_rope_scalings_stay_accepted(rope_type):
+def test_a_longrope_embedding_other_than_transformers_is_refused_at_attach():
+    """transformers' LongRoPE is accepted (each recorded micro-batch is checked against its original length,
+    see tests/test_llama_family.py); a module declaring rope_type 'longrope' whose forward is not
+    transformers' update, so whose dependence on the batch is not known, stays refused."""
+
+    class OwnLongRope(nn.Module):
+        rope_type = "longrope"
+
+        def forward(self, x, position_ids):
+            return x
+
+    model = nn.Sequential(nn.Linear(3, 3))
+    model.add_module("rotary", OwnLongRope())
+    with pytest.raises(ModuleValidationError, match=r"(?s)'rotary'.*'longrope'.*Fix: use a static"):
+        GhostClippingEngine(model)
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "yarn", "longrope"])
+def test_static_rope_scalings_and_transformers_longrope_are_accepted_at_attach(rope_type):
     GhostClippingEngine(_llama(rope_type)).detach()
 
 

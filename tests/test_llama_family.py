@@ -235,3 +235,48 @@ def test_bf16_base_fp32_adapters_train_with_dptrainer(tmp_path):
     assert changed and all("lora_" in n for n in changed)
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
     assert trainer.privacy_report()["steps"] == 2
+
+
+# -------------------------------------------------------------------------------------------- LongRoPE
+def longrope_phi3(original: int) -> nn.Module:
+    """A tiny Phi-3.5 / Phi-4-mini style model: LongRoPE (the legacy ``rope_scaling`` with ``type``, as their
+    configs write it) with distinct short and long factors, its original context ``original`` tokens."""
+    import transformers
+
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=original,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [3.0, 5.0]})
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).double()
+    assert model.model.rotary_emb.rope_type == "longrope"
+    return model
+
+
+def test_longrope_within_the_original_length_trains_one_exact_step(tmp_path):
+    """Every example (at most 10 tokens) within the original 16: the whole micro-batch uses the short factor,
+    as each example alone, so one step equals the float64 per-example reference (it was refused at attach);
+    the update's rewrite of inv_freq with the values it holds is not taken for a state write."""
+    model = longrope_phi3(original=16)
+    trainer = assert_one_step_exact(model, tmp_path, "abadi")
+    rotary = model.model.rotary_emb
+    assert torch.equal(rotary.inv_freq, rotary.original_inv_freq)  # the short factor, as at init
+    assert trainer.privacy_report()["steps"] == 1
+
+
+def test_a_micro_batch_beyond_the_original_length_of_longrope_is_refused_with_the_fix(tmp_path):
+    """Original length 8, and only the second micro-batch reaches 10 tokens: transformers would switch that
+    whole micro-batch to the long factor. Refused before its backward, naming truncation to 8; nothing
+    released."""
+    from hf_dpfilter.proofs.longrope import LongRopeLengthError
+
+    model = longrope_phi3(original=8)
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": (ids := torch.randint(3, VOCAB, (n,), generator=g)), "labels": ids.clone()}
+                for n in (5, 6, 4, 10, 3)]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(LongRopeLengthError, match=r"position 10 .*original_max_position_embeddings \(8\).*"
+                                                  r"truncate every training sequence to 8 tokens"):
+        run_one_step(model, examples, True, 0, tmp_path, "abadi", 1.0, micro=2)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from models import tiny_t5, tiny_tokenizer
+from models import SHIFTING_SEQ2SEQ, tiny_shifting_seq2seq, tiny_t5, tiny_tokenizer
 from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments, TrainingArguments
 
 import hf_dpfilter
@@ -130,6 +130,13 @@ def test_one_step_equals_the_per_example_reference_when_source_and_target_widths
 def _relative_error_of_one_step(tmp_path, model, rows, collator, loss_alone, **extra) -> float:
     """One DPSeq2SeqTrainer step at noise 0 against the float64 reference: ``loss_alone(model, batch, labels)`` on
     each row collated alone, its gradient clipped, summed."""
+    return _one_step(tmp_path, model, rows, collator, loss_alone, **extra)[0]
+
+
+def _one_step(
+    tmp_path, model, rows, collator, loss_alone, eval_dataset=None, **extra
+) -> tuple[float, DPSeq2SeqTrainer]:
+    """:func:`_relative_error_of_one_step`'s error, with the trainer (``eval_dataset`` given to it)."""
     from helpers import ListDataset, flat
 
     from hf_dpfilter.clipping import clip_factors
@@ -150,9 +157,11 @@ def _relative_error_of_one_step(tmp_path, model, rows, collator, loss_alone, **e
         weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
         **extra,
     )
-    DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collator).train()
+    trainer = DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows),
+                               data_collator=collator, eval_dataset=eval_dataset)
+    trainer.train()
     got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
-    return ((got - expected).norm() / expected.norm()).item()
+    return ((got - expected).norm() / expected.norm()).item(), trainer
 
 
 def _t5_rows():
@@ -185,6 +194,66 @@ def test_a_collator_without_the_model_gets_the_decoder_inputs_from_each_example_
     error = _relative_error_of_one_step(tmp_path, model, rows, DataCollatorForSeq2Seq(tokenizer),
                                         lambda m, batch, labels: m(**batch, labels=labels).loss)
     assert error <= 1e-7
+
+
+@pytest.mark.parametrize("model_type", SHIFTING_SEQ2SEQ)
+def test_models_that_shift_their_labels_in_the_forward_train_exactly_and_generate(tmp_path, model_type):
+    """M2M100 (NLLB-200's architecture), Blenderbot, BlenderbotSmall, NLLB-MoE and SeamlessM4T's text-to-text
+    have no ``prepare_decoder_input_ids_from_labels``: their forward shifts the labels with its module's
+    ``shift_tokens_right`` (the config's decoder start, -100 read as pad). With a collator without ``model=``
+    (no decoder inputs) they failed inside transformers; the same shift is done per row, so one step at noise
+    0 equals the float64 reference (the model's own forward, labels given, on each example alone), and
+    evaluation generates."""
+    from helpers import ListDataset
+
+    from hf_dpfilter.losses import per_example_loss
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_shifting_seq2seq(model_type, vocab_size=len(tokenizer))
+    g = torch.Generator().manual_seed(2)
+    rows = [{"input_ids": torch.randint(5, len(tokenizer), (s,), generator=g).tolist(),
+             "labels": torch.randint(5, len(tokenizer), (t,), generator=g).tolist()}
+            for s, t in ((6, 3), (4, 5), (3, 2))]
+    held_out = ListDataset([{"input_ids": [7, 8, 9], "labels": [10, 11]},
+                            {"input_ids": [12, 13], "labels": [14]}])
+
+    def loss_alone(m, batch, labels):  # the model shifts the labels itself, as without the trainer
+        return per_example_loss(m(**batch, labels=labels).logits, labels, causal_lm=False).sum()
+
+    error, trainer = _one_step(
+        tmp_path, model, rows, DataCollatorForSeq2Seq(tokenizer), loss_alone, eval_dataset=held_out,
+        predict_with_generate=True, generation_max_length=5, generation_num_beams=1)
+    assert error <= 1e-9  # float64: ~1e-14
+    prediction = trainer.predict(held_out)
+    assert prediction.predictions.shape[0] == 2 and prediction.metrics["test_loss"] > 0
+
+
+def test_an_encoder_decoder_whose_rule_for_decoder_inputs_is_unknown_is_refused_before_any_step(tmp_path):
+    """A model given no decoder inputs, without ``prepare_decoder_input_ids_from_labels`` and whose forward
+    calls no recognised ``shift_tokens_right`` (here a subclass overriding the forward): the decoder inputs
+    are not guessed; the step is refused, naming the collator that adds them."""
+    from helpers import ListDataset
+
+    from hf_dpfilter.decoder_inputs import DecoderInputsError
+
+    base = type(tiny_shifting_seq2seq("m2m_100"))
+
+    class Wrapped(base):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    tokenizer = tiny_tokenizer()
+    model = Wrapped(tiny_shifting_seq2seq("m2m_100", vocab_size=len(tokenizer)).config).double()
+    rows = [{"input_ids": [5, 6, 7], "labels": [8, 9]}, {"input_ids": [10, 11], "labels": [12, 13, 14]}]
+    args = DPSeq2SeqTrainingArguments(
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=1.0, logical_batch_size=2,
+        per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+        dp_seed=0, remove_unused_columns=False)
+    trainer = DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows),
+                               data_collator=DataCollatorForSeq2Seq(tokenizer))
+    with pytest.raises(DecoderInputsError, match=r"DataCollatorForSeq2Seq\(tokenizer, model=model\)"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
 
 
 def test_labels_padded_on_the_left_are_refused_on_every_micro_batch(tmp_path):

@@ -518,6 +518,9 @@ class _ProvingStep:
         values, since native kernels write some of them without counting a version (BatchNorm's running_mean
         and running_var), and so does a write through ``.data``. Buffers are small next to the parameters."""
         out = {name: (t, t._version, t.detach().clone()) for name, t in self.model.named_buffers()}
+        for name, (module, expected) in getattr(self, "_rewritten_buffers", {}).items():
+            if name in out:  # rewritten by design (LongRoPE): no version compared; it must hold `expected`
+                out[name] = (out[name][0], None, getattr(module, expected).detach().clone())
         if parameters:
             out.update({name: (t, t._version, None) for name, t in self.model.named_parameters()})
         return out
@@ -532,7 +535,7 @@ class _ProvingStep:
             return False
         equal: dict[torch.device, list[torch.Tensor]] = {}
         for name, (tensor, version, copy) in before.items():
-            if after[name] is not tensor or tensor._version != version:
+            if after[name] is not tensor or (version is not None and tensor._version != version):
                 return False
             if copy is not None:
                 if copy.shape != tensor.shape or copy.dtype != tensor.dtype:

@@ -69,6 +69,7 @@ from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
 from hf_dpfilter.engine.shared_outputs import shared_output_terms
 from hf_dpfilter.engine.shared_tables import declared_tables
 from hf_dpfilter.packing import PackedLayout, regroup_record
+from hf_dpfilter.proofs import longrope
 from hf_dpfilter.proofs.batch_axis import BROADCAST, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import (
     ModuleValidationError,
@@ -232,6 +233,45 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         # the model's forwards inside record(): the verdicts proven for one forward extend to repeated forwards
         # (several parameter points), never to more calls within one forward (see _call_verdict)
         self._handles.append(self.model.register_forward_pre_hook(self._count_model_forward, with_kwargs=True))
+        self._attach_longrope()
+
+    def _attach_longrope(self) -> None:
+        """LongRoPE rotary embeddings (accepted by the validators, :mod:`hf_dpfilter.proofs.longrope`): each
+        recorded forward of one is checked to stay within its original length, and the ``inv_freq`` its update
+        rewrites (bumping its version even with the values it holds) is compared after each step with the
+        short-factor frequencies, those the checked positions make it use."""
+        #: full buffer name -> (the module, the name of its buffer holding the expected values)
+        self._rewritten_buffers: dict[str, tuple[nn.Module, str]] = {}
+        for module_name, module in self.model.named_modules():
+            pairs = longrope.longrope_buffers(module)
+            if pairs is None:
+                continue
+            prefix = f"{module_name}." if module_name else ""
+            for rewritten, expected in pairs:
+                self._rewritten_buffers[prefix + rewritten] = (module, expected)
+
+            def check(hooked: nn.Module, args: tuple, kwargs: dict, name: str = module_name) -> None:
+                if self._recording:  # training forwards only: evaluation may use the long factor
+                    longrope.check_positions(name, hooked, args, kwargs)
+
+            def retag(hooked: nn.Module, args: tuple, kwargs: dict, output: Any,
+                      rewritten: tuple[str, ...] = tuple(r for r, _ in pairs)) -> None:
+                # The update's max over position_ids tags inv_freq (and so cos/sin) as mixing the
+                # examples; the check above proved it picked the short-factor buffer, a constant: inv_freq
+                # derives from no example, and cos/sin follow position_ids elementwise, as the tracer would
+                # tag them then.
+                tracer = self._tracer
+                if tracer is None or not self._recording:
+                    return
+                for buffer in rewritten:
+                    tracer.untag(getattr(hooked, buffer))
+                position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+                for out in output if isinstance(output, tuple) else (output,):
+                    if isinstance(out, torch.Tensor):
+                        tracer.copy_tag(position_ids, out)
+
+            self._handles.append(module.register_forward_pre_hook(check, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(retag, with_kwargs=True))
 
     def hold_eval_modes(self) -> None:
         """Put the modules the options hold in eval mode back there (``batchnorm_eval``); call after

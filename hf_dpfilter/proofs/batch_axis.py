@@ -200,6 +200,20 @@ class BatchAxisTracer(TorchFunctionMode):
         else:
             self._origins.pop(id(tensor), None)
 
+    def untag(self, tensor: torch.Tensor) -> None:
+        """``tensor`` derives from no batch tensor (a value the caller proved independent of the batch)."""
+        self._tags.pop(id(tensor), None)
+        self._origins.pop(id(tensor), None)
+
+    def copy_tag(self, source: Any, target: torch.Tensor) -> None:
+        """``target`` carries ``source``'s tag (or none, as ``source``): for a caller that proved ``target``
+        an elementwise function of ``source`` along its leading dimensions and of batch-independent values."""
+        tag = self.tag_of(source)
+        if tag is None:
+            self.untag(target)
+        else:
+            self.tag(target, tag[0], tag[1], self._origins_of(source))
+
     def mark_broadcast(self, expanded: torch.Tensor, key: Any) -> None:
         """``expanded`` is a broadcast layer output expanded to the batch (one copy per example). Its gradient
         is per example only if every use broadcasts it along the batch; an operation that mixes or drops the

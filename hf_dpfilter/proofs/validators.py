@@ -32,6 +32,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from hf_dpfilter.proofs import longrope
+
 __all__ = [
     "ModuleProblem",
     "ModuleValidationError",
@@ -221,11 +223,13 @@ _DATA_DEPENDENT_ROPE = ("dynamic", "longrope")
 @register_module_validator(nn.Module)
 def _data_dependent_rope(name: str, module: nn.Module, options: ValidationOptions) -> list[ModuleProblem]:
     """transformers' rotary embeddings with a dynamic or LongRoPE scaling (``rope_type`` attribute, one string or
-    one per layer type): their frequencies depend on the longest position of the whole batch."""
+    one per layer type): their frequencies depend on the longest position of the whole batch. A LongRoPE one
+    recognised as transformers' is accepted: the engine refuses each micro-batch reaching beyond its original
+    length, within which it computes as for each example alone (:mod:`hf_dpfilter.proofs.longrope`)."""
     rope_type = getattr(module, "rope_type", None)
     kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
     found = sorted({k for k in kinds if isinstance(k, str) and any(d in k for d in _DATA_DEPENDENT_ROPE)})
-    if not found:
+    if not found or longrope.longrope_buffers(module) is not None:
         return []
     return [ModuleProblem(
         name,
@@ -234,7 +238,8 @@ def _data_dependent_rope(name: str, module: nn.Module, options: ValidationOption
         "is long enough, so the first-step check may not see it): every example's gradient then depends on the "
         "lengths of the other examples, and the written state carries them into later steps.",
         "use a static scaling (rope_parameters rope_type 'default', 'linear' or 'yarn'), or keep every sequence "
-        "within original_max_position_embeddings and drop the dynamic scaling for training.",
+        "within original_max_position_embeddings and drop the dynamic scaling for training (transformers' "
+        "LongRoPE is accepted as it is: each micro-batch within that length is checked).",
     )]
 
 
