@@ -357,7 +357,7 @@ def _sft_recipe():
 
 @needs_e2e
 @pytest.mark.parametrize("unit", ["example", "user"])
-def test_sft_recipe_runs_on_a_tiny_model(tmp_path, unit):
+def test_sft_recipe_runs_on_a_tiny_model(tmp_path, unit, capsys):
     import json
 
     out = tmp_path / unit
@@ -374,8 +374,13 @@ def test_sft_recipe_runs_on_a_tiny_model(tmp_path, unit):
     for name in ("bleu", "nist", "meteor", "rouge_l", "cider"):
         assert results["metrics"][f"eval_{name}"] >= 0
     assert results["baseline"]["metric"] == "eval_bleu" and results["baseline"]["value"] > 0
-    if unit == "user":
-        assert results["settings"]["n_units"] < results["settings"]["n_train_examples"]
+    printed = capsys.readouterr().out
+    if unit == "user":  # the number of examples is private at user level: neither printed nor written
+        assert "n_train_examples" not in results["settings"] and "examples=" not in printed
+        assert "train_samples_per_second" not in json.dumps(results) and "tokens" not in json.dumps(results)
+        assert results["settings"]["n_units"] < 48
+    else:
+        assert results["settings"]["n_train_examples"] == 48 and "examples=48" in printed
 
 
 def test_synthetic_users_are_skewed_and_seeded():
