@@ -121,6 +121,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         the arguments, batch and processes the plan was computed for)."""
         self._run_guard.before_train(self)
         self._refuse_seed_to_loggers()  # callbacks may have been added since the trainer was created
+        self._refuse_nonprivate_statistics()  # and the arguments changed (include_num_input_tokens_seen)
         if self.dp_optimizer is not None:
             # a train() refused part-way through a step (a re-check, a hook) left the clipped sums of its first
             # micro-batches, never released: kept, the next step would add them to its own (another Poisson

@@ -12,7 +12,7 @@ metrics, ``train_results.json``/``all_results.json``, ``trainer_state.json`` (fi
   the step count, and every published number other than wall-clock time is the same in both runs except those
   of the user count (epsilon, delta, q).
 * Ways in: a resumed run, ``evaluate()``/``predict()``, a script's own ``train_samples`` through
-  ``save_metrics``/``log_metrics``, TensorBoard's event files.
+  ``save_metrics``/``log_metrics``, TensorBoard's event files, token counting turned on after creation.
 * ``dp_log_nonprivate_metrics=True`` keeps the Trainer's speed; example level keeps it (N is public there).
 """
 
@@ -296,3 +296,13 @@ def test_the_trainers_speed_is_kept_with_the_opt_in_or_at_example_level(level, t
     metrics = _trainer(tmp_path, data, save_strategy="no", **extra).train().metrics
     speed = metrics["train_samples_per_second"] * metrics["train_runtime"]
     assert math.isclose(speed, len(data) * EPOCHS, abs_tol=0.05), speed
+
+
+def test_token_counting_turned_on_after_creation_is_refused_before_training(tmp_path):
+    """``include_num_input_tokens_seen`` set on the arguments after the trainer was created: refused when
+    train() starts, as at creation (it logs and saves the token count of every secret Poisson batch)."""
+    trainer = _trainer(tmp_path, _data(PER_USER), max_steps=1, save_strategy="no")
+    trainer.args.include_num_input_tokens_seen = "all"
+    with pytest.raises(ValueError, match="dp_log_nonprivate_metrics"):
+        trainer.train()
+    assert trainer.state.num_input_tokens_seen == 0 and trainer.accountant.steps == 0
