@@ -126,6 +126,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         the arguments, batch and processes the plan was computed for)."""
         self._run_guard.before_train(self)
         self._refuse_seed_to_loggers()  # callbacks may have been added since the trainer was created
+        self._refuse_nonprivate_statistics()  # and the arguments changed (include_num_input_tokens_seen)
         if self.dp_optimizer is not None:
             # a train() refused part-way through a step (a re-check, a hook) left the clipped sums of its first
             # micro-batches, never released: kept, the next step would add them to its own (another Poisson
@@ -557,16 +558,61 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
     #: ``dp_log_nonprivate_metrics``
     NONPRIVATE_LOG_KEYS = ("loss", "train_loss")
 
-    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        if self.privacy_plan.is_private and not self.args.dp_log_nonprivate_metrics:
-            # Removed from the caller's dict too: train()'s returned metrics are what scripts save
-            # (trainer.save_metrics -> train_results.json, all_results.json).
-            for key in self.NONPRIVATE_LOG_KEYS:
+    #: log and metrics keys that count the training examples or their tokens. At ``privacy_unit='user'`` the
+    #: number of examples is private (adding a user adds all of their examples): the Trainer's
+    #: ``train_samples_per_second`` times ``train_runtime`` gives it back exactly, and Hugging Face's example
+    #: scripts save ``train_samples = len(train_dataset)``. Published only with ``dp_log_nonprivate_metrics``.
+    EXAMPLE_COUNT_KEYS = (
+        "train_samples_per_second", "train_samples", "num_train_samples", "train_examples", "num_train_examples",
+        "num_input_tokens_seen", "train_tokens_per_second", "num_tokens",
+    )
+
+    @property
+    def _example_count_private(self) -> bool:
+        """Whether the number of training examples must stay unpublished: a private run over users, without
+        ``dp_log_nonprivate_metrics`` (at example level N is the plan's public number of units)."""
+        return (self.privacy_plan.is_private and self._user_index is not None
+                and not self.args.dp_log_nonprivate_metrics)
+
+    def _drop_unpublished(self, logs: dict[str, Any]) -> None:
+        """Remove, in place, what a private run does not publish: the caller's dict is train()'s and
+        evaluate()'s returned metrics too, which scripts save (trainer.save_metrics -> train_results.json,
+        all_results.json)."""
+        if not self.privacy_plan.is_private or self.args.dp_log_nonprivate_metrics:
+            return
+        for key in self.NONPRIVATE_LOG_KEYS:
+            logs.pop(key, None)
+        # skip_memory_metrics=False: the memory deltas and peaks of training (train_mem_gpu_peaked_delta, ...)
+        # grow with the longest padded Poisson micro-batch: one long example moves them, without noise
+        for key in [k for k in logs if "_mem_" in k]:
+            logs.pop(key)
+        if self._example_count_private:
+            for key in self.EXAMPLE_COUNT_KEYS:
                 logs.pop(key, None)
-            # skip_memory_metrics=False: the memory deltas and peaks of training (train_mem_gpu_peaked_delta, ...)
-            # grow with the longest padded Poisson micro-batch: one long example moves them, without noise
-            for key in [k for k in logs if "_mem_" in k]:
-                logs.pop(key)
+
+    def num_examples(self, dataloader: DataLoader) -> int:
+        """The Trainer's count of a loader's examples, logged ("Num examples") when training starts and, times the
+        epochs, behind ``train_samples_per_second``. For the training loader of a user-level run: the number of
+        users (the plan's public N), since its number of examples is private (see ``EXAMPLE_COUNT_KEYS``)."""
+        if isinstance(dataloader, _LogicalBatchLoader) and self._example_count_private:
+            return self.privacy_plan.num_examples
+        return super().num_examples(dataloader)
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """``Trainer.log_metrics`` (printed) without what the run does not publish (a script's own counts)."""
+        metrics = dict(metrics)
+        self._drop_unpublished(metrics)
+        super().log_metrics(split, metrics)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """``Trainer.save_metrics`` (``{split}_results.json``, ``all_results.json``, uploaded with the model)
+        without what the run does not publish: a script's own ``train_samples`` at user level."""
+        metrics = dict(metrics)
+        self._drop_unpublished(metrics)
+        super().save_metrics(split, metrics, combined=combined)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        self._drop_unpublished(logs)
         if self.privacy_plan.is_private and self.accountant.steps > 0:
             logs = dict(logs)
             # A new step count costs up to ~1 s with the PRV accountant; with the run's planned length the log

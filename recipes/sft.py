@@ -204,9 +204,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     trainer = DPSFTTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                            processing_class=tokenizer, peft_config=peft_config)
     trainable, total = count_parameters(trainer.model)
+    # at user level the number of examples is private (one user more adds all of theirs): the units are counted
+    examples = "" if user_level else f"examples={len(rows)} "
     if trainer.is_world_process_zero():
         print(
-            f"[sft] E2E examples={len(rows)} units={n_units} ({args.privacy_unit} level) eval inputs="
+            f"[sft] E2E {examples}units={n_units} ({args.privacy_unit} level) eval inputs="
             f"{len(eval_groups)} model={args.model} trainable={trainable:,}/{total:,} method={args.method} "
             f"sigma={trainer.noise_multiplier:.4g} q={trainer.sample_rate:.4g} steps={trainer.planned_steps} "
             f"packing={not args.no_packing}", flush=True,
@@ -216,7 +218,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     score_generations(trainer, lambda sources: generate(trainer.model, tokenizer, sources, args, trainer.args.device),
                       eval_groups, metrics, args.output_dir, "sft")
     report = trainer.privacy_report()
-    settings.update({"n_train_examples": len(rows), "n_units": n_units, "privacy_unit": args.privacy_unit,
+    if not user_level:  # at user level the example count is private (see the print above)
+        settings["n_train_examples"] = len(rows)
+    settings.update({"n_units": n_units, "privacy_unit": args.privacy_unit,
                      "unit_note": "synthetic users (Zipf-like sizes, seeded): E2E has no authors" if user_level
                      else "one example", "n_eval_inputs": len(eval_groups), "trainable_parameters": trainable,
                      "total_parameters": total, "packing": not args.no_packing, "num_beams": args.num_beams})

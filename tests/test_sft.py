@@ -120,6 +120,33 @@ def test_two_class_switch_on_a_conversational_dataset(tmp_path):
     assert not any("mean_token_accuracy" in entry or "num_tokens" in entry for entry in trainer.state.log_history)
 
 
+def test_user_level_sft_publishes_no_example_or_token_count(tmp_path):
+    """DPSFTTrainer at privacy_unit='user', epoch-based, with an evaluation: neither the Trainer's speed (its
+    examples x epochs) nor TRL's token counts (num_tokens; eval_num_tokens counts the training tokens) is in
+    train()'s metrics, evaluate()'s or the log history (the DPTrainer side:
+    tests/test_user_level_published_counts.py)."""
+    rows = chat_rows(14, seed=2)
+    for i, row in enumerate(rows):
+        row["user_id"] = min(i // 3, 3)  # 4 users of 3, 3, 3 and 5 examples
+    trainer = DPSFTTrainer(
+        model=small_llama(byte_level_chat_tokenizer(), hidden_size=16, heads=4, max_positions=128,
+                          dtype=torch.float32),
+        args=config(tmp_path, 2, noise_multiplier=1.0, max_steps=-1, num_train_epochs=2, privacy_unit="user",
+                    user_id_column="user_id", max_examples_per_user=3),
+        train_dataset=datasets.Dataset.from_list(rows),
+        eval_dataset=datasets.Dataset.from_list(chat_rows(3, seed=9)),
+        processing_class=byte_level_chat_tokenizer())
+    train_metrics = trainer.train().metrics
+    eval_metrics = trainer.evaluate()
+    published = [train_metrics, eval_metrics, *trainer.state.log_history]
+    found = [(k, v) for entry in published for k, v in entry.items()
+             if "tokens" in k or ("samples" in k and k.startswith("train"))]
+    assert not found, found
+    # the evaluation set's own (public) count: its rows as TRL packed them
+    counted = eval_metrics["eval_samples_per_second"] * eval_metrics["eval_runtime"]
+    assert counted == pytest.approx(len(trainer.eval_dataset), abs=0.05), counted
+
+
 # ------------------------------------------------------------------------------ packing after sampling
 def test_best_fit_decreasing_bins():
     rng = random.Random(0)
@@ -330,7 +357,7 @@ def _sft_recipe():
 
 @needs_e2e
 @pytest.mark.parametrize("unit", ["example", "user"])
-def test_sft_recipe_runs_on_a_tiny_model(tmp_path, unit):
+def test_sft_recipe_runs_on_a_tiny_model(tmp_path, unit, capsys):
     import json
 
     out = tmp_path / unit
@@ -347,8 +374,13 @@ def test_sft_recipe_runs_on_a_tiny_model(tmp_path, unit):
     for name in ("bleu", "nist", "meteor", "rouge_l", "cider"):
         assert results["metrics"][f"eval_{name}"] >= 0
     assert results["baseline"]["metric"] == "eval_bleu" and results["baseline"]["value"] > 0
-    if unit == "user":
-        assert results["settings"]["n_units"] < results["settings"]["n_train_examples"]
+    printed = capsys.readouterr().out
+    if unit == "user":  # the number of examples is private at user level: neither printed nor written
+        assert "n_train_examples" not in results["settings"] and "examples=" not in printed
+        assert "train_samples_per_second" not in json.dumps(results) and "tokens" not in json.dumps(results)
+        assert results["settings"]["n_units"] < 48
+    else:
+        assert results["settings"]["n_train_examples"] == 48 and "examples=48" in printed
 
 
 def test_synthetic_users_are_skewed_and_seeded():

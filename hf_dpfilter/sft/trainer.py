@@ -109,4 +109,7 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         metrics = getattr(self, "_metrics", None)
         if metrics is not None and self.privacy_plan.is_private and not self.args.dp_log_nonprivate_metrics:
             metrics["train"].clear()
+            # TRL logs its count of the *training* tokens seen with every evaluation too (eval_num_tokens): 0 here
+            # (the DP loop never calls TRL's training loss), never published, whichever loss counts them
+            metrics.get("eval", {}).pop("num_tokens", None)
         super().log(logs, *args, **kwargs)
