@@ -70,7 +70,7 @@ def loss_fn(values):
     return per_example_loss(logits, ids, causal_lm=True)
 
 def step():
-    optimizer.accumulate(engine, loss_fn, B)
+    optimizer.accumulate(engine, loss_fn, B, example_keys=list(ids))  # rows of one length: the examples
     optimizer.step()
     optimizer.zero_grad()
 

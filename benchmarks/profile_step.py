@@ -96,7 +96,7 @@ def count_ops(
         return per_example_loss(logits.float(), labels, causal_lm=False)
 
     def step():
-        optimizer.accumulate(engine, loss_fn, batch)
+        optimizer.accumulate(engine, loss_fn, batch, example_keys=list(ids))  # rows of one length: the examples
         optimizer.step()
         optimizer.zero_grad()
 

@@ -45,6 +45,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -112,8 +113,11 @@ def nonprivate_step(model: nn.Module, inputs: dict, labels: torch.Tensor) -> Ste
 
 
 def hf_dpfilter_step(
-    model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bool, method: str = "dpsgd", **method_kwargs
+    model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bool, method: str = "dpsgd", keyed: bool = True,
+    **method_kwargs
 ) -> tuple[Step, object]:
+    """The DP step; ``keyed=False``: dropout drawn from the shared stream (the step before keyed dropout, for
+    measuring its cost only: it is not private)."""
     engine = GhostClippingEngine(model, verify_first_backward=True)
     opt = make_dp_optimizer(
         trainable(model), base=torch.optim.AdamW, method=method, lr=LR, noise_multiplier=NOISE,
@@ -133,14 +137,17 @@ def hf_dpfilter_step(
 
         return one_loss_fn
 
+    keys = [row for row in inputs["input_ids"]]  # rows of one length: each row is its example's content
+
     def step() -> float:
         synchronize()
         t0 = time.perf_counter()
-        if opt.wants_examples_alone():  # DIFF2's batch-invariant difference rounds: each example on its own
-            for i in range(labels.shape[0]):
-                opt.accumulate(engine, loss_fn_of(slice(i, i + 1)), 1, alone=True)
-        else:
-            opt.accumulate(engine, loss_fn, labels.shape[0])
+        with contextlib.nullcontext() if keyed else _shared_stream_dropout():
+            if opt.wants_examples_alone():  # DIFF2's batch-invariant difference rounds: each example on its own
+                for i in range(labels.shape[0]):
+                    opt.accumulate(engine, loss_fn_of(slice(i, i + 1)), 1, alone=True, example_keys=keys[i:i + 1])
+            else:
+                opt.accumulate(engine, loss_fn, labels.shape[0], example_keys=keys)
         synchronize()
         elapsed = time.perf_counter() - t0
         opt.step()
@@ -148,6 +155,39 @@ def hf_dpfilter_step(
         return elapsed
 
     return step, opt
+
+
+@contextlib.contextmanager
+def _shared_stream_dropout():
+    """Dropout from torch's global stream, as before keyed dropout (benchmark only: not private)."""
+    from hf_dpfilter.optimizers import base
+
+    keyed = base.keyed_step
+    base.keyed_step = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        base.keyed_step = keyed
+
+
+def keyed_dropout_cost(case: Case, rounds: int, log) -> dict:
+    """The DP step with dropout keyed to each example against the same step with dropout from the shared stream
+    (interleaved; median of the per-round ratios)."""
+    inputs, labels, causal = make_batch(case)
+    steps = {}
+    for name, keyed in (("keyed", True), ("shared", False)):
+        model = build_model(case.model, case.mode)
+        steps[name] = hf_dpfilter_step(model, inputs, labels, causal, keyed=keyed)[0]
+        steps[name]()
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(step())
+    ratio = statistics.median(k / s for k, s in zip(times["keyed"], times["shared"]))
+    row = {"case": case.label, "keyed_s": statistics.median(times["keyed"]),
+           "shared_s": statistics.median(times["shared"]), "ratio": ratio}
+    log(f"  keyed dropout {row['keyed_s']:.3f}s, shared-stream dropout {row['shared_s']:.3f}s: {ratio:.3f}x")
+    return row
 
 
 def opacus_step(model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bool) -> tuple[Step, str]:
@@ -463,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-opacus", action="store_true", help="skip Opacus")
     parser.add_argument("--no-methods", action="store_true", help="skip the DiSK/DOPPLER/DP-PMLF section")
     parser.add_argument("--only-methods", action="store_true", help="run only the DiSK/DOPPLER/DP-PMLF section")
+    parser.add_argument("--keyed-dropout", action="store_true",
+                        help="run only the cost of keyed dropout: the DP step against its shared-stream form")
     parser.add_argument("--methods", default=None,
                         help="comma-separated subset of the methods section (dpsgd is always run), e.g. 'diff2'")
     parser.add_argument("--out", default=None, help="write the markdown table here (e.g. docs/performance.md)")
@@ -544,6 +586,16 @@ def main(argv: list[str] | None = None) -> int:
                            "threads": torch.get_num_threads(),
                            "elapsed": time.perf_counter() - start}, f, indent=1)
 
+    if args.keyed_dropout:  # the cost of keyed dropout only
+        keyed_rows = []
+        for case in cases:
+            log(f"== keyed dropout on {case.label}")
+            keyed_rows.append(keyed_dropout_cost(case, rounds, log))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"keyed_dropout": keyed_rows, "command": command.strip(),
+                           "threads": torch.get_num_threads()}, f, indent=1)
+        return 0
     for case in [] if args.only_methods else cases:
         log(f"== {case.label}")
         try:

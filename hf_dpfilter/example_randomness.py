@@ -38,9 +38,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "DROPOUT_FUNCTIONS", "ExampleRandomness", "KeyedDropout", "KeyedRandomnessError", "example_digest",
-    "keyed_mask",
+    "DROPOUT_FUNCTIONS", "ROWS_DROPOUT", "SHARED_DROPOUT", "ExampleRandomness", "KeyedDropout",
+    "KeyedRandomnessError", "example_digest", "keyed_mask",
 ]
+
+#: a dropout's mask keyed to the rows of its input's leading axis (each row one example's, or several rows one's)
+ROWS_DROPOUT = "rows"
+#: an nn.Dropout on a tensor that derives from no example: one mask for the whole step's forward
+SHARED_DROPOUT = "shared"
 
 
 class KeyedRandomnessError(RuntimeError):
@@ -211,19 +216,52 @@ class KeyedDropout(TorchFunctionMode):
         why: the reason no row can be keyed (named in the refusal when a dropout draws).
     """
 
-    def __init__(self, row_seeds: torch.Tensor | None, padding_side: str = "right", why: str = "") -> None:
+    def __init__(self, row_seeds: torch.Tensor | None, padding_side: str = "right", why: str = "",
+                 engine: Any = None) -> None:
         super().__init__()
         self.row_seeds = row_seeds
         self.from_end = padding_side == "left"
         self.why = why
+        #: the engine whose proof says how each nn.Dropout's mask is keyed (``dropout_verdicts``)
+        self.engine = engine
+        #: the nn.Dropout modules running (innermost last)
+        self.dropout_modules: list[torch.nn.Module] = []
         #: how many dropout calls drew a keyed mask in the block
         self.keyed_calls = 0
+
+    def _verdict(self) -> str:
+        """How the running dropout call's mask is keyed: as the engine's proof says for the running nn.Dropout (while
+        a proof traces this forward, from the tag it just recorded), else by rows."""
+        module = self.dropout_modules[-1] if self.dropout_modules else None
+        engine = self.engine
+        tracer = getattr(engine, "_tracer", None)
+        if tracer is not None and tracer.dropout_inputs:
+            tag, traced_module = tracer.dropout_inputs[-1]
+            if tag is None and traced_module is module and module is not None:
+                return SHARED_DROPOUT
+            return ROWS_DROPOUT
+        if module is None:
+            return ROWS_DROPOUT  # a functional call: by rows (a proof refuses one whose input is not batch-first)
+        verdicts = getattr(engine, "dropout_verdicts", None)
+        if verdicts is None:
+            return ROWS_DROPOUT  # no engine (a test of the mode alone): by rows, the size checked
+        if module not in verdicts:
+            raise KeyedRandomnessError(
+                f"The dropout {type(module).__name__} drew a mask in a training forward that no proving step saw it "
+                "in, so how its mask is keyed (to each example's rows, or one mask for a tensor free of the batch) "
+                "is not proven. Fix: set that dropout to 0 for private training.")
+        return verdicts[module]
 
     def _nonce(self) -> int:
         # from the global generator, seeded per micro-batch from the step: replayed by checkpointing and points
         return int(torch.randint(0, 2**62, (1,)).item())
 
     def _mask(self, shape: torch.Size, device: torch.device, p: float, what: str) -> torch.Tensor:
+        if what == "dropout" and self._verdict() == SHARED_DROPOUT:
+            # a tensor free of the batch (proven): one mask, from the step's nonce alone, whatever the examples
+            self.keyed_calls += 1
+            one = torch.zeros(1, dtype=torch.int64)
+            return keyed_mask((1, *shape), one, self._nonce(), p, False, device).reshape(shape)
         if self.row_seeds is None:
             raise KeyedRandomnessError(
                 f"The training forward draws {what} with p={p}, which cannot be keyed to the examples here: "
@@ -299,7 +337,7 @@ class KeyedDropout(TorchFunctionMode):
 
 @contextlib.contextmanager
 def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "right", why: str = "",
-               devices: Sequence[int] = (), model: torch.nn.Module | None = None) -> Iterator[KeyedDropout]:
+               devices: Sequence[int] = (), engine: Any = None) -> Iterator[KeyedDropout]:
     """Run the block (a micro-batch's forwards and backward) with its dropout keyed to its rows.
 
     The global generator (CPU and ``devices``) is forked and seeded with ``seed`` (the step's, the same for every
@@ -312,20 +350,36 @@ def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "r
         padding_side: the side the rows are padded on.
         why: why the rows cannot be keyed (``row_seeds`` None).
         devices: the CUDA devices whose generators are forked too.
-        model: the model whose every forward restarts from ``seed``.
+        engine: the clipping engine: its model's every forward restarts from ``seed``, and its proof says how
+            each nn.Dropout's mask is keyed.
     """
-    mode = KeyedDropout(row_seeds, padding_side, why)
+    mode = KeyedDropout(row_seeds, padding_side, why, engine)
+    model = getattr(engine, "model", None)
+
     # every forward of the model starts from the step's seed: the k-th dropout call of any forward of the step
     # (a proving forward, a method's gradient point, another micro-batch) draws the same nonce
     def restart(*_: Any) -> None:
         torch.manual_seed(seed)
 
-    handle = model.register_forward_pre_hook(restart) if model is not None else None
+    def enter(module: torch.nn.Module, *_: Any) -> None:
+        mode.dropout_modules.append(module)
+
+    def leave(module: torch.nn.Module, *_: Any) -> None:
+        if mode.dropout_modules and mode.dropout_modules[-1] is module:
+            mode.dropout_modules.pop()
+
+    handles = []
+    if model is not None:
+        handles.append(model.register_forward_pre_hook(restart))
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                handles.append(module.register_forward_pre_hook(enter))
+                handles.append(module.register_forward_hook(leave, always_call=True))
     try:
         with torch.random.fork_rng(devices=list(devices)):
             torch.manual_seed(seed)
             with mode:
                 yield mode
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()

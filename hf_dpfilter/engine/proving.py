@@ -25,9 +25,10 @@ from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, experts_verdict, is_experts, split_rows
 from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule, vector_form
-from hf_dpfilter.example_randomness import KeyedRandomnessError
+from hf_dpfilter.example_randomness import ROWS_DROPOUT, SHARED_DROPOUT, KeyedRandomnessError
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
+from hf_dpfilter.proofs.randomness import DROPOUT_TURNED_OFF
 from hf_dpfilter.proofs.validators import StateWrittenError
 
 
@@ -172,6 +173,7 @@ class _ProvingStep:
         tracer = BatchAxisTracer(self._packing.rows if self._packing is not None else self._batch_size)
         self._tracer, self._new_verdicts, self._trace_depth = tracer, {}, 0
         self._entries: list[tuple[nn.Module, int]] = []  # the running module calls, with the host reads at entry
+        tracer.current_module = lambda: self._entries[-1][0] if self._entries else None
         self._outside_uses: dict[nn.Parameter, str] = {}
         tracer.watched = {id(p): (p, lambda p=p: self._check_delegated_use(p)) for p in self._delegated}
         self._forward_ran = False
@@ -239,13 +241,7 @@ class _ProvingStep:
                 "Nothing was released."
             )
         self._check_every_trainable_module_recorded()
-        if (tracer.batch_size or 0) > 1 and any(tag is None or tag[0] != 0 for tag in tracer.dropout_inputs):
-            raise KeyedRandomnessError(
-                "A dropout of the training forward draws its mask over a tensor whose leading axis the batch-axis "
-                "trace did not find to be the examples (batch merged with another axis, moved, or lost), so its "
-                "mask cannot be keyed to each example: drawn from a shared stream, adding one example would "
-                "re-deal the others' masks. Fix: set that dropout to 0 for private training. Nothing was released."
-            )
+        self._conclude_dropout_verdicts(tracer)
         if (tracer.batch_size or 0) > 1:
             # With one example every tensor of leading size 1 looks batch-first (an explicit (1, T) position_ids
             # input too), so the verdicts would not tell broadcast from batch: prove again on a larger batch.
@@ -259,6 +255,37 @@ class _ProvingStep:
                 self._proven_by_signature[self._signatures[0]] = (
                     self._axis_verdicts, self._model_forwards, self._proven_block)
             self._reprove = tracer.value_dependent  # proven from this batch's values: trace the next step too
+            # a checking forward with dropout off: its dropout calls were not seen; the next forward proves them
+            self._reprove = self._reprove or DROPOUT_TURNED_OFF.get()
+
+    def _conclude_dropout_verdicts(self, tracer: BatchAxisTracer) -> None:
+        """Each dropout of the proven forward keyed to the rows of its input's leading axis (its batch axis, or
+        the batch merged with the axes after it), or, for an ``nn.Dropout`` on a tensor that derives from no
+        example (DeBERTa's relative-position table), one mask for all; the verdict kept per module
+        (:attr:`dropout_verdicts`, read by hf_dpfilter.example_randomness). Anything else is refused."""
+        for tag, module in tracer.dropout_inputs:
+            if tag is not None and tag[0] == 0:
+                verdict = ROWS_DROPOUT
+            elif tag is None and isinstance(module, nn.modules.dropout._DropoutNd):
+                verdict = SHARED_DROPOUT
+            elif (tracer.batch_size or 0) < 2:
+                continue  # one example alone: its tags do not tell (proven again on a larger batch)
+            else:
+                name = self._module_name(module) if module is not None else "<a functional call>"
+                raise KeyedRandomnessError(
+                    f"A dropout of the training forward ({name!r}) draws its mask over a tensor whose leading axis "
+                    "the batch-axis trace did not find to be the examples (moved, lost, or free of the batch "
+                    "outside an nn.Dropout), so its mask cannot be keyed to each example: drawn from a shared "
+                    "stream, adding one example would re-deal the others' masks. Fix: set that dropout to 0 for "
+                    "private training. Nothing was released."
+                )
+            if isinstance(module, nn.modules.dropout._DropoutNd):
+                previous = self.dropout_verdicts.setdefault(module, verdict)
+                if previous != verdict:
+                    raise KeyedRandomnessError(
+                        f"The dropout {self._module_name(module)!r} drew its mask over the examples' rows on one "
+                        "input signature and over a tensor free of the batch on another: its mask cannot be keyed "
+                        "by one rule. Fix: set that dropout to 0 for private training. Nothing was released.")
 
     def _expansion_failed_error(self, error: RuntimeError) -> UnsupportedLayerError:
         names = ", ".join(dict.fromkeys(f"'{self._module_name(m)}' ({type(m).__name__})" for m in self._expanded_in_proof))

@@ -157,6 +157,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._call_counts: dict[int, int] = {}
         self._reprove = False  # a later step made a call the proving step did not see: prove again
         self._tracer: BatchAxisTracer | None = None
+        #: nn.Dropout module -> how its mask is keyed, as proven (engine/proving.py, hf_dpfilter.example_randomness)
+        self.dropout_verdicts: dict[nn.Module, str] = {}
         self._trace_depth = 0
         self._check_parameters = True  # whether the state checks compare parameters (not under FSDP2)
         self._forward_ran = False  # a module of the model ran in the proving step

@@ -266,8 +266,7 @@ class DPOptimizer(WrappedOptimizer):
         why = unkeyed_reason or ("no example_keys were given to accumulate() (pass one entry per row: the "
                                  "example's own content, e.g. its raw data-set row)")
         devices = sorted({p.device.index or 0 for p in self.params if p.device.type == "cuda"})
-        return keyed_step(randomness.step_seed(step, "dropout"), seeds, padding_side, why, devices,
-                          getattr(engine, "model", None))
+        return keyed_step(randomness.step_seed(step, "dropout"), seeds, padding_side, why, devices, engine)
 
     def _per_example_pass(
         self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int

@@ -169,9 +169,12 @@ class BatchAxisTracer(TorchFunctionMode):
         #: id(parameter) -> (parameter, check): ``check()`` is called at each use of the parameter by a torch
         #: function (the engine checks that it runs inside the module whose rule covers it)
         self.watched: dict[int, tuple[torch.Tensor, Any]] = {}
-        #: the tag of each input a dropout drew a mask for, in call order (keyed to the rows of its leading axis
-        #: by hf_dpfilter.example_randomness: the engine refuses one whose leading axis is not the batch)
-        self.dropout_inputs: list[tuple[int, int] | None] = []
+        #: (tag, innermost running module) of each input a dropout drew a mask for, in call order: keyed to the
+        #: rows of its leading axis, or drawn once for all (an nn.Dropout on a tensor free of the batch) by
+        #: hf_dpfilter.example_randomness; the engine refuses any other
+        self.dropout_inputs: list[tuple[tuple[int, int] | None, Any]] = []
+        #: the innermost module running (set by the engine's proving step)
+        self.current_module: Any = lambda: None
 
     # ---------------------------------------------------------------------------------------- tags
     def tag_of(self, tensor: Any) -> tuple[int, int] | None:
@@ -239,7 +242,7 @@ class BatchAxisTracer(TorchFunctionMode):
         kwargs = kwargs or {}
         drawn = dropout_input(func, args, kwargs)
         if drawn is not None:
-            self.dropout_inputs.append(self.tag_of(drawn))
+            self.dropout_inputs.append((self.tag_of(drawn), self.current_module()))
         out = func(*args, **kwargs)
         leaves = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
         if self.watched and getattr(func, "__name__", "") not in _METADATA_READS:

@@ -23,6 +23,7 @@ lambda, router jitter, stochastic depth) cannot be compared and may mix examples
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -45,6 +46,12 @@ CONFIG_DROPOUT_ENDINGS = ("dropout", "dropout_prob", "dropout_rate", "dropout_p"
 CONFIG_RANDOMNESS_NAMES = ("jitter", "layerdrop", "drop_path", "stochastic_depth")
 
 
+#: True inside a checking forward of a model whose dropout it turned off: a proof the engine concludes there saw
+#: none of the training forward's dropout calls, so it proves again on the next recorded forward
+#: (hf_dpfilter.example_randomness keys each dropout by the proof's verdict)
+DROPOUT_TURNED_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("dropout_turned_off", default=False)
+
+
 class TrainingRandomnessError(RuntimeError):
     """The training forward is random with dropout off: the per-example checks cannot compare it."""
 
@@ -55,6 +62,7 @@ def checking_forward(model: nn.Module) -> Iterator[None]:
     in its training mode; restored."""
     modes: list[tuple[nn.Module, bool]] = []
     probabilities: list[tuple[object, str, float]] = []
+    token = DROPOUT_TURNED_OFF.set(DROPOUT_TURNED_OFF.get() or not dropout_free(model))
     try:
         for module in model.modules():
             if isinstance(module, nn.modules.dropout._DropoutNd):
@@ -67,6 +75,7 @@ def checking_forward(model: nn.Module) -> Iterator[None]:
             _zero(config, [k for k in vars(config) if k.endswith(CONFIG_DROPOUT_ENDINGS)], probabilities)
         yield
     finally:
+        DROPOUT_TURNED_OFF.reset(token)
         for owner, name, value in reversed(probabilities):
             setattr(owner, name, value)
         for module, mode in modes:
