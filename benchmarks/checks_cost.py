@@ -25,7 +25,7 @@ random token ids, SST-2 sentence lengths: words + 2, capped at 64, from ``train.
 Variants of the current code: ``default`` (the re-checks at the default ``dp_recheck_rate``: new shapes and the
 random schedule), ``rate 0`` (new shapes only) and ``no per-example checks`` (``dp_verify_first_step=False``:
 only the always-on costs); the reference runs with its defaults. The models keep their configs' dropout (0.1);
-``--dropout 0`` measures a dropout-free model, whose re-checks reuse the micro-batch's own training forward
+``gpt2-packed`` runs without dropout (packed rows cannot key it to each example); ``--dropout 0`` measures a dropout-free model, whose re-checks reuse the micro-batch's own training forward
 (one forward more instead of two, :mod:`hf_dpfilter.proofs.separation`).
 
     python -m benchmarks checks-cost                    # docs/performance.md, "The per-example checks over the run"
@@ -129,7 +129,9 @@ class _Steps:
             dp_method="dpsgd", noise_multiplier=1.0, per_sample_max_grad_norm=1.0, max_steps=10_000, optim="sgd",
             logical_batch_size=setup["batch"], per_device_train_batch_size=setup["micro_batch"], learning_rate=0.0,
             dp_seed=0, **fields)
-        model = _model(case, setup["tiny"], setup["dropout"])
+        # packed rows cannot key dropout to each example (a row holds several): the packed case runs without
+        dropout = 0.0 if case == "gpt2-packed" else setup["dropout"]
+        model = _model(case, setup["tiny"], dropout)
         self.trainer = DPTrainer(model=model, args=args, train_dataset=self.rows, data_collator=collator)
         self.trainer.create_optimizer()
         self.collate = self.trainer.get_train_dataloader().collate_fn

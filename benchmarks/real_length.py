@@ -176,17 +176,23 @@ def e2e_task(args: argparse.Namespace) -> Task:
 class TokenCount:
     """Positions the training forwards see and real tokens among them, from a forward pre-hook on the model.
 
-    Only forwards that record gradients are counted (the DP re-checks run theirs under ``torch.no_grad``), and
-    only while ``on`` (the steady state)."""
+    Only training forwards are counted: those that record gradients (the non-private Trainer's) and, for DPTrainer,
+    those the DP optimizer runs (under its keyed dropout: the per-example checks record gradients too, outside
+    it), and only while ``on`` (the steady state)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, private: bool = False) -> None:
         self.on = False
+        self.private = private
         self.positions = self.real = self.forwards = 0
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        from hf_dpfilter.example_randomness import active_keyed_mode
+
         if not (self.on and torch.is_grad_enabled()):
             return
+        if self.private and active_keyed_mode() is None:
+            return  # a check's forward, not the step's
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             return
@@ -263,7 +269,7 @@ class Private:
         self.trainer = DPTrainer(model=task.model(), args=training, train_dataset=self.data, data_collator=task.collator)
         self.trainer.create_optimizer()
         self.collate = self.trainer.get_train_dataloader().collate_fn
-        self.tokens = TokenCount(self.trainer.model)
+        self.tokens = TokenCount(self.trainer.model, private=True)
         self.batches, self.next = batches, 0
         self.recheck_s = 0.0
 

@@ -335,6 +335,15 @@ class KeyedDropout(TorchFunctionMode):
         return out
 
 
+def active_keyed_mode() -> KeyedDropout | None:
+    """The innermost :class:`KeyedDropout` on torch's function-mode stack (None when none is active). Autograd
+    runs a backward without the forward's function modes, so a checkpointed layer's recomputation re-enters the
+    mode its original forward ran under (hf_dpfilter.engine.checkpointing)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return next((m for m in reversed(_get_current_function_mode_stack()) if isinstance(m, KeyedDropout)), None)
+
+
 @contextlib.contextmanager
 def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "right", why: str = "",
                devices: Sequence[int] = (), engine: Any = None) -> Iterator[KeyedDropout]:
@@ -362,6 +371,14 @@ def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "r
         torch.manual_seed(seed)
 
     def enter(module: torch.nn.Module, *_: Any) -> None:
+        if torch._C._current_graph_task_id() != -1 and active_keyed_mode() is not mode:
+            # a recomputation inside the backward that the engine's checkpoint wrapper did not run: its dropout
+            # would draw from the shared stream
+            raise KeyedRandomnessError(
+                "A dropout was recomputed inside the backward by a gradient checkpoint that the engine does not "
+                "know (not transformers' gradient checkpointing), so its mask would not be the example's own. Use "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}), or "
+                "set the dropout to 0 for private training.")
         mode.dropout_modules.append(module)
 
     def leave(module: torch.nn.Module, *_: Any) -> None:

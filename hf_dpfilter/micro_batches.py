@@ -394,7 +394,7 @@ class MicroBatchMixin:
         batch = dict(self._padding_collator(rows))
         batch.pop(RAW_EXAMPLES_KEY, None)
         if rows:
-            batch = self._keyed_collator_draws(batch, rows)
+            batch = self._keyed_collator_draws(batch, rows, regroup=True)
         inputs = dict(self._prepare_inputs(batch))
         inputs.pop(NUM_EXAMPLES_KEY, None)
         units = inputs.pop(privacy_units.UNITS_KEY, None)
@@ -413,17 +413,24 @@ class MicroBatchMixin:
         probe = randomness.step_seed(step, "collator-probe")
         return seeds, (probe, probe ^ 1)
 
-    def _keyed_collator_draws(self, batch: dict[str, Any], rows: list) -> dict[str, Any]:
+    def _keyed_collator_draws(self, batch: dict[str, Any], rows: list, regroup: bool = False) -> dict[str, Any]:
         """``batch`` with a random collator's draws each example's own (hf_dpfilter.proofs.collator_draws.keyed_draws):
-        the logical batch of a step and each micro-batch collated again from its rows."""
+        the logical batch of a step, and each micro-batch collated again from its rows (``regroup``: skipped when
+        the step's logical batch showed no key drawn at random, as the two collations of its rows compare)."""
         collator: _EmptySafeCollator = self._padding_collator
+        step = getattr(getattr(getattr(self, "dp_optimizer", None), "accountant", None), "steps", None)
+        if regroup and getattr(self, "_deterministic_collation_step", None) == step:
+            return batch
         seeds, probe = self._collator_row_seeds(rows)
         side = declared_padding_side(self.data_collator, getattr(self, "processing_class", None))
         spans = None
         positions = batch.get("position_ids")
         if self._training_batch_structure().packed and isinstance(positions, torch.Tensor) and positions.dim() == 2:
             spans = PackedLayout.from_position_ids(positions).spans
-        return collator_draws.keyed_draws(collator.collate_fn, batch, rows, seeds, side, probe, spans)
+        keyed = collator_draws.keyed_draws(collator.collate_fn, batch, rows, seeds, side, probe, spans)
+        if not regroup:  # the logical batch: whether this step's collations draw anything at random
+            self._deterministic_collation_step = step if keyed is batch else None
+        return keyed
 
     def _alone(self, raw: Any, micro_batch: tuple | None = None, index: int = 0, each_row: bool = False) -> tuple:
         """One raw example as the trainer would compute it as a batch of one: the training collator on that row

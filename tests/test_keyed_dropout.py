@@ -214,3 +214,37 @@ def test_a_shared_tables_mask_is_not_keyed_to_rows_when_its_size_is_a_multiple_o
         with_x = _clipped_sum(tmp_path / f"{size}Dx", _deberta(torch.float64), [x, *data], "cls",
                               per_device_train_batch_size=size)
         assert float((with_x - without).norm()) <= 1e-10 * CLIP, size  # keyed to rows: 1.5e-7 C
+
+
+@pytest.mark.parametrize("method", ["dpsgd", "disk"])
+def test_checkpointed_layers_recompute_the_same_keyed_masks(method):
+    """Non-reentrant gradient checkpointing recomputes each layer inside the backward, where autograd runs
+    without the forward's function modes: the engine's checkpoint wrapper re-enters the keyed dropout, and the
+    restored generator gives each call its forward's nonce, so the clipped sum equals the one without
+    checkpointing (DiSK's two points too). Before, the recomputation drew native masks (SDPA: a metadata error)."""
+    from hf_dpfilter import PrivacyPlan
+    from hf_dpfilter.factory import make_engine, make_optimizer
+    from hf_dpfilter.losses import per_example_loss
+
+    ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    labels = ids.masked_fill(mask == 0, -100)
+    sums = []
+    for checkpointing in (False, True):
+        model = family("gpt2", 0.1, dtype=torch.float64)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        plan = PrivacyPlan.create(num_examples=100, logical_batch_size=2, epochs=1, noise_multiplier=0.0,
+                                  max_grad_norm=1e3, seed=0, method=method)
+        engine = make_engine(plan, model)
+        optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
+                                   lr=0.0)
+
+        def loss_fn(values, engine=engine):
+            logits = engine.call_model(values, input_ids=ids, attention_mask=mask).logits
+            return per_example_loss(logits, labels, causal_lm=True)
+
+        optimizer.accumulate(engine, loss_fn, 2, example_keys=[[5, 6, 7, 8, 9], [10, 11, 12]])
+        sums.append(flat([s for s in optimizer._local_sums().values()]))
+    assert float((sums[0] - sums[1]).norm() / sums[0].norm()) <= 1e-12

@@ -125,13 +125,15 @@ class SeparatelyClippedPiecesDPSGD(DPOptimizer):
 
     num_pieces = 4
 
-    def accumulate(self, engine, loss_fn, batch_size: int) -> torch.Tensor:
+    def accumulate(self, engine, loss_fn, batch_size: int, example_keys=None, padding_side: str = "right",
+                   unkeyed_reason: str | None = None) -> torch.Tensor:
         losses = None
-        for _ in range(self.num_pieces):
-            with engine.record(batch_size=batch_size):
-                piece = loss_fn(None)
-            self.accumulate_per_example(engine.per_example_gradients(piece))
-            losses = piece.detach()
+        with self._keyed(engine, example_keys, padding_side, unkeyed_reason):
+            for _ in range(self.num_pieces):
+                with engine.record(batch_size=batch_size):
+                    piece = loss_fn(None)
+                self.accumulate_per_example(engine.per_example_gradients(piece))
+                losses = piece.detach()
         self._accumulated = True
         return losses
 

@@ -16,6 +16,7 @@ raises.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -66,8 +67,11 @@ class _CheckpointAtRecordedValues:
         self.engine = engine
 
     def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        from hf_dpfilter.example_randomness import active_keyed_mode
+
         engine = self.engine
         values = engine._active_values  # None: the current values, which are in place at recomputation too
+        keyed = active_keyed_mode()  # the per-example dropout of the original forward, re-entered to recompute
 
         def at_recorded_values(*inner_args: Any, **inner_kwargs: Any) -> Any:
             if not _inside_backward():
@@ -75,11 +79,15 @@ class _CheckpointAtRecordedValues:
             from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
 
             engine._replaying_values += 1
+            # the backward runs without the forward's function modes: the same keyed dropout (the checkpoint
+            # restores the generator, so each call draws its forward's nonce and mask)
+            mode = keyed if keyed is not None and active_keyed_mode() is not keyed else contextlib.nullcontext()
             try:
-                if values is None:
-                    return function(*inner_args, **inner_kwargs)
-                with _reparametrize_module(engine.model, dict(values), tie_weights=True, strict=False):
-                    return function(*inner_args, **inner_kwargs)
+                with mode:
+                    if values is None:
+                        return function(*inner_args, **inner_kwargs)
+                    with _reparametrize_module(engine.model, dict(values), tie_weights=True, strict=False):
+                        return function(*inner_args, **inner_kwargs)
             finally:
                 engine._replaying_values -= 1
 
