@@ -53,6 +53,9 @@ class KeyedRandomnessError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ example digests
+_PLAIN = (int, float, bool, str)
+
+
 def _canonical(value: Any) -> Any:
     """A JSON-able canonical form of a raw row's value (the same bytes for the same content)."""
     if isinstance(value, torch.Tensor):
@@ -65,6 +68,8 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, dict):
         return {"dict": [[str(k), _canonical(v)] for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))]}
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _PLAIN for v in value):  # a row of token ids or features: no call per element
+            return list(value)
         return [_canonical(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
