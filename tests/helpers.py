@@ -133,3 +133,18 @@ def reference_clipped_sum(model, examples, causal: bool, max_grad_norm: float, c
 
 def flat(tensors) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def noise_free_args(tmp_path, n: int, clip: float, micro: int = 2, **kw):
+    """DPTrainingArguments of one DP-SGD step at noise 0 over a logical batch of ``n`` (SGD, lr 1, no saving,
+    ``dp_seed=0``): the clipped sum is then the released update, for neighbouring-data-set tests."""
+    from hf_dpfilter import DPTrainingArguments
+
+    base = dict(
+        output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=clip,
+        logical_batch_size=n, per_device_train_batch_size=micro, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
+        remove_unused_columns=False, dp_seed=0,
+    )
+    base.update(kw)
+    return DPTrainingArguments(**base)

@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from helpers import LeftPadCollator, ListDataset, PadCollator, flat, make_examples
+from helpers import LeftPadCollator, ListDataset, PadCollator, flat, make_examples, noise_free_args
 from models import VOCAB
 from test_model_families import Seq2SeqCollator, _config, _head, family, lora
 from torch import nn
@@ -56,14 +56,7 @@ def _built(model_type: str, head: str, dtype, **extra):
 
 
 def _args(tmp_path, n: int, **kw) -> DPTrainingArguments:
-    base = dict(
-        output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=CLIP,
-        logical_batch_size=n, per_device_train_batch_size=3, max_steps=1, optim="sgd", learning_rate=1.0,
-        lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
-        remove_unused_columns=False, dp_seed=0,
-    )
-    base.update(kw)
-    return DPTrainingArguments(**base)
+    return noise_free_args(tmp_path, n, CLIP, micro=3, **kw)
 
 
 def _examples(head: str, n: int, seed: int = 5) -> list[dict]:

@@ -18,11 +18,11 @@ import random
 
 import pytest
 import torch
-from helpers import ListDataset, make_examples
+from helpers import ListDataset, make_examples, noise_free_args
 from models import VOCAB, tiny_gpt2
 from transformers import DataCollatorWithFlattening
 
-from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter import DPTrainer
 from hf_dpfilter.packing import PackingError
 
 FIX = "Pack after sampling"
@@ -70,14 +70,7 @@ def prepacked_row(segments: list[dict], first_position: int = 0) -> dict:
 
 
 def _args(tmp_path, n, **kw):
-    base = dict(
-        output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=CLIP,
-        logical_batch_size=n, per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
-        lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
-        remove_unused_columns=False, dp_seed=0,
-    )
-    base.update(kw)
-    return DPTrainingArguments(**base)
+    return noise_free_args(tmp_path, n, CLIP, **kw)
 
 
 def _trainer(tmp_path, rows, collator, **kw):

@@ -17,11 +17,11 @@ import random
 
 import pytest
 import torch
-from helpers import ListDataset, make_examples
+from helpers import ListDataset, make_examples, noise_free_args
 from models import VOCAB, tiny_gpt2
 from transformers import DataCollatorWithFlattening
 
-from hf_dpfilter import DPTrainer, DPTrainingArguments
+from hf_dpfilter import DPTrainer
 from hf_dpfilter.packing import PackingError
 from hf_dpfilter.proofs.row_examples import conversation_start_marker
 
@@ -81,14 +81,7 @@ def _packed_row(k: int = 3, seed: int = 11) -> dict:
 
 
 def _args(tmp_path, n, **kw):
-    base = dict(
-        output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=0.01,
-        logical_batch_size=n, per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
-        lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
-        remove_unused_columns=False, dp_seed=0,
-    )
-    base.update(kw)
-    return DPTrainingArguments(**base)
+    return noise_free_args(tmp_path, n, 0.01, **kw)
 
 
 def _trainer(tmp_path, rows, collator, **kw):
