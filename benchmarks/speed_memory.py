@@ -60,6 +60,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from benchmarks.common import (
     ROOT,
@@ -186,8 +187,55 @@ def keyed_dropout_cost(case: Case, rounds: int, log) -> dict:
     ratio = statistics.median(k / s for k, s in zip(times["keyed"], times["shared"]))
     row = {"case": case.label, "keyed_s": statistics.median(times["keyed"]),
            "shared_s": statistics.median(times["shared"]), "ratio": ratio}
-    log(f"  keyed dropout {row['keyed_s']:.3f}s, shared-stream dropout {row['shared_s']:.3f}s: {ratio:.3f}x")
+    row.update(dropout_masks_cost(build_model(case.model, case.mode), inputs, rounds))
+    log(f"  keyed dropout {row['keyed_s']:.3f}s, shared-stream dropout {row['shared_s']:.3f}s: {ratio:.3f}x; "
+        f"the forward's dropout alone: keyed {row['masks_keyed_ms']:.1f} ms, torch's {row['masks_shared_ms']:.1f} ms")
     return row
+
+
+def dropout_masks_cost(model: nn.Module, inputs: dict, rounds: int) -> dict:
+    """The dropout of one training forward alone, keyed masks against torch's ``F.dropout``: the part of the
+    step that keyed dropout changes, timed without the rest of the step's noise (median over ``rounds``)."""
+    from torch.overrides import TorchFunctionMode
+
+    from hf_dpfilter.example_randomness import keyed_mask
+
+    shapes: list[tuple[int, ...]] = []
+
+    class _Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.dropout and kwargs.get("training", args[2] if len(args) > 2 else True):
+                shapes.append(tuple(args[0].shape))
+            elif func is F.scaled_dot_product_attention and kwargs.get("dropout_p", 0.0):
+                query, key = args[0], args[1]
+                shapes.append((*query.shape[:-1], key.shape[-2]))
+            return func(*args, **kwargs)
+
+    model.train()
+    with torch.no_grad(), _Record():
+        model(**inputs)
+    seeds = torch.arange(1, shapes[0][0] + 1, dtype=torch.int64) if shapes else torch.zeros(0, dtype=torch.int64)
+    values = [torch.ones(shape) for shape in shapes]
+
+    def keyed() -> None:
+        for value in values:
+            keep = keyed_mask(value.shape, seeds[: value.shape[0]], 7, 0.1, False, value.device)
+            value * keep.to(value.dtype) * (1 / 0.9)
+
+    def shared() -> None:
+        for value in values:
+            F.dropout(value, 0.1, True)
+
+    times: dict[str, list[float]] = {"keyed": [], "shared": []}
+    keyed(), shared()
+    for _ in range(rounds):
+        for name, run in (("keyed", keyed), ("shared", shared)):
+            begin = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - begin)
+    return {"dropout_calls": len(shapes), "masks_keyed_ms": 1e3 * statistics.median(times["keyed"]),
+            "masks_shared_ms": 1e3 * statistics.median(times["shared"])}
 
 
 def opacus_step(model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bool) -> tuple[Step, str]:
