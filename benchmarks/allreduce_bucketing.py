@@ -1,7 +1,7 @@
 """Per-step cost of summing the clipped sums over processes: bucketed all-reduce vs one call per tensor.
 
 Two gloo processes on CPU all-reduce fp32 tensors shaped like the trainable parameters of RoBERTa-base and
-GPT-2 small, through :class:`hf_dpfilter.collectives.ProcessGroupCollectives` with its default buckets
+GPT-2 small, through :class:`hf_dpfilter.distributed.collectives.ProcessGroupCollectives` with its default buckets
 (25 MiB flat buffers, as DDP) and with ``bucket_bytes=0`` (one ``all_reduce`` per tensor, the gloo
 default). The variants are interleaved round by round and the figure is the median of the per-round ratios,
 so drift in the machine's load cancels.
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_dpfilter.collectives import BUCKET_BYTES, ProcessGroupCollectives
+from hf_dpfilter.distributed.collectives import BUCKET_BYTES, ProcessGroupCollectives
 
 
 def roberta_base_shapes() -> list[tuple[int, ...]]:

@@ -47,7 +47,7 @@ from benchmarks.common import current_rss_kb as rss_kb, peak_rss_kb as peak_kb, 
 
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from hf_dpfilter.engine import GhostClippingEngine
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 from hf_dpfilter.optimizers import make_dp_optimizer
 
 if spec["model"] == "gpt2":

@@ -55,7 +55,7 @@ def opacus_plan(num_examples: int, logical_batch_size: int, epochs: int) -> dict
 def print_plans(args: argparse.Namespace) -> None:
     from opacus.accountants.utils import get_noise_multiplier
 
-    from hf_dpfilter.accounting import compute_epsilon
+    from hf_dpfilter.accounting.accountant import compute_epsilon
     from hf_dpfilter.plan import PrivacyPlan
 
     scales = [(args.train_samples, args.logical_batch_size), (2000, 256), (8000, 256), (67349, 1024)]
@@ -85,7 +85,7 @@ def check_gradients(args: argparse.Namespace) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from hf_dpfilter.factory import make_private
-    from hf_dpfilter.losses import per_example_loss
+    from hf_dpfilter.losses.tasks import per_example_loss
     from hf_dpfilter.plan import PrivacyPlan
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())

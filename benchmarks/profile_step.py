@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import RobertaConfig, RobertaForSequenceClassification
 
 from hf_dpfilter.engine import GhostClippingEngine
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 from hf_dpfilter.optimizers import make_dp_optimizer
 
 METHODS = {

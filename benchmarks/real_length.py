@@ -187,7 +187,7 @@ class TokenCount:
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        from hf_dpfilter.example_randomness import active_keyed_mode
+        from hf_dpfilter.randomness.example_keys import active_keyed_mode
 
         if not (self.on and torch.is_grad_enabled()):
             return

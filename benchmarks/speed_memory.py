@@ -80,7 +80,7 @@ from benchmarks.common import (
 )
 from benchmarks.generated_markers import BEGIN, BEGIN_CUDA, END, END_CUDA, replace_between
 from hf_dpfilter.engine import GhostClippingEngine
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 from hf_dpfilter.optimizers import available_methods, make_dp_optimizer
 
 LR = 1e-5
@@ -198,7 +198,7 @@ def dropout_masks_cost(model: nn.Module, inputs: dict, rounds: int) -> dict:
     step that keyed dropout changes, timed without the rest of the step's noise (median over ``rounds``)."""
     from torch.overrides import TorchFunctionMode
 
-    from hf_dpfilter.example_randomness import keyed_mask
+    from hf_dpfilter.randomness.example_keys import keyed_mask
 
     shapes: list[tuple[int, ...]] = []
 

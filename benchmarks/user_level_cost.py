@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from hf_dpfilter.accounting import compute_epsilon, default_delta
+from hf_dpfilter.accounting.accountant import compute_epsilon, default_delta
 
 
 def zipf_user_sizes(num_examples: int, exponent: float = 2.0, largest: int = 200, seed: int = 0) -> list[int]:

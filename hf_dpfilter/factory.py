@@ -26,11 +26,11 @@ from hf_dpfilter.optimizers.registry import method_spec
 from hf_dpfilter.plan import PrivacyPlan
 
 if TYPE_CHECKING:
-    from hf_dpfilter.accounting import PrivacyAccountant
-    from hf_dpfilter.collectives import Collectives
+    from hf_dpfilter.accounting.accountant import PrivacyAccountant
+    from hf_dpfilter.data.units import UserIndex
+    from hf_dpfilter.distributed.collectives import Collectives
     from hf_dpfilter.engine import GhostClippingEngine
     from hf_dpfilter.optimizers.base import DPOptimizer
-    from hf_dpfilter.units import UserIndex
 
 __all__ = [
     "DP_SETTINGS",
@@ -146,14 +146,14 @@ def make_sampler(
     """The batch sampler of the run: Poisson (secure or seeded), or shuffled fixed-size batches.
 
     With ``users`` (``privacy_unit='user'``; the plan's N and q are then over users): Poisson over users, and up to
-    ``max_examples_per_user`` examples of each sampled user, drawn afresh each step (:mod:`hf_dpfilter.units`).
+    ``max_examples_per_user`` examples of each sampled user, drawn afresh each step (:mod:`hf_dpfilter.data.units`).
     """
-    from hf_dpfilter.sampling import PoissonBatchSampler, ShuffledBatchSampler
+    from hf_dpfilter.randomness.sampling import PoissonBatchSampler, ShuffledBatchSampler
 
     if plan.num_examples is None or plan.sample_rate is None or plan.steps_per_epoch is None:
         raise ValueError("This plan has no data set (N); build it with PrivacyPlan.create(num_examples=...).")
     if users is not None:
-        from hf_dpfilter.units import UserPoissonBatchSampler
+        from hf_dpfilter.data.units import UserPoissonBatchSampler
 
         if max_examples_per_user is None or not plan.poisson_sampling:
             raise ValueError("A user-level sampler needs max_examples_per_user and Poisson sampling.")

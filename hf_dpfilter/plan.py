@@ -28,12 +28,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_dpfilter.accounting import ACCOUNTANTS, compute_epsilon, default_delta, validate_privacy_parameters
-from hf_dpfilter.clipping import CLIPPING_FNS
-from hf_dpfilter.collectives import Collectives, default_collectives
+from hf_dpfilter.accounting.accountant import (
+    ACCOUNTANTS,
+    compute_epsilon,
+    default_delta,
+    validate_privacy_parameters,
+)
+from hf_dpfilter.distributed.collectives import Collectives, default_collectives
+from hf_dpfilter.optimizers.clipping import CLIPPING_FNS
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
 from hf_dpfilter.optimizers.registry import method_spec
-from hf_dpfilter.secure_rng import fresh_seed
+from hf_dpfilter.randomness.secure_rng import fresh_seed
 
 __all__ = ["PrivacyPlan", "check_dp_settings"]
 
@@ -68,7 +73,7 @@ def check_dp_settings(
     ``budget``: also require exactly one of ``target_epsilon``/``noise_multiplier`` (a run with a planned length;
     not for ``for_optimizer``, whose noise is always fixed). ``names`` gives the user's names of the settings
     (``{"max_grad_norm": "per_sample_max_grad_norm"}`` for ``DPTrainingArguments``), for the messages. What needs
-    N (delta < 1/N, q <= 1) is checked when the plan is created (:func:`~hf_dpfilter.accounting.validate_privacy_parameters`).
+    N (delta < 1/N, q <= 1) is checked when the plan is created (:func:`~hf_dpfilter.accounting.accountant.validate_privacy_parameters`).
     """
     names = dict(names or {})
     config = method_spec(method).config_class.from_args(method_args)

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan
-from hf_dpfilter.arguments import DP_METHODS
 from hf_dpfilter.optimizers.registry import method_spec
 from hf_dpfilter.retired_names import check_no_retired_names
+from hf_dpfilter.trainers.arguments import DP_METHODS
 
 # recipes.common (models, plots, metrics) is imported from the repository root, which a script started by path
 # (python recipes/glue.py, accelerate launch recipes/...) does not have on sys.path

@@ -27,8 +27,8 @@ from helpers import ListDataset, PadCollator, freeze_imported_objects, make_exam
 from models import VOCAB, tiny_roberta  # noqa: E402
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine, make_dp_optimizer  # noqa: E402
-from hf_dpfilter.collectives import is_sharded  # noqa: E402
-from hf_dpfilter.losses import per_example_loss  # noqa: E402
+from hf_dpfilter.distributed.collectives import is_sharded  # noqa: E402
+from hf_dpfilter.losses.tasks import per_example_loss  # noqa: E402
 
 N_EXAMPLES, LOGICAL_BATCH, MICRO, STEPS, LR = 24, 8, 3, 4, 0.5
 METHOD_ARGS = {

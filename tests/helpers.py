@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
+from hf_dpfilter.optimizers.clipping import clip_factors
 
 
 def freeze_imported_objects() -> None:

@@ -1,4 +1,4 @@
-"""Tests for hf_dpfilter.accounting (PRV / RDP / PLD privacy accounting)."""
+"""Tests for hf_dpfilter.accounting.accountant (PRV / RDP / PLD privacy accounting)."""
 
 import json
 import math
@@ -9,15 +9,15 @@ import pytest
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from hf_dpfilter import accounting
-from hf_dpfilter.accounting import (
+from hf_dpfilter.accounting import accountant as accounting
+from hf_dpfilter.accounting.accountant import (
     ACCOUNTANTS,
     PrivacyAccountant,
     compute_epsilon,
     default_delta,
     validate_privacy_parameters,
 )
-from hf_dpfilter.calibration import calibrate_noise_multiplier
+from hf_dpfilter.accounting.calibration import calibrate_noise_multiplier
 
 N_SST2 = 8000
 DELTA_8K = N_SST2**-1.1

@@ -209,7 +209,7 @@ def test_resuming_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
 
 # ------------------------------------------------------------------------------- SLURM's srun as the launcher
 def test_srun_tasks_without_a_process_group_are_refused_and_a_batch_script_is_not():
-    from hf_dpfilter.processes import check_one_dp_run
+    from hf_dpfilter.distributed.processes import check_one_dp_run
 
     srun_task = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
     with pytest.raises(RuntimeError, match=r"(?s)launcher started 2 processes.*SLURM.*srun"):

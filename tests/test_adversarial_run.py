@@ -13,9 +13,9 @@ from helpers import ListDataset, PadCollator, make_examples
 from models import VOCAB, tiny_bert, tiny_gpt2
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.eval_overlap import overlapping_rows
 from hf_dpfilter.proofs.hooks import GradientHookError
-from hf_dpfilter.training_fields import TrainingFieldError
+from hf_dpfilter.run.eval_overlap import overlapping_rows
+from hf_dpfilter.run.training_fields import TrainingFieldError
 
 
 def _args(tmp_path, **kw):
@@ -123,7 +123,7 @@ def test_dpsfttrainer_resume_that_declares_users_is_refused_before_a_step(tmp_pa
     user-level run: refused before its first step, the ledger untouched."""
     from test_sft import chat_rows, trainer_for
 
-    from hf_dpfilter.user_ids import PrivacyUnitError
+    from hf_dpfilter.data.user_ids import PrivacyUnitError
 
     kw = dict(save_strategy="steps", save_steps=2, max_steps=2, noise_multiplier=1.0)
     trainer_for(tmp_path, chat_rows(6, user_ids=True), **kw).train()
@@ -206,8 +206,8 @@ def test_the_trainers_hub_uploads_skip_the_private_underscore_files():
     from huggingface_hub.utils import filter_repo_objects
     from transformers import Trainer
 
-    from hf_dpfilter.ledger import LOCK_FILE
-    from hf_dpfilter.unit_identity import PARTITIONS_FILE
+    from hf_dpfilter.run.ledger import LOCK_FILE
+    from hf_dpfilter.run.unit_identity import PARTITIONS_FILE
 
     for method in (Trainer.push_to_hub, Trainer._push_from_checkpoint):
         assert 'ignore_patterns=["_*", f"{PREFIX_CHECKPOINT_DIR}-*"]' in inspect.getsource(method)

@@ -169,7 +169,7 @@ def test_merged_batch_axis_on_packed_rows_is_refused_by_name():
     from transformers import DataCollatorWithFlattening
 
     from hf_dpfilter import GhostClippingEngine
-    from hf_dpfilter.packing import PackedLayout, PackingError
+    from hf_dpfilter.data.packing import PackedLayout, PackingError
 
     model = _FlattenedFeedForward()
     batch = DataCollatorWithFlattening()(make_examples(3, VOCAB, causal=True))

@@ -18,9 +18,9 @@ from test_model_families import COMMON, GQA, _args, _relative_error
 from torch import nn
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.router_loss import add_router_aux_loss
+from hf_dpfilter.losses.router import add_router_aux_loss
+from hf_dpfilter.losses.tasks import per_example_loss
+from hf_dpfilter.optimizers.clipping import clip_factors
 
 MOE = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),

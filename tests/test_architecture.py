@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_dpfilter"
 MAX_LINES = 600
 #: files allowed past MAX_LINES, each with its limit and why: one class that splitting would cut in pieces
 LONGER_FILES = {
-    "hf_dpfilter/trainer.py": (700, "DPTrainerMixin: the Trainer's hooks, one class"),
+    "hf_dpfilter/trainers/trainer.py": (700, "DPTrainerMixin: the Trainer's hooks, one class"),
     "hf_dpfilter/engine/recorder.py": (650, "GhostClippingEngine: the hooks, record and the one backward, one class"),
     "hf_dpfilter/proofs/batch_axis.py": (650, "BatchAxisTracer: the tag rules of every torch function, one class"),
     "hf_dpfilter/engine/proving.py": (650, "the engine's proving step: the traced verdicts, one class"),

@@ -1,11 +1,11 @@
-"""hf_dpfilter.budget: the guard refuses the step that would overspend, and only that one."""
+"""hf_dpfilter.accounting.budget: the guard refuses the step that would overspend, and only that one."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_dpfilter.accounting import PrivacyAccountant, compute_epsilon
-from hf_dpfilter.budget import BudgetGuard, PrivacyBudgetExceededError
+from hf_dpfilter.accounting.accountant import PrivacyAccountant, compute_epsilon
+from hf_dpfilter.accounting.budget import BudgetGuard, PrivacyBudgetExceededError
 from hf_dpfilter.plan import PrivacyPlan
 
 

@@ -1,5 +1,5 @@
 """CUDA checks: CPU/CUDA parity of every method in float64, the noise on CUDA, bf16 autocast on CUDA, and fp16
-with the DP loss scaler (Accelerate's fp16 autocast and GradScaler path, hf_dpfilter/loss_scaling.py).
+with the DP loss scaler (Accelerate's fp16 autocast and GradScaler path, hf_dpfilter/trainers/loss_scaling.py).
 
 Runs only where a CUDA device is visible; elsewhere every test is skipped with the reason shown by
 ``pytest -rs``. The CUDA-specific code paths it covers: products of bf16 terms with fp32 accumulation on
@@ -15,7 +15,7 @@ from helpers import ListDataset, PadCollator, flat, make_examples
 from models import VOCAB, tiny_gpt2, tiny_roberta
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 from hf_dpfilter.optimizers import available_methods, make_dp_optimizer
 
 pytestmark = pytest.mark.skipif(
@@ -83,7 +83,7 @@ def test_bf16_autocast_close_to_fp32_on_cuda(tmp_path):
 def test_fp16_loss_scaled_step_close_to_fp32_on_cuda(tmp_path):
     """fp16=True on CUDA, the whole path: Accelerate's fp16 autocast on the forward, its GradScaler removed (it
     would skip steps on the private sum), the DP loss scaler's S = 2^10 on the engine's backward and divided out
-    before clipping; one step within fp16 rounding of the fp32 step (hf_dpfilter/loss_scaling.py)."""
+    before clipping; one step within fp16 rounding of the fp32 step (hf_dpfilter/trainers/loss_scaling.py)."""
     dtypes = set()
 
     def check(trainer):

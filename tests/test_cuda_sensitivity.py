@@ -15,9 +15,9 @@ import torch
 from helpers import PadCollator, make_examples
 from models import VOCAB, tiny_gpt2, tiny_roberta
 
-from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.engine import GhostClippingEngine
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
+from hf_dpfilter.optimizers.clipping import clip_factors
 
 DEVICES = [
     "cpu",

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dpfilter import GhostClippingEngine, ModuleValidationError, register_module_validator
-from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.engine import UnsupportedLayerError
 from hf_dpfilter.factory import make_engine, make_optimizer
+from hf_dpfilter.optimizers.clipping import clip_factors
 from hf_dpfilter.plan import PrivacyPlan
 from hf_dpfilter.proofs.validators import ModuleProblem, StateWrittenError
 

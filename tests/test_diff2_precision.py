@@ -22,8 +22,8 @@ from models import tiny_bert
 from hf_dpfilter import PrivacyPlan
 from hf_dpfilter.engine import GhostClippingEngine
 from hf_dpfilter.factory import make_private
-from hf_dpfilter.noise import noisy_averages
 from hf_dpfilter.optimizers.diff2 import Diff2Config
+from hf_dpfilter.randomness.noise import noisy_averages
 
 
 def _batch(n: int, seed: int, target_scale: float = 1.0):
@@ -343,8 +343,8 @@ def test_noise_drawn_in_float32_is_added_to_the_float64_sums():
     """A difference round's sums are float64 (precise mode): the noise is drawn in float32 (as DP-SGD's, a
     fraction of a float64 draw's cost) and noise + sum / B is computed in float64 and rounded once: the sums are
     not rounded before the noise."""
-    from hf_dpfilter.collectives import Collectives
-    from hf_dpfilter.noise import NoiseSource
+    from hf_dpfilter.distributed.collectives import Collectives
+    from hf_dpfilter.randomness.noise import NoiseSource
 
     drawn = []
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_dpfilter import available_methods
-from hf_dpfilter.sampling import PoissonBatchSampler
+from hf_dpfilter.randomness.sampling import PoissonBatchSampler
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed_worker.py")
@@ -65,7 +65,7 @@ def test_two_processes_equal_one_process(tmp_path):
     output, _ = proc.communicate(timeout=600)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert proc.returncode == 0, output[-5000:]
-    # the start-of-training banner (hf_dpfilter/start_report.py): once per run, on the main process only
+    # the start-of-training banner (hf_dpfilter/run/start_report.py): once per run, on the main process only
     banner = "***** Differential privacy"
     assert output.count(banner) == (one.stdout + one.stderr).count(banner) == len(configs), output.count(banner)
     for config in configs:
@@ -146,7 +146,7 @@ def test_deepspeed_and_fsdp1_are_refused_fsdp2_is_not(tmp_path):
 def _bucketed_sum_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from hf_dpfilter.collectives import ProcessGroupCollectives
+    from hf_dpfilter.distributed.collectives import ProcessGroupCollectives
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -23,7 +23,7 @@ from models import tiny_bert
 from hf_dpfilter import PrivacyPlan, make_private
 from hf_dpfilter.factory import AuditOptions, make_optimizer
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.sampling import PoissonBatchSampler
+from hf_dpfilter.randomness.sampling import PoissonBatchSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_dpfilter"

@@ -20,7 +20,7 @@ from torch import nn
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.engine.rules import _GRAD_RULES, OuterTerm, register_grad_rule
 from hf_dpfilter.factory import make_sampler
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
 from hf_dpfilter.proofs.loss_policy import LossPolicyError
 

@@ -1,4 +1,4 @@
-"""fp16 loss scaling (hf_dpfilter/loss_scaling.py) and what a swapped script shows at the start of training.
+"""fp16 loss scaling (hf_dpfilter/trainers/loss_scaling.py) and what a swapped script shows at the start of training.
 
 * Scaling: the engine's backward on ``S * sum_i loss_i`` with S = 2^k gives, after S is divided out, the very
   norms and clipped sums of the unscaled run (bitwise in float64 and float32: scaling by 2^k commutes with every
@@ -7,7 +7,7 @@
 * Overflow: an example whose gradient overflows is zeroed per example, so whether the step is applied and the
   next scale are the same with and without it (neighbouring data sets); the scaler reads the noised gradient only,
   and a step it skips is still accounted.
-* The start of training (hf_dpfilter/start_report.py): the plan's epsilon, delta, sigma, q and steps printed
+* The start of training (hf_dpfilter/run/start_report.py): the plan's epsilon, delta, sigma, q and steps printed
   once; one warning when the learning rate or schedule is the non-private script's; one warning when the rows
   are fixed-length blocks of concatenated text (the unit is then a block, not a document).
 """
@@ -24,10 +24,15 @@ from models import VOCAB, tiny_gpt2, tiny_roberta, tiny_tokenizer
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
 from hf_dpfilter.factory import make_engine, make_optimizer
-from hf_dpfilter.loss_scaling import DPLossScaler
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 from hf_dpfilter.plan import PrivacyPlan
-from hf_dpfilter.start_report import announce_start, fixed_length_blocks, learning_rate_problems, plan_banner
+from hf_dpfilter.run.start_report import (
+    announce_start,
+    fixed_length_blocks,
+    learning_rate_problems,
+    plan_banner,
+)
+from hf_dpfilter.trainers.loss_scaling import DPLossScaler
 
 LABELS = torch.tensor([0, 1, 1, 0])
 

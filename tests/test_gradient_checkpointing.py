@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.engine import CheckpointingError, GhostClippingEngine
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 
 NON_REENTRANT = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
 

@@ -1,4 +1,4 @@
-"""Dropout keyed to each example (hf_dpfilter/example_randomness.py), through DPTrainer.
+"""Dropout keyed to each example (hf_dpfilter/randomness/example_keys.py), through DPTrainer.
 
 * Neighbouring data sets at noise 0 and a fixed secret seed: D and D' = [x] + D, where x's labels are all -100 (no
   gradient of its own). x shifts every other example's place in the stream, its micro-batch and its padded width;
@@ -24,7 +24,12 @@ from test_model_families import Seq2SeqCollator, _config, _head, family, lora
 from torch import nn
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.example_randomness import ExampleRandomness, KeyedRandomnessError, example_digest, keyed_mask
+from hf_dpfilter.randomness.example_keys import (
+    ExampleRandomness,
+    KeyedRandomnessError,
+    example_digest,
+    keyed_mask,
+)
 
 #: the clipping norm: small enough that every example is clipped (LoRA's gradients are small at init)
 CLIP = 1e-3
@@ -217,7 +222,7 @@ def test_checkpointed_layers_recompute_the_same_keyed_masks(method):
     checkpointing (DiSK's two points too). Before, the recomputation drew native masks (SDPA: a metadata error)."""
     from hf_dpfilter import PrivacyPlan
     from hf_dpfilter.factory import make_engine, make_optimizer
-    from hf_dpfilter.losses import per_example_loss
+    from hf_dpfilter.losses.tasks import per_example_loss
 
     ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])

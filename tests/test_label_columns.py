@@ -16,7 +16,7 @@ from models import tiny_bert
 from test_question_answering import tiny_bert_qa
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.clipping import clip_factors
+from hf_dpfilter.optimizers.clipping import clip_factors
 
 
 def _pad(rows, multiple: int):

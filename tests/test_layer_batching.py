@@ -21,7 +21,7 @@ from transformers import RobertaConfig, RobertaForSequenceClassification
 
 from hf_dpfilter.engine import GhostClippingEngine
 from hf_dpfilter.engine import per_example as engine_module
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 
 MODELS = {
     "roberta": (tiny_roberta, False, 1),
@@ -290,7 +290,7 @@ def test_conv1d_layers_sharing_their_input_are_fused_by_columns(stack):
 @pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
 def test_removing_one_example_moves_the_clipped_sum_by_at_most_c(stack):
     """Sensitivity with fused and stacked layers: the clipped sum with and without example j differs by <= C."""
-    from hf_dpfilter.clipping import clip_factors
+    from hf_dpfilter.optimizers.clipping import clip_factors
 
     max_grad_norm = 1e-3  # below every example's norm: each one is clipped
     examples, batch = _batch(False, 1)

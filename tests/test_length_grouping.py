@@ -1,4 +1,4 @@
-"""The sampled batch grouped by length (``dp_group_by_length``, on by default; hf_dpfilter/length_grouping.py).
+"""The sampled batch grouped by length (``dp_group_by_length``, on by default; hf_dpfilter/data/length_grouping.py).
 
 * The clipped sum of a logical batch (float64, noise 0) is the same with the grouping on and off and under another
   micro-batch size, for right- and left-padded collators (one with ``pad_to_multiple_of``, which each micro-batch
@@ -24,7 +24,12 @@ from helpers import LeftPadCollator, ListDataset, PadCollator, flat, make_exampl
 from models import VOCAB, tiny_bert, tiny_gpt2
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.length_grouping import example_lengths, longest_first, micro_batch_groups, padded_token_ratio
+from hf_dpfilter.data.length_grouping import (
+    example_lengths,
+    longest_first,
+    micro_batch_groups,
+    padded_token_ratio,
+)
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
 from hf_dpfilter.proofs.separation import SeparationError
 
@@ -346,7 +351,7 @@ def test_a_token_budget_on_packed_rows_is_named_not_applied(tmp_path, caplog):
     from transformers import DataCollatorWithFlattening
 
     examples = [{k: v.tolist() for k, v in e.items()} for e in make_examples(4, VOCAB, causal=True, seed=1)]
-    with caplog.at_level("WARNING", logger="hf_dpfilter.micro_batches"):
+    with caplog.at_level("WARNING", logger="hf_dpfilter.data.micro_batches"):
         _clipped_sum(tmp_path, tiny_gpt2(), examples, DataCollatorWithFlattening(), logical_batch_size=4,
                      dp_micro_batch_tokens=8, dp_verify_first_step=False)
     assert "dp_micro_batch_tokens is not applied: the training batches are packed rows" in caplog.text

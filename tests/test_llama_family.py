@@ -22,7 +22,7 @@ from torch import nn
 
 from hf_dpfilter.engine import GhostClippingEngine, UnsupportedLayerError
 from hf_dpfilter.engine.rules import _GRAD_RULES, _hf_offset_rms_norm, _hf_scale_rms_norm, find_grad_rule
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PHI3_LORA_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3 fuses q/k/v and gate/up

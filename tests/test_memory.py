@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from hf_dpfilter.clipping import clip_factors
 from hf_dpfilter.engine import GhostClippingEngine, OuterTerm
 from hf_dpfilter.engine.blocks import _use_ghost
+from hf_dpfilter.optimizers.clipping import clip_factors
 
 _WORKER = r"""
 import json, os, resource, torch

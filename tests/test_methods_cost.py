@@ -20,10 +20,10 @@ from helpers import flat
 from models import padded_batch, tiny_gpt2, tiny_roberta
 
 from hf_dpfilter import GhostClippingEngine, make_dp_optimizer
-from hf_dpfilter import collectives as collectives_module
-from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.collectives import float64_squared_norm
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.distributed import collectives as collectives_module
+from hf_dpfilter.distributed.collectives import float64_squared_norm
+from hf_dpfilter.losses.tasks import per_example_loss
+from hf_dpfilter.optimizers.clipping import clip_factors
 from hf_dpfilter.optimizers.filters import LowPassFilter, LowPassPostprocessor
 from hf_dpfilter.optimizers.point_values import with_identity_gradient
 

@@ -17,8 +17,8 @@ from models import VOCAB, padded_batch, tiny_roberta
 from scipy.stats import norm as normal
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine, PrivacyPlan, make_dp_optimizer
-from hf_dpfilter.accounting import compute_epsilon
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.accounting.accountant import compute_epsilon
+from hf_dpfilter.losses.tasks import per_example_loss
 from hf_dpfilter.optimizers.dicesgd import DiceSGD, DiceSGDConfig, dicesgd_history, dicesgd_paper_epsilon
 from hf_dpfilter.optimizers.diff2 import Diff2
 

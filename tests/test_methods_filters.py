@@ -17,8 +17,8 @@ from models import VOCAB, padded_batch, tiny_roberta
 from scipy.signal import lfilter
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine, make_dp_optimizer
-from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
+from hf_dpfilter.optimizers.clipping import clip_factors
 from hf_dpfilter.optimizers.filters import FILTER_PRESETS, LowPassFilter, LowPassPostprocessor
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -18,7 +18,7 @@ import torch
 from models import padded_batch, tiny_roberta
 
 from hf_dpfilter import GhostClippingEngine, make_dp_optimizer
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 
 STATEFUL = [("disk", {"kappa": 0.7}), ("pmlf", {"k": 2}), ("doppler", {})]
 

@@ -8,7 +8,7 @@ from helpers import ListDataset, PadCollator, flat, make_examples
 from models import VOCAB, tiny_roberta
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 
 
 def _one_step(tmp_path, bf16: bool):

@@ -19,11 +19,11 @@ from models import VOCAB
 from torch import nn
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
+from hf_dpfilter.optimizers.clipping import clip_factors
 from hf_dpfilter.proofs.padding import PaddingError
 from hf_dpfilter.proofs.randomness import TrainingRandomnessError
-from hf_dpfilter.trainer import _is_causal_lm
+from hf_dpfilter.trainers.trainer import _is_causal_lm
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)

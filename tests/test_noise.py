@@ -1,14 +1,20 @@
-"""hf_dpfilter.noise: the step's Gaussian noise as functions (one draw per step, the seeded stream, std 0)."""
+"""hf_dpfilter.randomness.noise: the step's Gaussian noise as functions (one draw per step, the seeded stream, std 0)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from hf_dpfilter.collectives import default_collectives
+from hf_dpfilter.distributed.collectives import default_collectives
 from hf_dpfilter.factory import make_optimizer
-from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_average, noisy_averages, seeded_generator
 from hf_dpfilter.plan import PrivacyPlan
+from hf_dpfilter.randomness.noise import (
+    NoiseSource,
+    gaussian_noise,
+    noisy_average,
+    noisy_averages,
+    seeded_generator,
+)
 
 
 def _source(seed: int, draws: list | None = None, secure: bool = False) -> NoiseSource:

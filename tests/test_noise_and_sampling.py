@@ -16,7 +16,7 @@ from hf_dpfilter import (
     UnprivatizedGradientError,
     make_dp_optimizer,
 )
-from hf_dpfilter.accounting import PrivacyAccountant, compute_epsilon
+from hf_dpfilter.accounting.accountant import PrivacyAccountant, compute_epsilon
 
 
 def _args(tmp_path, **overrides):

@@ -20,7 +20,7 @@ from models import VOCAB, padded_batch, tiny_bert
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.factory import make_private
-from hf_dpfilter.losses import per_example_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 from hf_dpfilter.plan import PrivacyPlan
 
 opacus = pytest.importorskip("opacus")

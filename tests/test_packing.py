@@ -15,9 +15,9 @@ from models import VOCAB, tiny_bert, tiny_decoder, tiny_gpt2
 from transformers import DataCollatorWithFlattening
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
+from hf_dpfilter.data.packing import PackedLayout, PackingError, packed_token_mean_loss
 from hf_dpfilter.factory import make_private
-from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.packing import PackedLayout, PackingError, packed_token_mean_loss
+from hf_dpfilter.losses.tasks import per_example_loss
 from hf_dpfilter.plan import PrivacyPlan
 from hf_dpfilter.proofs.batch_structure import probe_batch_structure
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError

@@ -21,7 +21,7 @@ from models import VOCAB, tiny_bert, tiny_gpt2
 from torch import nn
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.clipping import clip_factors
+from hf_dpfilter.optimizers.clipping import clip_factors
 from hf_dpfilter.proofs.padding import PaddingError
 
 LONG = 30

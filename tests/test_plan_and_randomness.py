@@ -12,11 +12,11 @@ from helpers import ListDataset, PadCollator, make_examples
 from models import VOCAB, tiny_bert
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan, make_dp_optimizer
-from hf_dpfilter.arguments import DP_METHODS
 from hf_dpfilter.factory import make_optimizer, make_sampler
 from hf_dpfilter.optimizers.registry import METHOD_NAMES, method_names, method_spec
-from hf_dpfilter.sampling import PoissonBatchSampler
-from hf_dpfilter.secure_rng import derive_seed
+from hf_dpfilter.randomness.sampling import PoissonBatchSampler
+from hf_dpfilter.randomness.secure_rng import derive_seed
+from hf_dpfilter.trainers.arguments import DP_METHODS
 
 
 def _args(tmp_path, **kw) -> DPTrainingArguments:

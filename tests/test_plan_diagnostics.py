@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_dpfilter import GhostClippingEngine, PrivacyPlan, make_dp_optimizer
-from hf_dpfilter.accounting import compute_epsilon
+from hf_dpfilter.accounting.accountant import compute_epsilon
 from hf_dpfilter.optimizers.base import PrivacyBudgetExceededError
 
 D = 10_000  # trainable parameters

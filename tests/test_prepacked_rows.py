@@ -23,7 +23,7 @@ from models import VOCAB, tiny_gpt2
 from transformers import DataCollatorWithFlattening
 
 from hf_dpfilter import DPTrainer
-from hf_dpfilter.packing import PackingError
+from hf_dpfilter.data.packing import PackingError
 
 FIX = "Pack after sampling"
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None and os.environ.get("HF_DPFILTER_NO_SKIP") != "1",

@@ -1,4 +1,4 @@
-"""Extractive QA (issue 30): the start/end loss per example, built in (hf_dpfilter/question_answering.py).
+"""Extractive QA (issue 30): the start/end loss per example, built in (hf_dpfilter/losses/question_answering.py).
 
 One DPTrainer step at noise 0 on a tiny float64 BERT QA model equals the per-example reference (each example alone,
 its gradient clipped, summed) within 1e-6, with the Trainer's default ``remove_unused_columns`` and nothing but the
@@ -14,8 +14,8 @@ from helpers import ListDataset, flat
 from models import VOCAB
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.question_answering import span_loss
+from hf_dpfilter.losses.question_answering import span_loss
+from hf_dpfilter.optimizers.clipping import clip_factors
 
 
 def tiny_bert_qa():
@@ -137,7 +137,7 @@ def test_the_features_of_one_example_are_clipped_as_one_unit(tmp_path):
 def test_an_overflow_mapping_at_example_level_is_refused(tmp_path):
     from datasets import Dataset
 
-    from hf_dpfilter.units import PrivacyUnitError
+    from hf_dpfilter.data.units import PrivacyUnitError
 
     rows = [{**r, "overflow_to_sample_mapping": i // 2} for i, r in enumerate(qa_examples()[:4])]
     args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, per_sample_max_grad_norm=1.0,

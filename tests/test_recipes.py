@@ -247,7 +247,7 @@ def test_table2text_seq2seq_recipe_runs(tmp_path):
 def test_table2text_labels_only_on_target(tiny_gpt2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_dpfilter.losses import per_example_loss
+    from hf_dpfilter.losses.tasks import per_example_loss
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
     fmt = table2text.Seq2SeqAsLM(tokenizer, max_length=64)

@@ -246,7 +246,7 @@ def test_ledger_reserves_steps_ahead_only_as_far_as_asked(tmp_path, monkeypatch)
 
     from transformers import TrainerCallback
 
-    import hf_dpfilter.privacy_session as trainer_module
+    import hf_dpfilter.run.session as trainer_module
 
     clock = iter(range(1000))
     monkeypatch.setattr(trainer_module, "time", SimpleNamespace(monotonic=lambda: 0.1 * next(clock)))
@@ -281,7 +281,7 @@ def test_resumed_run_cannot_exceed_target_epsilon(tmp_path):
 
 def test_optimizer_refuses_step_beyond_target():
     from hf_dpfilter import PrivacyAccountant, make_dp_optimizer
-    from hf_dpfilter.budget import PrivacyBudgetExceededError
+    from hf_dpfilter.accounting.budget import PrivacyBudgetExceededError
 
     p = torch.nn.Parameter(torch.zeros(3))
     opt = make_dp_optimizer([p], torch.optim.SGD, lr=0.1, noise_multiplier=2.0, max_grad_norm=1.0,
@@ -295,7 +295,7 @@ def test_optimizer_refuses_step_beyond_target():
             steps += 1
     assert steps >= 10  # the guard stops at the budget, not before
     assert opt.accountant.get_epsilon(1e-5) <= 1.5
-    from hf_dpfilter.accounting import compute_epsilon
+    from hf_dpfilter.accounting.accountant import compute_epsilon
 
     assert compute_epsilon([(2.0, 0.1, steps + 1)], 1e-5, "rdp") > 1.5  # the refused step would have overspent
     assert opt.dp_steps == steps

@@ -22,7 +22,7 @@ from models import VOCAB, tiny_gpt2
 from transformers import DataCollatorWithFlattening
 
 from hf_dpfilter import DPTrainer
-from hf_dpfilter.packing import PackingError
+from hf_dpfilter.data.packing import PackingError
 from hf_dpfilter.proofs.row_examples import conversation_start_marker
 
 _NO_TRL = importlib.util.find_spec("trl") is None and os.environ.get("HF_DPFILTER_NO_SKIP") != "1"
@@ -117,7 +117,7 @@ def test_declared_row_unit_trains_and_is_reported_in_the_report_the_banner_and_t
     data = _data()
     rows = data[:3] + [_packed_row()] + data[3:]
     trainer = _trainer(tmp_path, rows, PaddingCollator(), dp_row_is_unit=True)
-    with caplog.at_level(logging.WARNING, logger="hf_dpfilter.start_report"):
+    with caplog.at_level(logging.WARNING, logger="hf_dpfilter.run.start_report"):
         trainer.train()
     assert trainer.accountant.steps == 1
     report = trainer.privacy_report()
@@ -242,7 +242,7 @@ def test_evaluation_batches_are_not_refused(tmp_path):
 
 
 def test_declaration_is_part_of_a_resumes_identity(tmp_path):
-    from hf_dpfilter.unit_identity import unit_record
+    from hf_dpfilter.run.unit_identity import unit_record
 
     # unchanged for runs that never set it (and for the records of earlier versions)
     assert unit_record(_args(tmp_path, 4), None) == {"unit": "example"}

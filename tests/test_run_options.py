@@ -1,4 +1,4 @@
-"""What DPTrainer checks when it is created and when train() starts (hf_dpfilter/run_guard.py): issue 22
+"""What DPTrainer checks when it is created and when train() starts (hf_dpfilter/run/guard.py): issue 22
 items 1 (accumulation set after construction), 8 (a second train()), 14 (evaluation on training data), 18
 (model_init / hyperparameter_search)."""
 
@@ -12,8 +12,8 @@ from models import VOCAB, tiny_roberta
 from transformers import EarlyStoppingCallback
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.run_guard import overlapping_rows
-from hf_dpfilter.training_fields import TrainingFieldError
+from hf_dpfilter.run.guard import overlapping_rows
+from hf_dpfilter.run.training_fields import TrainingFieldError
 
 
 def _args(tmp_path, **kw):

@@ -27,8 +27,8 @@ from models import VOCAB, tiny_roberta
 from transformers import TrainerCallback
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.accounting import compute_epsilon
-from hf_dpfilter.processes import check_one_dp_run, launcher_world_size
+from hf_dpfilter.accounting.accountant import compute_epsilon
+from hf_dpfilter.distributed.processes import check_one_dp_run, launcher_world_size
 
 N = 16
 SEED = 918273645  # a DP seed no file may contain

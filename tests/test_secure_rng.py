@@ -12,7 +12,7 @@ from models import VOCAB, tiny_roberta
 from scipy import stats
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.secure_rng import secure_gaussian
+from hf_dpfilter.randomness.secure_rng import secure_gaussian
 
 
 def test_secure_gaussian_statistics():
@@ -32,7 +32,7 @@ def test_secure_gaussian_shapes_and_not_reproducible():
 
 def test_training_arguments_secure_rng_uses_the_csprng(tmp_path, monkeypatch):
     calls = []
-    import hf_dpfilter.secure_rng as secure_rng
+    import hf_dpfilter.randomness.secure_rng as secure_rng
 
     original = secure_rng.secure_gaussian
 
@@ -41,7 +41,7 @@ def test_training_arguments_secure_rng_uses_the_csprng(tmp_path, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(secure_rng, "secure_gaussian", counting)
-    import hf_dpfilter.sampling as sampling
+    import hf_dpfilter.randomness.sampling as sampling
 
     coins = []
     original_uniform = sampling.secure_uniform

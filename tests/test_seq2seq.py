@@ -1,6 +1,6 @@
 """DPSeq2SeqTrainer / DPSeq2SeqTrainingArguments (issue 30): Seq2SeqTrainer's script with the two-class swap.
 
-Every field Seq2SeqTrainingArguments adds has a DP status (hf_dpfilter/seq2seq.py), the docs hold the table, and a
+Every field Seq2SeqTrainingArguments adds has a DP status (hf_dpfilter/trainers/seq2seq.py), the docs hold the table, and a
 tiny T5 (LoRA on q and v; the upstream-style summarization script fine-tunes it fully) trains one private step through
 DataCollatorForSeq2Seq and evaluates with ``predict_with_generate``; ``sortish_sampler=True`` leaves the Poisson
 sampler in place.
@@ -18,14 +18,14 @@ from models import SHIFTING_SEQ2SEQ, tiny_shifting_seq2seq, tiny_t5, tiny_tokeni
 from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments, TrainingArguments
 
 import hf_dpfilter
-from hf_dpfilter.sampling import PoissonBatchSampler
-from hf_dpfilter.seq2seq import (
+from hf_dpfilter.randomness.sampling import PoissonBatchSampler
+from hf_dpfilter.run.training_fields import STATUSES
+from hf_dpfilter.trainers.seq2seq import (
     SEQ2SEQ_FIELD_POLICIES,
     DPSeq2SeqTrainer,
     DPSeq2SeqTrainingArguments,
     render_markdown,
 )
-from hf_dpfilter.training_fields import STATUSES
 
 DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "configuration.md")
 
@@ -40,7 +40,7 @@ def test_every_seq2seq_field_is_classified_and_no_row_is_stale():
 def test_the_docs_hold_the_table_and_the_names_are_exported():
     with open(DOCS) as f:
         match = re.search(r"<!-- seq2seq-fields:start -->\n(.*?)<!-- seq2seq-fields:end -->", f.read(), re.S)
-    assert match and match.group(1) == render_markdown(), "paste hf_dpfilter.seq2seq.render_markdown() in the docs"
+    assert match and match.group(1) == render_markdown(), "paste hf_dpfilter.trainers.seq2seq.render_markdown() in the docs"
     assert {"DPSeq2SeqTrainer", "DPSeq2SeqTrainingArguments"} <= set(hf_dpfilter.__all__)
     assert hf_dpfilter.DPSeq2SeqTrainer is DPSeq2SeqTrainer
 
@@ -90,8 +90,8 @@ def test_one_step_equals_the_per_example_reference_when_source_and_target_widths
     they lost target tokens and the re-check refused the step). Float64, noise 0, LoRA on T5: the reference sum."""
     from helpers import ListDataset, flat
 
-    from hf_dpfilter.clipping import clip_factors
-    from hf_dpfilter.losses import per_example_loss
+    from hf_dpfilter.losses.tasks import per_example_loss
+    from hf_dpfilter.optimizers.clipping import clip_factors
 
     tokenizer = tiny_tokenizer()
     model = tiny_t5(vocab_size=len(tokenizer)).double()
@@ -139,7 +139,7 @@ def _one_step(
     """:func:`_relative_error_of_one_step`'s error, with the trainer (``eval_dataset`` given to it)."""
     from helpers import ListDataset, flat
 
-    from hf_dpfilter.clipping import clip_factors
+    from hf_dpfilter.optimizers.clipping import clip_factors
 
     params = [p for p in model.parameters() if p.requires_grad]
     grads = []
@@ -206,7 +206,7 @@ def test_models_that_shift_their_labels_in_the_forward_train_exactly_and_generat
     evaluation generates."""
     from helpers import ListDataset
 
-    from hf_dpfilter.losses import per_example_loss
+    from hf_dpfilter.losses.tasks import per_example_loss
 
     tokenizer = tiny_tokenizer()
     model = tiny_shifting_seq2seq(model_type, vocab_size=len(tokenizer))
@@ -234,7 +234,7 @@ def test_an_encoder_decoder_whose_rule_for_decoder_inputs_is_unknown_is_refused_
     are not guessed; the step is refused, naming the collator that adds them."""
     from helpers import ListDataset
 
-    from hf_dpfilter.decoder_inputs import DecoderInputsError
+    from hf_dpfilter.data.decoder_inputs import DecoderInputsError
 
     base = type(tiny_shifting_seq2seq("m2m_100"))
 
@@ -286,8 +286,8 @@ def test_user_level_units_clip_each_users_source_and_target_rows_together(tmp_pa
     encoder's rows are not the labels' width)."""
     from helpers import ListDataset, flat
 
-    from hf_dpfilter.clipping import clip_factors
-    from hf_dpfilter.losses import per_example_loss
+    from hf_dpfilter.losses.tasks import per_example_loss
+    from hf_dpfilter.optimizers.clipping import clip_factors
 
     tokenizer, model, _ = _t5_rows()
     model.eval()

@@ -1,4 +1,4 @@
-"""DP supervised fine-tuning through TRL: DPSFTTrainer / DPSFTConfig (hf_dpfilter.sft).
+"""DP supervised fine-tuning through TRL: DPSFTTrainer / DPSFTConfig (hf_dpfilter.trainers.sft).
 
 A tiny Llama built from a config and the offline byte-level chat tokenizer (recipes.common.offline_chat), on
 conversational data with assistant-only loss and packing after sampling. Per-example references in float64
@@ -28,10 +28,10 @@ from transformers import TrainingArguments  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 from hf_dpfilter import DPSFTConfig, DPSFTTrainer  # noqa: E402
-from hf_dpfilter.losses import per_example_loss  # noqa: E402
-from hf_dpfilter.sft.config import SFT_FIELD_POLICIES  # noqa: E402
-from hf_dpfilter.sft.packing import best_fit_decreasing, micro_batch_bins  # noqa: E402
-from hf_dpfilter.training_fields import TrainingFieldError  # noqa: E402
+from hf_dpfilter.losses.tasks import per_example_loss  # noqa: E402
+from hf_dpfilter.run.training_fields import TrainingFieldError  # noqa: E402
+from hf_dpfilter.trainers.sft.config import SFT_FIELD_POLICIES  # noqa: E402
+from hf_dpfilter.trainers.sft.packing import best_fit_decreasing, micro_batch_bins  # noqa: E402
 from recipes.common.offline_chat import byte_level_chat_tokenizer, small_llama  # noqa: E402
 
 WORDS = "the cafe serves cheap italian food near riverside family friendly rated high low price range".split()
@@ -409,7 +409,7 @@ def test_readme_shows_the_runnable_switch():
 
 
 def test_docs_table_of_sft_options_is_current():
-    from hf_dpfilter.sft.config import render_markdown
+    from hf_dpfilter.trainers.sft.config import render_markdown
 
     with open(os.path.join(ROOT, "docs", "sft.md")) as f:
         assert render_markdown() in f.read()

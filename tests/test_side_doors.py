@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
 from hf_dpfilter.proofs.hooks import GradientHookError
-from hf_dpfilter.training_fields import TrainingFieldError
+from hf_dpfilter.run.training_fields import TrainingFieldError
 
 HEAD = "classifier.weight"
 

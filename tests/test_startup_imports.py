@@ -3,7 +3,7 @@
 * Building ``DPTrainingArguments`` as ``HfArgumentParser`` does (every field a keyword) imports none of the DP
   methods' modules: only keywords that are not fields are checked against the retired names.
 * The epsilon of the start banner (PRV, capped by RDP) and the "rdp" accountant do not import ``opacus``: Opacus'
-  ``rdp.py`` runs on its own (hf_dpfilter/rdp_analysis.py), with the values of Opacus' own import.
+  ``rdp.py`` runs on its own (hf_dpfilter/accounting/rdp_analysis.py), with the values of Opacus' own import.
 
 One subprocess (a fresh interpreter is the only place where ``sys.modules`` says what a start-up imports).
 """
@@ -21,7 +21,7 @@ PROBE = r"""
 import json, sys
 import numpy as np
 from hf_dpfilter import DPTrainingArguments
-from hf_dpfilter.accounting import compute_epsilon
+from hf_dpfilter.accounting.accountant import compute_epsilon
 
 from transformers import HfArgumentParser
 
@@ -38,7 +38,7 @@ try:
     refused = ""
 except ValueError as err:
     refused = str(err)
-from hf_dpfilter.rdp_analysis import opacus_rdp
+from hf_dpfilter.accounting.rdp_analysis import opacus_rdp
 from opacus.accountants.analysis import rdp as imported
 orders = [1.5, 2.0, 8.0, 64.0]
 same = bool(np.array_equal(opacus_rdp().compute_rdp(q=0.0625, noise_multiplier=1.0, steps=5, orders=orders),

@@ -18,9 +18,9 @@ from models import VOCAB, tiny_bert
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.arguments import DPArgumentsMixin
 from hf_dpfilter.retired_names import refuse_retired_names
-from hf_dpfilter.trainer import DPTrainerMixin, read_privacy_ledger
+from hf_dpfilter.trainers.arguments import DPArgumentsMixin
+from hf_dpfilter.trainers.trainer import DPTrainerMixin, read_privacy_ledger
 
 DP_FIELDS = [f.name for f in dataclasses.fields(DPArgumentsMixin)]
 

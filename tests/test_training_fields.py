@@ -1,4 +1,4 @@
-"""Every TrainingArguments field has a declared DP status (hf_dpfilter/training_fields.py), and the refusals it
+"""Every TrainingArguments field has a declared DP status (hf_dpfilter/run/training_fields.py), and the refusals it
 declares happen when the arguments are created, with the fix in the message (issue 22 items 9, 13, 17, 18 and
 issue 21 item 11)."""
 
@@ -12,7 +12,7 @@ import pytest
 from transformers import TrainingArguments
 
 from hf_dpfilter import DPTrainingArguments
-from hf_dpfilter.training_fields import (
+from hf_dpfilter.run.training_fields import (
     FIELD_POLICIES,
     STATUSES,
     TrainingFieldError,
@@ -32,7 +32,7 @@ def test_every_field_of_the_installed_training_arguments_is_classified():
     # A field that a new transformers release adds fails here until it has a row in FIELD_POLICIES.
     names = [f.name for f in dataclasses.fields(TrainingArguments)]
     missing = [n for n in names if n not in FIELD_POLICIES]
-    assert not missing, f"TrainingArguments fields without a DP status in hf_dpfilter/training_fields.py: {missing}"
+    assert not missing, f"TrainingArguments fields without a DP status in hf_dpfilter/run/training_fields.py: {missing}"
 
 
 def test_every_dp_field_is_classified_and_no_row_is_stale():
@@ -50,7 +50,7 @@ def test_the_docs_hold_the_table():
     match = re.search(r"<!-- training-fields:start -->\n(.*?)<!-- training-fields:end -->", text, re.S)
     assert match, "docs/configuration.md lacks the training-fields table markers"
     assert match.group(1) == render_markdown(), (
-        "docs/configuration.md is out of sync with FIELD_POLICIES: paste hf_dpfilter.training_fields.render_markdown()"
+        "docs/configuration.md is out of sync with FIELD_POLICIES: paste hf_dpfilter.run.training_fields.render_markdown()"
     )
 
 

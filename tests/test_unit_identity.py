@@ -1,15 +1,15 @@
 """Users declared cleanly, the unit part of the run's identity, the ledger under a lock (issue 29, cases 9, 10).
 
-* **User ids** (hf_dpfilter/user_ids.py): NaN in every numeric form (float, NumPy float32/float64 scalars and
+* **User ids** (hf_dpfilter/data/user_ids.py): NaN in every numeric form (float, NumPy float32/float64 scalars and
   0-d arrays, 0-d torch tensors), None, empty and whitespace-only ids, ids of mixed types (int and str, bool and
   int) and strings equal but for surrounding whitespace are refused when the DPTrainer is created, naming the
   column, the first row, the count and the fix; clean ids of each type (str, int, torch and NumPy ints) are
   accepted and grouped as declared.
-* **The unit on resume** (hf_dpfilter/unit_identity.py): a user-level or example-level run resumed with another
+* **The unit on resume** (hf_dpfilter/run/unit_identity.py): a user-level or example-level run resumed with another
   unit, another ``user_id_column``, another k or another grouping of the examples into users (same column, same
   number of users) is refused before its first step; the same settings resume and count every step. The user
   partition's digest is kept out of the published files (the ledger, the checkpoints).
-* **Two writers, one ledger** (hf_dpfilter/ledger.py): two sessions writing one output_dir's ledger at the same
+* **Two writers, one ledger** (hf_dpfilter/run/ledger.py): two sessions writing one output_dir's ledger at the same
   time (threads meeting at a barrier before every write) lose no release: the ledger's entries count the sum.
   A resume from an older checkpoint after another run wrote the ledger still counts the abandoned branch.
 """
@@ -29,9 +29,9 @@ from helpers import ListDataset, PadCollator, make_examples
 from models import VOCAB, tiny_gpt2
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments
-from hf_dpfilter.accounting import PrivacyAccountant
-from hf_dpfilter.ledger import PrivacyLedger
-from hf_dpfilter.units import PrivacyUnitError
+from hf_dpfilter.accounting.accountant import PrivacyAccountant
+from hf_dpfilter.data.units import PrivacyUnitError
+from hf_dpfilter.run.ledger import PrivacyLedger
 
 PER_USER = (3, 1, 2, 2)
 

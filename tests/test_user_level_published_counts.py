@@ -1,5 +1,5 @@
 """At ``privacy_unit='user'`` nothing a run publishes gives back its number of examples
-(hf_dpfilter/trainer.py).
+(hf_dpfilter/trainers/trainer.py).
 
 The number of users is the plan's public N; the number of examples is private: two runs, on D and on D without
 one user, would otherwise give that user's example count. The Trainer counts the example-level data set

@@ -1,4 +1,4 @@
-"""The privacy unit, declared: ``privacy_unit="user"`` (issue 24, item 2; hf_dpfilter/units.py).
+"""The privacy unit, declared: ``privacy_unit="user"`` (issue 24, item 2; hf_dpfilter/data/units.py).
 
 * Clipping per unit, exactly (float64): a user's clipped vector is the sum of the per-example gradients of their
   examples (each computed alone by autograd), wherever the examples sit -- several padded rows, segments of
@@ -30,14 +30,9 @@ from models import VOCAB, tiny_decoder, tiny_gpt2
 from transformers import DataCollatorWithFlattening
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine
-from hf_dpfilter.accounting import compute_epsilon
-from hf_dpfilter.clipping import clip_factors
-from hf_dpfilter.factory import make_private
-from hf_dpfilter.losses import per_example_loss
-from hf_dpfilter.packing import PackedLayout, packed_token_mean_loss
-from hf_dpfilter.plan import PrivacyPlan
-from hf_dpfilter.proofs.batch_structure import probe_batch_structure
-from hf_dpfilter.units import (
+from hf_dpfilter.accounting.accountant import compute_epsilon
+from hf_dpfilter.data.packing import PackedLayout, packed_token_mean_loss
+from hf_dpfilter.data.units import (
     PrivacyUnitError,
     UnitLayout,
     UserIndex,
@@ -45,6 +40,11 @@ from hf_dpfilter.units import (
     per_unit_loss,
     unit_micro_batches,
 )
+from hf_dpfilter.factory import make_private
+from hf_dpfilter.losses.tasks import per_example_loss
+from hf_dpfilter.optimizers.clipping import clip_factors
+from hf_dpfilter.plan import PrivacyPlan
+from hf_dpfilter.proofs.batch_structure import probe_batch_structure
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {"gpt2": tiny_gpt2, "llama": lambda dtype=torch.float64: tiny_decoder("llama", dtype=dtype)}

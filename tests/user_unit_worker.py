@@ -1,6 +1,6 @@
 """Worker for tests/test_user_unit.py::test_two_processes_user_sensitivity (torchrun, 2 processes, CPU, gloo).
 
-Each process takes its users from :class:`~hf_dpfilter.units.UserPoissonBatchSampler` (q = 1: every user, whole
+Each process takes its users from :class:`~hf_dpfilter.data.units.UserPoissonBatchSampler` (q = 1: every user, whole
 users per process), cuts its packed micro-batches at user boundaries and accumulates the clipped sums (float32
 GPT-2, noise 0); the sums are all-reduced. Four aggregates: with and without the victim user, clipped per user and
 (negative control) per example. Rank 0 writes ``OUT/result.json``.
@@ -22,9 +22,9 @@ from helpers import ListDataset, flat, freeze_imported_objects  # noqa: E402
 from test_user_unit import _extreme_user, _users, accumulate_packed_users  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
+from hf_dpfilter.data.units import UserIndex, UserPoissonBatchSampler  # noqa: E402
 from hf_dpfilter.factory import make_private  # noqa: E402
 from hf_dpfilter.plan import PrivacyPlan  # noqa: E402
-from hf_dpfilter.units import UserIndex, UserPoissonBatchSampler  # noqa: E402
 
 CLIP, K, MICRO = 0.5, 3, 2
 

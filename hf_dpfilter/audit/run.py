@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hf_dpfilter.arguments import DPTrainingArguments
 from hf_dpfilter.audit.bounds import best_guess_bound
 from hf_dpfilter.factory import AuditOptions
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.trainer import DPTrainer
+from hf_dpfilter.trainers.arguments import DPTrainingArguments
+from hf_dpfilter.trainers.trainer import DPTrainer
 
 logger = logging.getLogger(__name__)
 

@@ -67,7 +67,7 @@ class _CheckpointAtRecordedValues:
         self.engine = engine
 
     def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
-        from hf_dpfilter.example_randomness import active_keyed_mode
+        from hf_dpfilter.randomness.example_keys import active_keyed_mode
 
         engine = self.engine
         values = engine._active_values  # None: the current values, which are in place at recomputation too

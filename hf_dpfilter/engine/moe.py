@@ -26,7 +26,7 @@ at the tokens' rows. What makes this per example, and how each piece is establis
   of the expert it was routed to (zero elsewhere), so ``G_i[e] = sum_{t of i routed to e} dh_t ⊗ x_t``.
 * **The router** is a bias-free linear map of each token: ``G_i = sum_t dlogits_t ⊗ x_t``.
 * **The load-balancing loss** (``output_router_logits`` with ``router_aux_loss_coef != 0``) is a statistic of all
-  the tokens of a batch in transformers; the DPTrainer computes it per example (:mod:`hf_dpfilter.router_loss`).
+  the tokens of a batch in transformers; the DPTrainer computes it per example (:mod:`hf_dpfilter.losses.router`).
   Router jitter is refused as randomness (:mod:`hf_dpfilter.proofs.randomness`).
 """
 
@@ -44,7 +44,7 @@ from hf_dpfilter.proofs.batch_axis import BATCH, MERGED
 from hf_dpfilter.proofs.validators import ModuleProblem, ValidationOptions, register_module_validator
 
 if TYPE_CHECKING:
-    from hf_dpfilter.packing import PackedLayout
+    from hf_dpfilter.data.packing import PackedLayout
     from hf_dpfilter.proofs.batch_axis import BatchAxisTracer
 
 __all__ = ["RoutedTokens", "experts_layout_problem", "is_experts", "is_router", "split_rows"]
@@ -77,7 +77,7 @@ def split_rows(value: torch.Tensor | RoutedTokens | None, batch: int,
             return RoutedTokens(*(layout.regroup(split_rows(t, batch)) for t in (value.hidden, value.index,
                                                                                     value.weights)))
         if packing is not None:
-            from hf_dpfilter.packing import PackingError
+            from hf_dpfilter.data.packing import PackingError
 
             raise PackingError(
                 "Mixture-of-experts layers on packed rows are not supported (their routed tokens are not regrouped "

@@ -20,16 +20,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from hf_dpfilter.collectives import is_sharded
+from hf_dpfilter.distributed.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import _inside_backward
 from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, experts_verdict, is_experts, split_rows
 from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule, vector_form
-from hf_dpfilter.example_randomness import ROWS_DROPOUT, SHARED_DROPOUT, KeyedRandomnessError
 from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
 from hf_dpfilter.proofs.randomness import DROPOUT_TURNED_OFF
 from hf_dpfilter.proofs.validators import StateWrittenError
+from hf_dpfilter.randomness.example_keys import ROWS_DROPOUT, SHARED_DROPOUT, KeyedRandomnessError
 
 
 @dataclass
@@ -262,7 +262,7 @@ class _ProvingStep:
         """Each dropout of the proven forward keyed to the rows of its input's leading axis (its batch axis, or
         the batch merged with the axes after it), or, for an ``nn.Dropout`` on a tensor that derives from no
         example (DeBERTa's relative-position table), one mask for all; the verdict kept per module
-        (:attr:`dropout_verdicts`, read by hf_dpfilter.example_randomness). Anything else is refused."""
+        (:attr:`dropout_verdicts`, read by hf_dpfilter.randomness.example_keys). Anything else is refused."""
         for tag, module in tracer.dropout_inputs:
             if tag is not None and tag[0] == 0:
                 verdict = ROWS_DROPOUT
@@ -458,7 +458,7 @@ class _ProvingStep:
         if verdict == MERGED:
             packed = self._packing is not None and self._packing.over_rows(1) is None  # examples share rows
             if packed and not isinstance(activations, RoutedTokens):  # experts: moe refuses
-                from hf_dpfilter.packing import PackingError
+                from hf_dpfilter.data.packing import PackingError
 
                 # The regrouping per packed example knows one token axis; which axes the batch was merged with
                 # (OPT's tokens, BLOOM's heads) is not recorded, and guessing it from a size is what we never do.

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_dpfilter.collectives import is_sharded
+from hf_dpfilter.data.packing import PackedLayout, regroup_record
+from hf_dpfilter.distributed.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import (
     _REENTRANT_REFUSED,
     CheckpointingError,
@@ -68,7 +69,6 @@ from hf_dpfilter.engine.proving import _ProvingStep, _Record
 from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
 from hf_dpfilter.engine.shared_outputs import shared_output_terms
 from hf_dpfilter.engine.shared_tables import declared_tables
-from hf_dpfilter.packing import PackedLayout, regroup_record
 from hf_dpfilter.proofs import longrope
 from hf_dpfilter.proofs.batch_axis import BROADCAST, SHARED, BatchAxisTracer
 from hf_dpfilter.proofs.validators import (
@@ -130,7 +130,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._recorded_at_other_values = False
         self._replaying_values = 0
         #: fp16 loss scaling: the backward runs on ``loss_scale * sum_i loss_i`` (a power of two, public; set by the
-        #: DP optimizer from its :class:`~hf_dpfilter.loss_scaling.DPLossScaler`) and the per-example gradients
+        #: DP optimizer from its :class:`~hf_dpfilter.trainers.loss_scaling.DPLossScaler`) and the per-example gradients
         #: divide it out exactly (:class:`PerExampleGradients`)
         self.loss_scale = 1.0
         self._pending_scale = 1.0
@@ -157,7 +157,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._call_counts: dict[int, int] = {}
         self._reprove = False  # a later step made a call the proving step did not see: prove again
         self._tracer: BatchAxisTracer | None = None
-        #: nn.Dropout module -> how its mask is keyed, as proven (engine/proving.py, hf_dpfilter.example_randomness)
+        #: nn.Dropout module -> how its mask is keyed, as proven (engine/proving.py, hf_dpfilter.randomness.example_keys)
         self.dropout_verdicts: dict[nn.Module, str] = {}
         self._trace_depth = 0
         self._check_parameters = True  # whether the state checks compare parameters (not under FSDP2)
@@ -437,7 +437,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
 
         The recorded tensors then have rows as their leading axis, the per-example losses one entry per example
         of the layout, and each layer's activations and output gradients are regrouped per example before its
-        rule (:mod:`hf_dpfilter.packing`), so every example gets its own gradient and its own clip.
+        rule (:mod:`hf_dpfilter.data.packing`), so every example gets its own gradient and its own clip.
         """
         previous, self._packing = self._packing, layout
         try:
@@ -499,7 +499,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if per_example_loss.dim() != 1:
             raise ValueError(
                 f"per_example_loss must have shape (batch,), got {tuple(per_example_loss.shape)}: reduce each "
-                "example's loss over its own tokens only (see hf_dpfilter.losses)."
+                "example's loss over its own tokens only (see hf_dpfilter.losses.tasks)."
             )
         batch, given = per_example_loss.shape[0], per_example_loss  # (given: as the block computed it, unscaled)
         if self._batch_size is not None and batch != self._batch_size:

@@ -11,8 +11,8 @@ this is DP-Adam(W). The base optimizer and ``postprocess`` (filters, momentum) o
 g_t, so they are post-processing.
 
 **The step's order** (:meth:`step`): clip -> sum -> noise -> post-process -> base step -> account; the pieces
-live elsewhere (the engine and its multi-point service :mod:`hf_dpfilter.engine.points`, :mod:`hf_dpfilter.noise`,
-:mod:`hf_dpfilter.budget`, the accountant), the order and the state live here.
+live elsewhere (the engine and its multi-point service :mod:`hf_dpfilter.engine.points`, :mod:`hf_dpfilter.randomness.noise`,
+:mod:`hf_dpfilter.accounting.budget`, the accountant), the order and the state live here.
 
 **One owner.** The optimizer is the only code that clips, adds noise and records a step. Its
 :meth:`accumulate` drives the clipping engine (forward(s) at the method's parameter points, one backward,
@@ -35,7 +35,7 @@ their :class:`~hf_dpfilter.optimizers.method_config.MethodConfig`):
 * :meth:`method_state_dict` / :meth:`load_method_state_dict` -- extra state, saved with checkpoints.
 
 Noise comes from a torch generator seeded from the plan's secret seed (its own stream,
-:func:`hf_dpfilter.noise.seeded_generator`), or from the OS CSPRNG with ``secure_rng=True``. Under several
+:func:`hf_dpfilter.randomness.noise.seeded_generator`), or from the OS CSPRNG with ``secure_rng=True``. Under several
 processes the clipped sums are summed through the plan's collectives and every process adds the *same*
 noise draw, so noise enters once in total and all replicas stay identical.
 """
@@ -51,21 +51,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hf_dpfilter.accounting import PrivacyAccountant
-from hf_dpfilter.budget import BudgetGuard, PrivacyBudgetExceededError
-from hf_dpfilter.clipping import clip_factors, zero_nonfinite_examples
-from hf_dpfilter.collectives import Collectives, default_collectives, is_sharded
+from hf_dpfilter.accounting.accountant import PrivacyAccountant
+from hf_dpfilter.accounting.budget import BudgetGuard, PrivacyBudgetExceededError
+from hf_dpfilter.distributed.collectives import Collectives, default_collectives, is_sharded
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
 from hf_dpfilter.engine.points import LossFn, per_example_combination
-from hf_dpfilter.example_randomness import ExampleRandomness, example_digest, keyed_step
-from hf_dpfilter.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
+from hf_dpfilter.optimizers.clipping import clip_factors, zero_nonfinite_examples
 from hf_dpfilter.optimizers.method_config import DPSGDConfig, Mechanism, MethodConfig  # noqa: F401 (DPSGDConfig: re-exported)
 from hf_dpfilter.optimizers.method_state import copy_all_, index_to_params, params_to_index
 from hf_dpfilter.optimizers.wrapped import WrappedOptimizer, build_base_optimizer
+from hf_dpfilter.randomness.example_keys import ExampleRandomness, example_digest, keyed_step
+from hf_dpfilter.randomness.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
 
 if TYPE_CHECKING:
-    from hf_dpfilter.loss_scaling import DPLossScaler
     from hf_dpfilter.plan import PrivacyPlan
+    from hf_dpfilter.trainers.loss_scaling import DPLossScaler
 
 
 class UnprivatizedGradientError(RuntimeError):
@@ -97,8 +97,8 @@ class DPOptimizer(WrappedOptimizer):
         self.plan = plan
         self.accountant = accountant if accountant is not None else PrivacyAccountant(plan.accountant)
         if collectives is None:
-            # custom loops too: processes started by a launcher are one DP run, or refused (hf_dpfilter.processes)
-            from hf_dpfilter.processes import check_one_dp_run
+            # custom loops too: processes started by a launcher are one DP run, or refused (hf_dpfilter.distributed.processes)
+            from hf_dpfilter.distributed.processes import check_one_dp_run
 
             check_one_dp_run(torch.distributed.get_world_size() if torch.distributed.is_available()
                              and torch.distributed.is_initialized() else 1)
@@ -113,7 +113,7 @@ class DPOptimizer(WrappedOptimizer):
         self.restored_from_checkpoint = False
         #: the privacy unit this run counts (public: unit, id column, k, number of units), saved in checkpoints;
         #: and the one a loaded checkpoint recorded (None: none, or a checkpoint of an earlier version).
-        #: hf_dpfilter.unit_identity compares them before the first step of a resume.
+        #: hf_dpfilter.run.unit_identity compares them before the first step of a resume.
         self.unit_identity: dict[str, Any] | None = None
         self.loaded_unit_identity: dict[str, Any] | None = None
         self.dp_steps = 0
@@ -122,7 +122,7 @@ class DPOptimizer(WrappedOptimizer):
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
         self._engine_checked: GhostClippingEngine | None = None
         self._sharded: bool | None = None
-        #: opt-in: refuse a step that would take epsilon(target_delta) above target_epsilon (hf_dpfilter.budget)
+        #: opt-in: refuse a step that would take epsilon(target_delta) above target_epsilon (hf_dpfilter.accounting.budget)
         self.budget = BudgetGuard(target_epsilon, target_delta)
         #: callables ``hook(optimizer)`` run at the start of every step, before any noise is drawn or released
         #: (DPTrainer writes its privacy ledger here).
@@ -133,7 +133,7 @@ class DPOptimizer(WrappedOptimizer):
         #: warn at every step that zeroes examples, with the count (off by default: the warning is that signal;
         #: DPTrainer sets it from ``dp_log_nonprivate_metrics``)
         self.warn_nonfinite = False
-        #: fp16 loss scaling (hf_dpfilter.loss_scaling): the scale of the engine's backward, divided out exactly,
+        #: fp16 loss scaling (hf_dpfilter.trainers.loss_scaling): the scale of the engine's backward, divided out exactly,
         #: and moved only by the noised gradient. None: no scaling (fp32, bf16)
         self.loss_scaler: DPLossScaler | None = None
 
@@ -227,7 +227,7 @@ class DPOptimizer(WrappedOptimizer):
                 nothing is run, and the step then adds noise to a zero sum.
             example_keys: one entry per row of the micro-batch, in order: the example's own content (its raw
                 data-set row, or a tensor of its unpadded values), never its padded row. Each example's dropout
-                masks are keyed to it (:mod:`hf_dpfilter.example_randomness`); without keys a dropout draw in
+                masks are keyed to it (:mod:`hf_dpfilter.randomness.example_keys`); without keys a dropout draw in
                 the forward is refused.
             padding_side: the side the rows are padded on (``"left"``: dropout indices run from the end).
             unkeyed_reason: why no keys are given (named in the refusal if the forward draws dropout).
@@ -340,7 +340,7 @@ class DPOptimizer(WrappedOptimizer):
         The new stream is not derivable from ``dp_seed`` nor from the step: two branches resumed from one
         checkpoint never share noise.
         """
-        from hf_dpfilter.secure_rng import fresh_seed
+        from hf_dpfilter.randomness.secure_rng import fresh_seed
 
         self.seed = self.collectives.agree_on_seed(fresh_seed())
         self._generators = {}
@@ -352,13 +352,13 @@ class DPOptimizer(WrappedOptimizer):
         return self._generators[device]
 
     def gaussian_noise(self, shape: torch.Size, std: float, like: torch.Tensor) -> torch.Tensor:
-        """N(0, std^2) noise of ``shape`` (:func:`hf_dpfilter.noise.gaussian_noise`): every non-sharded draw of
+        """N(0, std^2) noise of ``shape`` (:func:`hf_dpfilter.randomness.noise.gaussian_noise`): every non-sharded draw of
         a step passes here."""
         return gaussian_noise(shape, std, like, secure=self.secure_rng, generator=self._generator,
                               collectives=self.collectives)
 
     def noise_source(self) -> NoiseSource:
-        """Where this optimizer's noise comes from, for the functions of :mod:`hf_dpfilter.noise`."""
+        """Where this optimizer's noise comes from, for the functions of :mod:`hf_dpfilter.randomness.noise`."""
         return NoiseSource(draw=self.gaussian_noise, generator=self._generator, secure=self.secure_rng,
                            collectives=self.collectives)
 
@@ -427,7 +427,7 @@ class DPOptimizer(WrappedOptimizer):
 
     # ------------------------------------------------------------------------------- faults
     def _zero_nonfinite(self, grads: PerExampleGradients, losses: torch.Tensor) -> torch.Tensor | None:
-        """Zero the examples with a NaN/inf loss or gradient (:func:`hf_dpfilter.clipping.zero_nonfinite_examples`);
+        """Zero the examples with a NaN/inf loss or gradient (:func:`hf_dpfilter.optimizers.clipping.zero_nonfinite_examples`);
         counted, and warned about only with ``warn_nonfinite``."""
         bad = zero_nonfinite_examples(grads, losses)
         if bad is None:
@@ -485,7 +485,7 @@ class DPOptimizer(WrappedOptimizer):
         self.dp_steps = dp_state["dp_steps"]
         self.loaded_noise_multiplier = dp_state["noise_multiplier"]
         self.run_id = dp_state.get("run_id", self.run_id)
-        # the checkpoint's unit stays this optimizer's until the session compares it (hf_dpfilter/unit_identity.py)
+        # the checkpoint's unit stays this optimizer's until the session compares it (hf_dpfilter/run/unit_identity.py)
         self.unit_identity = self.loaded_unit_identity = dp_state.get("privacy_unit")
         # Fresh noise after a resume: a restored generator (or one re-derived from the DP seed) would draw on the
         # branch from this checkpoint the noise another branch already released on other batches, and the two

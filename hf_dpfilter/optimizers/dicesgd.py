@@ -53,11 +53,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hf_dpfilter.collectives import is_sharded
+from hf_dpfilter.distributed.collectives import is_sharded
 from hf_dpfilter.engine import PerExampleGradients
-from hf_dpfilter.noise import noisy_averages
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
+from hf_dpfilter.randomness.noise import noisy_averages
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan

@@ -43,7 +43,7 @@ route must make the second term vanish or be negligible:
   not deterministic run to run (CUDA atomics), d^_j is a random variable whose law depends on j's own
   inputs only: coupling the draws of D and D' example by example bounds every coupled pair by C_r, and the
   mechanism's output, a mixture over the couplings, keeps the Gaussian mechanism's guarantee (joint convexity of
-  the divergence) -- as for dropout masks, which are keyed to each example (hf_dpfilter/example_randomness.py). The rounding
+  the divergence) -- as for dropout masks, which are keyed to each example (hf_dpfilter/randomness/example_keys.py). The rounding
   then only costs utility (d^_j's relative error about u ||g|| / ||d||, u = 2^-24 in float32), never privacy.
   A micro-batch of several examples, or one not declared collated alone, falls back to float64 (below): the
   route never trusts a shape for the privacy.
@@ -94,9 +94,9 @@ from torch import nn
 
 from hf_dpfilter.engine import PerExampleGradients
 from hf_dpfilter.engine.points import CurrentFloat64Point, Float64Point
-from hf_dpfilter.noise import noisy_averages
 from hf_dpfilter.optimizers.base import DPOptimizer
 from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
+from hf_dpfilter.randomness.noise import noisy_averages
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan

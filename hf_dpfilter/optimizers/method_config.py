@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from hf_dpfilter.calibration import calibrate_noise_multiplier, calibrate_scale
+from hf_dpfilter.accounting.calibration import calibrate_noise_multiplier, calibrate_scale
 
 if TYPE_CHECKING:
     from hf_dpfilter.plan import PrivacyPlan

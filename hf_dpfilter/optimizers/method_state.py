@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_dpfilter.collectives import is_sharded
+from hf_dpfilter.distributed.collectives import is_sharded
 
 __all__ = ["copy_all_", "index_to_params", "params_to_index"]
 

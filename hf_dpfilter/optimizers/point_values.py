@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_dpfilter.collectives import is_sharded
+from hf_dpfilter.distributed.collectives import is_sharded
 
 __all__ = ["Points", "with_identity_gradient"]
 

@@ -171,7 +171,7 @@ class BatchAxisTracer(TorchFunctionMode):
         self.watched: dict[int, tuple[torch.Tensor, Any]] = {}
         #: (tag, innermost running module) of each input a dropout drew a mask for, in call order: keyed to the
         #: rows of its leading axis, or drawn once for all (an nn.Dropout on a tensor free of the batch) by
-        #: hf_dpfilter.example_randomness; the engine refuses any other
+        #: hf_dpfilter.randomness.example_keys; the engine refuses any other
         self.dropout_inputs: list[tuple[tuple[int, int] | None, Any]] = []
         #: the innermost module running (set by the engine's proving step)
         self.current_module: Any = lambda: None

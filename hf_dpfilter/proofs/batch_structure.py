@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hf_dpfilter.packing import FLASH_BOUNDARY_KEYS, SEQ_IDX_KEY, PackedLayout, PackingError
+from hf_dpfilter.data.packing import FLASH_BOUNDARY_KEYS, SEQ_IDX_KEY, PackedLayout, PackingError
 
 __all__ = ["BatchStructure", "BatchStructureError", "probe_batch_structure", "random_keys"]
 

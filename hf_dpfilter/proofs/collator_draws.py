@@ -179,7 +179,7 @@ def keyed_draws(collate_fn: Any, batch: dict[str, Any], raws: list, row_seeds: l
 
     Which keys are random is shown on this very batch (every step, not a sample): the collation of ``raws`` under
     two seeds (``probe_seeds``) differs on them. Example i's row of such a key then holds its collation alone
-    under ``row_seeds[i]`` (a keyed hash of its content and the step: hf_dpfilter/example_randomness.py) on its own
+    under ``row_seeds[i]`` (a keyed hash of its content and the step: hf_dpfilter/randomness/example_keys.py) on its own
     columns, on the declared padding ``side``; the row's other columns must be the same under both seeds (padding)
     and take that value. A draw over the whole batch (a fixed number of masks over all rows) is thereby replaced
     by each example's draw alone, whatever the other examples.

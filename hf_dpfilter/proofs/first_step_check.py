@@ -37,7 +37,7 @@ over reductions of a few thousand terms); float32 with TF32 matmuls allowed on C
 weights (:func:`computes_in_low_precision`: a bf16 frozen base under fp32 LoRA adapters, as ``get_peft_model`` leaves
 a base loaded in bf16, computes its matmuls in bf16 without any autocast). A coupling or a wrong rule moves the result by
 O(1) of the example's gradient, far above each; a weaker coupling (a little attention across packed examples)
-is checked directly, on synthetic tokens, by :func:`hf_dpfilter.packing.check_attention_stays_inside_examples`.
+is checked directly, on synthetic tokens, by :func:`hf_dpfilter.data.packing.check_attention_stays_inside_examples`.
 """
 
 from __future__ import annotations

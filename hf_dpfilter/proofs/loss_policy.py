@@ -1,7 +1,7 @@
 """Which loss DPTrainer trains with: built per example by the library, or supplied through one documented hook.
 
 DP needs one loss per example that depends on that example only. The library builds it from the model's
-logits (:mod:`hf_dpfilter.losses`). The Trainer offers other ways to define a loss, each of which computes
+logits (:mod:`hf_dpfilter.losses.tasks`). The Trainer offers other ways to define a loss, each of which computes
 one number for the whole (micro-)batch, so an example's weight could depend on the others: a ``compute_loss``
 override, ``compute_loss_func=...``, and the model's own loss. These are refused, never silently replaced,
 unless the user supplies the per-example loss through the documented hook -- an override of
@@ -14,7 +14,7 @@ privacy audit does, for its canary loss.)
 The per-example losses support label smoothing exactly (the smoothed cross-entropy of the Trainer's
 ``LabelSmoother``, token by token, averaged over each example's own tokens, not over the batch's), and
 ``compute_per_example_loss`` passes ``label_smoothing_factor``; the fields table
-(:mod:`hf_dpfilter.training_fields`) refuses ``label_smoothing_factor > 0`` today, so it only takes effect once
+(:mod:`hf_dpfilter.run.training_fields`) refuses ``label_smoothing_factor > 0`` today, so it only takes effect once
 that row honours it.
 
 PEFT prompt learning (prompt tuning, P-tuning, prefix tuning) is refused: its virtual-token parameters are

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from hf_dpfilter.losses import IGNORE_INDEX
+from hf_dpfilter.losses.tasks import IGNORE_INDEX
 
 __all__ = [
     "POSITION_SCHEMES",
@@ -191,7 +191,7 @@ def labels_along_tokens(model: Any, label_names: Any) -> bool | None:
     chance, and cutting it would drop label columns of the example."""
     from transformers.models.auto import modeling_auto as auto
 
-    from hf_dpfilter.question_answering import SPAN_LABEL_NAMES
+    from hf_dpfilter.losses.question_answering import SPAN_LABEL_NAMES
 
     if label_names is not None and sorted(label_names) == sorted(SPAN_LABEL_NAMES):
         return False

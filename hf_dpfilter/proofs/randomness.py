@@ -48,7 +48,7 @@ CONFIG_RANDOMNESS_NAMES = ("jitter", "layerdrop", "drop_path", "stochastic_depth
 
 #: True inside a checking forward of a model whose dropout it turned off: a proof the engine concludes there saw
 #: none of the training forward's dropout calls, so it proves again on the next recorded forward
-#: (hf_dpfilter.example_randomness keys each dropout by the proof's verdict)
+#: (hf_dpfilter.randomness.example_keys keys each dropout by the proof's verdict)
 DROPOUT_TURNED_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("dropout_turned_off", default=False)
 
 

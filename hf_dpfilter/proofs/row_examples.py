@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from hf_dpfilter.packing import PackedLayout, PackingError
+from hf_dpfilter.data.packing import PackedLayout, PackingError
 
 __all__ = [
     "RowHoldsSeveralExamplesError",

@@ -3,7 +3,7 @@
 The sampler draws data-set rows, and the accountant counts rows, so each row's contribution to a step must be
 one vector clipped to C. Padded batches give that by construction (one row of the batch per data-set row,
 clipped as one vector, whatever the row holds). Packed batches do not: the engine clips each *segment* of
-``position_ids`` (:meth:`hf_dpfilter.packing.PackedLayout.from_position_ids`) as its own example, so a row the
+``position_ids`` (:meth:`hf_dpfilter.data.packing.PackedLayout.from_position_ids`) as its own example, so a row the
 data set already packed (``position_ids`` restarting inside it, TRL's ``seq_lengths``) becomes several clipped
 vectors, and one sampled row moves the clipped sum by up to (its segments) x C. Counting the segments of a batch
 against the rows it was given does not close it: a row whose first segment continues the previous row's
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hf_dpfilter.packing import PackedLayout, PackingError
+from hf_dpfilter.data.packing import PackedLayout, PackingError
 from hf_dpfilter.proofs.row_examples import check_rows_hold_one_example
 
 __all__ = ["PrepackedRowError", "RowSegmentsGuard", "check_segments_are_rows"]

@@ -2,7 +2,7 @@
 (offsets -> start/end token positions, the CLS index for an answer outside the span), ``DataCollatorWithPadding``.
 
 The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``; the per-example start/end
-loss is built in (hf_dpfilter/question_answering.py), ``remove_unused_columns`` stays at its default.
+loss is built in (hf_dpfilter/losses/question_answering.py), ``remove_unused_columns`` stays at its default.
 """
 
 from __future__ import annotations
