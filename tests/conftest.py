@@ -6,9 +6,19 @@ process avoids thread spin-up and contention, and keeps the suite fast and its t
 
 import gc
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The test folders mirror the package; a test module reuses another's builders by module name
+# (``from test_model_families import _args``), so every test folder is on the path.
+_TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_TESTS)] + sorted(
+    str(folder) for folder in _TESTS.iterdir()
+    if folder.is_dir() and folder.name not in {"scripts", "__pycache__"} and not folder.name.startswith(".")
+)
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

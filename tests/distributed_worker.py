@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py: a few DPTrainer steps on a tiny float64 RoBERTa.
+"""Worker for tests/distributed/test_ddp.py: a few DPTrainer steps on a tiny float64 RoBERTa.
 
 Run as ``torchrun --nproc_per_node 2 tests/distributed_worker.py OUT METHOD:SIGMA [METHOD:SIGMA ...]`` (CPU,
 gloo) or as a plain ``python`` process. For each configuration, each process saves its final parameters, epsilon
@@ -16,7 +16,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# the test folders mirror the package; workers import test modules by name, as the tests do
+sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
+                               if os.path.isdir(os.path.join(HERE, d)) and d not in ("scripts", "__pycache__"))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
 from _common import finish_run  # noqa: E402

@@ -1,4 +1,4 @@
-"""Worker for tests/test_fsdp.py: DP training of a tiny float64 RoBERTa sharded with FSDP2 (``fully_shard``).
+"""Worker for tests/distributed/test_fsdp.py: DP training of a tiny float64 RoBERTa sharded with FSDP2 (``fully_shard``).
 
 ``torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT CONFIG [...]`` shards the model as Accelerate's FSDP2
 preparation does (one unit per transformer layer, then the root) and runs the DP optimizer and the clipping
@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# the test folders mirror the package; workers import test modules by name, as the tests do
+sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
+                               if os.path.isdir(os.path.join(HERE, d)) and d not in ("scripts", "__pycache__"))
 
 from helpers import ListDataset, PadCollator, freeze_imported_objects, make_examples  # noqa: E402
 from models import VOCAB, tiny_roberta  # noqa: E402

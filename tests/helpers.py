@@ -33,7 +33,7 @@ def script_help(script: str) -> subprocess.CompletedProcess:
     directory, with nothing on PYTHONPATH.
 
     Run once per test session: each run starts an interpreter that imports torch and transformers (~6 CPU s), and
-    test_application_layout.py, test_recipes.py and test_readme_commands.py all check the same run."""
+    tests/apps/test_application_layout.py, tests/apps/test_recipes.py and tests/apps/test_readme_commands.py all check the same run."""
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with tempfile.TemporaryDirectory() as elsewhere:

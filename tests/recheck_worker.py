@@ -1,4 +1,4 @@
-"""Worker for tests/test_adversarial_run.py: DPTrainer on a tiny float64 GPT-2 with left padding (positions from
+"""Worker for tests/adversarial/test_run_attacks.py: DPTrainer on a tiny float64 GPT-2 with left padding (positions from
 the mask) and every micro-batch re-checked alone, in one process or two (``torchrun``, CPU, gloo).
 
 ``python tests/recheck_worker.py OUT MODE [MODE]``, each MODE in ``OUT/MODE``: ``train``: 3 steps, each process
@@ -15,7 +15,9 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# the test folders mirror the package; workers import test modules by name, as the tests do
+sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
+                               if os.path.isdir(os.path.join(HERE, d)) and d not in ("scripts", "__pycache__"))
 
 from helpers import LeftPadCollator, ListDataset, freeze_imported_objects, make_examples  # noqa: E402
 from models import VOCAB, tiny_gpt2  # noqa: E402

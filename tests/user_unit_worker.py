@@ -1,4 +1,4 @@
-"""Worker for tests/test_user_unit.py::test_two_processes_user_sensitivity (torchrun, 2 processes, CPU, gloo).
+"""Worker for tests/data/test_units.py::test_two_processes_user_sensitivity (torchrun, 2 processes, CPU, gloo).
 
 Each process takes its users from :class:`~hf_dpfilter.data.units.UserPoissonBatchSampler` (q = 1: every user, whole
 users per process), cuts its packed micro-batches at user boundaries and accumulates the clipped sums (float32
@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# the test folders mirror the package; workers import test modules by name, as the tests do
+sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
+                               if os.path.isdir(os.path.join(HERE, d)) and d not in ("scripts", "__pycache__"))
 
 from helpers import ListDataset, flat, freeze_imported_objects  # noqa: E402
-from test_user_unit import _extreme_user, _users, accumulate_packed_users  # noqa: E402
+from test_units import _extreme_user, _users, accumulate_packed_users  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
 from hf_dpfilter.data.units import UserIndex, UserPoissonBatchSampler  # noqa: E402

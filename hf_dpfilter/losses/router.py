@@ -7,7 +7,7 @@ the tokens of the batch and all MoE layers: a batch statistic, through which one
 other example's loss. The DPTrainer's losses are per example, so it computes the same formula per example,
 over that example's own real tokens (its attention mask), and adds it to that example's loss: example ``i``'s
 loss then depends on example ``i`` alone, and an example trained alone gets exactly the model's own loss
-(its ``outputs.loss`` with labels and the router logits, which is how ``tests/test_arch_moe.py`` checks it).
+(its ``outputs.loss`` with labels and the router logits, which is how ``tests/engine/test_moe.py`` checks it).
 """
 
 from __future__ import annotations

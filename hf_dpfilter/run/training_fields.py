@@ -12,7 +12,7 @@ has one row in :data:`FIELD_POLICIES`, with one of four statuses:
 * ``opt_in`` -- trades privacy away, or rests on a claim the library cannot check, only behind an explicit
   option documented as such.
 
-A field that a new transformers release adds has no row, and ``tests/test_training_fields.py`` fails until it
+A field that a new transformers release adds has no row, and ``tests/run/test_training_fields.py`` fails until it
 is classified here. Refusals run where the value is known: at ``DPTrainingArguments.__post_init__``
 (``stage="arguments"``), and again when the ``DPTrainer`` is created and when ``train()`` starts
 (``stage="trainer"``), for what can change after the arguments were built. docs/configuration.md holds the

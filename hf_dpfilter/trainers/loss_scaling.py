@@ -9,7 +9,7 @@ divides S out afterwards. Here S is always a power of two, and three things hold
   their rounding bounds by ``S^2`` and the fp32/fp64 clip coefficients by ``S``. Dividing by a power of two
   changes only the exponent: no rounding, so the proven bound of ``||S g_i||`` divided by S is a proven bound of
   ``||g_i||`` and every example is clipped to C as without scaling (the clipped sum equals the unscaled run's up
-  to the fp16 rounding of the backward itself; tests/test_fp16_and_start.py).
+  to the fp16 rounding of the backward itself; tests/trainers/test_loss_scaling.py).
 * **Overflow is decided per example, before the release.** An example whose loss or gradient norm is NaN/inf
   (an fp16 overflow in its own backward: the batch axis is proven separate, so it stays in its own rows) is
   replaced by the zero vector (:func:`hf_dpfilter.optimizers.clipping.zero_nonfinite_examples`), a deterministic function

@@ -8,7 +8,7 @@ encoder-decoder's per-example loss is the mean cross-entropy over the example's 
 already aligned with the labels, the model shifts them into ``decoder_input_ids``, so no shift is done here).
 
 What the Seq2Seq arguments add acts on evaluation only, and :data:`SEQ2SEQ_FIELD_POLICIES` says so for each field
-(a field a new transformers release adds has no row, and ``tests/test_seq2seq.py`` fails until it is classified):
+(a field a new transformers release adds has no row, and ``tests/trainers/test_seq2seq.py`` fails until it is classified):
 ``predict_with_generate`` makes ``evaluate()``/``predict()`` generate, under the same evaluation-set checks as
 any evaluation (a set sharing rows with the training set is refused); ``generation_*`` set how. The
 ``sortish_sampler`` flag is read by no code of the installed transformers, and DPTrainerMixin's training loader

@@ -7,7 +7,7 @@ then the DP checks, then TRL's (which resolves ``bf16=None``), then the Trainer'
 
 Every field SFTConfig adds to ``TrainingArguments`` has a DP status in :data:`SFT_FIELD_POLICIES` (the same
 four statuses as :mod:`hf_dpfilter.run.training_fields`); a field a new TRL release adds has no row, and
-``tests/test_sft.py`` fails until it is classified here.
+``tests/trainers/test_sft.py`` fails until it is classified here.
 """
 
 from __future__ import annotations
