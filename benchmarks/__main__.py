@@ -47,15 +47,20 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "sft-throughput": Subcommand("sft_throughput", "docs/sft.md",
                                  "examples/s of DP SFT packed vs unpacked, and DP vs non-private SFTTrainer"),
     "recheck-cost": Subcommand("recheck_cost", "docs/performance.md",
-                               "step time with the per-example re-checks at the default rate vs off, first-step check"),
+                               "step time with the per-example re-checks at the default rate vs off, "
+                               "first-step check"),
     "checks-breakdown": Subcommand("checks_breakdown", "docs/performance.md",
-                                   "each privacy check's share of a step on real lengths; new shapes; dynamic scripts"),
+                                   "each privacy check's share of a step on real lengths; new shapes; "
+                                   "dynamic scripts"),
     "checks-cost": Subcommand("checks_cost", "docs/performance.md",
-                              "step time of the current code vs the step before issue 29 (b24efd1), interleaved"),
+                              "step time of the current code vs the step before issue 29 (b24efd1), "
+                              "interleaved"),
     "real-length": Subcommand("real_length", "docs/performance.md",
-                              "time per logical batch and padded/real tokens on SST-2 and E2E lengths, DP vs Trainer"),
+                              "time per logical batch and padded/real tokens on SST-2 and E2E lengths, DP vs "
+                              "Trainer"),
     "user-level-cost": Subcommand("user_level_cost", "docs/privacy.md",
-                                  "epsilon at the same noise, example vs user level, on E2E with synthetic users"),
+                                  "epsilon at the same noise, example vs user level, on E2E with synthetic "
+                                  "users"),
 }
 
 
@@ -70,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
-        epilog="sub-commands:\n" + "\n".join(f"  {n:22s}{s.help} ({s.backs})" for n, s in SUBCOMMANDS.items()),
+        epilog="sub-commands:\n" + "\n".join(f"  {n:22s}{s.help} ({s.backs})" for n,
+                                             s in SUBCOMMANDS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("subcommand", choices=sorted(SUBCOMMANDS), metavar="SUB-COMMAND")

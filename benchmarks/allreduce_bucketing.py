@@ -1,8 +1,8 @@
 """Per-step cost of summing the clipped sums over processes: bucketed all-reduce vs one call per tensor.
 
 Two gloo processes on CPU all-reduce fp32 tensors shaped like the trainable parameters of RoBERTa-base and
-GPT-2 small, through :class:`hf_dpfilter.distributed.collectives.ProcessGroupCollectives` with its default buckets
-(25 MiB flat buffers, as DDP) and with ``bucket_bytes=0`` (one ``all_reduce`` per tensor, the gloo
+GPT-2 small, through :class:`hf_dpfilter.distributed.collectives.ProcessGroupCollectives` with its default
+buckets (25 MiB flat buffers, as DDP) and with ``bucket_bytes=0`` (one ``all_reduce`` per tensor, the gloo
 default). The variants are interleaved round by round and the figure is the median of the per-round ratios,
 so drift in the machine's load cancels.
 
@@ -35,7 +35,8 @@ def gpt2_small_shapes() -> list[tuple[int, ...]]:
     d, layers = 768, 12
     shapes: list[tuple[int, ...]] = [(50257, d), (1024, d)]
     for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
+                   (4 * d, d), (d,)]
     return shapes + [(d,), (d,)]
 
 

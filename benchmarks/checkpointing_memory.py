@@ -93,12 +93,14 @@ print(json.dumps({"peak_mb": peak_mb, "seconds": seconds, "peak_reset": reset,
 
 
 def measure(model: str, checkpointing: bool, args: argparse.Namespace) -> dict:
-    spec = {"model": model, "checkpointing": checkpointing, "batch_size": args.batch_size, "seq_len": args.seq_len,
+    spec = {"model": model, "checkpointing": checkpointing, "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
             "device": args.device, "threads": args.threads}
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20), TOKENIZERS_PARALLELISM="false")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(spec)], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(spec)], capture_output=True, text=True,
+                          env=env,
                           cwd=root)
     if done.returncode != 0:
         raise RuntimeError(f"{model} (checkpointing={checkpointing}) failed:\n{done.stderr[-3000:]}")
@@ -123,13 +125,15 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = measure(model, True, args)
         saving = 1.0 - ckpt["peak_mb"] / plain["peak_mb"]
         slowdown = ckpt["seconds"] / plain["seconds"]
-        rows.append({"model": model, "plain": plain, "checkpointing": ckpt, "saving": saving, "slowdown": slowdown})
+        rows.append({"model": model, "plain": plain, "checkpointing": ckpt, "saving": saving,
+                     "slowdown": slowdown})
         print(f"{model:<8} {plain['parameters_m']:>7.0f}M {plain['peak_mb']:>10.0f} {ckpt['peak_mb']:>10.0f} "
               f"{saving:>7.0%} {slowdown:>6.2f}x   ({time.time() - started:.0f} s)")
         if not (plain["peak_reset"] and ckpt["peak_reset"]):
             print("  (peak-RSS counter could not be reset: the figures include the warm-up step)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch_size": args.batch_size, "seq_len": args.seq_len, "device": args.device, "rows": rows},
+            json.dump({"batch_size": args.batch_size, "seq_len": args.seq_len, "device": args.device,
+                       "rows": rows},
                       f, indent=1)
 

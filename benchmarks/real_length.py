@@ -4,9 +4,9 @@ Two tasks, each on its data set's own token-length distribution, every batch pad
 
 * ``sst2``: full fine-tuning of the packaged pretrained MiniLM (a BERT, 6 layers, width 384, WordPiece) as a
   sequence classifier on sentences of SST-2's ``train.tsv``, collated by ``DataCollatorWithPadding``;
-* ``e2e``: a GPT-2 causal LM built from a config (random weights; ``--gpt2-layers``/``--gpt2-width``) on the E2E
-  table-to-text pairs, formatted by ``recipes/table2text.py`` (``table <sep> text <eos>``, table labelled -100)
-  and collated by its ``CausalLMCollator``. No GPT-2 tokenizer is available offline: the tokenizer is a
+* ``e2e``: a GPT-2 causal LM built from a config (random weights; ``--gpt2-layers``/``--gpt2-width``) on the
+  E2E table-to-text pairs, formatted by ``recipes/table2text.py`` (``table <sep> text <eos>``, table labelled
+  -100) and collated by its ``CausalLMCollator``. No GPT-2 tokenizer is available offline: the tokenizer is a
   byte-level BPE (GPT-2's algorithm) trained on the E2E texts here (``--bpe-vocab`` tokens).
 
 Four variants per task, interleaved in one process (A, B, C, D, A, B, ...; each figure the median over rounds
@@ -20,19 +20,20 @@ of the per-round ratio to the first variant, ``benchmarks.common.time_interleave
 * ``DPTrainer``: DP-SGD with Poisson sampling at the expected batch ``--logical-batch`` (the same sampled
   batches for both DP variants), ``per_device_train_batch_size=--micro-batch``, ``dp_group_by_length=False``
   (the sampled order, each micro-batch padded to its own longest);
-* ``DPTrainer grouped``: the same with ``dp_group_by_length=True`` (each step's sample ordered by length before
-  it is cut into micro-batches), when the installed ``DPTrainingArguments`` has the field.
+* ``DPTrainer grouped``: the same with ``dp_group_by_length=True`` (each step's sample ordered by length
+  before it is cut into micro-batches), when the installed ``DPTrainingArguments`` has the field.
 
 The privacy checks stay at their defaults (the first-step check, the re-checks of new micro-batch shapes and
-at ``dp_recheck_rate``): the cost users see. A variant's **first step** (the DP first-step check runs in it) is
-timed alone and reported apart; then ``--rounds`` interleaved rounds of ``--steps`` logical batches each are
-the steady state. **Padded/real tokens** are counted by a forward pre-hook on the model over the steady-state
-training forwards (those that record gradients: the DP re-checks' forwards run without gradients and are not
-counted): positions the forward sees (``input_ids.numel()``) against real tokens (``attention_mask.sum()``).
+at ``dp_recheck_rate``): the cost users see. A variant's **first step** (the DP first-step check runs in it)
+is timed alone and reported apart; then ``--rounds`` interleaved rounds of ``--steps`` logical batches each
+are the steady state. **Padded/real tokens** are counted by a forward pre-hook on the model over the
+steady-state training forwards (those that record gradients: the DP re-checks' forwards run without gradients
+and are not counted): positions the forward sees (``input_ids.numel()``) against real tokens
+(``attention_mask.sum()``).
 
-    python -m benchmarks real-length --data_dir ../shared/data          # docs/performance.md, "Real-length training"
-    python -m benchmarks real-length --quick                             # a smoke run of about a minute
-    python -m benchmarks real-length --device cuda --bf16 --out docs/performance.md
+    python -m benchmarks real-length --data_dir ../shared/data          # docs/performance.md, "Real-length
+    training" python -m benchmarks real-length --quick                             # a smoke run of about a
+    minute python -m benchmarks real-length --device cuda --bf16 --out docs/performance.md
     python -m benchmarks real-length --tiny --quick --json out.json      # the test's tiny models
 """
 
@@ -113,7 +114,8 @@ def sst2_task(args: argparse.Namespace) -> Task:
         source = "SST-2 train.tsv, MiniLM WordPiece"
     except SystemExit:
         rows = [{"input_ids": ids, "attention_mask": [1] * len(ids), "labels": i % 2}
-                for i, ids in enumerate(_synthetic_ids(args.examples, tokenizer.vocab_size, args.seed, 2.4, 64))]
+                for i,
+                ids in enumerate(_synthetic_ids(args.examples, tokenizer.vocab_size, args.seed, 2.4, 64))]
         source = "synthetic lengths (no SST-2)"
 
     def model() -> nn.Module:
@@ -134,9 +136,11 @@ def _e2e_tokenizer(pairs: list[tuple[str, str]], vocab: int):
 
     bpe = ByteLevelBPETokenizer()
     texts = [t for src, tgt in pairs for t in (src, " " + tgt)]
-    bpe.train_from_iterator(texts, vocab_size=vocab, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.train_from_iterator(texts, vocab_size=vocab, min_frequency=2, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
     end = "<|endoftext|>"
-    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=end, eos_token=end, pad_token=end,
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=end, eos_token=end,
+                                   pad_token=end,
                                    unk_token=end)
 
 
@@ -155,7 +159,8 @@ def e2e_task(args: argparse.Namespace) -> Task:
         tokenizer = _e2e_tokenizer(pairs, 512 if args.tiny else args.bpe_vocab)
         fmt = Seq2SeqAsLM(tokenizer, max_length=100)  # the recipe's E2E max_seq_length
         rows = [fmt.example(*pairs[i]) for i in rng.sample(range(len(pairs)), min(args.examples, len(pairs)))]
-        vocab, pad, source = len(tokenizer), fmt.pad_id, f"E2E devset.csv, byte-level BPE ({len(tokenizer)} tokens) trained on E2E"
+        vocab, pad, source = (len(tokenizer), fmt.pad_id, f"E2E devset.csv, byte-level BPE ({len(tokenizer)} "
+                                                          "tokens) trained on E2E")
     else:
         vocab, pad, source = 512 if args.tiny else args.bpe_vocab, 0, "synthetic lengths (no E2E)"
         ids = _synthetic_ids(args.examples, vocab, args.seed, 3.6, 100)
@@ -169,16 +174,17 @@ def e2e_task(args: argparse.Namespace) -> Task:
                             bos_token_id=pad, eos_token_id=pad, pad_token_id=pad)
         return GPT2LMHeadModel(config)
 
-    return Task("e2e", rows, model, CausalLMCollator(pad), source, f"GPT-2 {layers}x{width} (vocab {vocab}, random weights)")
+    return Task("e2e", rows, model, CausalLMCollator(pad), source, f"GPT-2 {layers}x{width} (vocab {vocab}, "
+        "random weights)")
 
 
 # ---------------------------------------------------------------------------------------------- tokens
 class TokenCount:
     """Positions the training forwards see and real tokens among them, from a forward pre-hook on the model.
 
-    Only training forwards are counted: those that record gradients (the non-private Trainer's) and, for DPTrainer,
-    those the DP optimizer runs (under its keyed dropout: the per-example checks record gradients too, outside
-    it), and only while ``on`` (the steady state)."""
+    Only training forwards are counted: those that record gradients (the non-private Trainer's) and, for
+    DPTrainer, those the DP optimizer runs (under its keyed dropout: the per-example checks record gradients
+    too, outside it), and only while ``on`` (the steady state)."""
 
     def __init__(self, model: nn.Module, private: bool = False) -> None:
         self.on = False
@@ -213,8 +219,9 @@ def _device_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class NonPrivate:
-    """The non-private ``Trainer``: its own train dataloader (random or length-grouped micro-batches), gradient
-    accumulation to the logical batch, the Trainer's ``training_step``, clipping at ``max_grad_norm``, AdamW."""
+    """The non-private ``Trainer``: its own train dataloader (random or length-grouped micro-batches),
+    gradient accumulation to the logical batch, the Trainer's ``training_step``, clipping at
+    ``max_grad_norm``, AdamW."""
 
     def __init__(self, task: Task, out: str, args: argparse.Namespace, group_by_length: bool) -> None:
         import datasets
@@ -227,11 +234,13 @@ class NonPrivate:
         else:
             sampling = {"group_by_length": group_by_length}
         training = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=self.accumulation,
+            output_dir=out, per_device_train_batch_size=args.micro_batch,
+            gradient_accumulation_steps=self.accumulation,
             **sampling, max_steps=10_000, learning_rate=args.learning_rate, seed=args.seed,
             **_device_fields(args))
         data = datasets.Dataset.from_list(task.rows)
-        self.trainer = Trainer(model=task.model(), args=training, train_dataset=data, data_collator=task.collator)
+        self.trainer = Trainer(model=task.model(), args=training, train_dataset=data,
+                               data_collator=task.collator)
         self.trainer.create_optimizer()
         self.trainer.current_gradient_accumulation_steps = self.accumulation  # what train() sets per step
         self.tokens = TokenCount(self.trainer.model)
@@ -252,21 +261,26 @@ class NonPrivate:
 
 
 class Private:
-    """``DPTrainer`` (DP-SGD, privacy checks at their defaults): each call one sampled logical batch collated by
-    the trainer's own collator, its ``training_step`` (micro-batches, checks, clipped sums), the DP optimizer step."""
+    """``DPTrainer`` (DP-SGD, privacy checks at their defaults): each call one sampled logical batch collated
+    by the trainer's own collator, its ``training_step`` (micro-batches, checks, clipped sums), the DP
+    optimizer step."""
 
-    def __init__(self, task: Task, out: str, args: argparse.Namespace, batches: list[list[int]], grouped: bool | None) -> None:
+    def __init__(self, task: Task, out: str, args: argparse.Namespace, batches: list[list[int]],
+                 grouped: bool | None) -> None:
         import datasets
 
         from hf_dpfilter import DPTrainer, DPTrainingArguments
 
         fields = {} if grouped is None else {"dp_group_by_length": grouped}
         training = DPTrainingArguments(
-            output_dir=out, per_device_train_batch_size=args.micro_batch, logical_batch_size=args.logical_batch,
+            output_dir=out, per_device_train_batch_size=args.micro_batch,
+            logical_batch_size=args.logical_batch,
             dp_method="dpsgd", noise_multiplier=1.0, per_sample_max_grad_norm=1.0, max_steps=10_000,
-            learning_rate=args.learning_rate, seed=args.seed, dp_seed=args.seed, **_device_fields(args), **fields)
+            learning_rate=args.learning_rate, seed=args.seed, dp_seed=args.seed, **_device_fields(args),
+            **fields)
         self.data = datasets.Dataset.from_list(task.rows)
-        self.trainer = DPTrainer(model=task.model(), args=training, train_dataset=self.data, data_collator=task.collator)
+        self.trainer = DPTrainer(model=task.model(), args=training, train_dataset=self.data,
+                                 data_collator=task.collator)
         self.trainer.create_optimizer()
         self.collate = self.trainer.get_train_dataloader().collate_fn
         self.tokens = TokenCount(self.trainer.model, private=True)
@@ -274,8 +288,9 @@ class Private:
         self.recheck_s = 0.0
 
     def time_rechecks(self) -> None:
-        """Sum the seconds of the re-checks in ``recheck_s`` (timed where they run; the checks' instance is built
-        at the first step), to tell the cost of a run's early steps (most micro-batch shapes new) from the rest."""
+        """Sum the seconds of the re-checks in ``recheck_s`` (timed where they run; the checks' instance is
+        built at the first step), to tell the cost of a run's early steps (most micro-batch shapes new) from
+        the rest."""
         time_rechecks(self.trainer, self._add_recheck)
 
     def _add_recheck(self, seconds: float) -> None:
@@ -315,7 +330,8 @@ def measure(task: Task, args: argparse.Namespace) -> dict[str, Any]:
         variants: dict[str, Any] = {
             "Trainer": NonPrivate(task, os.path.join(out, "a"), args, group_by_length=False),
             "Trainer group_by_length": NonPrivate(task, os.path.join(out, "b"), args, group_by_length=True),
-            "DPTrainer": Private(task, os.path.join(out, "c"), args, batches, grouped=False if grouping else None),
+            "DPTrainer": Private(task, os.path.join(out, "c"), args, batches,
+                                 grouped=False if grouping else None),
         }
         if grouping:
             variants["DPTrainer grouped"] = Private(task, os.path.join(out, "d"), args, batches, grouped=True)
@@ -358,7 +374,8 @@ def measure(task: Task, args: argparse.Namespace) -> dict[str, Any]:
                 "forwards_per_step": tokens.forwards / (args.rounds * args.steps),
                 "positions": tokens.positions, "real_tokens": tokens.real,
                 # the DP re-checks run in the timed steps (new micro-batch shapes, and dp_recheck_rate): two
-                # forwards without gradients each (one with a model without dropout), a cost of a run's early steps
+                # forwards without gradients each (one with a model without dropout), a cost of a run's early
+                # steps
                 "rechecks_per_step": (_rechecks(variant) - checks_before[name]) / (args.rounds * args.steps),
                 "recheck_share": sum(in_rechecks[name]) / max(sum(seconds[name]), 1e-12),
                 # the step less its re-checks, over the Trainer's: what it costs once most shapes are seen
@@ -376,33 +393,37 @@ def measure(task: Task, args: argparse.Namespace) -> dict[str, Any]:
 def table(results: list[dict[str, Any]], args: argparse.Namespace, load: str) -> str:
     device = f"{args.device}{' bf16' if args.bf16 else ''}"
     lines = [
-        f"Logical batch {args.logical_batch} (DP: Poisson, expected), micro-batch {args.micro_batch}, {device}, "
-        f"{args.rounds} interleaved rounds of {args.steps} logical batch(es) after each variant's first step; "
-        f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`, load {load}.",
+        f"Logical batch {args.logical_batch} (DP: Poisson, expected), micro-batch {args.micro_batch}, "
+        f"{device}, {args.rounds} interleaved rounds of {args.steps} logical batch(es) after each variant's "
+        f"first step; `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`, load {load}.",
         "",
-        "| task | variant | step (s) | step / Trainer | first step (s) | padded / real tokens | tokens / Trainer "
-        "| forwards / step | re-checks / step | time in re-checks | step less re-checks / Trainer |",
+        "| task | variant | step (s) | step / Trainer | first step (s) | padded / real tokens | tokens / "
+        "Trainer | forwards / step | re-checks / step | time in re-checks | step less re-checks / Trainer |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for name, row in result["variants"].items():
             lines.append(f"| {result['task']} | {name} | {row['step_s']:.2f} | {row['ratio']:.2f} | "
-                         f"{row['first_step_s']:.2f} | {row['padded_per_real']:.2f} | {row['tokens_ratio']:.2f} | "
-                         f"{row['forwards_per_step']:.1f} | {row['rechecks_per_step']:.1f} | "
-                         f"{row['recheck_share']:.0%} | {row['ratio_without_rechecks']:.2f} |")
+                         f"{row['first_step_s']:.2f} | {row['padded_per_real']:.2f} | "
+                         f"{row['tokens_ratio']:.2f} | {row['forwards_per_step']:.1f} | "
+                         f"{row['rechecks_per_step']:.1f} | {row['recheck_share']:.0%} | "
+                         f"{row['ratio_without_rechecks']:.2f} |")
     lines.append("")
     for result in results:
-        lines.append(f"- {result['task']}: {result['model']}; {result['lengths']}; {result['examples']} examples, "
-                     f"mean {result['mean_length']:.1f} tokens, max {result['max_length']}.")
+        lines.append(f"- {result['task']}: {result['model']}; {result['lengths']}; {result['examples']} "
+                     f"examples, mean {result['mean_length']:.1f} tokens, max {result['max_length']}.")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", default="sst2,e2e", help="comma-separated, of " + ", ".join(TASKS))
-    parser.add_argument("--data_dir", default=None, help="holds glue/SST-2 and e2e; default $HF_DPFILTER_DATA or ../shared/data")
-    parser.add_argument("--examples", type=int, default=8192, help="training set size (drawn from the data set)")
-    parser.add_argument("--logical-batch", type=int, default=256, help="examples per logical batch (DP: expected)")
+    parser.add_argument("--data_dir", default=None, help="holds glue/SST-2 and e2e; default "
+                                                         "$HF_DPFILTER_DATA or ../shared/data")
+    parser.add_argument("--examples", type=int, default=8192, help="training set size (drawn from the data "
+        "set)")
+    parser.add_argument("--logical-batch", type=int, default=256, help="examples per logical batch (DP: "
+        "expected)")
     parser.add_argument("--micro-batch", type=int, default=32, help="per_device_train_batch_size")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--steps", type=int, default=1, help="logical batches per variant per round")
@@ -413,10 +434,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision in every variant (CUDA)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: batch 64, micro-batch 16, 2 rounds, 1024 examples")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: batch 64, micro-batch 16, 2 "
+        "rounds, 1024 examples")
     parser.add_argument("--tiny", action="store_true", help="tiny models (the test); never for figures")
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--out", default=None, help="write the table between the markers of this file (docs/performance.md)")
+    parser.add_argument("--out", default=None, help="write the table between the markers of this file "
+                                                    "(docs/performance.md)")
     if parser.parse_known_args(argv)[0].quick:  # smaller defaults; options given explicitly still win
         parser.set_defaults(logical_batch=64, micro_batch=16, rounds=2, steps=1, examples=1024)
     args = parser.parse_args(argv)

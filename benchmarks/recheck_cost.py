@@ -5,8 +5,9 @@ logical batches with dynamic padding (right-padded to each micro-batch's longest
 mask). The example lengths are SST-2's (words + 2 special tokens, from ``train.tsv`` in ``$HF_DPFILTER_DATA``
 or ``../shared/data``; a seeded synthetic draw of similar lengths when the data is not there); the tokens are
 random ids. Every variant gets the same logical batches in the same order (Poisson draws at the plan's rate,
-seeded), and the variants run interleaved after a common warm-up (the shapes met in the warm-up are met by all),
-each figure the median over rounds of the per-round ratio of step times (``benchmarks.common.time_interleaved``):
+seeded), and the variants run interleaved after a common warm-up (the shapes met in the warm-up are met by
+all), each figure the median over rounds of the per-round ratio of step times
+(``benchmarks.common.time_interleaved``):
 
 * ``off``: ``dp_verify_first_step=False`` (no per-example check, no re-check): the reference;
 * ``new shapes``: ``dp_recheck_rate=0``: re-checks only of micro-batches whose shape is new in the run;
@@ -69,7 +70,8 @@ def make_trainer(data: list[dict], out: str, args: argparse.Namespace, **fields:
         per_device_train_batch_size=args.micro_batch, max_steps=10_000, optim="sgd", learning_rate=0.0,
         dp_seed=0, **fields,
     )
-    trainer = DPTrainer(model=build_model(args.tiny, args.dropout), args=training, train_dataset=data, data_collator=PadCollator())
+    trainer = DPTrainer(model=build_model(args.tiny, args.dropout), args=training, train_dataset=data,
+                        data_collator=PadCollator())
     trainer.create_optimizer()
     trainer.get_train_dataloader()
     return trainer
@@ -95,8 +97,9 @@ class Clock:
 
 
 def stepper(trainer: DPTrainer, batches: list[list[int]], data: list[dict], clock: Clock | None = None):
-    """One logical batch per call, in the order of ``batches``: ``training_step`` (micro-batches, checks, clipped
-    sums); returns its seconds. The accumulated sums are dropped (the noise and release are the same for all)."""
+    """One logical batch per call, in the order of ``batches``: ``training_step`` (micro-batches, checks,
+    clipped sums); returns its seconds. The accumulated sums are dropped (the noise and release are the same
+    for all)."""
     collate = trainer.get_train_dataloader().collate_fn
     order = iter(batches)
     clock = clock or Clock()
@@ -128,8 +131,9 @@ def first_step_cost(data: list[dict], batch: list[int], args: argparse.Namespace
 
 
 def shape_census(lengths: list[int], batch: int, micro_batch: int, steps: int, seed: int) -> dict:
-    """How many micro-batches of a run are a new shape (what the re-checks key on: number of examples and longest
-    length; right padding, unpacked), from the lengths alone: no model, the run's Poisson draws simulated."""
+    """How many micro-batches of a run are a new shape (what the re-checks key on: number of examples and
+    longest length; right padding, unpacked), from the lengths alone: no model, the run's Poisson draws
+    simulated."""
     draw, q, seen = random.Random(seed), batch / len(lengths), set()
     total = new = late_total = late_new = 0
     for step in range(steps):
@@ -148,7 +152,8 @@ def shape_census(lengths: list[int], batch: int, micro_batch: int, steps: int, s
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data_dir", default=None, help="SST-2 (train.tsv); default $HF_DPFILTER_DATA or ../shared/data")
+    parser.add_argument("--data_dir", default=None, help="SST-2 (train.tsv); default $HF_DPFILTER_DATA or "
+                                                         "../shared/data")
     parser.add_argument("--examples", type=int, default=4096, help="training set size N")
     parser.add_argument("--batch", type=int, default=64, help="expected logical batch (Poisson)")
     parser.add_argument("--micro_batch", type=int, default=32, help="per_device_train_batch_size")
@@ -166,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     lengths, source = example_lengths(args.examples, 0, args.data_dir)
     ids = torch.Generator().manual_seed(1)
     vocab = 1000 if args.tiny else 30522
-    data = [{"input_ids": torch.randint(3, vocab, (n,), generator=ids), "labels": i % 2} for i, n in enumerate(lengths)]
+    data = [{"input_ids": torch.randint(3, vocab, (n,), generator=ids), "labels": i % 2} for i,
+            n in enumerate(lengths)]
     draw = random.Random(2)
     q = args.batch / args.examples
     steps = args.warmup + args.rounds
@@ -187,20 +193,22 @@ def main(argv: list[str] | None = None) -> dict:
         for clock in clocks.values():
             clock.reset()
         timing = time_interleaved(steps_of, args.rounds)
-        rechecks = {n: (t._separation.rechecks_run if t._separation else 0) - seen[n] for n, t in variants.items()}
+        rechecks = {n: (t._separation.rechecks_run if t._separation else 0) - seen[n] for n,
+                    t in variants.items()}
         micro = sum(-(-len(b) // args.micro_batch) for b in batches[args.warmup:])
         warm_micro = sum(-(-len(b) // args.micro_batch) for b in batches[: args.warmup])
     first = first_step_cost(data, batches[0], args, args.first_step_repeats)
     census = shape_census(lengths, args.batch, args.micro_batch, args.census_steps, 3)
-    # one re-check's cost in steps without checks, timed where it runs (the median of per-round ratios misses a
-    # cost paid in some rounds only: it is reported, and so is the mean)
+    # one re-check's cost in steps without checks, timed where it runs (the median of per-round ratios misses
+    # a cost paid in some rounds only: it is reported, and so is the mean)
     timed = clocks["default rate"]
     per_recheck = (timed.rechecks / max(timed.count, 1)) / (clocks["off"].steps / max(args.rounds, 1))
     per_micro = micro / max(args.rounds, 1)
     run_rechecks = census["new_fraction"] + (1 - census["new_fraction"]) * DEFAULT_RECHECK_RATE
     run_cost = run_rechecks * per_micro * per_recheck
     result = {
-        "lengths": source, "model": "tiny BERT" if args.tiny else "BERT 2x128 (vocab 30522)", "dropout": args.dropout,
+        "lengths": source, "model": "tiny BERT" if args.tiny else "BERT 2x128 (vocab 30522)",
+        "dropout": args.dropout,
         "batch": args.batch, "micro_batch": args.micro_batch, "rounds": args.rounds, "warmup": args.warmup,
         "default_rate": DEFAULT_RECHECK_RATE, "micro_batches_timed": micro,
         "rechecks_timed": rechecks, "rechecks_warmup": seen, "micro_batches_warmup": warm_micro,
@@ -214,21 +222,22 @@ def main(argv: list[str] | None = None) -> dict:
         "first_step_ratio": first,
         "census": census, "recheck_cost_in_steps": per_recheck, "run_average_cost": run_cost,
     }
-    print(f"recheck-cost: {result['model']}, dropout {args.dropout:g}, {source}, Poisson batch {args.batch}, micro-batch {args.micro_batch}, "
-          f"{args.warmup} warm-up steps, {args.rounds} interleaved rounds ({micro} micro-batches), CPU")
+    print(f"recheck-cost: {result['model']}, dropout {args.dropout:g}, {source}, Poisson batch {args.batch}, "
+          f"micro-batch {args.micro_batch}, {args.warmup} warm-up steps, {args.rounds} interleaved rounds "
+          f"({micro} micro-batches), CPU")
     print(f"  step without checks: {result['step_s_off'] * 1e3:.1f} ms")
     print(f"  re-checks in the warm-up ({warm_micro} micro-batches): {seen}")
     print(f"  re-checks in the timed rounds ({micro} micro-batches): {rechecks}")
-    print(f"  step time, new-shape re-checks only / no checks: median {result['ratio_new_shapes_vs_off']:.3f}, "
-          f"mean {result['mean_ratio_new_shapes_vs_off']:.3f}")
-    print(f"  step time, default rate {DEFAULT_RECHECK_RATE:g} / no checks: median {result['ratio_default_vs_off']:.3f}, "
-          f"mean {result['mean_ratio_default_vs_off']:.3f}; time in re-checks: "
-          f"{result['recheck_share_of_step_time']:.1%} of the default variant's step time")
+    print("  step time, new-shape re-checks only / no checks: median "
+          f"{result['ratio_new_shapes_vs_off']:.3f}, mean {result['mean_ratio_new_shapes_vs_off']:.3f}")
+    print(f"  step time, default rate {DEFAULT_RECHECK_RATE:g} / no checks: median "
+          f"{result['ratio_default_vs_off']:.3f}, mean {result['mean_ratio_default_vs_off']:.3f}; time in "
+          f"re-checks: {result['recheck_share_of_step_time']:.1%} of the default variant's step time")
     print(f"  first step with the first-step check / without: {first:.2f}")
     print(f"  one re-check: {per_recheck:.3f} of a step; a simulated run of {census['steps']} steps: "
           f"{census['new_fraction']:.1%} of its {census['micro_batches']} micro-batches are a new shape "
-          f"({census['new_fraction_second_half']:.1%} in its second half); run-average cost of the re-checks at "
-          f"the default rate: {run_cost:.1%} of a step")
+          f"({census['new_fraction_second_half']:.1%} in its second half); run-average cost of the re-checks "
+          f"at the default rate: {run_cost:.1%} of a step")
     return result
 
 

@@ -6,9 +6,9 @@ trained on the E2E texts, as in ``examples/make_tiny_gpt2.py``) with ``--method 
 (``--epsilon 8``), alternating, ``--repeats`` times each. A callback times every optimizer step (from the
 Trainer's ``on_step_begin`` to ``on_step_end``: the forwards, backwards, clipping, noise and AdamW of one
 logical batch; CUDA-synchronized on a GPU). Reported per run: the Trainer's ``train_runtime``, the summed step
-time, and the rest (data loading, padding, logging with epsilon, the privacy ledger, the evaluation, callbacks).
-The two ratios, private over non-private, are the end-to-end one (``train_runtime``) and the step one (summed
-steps): the recipe's overhead is within the step ratio when the first is not above the second.
+time, and the rest (data loading, padding, logging with epsilon, the privacy ledger, the evaluation,
+callbacks). The two ratios, private over non-private, are the end-to-end one (``train_runtime``) and the step
+one (summed steps): the recipe's overhead is within the step ratio when the first is not above the second.
 
 Usage::
 
@@ -99,12 +99,14 @@ def run(method: str, model_dir: str, data_dir: str, out_dir: str, args: argparse
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data_dir", default=None,
-                        help="folder with the E2E CSV files (default: ../shared/data/e2e, else shared/data/e2e)")
+                        help="folder with the E2E CSV files (default: ../shared/data/e2e, else "
+                             "shared/data/e2e)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=32, help="logical batch (one micro-batch per step)")
     parser.add_argument("--train_samples", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gpt2-small", action="store_true", help="GPT-2 small's shape (12 layers, width 768)")
+    parser.add_argument("--gpt2-small", action="store_true",
+                        help="GPT-2 small's shape (12 layers, width 768)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -112,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     from make_tiny_gpt2 import build_tiny_gpt2, e2e_texts
 
     work = tempfile.mkdtemp(prefix="recipe_throughput_")
-    shape = dict(n_embd=768, n_layer=12, n_head=12) if args.gpt2_small else dict(n_embd=128, n_layer=4, n_head=4)
-    model_dir = build_tiny_gpt2(os.path.join(work, "model"), e2e_texts(args.data_dir, limit=5000), vocab_size=2048,
+    shape = dict(n_embd=768, n_layer=12, n_head=12) if args.gpt2_small else dict(n_embd=128, n_layer=4,
+                                                                                 n_head=4)
+    model_dir = build_tiny_gpt2(os.path.join(work, "model"), e2e_texts(args.data_dir, limit=5000),
+                                vocab_size=2048,
                                 **shape)
     rows = []
     for repeat in range(args.repeats):

@@ -8,7 +8,8 @@ synthetic conversations (assistant turns of skewed lengths, seeded). Each round 
 * ``dp_unpacked``: DPSFTTrainer, ``packing=False`` (one example per row, padded; ``--micro`` examples per
   micro-batch);
 * ``nonprivate``: TRL's ``SFTTrainer`` with ``packing=True`` (TRL packs the data set; a micro-batch takes
-  ``--bins`` packed rows, and a step as many micro-batches as hold about ``--batch`` examples, as the DP runs).
+  ``--bins`` packed rows, and a step as many micro-batches as hold about ``--batch`` examples, as the DP
+  runs).
 
 Examples/s: DP runs count the expected examples per step (the logical batch) times the steps, over the
 Trainer's ``train_runtime``; the non-private run counts the examples its packed rows hold (the data set's
@@ -48,7 +49,8 @@ def conversations(n: int, seed: int) -> list[dict]:
         question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))
         words = min(60, int(rng.paretovariate(1.2) * 4))
         answer = " ".join(rng.choice(WORDS) for _ in range(words))
-        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
+        rows.append({"messages": [{"role": "user", "content": question},
+                                  {"role": "assistant", "content": answer}]})
     return rows
 
 
@@ -61,14 +63,17 @@ def run_once(kind: str, rows: list[dict], args: argparse.Namespace, work: str) -
     from recipes.common.offline_chat import byte_level_chat_tokenizer, small_llama
 
     tokenizer = byte_level_chat_tokenizer()
-    model = small_llama(tokenizer, hidden_size=args.hidden, layers=args.layers, max_positions=max(512, args.max_length))
-    common = dict(output_dir=os.path.join(work, kind), max_steps=args.steps, use_cpu=not args.gpu, bf16=args.bf16,
+    model = small_llama(tokenizer, hidden_size=args.hidden, layers=args.layers,
+                        max_positions=max(512, args.max_length))
+    common = dict(output_dir=os.path.join(work, kind), max_steps=args.steps, use_cpu=not args.gpu,
+                  bf16=args.bf16,
                   report_to=[], save_strategy="no", assistant_only_loss=True, max_length=args.max_length,
                   gradient_checkpointing=False, disable_tqdm=True, logging_steps=10**6, learning_rate=1e-3)
     data = datasets.Dataset.from_list(rows)
     if kind == "nonprivate":
-        # the same examples per step as the DP runs (about --batch): --bins packed rows per micro-batch, and as
-        # many micro-batches per step as that takes (TRL packs the data set, so a row holds several examples)
+        # the same examples per step as the DP runs (about --batch): --bins packed rows per micro-batch, and
+        # as many micro-batches per step as that takes (TRL packs the data set, so a row holds several
+        # examples)
         config = SFTConfig(**common, packing=True, per_device_train_batch_size=args.bins)
         probe = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
         per_row = len(rows) / len(probe.train_dataset)
@@ -91,13 +96,17 @@ def run_once(kind: str, rows: list[dict], args: argparse.Namespace, work: str) -
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each runs the three kinds)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds (each runs the three kinds)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
     parser.add_argument("--examples", type=int, default=512, help="training conversations")
     parser.add_argument("--batch", type=int, default=32, help="DP logical batch (expected examples per step)")
-    parser.add_argument("--max_length", type=int, default=256, help="packed row capacity (tokens) and truncation")
-    parser.add_argument("--bins", type=int, default=6, help="packed rows per micro-batch (per step, non-private); "
-                        "6 x 256 tokens is about the memory of the unpacked micro-batch (8 examples padded to ~205)")
+    parser.add_argument("--max_length", type=int, default=256, help="packed row capacity (tokens) and "
+        "truncation")
+    parser.add_argument("--bins", type=int, default=6, help="packed rows per micro-batch (per step, "
+                                                            "non-private); "
+                        "6 x 256 tokens is about the memory of the unpacked micro-batch (8 examples padded "
+                        "to ~205)")
     parser.add_argument("--micro", type=int, default=8, help="examples per micro-batch, DP unpacked")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

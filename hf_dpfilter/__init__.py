@@ -1,4 +1,5 @@
-"""hf_dpfilter: differentially private fine-tuning in the Hugging Face stack, with noise-reducing DP optimizers.
+"""hf_dpfilter: differentially private fine-tuning in the Hugging Face stack, with noise-reducing DP
+optimizers.
 
 The public names are imported lazily, so that light submodules (``hf_dpfilter.accounting.accountant``,
 ``hf_dpfilter.randomness.sampling``, ...) do not pay for importing transformers and peft.

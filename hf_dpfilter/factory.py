@@ -4,8 +4,8 @@ The plan is declarative (it imports no engine or optimizer); this module turns i
 the method's DP optimizer and the batch sampler, so that every entry point builds them the same way:
 
 * :func:`make_private` -- the three at once, for a custom loop;
-* :func:`make_engine`, :func:`make_optimizer`, :func:`make_sampler` -- one each, for ``DPTrainer``, which builds
-  them at different points of the Trainer's life (the engine with the model, the optimizer in
+* :func:`make_engine`, :func:`make_optimizer`, :func:`make_sampler` -- one each, for ``DPTrainer``, which
+  builds them at different points of the Trainer's life (the engine with the model, the optimizer in
   ``create_optimizer``, the sampler in ``get_train_dataloader``);
 * :func:`make_dp_optimizer` -- the optimizer alone from flat DP settings (``hf_dpfilter.make_dp_optimizer``);
 * the audit (:mod:`hf_dpfilter.audit.run`) builds its deliberately weakened mechanisms here too, through the
@@ -57,20 +57,22 @@ class PrivateTraining(NamedTuple):
 
 @dataclass(frozen=True)
 class AuditOptions:
-    """TEST-ONLY options of :func:`make_optimizer`, for the empirical privacy audit (:mod:`hf_dpfilter.audit`).
+    """TEST-ONLY options of :func:`make_optimizer`, for the empirical privacy audit
+    (:mod:`hf_dpfilter.audit`).
 
     ``weakened`` replaces the method's optimizer class with a deliberately broken subclass (the audit's power
-    controls: too little noise, separately clipped pieces); ``observe_release`` is called with every privatized
-    gradient (after the one noise draw of a release, before any filter or base step) and the optimizer.
-    A real run never passes these: a weakened optimizer does NOT give the guarantee the accountant reports.
+    controls: too little noise, separately clipped pieces); ``observe_release`` is called with every
+    privatized gradient (after the one noise draw of a release, before any filter or base step) and the
+    optimizer. A real run never passes these: a weakened optimizer does NOT give the guarantee the accountant
+    reports.
     """
 
     weakened: type[DPOptimizer] | None = None
     observe_release: Callable[[dict[nn.Parameter, torch.Tensor], DPOptimizer], None] | None = None
 
     def optimizer_class(self, method_class: type[DPOptimizer]) -> type[DPOptimizer]:
-        """The class to build: the method's, or the weakened subclass, observed if asked (a new class, built before
-        any optimizer exists)."""
+        """The class to build: the method's, or the weakened subclass, observed if asked (a new class, built
+        before any optimizer exists)."""
         cls = method_class
         if self.weakened is not None:
             if not issubclass(self.weakened, method_class):
@@ -104,7 +106,8 @@ def make_engine(
     from hf_dpfilter.engine import GhostClippingEngine
 
     return GhostClippingEngine(
-        model, verify_first_backward=verify_first_backward, stack_layers=stack_layers, batchnorm_eval=batchnorm_eval
+        model, verify_first_backward=verify_first_backward, stack_layers=stack_layers,
+        batchnorm_eval=batchnorm_eval
     )
 
 
@@ -120,8 +123,8 @@ def make_optimizer(
     audit: AuditOptions | None = None,
     **base_kwargs: Any,
 ) -> DPOptimizer:
-    """The plan's method's DP optimizer around ``base`` (a class built on ``params`` with ``base_kwargs``, or an
-    instance). ``target_epsilon``/``target_delta`` turn on the budget guard; ``audit`` is test-only
+    """The plan's method's DP optimizer around ``base`` (a class built on ``params`` with ``base_kwargs``, or
+    an instance). ``target_epsilon``/``target_delta`` turn on the budget guard; ``audit`` is test-only
     (:class:`AuditOptions`)."""
     from hf_dpfilter.optimizers.base import build_base_optimizer
 
@@ -145,8 +148,9 @@ def make_sampler(
 ) -> torch.utils.data.Sampler:
     """The batch sampler of the run: Poisson (secure or seeded), or shuffled fixed-size batches.
 
-    With ``users`` (``privacy_unit='user'``; the plan's N and q are then over users): Poisson over users, and up to
-    ``max_examples_per_user`` examples of each sampled user, drawn afresh each step (:mod:`hf_dpfilter.data.units`).
+    With ``users`` (``privacy_unit='user'``; the plan's N and q are then over users): Poisson over users, and
+    up to ``max_examples_per_user`` examples of each sampled user, drawn afresh each step
+    (:mod:`hf_dpfilter.data.units`).
     """
     from hf_dpfilter.randomness.sampling import PoissonBatchSampler, ShuffledBatchSampler
 
@@ -167,7 +171,8 @@ def make_sampler(
             world_size=world_size, secure=plan.secure_rng,
         )
     return ShuffledBatchSampler(
-        plan.num_examples, int(round(plan.expected_batch_size)), plan.steps_per_epoch, plan.seed, rank, world_size
+        plan.num_examples, int(round(plan.expected_batch_size)), plan.steps_per_epoch, plan.seed, rank,
+        world_size
     )
 
 
@@ -222,14 +227,17 @@ def make_dp_optimizer(
     """Build a DP optimizer (a shortcut for ``make_optimizer(PrivacyPlan.for_optimizer(...), params, base)``).
 
     Args:
-        params: the parameters (or param groups) to optimize; ignored (may be None) when ``base`` is an instance.
+        params: the parameters (or param groups) to optimize; ignored (may be None) when ``base`` is an
+            instance.
         base: a ``torch.optim.Optimizer`` class (constructed here) or instance (SGD, Adam, AdamW, ...).
-        method: ``"dpsgd"`` (DP-SGD/DP-Adam with the base) or a noise-reducing method (``available_methods()``).
+        method: ``"dpsgd"`` (DP-SGD/DP-Adam with the base) or a noise-reducing method
+            (``available_methods()``).
         method_args: the method's settings: its config (e.g. ``DiSKConfig(kappa=0.7)``) or a mapping of its
             field names (``{"kappa": 0.7}``).
         **hyperparameters: the DP settings (``noise_multiplier``, ``max_grad_norm``, ``expected_batch_size``,
-            ``sample_rate``, ``clipping_fn``, ``seed``, ``secure_rng``, ``accountant``, and the optional budget
-            guard ``target_epsilon``/``target_delta``), and everything else for the base optimizer (``lr``, ...).
+            ``sample_rate``, ``clipping_fn``, ``seed``, ``secure_rng``, ``accountant``, and the optional
+            budget guard ``target_epsilon``/``target_delta``), and everything else for the base optimizer
+            (``lr``, ...).
 
     Example::
 

@@ -1,14 +1,15 @@
 """The privacy plan: one frozen object that says what a DP run will do (declarative: it builds nothing).
 
-A :class:`PrivacyPlan` holds N, the expected batch B and the sample rate q = B / N, the number of steps, delta,
-the accountant, the method and its config (which declares the method's mechanisms), the clipping norm and
-function, the calibrated noise, the sampling and the source of randomness. Everything that needs one of these
-reads it from the plan -- ``DPTrainer``, the recipes, the benchmarks, the audit and custom loops -- so no caller
-re-derives the step count or sigma. :mod:`hf_dpfilter.factory` builds the engine, the optimizer and the sampler
-from it, so the noise can never be sized for another C than the clip. The plan imports no engine and no optimizer.
+A :class:`PrivacyPlan` holds N, the expected batch B and the sample rate q = B / N, the number of steps,
+delta, the accountant, the method and its config (which declares the method's mechanisms), the clipping norm
+and function, the calibrated noise, the sampling and the source of randomness. Everything that needs one of
+these reads it from the plan -- ``DPTrainer``, the recipes, the benchmarks, the audit and custom loops -- so
+no caller re-derives the step count or sigma. :mod:`hf_dpfilter.factory` builds the engine, the optimizer and
+the sampler from it, so the noise can never be sized for another C than the clip. The plan imports no engine
+and no optimizer.
 
-:func:`check_dp_settings` is the one place that validates the DP settings; ``DPTrainingArguments`` calls it too,
-for errors before any model is loaded.
+:func:`check_dp_settings` is the one place that validates the DP settings; ``DPTrainingArguments`` calls it
+too, for errors before any model is loaded.
 
 ``dp_method="none"`` is the null plan: no noise, no accounting (epsilon = inf), the same training path.
 
@@ -43,15 +44,16 @@ from hf_dpfilter.randomness.secure_rng import fresh_seed
 __all__ = ["PrivacyPlan", "check_dp_settings"]
 
 SEEDED_RANDOMNESS_NOTE = (
-    "seeded generators: the noise and the Poisson batches are reproducible from the DP seed, so the guarantee "
-    "assumes that the seed stays secret (it is never written to results; set secure_rng=True to draw both "
-    "from the OS CSPRNG instead)"
+    "seeded generators: the noise and the Poisson batches are reproducible from the DP seed, so the "
+    "guarantee assumes that the seed stays secret (it is never written to results; set secure_rng=True to "
+    "draw both from the OS CSPRNG instead)"
 )
 #: below this many steps a private run rarely leaves the noise floor (learnability_warnings)
 MIN_LEARNING_STEPS = 50
 #: above this best-case noise-to-signal over the run, the plan is flagged (learnability_warnings)
 MAX_RUN_NOISE_TO_SIGNAL = 2.0
-SECURE_RANDOMNESS_NOTE = "OS CSPRNG: the noise and the Poisson batches are drawn from os.urandom (not reproducible)"
+SECURE_RANDOMNESS_NOTE = ("OS CSPRNG: the noise and the Poisson batches are drawn from os.urandom (not "
+                          "reproducible)")
 
 
 def check_dp_settings(
@@ -70,10 +72,11 @@ def check_dp_settings(
 ) -> MethodConfig:
     """The one check of the DP settings that need no data set; returns the method's validated config.
 
-    ``budget``: also require exactly one of ``target_epsilon``/``noise_multiplier`` (a run with a planned length;
-    not for ``for_optimizer``, whose noise is always fixed). ``names`` gives the user's names of the settings
-    (``{"max_grad_norm": "per_sample_max_grad_norm"}`` for ``DPTrainingArguments``), for the messages. What needs
-    N (delta < 1/N, q <= 1) is checked when the plan is created (:func:`~hf_dpfilter.accounting.accountant.validate_privacy_parameters`).
+    ``budget``: also require exactly one of ``target_epsilon``/``noise_multiplier`` (a run with a planned
+    length; not for ``for_optimizer``, whose noise is always fixed). ``names`` gives the user's names of the
+    settings (``{"max_grad_norm": "per_sample_max_grad_norm"}`` for ``DPTrainingArguments``), for the
+    messages. What needs N (delta < 1/N, q <= 1) is checked when the plan is created
+    (:func:`~hf_dpfilter.accounting.accountant.validate_privacy_parameters`).
     """
     names = dict(names or {})
     config = method_spec(method).config_class.from_args(method_args)
@@ -97,8 +100,8 @@ def check_dp_settings(
         )
     if target_epsilon is not None and not (0 < target_epsilon < math.inf):
         raise ValueError(
-            f"target_epsilon must be a positive finite number, got {target_epsilon}. For training without privacy "
-            "use dp_method='none'."
+            f"target_epsilon must be a positive finite number, got {target_epsilon}. For training without "
+            "privacy use dp_method='none'."
         )
     if noise_multiplier is not None and not noise_multiplier >= 0:
         raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
@@ -154,8 +157,8 @@ class PrivacyPlan:
         seed: int | None = None,
         collectives: Collectives | None = None,
     ) -> PrivacyPlan:
-        """The plan of a run over ``num_examples`` examples, calibrated for ``target_epsilon`` (or with a fixed
-        ``noise_multiplier``). ``seed=None`` draws a fresh secret seed (agreed on by all processes)."""
+        """The plan of a run over ``num_examples`` examples, calibrated for ``target_epsilon`` (or with a
+        fixed ``noise_multiplier``). ``seed=None`` draws a fresh secret seed (agreed on by all processes)."""
         if logical_batch_size is None:
             raise ValueError("logical_batch_size must be >= 1, got None.")
         config = check_dp_settings(
@@ -168,7 +171,8 @@ class PrivacyPlan:
         sample_rate = logical_batch_size / num_examples
         if sample_rate > 1:
             raise ValueError(
-                f"logical_batch_size={logical_batch_size} is larger than the training set (N={num_examples}), so the "
+                f"logical_batch_size={logical_batch_size} is larger than the training set "
+                f"(N={num_examples}), so the "
                 "sample rate q would be > 1. Use logical_batch_size <= N."
             )
         steps_per_epoch, steps = cls.run_length(num_examples, logical_batch_size, epochs, max_steps)
@@ -203,11 +207,13 @@ class PrivacyPlan:
             return steps_per_epoch, int(max_steps)
         if epochs is not None and epochs > 0:
             return steps_per_epoch, math.ceil(epochs * steps_per_epoch)
-        raise ValueError("Give a positive number of epochs or max_steps: the noise is calibrated for the run length.")
+        raise ValueError("Give a positive number of epochs or max_steps: the noise is calibrated for the run "
+                         "length.")
 
     @classmethod
     def from_training_args(cls, args: Any, num_examples: int) -> PrivacyPlan:
-        """The plan of a ``DPTrainer`` run: :class:`~hf_dpfilter.DPTrainingArguments` and the training-set size."""
+        """The plan of a ``DPTrainer`` run: :class:`~hf_dpfilter.DPTrainingArguments` and the training-set
+        size."""
         world = max(1, args.world_size)
         return cls.create(
             num_examples=num_examples,
@@ -242,18 +248,20 @@ class PrivacyPlan:
         secure_rng: bool = False,
         accountant: str = "prv",
     ) -> PrivacyPlan:
-        """A plan without a data set (no N, no planned steps): a fixed noise multiplier, accounted per step. What
-        :func:`hf_dpfilter.make_dp_optimizer` builds on.
+        """A plan without a data set (no N, no planned steps): a fixed noise multiplier, accounted per step.
+        What :func:`hf_dpfilter.make_dp_optimizer` builds on.
 
-        Without ``sample_rate`` nothing says how the batches were drawn, so no subsampling amplification can be
-        claimed: each step is accounted as a Gaussian mechanism over the whole data set (``sample_rate=1.0``, a
-        valid but loose bound, with a warning), never as a step that spends nothing."""
+        Without ``sample_rate`` nothing says how the batches were drawn, so no subsampling amplification can
+        be claimed: each step is accounted as a Gaussian mechanism over the whole data set
+        (``sample_rate=1.0``, a valid but loose bound, with a warning), never as a step that spends
+        nothing."""
         if sample_rate is None and method != "none":
             if noise_multiplier > 0:
                 warnings.warn(
-                    "No sample_rate was given: each step is accounted as a Gaussian mechanism without subsampling "
-                    "amplification (sample_rate=1.0), a valid but much larger epsilon than Poisson sampling gets. "
-                    "Pass sample_rate=B/N when the batches are Poisson samples (hf_dpfilter.PoissonBatchSampler).",
+                    "No sample_rate was given: each step is accounted as a Gaussian mechanism without "
+                    "subsampling amplification (sample_rate=1.0), a valid but much larger epsilon than "
+                    "Poisson sampling gets. Pass sample_rate=B/N when the batches are Poisson samples "
+                    "(hf_dpfilter.PoissonBatchSampler).",
                     UserWarning,
                     stacklevel=3,
                 )
@@ -337,23 +345,25 @@ class PrivacyPlan:
     def noise_to_signal(self, trainable_parameters: int | None = None) -> dict[str, float] | None:
         """How loud the noise is against the clipped signal, for ``d`` trainable parameters.
 
-        ``per_step`` = sigma sqrt(d) / B for DP-SGD: the norm of the noise in one averaged privatized gradient over
-        the largest possible signal, the clipped mean (norm <= C); for another method, the noise its loudest round
-        really adds over that round's signal (:meth:`noise_rounds`: DiceSGD's sigma (C1 + 2 B C2) over C1 + C2); ``per_run`` = per_step / sqrt(T): the same for
-        the sum over the T steps of a gradient that points the same way at every step (the best case).
-        Both count every trainable coordinate, so they overstate the harm for real gradients, which live in a
-        few directions; they are a first check (Li et al. 2022 and De et al. 2022 use large B, many steps).
+        ``per_step`` = sigma sqrt(d) / B for DP-SGD: the norm of the noise in one averaged privatized gradient
+        over the largest possible signal, the clipped mean (norm <= C); for another method, the noise its
+        loudest round really adds over that round's signal (:meth:`noise_rounds`: DiceSGD's sigma (C1 + 2 B
+        C2) over C1 + C2); ``per_run`` = per_step / sqrt(T): the same for the sum over the T steps of a
+        gradient that points the same way at every step (the best case). Both count every trainable
+        coordinate, so they overstate the harm for real gradients, which live in a few directions; they are a
+        first check (Li et al. 2022 and De et al. 2022 use large B, many steps).
         """
         if not self.is_private or not trainable_parameters or not self.steps:
             return None
-        # The noise each round really adds (the method's sensitivity, e.g. DiceSGD's C1 + 2 B C2, each of DIFF2's
-        # rounds), over the signal that round carries; the loudest round sets the figures.
+        # The noise each round really adds (the method's sensitivity, e.g. DiceSGD's C1 + 2 B C2, each of
+        # DIFF2's rounds), over the signal that round carries; the loudest round sets the figures.
         noise_to_clip = max(r.noise_to_clip for r in self.noise_rounds())
         per_step = noise_to_clip * math.sqrt(trainable_parameters) / self.expected_batch_size
         return {"per_step": per_step, "per_run": per_step / math.sqrt(self.steps)}
 
     def noise_rounds(self) -> list[NoiseRound]:
-        """The kinds of rounds the method releases, each with its real noise (:class:`NoiseRound`); [] if not private."""
+        """The kinds of rounds the method releases, each with its real noise (:class:`NoiseRound`); [] if not
+        private."""
         if not self.is_private:
             return []
         return self.config.noise_rounds(self.noise, self)
@@ -365,23 +375,25 @@ class PrivacyPlan:
         out = []
         if self.steps < MIN_LEARNING_STEPS:
             out.append(
-                f"Only {self.steps} optimizer steps: DP fine-tuning needs a few hundred noisy steps for the signal to "
-                f"rise above the noise (this plan: {self.num_examples} examples, logical batch "
-                f"{self.expected_batch_size:g}). Train more epochs (num_train_epochs) or on more data, keeping the "
-                "logical batch large (it divides the noise); then re-tune the learning rate (DP-Adam: 5e-4 to 2e-3)."
+                f"Only {self.steps} optimizer steps: DP fine-tuning needs a few hundred noisy steps for the "
+                f"signal to rise above the noise (this plan: {self.num_examples} examples, logical batch "
+                f"{self.expected_batch_size:g}). Train more epochs (num_train_epochs) or on more data, "
+                "keeping the logical batch large (it divides the noise); then re-tune the learning rate "
+                "(DP-Adam: 5e-4 to 2e-3)."
             )
         ratio = self.noise_to_signal(trainable_parameters)
         if ratio is not None and ratio["per_run"] > MAX_RUN_NOISE_TO_SIGNAL:
             loudest = max(self.noise_rounds(), key=lambda r: r.noise_to_clip)
-            noise = (f"sigma = {self.noise_multiplier:.3g}" if loudest.noise_to_clip == self.noise_multiplier else
-                     f"the noise of {self.method}'s {loudest.label} (sigma = {loudest.noise_multiplier:.3g} x "
-                     f"sensitivity {loudest.sensitivity}, {loudest.noise_to_clip:.3g}x the clipped signal)")
+            noise = (f"sigma = {self.noise_multiplier:.3g}" if loudest.noise_to_clip == self.noise_multiplier
+                     else
+                     f"the noise of {self.method}'s {loudest.label} (sigma = {loudest.noise_multiplier:.3g} "
+                     f"x sensitivity {loudest.sensitivity}, {loudest.noise_to_clip:.3g}x the clipped signal)")
             out.append(
                 f"{noise} is large for the batch: even a gradient pointing the same way "
                 f"at every step would stay {ratio['per_run']:.1f}x below the noise accumulated over the run "
-                f"(noise sqrt(d) / (B sqrt(T)) with d = {trainable_parameters:,} trainable parameters). Use a larger "
-                "logical_batch_size (the noise per example falls as 1/B), more epochs, fewer trainable parameters "
-                "(LoRA), or a larger epsilon."
+                f"(noise sqrt(d) / (B sqrt(T)) with d = {trainable_parameters:,} trainable parameters). Use "
+                "a larger logical_batch_size (the noise per example falls as 1/B), more epochs, fewer "
+                "trainable parameters (LoRA), or a larger epsilon."
             )
         return out
 
@@ -396,16 +408,16 @@ class PrivacyPlan:
                     f"{self.expected_batch_size:g}, {self.steps} steps")
         lines = [
             f"Privacy plan: {self.method} ({self._changed_settings() or 'default settings'})",
-            f"  N = {self.num_examples}, logical batch B = {self.expected_batch_size:g}, q = {self.sample_rate:.4g}, "
-            f"{self.steps} steps ({self.steps_per_epoch} per epoch)",
+            f"  N = {self.num_examples}, logical batch B = {self.expected_batch_size:g}, q = "
+            f"{self.sample_rate:.4g}, {self.steps} steps ({self.steps_per_epoch} per epoch)",
             f"  sigma = {self.noise_multiplier:.4g}, C = {self.max_grad_norm:g} ({self.clipping_fn}), "
             f"epsilon = {self.epsilon():.4g} at delta = {self.delta:.3g} ({self.accountant})"
             + (f", target {self.target_epsilon:g}" if self.target_epsilon is not None else ""),
         ]
         for r in self.noise_rounds():
             lines.append(
-                f"  noise of {r.label}: sigma = {r.noise_multiplier:.4g} x sensitivity {r.sensitivity} on the sum "
-                f"({r.noise_to_clip:.4g}x the per-example clip of the signal)"
+                f"  noise of {r.label}: sigma = {r.noise_multiplier:.4g} x sensitivity {r.sensitivity} on "
+                f"the sum ({r.noise_to_clip:.4g}x the per-example clip of the signal)"
             )
         ratio = self.noise_to_signal(trainable_parameters)
         if ratio is not None:

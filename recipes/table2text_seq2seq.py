@@ -9,14 +9,14 @@ Examples::
         --model outputs/tiny-t5 --lora_r 8 --method dpsgd --epsilon 8 --max_train_samples 1000 \\
         --max_eval_samples 10 --epochs 1 --secure_rng --use_cpu --output_dir outputs/e2e-t5-dpsgd
 
-On a GPU with the Hub: ``--model t5-small`` or ``--model facebook/bart-base``. Full fine-tuning of T5 and BART needs
-the per-example rules of their position tables (T5's relative attention bias, BART's learned positions); until
-they are in, train LoRA adapters (``--lora_r``): those tables then stay frozen.
+On a GPU with the Hub: ``--model t5-small`` or ``--model facebook/bart-base``. Full fine-tuning of T5 and BART
+needs the per-example rules of their position tables (T5's relative attention bias, BART's learned positions);
+until they are in, train LoRA adapters (``--lora_r``): those tables then stay frozen.
 
-The same data, settings and metrics as recipes/table2text.py (GPT-2); here the table is the encoder's input and
-the text the decoder's labels (``DataCollatorForSeq2Seq``), each example's loss the mean over its own text tokens.
-The final scores decode the evaluation tables with ``predict()`` (``predict_with_generate``: beam search,
-``--num_beams``, at most ``--max_generation_length`` new tokens).
+The same data, settings and metrics as recipes/table2text.py (GPT-2); here the table is the encoder's input
+and the text the decoder's labels (``DataCollatorForSeq2Seq``), each example's loss the mean over its own text
+tokens. The final scores decode the evaluation tables with ``predict()`` (``predict_with_generate``: beam
+search, ``--num_beams``, at most ``--max_generation_length`` new tokens).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def encode(tokenizer: Any, source: str, target: str, max_length: int) -> dict[st
 def to_dataset(rows: list[dict[str, list[int]]]):
     import datasets
 
-    return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "attention_mask", "labels")})
+    return datasets.Dataset.from_dict({k: [r[k] for r in rows]
+                                       for k in ("input_ids", "attention_mask", "labels")})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -83,21 +84,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     trainable, total = count_parameters(model)
     length = settings["max_seq_length"]
     train_ds = to_dataset([encode(tokenizer, s, t, length) for s, t in train_pairs])
-    eval_ds = to_dataset([encode(tokenizer, s, refs[0], length) for s, refs in eval_groups])  # loss: first reference
+    # loss: first reference
+    eval_ds = to_dataset([encode(tokenizer, s, refs[0], length) for s, refs in eval_groups])
     training_args = training_arguments(
         args, settings, n_train=n_train, args_class=DPSeq2SeqTrainingArguments,
         # evaluate() during training computes the loss only (no compute_metrics); predict() generates
         extra={"predict_with_generate": True, "generation_num_beams": args.num_beams},
     )
     trainer = DPSeq2SeqTrainer(
-        model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+        model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
+        processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
     )
     if trainer.is_world_process_zero():
         print(
-            f"[table2text_seq2seq] dataset={args.dataset} N={n_train} eval inputs={len(eval_groups)} model={args.model} "
-            f"trainable={trainable:,}/{total:,} method={args.method} sigma={trainer.noise_multiplier:.4g} "
-            f"q={trainer.sample_rate:.4g} steps={trainer.planned_steps} settings={settings}",
+            f"[table2text_seq2seq] dataset={args.dataset} N={n_train} eval inputs={len(eval_groups)} "
+            f"model={args.model} trainable={trainable:,}/{total:,} method={args.method} "
+            f"sigma={trainer.noise_multiplier:.4g} q={trainer.sample_rate:.4g} steps={trainer.planned_steps} "
+            f"settings={settings}",
             flush=True,
         )
     announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                      "total_parameters": total, "num_beams": args.num_beams,
                      "max_generation_length": args.max_generation_length})
     baseline = None if args.no_baseline else copy_baseline(eval_groups)
-    return finish_run(trainer, args, metrics, start, settings, title=f"{args.dataset.upper()} (seq2seq), {args.method}",
+    return finish_run(trainer, args, metrics, start, settings, title=f"{args.dataset.upper()} (seq2seq), "
+        f"{args.method}",
                       baseline=baseline)
 
 

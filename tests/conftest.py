@@ -26,12 +26,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-# Garbage collection. transformers' Trainer.train() starts with accelerate's free_memory(), a full gc.collect(),
-# and Python runs its own full collections as objects pile up: each walks every object of the process (torch,
-# transformers and all test modules: ~0.25 s each), a third to a half of the suite's CPU time. The objects
-# alive once the tests are collected (modules, classes, functions) are frozen out of the collector: they stay
-# alive anyway, so no collection would free them. Frozen again at each module's end, after its fixtures are torn
-# down, for the modules imported lazily meanwhile. Every test still runs the same collections over its own objects.
+# Garbage collection. transformers' Trainer.train() starts with accelerate's free_memory(), a full
+# gc.collect(), and Python runs its own full collections as objects pile up: each walks every object of the
+# process (torch, transformers and all test modules: ~0.25 s each), a third to a half of the suite's CPU time.
+# The objects alive once the tests are collected (modules, classes, functions) are frozen out of the
+# collector: they stay alive anyway, so no collection would free them. Frozen again at each module's end,
+# after its fixtures are torn down, for the modules imported lazily meanwhile. Every test still runs the same
+# collections over its own objects.
 def _freeze_what_is_alive() -> None:
     gc.collect()
     gc.freeze()

@@ -1,8 +1,8 @@
 """Worker for tests/distributed/test_ddp.py: a few DPTrainer steps on a tiny float64 RoBERTa.
 
 Run as ``torchrun --nproc_per_node 2 tests/distributed_worker.py OUT METHOD:SIGMA [METHOD:SIGMA ...]`` (CPU,
-gloo) or as a plain ``python`` process. For each configuration, each process saves its final parameters, epsilon
-and steps to ``OUT/<method>_<sigma>/rank<r>.pt`` and calls the recipes' ``finish_run`` with its own
+gloo) or as a plain ``python`` process. For each configuration, each process saves its final parameters,
+epsilon and steps to ``OUT/<method>_<sigma>/rank<r>.pt`` and calls the recipes' ``finish_run`` with its own
 ``OUT/<method>_<sigma>/files_rank<r>`` folder (only the main process may write there).
 """
 
@@ -18,7 +18,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the test folders mirror the package; workers import test modules by name, as the tests do
 sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
-                               if os.path.isdir(os.path.join(HERE, d)) and d not in ("scripts", "__pycache__"))
+                               if os.path.isdir(os.path.join(HERE, d))
+                               and d not in ("scripts", "__pycache__"))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
 from _common import finish_run  # noqa: E402
@@ -37,7 +38,8 @@ def run(out: str, method: str, sigma: float) -> None:
     examples = make_examples(N_EXAMPLES, VOCAB, causal=False, seed=5)
     privacy = {} if method == "none" else {"noise_multiplier": sigma}
     if method == "diff2":
-        privacy["dp_method_args"] = {"difference_max_grad_norm": 5.0}  # DIFF2 needs its difference threshold C2
+        # DIFF2 needs its difference threshold C2
+        privacy["dp_method_args"] = {"difference_max_grad_norm": 5.0}
     args = DPTrainingArguments(
         output_dir=os.path.join(out, f"trainer_rank{rank}"),
         dp_method=method,
@@ -58,10 +60,12 @@ def run(out: str, method: str, sigma: float) -> None:
         disable_tqdm=True,
         **privacy,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(1))
     start = time.time()
     trainer.train()
-    ns = argparse.Namespace(output_dir=os.path.join(out, f"files_rank{rank}"), no_plots=method != "dpsgd", save_model=False)
+    ns = argparse.Namespace(output_dir=os.path.join(out, f"files_rank{rank}"), no_plots=method != "dpsgd",
+                            save_model=False)
     finish_run(trainer, ns, {"note": "distributed test"}, start, {"method": method}, title="distributed test")
     torch.save(
         {

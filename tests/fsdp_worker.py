@@ -1,4 +1,5 @@
-"""Worker for tests/distributed/test_fsdp.py: DP training of a tiny float64 RoBERTa sharded with FSDP2 (``fully_shard``).
+"""Worker for tests/distributed/test_fsdp.py: DP training of a tiny float64 RoBERTa sharded with FSDP2
+(``fully_shard``).
 
 ``torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT CONFIG [...]`` shards the model as Accelerate's FSDP2
 preparation does (one unit per transformer layer, then the root) and runs the DP optimizer and the clipping
@@ -23,7 +24,8 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the test folders mirror the package; workers import test modules by name, as the tests do
 sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
-                               if os.path.isdir(os.path.join(HERE, d)) and d not in ("scripts", "__pycache__"))
+                               if os.path.isdir(os.path.join(HERE, d))
+                               and d not in ("scripts", "__pycache__"))
 
 from helpers import ListDataset, PadCollator, freeze_imported_objects, make_examples  # noqa: E402
 from models import VOCAB, tiny_roberta  # noqa: E402
@@ -101,7 +103,8 @@ def run(out: str, method: str, sigma: float) -> None:
 
 
 def noise(out: str, secure: bool) -> None:
-    """Three released steps of pure noise (empty batches) on a sharded model; each process saves its shards."""
+    """Three released steps of pure noise (empty batches) on a sharded model; each process saves its
+    shards."""
     from torch.distributed.fsdp import fully_shard
 
     os.makedirs(out, exist_ok=True)
@@ -122,23 +125,26 @@ def noise(out: str, secure: bool) -> None:
         optimizer.accumulate(None, None, batch_size=0)  # an empty Poisson batch: the update is the noise
         optimizer.step()
         updates.append([(a - local(p)).clone() for a, p in zip(before, model.parameters())])
-    torch.save({"updates": updates, "std": sigma * clip / batch, "epsilon": optimizer.accountant.get_epsilon(1e-5),
+    torch.save({"updates": updates, "std": sigma * clip / batch,
+                "epsilon": optimizer.accountant.get_epsilon(1e-5),
                 "shapes": [tuple(p.shape) for p in model.parameters()]},
                os.path.join(out, f"rank{rank}.pt"))
 
 
 def enable_fsdp2_on_cpu(trainer: DPTrainer) -> None:
-    """Give a CPU (MULTI_CPU, gloo) run the FSDP2 state that `accelerate launch` with fsdp.yaml gives a GPU run.
+    """Give a CPU (MULTI_CPU, gloo) run the FSDP2 state that `accelerate launch` with fsdp.yaml gives a GPU
+    run.
 
-    Accelerate 1.15 attaches its FSDP plugin only to GPU-type process groups, so on CPU this test sets it on the
-    shared state itself; everything after (Accelerate's fully_shard preparation, the parameter switch in the
-    optimizer, the DPTrainer glue) is the unmodified GPU code path.
+    Accelerate 1.15 attaches its FSDP plugin only to GPU-type process groups, so on CPU this test sets it on
+    the shared state itself; everything after (Accelerate's fully_shard preparation, the parameter switch in
+    the optimizer, the DPTrainer glue) is the unmodified GPU code path.
     """
     from accelerate import FullyShardedDataParallelPlugin
     from accelerate.utils import DistributedType
 
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["RobertaLayer"],
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["RobertaLayer"],
         reshard_after_forward=True,
         state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False,
     )
@@ -157,13 +163,15 @@ def run_trainer(out: str, method: str, sigma: float) -> None:
     if method in METHOD_ARGS:
         privacy["dp_method_args"] = METHOD_ARGS[method]
     args = DPTrainingArguments(
-        output_dir=os.path.join(out, f"trainer_rank{rank}"), dp_method=method, logical_batch_size=LOGICAL_BATCH,
+        output_dir=os.path.join(out, f"trainer_rank{rank}"), dp_method=method,
+        logical_batch_size=LOGICAL_BATCH,
         per_device_train_batch_size=MICRO, max_steps=STEPS, optim="sgd", learning_rate=LR,
         lr_scheduler_type="constant", weight_decay=0.0, report_to=[], save_strategy="no",
         use_cpu=os.environ.get("FSDP_ON_CPU") == "1" or not torch.cuda.is_available(),
         remove_unused_columns=False, dp_seed=7, logging_steps=1, disable_tqdm=True, **privacy,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(make_examples(N_EXAMPLES, VOCAB, False, 5)),
+    trainer = DPTrainer(model=model, args=args,
+                        train_dataset=ListDataset(make_examples(N_EXAMPLES, VOCAB, False, 5)),
                         data_collator=PadCollator(1))
     if os.environ.get("FSDP_ON_CPU") == "1":
         enable_fsdp2_on_cpu(trainer)

@@ -20,20 +20,22 @@ from hf_dpfilter.optimizers.clipping import clip_factors
 def freeze_imported_objects() -> None:
     """Take the objects alive now (the imported modules) out of the garbage collector, for worker processes.
 
-    Trainer.train() starts with a full gc.collect() (accelerate's free_memory), which walks every object of the
-    process; the modules of torch and transformers are most of them and are never garbage. Freezing them leaves
-    each collection only the objects created afterwards (tests/conftest.py does the same for pytest)."""
+    Trainer.train() starts with a full gc.collect() (accelerate's free_memory), which walks every object of
+    the process; the modules of torch and transformers are most of them and are never garbage. Freezing them
+    leaves each collection only the objects created afterwards (tests/conftest.py does the same for
+    pytest)."""
     gc.collect()
     gc.freeze()
 
 
 @functools.cache
 def script_help(script: str) -> subprocess.CompletedProcess:
-    """``python <script> --help`` (``script``: a path from the checkout root), started as a user would from another
-    directory, with nothing on PYTHONPATH.
+    """``python <script> --help`` (``script``: a path from the checkout root), started as a user would from
+    another directory, with nothing on PYTHONPATH.
 
-    Run once per test session: each run starts an interpreter that imports torch and transformers (~6 CPU s), and
-    tests/apps/test_application_layout.py, tests/apps/test_recipes.py and tests/apps/test_readme_commands.py all check the same run."""
+    Run once per test session: each run starts an interpreter that imports torch and transformers (~6 CPU s),
+    and tests/apps/test_application_layout.py, tests/apps/test_recipes.py and
+    tests/apps/test_readme_commands.py all check the same run."""
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with tempfile.TemporaryDirectory() as elsewhere:
@@ -59,7 +61,8 @@ class ListDataset(Dataset):
         return self.examples[i]
 
 
-def make_examples(n: int, vocab: int, causal: bool, seed: int = 0, min_len: int = 3, max_len: int = 10) -> list[dict]:
+def make_examples(n: int, vocab: int, causal: bool, seed: int = 0, min_len: int = 3,
+                  max_len: int = 10) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
@@ -98,8 +101,9 @@ class PadCollator:
 
 
 class LeftPadCollator(PadCollator):
-    """PadCollator's batch padded on the left (as for generation): each row's real tokens moved to its end, so an
-    example's pad count depends on the longest example of its batch; pads hold pad_id, token labels -100."""
+    """PadCollator's batch padded on the left (as for generation): each row's real tokens moved to its end, so
+    an example's pad count depends on the longest example of its batch; pads hold pad_id, token labels
+    -100."""
 
     def __init__(self, pad_id: int = 0) -> None:
         super().__init__(pad_id)
@@ -107,7 +111,8 @@ class LeftPadCollator(PadCollator):
     def __call__(self, examples: list[dict]) -> dict:
         batch = super().__call__(examples)
         lengths = batch["attention_mask"].sum(1).tolist()
-        return {k: torch.stack([torch.cat([row[n:], row[:n]]) for row, n in zip(v, lengths)]) if v.dim() == 2 else v
+        return {k: torch.stack([torch.cat([row[n:], row[:n]]) for row, n in zip(v, lengths)]) if v.dim() == 2
+                else v
                 for k, v in batch.items()}
 
 

@@ -103,14 +103,15 @@ def tiny_decoder(family: str, dtype=torch.float64, seed: int = 0, tie_word_embed
 
 
 #: the words of :func:`tiny_tokenizer` (and of the synthetic text of the script tests)
-WORDS = ("the a cat dog bird sat ran flew on under over mat log tree red blue green big small fast slow good bad "
-         "food place name area price near city centre river rating high low cheap family friendly yes no what "
-         "where who is was it eat type coffee shop pub restaurant").split()
+WORDS = ("the a cat dog bird sat ran flew on under over mat log tree red blue green big small fast slow good "
+         "bad food place name area price near city centre river rating high low cheap family friendly yes no "
+         "what where who is was it eat type coffee shop pub restaurant").split()
 
 
 def tiny_tokenizer(model_max_length: int = 64):
-    """A word-level fast tokenizer over :data:`WORDS` (no download): [PAD]=0, [UNK], [CLS], [SEP], [MASK]; pairs as
-    ``[CLS] a [SEP] b [SEP]`` with token types and offsets, as BERT's (run_qa needs the offsets and sequence ids)."""
+    """A word-level fast tokenizer over :data:`WORDS` (no download): [PAD]=0, [UNK], [CLS], [SEP], [MASK];
+    pairs as ``[CLS] a [SEP] b [SEP]`` with token types and offsets, as BERT's (run_qa needs the offsets and
+    sequence ids)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -119,25 +120,28 @@ def tiny_tokenizer(model_max_length: int = 64):
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
         mask_token="[MASK]", eos_token="[SEP]", bos_token="[CLS]", model_max_length=model_max_length)
 
 
 def tiny_t5(lora: bool = True, vocab_size: int = VOCAB):
-    """A 2-layer T5 (d_model 16) whose pad and decoder start are 0 and eos 3 (:func:`tiny_tokenizer`'s [SEP]); with
-    ``lora``, LoRA on q and v (full fine-tuning, T5's relative position bias included, is exact too)."""
+    """A 2-layer T5 (d_model 16) whose pad and decoder start are 0 and eos 3 (:func:`tiny_tokenizer`'s [SEP]);
+    with ``lora``, LoRA on q and v (full fine-tuning, T5's relative position bias included, is exact too)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=vocab_size, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2, dropout_rate=0.0,
+    config = T5Config(vocab_size=vocab_size, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2,
+                      dropout_rate=0.0,
                       pad_token_id=0, eos_token_id=3, decoder_start_token_id=0)
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config)
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], lora_dropout=0.0))
+        model = get_peft_model(model,
+                               LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], lora_dropout=0.0))
     return model
 
 

@@ -48,12 +48,16 @@ def test_the_doc_registry_line_matches_the_table_and_the_example():
     example, line = _python_blocks()[:2]
     entry = ast.literal_eval("{" + line.strip().rstrip(",") + "}")
     (name, (config_path, optimizer_path)), = entry.items()
-    (module, config_name), (optimizer_module, optimizer_name) = config_path.split(":"), optimizer_path.split(":")
+    (module, config_name), (optimizer_module,
+                            optimizer_name) = config_path.split(":"), optimizer_path.split(":")
     assert module == optimizer_module == f"hf_dpfilter.optimizers.{name}"
-    assert f"class {config_name}(MethodConfig)" in example and f"class {optimizer_name}(DPOptimizer)" in example
+    assert (f"class {config_name}(MethodConfig)" in example
+            and f"class {optimizer_name}(DPOptimizer)" in example)
     table = Path(registry.__file__).read_text()
-    built_in = re.findall(r'^    "(\w+)": \("hf_dpfilter\.optimizers\.\w+:\w+", "hf_dpfilter\.optimizers\.\w+:\w+"\),$', table, re.MULTILINE)
-    assert "dpsgd" in built_in and "disk" in built_in  # the doc's line has the shape of the real table's lines
+    built_in = re.findall(r'^    "(\w+)": \("hf_dpfilter\.optimizers\.\w+:\w+", '
+                          r'"hf_dpfilter\.optimizers\.\w+:\w+"\),$', table, re.MULTILINE)
+    # the doc's line has the shape of the real table's lines
+    assert "dpsgd" in built_in and "disk" in built_in
 
 
 def test_the_example_method_post_processes_the_privatized_gradient(ema):
@@ -62,7 +66,8 @@ def test_the_example_method_post_processes_the_privatized_gradient(ema):
     weight = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
     optimizer = make_dp_optimizer([weight], torch.optim.SGD, method="ema", method_args={"beta": 0.5}, lr=1.0,
                                   noise_multiplier=0.0, max_grad_norm=1e6, expected_batch_size=1)
-    grads = [torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 2.0, 0.0], dtype=torch.float64)]
+    grads = [torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64),
+             torch.tensor([0.0, 2.0, 0.0], dtype=torch.float64)]
     expected_average = [grads[0], 0.5 * grads[0] + 0.5 * grads[1]]
     for grad, average in zip(grads, expected_average):
         before = weight.detach().clone()
@@ -78,10 +83,12 @@ def test_the_example_method_trains_end_to_end_and_is_accounted_as_dpsgd(ema, tmp
         args = DPTrainingArguments(
             output_dir=str(tmp_path / method), report_to=[], use_cpu=True, save_strategy="no",
             remove_unused_columns=False, dp_method=method, dp_method_args=method_args or None,
-            noise_multiplier=1.0, per_sample_max_grad_norm=1.0, logical_batch_size=4, per_device_train_batch_size=4,
+            noise_multiplier=1.0, per_sample_max_grad_norm=1.0, logical_batch_size=4,
+            per_device_train_batch_size=4,
             max_steps=3, learning_rate=1e-2, seed=0,
         )
-        trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(16, VOCAB, False)),
+        trainer = DPTrainer(model=tiny_roberta(), args=args,
+                            train_dataset=ListDataset(make_examples(16, VOCAB, False)),
                             data_collator=PadCollator(1))
         trainer.train()
         return trainer
@@ -95,4 +102,5 @@ def test_the_example_method_trains_end_to_end_and_is_accounted_as_dpsgd(ema, tmp
     assert trainer.dp_optimizer._average is not None  # the method's post-processing ran
     assert set(trainer.dp_optimizer.method_state_dict()) == {"average"}
     reference = run("dpsgd").privacy_report()
-    assert report["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-9)  # DP-SGD's accounting, unchanged
+    # DP-SGD's accounting, unchanged
+    assert report["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-9)

@@ -1,12 +1,12 @@
 """The plan is declarative and ONE factory builds what runs it (issue 23).
 
-* No import circle in ``hf_dpfilter`` (every import, module level or inside a function, except ``TYPE_CHECKING``
-  blocks), and the plan imports no engine and no optimizer, statically and at run time.
-* Only ``hf_dpfilter/factory.py`` constructs a clipping engine, a DP optimizer or a batch sampler in the package;
-  no module assigns ``__class__`` (the audit's weakened mechanisms are built by the factory, never by changing a
-  live optimizer).
-* ``make_private`` returns a consistent engine, optimizer and sampler; the audit's options build an observed (and
-  optionally weakened) optimizer class before any optimizer exists.
+* No import circle in ``hf_dpfilter`` (every import, module level or inside a function, except
+  ``TYPE_CHECKING`` blocks), and the plan imports no engine and no optimizer, statically and at run time.
+* Only ``hf_dpfilter/factory.py`` constructs a clipping engine, a DP optimizer or a batch sampler in the
+  package; no module assigns ``__class__`` (the audit's weakened mechanisms are built by the factory, never by
+  changing a live optimizer).
+* ``make_private`` returns a consistent engine, optimizer and sampler; the audit's options build an observed
+  (and optionally weakened) optimizer class before any optimizer exists.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
 
     def add(source: str, target: str) -> None:
-        # the module named (``from a.b import c``: a.b.c if it is a module, else a.b); a package's __init__ that
-        # runs first is the package's business, not an edge (else every package would be a circle)
+        # the module named (``from a.b import c``: a.b.c if it is a module, else a.b); a package's __init__
+        # that runs first is the package's business, not an edge (else every package would be a circle)
         parts = target.split(".")
         for i in range(len(parts), 1, -1):
             candidate = ".".join(parts[:i])
@@ -138,20 +138,22 @@ def test_no_import_circle_in_the_package():
 def test_the_plan_imports_no_engine_and_no_optimizer():
     reachable = _reachable(import_graph(), "hf_dpfilter.plan")
     assert "hf_dpfilter.factory" not in reachable
-    assert not {m for m in reachable if m.startswith("hf_dpfilter.engine") or m == "hf_dpfilter.optimizers.base"}
+    assert not {m for m in reachable if m.startswith("hf_dpfilter.engine")
+                or m == "hf_dpfilter.optimizers.base"}
     # at run time too: creating (and describing) a DP-SGD plan loads neither the engine nor an optimizer
     code = (
         "import sys\nfrom hf_dpfilter.plan import PrivacyPlan\n"
         "plan = PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, noise_multiplier=1.0)\n"
         "plan.describe(10)\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('hf_dpfilter.engine', 'hf_dpfilter.optimizers.base', "
-        "'hf_dpfilter.factory'))))"
+        "print(sorted(m for m in sys.modules if m.startswith(('hf_dpfilter.engine', "
+        "'hf_dpfilter.optimizers.base', 'hf_dpfilter.factory'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
 
 
-_BUILT_BY_THE_FACTORY = {"GhostClippingEngine", "PoissonBatchSampler", "ShuffledBatchSampler", "UserPoissonBatchSampler", "optimizer_class"}
+_BUILT_BY_THE_FACTORY = {"GhostClippingEngine", "PoissonBatchSampler", "ShuffledBatchSampler",
+                         "UserPoissonBatchSampler", "optimizer_class"}
 
 
 def test_only_the_factory_builds_engines_optimizers_and_samplers():
@@ -165,7 +167,8 @@ def test_only_the_factory_builds_engines_optimizers_and_samplers():
                 called = getattr(func, "id", None) or getattr(func, "attr", None)
                 if called in _BUILT_BY_THE_FACTORY:
                     offenders.append(f"{name}:{node.lineno} calls {called}")
-            if isinstance(node, ast.Attribute) and node.attr == "optimizer_class" and isinstance(node.ctx, ast.Load):
+            if isinstance(node, ast.Attribute) and node.attr == "optimizer_class" and isinstance(node.ctx,
+                                                                                                 ast.Load):
                 offenders.append(f"{name}:{node.lineno} reads a method's optimizer class")
             if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Attribute) and t.attr == "__class__" for t in node.targets
@@ -176,7 +179,8 @@ def test_only_the_factory_builds_engines_optimizers_and_samplers():
 
 def test_make_private_builds_one_consistent_run():
     model = tiny_bert(num_labels=2)
-    plan = PrivacyPlan.create(num_examples=64, logical_batch_size=8, epochs=1, noise_multiplier=1.0, method="disk",
+    plan = PrivacyPlan.create(num_examples=64, logical_batch_size=8, epochs=1, noise_multiplier=1.0,
+                              method="disk",
                               max_grad_norm=0.5, seed=3)
     engine, optimizer, sampler = make_private(plan, model, torch.optim.AdamW, lr=1e-3)
     assert optimizer.plan is plan and optimizer.method_name == "disk"
@@ -184,7 +188,8 @@ def test_make_private_builds_one_consistent_run():
     assert set(engine.trainable_parameters) == {p for p in model.parameters() if p.requires_grad}
     assert isinstance(sampler, PoissonBatchSampler) and sampler.sample_rate == plan.sample_rate
     # a plan without a data set has no sampler; the null plan no engine
-    no_data = PrivacyPlan.for_optimizer(noise_multiplier=1.0, sample_rate=0.1, expected_batch_size=4.0, seed=0)
+    no_data = PrivacyPlan.for_optimizer(noise_multiplier=1.0, sample_rate=0.1, expected_batch_size=4.0,
+                                        seed=0)
     assert make_private(no_data, model).sampler is None
     null = PrivacyPlan.create(num_examples=64, logical_batch_size=8, epochs=1, method="none", seed=0)
     assert make_private(null, model).engine is None
@@ -198,7 +203,8 @@ def test_audit_options_build_an_observed_class_before_the_optimizer_exists():
     seen = []
     plan = PrivacyPlan.for_optimizer(noise_multiplier=0.0, sample_rate=1.0, expected_batch_size=1.0, seed=0)
     param = torch.nn.Parameter(torch.zeros(3))
-    options = AuditOptions(weakened=_Weakened, observe_release=lambda released, opt: seen.append(released[param]))
+    options = AuditOptions(weakened=_Weakened, observe_release=lambda released,
+                           opt: seen.append(released[param]))
     optimizer = make_optimizer(plan, [param], lr=1.0, audit=options)
     assert type(optimizer).__mro__[1] is _Weakened and type(optimizer).__name__ == "Audited_Weakened"
     optimizer.accumulate(None, None, batch_size=0)
@@ -225,14 +231,15 @@ BAD_SETTINGS = [
 
 @pytest.mark.parametrize(("bad", "message"), BAD_SETTINGS, ids=[m for _, m in BAD_SETTINGS])
 def test_the_arguments_and_the_plan_share_one_check(tmp_path, bad, message):
-    """Each DP setting is checked by hf_dpfilter.plan.check_dp_settings: the same message from the arguments (before
-    any model is loaded) and from the plan."""
+    """Each DP setting is checked by hf_dpfilter.plan.check_dp_settings: the same message from the arguments
+    (before any model is loaded) and from the plan."""
     from hf_dpfilter import DPTrainingArguments
 
     plan_kwargs = {"noise_multiplier": 1.0, **bad}
     with pytest.raises(ValueError, match=message):
         PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, **plan_kwargs)
-    names = {"method": "dp_method", "method_args": "dp_method_args", "max_grad_norm": "per_sample_max_grad_norm"}
+    names = {"method": "dp_method", "method_args": "dp_method_args",
+             "max_grad_norm": "per_sample_max_grad_norm"}
     args_kwargs = {names.get(k, k): v for k, v in plan_kwargs.items()}
     with pytest.raises(ValueError, match=message):
         DPTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **args_kwargs)

@@ -20,7 +20,8 @@ from hf_dpfilter.trainers.arguments import DP_METHODS
 
 
 def _args(tmp_path, **kw) -> DPTrainingArguments:
-    base = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+    base = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no",
+                remove_unused_columns=False,
                 noise_multiplier=1.0, logical_batch_size=4, max_steps=3, accountant="rdp", optim="sgd",
                 learning_rate=0.1, logging_steps=1)
     base.update(kw)
@@ -66,7 +67,8 @@ def test_trainer_with_secure_rng_samples_from_the_os(tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 1, 42, 2**40])
 def test_sampler_and_noise_never_share_a_generator_state(seed):
-    plan = PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, noise_multiplier=1.0, seed=seed)
+    plan = PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, noise_multiplier=1.0,
+                              seed=seed)
     optimizer = make_optimizer(plan, [torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     noise_state = optimizer._generator(torch.device("cpu")).get_state()
     sampler = make_sampler(plan)
@@ -116,7 +118,8 @@ def test_the_null_plan_is_not_a_branch(tmp_path):
 
 
 def test_dicesgd_counts_logical_steps_everywhere(tmp_path):
-    trainer = _trainer(tmp_path, dp_method="dicesgd", max_steps=7, dp_method_args={"error_max_grad_norm": 0.01})
+    trainer = _trainer(tmp_path, dp_method="dicesgd", max_steps=7,
+                       dp_method_args={"error_max_grad_norm": 0.01})
     trainer.train()
     with open(tmp_path / "privacy_ledger.json") as f:
         ledger = json.load(f)
@@ -138,25 +141,30 @@ def test_no_top_level_fields_per_method_and_the_retired_names_are_refused_with_t
     names = {f.name for f in dataclasses.fields(DPTrainingArguments)}
     assert not any(n.startswith(("disk_", "doppler_", "pmlf_", "dice_", "diff2_")) for n in names)
     assert "secure_rng" in names and "secure_noise" not in names
-    with pytest.raises(ValueError, match=r"'disk_kappa' is no longer accepted.*dp_method='disk'.*dp_method_args=\{'kappa'"):
+    with pytest.raises(ValueError, match=r"'disk_kappa' is no longer "
+                                         r"accepted.*dp_method='disk'.*dp_method_args=\{'kappa'"):
         _args(tmp_path, dp_method="disk", disk_kappa=0.6)
     with pytest.raises(ValueError, match=r"'disk_kappa' is no longer accepted.*dp_method='disk'"):
         _args(tmp_path, dp_method="dpsgd", disk_kappa=0.6)
-    with pytest.raises(ValueError, match=r"'dice_accounting' is no longer accepted.*dp_method_args=\{'accounting'"):
+    with pytest.raises(ValueError, match=r"'dice_accounting' is no longer "
+                                         r"accepted.*dp_method_args=\{'accounting'"):
         _args(tmp_path, dp_method="dicesgd", dice_accounting="paper")
     with pytest.raises(ValueError, match=r"DPTrainingArguments: 'secure_noise' was renamed 'secure_rng'"):
         _args(tmp_path, secure_noise=True)
     with pytest.raises(ValueError, match="not a setting of dp_method='disk'"):
-        _args(tmp_path, dp_method="disk", dp_method_args={"disk_kappa": 0.6})  # inside dp_method_args: field names
+        # inside dp_method_args: field names
+        _args(tmp_path, dp_method="disk", dp_method_args={"disk_kappa": 0.6})
     with pytest.raises(ValueError, match="not a setting of dp_method='disk'"):
         _args(tmp_path, dp_method="disk", dp_method_args={"kapa": 0.6})
-    json_args = _args(tmp_path, dp_method="diff2", dp_method_args='{"restart_every": 4, "difference_max_grad_norm": 1}')
+    json_args = _args(tmp_path, dp_method="diff2", dp_method_args='{"restart_every": 4, '
+        '"difference_max_grad_norm": 1}')
     assert json_args.dp_method_args == {"restart_every": 4, "difference_max_grad_norm": 1}
 
 
 def test_methods_declare_their_mechanisms_as_data():
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=10, max_steps=25, method="diff2",
-                              method_args={"restart_every": 5, "difference_max_grad_norm": 1.0}, target_epsilon=3.0)
+                              method_args={"restart_every": 5, "difference_max_grad_norm": 1.0},
+                              target_epsilon=3.0)
     z1, z2 = plan.noise_multiplier, plan.noise.get("difference_noise_multiplier")
     assert [m.noise_multiplier for m in plan.mechanisms(0)] == [z1]
     assert [m.noise_multiplier for m in plan.mechanisms(3)] == [z2]
@@ -164,5 +172,6 @@ def test_methods_declare_their_mechanisms_as_data():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         optimizer = make_dp_optimizer([torch.nn.Parameter(torch.zeros(2))], method="dicesgd", lr=0.1,
-                                      noise_multiplier=2.0, max_grad_norm=1.0, expected_batch_size=4, sample_rate=0.1)
+                                      noise_multiplier=2.0, max_grad_norm=1.0, expected_batch_size=4,
+                                      sample_rate=0.1)
     assert len(optimizer.next_step_history()) == 2  # the clipped sum and the error feedback

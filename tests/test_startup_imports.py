@@ -1,9 +1,11 @@
-"""A fresh process pays no start-up for what it does not use (issue 31: the fixed start-up of short private runs).
+"""A fresh process pays no start-up for what it does not use (issue 31: the fixed start-up of short private
+runs).
 
 * Building ``DPTrainingArguments`` as ``HfArgumentParser`` does (every field a keyword) imports none of the DP
   methods' modules: only keywords that are not fields are checked against the retired names.
-* The epsilon of the start banner (PRV, capped by RDP) and the "rdp" accountant do not import ``opacus``: Opacus'
-  ``rdp.py`` runs on its own (hf_dpfilter/accounting/rdp_analysis.py), with the values of Opacus' own import.
+* The epsilon of the start banner (PRV, capped by RDP) and the "rdp" accountant do not import ``opacus``:
+  Opacus' ``rdp.py`` runs on its own (hf_dpfilter/accounting/rdp_analysis.py), with the values of Opacus' own
+  import.
 
 One subprocess (a fresh interpreter is the only place where ``sys.modules`` says what a start-up imports).
 """
@@ -50,13 +52,15 @@ print("RESULT", json.dumps({"methods": methods_after_args, "opacus": opacus_afte
 
 def test_arguments_and_the_banner_epsilon_import_no_method_module_and_no_opacus(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True, text=True,
+                          env=env,
                           check=False, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, done.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["methods"] == [], result["methods"]
     assert result["opacus"] is False
-    assert "'disk_kappa' is no longer accepted" in result["refused"]  # a keyword that is not a field is still checked
+    # a keyword that is not a field is still checked
+    assert "'disk_kappa' is no longer accepted" in result["refused"]
     assert result["same_rdp"] is True  # Opacus' file run alone gives Opacus' values
     assert 0 < result["eps"]["prv"] <= result["eps"]["rdp"]

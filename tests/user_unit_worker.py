@@ -1,9 +1,10 @@
-"""Worker for tests/data/test_units.py::test_two_processes_user_sensitivity (torchrun, 2 processes, CPU, gloo).
+"""Worker for tests/data/test_units.py::test_two_processes_user_sensitivity (torchrun, 2 processes, CPU,
+gloo).
 
-Each process takes its users from :class:`~hf_dpfilter.data.units.UserPoissonBatchSampler` (q = 1: every user, whole
-users per process), cuts its packed micro-batches at user boundaries and accumulates the clipped sums (float32
-GPT-2, noise 0); the sums are all-reduced. Four aggregates: with and without the victim user, clipped per user and
-(negative control) per example. Rank 0 writes ``OUT/result.json``.
+Each process takes its users from :class:`~hf_dpfilter.data.units.UserPoissonBatchSampler` (q = 1: every user,
+whole users per process), cuts its packed micro-batches at user boundaries and accumulates the clipped sums
+(float32 GPT-2, noise 0); the sums are all-reduced. Four aggregates: with and without the victim user, clipped
+per user and (negative control) per example. Rank 0 writes ``OUT/result.json``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the test folders mirror the package; workers import test modules by name, as the tests do
 sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
-                               if os.path.isdir(os.path.join(HERE, d)) and d not in ("scripts", "__pycache__"))
+                               if os.path.isdir(os.path.join(HERE, d))
+                               and d not in ("scripts", "__pycache__"))
 
 from helpers import ListDataset, flat, freeze_imported_objects  # noqa: E402
 from test_units import _extreme_user, _users, accumulate_packed_users  # noqa: E402
@@ -37,12 +39,14 @@ def aggregate(data: list[dict], per_example: bool, rank: int, world: int) -> tup
     model = tiny_gpt2(dtype=torch.float32)
     plan = PrivacyPlan.for_optimizer(method="dpsgd", noise_multiplier=0.0, max_grad_norm=CLIP,
                                      expected_batch_size=4.0, sample_rate=1.0, seed=0)
-    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5,
+                                        verify_first_backward=False)
     index = UserIndex.from_dataset(ListDataset(data), "user")
     batch_indices = next(iter(UserPoissonBatchSampler(index, 1.0, K, 1, seed=1, rank=rank, world_size=world)))
     examples = [{k: v for k, v in data[i].items() if k != "user"} for i in batch_indices]
     if examples:
-        accumulate_packed_users(engine, optimizer, examples, torch.tensor([index.unit_of[i] for i in batch_indices]),
+        accumulate_packed_users(engine, optimizer, examples,
+                                torch.tensor([index.unit_of[i] for i in batch_indices]),
                                 MICRO, per_example)
     local = optimizer._local_sums()
     total = flat([local[p].detach().double() if p in local else torch.zeros_like(p, dtype=torch.float64)
@@ -75,7 +79,8 @@ def train_user_level(out: str) -> dict[str, torch.Tensor]:
         remove_unused_columns=False, dp_seed=7, disable_tqdm=True, privacy_unit="user", user_id_column="user",
         max_examples_per_user=K, ddp_backend="gloo" if "RANK" in os.environ else None,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(d), data_collator=DataCollatorWithFlattening())
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(d),
+                        data_collator=DataCollatorWithFlattening())
     assert trainer.args.world_size == int(os.environ.get("WORLD_SIZE", "1"))
     trainer.train()
     return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -5,8 +5,8 @@ Every mechanism tracked here is the Poisson-subsampled Gaussian mechanism: each 
 independently with probability ``sample_rate`` (q), the clipped per-example contributions (L2 sensitivity 1 in
 units of the clipping norm) are summed and Gaussian noise of standard deviation ``noise_multiplier`` (sigma)
 times the clipping norm is added. ``sample_rate == 1.0`` is the plain (not subsampled) Gaussian mechanism.
-Heterogeneous histories (several (sigma, q) pairs, e.g. DIFF2's restarts and difference steps, or steps already
-spent before a re-calibration) are composed exactly by every backend.
+Heterogeneous histories (several (sigma, q) pairs, e.g. DIFF2's restarts and difference steps, or steps
+already spent before a re-calibration) are composed exactly by every backend.
 
 **Neighbouring relation: add/remove one example** everywhere (the Opacus / dp-transformers convention). To
 certify a replace-one guarantee for a mechanism whose sensitivity doubles under replacement, record
@@ -14,16 +14,16 @@ certify a replace-one guarantee for a mechanism whose sensitivity doubles under 
 
 Backends (``ACCOUNTANTS``):
 
-* ``"prv"`` (default): numerical composition of privacy loss random variables (Gopi, Lee & Wutschitz 2021) with
-  the ``prv_accountant`` package (``PRVAccountant`` with one ``PoissonSubsampledGaussianMechanism`` per
+* ``"prv"`` (default): numerical composition of privacy loss random variables (Gopi, Lee & Wutschitz 2021)
+  with the ``prv_accountant`` package (``PRVAccountant`` with one ``PoissonSubsampledGaussianMechanism`` per
   distinct (sigma, q), ``GaussianMechanism`` for q = 1). The reported epsilon is the package's *upper* bound
   (estimate + eps_error + delta_error effect), never the point estimate. ``eps_error`` is 0.3 % of epsilon
   (first from the RDP value, redone from the PRV estimate when RDP was far off), ``delta_error = delta/1000``;
   the discretisation domain is capped at 1.5M points (eps_error is loosened up to 0.5 % to fit) and padded
   to an FFT-friendly length.
-  **Fallback to "pld"** (logged at INFO on the ``hf_dpfilter.accounting.accountant`` logger) when PRV cannot deliver
-  that accuracy or fails numerically: epsilon below ~0.03 (eps_error would be < 1e-4), domain over budget
-  (very many steps at small epsilon), the package's "discrete mean differs" check (large q with small
+  **Fallback to "pld"** (logged at INFO on the ``hf_dpfilter.accounting.accountant`` logger) when PRV cannot
+  deliver that accuracy or fails numerically: epsilon below ~0.03 (eps_error would be < 1e-4), domain over
+  budget (very many steps at small epsilon), the package's "discrete mean differs" check (large q with small
   sigma), or its floating-point guard for tiny delta.
 * ``"pld"``: privacy loss distributions from Google's ``dp_accounting`` (pessimistic connect-the-dots
   discretisation, add/remove relation; q = 1 steps are merged exactly into one Gaussian). The discretisation
@@ -132,7 +132,8 @@ def _check_mechanism(noise_multiplier: float, sample_rate: float, num_steps: int
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}")
     if not (0.0 < q <= 1.0):
         raise ValueError(
-            f"sample_rate must be in (0, 1], got {sample_rate}; use expected batch size / N (1.0 = full batch)"
+            f"sample_rate must be in (0, 1], got {sample_rate}; use expected batch size / N (1.0 = full "
+            "batch)"
         )
     if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 0:
         raise ValueError(f"num_steps must be an integer >= 0, got {num_steps}")
@@ -179,7 +180,8 @@ def _eps_pld_at(key: _HistoryKey, delta: float, interval: float) -> float:
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
     from dp_accounting.privacy_accountant import NeighboringRelation
 
-    # dp_accounting's default tail truncation (1e-15, moved to the infinity mass) would make tiny deltas infinite
+    # dp_accounting's default tail truncation (1e-15, moved to the infinity mass) would make tiny deltas
+    # infinite
     tail = min(1e-15, delta * 1e-10)
     total = None
     for sigma, q, n in key:
@@ -225,9 +227,9 @@ def _eps_pld(key: _HistoryKey, delta: float) -> float:
 def _fast_half_width(half_width: float, mesh: float) -> float:
     """Half-width >= ``half_width`` whose PRV domain length (2 * ceil(L / mesh) + 2 points) is FFT-friendly.
 
-    ``prv_accountant`` sizes its domain from ``eps_max``; an arbitrary even length can have large prime factors,
-    which makes its FFTs up to ~10x slower. The returned value is ``(m - 1/4) * mesh`` with 2m + 2 a 5-smooth
-    even number, so the domain is at least as large as the safe one.
+    ``prv_accountant`` sizes its domain from ``eps_max``; an arbitrary even length can have large prime
+    factors, which makes its FFTs up to ~10x slower. The returned value is ``(m - 1/4) * mesh`` with 2m + 2 a
+    5-smooth even number, so the domain is at least as large as the safe one.
     """
     from scipy.fft import next_fast_len
 
@@ -428,9 +430,9 @@ class PrivacyAccountant:
 
     history: list of [noise_multiplier, sample_rate, num_steps] entries (consecutive equal entries merged).
 
-    Each recorded step is one application of the Poisson-subsampled Gaussian mechanism under the add/remove-one
-    neighbouring relation. ``get_epsilon`` results are cached, so calling it at every logging step is cheap
-    when nothing changed.
+    Each recorded step is one application of the Poisson-subsampled Gaussian mechanism under the
+    add/remove-one neighbouring relation. ``get_epsilon`` results are cached, so calling it at every logging
+    step is cheap when nothing changed.
     """
 
     def __init__(self, accountant: str = "prv") -> None:
@@ -452,12 +454,14 @@ class PrivacyAccountant:
 
     def record_step(self, mechanisms: Iterable) -> None:
         """Record ONE logical step that releases each of ``mechanisms`` (objects with ``noise_multiplier`` and
-        ``sample_rate``, e.g. :class:`hf_dpfilter.optimizers.method_config.Mechanism`); ``steps`` grows by 1."""
+        ``sample_rate``, e.g. :class:`hf_dpfilter.optimizers.method_config.Mechanism`); ``steps`` grows by
+        1."""
         for m in mechanisms:
             self._compose(m.noise_multiplier, m.sample_rate, 1, merge_anywhere=True)
         self._steps += 1
 
-    def _compose(self, noise_multiplier: float, sample_rate: float, num_steps: int, merge_anywhere: bool = False):
+    def _compose(self, noise_multiplier: float, sample_rate: float, num_steps: int,
+                 merge_anywhere: bool = False):
         sigma, q, n = _check_mechanism(noise_multiplier, sample_rate, num_steps)
         if n == 0:
             return

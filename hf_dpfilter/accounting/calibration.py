@@ -1,8 +1,9 @@
 """Noise calibration: the smallest noise whose composed history spends at most a target epsilon.
 
 :func:`calibrate_noise_multiplier` (one Poisson-subsampled Gaussian per step, optionally after an
-``extra_history``) and :func:`calibrate_scale` (several Gaussians whose noise multipliers scale with one z) search
-the epsilon computed by :mod:`hf_dpfilter.accounting.accountant`, the one place where epsilon is computed.
+``extra_history``) and :func:`calibrate_scale` (several Gaussians whose noise multipliers scale with one z)
+search the epsilon computed by :mod:`hf_dpfilter.accounting.accountant`, the one place where epsilon is
+computed.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def calibrate_noise_multiplier(
 
 
 def calibrate_scale(
-    history_of: Callable[[float], list], target_epsilon: float, delta: float, accountant: str = "prv", tol: float = 0.01
+    history_of: Callable[[float], list], target_epsilon: float, delta: float, accountant: str = "prv",
+    tol: float = 0.01
 ) -> float:
     """Smallest noise scale z with ``epsilon(history_of(z))`` in ``[target (1 - tol), target]``.
 
@@ -105,7 +107,8 @@ def calibrate_scale(
 
     guess, factor = 1.0, 2.0
     if accountant == "prv":
-        guess = _search(eps("pld"), target_epsilon * (1 - 0.5 * tol), target_epsilon * (1 - 0.8 * tol), 1.0, 2.0)
+        guess = _search(eps("pld"), target_epsilon * (1 - 0.5 * tol), target_epsilon * (1 - 0.8 * tol), 1.0,
+                        2.0)
         factor = 1.01
     return _search(eps(accountant), target_epsilon, target_epsilon * (1 - tol), guess, factor)
 

@@ -1,7 +1,8 @@
-"""Opacus' Renyi-DP analysis of the subsampled Gaussian mechanism, loaded without importing Opacus' training stack.
+"""Opacus' Renyi-DP analysis of the subsampled Gaussian mechanism, loaded without importing Opacus' training
+stack.
 
-:mod:`hf_dpfilter.accounting.accountant` uses it for the "rdp" accountant and for the RDP cap of the PRV and PLD results;
-the values are Opacus' own (the same file runs), only the import is cheaper.
+:mod:`hf_dpfilter.accounting.accountant` uses it for the "rdp" accountant and for the RDP cap of the PRV and
+PLD results; the values are Opacus' own (the same file runs), only the import is cheaper.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ _OPACUS_RDP = "opacus.accountants.analysis.rdp"
 def opacus_rdp() -> ModuleType:
     """Opacus' RDP analysis module (``opacus/accountants/analysis/rdp.py``), without importing ``opacus``.
 
-    Importing it as ``opacus.accountants.analysis.rdp`` first runs ``opacus/__init__.py``, which imports Opacus'
-    whole training stack (grad samplers, the privacy engine): several seconds of a fresh process, for a module that
-    needs only numpy and ``scipy.special``. So the same file is executed as a module of its own (the same code,
-    hence the same values). If Opacus is already imported, or its file cannot be run alone (a future version
-    with package-relative imports), the ordinary import is used.
+    Importing it as ``opacus.accountants.analysis.rdp`` first runs ``opacus/__init__.py``, which imports
+    Opacus' whole training stack (grad samplers, the privacy engine): several seconds of a fresh process, for
+    a module that needs only numpy and ``scipy.special``. So the same file is executed as a module of its own
+    (the same code, hence the same values). If Opacus is already imported, or its file cannot be run alone (a
+    future version with package-relative imports), the ordinary import is used.
     """
     if _OPACUS_RDP in sys.modules:
         return sys.modules[_OPACUS_RDP]
@@ -41,7 +42,8 @@ def opacus_rdp() -> ModuleType:
         assert standalone is not None and standalone.loader is not None
         module = importlib.util.module_from_spec(standalone)
         standalone.loader.exec_module(module)
-        if callable(getattr(module, "compute_rdp", None)) and callable(getattr(module, "get_privacy_spent", None)):
+        if callable(getattr(module, "compute_rdp", None)) and callable(getattr(module, "get_privacy_spent",
+                                                                               None)):
             return module
     except Exception as err:  # noqa: BLE001 - any failure: the ordinary import below
         logger.debug("opacus' rdp.py not loadable alone (%s); importing opacus", err)

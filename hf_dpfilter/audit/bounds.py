@@ -1,28 +1,31 @@
 """Statistics of the one-run privacy audit (no training code here).
 
 The auditing game (Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run", Algorithm 1):
-m canaries are each included in training independently with probability 1/2 (S_i in {-1, +1}); after training the
-auditor computes one score per canary, guesses "+1" (IN) on the k+ largest scores, "-1" (OUT) on the k- smallest
-scores and abstains on the rest.  With r = k+ + k- guesses of which v are correct, the functions below turn (m, r, v)
-into an *empirical lower bound* on epsilon: with probability >= ``confidence`` over the canary coins and the training
-randomness, a mechanism that really satisfies the hypothesis yields a bound <= its epsilon.  A bound above the claimed
-epsilon is therefore statistical evidence of a bug (or of a wrong privacy analysis); a bound below it proves nothing.
+m canaries are each included in training independently with probability 1/2 (S_i in {-1, +1}); after training
+the auditor computes one score per canary, guesses "+1" (IN) on the k+ largest scores, "-1" (OUT) on the k-
+smallest scores and abstains on the rest.  With r = k+ + k- guesses of which v are correct, the functions
+below turn (m, r, v) into an *empirical lower bound* on epsilon: with probability >= ``confidence`` over the
+canary coins and the training randomness, a mechanism that really satisfies the hypothesis yields a bound <=
+its epsilon.  A bound above the claimed epsilon is therefore statistical evidence of a bug (or of a wrong
+privacy analysis); a bound below it proves nothing.
 
 Two bounds are provided:
 
-* :func:`one_run_epsilon_lower_bound` -- the (epsilon, delta) bound of Steinke et al. (binomial tail plus the 2*m*delta
-  term).  Valid for any (epsilon, delta)-DP claim, in particular Poisson-subsampled DP-SGD.  This is the default gate.
-* :func:`fdp_epsilon_lower_bound` -- the f-DP bound of Mahloujifar, Melis & Chaudhuri ("Auditing f-Differential
-  Privacy in One Run", ICML 2025, Theorem 3.1 / Algorithm 3 / Theorem 3.2) with the Gaussian-DP family of trade-off
-  curves.  Stronger, but only a valid test when the *claimed* curve is mu-GDP, i.e. full-batch (q = 1) DP-SGD observed
-  through all iterates (mu = sqrt(T)/sigma).  It must NOT be used for Poisson-subsampled runs (q < 1): their trade-off
-  curve is not Gaussian and a GDP curve matched at the target delta is not a valid substitute.  The generic
-  :func:`fdp_hypothesis_rejected` accepts any inverse blow-up function, e.g. one built from an accountant's exact
-  privacy profile.
+* :func:`one_run_epsilon_lower_bound` -- the (epsilon, delta) bound of Steinke et al. (binomial tail plus the
+  2*m*delta term).  Valid for any (epsilon, delta)-DP claim, in particular Poisson-subsampled DP-SGD.  This is
+  the default gate.
+* :func:`fdp_epsilon_lower_bound` -- the f-DP bound of Mahloujifar, Melis & Chaudhuri ("Auditing
+  f-Differential Privacy in One Run", ICML 2025, Theorem 3.1 / Algorithm 3 / Theorem 3.2) with the Gaussian-DP
+  family of trade-off curves.  Stronger, but only a valid test when the *claimed* curve is mu-GDP, i.e.
+  full-batch (q = 1) DP-SGD observed through all iterates (mu = sqrt(T)/sigma).  It must NOT be used for
+  Poisson-subsampled runs (q < 1): their trade-off curve is not Gaussian and a GDP curve matched at the target
+  delta is not a valid substitute.  The generic :func:`fdp_hypothesis_rejected` accepts any inverse blow-up
+  function, e.g. one built from an accountant's exact privacy profile.
 
-:func:`best_guess_bound` runs the game on a vector of scores, :func:`gaussian_epsilon_estimate` is the parametric
-Gaussian-fit *estimate* (diagnostic only, not a rigorous bound), and :func:`simulate_gaussian_canary_scores` /
-:func:`simulate_dpsgd_canary_scores` produce idealized white-box scores for tests and for pre-registering k.
+:func:`best_guess_bound` runs the game on a vector of scores, :func:`gaussian_epsilon_estimate` is the
+parametric Gaussian-fit *estimate* (diagnostic only, not a rigorous bound), and
+:func:`simulate_gaussian_canary_scores` / :func:`simulate_dpsgd_canary_scores` produce idealized white-box
+scores for tests and for pre-registering k.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ _EPS_MAX = 50.0  # search range for epsilon; far above any achievable one-run bo
 _MU_MAX = 30.0  # search range for the GDP parameter mu
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # argument checks
 
 
@@ -84,7 +87,7 @@ def _check_delta(delta: float) -> float:
     return float(delta)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Steinke, Nasr & Jagielski (2023): the (epsilon, delta) bound
 
 
@@ -108,16 +111,16 @@ def steinke_p_value(
 ) -> float:
     """p-value of observing >= ``num_correct`` correct guesses under the hypothesis "(epsilon, delta)-DP".
 
-    Implements the right-hand side of the main (epsilon, delta) theorem of Steinke, Nasr & Jagielski (2023) (the
-    quantity evaluated by the paper's Appendix D reference code; docs/audit.md §4): if the algorithm is
-    (epsilon, delta)-DP, m canaries are included by independent fair coins, r = k+ + k- guesses are made (abstaining
-    otherwise) and W is the number of correct guesses, then for all v
+    Implements the right-hand side of the main (epsilon, delta) theorem of Steinke, Nasr & Jagielski (2023)
+    (the quantity evaluated by the paper's Appendix D reference code; docs/audit.md §4): if the algorithm is
+    (epsilon, delta)-DP, m canaries are included by independent fair coins, r = k+ + k- guesses are made
+    (abstaining otherwise) and W is the number of correct guesses, then for all v
 
         P[W >= v] <= f(v) + 2 m delta * max_{i in {1..v}} (f(v - i) - f(v)) / i,
         f(v) := P[Binomial(r, e^eps / (e^eps + 1)) >= v].
 
-    ``f(v - i) - f(v) = P[v - i <= Binomial <= v - 1]`` is built from pmf terms so nothing is a difference of tails.
-    The result is capped at 1.
+    ``f(v - i) - f(v) = P[v - i <= Binomial <= v - 1]`` is built from pmf terms so nothing is a difference of
+    tails. The result is capped at 1.
     """
     r, v, m = _check_counts(num_guesses, num_correct, num_canaries)
     delta = _check_delta(delta)
@@ -141,7 +144,8 @@ def one_run_epsilon_lower_bound(
     delta: float = 0.0,
     confidence: float = 0.95,
 ) -> float:
-    """Empirical epsilon lower bound from one run (Steinke, Nasr & Jagielski 2023, main (epsilon, delta) theorem).
+    """Empirical epsilon lower bound from one run (Steinke, Nasr & Jagielski 2023, main (epsilon, delta)
+    theorem).
 
     Statement implemented (docs/audit.md §4): for an (epsilon, delta)-DP algorithm audited with m =
     ``num_canaries`` canaries, each included independently with probability 1/2, r = ``num_guesses`` = k+ + k-
@@ -155,14 +159,14 @@ def one_run_epsilon_lower_bound(
         eps_lb = sup{ eps >= 0 : p_value(eps) < beta }   (0.0 if the set is empty),
 
     i.e. the largest epsilon whose (epsilon, delta)-DP hypothesis is rejected at level beta.  Validity: an
-    (eps_true, delta)-DP mechanism is also (eps', delta)-DP for every eps' >= eps_true, so each eps' >= eps_true is
-    rejected with probability <= beta, hence P[eps_lb > eps_true] <= beta (this holds for the sup even if the
-    p-value were not monotone in epsilon).  The returned value is always a point where the p-value is < beta (to
-    1e-9 in epsilon).
+    (eps_true, delta)-DP mechanism is also (eps', delta)-DP for every eps' >= eps_true, so each eps' >=
+    eps_true is rejected with probability <= beta, hence P[eps_lb > eps_true] <= beta (this holds for the sup
+    even if the p-value were not monotone in epsilon).  The returned value is always a point where the p-value
+    is < beta (to 1e-9 in epsilon).
 
-    ``delta`` must be the delta of the claim being tested; keep 2 * m * delta << 1 (the 2 m delta term saturates the
-    bound otherwise).  With delta = 0 and all r = m guesses correct the bound reaches its ceiling
-    -log(beta^(-1/m) - 1) ~ log(m / log(1/beta)) (5.81 at m = 1000, 95%).
+    ``delta`` must be the delta of the claim being tested; keep 2 * m * delta << 1 (the 2 m delta term
+    saturates the bound otherwise).  With delta = 0 and all r = m guesses correct the bound reaches its
+    ceiling -log(beta^(-1/m) - 1) ~ log(m / log(1/beta)) (5.81 at m = 1000, 95%).
     """
     r, v, m = _check_counts(num_guesses, num_correct, num_canaries)
     delta = _check_delta(delta)
@@ -173,8 +177,8 @@ def one_run_epsilon_lower_bound(
     def rejected(eps: float) -> bool:
         return steinke_p_value(r, v, m, eps, delta) < beta
 
-    # The binomial tail f(v) alone is increasing in eps and is a lower bound on the p-value, so nothing above the
-    # root of f(v) = beta can be rejected: that root bounds the search.
+    # The binomial tail f(v) alone is increasing in eps and is a lower bound on the p-value, so nothing above
+    # the root of f(v) = beta can be rejected: that root bounds the search.
     def tail_minus_beta(eps: float) -> float:
         return _binom_upper_tail(r, v, eps) - beta
 
@@ -186,9 +190,9 @@ def one_run_epsilon_lower_bound(
         eps_hi = optimize.brentq(tail_minus_beta, 0.0, _EPS_MAX, xtol=1e-12)
     if rejected(eps_hi):
         return float(eps_hi)
-    # Scan down from eps_hi for the largest rejected grid point, then bisect up to the next grid point.  (In practice
-    # the p-value is monotone and the first step already succeeds; the scan guards against a non-monotone 2 m delta
-    # term without ever returning an epsilon that is not rejected.)
+    # Scan down from eps_hi for the largest rejected grid point, then bisect up to the next grid point.  (In
+    # practice the p-value is monotone and the first step already succeeds; the scan guards against a
+    # non-monotone 2 m delta term without ever returning an epsilon that is not rejected.)
     step = 0.02
     hi = eps_hi
     lo = max(hi - step, 0.0)
@@ -205,12 +209,13 @@ def one_run_epsilon_lower_bound(
     return float(lo)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Gaussian differential privacy helpers (Dong, Roth & Su)
 
 
 def gdp_delta(mu: float, epsilon: float) -> float:
-    """delta(epsilon) of mu-GDP: Phi(-eps/mu + mu/2) - e^eps * Phi(-eps/mu - mu/2) (Dong, Roth & Su, Cor. 2.13)."""
+    """delta(epsilon) of mu-GDP: Phi(-eps/mu + mu/2) - e^eps * Phi(-eps/mu - mu/2) (Dong, Roth & Su, Cor.
+    2.13)."""
     if mu < 0 or epsilon < 0:
         raise ValueError("mu and epsilon must be >= 0")
     if mu == 0.0:
@@ -230,7 +235,8 @@ def gdp_epsilon(mu: float, delta: float) -> float:
         raise ValueError("mu must be >= 0")
     if gdp_delta(mu, 0.0) <= delta:
         return 0.0
-    # delta(eps) <= Phi(-eps/mu + mu/2), so eps_hi = mu^2/2 + mu * Phi^{-1}(1 - delta) has delta(eps_hi) <= delta.
+    # delta(eps) <= Phi(-eps/mu + mu/2), so eps_hi = mu^2/2 + mu * Phi^{-1}(1 - delta) has delta(eps_hi) <=
+    # delta.
     eps_hi = mu * mu / 2.0 - mu * float(ndtri(delta)) + 1.0
     return float(optimize.brentq(lambda e: gdp_delta(mu, e) - delta, 0.0, eps_hi, xtol=1e-12))
 
@@ -248,7 +254,7 @@ def gdp_mu_for_epsilon(epsilon: float, delta: float) -> float:
     return float(optimize.brentq(lambda mu: gdp_delta(mu, epsilon) - delta, 0.0, hi, xtol=1e-14))
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Mahloujifar, Melis & Chaudhuri (ICML 2025): the f-DP bound
 
 
@@ -262,15 +268,16 @@ def fdp_hypothesis_rejected(
 ) -> bool:
     """Algorithm 3 of Mahloujifar, Melis & Chaudhuri: True iff "M is f-DP" is rejected at level ``tau``.
 
-    ``fbar_inverse`` is the inverse of the blow-up function f_bar(x) = 1 - f(x) of the hypothesised trade-off curve f.
-    By their Theorem 3.2, if this returns True then for every f-DP mechanism and every adversary making at most
-    c' = ``num_guesses`` guesses on m = ``num_canaries`` canaries (secrets uniform over an alphabet of size k =
-    ``alphabet_size``; k = 2 is the membership game), P[#correct >= c = ``num_correct``] <= tau.
+    ``fbar_inverse`` is the inverse of the blow-up function f_bar(x) = 1 - f(x) of the hypothesised trade-off
+    curve f. By their Theorem 3.2, if this returns True then for every f-DP mechanism and every adversary
+    making at most c' = ``num_guesses`` guesses on m = ``num_canaries`` canaries (secrets uniform over an
+    alphabet of size k = ``alphabet_size``; k = 2 is the membership game), P[#correct >= c = ``num_correct``]
+    <= tau.
 
     The recursion (with the max of the paper's appendix code) follows Theorem 3.1 applied to the index sets
-    {i+1, ..., c'}: r[i] tracks sum_{j >= i} (j/m) p_j and h[i] tracks sum_{j >= i} ((c'-j)/m) p_j of the least
-    massive distribution p that puts probability tau on >= c correct; the hypothesis is rejected when that
-    distribution needs total mass r[0] + h[0] >= c'/m, i.e. probability >= 1.
+    {i+1, ..., c'}: r[i] tracks sum_{j >= i} (j/m) p_j and h[i] tracks sum_{j >= i} ((c'-j)/m) p_j of the
+    least massive distribution p that puts probability tau on >= c correct; the hypothesis is rejected when
+    that distribution needs total mass r[0] + h[0] >= c'/m, i.e. probability >= 1.
     """
     c_prime, c, m = _check_counts(num_guesses, num_correct, num_canaries)
     if not 0.0 < tau < 1.0:
@@ -291,7 +298,8 @@ def fdp_hypothesis_rejected(
 def gdp_hypothesis_rejected(
     mu: float, num_guesses: int, num_correct: int, num_canaries: int, tau: float = 0.05
 ) -> bool:
-    """Algorithm 3 (k = 2) for the mu-GDP curve, whose inverse blow-up is f_bar^{-1}(y) = Phi(Phi^{-1}(y) - mu)."""
+    """Algorithm 3 (k = 2) for the mu-GDP curve, whose inverse blow-up is f_bar^{-1}(y) = Phi(Phi^{-1}(y) -
+    mu)."""
     return fdp_hypothesis_rejected(
         lambda y: float(ndtr(ndtri(y) - mu)), num_guesses, num_correct, num_canaries, tau=tau
     )
@@ -302,8 +310,9 @@ def gdp_mu_lower_bound(
 ) -> float:
     """Largest mu such that mu-GDP is rejected by Algorithm 3 (Mahloujifar et al.) at level 1 - confidence.
 
-    Rejection is monotone in mu (f_bar^{-1} decreases in mu, so a larger mu makes the recursion smaller), and a
-    mu-GDP mechanism is mu'-GDP for every mu' >= mu, so P[mu_lb > mu_true] <= 1 - confidence.  Bisection to 1e-10.
+    Rejection is monotone in mu (f_bar^{-1} decreases in mu, so a larger mu makes the recursion smaller), and
+    a mu-GDP mechanism is mu'-GDP for every mu' >= mu, so P[mu_lb > mu_true] <= 1 - confidence.  Bisection to
+    1e-10.
     """
     _check_counts(num_guesses, num_correct, num_canaries)
     tau = _check_confidence(confidence)
@@ -330,18 +339,20 @@ def fdp_epsilon_lower_bound(
 ) -> float:
     """Empirical epsilon lower bound from the f-DP one-run audit with the Gaussian-DP family.
 
-    Mahloujifar, Melis & Chaudhuri, "Auditing f-Differential Privacy in One Run" (ICML 2025): Theorem 3.1 (bound on
-    the distribution of the number of correct guesses of an adversary with at most c' guesses against an f-DP
-    mechanism), Algorithm 3 (decides whether P[>= c correct] <= tau for every f-DP mechanism) and Theorem 3.2 (its
-    soundness), applied to the ordered family of mu-GDP curves (their Def. 2.7 / section 3.1 empirical privacy).
-    Returns eps_GDP(mu_lb, delta), where mu_lb is :func:`gdp_mu_lower_bound`, the boundary between rejected and
-    non-rejected GDP hypotheses, converted to epsilon at ``delta`` with the mu-GDP privacy profile.
+    Mahloujifar, Melis & Chaudhuri, "Auditing f-Differential Privacy in One Run" (ICML 2025): Theorem 3.1
+    (bound on the distribution of the number of correct guesses of an adversary with at most c' guesses
+    against an f-DP mechanism), Algorithm 3 (decides whether P[>= c correct] <= tau for every f-DP mechanism)
+    and Theorem 3.2 (its soundness), applied to the ordered family of mu-GDP curves (their Def. 2.7 / section
+    3.1 empirical privacy). Returns eps_GDP(mu_lb, delta), where mu_lb is :func:`gdp_mu_lower_bound`, the
+    boundary between rejected and non-rejected GDP hypotheses, converted to epsilon at ``delta`` with the
+    mu-GDP privacy profile.
 
     Valid ONLY when the claimed trade-off curve is mu-GDP (docs/audit.md §6.3 and §11): full-batch (q = 1)
-    DP-SGD / DIFF2-GD with Gaussian noise, all iterates observed (mu = sqrt(T)/sigma).  Then "eps_lb > eps_claimed"
-    at the claim's delta is equivalent to "mu_lb > mu_claimed" and the test has level 1 - ``confidence``.  For
-    Poisson-subsampled runs use :func:`one_run_epsilon_lower_bound` (or :func:`fdp_hypothesis_rejected` with the
-    exact subsampled-Gaussian curve).  ``delta`` must be > 0 (mu-GDP is not (eps, 0)-DP for finite eps).
+    DP-SGD / DIFF2-GD with Gaussian noise, all iterates observed (mu = sqrt(T)/sigma).  Then "eps_lb >
+    eps_claimed" at the claim's delta is equivalent to "mu_lb > mu_claimed" and the test has level 1 -
+    ``confidence``.  For Poisson-subsampled runs use :func:`one_run_epsilon_lower_bound` (or
+    :func:`fdp_hypothesis_rejected` with the exact subsampled-Gaussian curve).  ``delta`` must be > 0 (mu-GDP
+    is not (eps, 0)-DP for finite eps).
     """
     delta = _check_delta(delta)
     mu_lb = gdp_mu_lower_bound(num_guesses, num_correct, num_canaries, confidence=confidence)
@@ -350,7 +361,7 @@ def fdp_epsilon_lower_bound(
     return gdp_epsilon(mu_lb, delta)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # running the game on a score vector
 
 
@@ -380,10 +391,11 @@ def _as_membership(included: np.ndarray) -> np.ndarray:
 
 
 def count_correct_guesses(scores: np.ndarray, included: np.ndarray, k_pos: int, k_neg: int) -> int:
-    """Number of correct guesses when guessing IN on the ``k_pos`` largest and OUT on the ``k_neg`` smallest scores.
+    """Number of correct guesses when guessing IN on the ``k_pos`` largest and OUT on the ``k_neg`` smallest
+    scores.
 
-    Steinke et al. Algorithm 1, step 7.  Ties are broken by canary index (a stable sort), which depends on the scores
-    and the fixed indexing only, never on the membership coins, so the game stays valid.
+    Steinke et al. Algorithm 1, step 7.  Ties are broken by canary index (a stable sort), which depends on the
+    scores and the fixed indexing only, never on the membership coins, so the game stays valid.
     """
     y = np.asarray(scores, dtype=np.float64).ravel()
     s = _as_membership(included).ravel()
@@ -422,24 +434,26 @@ def best_guess_bound(
         Overall confidence of the returned bound (0.95 default; docs/audit.md §7 recommends 0.99 in CI).
     guess_counts:
         Grid K of guess counts.  An int k means k+ = k- = k (Steinke et al. Algorithm 1: +1 on the k+ largest
-        scores, -1 on the k- smallest, abstain elsewhere); a pair (k+, k-) allows asymmetric guessing (useful when
-        q*T is small and many IN canaries were never sampled).  Default :func:`default_guess_counts` (25, 50, 100 for
-        m = 1000).  Pass a single pre-registered k (e.g. ``[50]``) to pay no multiplicity correction.
+        scores, -1 on the k- smallest, abstain elsewhere); a pair (k+, k-) allows asymmetric guessing (useful
+        when q*T is small and many IN canaries were never sampled).  Default :func:`default_guess_counts` (25,
+        50, 100 for m = 1000).  Pass a single pre-registered k (e.g. ``[50]``) to pay no multiplicity
+        correction.
     method:
-        ``"steinke"`` (default, :func:`one_run_epsilon_lower_bound`, valid for any (eps, delta) claim) or ``"fdp_gdp"``
-        (:func:`fdp_epsilon_lower_bound`, valid only for full-batch Gaussian claims, needs delta > 0).
+        ``"steinke"`` (default, :func:`one_run_epsilon_lower_bound`, valid for any (eps, delta) claim) or
+        ``"fdp_gdp"`` (:func:`fdp_epsilon_lower_bound`, valid only for full-batch Gaussian claims, needs delta
+        > 0).
 
     Multiplicity (docs/audit.md §7): choosing k after looking at the scores of the same run
     invalidates the confidence level.  Every k in the grid is therefore tested at level (1 - confidence)/|K|
-    (Bonferroni), and the maximum over the grid is returned: by the union bound, P[max_k eps_lb(k) > eps_true] <=
-    sum_k (1 - confidence)/|K| = 1 - confidence.  With a single k this is the plain, pre-registered bound.
+    (Bonferroni), and the maximum over the grid is returned: by the union bound, P[max_k eps_lb(k) > eps_true]
+    <= sum_k (1 - confidence)/|K| = 1 - confidence.  With a single k this is the plain, pre-registered bound.
 
     Returns
     -------
-    dict with ``epsilon_lower_bound`` (max over K), ``num_guesses`` / ``num_correct`` / ``k_pos`` / ``k_neg`` at the
-    maximising k, ``num_canaries``, ``num_included``, ``delta``, ``confidence``, ``per_k_confidence``,
-    ``bonferroni_factor``, ``method`` and ``per_k`` (list of dicts with k_pos, k_neg, num_guesses, num_correct,
-    epsilon_lower_bound for every k in the grid; ties resolved towards the first grid entry).
+    dict with ``epsilon_lower_bound`` (max over K), ``num_guesses`` / ``num_correct`` / ``k_pos`` / ``k_neg``
+    at the maximising k, ``num_canaries``, ``num_included``, ``delta``, ``confidence``, ``per_k_confidence``,
+    ``bonferroni_factor``, ``method`` and ``per_k`` (list of dicts with k_pos, k_neg, num_guesses,
+    num_correct, epsilon_lower_bound for every k in the grid; ties resolved towards the first grid entry).
     """
     s = _as_membership(included).ravel()
     y = np.asarray(scores, dtype=np.float64).ravel()
@@ -489,19 +503,21 @@ def best_guess_bound(
     )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Gaussian-fit estimate (diagnostic only)
 
 
 def gaussian_epsilon_estimate(
     scores: np.ndarray, included: np.ndarray, delta: float = 1e-5, confidence: float = 0.99
 ) -> dict[str, float]:
-    """Parametric Gaussian-fit *estimate* after Agrawal et al. ("Let's Ask Gauss", 2026); see docs/audit.md §10.
+    """Parametric Gaussian-fit *estimate* after Agrawal et al. ("Let's Ask Gauss", 2026); see docs/audit.md
+    §10.
 
-    NOT a rigorous bound: it assumes IN ~ N(mu, s^2) and OUT ~ N(0, s^2) (exact only for the full-batch audit probe).
-    mu_hat = (mean_IN - mean_OUT) / pooled sd, SE = sqrt(1/n_IN + 1/n_OUT + mu_hat^2 / (2 (n_IN + n_OUT - 2))),
-    mu_lb = mu_hat - z_confidence * SE, eps = eps_GDP(max(mu_lb, 0), delta).  Its false-alarm rate is only
-    approximately 1 - confidence, so use it as a diagnostic or a secondary gate at 99% (the default here).
+    NOT a rigorous bound: it assumes IN ~ N(mu, s^2) and OUT ~ N(0, s^2) (exact only for the full-batch audit
+    probe). mu_hat = (mean_IN - mean_OUT) / pooled sd, SE = sqrt(1/n_IN + 1/n_OUT + mu_hat^2 / (2 (n_IN +
+    n_OUT - 2))), mu_lb = mu_hat - z_confidence * SE, eps = eps_GDP(max(mu_lb, 0), delta).  Its false-alarm
+    rate is only approximately 1 - confidence, so use it as a diagnostic or a secondary gate at 99% (the
+    default here).
     """
     s = _as_membership(included).ravel()
     y = np.asarray(scores, dtype=np.float64).ravel()
@@ -522,19 +538,21 @@ def gaussian_epsilon_estimate(
     )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # idealized simulations (tests, pre-registration of k)
 
 
 def simulate_gaussian_canary_scores(
     num_canaries: int, mu: float, rng: np.random.Generator, include_prob: float = 0.5
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Idealized full-batch white-box scores: IN ~ N(mu, 1), OUT ~ N(0, 1), membership ~ Bernoulli(include_prob).
+    """Idealized full-batch white-box scores: IN ~ N(mu, 1), OUT ~ N(0, 1), membership ~
+    Bernoulli(include_prob).
 
-    This is the normalized Dirac-canary score sum_t <g~_t, u_i> / (sigma C sqrt(T)) of full-batch DP-SGD with clip C,
-    noise sigma*C and T steps (docs/audit.md §9, assumption A4): mu = sqrt(T)/sigma * (signal/C).
-    For a claim (eps, delta) use ``mu = gdp_mu_for_epsilon(eps, delta)``; a noise multiplier k times too small gives
-    k * mu, a k-fold sensitivity bug gives k * mu as well.  Returns (scores, included) with included boolean.
+    This is the normalized Dirac-canary score sum_t <g~_t, u_i> / (sigma C sqrt(T)) of full-batch DP-SGD with
+    clip C, noise sigma*C and T steps (docs/audit.md §9, assumption A4): mu = sqrt(T)/sigma * (signal/C).
+    For a claim (eps, delta) use ``mu = gdp_mu_for_epsilon(eps, delta)``; a noise multiplier k times too small
+    gives k * mu, a k-fold sensitivity bug gives k * mu as well.  Returns (scores, included) with included
+    boolean.
     """
     included = rng.random(num_canaries) < include_prob
     scores = rng.standard_normal(num_canaries) + mu * included
@@ -550,11 +568,13 @@ def simulate_dpsgd_canary_scores(
     signal: float = 1.0,
     include_prob: float = 0.5,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Idealized Poisson-subsampled DP-SGD white-box sum scores in units of the clip norm C (docs/audit.md §9).
+    """Idealized Poisson-subsampled DP-SGD white-box sum scores in units of the clip norm C (docs/audit.md
+    §9).
 
-    IN canary: signal * Binomial(steps, sampling_rate) + N(0, steps * noise_multiplier^2); OUT canary: the noise
-    only.  ``signal`` = 1 for a correctly clipped canary, 4 for lambda = 4C with the clip missing; divide
-    ``noise_multiplier`` by 7 to simulate the noise/7 bug.  sampling_rate = 1 gives the full-batch case.
+    IN canary: signal * Binomial(steps, sampling_rate) + N(0, steps * noise_multiplier^2); OUT canary: the
+    noise only.  ``signal`` = 1 for a correctly clipped canary, 4 for lambda = 4C with the clip missing;
+    divide ``noise_multiplier`` by 7 to simulate the noise/7 bug.  sampling_rate = 1 gives the full-batch
+    case.
     """
     included = rng.random(num_canaries) < include_prob
     hits = rng.binomial(steps, sampling_rate, size=num_canaries) * included

@@ -80,7 +80,8 @@ class AuditModel(nn.Module):
 
 
 class _AuditDataset(Dataset):
-    def __init__(self, features: torch.Tensor, labels: torch.Tensor, canary_coords: np.ndarray, probe_size: int):
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor, canary_coords: np.ndarray,
+                 probe_size: int):
         self.features, self.labels = features, labels
         self.canary_coords = [int(c) for c in canary_coords]
         self.probe_size = probe_size
@@ -93,7 +94,8 @@ class _AuditDataset(Dataset):
         dtype = self.features.dtype
         probe = torch.zeros(self.probe_size, dtype=dtype)
         if i < self.num_real:
-            return {"features": self.features[i], "probe_input": probe, "is_canary": False, "labels": self.labels[i]}
+            return {"features": self.features[i], "probe_input": probe, "is_canary": False,
+                    "labels": self.labels[i]}
         probe[self.canary_coords[i - self.num_real]] = 1.0
         feats = torch.zeros(self.features.shape[1], dtype=dtype)
         return {"features": feats, "probe_input": probe, "is_canary": True, "labels": 0}
@@ -120,8 +122,8 @@ class NoiseTooSmallDPSGD(DPOptimizer):
 
 class SeparatelyClippedPiecesDPSGD(DPOptimizer):
     """BROKEN ON PURPOSE (audit power check): each example's gradient is computed as 4 pieces that are clipped
-    *separately* and summed (sensitivity 4C) while the noise is calibrated for one clipped vector (C) -- the bug
-    multi-point methods avoid by clipping the per-example combination once."""
+    *separately* and summed (sensitivity 4C) while the noise is calibrated for one clipped vector (C) -- the
+    bug multi-point methods avoid by clipping the per-example combination once."""
 
     num_pieces = 4
 
@@ -160,9 +162,9 @@ class _AuditTrainer(DPTrainer):
 
     @property
     def _dp_audit_options(self) -> AuditOptions:
-        # Built by the factory (hf_dpfilter.factory.AuditOptions): the released (post-noise, pre-filter) gradient
-        # is observed by a subclass created before the optimizer exists, and the power controls' weakened class
-        # replaces the method's -- never a change to a live optimizer or to a model forward.
+        # Built by the factory (hf_dpfilter.factory.AuditOptions): the released (post-noise, pre-filter)
+        # gradient is observed by a subclass created before the optimizer exists, and the power controls'
+        # weakened class replaces the method's -- never a change to a live optimizer or to a model forward.
         return AuditOptions(weakened=self.optimizer_override, observe_release=self.recorder.observe)
 
 
@@ -235,7 +237,8 @@ class AuditResult:
 
     @property
     def exceeds_claim(self) -> bool:
-        bounds = [self.epsilon_lower_bound] + ([self.fdp_epsilon_lower_bound] if self.fdp_epsilon_lower_bound else [])
+        bounds = [self.epsilon_lower_bound] + ([self.fdp_epsilon_lower_bound] if self.fdp_epsilon_lower_bound
+                                               else [])
         return max(bounds) > self.claimed_epsilon
 
 
@@ -252,7 +255,8 @@ def _make_data(config: AuditConfig, dtype: torch.dtype):
 
 
 def run_audit(config: AuditConfig, output_dir: str | None = None) -> AuditResult:
-    """Train ``config.method`` with canaries through :class:`DPTrainer` and return the empirical lower bound."""
+    """Train ``config.method`` with canaries through :class:`DPTrainer` and return the empirical lower
+    bound."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tensors are tiny: thread start-up dominates and contends with other jobs
     try:
@@ -265,7 +269,8 @@ def _run_audit(config: AuditConfig, output_dir: str | None) -> AuditResult:
     start = time.perf_counter()
     dtype = torch.float64
     features, labels, included, coords, spare = _make_data(config, dtype)
-    dataset = _AuditDataset(features, labels, coords[included], config.num_canaries + config.spare_coordinates)
+    dataset = _AuditDataset(features, labels, coords[included],
+                            config.num_canaries + config.spare_coordinates)
     n = len(dataset)
     logical = n if config.sample_rate >= 1 else max(1, round(config.sample_rate * n))
     torch.manual_seed(config.seed)

@@ -10,8 +10,8 @@ row belong to which example.
 Per-example gradients stay exact for the token-wise layers the engine supports (Linear, Conv1D, Embedding,
 LayerNorm/RMSNorm, LoRA): their per-example gradient is a sum over the example's own tokens of a function of
 that token's input and output gradient. Regrouping the recorded activations and output gradients from
-``(rows, T, ...)`` to ``(examples, T_max, ...)`` (zeros after each example's end, which add nothing) before the
-layer rule therefore gives each example's gradient exactly (:meth:`PackedLayout.regroup`). A module whose
+``(rows, T, ...)`` to ``(examples, T_max, ...)`` (zeros after each example's end, which add nothing) before
+the layer rule therefore gives each example's gradient exactly (:meth:`PackedLayout.regroup`). A module whose
 recorded tensors are not token-wise on the packed rows (a pooled or sequence-level output) is refused.
 """
 
@@ -34,7 +34,8 @@ __all__ = [
 #: Keys of FlashAttention's packed-sequence arguments (``transformers.modeling_flash_attention_utils``): they
 #: describe the boundaries of the examples, so a micro-batch gets them recomputed for its own examples.
 FLASH_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-#: Per-token index of the example (``DataCollatorWithFlattening(return_seq_idx=True)``), renumbered per micro-batch.
+#: Per-token index of the example (``DataCollatorWithFlattening(return_seq_idx=True)``), renumbered per
+# micro-batch.
 SEQ_IDX_KEY = "seq_idx"
 
 
@@ -57,8 +58,8 @@ class PackedLayout:
 
     @functools.cached_property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        """The spans clipped together, one group per clipped vector: one span (an example) each here; a privacy
-        unit's several examples in :class:`hf_dpfilter.data.units.UnitLayout`."""
+        """The spans clipped together, one group per clipped vector: one span (an example) each here; a
+        privacy unit's several examples in :class:`hf_dpfilter.data.units.UnitLayout`."""
         return tuple((e,) for e in range(len(self.spans)))
 
     @property
@@ -76,11 +77,13 @@ class PackedLayout:
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> PackedLayout:
-        """The boundaries the model's attention mask uses: a new example wherever positions do not grow by 1."""
+        """The boundaries the model's attention mask uses: a new example wherever positions do not grow by
+        1."""
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
             raise PackingError(
-                "A packed batch needs `position_ids` of shape (rows, tokens) that restart at every example (as "
-                "DataCollatorWithFlattening(return_position_ids=True) produces): they are the example boundaries."
+                "A packed batch needs `position_ids` of shape (rows, tokens) that restart at every example "
+                "(as DataCollatorWithFlattening(return_position_ids=True) produces): they are the example "
+                "boundaries."
             )
         rows, length = position_ids.shape
         ids = position_ids.detach().cpu()
@@ -97,8 +100,9 @@ class PackedLayout:
         return cls(tuple(spans), rows, length)
 
     def check_flash_boundaries(self, inputs: dict) -> None:
-        """FlashAttention keeps attention inside the examples of ``cu_seq_lens_*``: they must equal the boundaries
-        of ``position_ids`` (which the loss and the clipping use), or examples would be split differently."""
+        """FlashAttention keeps attention inside the examples of ``cu_seq_lens_*``: they must equal the
+        boundaries of ``position_ids`` (which the loss and the clipping use), or examples would be split
+        differently."""
         for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
             value = inputs.get(key)
             if value is None:
@@ -110,12 +114,14 @@ class PackedLayout:
             if got != expected:
                 raise PackingError(
                     f"`{key}` {got} does not match the example boundaries of `position_ids` {expected}: the "
-                    "attention would group tokens into other examples than the loss and the clipping do. Build "
-                    "both from the same collator (DataCollatorWithFlattening(return_flash_attn_kwargs=True))."
+                    "attention would group tokens into other examples than the loss and the clipping do. "
+                    "Build both from the same collator "
+                    "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))."
                 )
 
     def token_example_index(self, device: torch.device | None = None) -> torch.Tensor:
-        """``(rows, T)`` long: the group (example, or unit) each token belongs to (every token belongs to one)."""
+        """``(rows, T)`` long: the group (example, or unit) each token belongs to (every token belongs to
+        one)."""
         index = torch.full((self.rows, self.length), -1, dtype=torch.long)
         for group, members in enumerate(self.groups):
             for e in members:
@@ -124,8 +130,8 @@ class PackedLayout:
         return index.to(device) if device is not None else index
 
     def _gather_index(self, device: torch.device) -> torch.Tensor:
-        """``(E, T_max)`` indices into the flattened ``rows * T`` tokens (a group's spans one after the other);
-        ``rows * T`` (a zero row) past an end."""
+        """``(E, T_max)`` indices into the flattened ``rows * T`` tokens (a group's spans one after the
+        other); ``rows * T`` (a zero row) past an end."""
         key = str(device)
         cached = self._index_cache.get(key)
         if cached is not None:
@@ -133,7 +139,8 @@ class PackedLayout:
         pad = self.rows * self.length
         index = torch.full((self.num_examples, self.max_length), pad, dtype=torch.long)
         for group, members in enumerate(self.groups):
-            tokens = [torch.arange(r * self.length + a, r * self.length + b) for r, a, b in (self.spans[e] for e in members)]
+            tokens = [torch.arange(r * self.length + a, r * self.length + b) for r, a,
+                      b in (self.spans[e] for e in members)]
             flat = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
             index[group, : len(flat)] = flat
         index = index.to(device)
@@ -141,19 +148,21 @@ class PackedLayout:
         return index
 
     def over_rows(self, width: int) -> PackedLayout | None:
-        """This layout for a tensor viewed as ``(rows, width, ...)`` whose row r is all of example r's (a layer
-        called on the batch merged with other axes, viewed per row); None here: packed examples share a row, and
-        which axes were merged into it is not recorded (:class:`hf_dpfilter.data.units.UnitLayout` over padded rows,
-        one example per row, has one)."""
+        """This layout for a tensor viewed as ``(rows, width, ...)`` whose row r is all of example r's (a
+        layer called on the batch merged with other axes, viewed per row); None here: packed examples share a
+        row, and which axes were merged into it is not recorded (:class:`hf_dpfilter.data.units.UnitLayout`
+        over padded rows, one example per row, has one)."""
         return None
 
     def is_token_wise(self, tensor: torch.Tensor) -> bool:
         return tensor.dim() >= 2 and tuple(tensor.shape[:2]) == (self.rows, self.length)
 
     def regroup(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``(rows, T, *rest)`` -> ``(examples, T_max, *rest)``: each example's tokens, zeros after its end."""
+        """``(rows, T, *rest)`` -> ``(examples, T_max, *rest)``: each example's tokens, zeros after its
+        end."""
         if not self.is_token_wise(tensor):
-            raise PackingError(f"expected a tensor of shape ({self.rows}, {self.length}, ...), got {tuple(tensor.shape)}")
+            raise PackingError(f"expected a tensor of shape ({self.rows}, {self.length}, ...), got "
+                               f"{tuple(tensor.shape)}")
         rest = tensor.shape[2:]
         flat = tensor.reshape(self.rows * self.length, *rest)
         flat = torch.cat([flat, flat.new_zeros((1, *rest))])
@@ -172,20 +181,22 @@ def packed_token_mean_loss(
 ) -> torch.Tensor:
     """Each packed example's mean token cross-entropy over its own labels, shape (examples,).
 
-    logits ``(rows, T, V)``, labels ``(rows, T)``. With ``shift`` (causal LMs) the logits at t predict the label
-    at t+1 *of the same example*: the first label of the next example is never predicted across the boundary,
-    whatever the collator wrote there.
+    logits ``(rows, T, V)``, labels ``(rows, T)``. With ``shift`` (causal LMs) the logits at t predict the
+    label at t+1 *of the same example*: the first label of the next example is never predicted across the
+    boundary, whatever the collator wrote there.
     """
     if logits.dim() != 3 or tuple(logits.shape[:2]) != (layout.rows, layout.length):
         raise PackingError(
-            f"Logits of shape {tuple(logits.shape)} on packed rows of shape ({layout.rows}, {layout.length}): the "
-            "model's output is not one prediction per token, so it cannot be split into the packed examples (a "
-            "sequence-classification head pools over the row). Use a padding collator (one example per row) for "
-            "this model."
+            f"Logits of shape {tuple(logits.shape)} on packed rows of shape ({layout.rows}, "
+            f"{layout.length}): the "
+            "model's output is not one prediction per token, so it cannot be split into the packed examples "
+            "(a sequence-classification head pools over the row). Use a padding collator (one example per "
+            "row) for this model."
         )
     if tuple(labels.shape) != (layout.rows, layout.length):
         raise PackingError(
-            f"Labels of shape {tuple(labels.shape)} do not match the packed rows ({layout.rows}, {layout.length})."
+            f"Labels of shape {tuple(labels.shape)} do not match the packed rows ({layout.rows}, "
+            f"{layout.length})."
         )
     example = layout.token_example_index(labels.device)
     if shift:
@@ -213,26 +224,29 @@ def regroup_record(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """One recorded layer call on packed rows, regrouped per example (see the module docstring).
 
-    ``cache`` maps ``id(activations)`` to its regrouped copy within one backward, so layers that read one input
-    (query, key and value projections) still share one tensor (the engine fuses them by identity).
+    ``cache`` maps ``id(activations)`` to its regrouped copy within one backward, so layers that read one
+    input (query, key and value projections) still share one tensor (the engine fuses them by identity).
     Refuses a layer whose input or output is not one entry per token of the packed rows: its per-example
     gradient would not be a sum over the example's own tokens, so regrouping could not make it exact.
     """
-    if not layout.is_token_wise(grad_output) and grad_output.dim() >= 3 and grad_output.shape[0] == layout.rows:
+    if (not layout.is_token_wise(grad_output) and grad_output.dim() >= 3
+        and grad_output.shape[0] == layout.rows):
         # one example per row (user-level units of padded rows): a row of another width (an encoder-decoder's
         # source tokens) is all its example's, its unit's rows concatenated (None where examples share rows)
         layout = layout.over_rows(grad_output.shape[1]) or layout
-    tensors = [("output", grad_output)] + ([("input", activations)] if isinstance(activations, torch.Tensor) else [])
+    tensors = [("output", grad_output)] + ([("input", activations)] if isinstance(activations, torch.Tensor)
+                                           else [])
     for what, tensor in tensors:
         if not layout.is_token_wise(tensor):
             raise PackingError(
-                f"Module '{module_name()}' has a trainable parameter and its {what} has shape {tuple(tensor.shape)} "
-                f"on packed rows of shape ({layout.rows}, {layout.length}): it is not token-wise (e.g. a pooler or "
-                "a sequence-classification head), so its per-example gradient cannot be separated between the "
-                "examples packed in one row. Use a padding collator (one example per row) for this model, or "
-                "freeze that module."
+                f"Module '{module_name()}' has a trainable parameter and its {what} has shape "
+                f"{tuple(tensor.shape)} on packed rows of shape ({layout.rows}, {layout.length}): it is not "
+                "token-wise (e.g. a pooler or a sequence-classification head), so its per-example gradient "
+                "cannot be separated between the examples packed in one row. Use a padding collator (one "
+                "example per row) for this model, or freeze that module."
             )
-    grouped = None if isinstance(activations, torch.Tensor) else activations  # routed tokens: moe regrouped them
+    # routed tokens: moe regrouped them
+    grouped = None if isinstance(activations, torch.Tensor) else activations
     if isinstance(activations, torch.Tensor):
         grouped = cache.get(id(activations))
         if grouped is None:
@@ -241,7 +255,8 @@ def regroup_record(
 
 
 def check_attention_stays_inside_examples(
-    model: torch.nn.Module, position_start: int, extra_inputs: dict | None = None, lengths: tuple[int, int] = (5, 6)
+    model: torch.nn.Module, position_start: int, extra_inputs: dict | None = None,
+    lengths: tuple[int, int] = (5, 6)
 ) -> bool:
     """Prove on synthetic tokens (no training data) that the model keeps packed examples apart, or refuse.
 
@@ -249,20 +264,23 @@ def check_attention_stays_inside_examples(
     token): the caller must then rely on another check or refuse.
 
     Two rows ``[a, b]`` and ``[a', b]`` packed as the collator packs (``position_ids`` restarting at
-    ``position_start``), with ``a != a'``: if attention stays inside each example, ``b``'s outputs do not depend
-    on ``a`` (masked positions contribute exact zeros, so they agree to rounding at most). An attention
+    ``position_start``), with ``a != a'``: if attention stays inside each example, ``b``'s outputs do not
+    depend on ``a`` (masked positions contribute exact zeros, so they agree to rounding at most). An attention
     implementation that ignores the restarts (an encoder's bidirectional mask, a custom kernel, a cache) makes
     them differ. Runs in eval mode under ``no_grad``: no dropout, no gradient, no state written.
     """
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    vocab = getattr(embeddings, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    vocab = getattr(embeddings, "num_embeddings", None) or getattr(getattr(model, "config", None),
+                                                                   "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 4:
         return False
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
     first, second = lengths
-    a, a_other, b = (torch.randint(vocab // 2, vocab, (n,), generator=generator) for n in (first, first, second))
-    positions = torch.cat([torch.arange(first), torch.arange(second)]).add(position_start).unsqueeze(0).to(device)
+    a, a_other, b = (torch.randint(vocab // 2, vocab, (n,), generator=generator)
+                     for n in (first, first, second))
+    positions = torch.cat([torch.arange(first),
+                           torch.arange(second)]).add(position_start).unsqueeze(0).to(device)
     modes = {module: module.training for module in model.modules()}
     outputs = []
     try:
@@ -273,7 +291,8 @@ def check_attention_stays_inside_examples(
                 out = model(input_ids=ids, position_ids=positions, **(extra_inputs or {}))
                 logits = out["logits"] if hasattr(out, "keys") else out[0]
                 if logits.dim() < 3 or logits.shape[1] != first + second:
-                    return False  # not one output per token: the per-example loss refuses such a head on packed rows
+                    # not one output per token: the per-example loss refuses such a head on packed rows
+                    return False
                 outputs.append(logits[0, first:].double())
     finally:
         for module, mode in modes.items():
@@ -283,10 +302,11 @@ def check_attention_stays_inside_examples(
     if difference > 1e-5 * scale:
         implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
         raise PackingError(
-            f"The model does not keep packed examples apart (attention implementation {implementation!r}): the "
-            f"outputs of an example change when the example before it in the row changes (relative "
-            f"{difference / max(scale, 1e-30):.1e}), so each example's gradient would depend on the others packed "
-            "with it. Use a padding collator (one example per row) for this model, or an attention implementation "
-            "that keeps packed sequences apart (transformers' causal LMs with 'sdpa', 'eager' or flash attention)."
+            f"The model does not keep packed examples apart (attention implementation {implementation!r}): "
+            f"the outputs of an example change when the example before it in the row changes (relative "
+            f"{difference / max(scale, 1e-30):.1e}), so each example's gradient would depend on the others "
+            "packed with it. Use a padding collator (one example per row) for this model, or an attention "
+            "implementation that keeps packed sequences apart (transformers' causal LMs with 'sdpa', 'eager' "
+            "or flash attention)."
         )
     return True

@@ -1,20 +1,21 @@
 """The privacy unit, declared: one example (default) or one user (all of a user's examples).
 
 ``privacy_unit="user"`` with ``user_id_column`` (the data set column naming each example's user) and
-``max_examples_per_user`` (k) protects a *user*: the neighbouring data sets differ by one user and all of their
-examples. Three parts change, each in this module:
+``max_examples_per_user`` (k) protects a *user*: the neighbouring data sets differ by one user and all of
+their examples. Three parts change, each in this module:
 
-* **Sampling** (:class:`UserPoissonBatchSampler`): each step includes every user independently with probability
-  q = expected users per step / number of users (``logical_batch_size`` counts users), and for each sampled user
-  up to k of their examples drawn uniformly without replacement, afresh each step, from the same secret
-  randomness as the rest of the sampling (the seeded sampler stream, or the OS CSPRNG with ``secure_rng``).
-  Whole users are assigned to processes (user u to process u mod world size), so all of a sampled user's
-  examples are on one process; the micro-batches are cut at user boundaries (:func:`unit_micro_batches`), so
-  they are all in one micro-batch.
-* **Clipping** (:class:`UnitLayout`): a user's contribution to a step is the sum of the per-example gradients of
-  their selected examples, clipped as ONE vector to C. The layout maps the tokens of the user's examples --
+* **Sampling** (:class:`UserPoissonBatchSampler`): each step includes every user independently with
+  probability q = expected users per step / number of users (``logical_batch_size`` counts users), and for
+  each sampled user up to k of their examples drawn uniformly without replacement, afresh each step, from the
+  same secret randomness as the rest of the sampling (the seeded sampler stream, or the OS CSPRNG with
+  ``secure_rng``). Whole users are assigned to processes (user u to process u mod world size), so all of a
+  sampled user's examples are on one process; the micro-batches are cut at user boundaries
+  (:func:`unit_micro_batches`), so they are all in one micro-batch.
+* **Clipping** (:class:`UnitLayout`): a user's contribution to a step is the sum of the per-example gradients
+  of their selected examples, clipped as ONE vector to C. The layout maps the tokens of the user's examples --
   several rows, several segments of packed rows -- to one unit, and the engine regroups every layer's recorded
-  activations and output gradients per unit before its rule (as :mod:`hf_dpfilter.data.packing` does per example):
+  activations and output gradients per unit before its rule (as :mod:`hf_dpfilter.data.packing` does per
+  example):
   the ghost identity then runs over all of the user's tokens, cross terms between their examples included, so
   the norm is the norm of the sum, exactly. The unit's loss is the SUM of its examples' losses (each the
   example's own mean token loss): its gradient is then the sum of the examples' gradients, what C bounds.
@@ -39,7 +40,8 @@ from hf_dpfilter.data.user_ids import PrivacyUnitError, checked_user_ids, read_u
 from hf_dpfilter.randomness.sampling import PoissonBatchSampler
 from hf_dpfilter.randomness.secure_rng import derive_seed, secure_uniform
 
-#: The tokenizer's column mapping each row to its example when it splits long inputs (return_overflowing_tokens).
+#: The tokenizer's column mapping each row to its example when it splits long inputs
+# (return_overflowing_tokens).
 OVERFLOW_COLUMN = "overflow_to_sample_mapping"
 
 __all__ = [
@@ -72,7 +74,8 @@ UNITS_KEY = "_dp_units"
 
 # ------------------------------------------------------------------------------------------ the declaration
 def check_unit_arguments(args: Any) -> None:
-    """Refuse, before training, a privacy unit whose declaration is incomplete or contradicted by other fields."""
+    """Refuse, before training, a privacy unit whose declaration is incomplete or contradicted by other
+    fields."""
     unit = getattr(args, "privacy_unit", "example")
     column = getattr(args, "user_id_column", None)
     k = getattr(args, "max_examples_per_user", None)
@@ -80,36 +83,41 @@ def check_unit_arguments(args: Any) -> None:
         raise PrivacyUnitError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {unit!r}.")
     if unit == "example":
         if column is not None or k is not None:
-            given = ", ".join(f"{n}={v!r}" for n, v in (("user_id_column", column), ("max_examples_per_user", k))
+            given = ", ".join(f"{n}={v!r}" for n,
+                              v in (("user_id_column", column), ("max_examples_per_user", k))
                               if v is not None)
             raise PrivacyUnitError(
-                f"{given} with privacy_unit='example': these declare users, which example-level DP ignores (each "
-                "example would be protected, not each user). Set privacy_unit='user' to protect users, or remove them."
+                f"{given} with privacy_unit='example': these declare users, which example-level DP ignores "
+                "(each example would be protected, not each user). Set privacy_unit='user' to protect users, "
+                "or remove them."
             )
         return
     if not isinstance(column, str) or not column:
         raise PrivacyUnitError(
-            "privacy_unit='user' needs user_id_column: the name of the data set column that names each example's "
-            "user (e.g. user_id_column='author'). Without it the users cannot be told apart."
+            "privacy_unit='user' needs user_id_column: the name of the data set column that names each "
+            "example's user (e.g. user_id_column='author'). Without it the users cannot be told apart."
         )
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise PrivacyUnitError(
-            f"privacy_unit='user' needs max_examples_per_user (k) >= 1, got {k!r}: at most k of a sampled user's "
-            "examples enter a step (drawn at random each step); k bounds the work per user, C bounds their influence."
+            f"privacy_unit='user' needs max_examples_per_user (k) >= 1, got {k!r}: at most k of a sampled "
+            "user's examples enter a step (drawn at random each step); k bounds the work per user, C bounds "
+            "their influence."
         )
     if not getattr(args, "poisson_sampling", True):
         raise PrivacyUnitError(
-            "privacy_unit='user' with poisson_sampling=False: user-level sampling is Poisson over users (what the "
-            "accountant assumes); shuffled fixed-size batches of users are not implemented. Keep poisson_sampling=True."
+            "privacy_unit='user' with poisson_sampling=False: user-level sampling is Poisson over users "
+            "(what the accountant assumes); shuffled fixed-size batches of users are not implemented. Keep "
+            "poisson_sampling=True."
         )
 
 
 @dataclass(frozen=True)
 class UserIndex:
-    """Which examples belong to which user, read from the declared column: ``examples[u]`` are user u's indices.
+    """Which examples belong to which user, read from the declared column: ``examples[u]`` are user u's
+    indices.
 
-    Users are numbered in the order they first appear in the data set. ``num_users`` (public, like the data set
-    size) is the number of distinct values in the column.
+    Users are numbered in the order they first appear in the data set. ``num_users`` (public, like the data
+    set size) is the number of distinct values in the column.
     """
 
     examples: tuple[tuple[int, ...], ...]
@@ -126,7 +134,8 @@ class UserIndex:
 
     @classmethod
     def from_dataset(cls, dataset: Any, column: str) -> UserIndex:
-        """The users of ``dataset``; refuses missing, mixed-type or ambiguous ids (:mod:`hf_dpfilter.data.user_ids`)."""
+        """The users of ``dataset``; refuses missing, mixed-type or ambiguous ids
+        (:mod:`hf_dpfilter.data.user_ids`)."""
         ids = checked_user_ids(read_user_ids(dataset, column), column)
         numbers: dict[Any, int] = {}
         unit_of = [numbers.setdefault(value, len(numbers)) for value in ids]
@@ -138,14 +147,14 @@ class UserIndex:
 
 # ----------------------------------------------------------------------------------------------- sampling
 class UserPoissonBatchSampler(PoissonBatchSampler):
-    """Poisson over users at rate q, then up to k of each sampled user's examples at random; yields the indices
-    of a step grouped by user (all of a user's examples consecutive), for this process's users only.
+    """Poisson over users at rate q, then up to k of each sampled user's examples at random; yields the
+    indices of a step grouped by user (all of a user's examples consecutive), for this process's users only.
 
-    The Poisson draw over users is :class:`~hf_dpfilter.randomness.sampling.PoissonBatchSampler`'s, with the users as its
-    samples. Process r holds the users u with u % world_size == r. Seeded: every process draws the whole user
-    mask and every sampled user's choice from the same generators and keeps its own users, so the shards of a step
-    are disjoint parts of one draw. Secure: each process flips its own users' coins and draws their examples from
-    the OS CSPRNG.
+    The Poisson draw over users is :class:`~hf_dpfilter.randomness.sampling.PoissonBatchSampler`'s, with the
+    users as its samples. Process r holds the users u with u % world_size == r. Seeded: every process draws
+    the whole user mask and every sampled user's choice from the same generators and keeps its own users, so
+    the shards of a step are disjoint parts of one draw. Secure: each process flips its own users' coins and
+    draws their examples from the OS CSPRNG.
     """
 
     stream = "user-poisson-sampler"
@@ -178,7 +187,8 @@ class UserPoissonBatchSampler(PoissonBatchSampler):
         return [examples[i] for i in sorted(order[: self.k].tolist())]
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.secure:  # this process's users' coins (the parent's draw), then their examples, from the CSPRNG
+        # this process's users' coins (the parent's draw), then their examples, from the CSPRNG
+        if self.secure:
             for sampled in super().__iter__():
                 yield [i for user in sampled for i in self._choose(user, None)]
             return
@@ -238,8 +248,8 @@ class UnitLayout(PackedLayout):
 
     ``spans`` are the examples, as in :class:`PackedLayout` (one per row for padded rows, segments of rows for
     packed rows). The engine sees ``num_examples`` = the number of units and regroups every recorded tensor to
-    ``(units, tokens of the unit, ...)``: the unit's spans concatenated, so its ghost norm runs over all of its
-    tokens (cross terms between its examples included) and it is clipped as one vector.
+    ``(units, tokens of the unit, ...)``: the unit's spans concatenated, so its ghost norm runs over all of
+    its tokens (cross terms between its examples included) and it is clipped as one vector.
     """
 
     units: tuple[tuple[int, ...], ...] = ()
@@ -261,8 +271,9 @@ class UnitLayout(PackedLayout):
 
     def over_rows(self, width: int) -> UnitLayout | None:
         """Padded rows (one example per row): each example's whole row r, ``width`` entries wide, so a unit's
-        vector concatenates its rows' entries whatever axes the model merged into them (OPT's ``(B*T, d)`` viewed
-        ``(B, T, d)``, proven row r // T by the tracer); None for packed rows (examples share a row)."""
+        vector concatenates its rows' entries whatever axes the model merged into them (OPT's ``(B*T, d)``
+        viewed ``(B, T, d)``, proven row r // T by the tracer); None for packed rows (examples share a
+        row)."""
         if self.packed_rows:
             return None
         return dataclasses.replace(self, spans=tuple((r, 0, width) for r, _, _ in self.spans), length=width,
@@ -275,12 +286,14 @@ class UnitLayout(PackedLayout):
         return index.to(device) if device is not None else index
 
     @classmethod
-    def of(cls, example_units: Sequence[int], examples: PackedLayout | None, rows: int, length: int) -> UnitLayout:
+    def of(cls, example_units: Sequence[int], examples: PackedLayout | None, rows: int,
+           length: int) -> UnitLayout:
         """The unit layout of a micro-batch: each example's unit (consecutive runs), and the examples' layout
         (None: padded rows, example i is row i)."""
         spans = examples.spans if examples is not None else tuple((r, 0, length) for r in range(rows))
         if len(spans) != len(example_units):
-            raise PrivacyUnitError(f"{len(example_units)} unit ids for {len(spans)} examples in a micro-batch.")
+            raise PrivacyUnitError(f"{len(example_units)} unit ids for {len(spans)} examples in a "
+                                   "micro-batch.")
         groups: list[list[int]] = []
         seen: set[int] = set()
         for e, unit in enumerate(example_units):
@@ -289,8 +302,8 @@ class UnitLayout(PackedLayout):
                 continue
             if unit in seen:
                 raise PrivacyUnitError(
-                    "A unit's examples are not consecutive in the batch: the sampler must yield each unit's examples "
-                    "together (UserPoissonBatchSampler does)."
+                    "A unit's examples are not consecutive in the batch: the sampler must yield each unit's "
+                    "examples together (UserPoissonBatchSampler does)."
                 )
             seen.add(unit)
             groups.append([e])
@@ -299,7 +312,8 @@ class UnitLayout(PackedLayout):
 
 
 def per_unit_loss(loss_fn: Callable[..., torch.Tensor], layout: UnitLayout) -> Callable[..., torch.Tensor]:
-    """``loss_fn`` (per-example losses, one per span) -> the SUM of each unit's examples' losses, one per unit.
+    """``loss_fn`` (per-example losses, one per span) -> the SUM of each unit's examples' losses, one per
+    unit.
 
     Sum, not mean: the unit's gradient is then the sum of its examples' gradients, which the clip bounds by C
     whatever the number of examples the unit has in the step.
@@ -309,12 +323,13 @@ def per_unit_loss(loss_fn: Callable[..., torch.Tensor], layout: UnitLayout) -> C
         losses = loss_fn(*args, **kwargs)
         if losses.dim() != 1 or losses.shape[0] != layout.num_member_examples:
             raise PrivacyUnitError(
-                f"The per-example loss has shape {tuple(losses.shape)} for {layout.num_member_examples} examples."
+                f"The per-example loss has shape {tuple(losses.shape)} for {layout.num_member_examples} "
+                "examples."
             )
         index = layout.unit_of_example(losses.device)
-        # The declared grouping, not a coupling the model made: hidden from the engine's batch-axis tracer, which
-        # would otherwise take this sum over rows for a forward that mixes examples. The engine clips per unit
-        # from the regrouped layer records (UnitLayout), whatever this tensor is.
+        # The declared grouping, not a coupling the model made: hidden from the engine's batch-axis tracer,
+        # which would otherwise take this sum over rows for a forward that mixes examples. The engine clips
+        # per unit from the regrouped layer records (UnitLayout), whatever this tensor is.
         with torch._C.DisableTorchFunction():
             return losses.new_zeros(layout.num_examples).index_add(0, index, losses)
 
@@ -322,8 +337,8 @@ def per_unit_loss(loss_fn: Callable[..., torch.Tensor], layout: UnitLayout) -> C
 
 
 def _unit_groups(units: list[int], size: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` example ranges of the micro-batches: whole units, up to ``size`` examples each (a unit
-    with more examples than ``size`` gets a micro-batch of its own)."""
+    """``[start, stop)`` example ranges of the micro-batches: whole units, up to ``size`` examples each (a
+    unit with more examples than ``size`` gets a micro-batch of its own)."""
     runs: list[tuple[int, int]] = []
     for e, unit in enumerate(units):
         if runs and units[runs[-1][0]] == unit:
@@ -349,13 +364,15 @@ def unit_micro_batches(
     labels_along_tokens: bool | None = True,
 ) -> list[tuple[dict[str, Any], torch.Tensor, UnitLayout]]:
     """Micro-batches cut at unit boundaries (every example of a unit in ONE micro-batch), each with its
-    :class:`UnitLayout`. ``micro_batches(inputs, labels, num_examples, size=...)`` is the trainer's example-level
-    cutter, applied to the examples of one group at a time (so padding trimming and re-packing stay its own).
+    :class:`UnitLayout`. ``micro_batches(inputs, labels, num_examples, size=...)`` is the trainer's
+    example-level cutter, applied to the examples of one group at a time (so padding trimming and re-packing
+    stay its own).
 
-    Padded rows span the inputs' columns: the labels' width when they run along the tokens, the attention mask's
-    (or the input ids') when the head declares one label row per example (``labels_along_tokens=False``: extractive
-    QA's (start, end) pair, whose head is token-wise: every layer's output is then regrouped per unit, and a layer
-    that is not token-wise, a pooler, is refused by the engine)."""
+    Padded rows span the inputs' columns: the labels' width when they run along the tokens, the attention
+    mask's (or the input ids') when the head declares one label row per example
+    (``labels_along_tokens=False``: extractive QA's (start, end) pair, whose head is token-wise: every layer's
+    output is then regrouped per unit, and a layer that is not token-wise, a pooler, is refused by the
+    engine)."""
     from hf_dpfilter.proofs.batch_structure import _boundaries
 
     unit_list = [int(u) for u in units.tolist()]
@@ -386,13 +403,15 @@ def unit_micro_batches(
         micro, micro_labels, examples = pieces[0]
         if examples is None and micro_labels.dim() < 2:
             raise PrivacyUnitError(
-                "privacy_unit='user' needs one label per token (a language-modelling loss): the unit's examples are "
-                "clipped together by regrouping every layer's tokens, which a sequence-level head (one output per "
-                "row) does not have. Use privacy_unit='example' for this model."
+                "privacy_unit='user' needs one label per token (a language-modelling loss): the unit's "
+                "examples are clipped together by regrouping every layer's tokens, which a sequence-level "
+                "head (one output per row) does not have. Use privacy_unit='example' for this model."
             )
-        rows, length = (examples.rows, examples.length) if examples is not None else tuple(micro_labels.shape[:2])
+        rows, length = (examples.rows,
+                        examples.length) if examples is not None else tuple(micro_labels.shape[:2])
         width = micro.get("attention_mask", micro.get("input_ids"))
-        if examples is None and labels_along_tokens is False and isinstance(width, torch.Tensor) and width.dim() == 2:
+        if examples is None and labels_along_tokens is False and isinstance(width,
+                torch.Tensor) and width.dim() == 2:
             rows, length = tuple(width.shape)
         out.append((micro, micro_labels, UnitLayout.of(unit_list[start:stop], examples, rows, length)))
     return out
@@ -403,34 +422,38 @@ def user_index_for(args: Any, dataset: Any) -> UserIndex | None:
     """The users of the training set when ``privacy_unit='user'`` (None at example level).
 
     At example level, a training set with an ``overflow_to_sample_mapping`` column (the tokenizer's
-    ``return_overflowing_tokens=True``) is refused: it declares several rows (features) per example, and each row
-    would be protected, not the example; the fix names the user-level run with the example's id as the unit."""
+    ``return_overflowing_tokens=True``) is refused: it declares several rows (features) per example, and each
+    row would be protected, not the example; the fix names the user-level run with the example's id as the
+    unit."""
     if getattr(args, "privacy_unit", "example") != "user":
         names = getattr(dataset, "column_names", None)
         if isinstance(names, list) and OVERFLOW_COLUMN in names:
             raise PrivacyUnitError(
-                f"The training set has a '{OVERFLOW_COLUMN}' column: the tokenizer split an example into several "
-                "rows (return_overflowing_tokens=True, e.g. run_qa's doc_stride), and with privacy_unit='example' "
-                "each row would be protected, not the example. Keep each row's example id (as run_qa does for "
-                "its validation features: example_id = examples['id'][overflow_to_sample_mapping[i]]; the mapping "
-                "itself counts from 0 in every batch of a batched map) and train with privacy_unit='user', "
-                "user_id_column='example_id', max_examples_per_user=k (each example's features clipped as one "
-                "vector; docs/tasks.md), or keep one row per example."
+                f"The training set has a '{OVERFLOW_COLUMN}' column: the tokenizer split an example into "
+                "several rows (return_overflowing_tokens=True, e.g. run_qa's doc_stride), and with "
+                "privacy_unit='example' each row would be protected, not the example. Keep each row's "
+                "example id (as run_qa does for its validation features: example_id = "
+                "examples['id'][overflow_to_sample_mapping[i]]; the mapping itself counts from 0 in every "
+                "batch of a batched map) and train with privacy_unit='user', user_id_column='example_id', "
+                "max_examples_per_user=k (each example's features clipped as one vector; docs/tasks.md), or "
+                "keep one row per example."
             )
         return None
     users = UserIndex.from_dataset(dataset, args.user_id_column)
     batch = args.logical_batch_size or args.per_device_train_batch_size * max(1, args.world_size)
     if batch > users.num_users:
         raise PrivacyUnitError(
-            f"logical_batch_size={batch} users per step, but the training set has {users.num_users} users (column "
-            f"'{users.column}', {len(users.unit_of)} examples): with privacy_unit='user' the logical batch counts "
-            "users, and q = logical_batch_size / number of users must be <= 1. Lower logical_batch_size."
+            f"logical_batch_size={batch} users per step, but the training set has {users.num_users} users "
+            f"(column '{users.column}', {len(users.unit_of)} examples): with privacy_unit='user' the logical "
+            "batch counts users, and q = logical_batch_size / number of users must be <= 1. Lower "
+            "logical_batch_size."
         )
     return users
 
 
 def without_column(dataset: Any, column: str) -> Any:
-    """The training set without the user column (the model never gets it; a collator may not accept strings)."""
+    """The training set without the user column (the model never gets it; a collator may not accept
+    strings)."""
     names = getattr(dataset, "column_names", None)
     if isinstance(names, list) and column in names:
         return dataset.remove_columns(column)
@@ -452,8 +475,8 @@ class _DroppedKey(Dataset):
 
 
 def planned_dataset_size(trainer: Any) -> int | None:
-    """The training-set size the trainer's plan was built from; at user level, also refuse a training set whose
-    users differ from those the plan counted (the number of users and each example's user)."""
+    """The training-set size the trainer's plan was built from; at user level, also refuse a training set
+    whose users differ from those the plan counted (the number of users and each example's user)."""
     users = getattr(trainer, "_user_index", None)
     if users is None:
         return trainer.privacy_plan.num_examples
@@ -461,8 +484,9 @@ def planned_dataset_size(trainer: Any) -> int | None:
     if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == len(users.unit_of):
         if UserIndex.from_dataset(dataset, users.column) != users:
             raise PrivacyUnitError(
-                "trainer.train_dataset's users changed after the DPTrainer was created: the privacy plan (number "
-                "of users, sample rate, noise) was computed for the users at creation. Create a new DPTrainer."
+                "trainer.train_dataset's users changed after the DPTrainer was created: the privacy plan "
+                "(number of users, sample rate, noise) was computed for the users at creation. Create a new "
+                "DPTrainer."
             )
     return len(users.unit_of)
 
@@ -470,28 +494,31 @@ def planned_dataset_size(trainer: Any) -> int | None:
 def describe_users(users: UserIndex, k: int) -> str:
     """The plan's line about the unit: its N, logical batch and q count users.
 
-    Only the plan's public quantities: N (users, as N examples at example level) and k. Not the number of examples
-    nor the largest user's count: adding or removing one user changes them by that user's own count, released
-    without noise wherever the log goes."""
-    return (f"  privacy unit: user (column '{users.column}'): N = {users.num_users} users, the logical batch and q "
-            f"count users, at most k = {k} examples of a sampled user per step, each user's examples clipped as one "
-            "vector")
+    Only the plan's public quantities: N (users, as N examples at example level) and k. Not the number of
+    examples nor the largest user's count: adding or removing one user changes them by that user's own count,
+    released without noise wherever the log goes."""
+    return (f"  privacy unit: user (column '{users.column}'): N = {users.num_users} users, the logical batch "
+            f"and q count users, at most k = {k} examples of a sampled user per step, each user's examples "
+            "clipped as one vector")
 
 
-def user_loading(users: UserIndex, dataset: Any, collate_fn: Callable) -> tuple[UnitTaggedDataset, UnitCollator]:
+def user_loading(users: UserIndex, dataset: Any, collate_fn: Callable) -> tuple[UnitTaggedDataset,
+                                                                                UnitCollator]:
     """The (tagged) data set and the collator of a user-level run (the sampler is the factory's:
     ``hf_dpfilter.factory.make_sampler(plan, ..., users=...)``)."""
     if len(dataset) != len(users.unit_of):
         raise PrivacyUnitError(
-            f"The training set has {len(dataset)} examples after the trainer's column removal but the user column "
-            f"was read on {len(users.unit_of)}: do not filter the training set after creating the trainer."
+            f"The training set has {len(dataset)} examples after the trainer's column removal but the user "
+            f"column was read on {len(users.unit_of)}: do not filter the training set after creating the "
+            "trainer."
         )
-    labels = collate_fn([dataset[0]]).get("labels")  # the structure of one example's collation, nothing private
+    # the structure of one example's collation, nothing private
+    labels = collate_fn([dataset[0]]).get("labels")
     if isinstance(labels, torch.Tensor) and labels.dim() < 2:
         raise PrivacyUnitError(
-            "privacy_unit='user' needs one label per token (a language-modelling loss): a user's examples are clipped "
-            "together by regrouping every layer's tokens per user, which a sequence-level head (one label per "
-            "example) does not allow. Use privacy_unit='example' for this model."
+            "privacy_unit='user' needs one label per token (a language-modelling loss): a user's examples "
+            "are clipped together by regrouping every layer's tokens per user, which a sequence-level head "
+            "(one label per example) does not allow. Use privacy_unit='example' for this model."
         )
     return UnitTaggedDataset(dataset, users.unit_of), UnitCollator(collate_fn)
 

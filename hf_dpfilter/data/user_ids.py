@@ -1,16 +1,16 @@
 """The user ids of a user-level run, read from the declared column and refused unless they are clean.
 
-Which examples are one user is *declared* by ``user_id_column``; the declaration is only as good as its values,
-and a value that silently splits or merges people changes the unit the guarantee protects:
+Which examples are one user is *declared* by ``user_id_column``; the declaration is only as good as its
+values, and a value that silently splits or merges people changes the unit the guarantee protects:
 
 * **Missing ids are refused**: ``None``, NaN in any numeric form (Python float, NumPy floating scalars and 0-d
   arrays, 0-d torch tensors, pandas ``NA``/``NaT``) and strings that are empty or only whitespace. Python
   compares NaN unequal to itself, so each NaN row would have become a "user" of its own: a person whose rows
   have no id would be protected as many people, each with the full budget.
 * **Mixed types are refused** (ints and strings, ints and floats, booleans and ints in one column): ``1`` and
-  ``"1"`` would be two users, ``1`` and ``True`` (equal in Python) one. The column is not normalised behind the
-  user's back: the fix (cast the column to one type) is theirs to make, since only they know which ids name the
-  same person.
+  ``"1"`` would be two users, ``1`` and ``True`` (equal in Python) one. The column is not normalised behind
+  the user's back: the fix (cast the column to one type) is theirs to make, since only they know which ids
+  name the same person.
 * **Strings that differ only by surrounding whitespace or Unicode normalisation** (``"a"`` and ``"a "``) are
   refused: they are either one person (and would be protected as two) or two people named ambiguously; the
   fix (strip and normalise the column, or rename one of them) states which.
@@ -40,8 +40,8 @@ def read_user_ids(dataset: Any, column: str) -> list:
     if isinstance(names, list):  # datasets.Dataset: read the column without decoding the other ones
         if column not in names:
             raise PrivacyUnitError(
-                f"user_id_column={column!r} is not a column of the training set (columns: {names}). Name the column "
-                "that holds each example's user."
+                f"user_id_column={column!r} is not a column of the training set (columns: {names}). Name the "
+                "column that holds each example's user."
             )
         return list(dataset[column])
     values = []
@@ -50,8 +50,8 @@ def read_user_ids(dataset: Any, column: str) -> list:
         if not isinstance(item, dict) or column not in item:
             keys = sorted(item) if isinstance(item, dict) else type(item).__name__
             raise PrivacyUnitError(
-                f"user_id_column={column!r} is not in example {i} of the training set (keys: {keys}). Every example "
-                "must carry its user under that key."
+                f"user_id_column={column!r} is not in example {i} of the training set (keys: {keys}). Every "
+                "example must carry its user under that key."
             )
         values.append(item[column])
     return values
@@ -103,22 +103,23 @@ def checked_user_ids(values: list, column: str) -> list:
     if missing:
         raise PrivacyUnitError(
             f"user_id_column={column!r} has no user for {len(missing)} example(s), first at row {missing[0]} "
-            f"(value {ids[missing[0]]!r}): None, NaN and empty or whitespace-only ids name nobody, and each NaN row "
-            "would count as a user of its own. Fill the column with each example's user, or drop those rows before "
-            "creating the DPTrainer."
+            f"(value {ids[missing[0]]!r}): None, NaN and empty or whitespace-only ids name nobody, and each "
+            "NaN row would count as a user of its own. Fill the column with each example's user, or drop "
+            "those rows before creating the DPTrainer."
         )
     kinds: dict[str, list[int]] = {}
     for i, value in enumerate(ids):
         kinds.setdefault(_kind(value), []).append(i)
     if len(kinds) > 1:
         first, *others = sorted(kinds.items(), key=lambda item: -len(item[1]))
-        found = ", ".join(f"{kind} ({len(rows)} rows, first at row {rows[0]})" for kind, rows in kinds.items())
+        found = ", ".join(f"{kind} ({len(rows)} rows, first at row {rows[0]})" for kind,
+                          rows in kinds.items())
         odd = sorted(i for _, rows in others for i in rows)
         raise PrivacyUnitError(
             f"user_id_column={column!r} mixes id types: {found}. The {len(odd)} example(s) whose id is not a "
-            f"{first[0]}, first at row {odd[0]}, are ambiguous: 1 and '1' would be two users, 1 and True one. Cast "
-            "the column to one type (e.g. dataset.map(lambda e: {col: str(e[col])})) so that equal ids name the same "
-            "person."
+            f"{first[0]}, first at row {odd[0]}, are ambiguous: 1 and '1' would be two users, 1 and True "
+            "one. Cast the column to one type (e.g. dataset.map(lambda e: {col: str(e[col])})) so that equal "
+            "ids name the same person."
         )
     if kinds and next(iter(kinds)) == "str":
         _refuse_near_duplicates(ids, column)
@@ -135,8 +136,9 @@ def _refuse_near_duplicates(ids: list[str], column: str) -> None:
             clashes.append(i)
     if clashes:
         raise PrivacyUnitError(
-            f"user_id_column={column!r} has ids that differ only by surrounding whitespace or Unicode normalisation "
-            f"(e.g. 'a' and 'a '), in {len(clashes)} example(s), first at {_rows(clashes)}: they would be different "
-            "users. Strip and normalise the column (e.g. unicodedata.normalize('NFC', id.strip())) if they name one "
-            "person, or rename them if they name different people."
+            f"user_id_column={column!r} has ids that differ only by surrounding whitespace or Unicode "
+            f"normalisation (e.g. 'a' and 'a '), in {len(clashes)} example(s), first at {_rows(clashes)}: "
+            "they would be different users. Strip and normalise the column (e.g. "
+            "unicodedata.normalize('NFC', id.strip())) if they name one person, or rename them if they name "
+            "different people."
         )

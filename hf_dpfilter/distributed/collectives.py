@@ -7,9 +7,9 @@ that are split over processes.
 
 :class:`ProcessGroupCollectives` is data parallelism over ``torch.distributed``: replicated parameters (DDP)
 get the sum by an all-reduce, bucketed under NCCL (a few flat buffers of about :data:`BUCKET_BYTES`, as DDP
-does, instead of one call per parameter tensor); parameters sharded by FSDP2 (``fully_shard``: DTensors with a ``Shard(0)``
-placement on a one-dimensional mesh over all processes) get only their own shard of the sum, by a bucketed
-reduce-scatter. With one process it does nothing.
+does, instead of one call per parameter tensor); parameters sharded by FSDP2 (``fully_shard``: DTensors with a
+``Shard(0)`` placement on a one-dimensional mesh over all processes) get only their own shard of the sum, by a
+bucketed reduce-scatter. With one process it does nothing.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def shard_bounds(param: torch.Tensor) -> tuple[int, int]:
     short or empty). Any other layout (HSDP's 2-D mesh, tensor parallelism, ``Shard(1)``) is refused.
     """
     mesh, placements = param.device_mesh, param.placements
-    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0],
+                                                                Shard) or placements[0].dim != 0:
         raise ShardingError(
             f"hf_dpfilter supports FSDP2 parameters sharded on dim 0 over a one-dimensional mesh of all "
             f"processes, got placements {tuple(placements)} on a {mesh.ndim}-D mesh. Use fully_shard without "
@@ -71,15 +72,18 @@ def shard_bounds(param: torch.Tensor) -> tuple[int, int]:
     local = param.to_local().shape
     if local[0] != stop - start or tuple(local[1:]) != tuple(param.shape[1:]):
         raise ShardingError(
-            f"A sharded parameter of shape {tuple(param.shape)} holds a local shard of shape {tuple(local)} on "
-            f"process {rank} of {world}, not the rows [{start}, {stop}) of torch.chunk's split that FSDP2 uses."
+            f"A sharded parameter of shape {tuple(param.shape)} holds a local shard of shape {tuple(local)} "
+            f"on process {rank} of {world}, not the rows [{start}, {stop}) of torch.chunk's split that FSDP2 "
+            "uses."
         )
     return start, stop
 
 
 def as_layout_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this process's shard of a tensor of ``param``'s shape) as a DTensor laid out like ``param``."""
-    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    """``local`` (this process's shard of a tensor of ``param``'s shape) as a DTensor laid out like
+    ``param``."""
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride())
 
 
 class Collectives:
@@ -104,11 +108,14 @@ class Collectives:
         return int(seed)
 
     def max_over_processes(self, value: int) -> int:
-        """The largest ``value`` of all processes (FSDP2: every process runs as many micro-batches as the most)."""
+        """The largest ``value`` of all processes (FSDP2: every process runs as many micro-batches as the
+        most)."""
         return int(value)
 
-    def sum_as_params(self, params: Sequence[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Sum whole-size ``tensors`` (one per parameter) over processes, each returned laid out like its parameter.
+    def sum_as_params(self, params: Sequence[torch.Tensor],
+                      tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sum whole-size ``tensors`` (one per parameter) over processes, each returned laid out like its
+        parameter.
 
         A replicated parameter gets the whole sum; a sharded one (FSDP2) only this process's shard of it, as a
         DTensor. The inputs may be overwritten.
@@ -137,11 +144,11 @@ _NORM_CHUNK = 1 << 19
 def float64_squared_norm(tensors: Sequence[torch.Tensor]) -> float:
     """``sum ||t||^2`` accumulated in float64 (one host sync), without a float64 copy of the tensors on CPU.
 
-    On CUDA one fused ``_foreach_norm`` in float64. On CPU that fused norm first writes a float64 copy of every
-    tensor (for DiceSGD's error buffer, twice its size in fresh memory at every step: 5x the time of the norm
-    itself on RoBERTa-base); here each piece of :data:`_NORM_CHUNK` elements is converted into one reused
-    float64 buffer and its squares are summed there (``torch.dot`` in float64), so every product and partial sum
-    is a float64 operation as before.
+    On CUDA one fused ``_foreach_norm`` in float64. On CPU that fused norm first writes a float64 copy of
+    every tensor (for DiceSGD's error buffer, twice its size in fresh memory at every step: 5x the time of the
+    norm itself on RoBERTa-base); here each piece of :data:`_NORM_CHUNK` elements is converted into one reused
+    float64 buffer and its squares are summed there (``torch.dot`` in float64), so every product and partial
+    sum is a float64 operation as before.
     """
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
@@ -192,8 +199,8 @@ class ProcessGroupCollectives(Collectives):
             :data:`BUCKET_BYTES` under NCCL, where each call has a fixed latency that many small tensors would
             pay again and again; one call per tensor under gloo, where the copies into and out of the flat
             buffers cost more than the calls save (2 CPU processes: bucketing is 1.5-2x slower,
-            `python -m benchmarks allreduce-bucketing`). The FSDP2 reduce-scatter is always bucketed (its send buffer
-            is a copy anyway, in FSDP2's own layout).
+            `python -m benchmarks allreduce-bucketing`). The FSDP2 reduce-scatter is always bucketed (its send
+            buffer is a copy anyway, in FSDP2's own layout).
     """
 
     def __init__(self, bucket_bytes: int | None = None) -> None:
@@ -240,7 +247,8 @@ class ProcessGroupCollectives(Collectives):
         backend = dist.get_backend()
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def sum_as_params(self, params: Sequence[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def sum_as_params(self, params: Sequence[torch.Tensor],
+                      tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         sharded = [i for i, p in enumerate(params) if is_sharded(p)]
         replicated = [i for i, p in enumerate(params) if not is_sharded(p)]
         out: list[torch.Tensor] = list(tensors)
@@ -255,15 +263,16 @@ class ProcessGroupCollectives(Collectives):
         """This process's rows of the sum over processes of each whole tensor: bucketed reduce-scatters.
 
         One bucket is laid out as FSDP2 lays out its own: process r's segment holds, for every tensor of the
-        bucket, its rows of that tensor padded to ``ceil(n / W)`` rows, so one ``reduce_scatter_tensor`` leaves
-        each process its own segment summed over processes. (gloo and NCCL both implement it.)
+        bucket, its rows of that tensor padded to ``ceil(n / W)`` rows, so one ``reduce_scatter_tensor``
+        leaves each process its own segment summed over processes. (gloo and NCCL both implement it.)
         """
         world = self.world_size
         group = params[0].device_mesh.get_group()
         if params[0].device_mesh.size() != world:
             raise ShardingError(
-                f"FSDP2 shards the parameters over {params[0].device_mesh.size()} of the {world} processes; the DP "
-                "sum needs every process's examples. Shard over all processes (one-dimensional mesh), or use DDP."
+                f"FSDP2 shards the parameters over {params[0].device_mesh.size()} of the {world} processes; "
+                "the DP sum needs every process's examples. Shard over all processes (one-dimensional mesh), "
+                "or use DDP."
             )
         bounds = [shard_bounds(p) for p in params]
         rows = [max(1, math.ceil(p.shape[0] / world)) for p in params]

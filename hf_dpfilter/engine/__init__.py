@@ -13,8 +13,9 @@ The engine computes; it never clips (the DP optimizer clips, adds noise and acco
   per-example gradients from :mod:`~hf_dpfilter.engine.shared_outputs`);
 * :mod:`~hf_dpfilter.engine.shared_outputs` -- per-example gradients of outputs every example shares (SHARED:
   BART's positions, T5's relative bias, declared tables), from a batched backward of the per-example losses;
-* :mod:`~hf_dpfilter.engine.moe` -- mixture-of-experts routers and experts (Mixtral, Qwen2-MoE): their rules, and
-  the experts' verdict on the merged token axis ``(B·T, d)`` (recorded as MERGED, like OPT's and BLOOM's calls);
+* :mod:`~hf_dpfilter.engine.moe` -- mixture-of-experts routers and experts (Mixtral, Qwen2-MoE): their rules,
+  and the experts' verdict on the merged token axis ``(B·T, d)`` (recorded as MERGED, like OPT's and BLOOM's
+  calls);
 * :mod:`~hf_dpfilter.engine.per_example` -- :class:`PerExampleGradients`: norms, proven bounds, weighted sums;
 * :mod:`~hf_dpfilter.engine.blocks` -- fusion, stacking and Gram algebra of the terms;
 * :mod:`~hf_dpfilter.engine.precision` -- term and accumulation dtypes, bf16 splits, rounding-error bounds;

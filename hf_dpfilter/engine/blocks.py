@@ -16,7 +16,8 @@ from hf_dpfilter.engine.precision import _bmm, _split_bf16, _stored
 from hf_dpfilter.engine.rules import DenseTerm, IndexTerm, OuterTerm, Term
 
 
-def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | None, IndexTerm | None, DenseTerm | None]:
+def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | None, IndexTerm | None,
+                                                                 DenseTerm | None]:
     """Combine every use of one parameter into at most one term of each kind (concatenating along tokens)."""
     outers = [t for t in terms if isinstance(t, OuterTerm)]
     indexes = [t for t in terms if isinstance(t, IndexTerm)]
@@ -25,7 +26,8 @@ def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | Non
 
     def same_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         stored = [_stored(t, dtype) for t in tensors]
-        if len({t.dtype for t in stored}) > 1:  # uses in different dtypes: concatenate in the accumulation dtype
+        # uses in different dtypes: concatenate in the accumulation dtype
+        if len({t.dtype for t in stored}) > 1:
             stored = [t.to(dtype) for t in stored]
         return stored
 
@@ -38,7 +40,8 @@ def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | Non
             right=torch.cat(same_dtype([t.right for t in outers]), dim=1),
         )
     if len(indexes) == 1:
-        index = IndexTerm(ids=indexes[0].ids, right=_stored(indexes[0].right, dtype), num_rows=indexes[0].num_rows)
+        index = IndexTerm(ids=indexes[0].ids, right=_stored(indexes[0].right, dtype),
+                          num_rows=indexes[0].num_rows)
     elif indexes:
         index = IndexTerm(
             ids=torch.cat([t.ids for t in indexes], dim=1),
@@ -69,7 +72,8 @@ def _use_ghost(outer: OuterTerm) -> bool:
     return p * q > tokens * (p + q)
 
 
-def _weighted_outer(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _weighted_outer(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
     """``sum_i c_i sum_t left[l,i,t] (outer) right[l,i,t]`` for every l, as one batched GEMM, (L, P, Q).
 
     left (L, B, T, P), right (L, B, T, Q): L stacked layers (L = 1 for one layer). The narrower side is scaled
@@ -92,7 +96,8 @@ def _weighted_outer(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor, dt
         pieces = [scaled]
     total = None
     for piece in pieces:
-        part = _bmm(piece.transpose(1, 2), other, dtype) if p <= q else _bmm(other.transpose(1, 2), piece, dtype)
+        part = _bmm(piece.transpose(1, 2), other, dtype) if p <= q else _bmm(other.transpose(1, 2), piece,
+                                                                             dtype)
         total = part if total is None else total.add_(part)
     return total
 
@@ -104,9 +109,10 @@ class _OuterBlock:
     ``left`` (L, B, T, P) and ``right`` (L, B, T, Q) hold L layers stacked (L = 1 unless same-shape layers are
     stacked, see :class:`PerExampleGradients`). Layer l's ``P x Q`` gradient may be several parameters fused
     because they share one side (the query, key and value projections read the same input): parameter k is
-    rows (``dim == 0``) or columns (``dim == 1``) ``start : start + size`` of layer ``layer``. The squared norm
-    of a fused layer is the sum of its parameters' squared norms, and its Gram matrix of the shared side is
-    computed once. ``grads`` (L, B, P, Q) replaces ``left`` and ``right`` once materialized (narrow layers).
+    rows (``dim == 0``) or columns (``dim == 1``) ``start : start + size`` of layer ``layer``. The squared
+    norm of a fused layer is the sum of its parameters' squared norms, and its Gram matrix of the shared side
+    is computed once. ``grads`` (L, B, P, Q) replaces ``left`` and ``right`` once materialized (narrow
+    layers).
     """
 
     params: list[nn.Parameter]
@@ -127,8 +133,9 @@ def _fuse_shared_sides(
 
     ``raw_sides`` holds the ids of the (left, right) tensors the layer rules returned, before any dtype
     conversion, so sharing is what the model did, not a coincidence of values. Linear layers keep their input
-    on the right (``weight = B^T A``), Conv1D on the left. The other sides are concatenated along features; each
-    original is dropped from ``outers`` as soon as its block is built, so the transient copy is one layer's.
+    on the right (``weight = B^T A``), Conv1D on the left. The other sides are concatenated along features;
+    each original is dropped from ``outers`` as soon as its block is built, so the transient copy is one
+    layer's.
     """
     groups: list[tuple[str, list[nn.Parameter]]] = []
     remaining = [p for p in outers if p in raw_sides]
@@ -158,7 +165,8 @@ def _fuse_shared_sides(
             left = outers[params[0]].left
             right = torch.cat([outers.pop(p).right for p in params], dim=2)
             places = [(0, 1, sum(sizes[:k]), size) for k, size in enumerate(sizes)]
-        blocks.append(_OuterBlock(params, places, left.unsqueeze(0), right.unsqueeze(0), input_dtypes[params[0]]))
+        blocks.append(_OuterBlock(params, places, left.unsqueeze(0), right.unsqueeze(0),
+                                  input_dtypes[params[0]]))
     return blocks
 
 
@@ -204,7 +212,8 @@ _CHUNK = 1024
 def _gram(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x x^T`` per example, (B, T, T) in ``dtype``. A dot product longer than ``_CHUNK_ABOVE`` (GPT-2's
     ``lm_head`` output gradient: 50257) is summed in chunks of ``_CHUNK``, so its error bound grows with
-    ``chunk + chunks`` (~1100) instead of its length (see :meth:`PerExampleGradients._param_norm_and_bound`)."""
+    ``chunk + chunks`` (~1100) instead of its length (see
+    :meth:`PerExampleGradients._param_norm_and_bound`)."""
     length = x.shape[2]
     if length <= _CHUNK_ABOVE:
         return _bmm(x, x.transpose(1, 2), dtype)

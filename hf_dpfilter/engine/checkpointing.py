@@ -1,17 +1,19 @@
-"""Gradient checkpointing under the engine: reentrant checkpointing refused, recomputations at recorded values.
+"""Gradient checkpointing under the engine: reentrant checkpointing refused, recomputations at recorded
+values.
 
-Transformers' non-reentrant ``torch.utils.checkpoint``: a checkpointed layer runs its forward twice, once in the
-forward pass and again inside the backward, to rebuild the tensors autograd needs. The hooks fire both times;
-only the first counts. A forward hook that fires inside a backward (an autograd graph task) is a recomputation:
+Transformers' non-reentrant ``torch.utils.checkpoint``: a checkpointed layer runs its forward twice, once in
+the forward pass and again inside the backward, to rebuild the tensors autograd needs. The hooks fire both
+times; only the first counts. A forward hook that fires inside a backward (an autograd graph task) is a
+recomputation:
 it records nothing, so every layer call is recorded once per gradient point, however many backwards replay it.
 Records hold the layer's *gradient edge* (:func:`torch.autograd.graph.get_gradient_edge`), not its output
-tensor, so a checkpointed layer's output is freed as checkpointing intends, and the backward still delivers that
-output's gradient. A forward at other parameter values (:meth:`GhostClippingEngine.call_model`,
-DiSK/DP-PMLF/DIFF2) must be recomputed at the same values: the engine wraps the checkpoint function transformers keeps
-on each checkpointed layer (``_gradient_checkpointing_func``) so that its recomputation runs at the values of
-its original forward. Reentrant checkpointing (``use_reentrant=True``) runs the first forward without autograd,
-so the hooks never see those layers: it is refused, and a recomputation of a layer that was never recorded
-raises.
+tensor, so a checkpointed layer's output is freed as checkpointing intends, and the backward still delivers
+that output's gradient. A forward at other parameter values (:meth:`GhostClippingEngine.call_model`,
+DiSK/DP-PMLF/DIFF2) must be recomputed at the same values: the engine wraps the checkpoint function
+transformers keeps on each checkpointed layer (``_gradient_checkpointing_func``) so that its recomputation
+runs at the values of its original forward. Reentrant checkpointing (``use_reentrant=True``) runs the first
+forward without autograd, so the hooks never see those layers: it is refused, and a recomputation of a layer
+that was never recorded raises.
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ class CheckpointingError(RuntimeError):
 
 
 _REENTRANT_REFUSED = (
-    "Reentrant gradient checkpointing (use_reentrant=True) is not supported with per-example clipping: it runs "
-    "the first forward of every checkpointed layer without autograd, so the clipping hooks never see those "
-    "layers. Use the non-reentrant kind: gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' "
-    "default when no kwargs are given), or model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-    "{'use_reentrant': False})."
+    "Reentrant gradient checkpointing (use_reentrant=True) is not supported with per-example clipping: it "
+    "runs the first forward of every checkpointed layer without autograd, so the clipping hooks never see "
+    "those layers. Use the non-reentrant kind: gradient_checkpointing_kwargs={'use_reentrant': False} "
+    "(transformers' default when no kwargs are given), or "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})."
 )
 
 
@@ -71,7 +73,8 @@ class _CheckpointAtRecordedValues:
 
         engine = self.engine
         values = engine._active_values  # None: the current values, which are in place at recomputation too
-        keyed = active_keyed_mode()  # the per-example dropout of the original forward, re-entered to recompute
+        # the per-example dropout of the original forward, re-entered to recompute
+        keyed = active_keyed_mode()
 
         def at_recorded_values(*inner_args: Any, **inner_kwargs: Any) -> Any:
             if not _inside_backward():
@@ -81,7 +84,8 @@ class _CheckpointAtRecordedValues:
             engine._replaying_values += 1
             # the backward runs without the forward's function modes: the same keyed dropout (the checkpoint
             # restores the generator, so each call draws its forward's nonce and mask)
-            mode = keyed if keyed is not None and active_keyed_mode() is not keyed else contextlib.nullcontext()
+            mode = (keyed if keyed is not None and active_keyed_mode() is not keyed
+                    else contextlib.nullcontext())
             try:
                 with mode:
                     if values is None:
@@ -98,8 +102,8 @@ class _CheckpointReplay:
     """The engine's side of gradient checkpointing (a mixin of :class:`GhostClippingEngine`)."""
 
     def _adopt_checkpointing(self) -> None:
-        """Check transformers' gradient checkpointing (refuse reentrant) and make its recomputations run at the
-        parameter values of their original forward (see the module docstring)."""
+        """Check transformers' gradient checkpointing (refuse reentrant) and make its recomputations run at
+        the parameter values of their original forward (see the module docstring)."""
         for module in self.model.modules():
             function = module.__dict__.get("_gradient_checkpointing_func")
             if function is None or not getattr(module, "gradient_checkpointing", False):
@@ -112,15 +116,17 @@ class _CheckpointReplay:
     def _check_recomputation(self, module: nn.Module) -> None:
         if id(module) not in self._recorded_modules:
             raise CheckpointingError(
-                f"Module {type(module).__name__} was recomputed during the backward but its forward was never "
-                f"recorded: its first forward ran without autograd, as reentrant checkpointing does. "
+                f"Module {type(module).__name__} was recomputed during the backward but its forward was "
+                f"never recorded: its first forward ran without autograd, as reentrant checkpointing does. "
                 f"{_REENTRANT_REFUSED}"
             )
         if self._recorded_at_other_values and not self._replaying_values:
             raise CheckpointingError(
-                f"Module {type(module).__name__} was recomputed by a gradient checkpoint that the engine does not "
-                "know (not transformers' gradient checkpointing) after a forward at other parameter values "
-                "(engine.call_model, used by disk/pmlf/diff2): the recomputation would run at the current values "
-                "and give wrong gradients. Use transformers' model.gradient_checkpointing_enable(...) (or "
-                "TrainingArguments(gradient_checkpointing=True)), or a method with one gradient point (dpsgd)."
+                f"Module {type(module).__name__} was recomputed by a gradient checkpoint that the engine "
+                "does not know (not transformers' gradient checkpointing) after a forward at other parameter "
+                "values (engine.call_model, used by disk/pmlf/diff2): the recomputation would run at the "
+                "current values and give wrong gradients. Use transformers' "
+                "model.gradient_checkpointing_enable(...) (or "
+                "TrainingArguments(gradient_checkpointing=True)), or a method with one gradient point "
+                "(dpsgd)."
             )

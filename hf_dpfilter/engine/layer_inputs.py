@@ -1,9 +1,11 @@
 """Layers whose rule reads another tensor than their first positional argument: the tensor declared per type.
 
-The engine's forward hook hands a layer's rule the layer's first positional input (a Linear's hidden states, an
-Embedding's ids). A few layers are called on something else and compute their real input inside their forward:
-OPT's ``OPTLearnedPositionalEmbedding`` is called as ``embed_positions(attention_mask, past, position_ids=...)``
-and looks up ``position_ids + offset``. Its rule must see those ids; given the mask it would be wrong.
+The engine's forward hook hands a layer's rule the layer's first positional input (a Linear's hidden states,
+an Embedding's ids). A few layers are called on something else and compute their real input inside their
+forward:
+OPT's ``OPTLearnedPositionalEmbedding`` is called as ``embed_positions(attention_mask, past,
+position_ids=...)`` and looks up ``position_ids + offset``. Its rule must see those ids; given the mask it
+would be wrong.
 
 Such an input is *declared* here per exact layer type (read from the transformers source, never guessed from
 shapes) by a function of the call's arguments; the engine then hooks that type with its keyword arguments. The
@@ -31,7 +33,8 @@ class LayerInput:
 
     #: ``(module, args, kwargs) -> tensor``: the input the rule reads, from the call's arguments
     select: Callable[[nn.Module, tuple, dict], torch.Tensor]
-    #: ``(module, input) -> tensor``: the output the rule assumes the layer computed (compared on the proving step)
+    #: ``(module, input) -> tensor``: the output the rule assumes the layer computed (compared on the proving
+    # step)
     reproduces: Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
@@ -53,8 +56,9 @@ def _argument(args: tuple, kwargs: dict, index: int, name: str, default: object 
 
 
 def _opt_positions(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-    """``OPTLearnedPositionalEmbedding.forward(attention_mask, past_key_values_length=0, position_ids=None)`` looks
-    up ``position_ids + offset``, with ``position_ids`` counted over the mask when not given (modeling_opt.py)."""
+    """``OPTLearnedPositionalEmbedding.forward(attention_mask, past_key_values_length=0, position_ids=None)``
+    looks up ``position_ids + offset``, with ``position_ids`` counted over the mask when not given
+    (modeling_opt.py)."""
     position_ids = _argument(args, kwargs, 2, "position_ids")
     if position_ids is None:
         mask = _argument(args, kwargs, 0, "attention_mask")

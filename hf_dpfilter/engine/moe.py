@@ -1,33 +1,35 @@
 """Mixture-of-experts layers (Mixtral, Qwen2-MoE): per-example rules for the router and the experts.
 
-A sparse MoE block flattens its hidden states to a token axis ``(B·T, d)``, routes each token by its own hidden
-state (``router_logits = x W_r^T``, a softmax and a top-k over the experts, i.e. along each token's own row) and
-runs each expert on the tokens routed to it, gathered across the whole batch; the experts' outputs are added back
-at the tokens' rows. What makes this per example, and how each piece is established:
+A sparse MoE block flattens its hidden states to a token axis ``(B·T, d)``, routes each token by its own
+hidden state (``router_logits = x W_r^T``, a softmax and a top-k over the experts, i.e. along each token's own
+row) and runs each expert on the tokens routed to it, gathered across the whole batch; the experts' outputs
+are added back at the tokens' rows. What makes this per example, and how each piece is established:
 
-* **The token axis.** The batch-axis tracer (:mod:`hf_dpfilter.proofs.batch_axis`) follows ``view(-1, d)``: the
-  batch is the major part of the merged axis (tag ``(0, T)``), so row ``n`` belongs to example ``n // T``. The
-  engine records such a call as ``MERGED`` with ``rows_per_example = T`` (the one mechanism of
+* **The token axis.** The batch-axis tracer (:mod:`hf_dpfilter.proofs.batch_axis`) follows ``view(-1, d)``:
+  the batch is the major part of the merged axis (tag ``(0, T)``), so row ``n`` belongs to example ``n // T``.
+  The engine records such a call as ``MERGED`` with ``rows_per_example = T`` (the one mechanism of
   :mod:`hf_dpfilter.proofs.batch_axis` for merged batch axes, which OPT and BLOOM use too) and views its rows
   back as ``(B, T, ...)`` before the rule (proven on the first step, never read from a shape); the routing
   recorded with an experts call is viewed alike (:func:`split_rows`).
 * **The routing.** The routing indices and weights given to the experts must carry the same merged token axis
-  (traced from the hidden states through the router's per-row softmax and top-k); a router that chose tokens per
-  expert over the batch (capacity limits, token dropping: a top-k along the token axis) loses that tag and the call
-  is refused by name.
+  (traced from the hidden states through the router's per-row softmax and top-k); a router that chose tokens
+  per expert over the batch (capacity limits, token dropping: a top-k along the token axis) loses that tag and
+  the call is refused by name.
 * **The experts.** ``MixtralExperts`` / ``Qwen2MoeExperts`` (and any class with their declared layout: 3-D
   ``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I), concatenated gate/up, no bias, no post-expert norm)
   compute, for each token ``n`` and each of its routes ``(e, w)``, ``w · down_e(act(gate_e x_n) · up_e x_n)``
-  added at row ``n``: row ``n`` of the output depends on row ``n`` of the three inputs only, whichever kernel runs
-  it (eager loop, grouped or batched matmuls). This is checked once per class and kernel on a probe against
-  :func:`_experts_reference`, which is row-wise by construction; the tracer then tags the output with the input's
-  token axis. The rule recomputes each route's activations from the recorded inputs and gives, per example, the
-  sum over its own tokens only: an :class:`OuterTerm` whose left factor places each token's gradient in the block
-  of the expert it was routed to (zero elsewhere), so ``G_i[e] = sum_{t of i routed to e} dh_t ⊗ x_t``.
+  added at row ``n``: row ``n`` of the output depends on row ``n`` of the three inputs only, whichever kernel
+  runs it (eager loop, grouped or batched matmuls). This is checked once per class and kernel on a probe
+  against :func:`_experts_reference`, which is row-wise by construction; the tracer then tags the output with
+  the input's token axis. The rule recomputes each route's activations from the recorded inputs and gives, per
+  example, the sum over its own tokens only: an :class:`OuterTerm` whose left factor places each token's
+  gradient in the block of the expert it was routed to (zero elsewhere), so ``G_i[e] = sum_{t of i routed to
+  e} dh_t ⊗ x_t``.
 * **The router** is a bias-free linear map of each token: ``G_i = sum_t dlogits_t ⊗ x_t``.
-* **The load-balancing loss** (``output_router_logits`` with ``router_aux_loss_coef != 0``) is a statistic of all
-  the tokens of a batch in transformers; the DPTrainer computes it per example (:mod:`hf_dpfilter.losses.router`).
-  Router jitter is refused as randomness (:mod:`hf_dpfilter.proofs.randomness`).
+* **The load-balancing loss** (``output_router_logits`` with ``router_aux_loss_coef != 0``) is a statistic of
+  all the tokens of a batch in transformers; the DPTrainer computes it per example
+  (:mod:`hf_dpfilter.losses.router`). Router jitter is refused as randomness
+  (:mod:`hf_dpfilter.proofs.randomness`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ _MODULES = {"Mixtral": "transformers.models.mixtral.modeling_mixtral",
 
 @dataclass
 class RoutedTokens:
-    """What an experts call saw: the tokens ``(N, d)``, their expert indices and routing weights ``(N, k)``."""
+    """What an experts call saw: the tokens ``(N, d)``, their expert indices and routing weights ``(N,
+    k)``."""
 
     hidden: torch.Tensor
     index: torch.Tensor
@@ -67,7 +70,8 @@ class RoutedTokens:
 def split_rows(value: torch.Tensor | RoutedTokens | None, batch: int,
                packing: PackedLayout | None = None) -> torch.Tensor | RoutedTokens | None:
     """``(B·T, ...) -> (B, T, ...)`` for a call whose merged leading axis has the batch as its major part; the
-    routing of user-level units over padded rows regrouped per unit (``(U, T_max, ...)``, zero past a unit's end:
+    routing of user-level units over padded rows regrouped per unit (``(U, T_max, ...)``, zero past a unit's
+    end:
     a zero token with zero weight and zero output gradient adds nothing to any expert's gradient)."""
     if value is None:
         return None
@@ -80,9 +84,9 @@ def split_rows(value: torch.Tensor | RoutedTokens | None, batch: int,
             from hf_dpfilter.data.packing import PackingError
 
             raise PackingError(
-                "Mixture-of-experts layers on packed rows are not supported (their routed tokens are not regrouped "
-                "per packed example). Use a padding collator (one example per row) for this model (DPSFTConfig: "
-                "packing=False, padding_free=False)."
+                "Mixture-of-experts layers on packed rows are not supported (their routed tokens are not "
+                "regrouped per packed example). Use a padding collator (one example per row) for this model "
+                "(DPSFTConfig: packing=False, padding_free=False)."
             )
         return RoutedTokens(*(split_rows(t, batch) for t in (value.hidden, value.index, value.weights)))
     return value.reshape(batch, value.shape[0] // batch, *value.shape[1:])
@@ -151,8 +155,8 @@ _CHECKED_FORMS: dict[tuple, str | None] = {}
 
 
 def check_experts_forward(module: nn.Module) -> str | None:
-    """Whether ``module.forward`` equals :func:`_experts_reference` on a probe (None if so), once per class, experts
-    kernel (``config._experts_implementation``, chosen per model) and dtype."""
+    """Whether ``module.forward`` equals :func:`_experts_reference` on a probe (None if so), once per class,
+    experts kernel (``config._experts_implementation``, chosen per model) and dtype."""
     kernel = getattr(getattr(module, "config", None), "_experts_implementation", None)
     key = (type(module), str(kernel), getattr(module.gate_up_proj, "dtype", None))
     if key not in _CHECKED_FORMS:
@@ -173,12 +177,14 @@ def _probe(module: nn.Module) -> str | None:
     weights = torch.rand(7, k, generator=generator).to(device=device, dtype=dtype)
     try:
         with torch.no_grad():
-            got = module.forward(hidden, index, weights)  # not through the hooks: a probe, not a recorded call
+            # not through the hooks: a probe, not a recorded call
+            got = module.forward(hidden, index, weights)
             want = _experts_reference(module, hidden, index, weights, module.gate_up_proj, module.down_proj)
     except Exception as error:  # noqa: BLE001 -- a forward that fails on the probe is not a form we know
         return f"its forward failed on a probe ({type(error).__name__}: {error})"
     low = dtype in (torch.float16, torch.bfloat16)
-    tolerance = ({"rtol": 2e-2, "atol": 1e-2} if low else {"rtol": 1e-4, "atol": 1e-5} if dtype != torch.float64
+    tolerance = ({"rtol": 2e-2, "atol": 1e-2} if low else {"rtol": 1e-4, "atol": 1e-5}
+                 if dtype != torch.float64
                  else {"rtol": 1e-9, "atol": 1e-10})
     if got.shape != want.shape or not torch.allclose(got, want, **tolerance):
         return "its forward is not the token-wise sum of each token's routed experts"
@@ -188,7 +194,8 @@ def _probe(module: nn.Module) -> str | None:
 def _experts(module: nn.Module, activations: RoutedTokens, grad_output: torch.Tensor) -> dict[str, Term]:
     """Per-example terms of ``gate_up_proj`` and ``down_proj`` from the recorded routing (B, T, ...)."""
     x, index, weights = activations.hidden, activations.index, activations.weights
-    # in the recorded tokens' dtype: float64 when a precise combination (DIFF2) records a float32 model in float64
+    # in the recorded tokens' dtype: float64 when a precise combination (DIFF2) records a float32 model in
+    # float64
     gate_up, down = module.gate_up_proj.detach().to(x.dtype), module.down_proj.detach().to(x.dtype)
     num_experts, two_i, d = gate_up.shape
     inter = down.shape[2]
@@ -217,7 +224,8 @@ def _experts(module: nn.Module, activations: RoutedTokens, grad_output: torch.Te
         right_down[b, t, j] = a.detach()
     terms: dict[str, Term] = {}
     if module.gate_up_proj.requires_grad:
-        terms["gate_up_proj"] = OuterTerm(left=left_gate_up.reshape(batch, tokens, num_experts * two_i), right=x)
+        terms["gate_up_proj"] = OuterTerm(left=left_gate_up.reshape(batch, tokens, num_experts * two_i),
+                                          right=x)
     if module.down_proj.requires_grad:
         terms["down_proj"] = OuterTerm(left=left_down.reshape(batch, tokens * k, num_experts * d),
                                        right=right_down.reshape(batch, tokens * k, inter))
@@ -249,30 +257,33 @@ def _experts_form(name: str, module: nn.Module, options: ValidationOptions) -> l
     problem = check_experts_forward(module)
     if problem is None:
         return []
-    return [ModuleProblem(name, f"{type(module).__name__}: {problem}, so its per-example gradient is unknown.",
-                          "freeze it (requires_grad_(False) on gate_up_proj and down_proj), or train with LoRA on "
-                          "the attention layers; set experts_implementation='eager' if another kernel is selected.")]
+    return [ModuleProblem(name,
+                          f"{type(module).__name__}: {problem}, so its per-example gradient is unknown.",
+                          "freeze it (requires_grad_(False) on gate_up_proj and down_proj), or train with "
+                          "LoRA on the attention layers; set experts_implementation='eager' if another "
+                          "kernel is selected.")]
 
 
 # ------------------------------------------------------------------------------------ the engine's hooks
 def recorded_output(module: nn.Module, output: object) -> object:
-    """The tensor whose gradient a call's rule needs: a router returns (logits, weights, indices), its logits."""
+    """The tensor whose gradient a call's rule needs: a router returns (logits, weights, indices), its
+    logits."""
     if isinstance(output, tuple) and output and is_router(module):
         return output[0]
     return output
 
 
 def experts_verdict(tracer: BatchAxisTracer, module: nn.Module, inputs: tuple, output: torch.Tensor) -> str:
-    """MERGED when the experts' tokens and routing share one traced token axis and the forward is row-wise (then
-    the output carries that axis too); otherwise why not."""
+    """MERGED when the experts' tokens and routing share one traced token axis and the forward is row-wise
+    (then the output carries that axis too); otherwise why not."""
     tags = [tracer.tag_of(t) for t in inputs[:3]]
     if len(tags) < 3 or tags[0] is None or tags[0][0] != 0 or tags[0][1] < 1:
         return "derives from the batch but lost its batch axis (flattened, reduced or mixed across examples)"
     if tags[1] != tags[0] or tags[2] != tags[0]:
         return (
-            "is routed by indices or weights that do not carry the tokens' own axis (a router choosing tokens per "
-            "expert over the batch, with a capacity limit or token dropping, makes one example's routing depend on "
-            "the others)"
+            "is routed by indices or weights that do not carry the tokens' own axis (a router choosing "
+            "tokens per expert over the batch, with a capacity limit or token dropping, makes one example's "
+            "routing depend on the others)"
         )
     problem = check_experts_forward(module)
     if problem is not None:

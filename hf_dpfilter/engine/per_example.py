@@ -1,4 +1,5 @@
-"""Per-example gradients of one recorded batch, in compact (ghost) form: norms, proven bounds, weighted sums."""
+"""Per-example gradients of one recorded batch, in compact (ghost) form: norms, proven bounds, weighted
+sums."""
 
 from __future__ import annotations
 
@@ -60,17 +61,17 @@ class PerExampleGradients:
         stack_layers: bool | None = None,
         loss_scale: float = 1.0,
     ) -> None:
-        """``terms`` is consumed: its entries are removed as they are merged, so that the originals can be freed
-        as soon as a fused or stacked copy replaces them (the caller must not hold other references).
+        """``terms`` is consumed: its entries are removed as they are merged, so that the originals can be
+        freed as soon as a fused or stacked copy replaces them (the caller must not hold other references).
 
         ``stack_layers``: stack same-shape layers (see :func:`_stack_blocks`); None means on CUDA only, where
         a step of a small model is bound by kernel launches. On CPU the batched products save nothing and the
         stack is a transient copy.
 
-        ``loss_scale``: the terms are those of ``loss_scale * g_i`` (fp16 loss scaling: the backward ran on the
-        scaled loss). Every result (norms, bounds, weighted sums) is of the unscaled ``g_i``: the scale is a power
-        of two, so dividing the float64 squared norms and bounds by its square, and the fp32/fp64 coefficients
-        of the weighted sums by it, is exact (no rounding: only the exponent changes)."""
+        ``loss_scale``: the terms are those of ``loss_scale * g_i`` (fp16 loss scaling: the backward ran on
+        the scaled loss). Every result (norms, bounds, weighted sums) is of the unscaled ``g_i``: the scale is
+        a power of two, so dividing the float64 squared norms and bounds by its square, and the fp32/fp64
+        coefficients of the weighted sums by it, is exact (no rounding: only the exponent changes)."""
         if loss_scale <= 0 or math.frexp(loss_scale)[0] != 0.5:
             raise ValueError(f"loss_scale must be a power of two (exact to divide out), got {loss_scale!r}.")
         self.loss_scale = float(loss_scale)
@@ -78,11 +79,13 @@ class PerExampleGradients:
         self.precise = precise
         self.dtype = torch.float64 if precise else dtype
         self._input_dtypes = {
-            p: next((t.left.dtype for t in ts if isinstance(t, OuterTerm)), self.dtype) for p, ts in terms.items()
+            p: next((t.left.dtype for t in ts if isinstance(t, OuterTerm)), self.dtype) for p,
+            ts in terms.items()
         }
         # which tensors the layer rules returned, to find layers that share one (before dtype conversions)
         raw_sides = {
-            p: (id(ts[0].left), id(ts[0].right)) for p, ts in terms.items() if len(ts) == 1 and isinstance(ts[0], OuterTerm)
+            p: (id(ts[0].left), id(ts[0].right)) for p,
+            ts in terms.items() if len(ts) == 1 and isinstance(ts[0], OuterTerm)
         }
         merged = {p: _merge_terms(terms.pop(p), self.dtype) for p in list(terms)}
         # Parameters with only a dense per-example gradient (biases, LayerNorm: most tensors of a transformer)
@@ -137,16 +140,18 @@ class PerExampleGradients:
         input_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]], torch.Tensor | None]:
         """``(n^2, [(c_k, t_k)], materialized)`` for the terms of one parameter (or of one block of fused or
-        stacked layers, whose rows are then the batch): the computed squared norm per row, the terms of a bound
-        ``E = sum_k c_k t_k`` on its rounding error (summed later for all parameters in one reduction), and the
-        per-row gradient ``(batch, P, Q)`` when the outer term was materialized (it then replaces the term).
+        stacked layers, whose rows are then the batch): the computed squared norm per row, the terms of a
+        bound ``E = sum_k c_k t_k`` on its rounding error (summed later for all parameters in one reduction),
+        and the per-row gradient ``(batch, P, Q)`` when the outer term was materialized (it then replaces the
+        term).
 
         Every block of the squared norm is bounded by what it sums (docs/privacy.md, "Mixed precision"):
 
         * ghost blocks (``sum_ts G_ts H_ts`` with computed Gram matrices ``G``, ``H``) *a posteriori*:
-          ``|G^ H^ - G H| <= dG N_G |H^| + dH N_H |G^| + dG dH N_G N_H`` entrywise, ``N_G[t,s] = ||x_t|| ||x_s||``
-          and ``dG`` the dot-product error of the Gram (``gamma`` of its length, or of chunk + chunks for long
-          dot products), plus ``(u + gamma_R)`` times ``sum |G^ H^|`` for the product and the two-stage sum;
+          ``|G^ H^ - G H| <= dG N_G |H^| + dH N_H |G^| + dG dH N_G N_H`` entrywise, ``N_G[t,s] = ||x_t||
+          ||x_s||`` and ``dG`` the dot-product error of the Gram (``gamma`` of its length, or of chunk +
+          chunks for long dot products), plus ``(u + gamma_R)`` times ``sum |G^ H^|`` for the product and the
+          two-stage sum;
         * the other blocks (tied cross term, a dense gradient with token terms) by their pieces:
           ``((1 + eps)^2 (1 + gamma_R) - 1)`` times the sum of the products of the pieces' norms;
         * a materialized gradient ``B_i^T A_i`` is formed and squared in float64.
@@ -173,12 +178,14 @@ class PerExampleGradients:
             n_left, n_right = norms(outer.left), norms(outer.right)
             s_outer = torch.linalg.vecdot(n_left, n_right)
             if not _use_ghost(outer):
-                # narrow layer (LoRA, or T large): materialize in float64 (cheap here), store in the sum's dtype
+                # narrow layer (LoRA, or T large): materialize in float64 (cheap here), store in the sum's
+                # dtype
                 grad = _bmm(outer.left.transpose(1, 2), outer.right, f64)
                 if dense is not None:
                     grad = grad + dense.grad.reshape(grad.shape).to(f64)
                 parts.append(_sum_tokens(grad * grad))
-                extra = 0.0 if dense is None else torch.linalg.vector_norm(dense.grad.reshape(batch, -1), dim=1,
+                extra = 0.0 if dense is None else torch.linalg.vector_norm(dense.grad.reshape(batch, -1),
+                                                                           dim=1,
                                                                            dtype=dtype)
                 scale = s_outer + extra
                 factor = (1 + _gamma(tokens + 2, 2.0**-52)) ** 2 * (1 + _gamma(p + q + 8, 2.0**-52)) - 1
@@ -258,24 +265,28 @@ class PerExampleGradients:
                 cross_pieces.append(2 * dense_norm * s_index)
         eps = (1 + input_unit) ** 2 * (1 + _gamma(dot, unit)) * (1 + unit) - 1
         terms += [((1 + eps) ** 2 * (1 + _gamma(depth, unit)) - 1, piece) for piece in cross_pieces]
-        # the bound's own ingredients are rounded: norms of <= norm_length terms, sums of <= depth positive terms
+        # the bound's own ingredients are rounded: norms of <= norm_length terms, sums of <= depth positive
+        # terms
         safety = (1 + _gamma(2 * norm_length + 2 * depth + 16, unit)) ** 4
         total = parts[0]
         for part in parts[1:]:
             total = total + part.to(total.dtype)
         return total, [(c * safety, t) for c, t in terms], materialized
 
-    def _param_norm_and_bound(self, param: nn.Parameter) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]:
+    def _param_norm_and_bound(self, param: nn.Parameter) -> tuple[torch.Tensor,
+                                                                  list[tuple[float, torch.Tensor]]]:
         """:meth:`_norm_and_bound` of a parameter with an index or dense term (embeddings, tied weights)."""
         outer, index, dense = self._merged[param]
         total, terms, materialized = self._norm_and_bound(
             outer, index, dense, self.batch_size, param.device, self._input_dtypes.get(param, self.dtype)
         )
         if materialized is not None:
-            self._merged[param] = (None, index, DenseTerm(materialized.reshape(self.batch_size, *param.shape)))
+            self._merged[param] = (None, index,
+                                   DenseTerm(materialized.reshape(self.batch_size, *param.shape)))
         return total, terms
 
-    def _block_norm_and_bound(self, block: _OuterBlock) -> tuple[torch.Tensor, list[tuple[float, torch.Tensor]]]:
+    def _block_norm_and_bound(self, block: _OuterBlock) -> tuple[torch.Tensor,
+                                                                 list[tuple[float, torch.Tensor]]]:
         """:meth:`_norm_and_bound` of a block, its L layers as L times more rows: values shaped (L, B)."""
         if block.grads is not None:  # materialized by an earlier call (norms taken again after zero_examples)
             layers, batch, p, q = block.grads.shape
@@ -286,16 +297,19 @@ class PerExampleGradients:
                               right=block.right.reshape(layers * batch, tokens, q))
             dense = None
         total, terms, materialized = self._norm_and_bound(
-            outer, None, dense, layers * batch, (block.grads if outer is None else block.left).device, block.input_dtype
+            outer, None, dense, layers * batch, (block.grads if outer is None else block.left).device,
+            block.input_dtype
         )
         if materialized is not None:
             block.grads, block.left, block.right = materialized.reshape(layers, batch, p, q), None, None
         return total.reshape(layers, batch), [(c, t.reshape(layers, batch)) for c, t in terms]
 
     def squared_norms(self) -> torch.Tensor:
-        """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models / precise)."""
+        """``||g_i||^2`` over all trainable parameters, shape (B,), in fp32 (fp64 for fp64 models /
+        precise)."""
         if self._squared_norms is None:
-            rows: list[torch.Tensor] = []  # (k, B): squared norms of parameters, fused layers or stacked layers
+            # (k, B): squared norms of parameters, fused layers or stacked layers
+            rows: list[torch.Tensor] = []
             coefficients: list[float] = []
             pieces: list[torch.Tensor] = []  # (k, B) each, one coefficient per row
             for param in self._merged:
@@ -317,8 +331,8 @@ class PerExampleGradients:
             magnitude = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
             count = len(groups) + 1
             if rows:
-                # a constant number of kernels for all parameters: concatenate (each squared norm rounded to this
-                # dtype once), then reduce over the rows in float64; both roundings are bounded below
+                # a constant number of kernels for all parameters: concatenate (each squared norm rounded to
+                # this dtype once), then reduce over the rows in float64; both roundings are bounded below
                 stacked_norms = torch.cat([r.to(device=device, dtype=self.dtype) for r in rows]).double()
                 total = total + stacked_norms.sum(dim=0)
                 magnitude = stacked_norms.abs().sum(dim=0)
@@ -345,7 +359,8 @@ class PerExampleGradients:
         return self.squared_norms().clamp_min(0).sqrt()
 
     def clipping_norms(self) -> torch.Tensor:
-        """Norms to clip with: a proven upper bound of the exact per-example norm (see the class docstring)."""
+        """Norms to clip with: a proven upper bound of the exact per-example norm (see the class
+        docstring)."""
         self.squared_norms()
         bound = (self._squared_norms64.clamp_min(0) + self._error_bounds).sqrt()
         # margin for the square root in float64, the cast to self.dtype and the clip factor's own rounding
@@ -355,8 +370,8 @@ class PerExampleGradients:
     def zero_examples(self, drop: torch.Tensor) -> None:
         """Replace the gradients of the examples where ``drop`` (bool, shape (B,)) is True by exact zeros.
 
-        Used for examples whose loss or gradient is NaN/inf: a weighted sum with coefficient 0 would still give
-        ``0 * nan = nan``, so their terms are zeroed (``torch.where``, not a product) before any sum.
+        Used for examples whose loss or gradient is NaN/inf: a weighted sum with coefficient 0 would still
+        give ``0 * nan = nan``, so their terms are zeroed (``torch.where``, not a product) before any sum.
         """
         if not bool(drop.any()):
             return
@@ -368,7 +383,8 @@ class PerExampleGradients:
         for param, (outer, index, dense) in self._merged.items():
             self._merged[param] = (
                 None if outer is None else OuterTerm(left=keep(outer.left), right=keep(outer.right)),
-                None if index is None else IndexTerm(ids=index.ids, right=keep(index.right), num_rows=index.num_rows),
+                None if index is None
+                else IndexTerm(ids=index.ids, right=keep(index.right), num_rows=index.num_rows),
                 None if dense is None else DenseTerm(keep(dense.grad)),
             )
         for device, grad in self._dense_groups.items():
@@ -380,7 +396,8 @@ class PerExampleGradients:
         self._squared_norms64 = None
         self._error_bounds = None
 
-    def weighted_sum(self, coefficients: torch.Tensor, release: bool = False) -> dict[nn.Parameter, torch.Tensor]:
+    def weighted_sum(self, coefficients: torch.Tensor, release: bool = False) -> dict[nn.Parameter,
+                                                                                      torch.Tensor]:
         """``sum_i coefficients[i] * g_i``, per parameter, in the accumulation dtype.
 
         ``release=True`` frees each parameter's stored activations and output gradients as soon as its sum is
@@ -392,7 +409,8 @@ class PerExampleGradients:
         if release:
             self.squared_norms()  # norms need every term; compute them before anything is freed
             self._released = True
-        if self.loss_scale != 1.0:  # sum_i c_i g_i = sum_i (c_i / scale) (scale g_i), exactly (a power of two)
+        # sum_i c_i g_i = sum_i (c_i / scale) (scale g_i), exactly (a power of two)
+        if self.loss_scale != 1.0:
             coefficients = coefficients * (1.0 / self.loss_scale)
         out: dict[nn.Parameter, torch.Tensor] = {}
         converted: dict[torch.device, torch.Tensor] = {}
@@ -405,7 +423,8 @@ class PerExampleGradients:
                 c = converted[param.device] = coefficients.to(device=param.device, dtype=self.dtype)
             total = None
             if outer is not None:
-                total = _weighted_outer(outer.left[None], outer.right[None], c, self.dtype).reshape(param.shape)
+                total = _weighted_outer(outer.left[None], outer.right[None], c,
+                                        self.dtype).reshape(param.shape)
             if dense is not None:
                 g = torch.mv(dense.grad.reshape(self.batch_size, -1).t(), c).reshape(param.shape)
                 total = g if total is None else total.add_(g)
@@ -422,16 +441,19 @@ class PerExampleGradients:
                 self._blocks.remove(block)
             c = converted.get(block.params[0].device)
             if c is None:
-                c = converted[block.params[0].device] = coefficients.to(device=block.params[0].device, dtype=self.dtype)
+                c = converted[block.params[0].device] = coefficients.to(device=block.params[0].device,
+                                                                        dtype=self.dtype)
             if block.grads is not None:
                 layers, _, p, q = block.grads.shape
                 # (B,) @ (L, B, P Q): one batched GEMV for the block's materialized layers
-                totals = torch.matmul(c, block.grads.reshape(layers, self.batch_size, p * q)).reshape(layers, p, q)
+                totals = torch.matmul(c, block.grads.reshape(layers, self.batch_size, p * q)).reshape(layers,
+                                                                                                      p, q)
             else:
                 totals = _weighted_outer(block.left, block.right, c, self.dtype)
             for param, (layer, dim, start, size) in zip(block.params, block.places):
                 piece = totals[layer].narrow(dim, start, size)
-                out[param] = piece.reshape(param.shape) if dim == 0 else piece.contiguous().reshape(param.shape)
+                out[param] = (piece.reshape(param.shape) if dim == 0
+                              else piece.contiguous().reshape(param.shape))
             del block, totals
         for device in list(self._dense_groups):
             grad, params = self._dense_groups[device], self._dense_params[device]

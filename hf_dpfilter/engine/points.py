@@ -1,4 +1,5 @@
-"""Multi-point gradient passes: the per-example combination ``sum_k w_k g_i(x_k)`` of several parameter points.
+"""Multi-point gradient passes: the per-example combination ``sum_k w_k g_i(x_k)`` of several parameter
+points.
 
 A method declares its points (``DPOptimizer.gradient_points()``: DiSK's second point, DP-PMLF's k snapshots,
 DIFF2's difference); :func:`per_example_combination` runs the forwards at every point and the backward, and
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CurrentPoint", "Float64Point", "LossFn", "Point", "per_example_combination"]
 
-#: ``loss_fn(param_values)``: the per-example losses (B,) of a forward at those values (None: the current ones)
+#: ``loss_fn(param_values)``: the per-example losses (B,) of a forward at those values (None: the current
+# ones)
 LossFn = Callable[[dict[nn.Parameter, torch.Tensor] | None], torch.Tensor]
 #: (weight, parameter values or None for the current ones) of one point of the combination
 Point = tuple[float, "dict[nn.Parameter, torch.Tensor] | None"]
@@ -39,9 +41,10 @@ class CurrentPoint(dict):
 
 
 class Float64Point(dict):
-    """Values of a gradient point at which the WHOLE model runs in float64 (frozen parameters and floating buffers
-    too, :meth:`GhostClippingEngine.call_model`), also when the trainable parameters are float64 already: float64
-    adapters on a float32 base would otherwise compute the base in float32 (DIFF2's float64 route)."""
+    """Values of a gradient point at which the WHOLE model runs in float64 (frozen parameters and floating
+    buffers too, :meth:`GhostClippingEngine.call_model`), also when the trainable parameters are float64
+    already: float64 adapters on a float32 base would otherwise compute the base in float32 (DIFF2's float64
+    route)."""
 
 
 class CurrentFloat64Point(CurrentPoint, Float64Point):
@@ -129,7 +132,8 @@ def _gradients_at_points_in_shards(
                 engine.backward_recorded(losses * weight if weight != 1.0 else losses)
                 if values is None:
                     losses_here = losses
-                combined = losses.detach() * weight if combined is None else combined + losses.detach() * weight
+                combined = (losses.detach() * weight if combined is None
+                            else combined + losses.detach() * weight)
                 with torch.no_grad():
                     for p in values or {}:
                         p.detach().copy_(current[p])

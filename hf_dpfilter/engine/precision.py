@@ -1,4 +1,5 @@
-"""Precision policy of the engine: term and accumulation dtypes, low-precision products, rounding-error bounds.
+"""Precision policy of the engine: term and accumulation dtypes, low-precision products, rounding-error
+bounds.
 
 Terms are kept in the dtype the layers computed in (bf16 under autocast); every product accumulates in fp32
 (fp64 for fp64 models and precise mode). The error constants (:func:`_gamma`, :func:`_rounding_units`) are
@@ -15,7 +16,8 @@ from hf_dpfilter.engine.rules import IndexTerm, OuterTerm, Term
 
 
 def _term_dtype(term: Term) -> torch.dtype:
-    return term.left.dtype if isinstance(term, OuterTerm) else term.right.dtype if isinstance(term, IndexTerm) else term.grad.dtype
+    return term.left.dtype if isinstance(term, OuterTerm) else term.right.dtype if isinstance(term,
+            IndexTerm) else term.grad.dtype
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -95,7 +97,8 @@ def _gamma(n: int, unit: float) -> float:
     return n * unit / (1.0 - n * unit)
 
 
-def _rounding_units(dtype: torch.dtype, device: torch.device, input_dtype: torch.dtype) -> tuple[float, float]:
+def _rounding_units(dtype: torch.dtype, device: torch.device, input_dtype: torch.dtype) -> tuple[float,
+                                                                                                 float]:
     """(accumulation unit, input-rounding unit) of the engine's products in ``dtype`` on ``device``.
 
     The accumulation unit is twice the unit roundoff (``2^-23`` for fp32, ``2^-52`` for fp64), which also

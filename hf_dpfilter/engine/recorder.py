@@ -25,15 +25,16 @@ or weight sharing) contributes the sum of its calls: the calls are concatenated 
 so the *combination* is what gets clipped. Tied parameters (GPT-2's ``wte``/``lm_head``) get the exact
 cross term between the embedding and the output-layer use.
 
-Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.proofs.batch_axis`): the first
-recorded step after attach traces the batch axis from the model's batch-first inputs through every torch
+Which layer calls are per example is proven, not read from shapes (:mod:`hf_dpfilter.proofs.batch_axis`): the
+first recorded step after attach traces the batch axis from the model's batch-first inputs through every torch
 function, and caches a verdict per module and call. A call on a tensor that does not derive from the batch but
 whose output has leading size 1 (BERT's and GPT-2's position ids, broadcast as ``(1, T)``) would return a
 gradient summed over the batch; the forward hook expands such outputs to ``(B, T, d)`` (a view; it changes no
-values) so their gradient stays per example. Any other call without a proven batch axis (``pos_emb(arange(T))``,
-T5's relative attention bias) is refused by name as soon as the backward shows it carries gradient. The same
-first step refuses parameters and buffers written by the forward and trainable modules never called; modules
-that mix examples or write state are refused earlier, at attach (:mod:`hf_dpfilter.proofs.validators`).
+values) so their gradient stays per example. Any other call without a proven batch axis
+(``pos_emb(arange(T))``, T5's relative attention bias) is refused by name as soon as the backward shows it
+carries gradient. The same first step refuses parameters and buffers written by the forward and trainable
+modules never called; modules that mix examples or write state are refused earlier, at attach
+(:mod:`hf_dpfilter.proofs.validators`).
 """
 
 from __future__ import annotations
@@ -84,9 +85,10 @@ __all__ = ["GhostClippingEngine", "UnsupportedLayerError"]
 _OWNED_BY_THE_OPTIMIZER = (
     "The clipping engine no longer clips: the DP optimizer is the only owner of the clipping norm, the noise "
     "and the accounting, so the noise can never be sized for a different C than the one the sum was clipped "
-    "at. Build the pair from one plan (engine, optimizer, _ = make_private(plan, model, base=...), from hf_dpfilter.factory) or create "
-    "GhostClippingEngine(model) without a norm, and call optimizer.accumulate(engine, loss_fn, batch_size) once "
-    "per micro-batch, then optimizer.step() (README, 'Without the Trainer')."
+    "at. Build the pair from one plan (engine, optimizer, _ = make_private(plan, model, base=...), from "
+    "hf_dpfilter.factory) or create GhostClippingEngine(model) without a norm, and call "
+    "optimizer.accumulate(engine, loss_fn, batch_size) once per micro-batch, then optimizer.step() (README, "
+    "'Without the Trainer')."
 )
 
 
@@ -101,9 +103,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             This catches parameters that receive gradient through a path the hooks do not see.
         stack_layers: stack same-shape layers into one batched product for the norms and clipped sums (fewer
             kernel launches, a bounded transient copy; see :class:`PerExampleGradients`). None: on CUDA only.
-        batchnorm_eval: accept frozen BatchNorms (no trainable parameter, or affine=False) and hold them in eval
-            mode, with their stored statistics, in every recorded step (:meth:`hold_eval_modes`). Without it every
-            BatchNorm is refused (:mod:`hf_dpfilter.proofs.validators`); a trainable BatchNorm is refused either way.
+        batchnorm_eval: accept frozen BatchNorms (no trainable parameter, or affine=False) and hold them in
+            eval mode, with their stored statistics, in every recorded step (:meth:`hold_eval_modes`). Without
+            it every BatchNorm is refused (:mod:`hf_dpfilter.proofs.validators`); a trainable BatchNorm is
+            refused either way.
     """
 
     def __init__(
@@ -117,7 +120,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
     ) -> None:
         removed = [name for name in ("max_grad_norm", "clipping_fn") if name in kwargs]
         if args or removed:
-            raise TypeError(f"GhostClippingEngine({', '.join(removed) or 'a clipping norm'}=...): {_OWNED_BY_THE_OPTIMIZER}")
+            raise TypeError(f"GhostClippingEngine({', '.join(removed) or 'a clipping norm'}=...): "
+                            f"{_OWNED_BY_THE_OPTIMIZER}")
         if kwargs:
             raise TypeError(f"GhostClippingEngine got unexpected arguments {sorted(kwargs)}.")
         self.model = model
@@ -129,8 +133,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._active_values: dict[str, torch.Tensor] | None = None  # call_model's values, during its forward
         self._recorded_at_other_values = False
         self._replaying_values = 0
-        #: fp16 loss scaling: the backward runs on ``loss_scale * sum_i loss_i`` (a power of two, public; set by the
-        #: DP optimizer from its :class:`~hf_dpfilter.trainers.loss_scaling.DPLossScaler`) and the per-example gradients
+        #: fp16 loss scaling: the backward runs on ``loss_scale * sum_i loss_i`` (a power of two, public; set
+        # by the
+        #: DP optimizer from its :class:`~hf_dpfilter.trainers.loss_scaling.DPLossScaler`) and the per-example
+        # gradients
         #: divide it out exactly (:class:`PerExampleGradients`)
         self.loss_scale = 1.0
         self._pending_scale = 1.0
@@ -157,7 +163,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._call_counts: dict[int, int] = {}
         self._reprove = False  # a later step made a call the proving step did not see: prove again
         self._tracer: BatchAxisTracer | None = None
-        #: nn.Dropout module -> how its mask is keyed, as proven (engine/proving.py, hf_dpfilter.randomness.example_keys)
+        #: nn.Dropout module -> how its mask is keyed, as proven (engine/proving.py,
+        # hf_dpfilter.randomness.example_keys)
         self.dropout_verdicts: dict[nn.Module, str] = {}
         self._trace_depth = 0
         self._check_parameters = True  # whether the state checks compare parameters (not under FSDP2)
@@ -168,15 +175,18 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
 
     # ----------------------------------------------------------------------------------------- set-up
     def attach(self) -> None:
-        """Validate every module, find every trainable parameter's module, check it has a rule, register hooks."""
+        """Validate every module, find every trainable parameter's module, check it has a rule, register
+        hooks."""
         self.detach()
-        # Every module, frozen ones too (hf_dpfilter.proofs.validators): one error listing each problem and its fix.
+        # Every module, frozen ones too (hf_dpfilter.proofs.validators): one error listing each problem and
+        # its fix.
         problems = find_module_problems(self.model, self.validation_options)
         if problems:
             raise ModuleValidationError(problems)
         self._axis_verdicts = None  # the hooked modules may have changed: prove the batch axes again
         self._proven_by_signature: dict[tuple, tuple] = {}  # the verdicts per input signature (proving.py)
-        self._may_prove_late, self._late_proof, self._signatures, self._proven_block = False, None, [], frozenset()
+        self._may_prove_late, self._late_proof, self._signatures, self._proven_block = (False, None, [],
+                                                                                        frozenset())
         self._shares, self._shared_tables = declared_tables(self.model)  # hf_dpfilter.engine.shared_tables
         self._owners = {}
         self._param_names = {}
@@ -189,10 +199,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         for param, name in self._param_names.items():
             if param.dtype in (torch.float16, torch.bfloat16):
                 raise TypeError(
-                    f"Trainable parameter '{name}' is {param.dtype}. hf_dpfilter keeps trainable parameters in "
-                    "fp32 and accumulates norms and clipped sums in fp32: load the model in float32 and use "
-                    "bf16 autocast (bf16=True), or fp16 autocast with the DP loss scaler (fp16=True), for mixed "
-                    "precision."
+                    f"Trainable parameter '{name}' is {param.dtype}. hf_dpfilter keeps trainable parameters "
+                    "in fp32 and accumulates norms and clipped sums in fp32: load the model in float32 and "
+                    "use bf16 autocast (bf16=True), or fp16 autocast with the DP loss scaler (fp16=True), "
+                    "for mixed precision."
                 )
         hooked: list[nn.Module] = []
         for module_name, module in self.model.named_modules(remove_duplicate=False):
@@ -207,8 +217,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 full = f"{module_name}.{param_name}" if module_name else param_name
                 raise UnsupportedLayerError(
                     f"Trainable parameter '{full}' belongs to module '{module_name or '<root>'}' of type "
-                    f"{type(module).__module__}.{type(module).__name__}, which has no per-example gradient rule. "
-                    "Freeze it (param.requires_grad_(False)) or register a rule with "
+                    f"{type(module).__module__}.{type(module).__name__}, which has no per-example gradient "
+                    "rule. Freeze it (param.requires_grad_(False)) or register a rule with "
                     f"hf_dpfilter.register_grad_rule({type(module).__name__})."
                 )
             for param_name, param in own:
@@ -232,9 +242,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                     self._handles.append(module.register_forward_pre_hook(self._autocast_pre_hook))
         if not self._owners:
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
-        # the model's forwards inside record(): the verdicts proven for one forward extend to repeated forwards
-        # (several parameter points), never to more calls within one forward (see _call_verdict)
-        self._handles.append(self.model.register_forward_pre_hook(self._count_model_forward, with_kwargs=True))
+        # the model's forwards inside record(): the verdicts proven for one forward extend to repeated
+        # forwards (several parameter points), never to more calls within one forward (see _call_verdict)
+        self._handles.append(self.model.register_forward_pre_hook(self._count_model_forward,
+                                                                  with_kwargs=True))
         self._attach_longrope()
 
     def _attach_longrope(self) -> None:
@@ -301,7 +312,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         """The forward hook of a layer with a declared input (:mod:`hf_dpfilter.engine.layer_inputs`)."""
         return self._forward_hook(module, args, output, kwargs)
 
-    def _forward_hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor, kwargs: dict | None = None):
+    def _forward_hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor,
+                      kwargs: dict | None = None):
         if not torch.is_grad_enabled():
             if self._recording:
                 self._ran_without_autograd.add(id(module))
@@ -328,8 +340,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             and source.dtype != output.dtype
         ):
             # The layer computed in bf16/fp16 (autocast): it multiplied the input rounded to that dtype, which
-            # is exactly this cast. Keeping the rounded copy instead of the wider input halves what we hold and
-            # makes the per-example gradient the one the layer's own backward computes with.
+            # is exactly this cast. Keeping the rounded copy instead of the wider input halves what we hold
+            # and makes the per-example gradient the one the layer's own backward computes with.
             dtype = output.dtype
         # Layers fed the same input (query, key and value projections) get the same tensor object, so the
         # engine sees that they share it (PerExampleGradients fuses them) and keeps one bf16 copy, not three.
@@ -343,15 +355,18 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             batch = output.shape[0]
             self._batch_size = batch
         verdict = self._call_verdict(module, source, output, inputs)
-        # one output for every example: per-example terms from shared_outputs; in a model with a declared shared
-        # table even a (1, ...) broadcast stays unexpanded, as the model reshapes it by its own shape (shared_tables)
+        # one output for every example: per-example terms from shared_outputs; in a model with a declared
+        # shared table even a (1, ...) broadcast stays unexpanded, as the model reshapes it by its own shape
+        # (shared_tables)
         if verdict == SHARED or (self._shares and verdict == BROADCAST):
             used = {name: getattr(module, name) for name in self._module_params[module]}  # as the forward ran
-            self._records.append(_Record(module, None, torch.autograd.graph.get_gradient_edge(output), output.dtype,
+            self._records.append(_Record(module, None, torch.autograd.graph.get_gradient_edge(output),
+                                         output.dtype,
                                          shared_output=output, shared_used=used))
             self._recorded_modules.add(id(module))
             return None  # the output is left as it is
-        output, activations, unproven, rows = self._apply_verdict(module, source, output, activations, batch, verdict)
+        output, activations, unproven, rows = self._apply_verdict(module, source, output, activations, batch,
+                                                                  verdict)
         used = None
         if module in self._sharded_modules and self.verify_first_backward:
             used = {name: getattr(module, name) for name in self._module_params[module]}
@@ -372,10 +387,11 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
     def _autocast_pre_hook(self, module: nn.Module, args: tuple) -> tuple | None:
         """Under autocast, hand a Linear/Conv1D its input already cast to the autocast dtype, once per input.
 
-        Autocast would make this very cast inside the layer (the GEMM runs in bf16/fp16), so the layer computes
-        the same values; but the cast is then a tensor the forward hook can keep instead of making its own copy,
-        autograd saves that same tensor for the layer's backward, and layers reading one input (query, key,
-        value) share it. Without this, every such layer's input would be held twice while recording.
+        Autocast would make this very cast inside the layer (the GEMM runs in bf16/fp16), so the layer
+        computes the same values; but the cast is then a tensor the forward hook can keep instead of making
+        its own copy, autograd saves that same tensor for the layer's backward, and layers reading one input
+        (query, key, value) share it. Without this, every such layer's input would be held twice while
+        recording.
         """
         if not self._recording or not args or not torch.is_grad_enabled() or _inside_backward():
             return None
@@ -392,14 +408,16 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         return (self._once_per_input(source, ("cast", dtype), lambda: source.to(dtype)), *args[1:])
 
     def _recorded_input(self, source: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        """``source.detach()`` (cast to ``dtype`` if given), made once per input tensor and version while recording."""
+        """``source.detach()`` (cast to ``dtype`` if given), made once per input tensor and version while
+        recording."""
         return self._once_per_input(
             source, ("record", dtype), lambda: source.detach() if dtype is None else source.detach().to(dtype)
         )
 
-    def _once_per_input(self, source: torch.Tensor, kind: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``make()``, computed once per (input tensor, version, kind) while recording: layers reading one input
-        then get one tensor object (one copy in memory, and the engine can see that they share it)."""
+    def _once_per_input(self, source: torch.Tensor, kind: tuple,
+                        make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, computed once per (input tensor, version, kind) while recording: layers reading one
+        input then get one tensor object (one copy in memory, and the engine can see that they share it)."""
         key = (id(source), source._version, kind)
         cached = self._recorded_inputs.get(key)
         # a weak reference: the entry must not keep a wider input alive, and a dead one (whose id another
@@ -412,7 +430,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
 
     @contextlib.contextmanager
     def record(self, batch_size: int | None = None) -> Iterator[None]:
-        """Record the forward passes run inside the block (one or several, e.g. at several parameter points)."""
+        """Record the forward passes run inside the block (one or several, e.g. at several parameter
+        points)."""
         self._adopt_checkpointing()
         self._records = []
         self._recorded_modules = set()
@@ -433,11 +452,13 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
 
     @contextlib.contextmanager
     def packed(self, layout: PackedLayout | None) -> Iterator[None]:
-        """Declare that the batches recorded inside the block are packed rows with this layout (None: not packed).
+        """Declare that the batches recorded inside the block are packed rows with this layout (None: not
+        packed).
 
-        The recorded tensors then have rows as their leading axis, the per-example losses one entry per example
-        of the layout, and each layer's activations and output gradients are regrouped per example before its
-        rule (:mod:`hf_dpfilter.data.packing`), so every example gets its own gradient and its own clip.
+        The recorded tensors then have rows as their leading axis, the per-example losses one entry per
+        example of the layout, and each layer's activations and output gradients are regrouped per example
+        before its rule (:mod:`hf_dpfilter.data.packing`), so every example gets its own gradient and its own
+        clip.
         """
         previous, self._packing = self._packing, layout
         try:
@@ -451,7 +472,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._records = []
         self._recorded_inputs = {}
 
-    def call_model(self, param_values: dict[nn.Parameter, torch.Tensor] | None, *args: Any, **kwargs: Any) -> Any:
+    def call_model(self, param_values: dict[nn.Parameter, torch.Tensor] | None, *args: Any,
+                   **kwargs: Any) -> Any:
         """``model(*args, **kwargs)`` at other values of some trainable parameters (None: the current ones).
 
         The ``loss_fn`` that :meth:`DPOptimizer.accumulate` calls receives such values for methods that
@@ -462,10 +484,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         values = {self.parameter_name(p): v for p, v in param_values.items()}
         if isinstance(param_values, Float64Point) or any(
                 v.dtype == torch.float64 and p.dtype != torch.float64 for p, v in param_values.items()):
-            # A point given in float64 (or a Float64Point: float64 trainable parameters on a float32 base too) runs
-            # the whole model in float64 (frozen parameters and floating buffers too): DIFF2's difference rounds,
-            # whose per-example difference g(x) - g(x') cancels, so that its terms carry no float32 rounding
-            # (which depends on the batch's composition through the kernels' blocking) amplified by
+            # A point given in float64 (or a Float64Point: float64 trainable parameters on a float32 base too)
+            # runs the whole model in float64 (frozen parameters and floating buffers too): DIFF2's difference
+            # rounds, whose per-example difference g(x) - g(x') cancels, so that its terms carry no float32
+            # rounding (which depends on the batch's composition through the kernels' blocking) amplified by
             # ||g|| / ||g(x) - g(x')||. First names only: functional_call ties the other names of tied weights
             # (tie_weights=True).
             for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
@@ -480,8 +502,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             self._active_values = previous
 
     # ---------------------------------------------------------------------------------------- backward
-    def per_example_gradients(self, per_example_loss: torch.Tensor, precise: bool = False) -> PerExampleGradients:
-        """One backward of ``sum_i loss_i`` to the recorded layer outputs; returns the compact per-example grads.
+    def per_example_gradients(self, per_example_loss: torch.Tensor,
+                              precise: bool = False) -> PerExampleGradients:
+        """One backward of ``sum_i loss_i`` to the recorded layer outputs; returns the compact per-example
+        grads.
 
         ``precise=True``: float64 terms and proven norm bounds, for combinations with cancellation (see
         :class:`PerExampleGradients`).
@@ -490,7 +514,8 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         return self.recorded_gradients(precise=precise)
 
     def backward_recorded(self, per_example_loss: torch.Tensor) -> None:
-        """One backward of ``sum_i loss_i`` to the layer outputs recorded since the last call; keeps their terms.
+        """One backward of ``sum_i loss_i`` to the layer outputs recorded since the last call; keeps their
+        terms.
 
         Several calls (one per forward) add up to what one backward of the summed losses gives: the terms of
         every call are kept until :meth:`recorded_gradients`. The DP optimizer uses this under FSDP2, where
@@ -498,48 +523,54 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         """
         if per_example_loss.dim() != 1:
             raise ValueError(
-                f"per_example_loss must have shape (batch,), got {tuple(per_example_loss.shape)}: reduce each "
-                "example's loss over its own tokens only (see hf_dpfilter.losses.tasks)."
+                f"per_example_loss must have shape (batch,), got {tuple(per_example_loss.shape)}: reduce "
+                "each example's loss over its own tokens only (see hf_dpfilter.losses.tasks)."
             )
-        batch, given = per_example_loss.shape[0], per_example_loss  # (given: as the block computed it, unscaled)
+        # (given: as the block computed it, unscaled)
+        batch, given = per_example_loss.shape[0], per_example_loss
         if self._batch_size is not None and batch != self._batch_size:
-            raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has {self._batch_size}.")
+            raise ValueError(f"per_example_loss has {batch} entries but the recorded batch has "
+                             f"{self._batch_size}.")
         self._batch_size = batch
         records, self._records = self._records, []
         self._recorded_inputs = {}  # the records hold what they need; the inputs themselves may go
         if not records:
             raise RuntimeError(
-                "Nothing was recorded: run the forward pass inside `with engine.record():` (with autograd on; "
-                "reentrant gradient checkpointing runs it without, see CheckpointingError)."
+                "Nothing was recorded: run the forward pass inside `with engine.record():` (with autograd "
+                "on; reentrant gradient checkpointing runs it without, see CheckpointingError)."
             )
         hidden = self._ran_without_autograd - self._recorded_modules
         if hidden:
             names = sorted({n for n, m in self.model.named_modules() if id(m) in hidden})
             raise CheckpointingError(
-                f"Modules with trainable parameters ran without autograd inside engine.record() ({', '.join(names[:3])}"
-                f"{', ...' if len(names) > 3 else ''}): their gradients would be invisible to per-example clipping. "
-                "Reentrant gradient checkpointing does this; "
+                "Modules with trainable parameters ran without autograd inside engine.record() "
+                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): their gradients would be "
+                "invisible to per-example clipping. Reentrant gradient checkpointing does this; "
                 f"{_REENTRANT_REFUSED} If these layers are meant to get no gradient, freeze their parameters."
             )
         self._pending_dtype = _accumulation_dtype(per_example_loss.dtype)
         self._pending_scale = float(self.loss_scale)
         if self._pending_scale != 1.0:  # fp16: output gradients that would underflow are lifted (exact: 2^k)
-            per_example_loss = per_example_loss * self._pending_scale  # every term, shared ones too, is of S * g_i
+            # every term, shared ones too, is of S * g_i
+            per_example_loss = per_example_loss * self._pending_scale
         shared = [(self._module_params[r.module], r.shared_used, r.shared_output) for r in records
                   if r.shared_output is not None]
         if shared or self._shared_tables:  # before the backward below frees the graph
-            for param, terms in shared_output_terms(per_example_loss, shared, list(self._shared_tables)).items():
+            for param, terms in shared_output_terms(per_example_loss, shared,
+                                                    list(self._shared_tables)).items():
                 self._pending_terms.setdefault(param, []).extend(terms)
         total = per_example_loss.sum()
         self._in_own_backward = True
         try:
             if self.verify_first_backward:
-                self._pending_low_precision |= any(r.output_dtype in (torch.float16, torch.bfloat16) for r in records)
+                self._pending_low_precision |= any(r.output_dtype in (torch.float16, torch.bfloat16)
+                                                   for r in records)
                 self._add_reference(total, records)
             output_grads = torch.autograd.grad(total, [r.output_edge for r in records], allow_unused=True)
         finally:
             self._in_own_backward = False
-        regrouped: dict[int, torch.Tensor] = {}  # packed rows: layers sharing an input share its regrouped copy
+        # packed rows: layers sharing an input share its regrouped copy
+        regrouped: dict[int, torch.Tensor] = {}
         for record, grad_output in zip(records, output_grads):
             if grad_output is None or record.shared_output is not None:
                 continue
@@ -550,10 +581,12 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             rule = find_grad_rule(record.module)
             module_params = self._module_params[record.module]
             activations = record.activations
-            if self._packing is not None:  # a merged call regroups by whole rows (proving refused packed rows)
+            # a merged call regroups by whole rows (proving refused packed rows)
+            if self._packing is not None:
                 layout = self._packing.over_rows(record.rows_per_example) if record.rows_per_example else None
                 activations, grad_output = regroup_record(
-                    layout or self._packing, lambda m=record.module: self._module_name(m), activations, grad_output, regrouped
+                    layout or self._packing, lambda m=record.module: self._module_name(m), activations,
+                    grad_output, regrouped
                 )
             for param_name, term in rule(record.module, activations, grad_output).items():
                 self._pending_terms.setdefault(module_params[param_name], []).append(term)
@@ -588,15 +621,18 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if self._batch_size is None:
             raise RuntimeError("No backward was run: call backward_recorded() after the recorded forward.")
         # Parameters whose gradient the forward itself computes in float32 inside a float64 model (Gemma's
-        # RMSNorm multiplies in float32): autograd's gradient is then only float32-accurate, and so is the check.
-        float32_terms = {param for param, ts in terms.items() if any(_term_dtype(t) == torch.float32 for t in ts)}
+        # RMSNorm multiplies in float32): autograd's gradient is then only float32-accurate, and so is the
+        # check.
+        float32_terms = {param for param,
+                         ts in terms.items() if any(_term_dtype(t) == torch.float32 for t in ts)}
         grads = PerExampleGradients(
             terms, self._batch_size, self._pending_dtype, precise=precise, stack_layers=self.stack_layers,
             loss_scale=self._pending_scale,
         )
         if self.verify_first_backward:
             reference = self._pending_reference or {}
-            self._verify(grads, tuple(reference.get(p) for p in self.trainable_parameters), self._pending_low_precision,
+            self._verify(grads, tuple(reference.get(p) for p in self.trainable_parameters),
+                         self._pending_low_precision,
                          float32_terms)
             self.verify_first_backward = False
         self._pending_reference = None
@@ -627,9 +663,10 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
             if err > tol * scale + tol * 1e-4 * total + 1e-12:
                 raise RuntimeError(
                     f"Per-example gradients of '{self.parameter_name(param)}' do not add up to its ordinary "
-                    f"gradient (relative error {err / max(scale, 1e-30):.2e}): the parameter receives gradient "
-                    "through a path the hooks do not see (used outside its module's forward, or an in-place "
-                    "change of a layer output). Freeze it or register a grad rule for the module that uses it."
+                    f"gradient (relative error {err / max(scale, 1e-30):.2e}): the parameter receives "
+                    "gradient through a path the hooks do not see (used outside its module's forward, or an "
+                    "in-place change of a layer output). Freeze it or register a grad rule for the module "
+                    "that uses it."
                 )
 
     def clip_and_accumulate(self, *args: Any, **kwargs: Any) -> None:

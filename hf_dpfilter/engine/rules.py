@@ -12,7 +12,8 @@ Three kinds of term cover the layers real language models use:
   gradient, right = input), GPT-2 ``Conv1D`` (the transpose: left = input, right = output gradient).
 * :class:`IndexTerm` -- ``G_i = sum_t onehot(ids[i, t]) (outer) right[i, t]``: ``nn.Embedding``; rows equal
   to ``padding_idx`` are zeroed as PyTorch does.
-* :class:`DenseTerm` -- the materialized per-example gradient ``(B, *param.shape)``: biases, LayerNorm, RMSNorm.
+* :class:`DenseTerm` -- the materialized per-example gradient ``(B, *param.shape)``: biases, LayerNorm,
+  RMSNorm.
 
 Tied weights (GPT-2's ``wte``/``lm_head``) are one parameter with an ``IndexTerm`` and an ``OuterTerm``;
 the engine computes the cross term between them exactly.
@@ -166,7 +167,8 @@ def _embedding(module: nn.Embedding, activations: torch.Tensor, grad_output: tor
 
 
 @register_grad_rule(nn.LayerNorm)
-def _layer_norm(module: nn.LayerNorm, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+def _layer_norm(module: nn.LayerNorm, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str,
+                                                                                                    Term]:
     terms: dict[str, Term] = {}
     batch = activations.shape[0]
     reduce_dims = tuple(range(1, activations.dim() - len(module.normalized_shape)))
@@ -195,7 +197,8 @@ def _tokens_and_features(grad: torch.Tensor, batch: int, weight: torch.Tensor) -
 
 
 @register_grad_rule(nn.RMSNorm)
-def _torch_rms_norm(module: nn.RMSNorm, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+def _torch_rms_norm(module: nn.RMSNorm, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str,
+                                                                                                      Term]:
     if module.weight is None or not module.weight.requires_grad:
         return {}
     normalized = F.rms_norm(activations, module.normalized_shape, None, module.eps)
@@ -212,7 +215,8 @@ def _hf_rms_normalized(module: nn.Module, activations: torch.Tensor) -> torch.Te
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _hf_scale_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+def _hf_scale_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str,
+                                                                                                        Term]:
     # forward: weight * n(x).to(input_dtype)
     if not module.weight.requires_grad:
         return {}
@@ -223,15 +227,17 @@ def _hf_scale_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output
 
 def _hf_float32_scale_rms_norm(module: nn.Module, activations: torch.Tensor,
                                grad_output: torch.Tensor) -> dict[str, Term]:
-    # forward: (n(x) * weight.float()).type_as(x) (Gemma 4): the product and its gradient are float32, so the term
-    # stays float32 as in the offset form (a float64 term would be more accurate than autograd's own gradient).
+    # forward: (n(x) * weight.float()).type_as(x) (Gemma 4): the product and its gradient are float32, so the
+    # term stays float32 as in the offset form (a float64 term would be more accurate than autograd's own
+    # gradient).
     if not module.weight.requires_grad:
         return {}
     grad = grad_output.to(torch.float32) * _hf_rms_normalized(module, activations)
     return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
 
 
-def _hf_offset_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+def _hf_offset_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str,
+        Term]:
     # forward: (n(x) * (1 + weight.float())).type_as(x): the product and its gradient are float32.
     if not module.weight.requires_grad:
         return {}
@@ -243,7 +249,8 @@ def _hf_offset_rms_norm(module: nn.Module, activations: torch.Tensor, grad_outpu
 
 def _t5_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
     # forward: weight * (x * rsqrt(mean(x.float()^2) + eps)): only the statistic is float32, the product is in
-    # x's dtype (float64 stays float64), so the scale form's all-float32 n(x) would be off by float32 rounding.
+    # x's dtype (float64 stays float64), so the scale form's all-float32 n(x) would be off by float32
+    # rounding.
     if not module.weight.requires_grad:
         return {}
     variance = activations.to(torch.float32).pow(2).mean(-1, keepdim=True)
@@ -251,10 +258,11 @@ def _t5_rms_norm(module: nn.Module, activations: torch.Tensor, grad_output: torc
     return {"weight": DenseTerm(_tokens_and_features(grad, activations.shape[0], module.weight))}
 
 
-def _cohere_layer_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
-    # forward: (weight.float() * (x - mean(x)) * rsqrt(var(x) + eps)).to(input_dtype), all in float32, no bias; the
-    # weight is (d,) or (heads, head_dim) for the QK norms, normalized over the last axis either way. The term stays
-    # float32, the precision this forward gives the gradient.
+def _cohere_layer_norm(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str,
+                                                                                                        Term]:
+    # forward: (weight.float() * (x - mean(x)) * rsqrt(var(x) + eps)).to(input_dtype), all in float32, no
+    # bias; the weight is (d,) or (heads, head_dim) for the QK norms, normalized over the last axis either
+    # way. The term stays float32, the precision this forward gives the gradient.
     if not module.weight.requires_grad:
         return {}
     x = activations.to(torch.float32)
@@ -339,7 +347,8 @@ def _probe_rms_norm_form(module: nn.Module) -> tuple[bool, GradRule | None]:
     if weight.device.type == "meta":
         return False, None
     generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(2, 3, weight.shape[0], generator=generator).to(device=weight.device, dtype=weight.dtype)
+    probe = torch.randn(2, 3, weight.shape[0], generator=generator).to(device=weight.device,
+                                                                       dtype=weight.dtype)
     try:
         with torch.no_grad():
             out = module.forward(probe).to(torch.float32)
@@ -360,9 +369,10 @@ def _probe_rms_norm_form(module: nn.Module) -> tuple[bool, GradRule | None]:
 
 def _multiplies_in_float32(module: nn.Module) -> bool:
     """Whether a scale-form norm's product ``n(x) * w`` is float32 (``w.float()``, Gemma 4) rather than in the
-    input's dtype (Llama): told apart, whatever the model's dtype, on a float64 copy with a weight that float32
-    does not represent, where the two products differ. A forward that fails on the copy keeps the input-dtype form
-    (the first-step check then compares at float64 precision and refuses a float32 product by name)."""
+    input's dtype (Llama): told apart, whatever the model's dtype, on a float64 copy with a weight that
+    float32 does not represent, where the two products differ. A forward that fails on the copy keeps the
+    input-dtype form (the first-step check then compares at float64 precision and refuses a float32 product by
+    name)."""
     import copy
 
     generator = torch.Generator().manual_seed(1)
@@ -382,7 +392,8 @@ def _multiplies_in_float32(module: nn.Module) -> bool:
     return bool((out - in_float32).abs().max() < (out - in_input_dtype).abs().max())
 
 
-def _scaled_embedding(module: nn.Embedding, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+def _scaled_embedding(module: nn.Embedding, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str,
+        Term]:
     # forward: embedding(ids) * embed_scale, so d out / d row = embed_scale (in the weight's dtype, as there).
     scale = module.embed_scale
     scale = scale.to(module.weight.dtype) if isinstance(scale, torch.Tensor) else float(scale)
@@ -423,7 +434,8 @@ def _added_vector(module: nn.Module, activations: torch.Tensor, grad_output: tor
     return {name: DenseTerm(_tokens_and_features(grad_output, grad_output.shape[0], param))}
 
 
-def _scaled_by_vector(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Term]:
+def _scaled_by_vector(module: nn.Module, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str,
+                                                                                                       Term]:
     # forward: x * v (a layer scale, v along the last dimension): d out / d v = x at every position
     name, param = _own_vector(module)
     if not param.requires_grad:
@@ -432,9 +444,9 @@ def _scaled_by_vector(module: nn.Module, activations: torch.Tensor, grad_output:
 
 
 def _probe_added_or_scaled(module: nn.Module) -> tuple[bool, GradRule | None]:
-    """A leaf module with one 1-D parameter ``v`` whose ``forward(x)`` equals ``x + v`` or ``x * v`` on a probe
-    (a layer scale such as DINOv2's ``x * lambda1``, a learned bias added on its own): that form's rule; otherwise
-    not decided (the module stays without a rule unless another check or a base class gives one)."""
+    """A leaf module with one 1-D parameter ``v`` whose ``forward(x)`` equals ``x + v`` or ``x * v`` on a
+    probe (a layer scale such as DINOv2's ``x * lambda1``, a learned bias added on its own): that form's rule;
+    otherwise not decided (the module stays without a rule unless another check or a base class gives one)."""
     own = _own_vector(module)
     # a module with buffers is not probed: its forward might write them (running statistics) from the probe
     if (own is None or own[1].device.type == "meta" or not own[1].is_floating_point()
@@ -459,8 +471,9 @@ def _probe_added_or_scaled(module: nn.Module) -> tuple[bool, GradRule | None]:
 
 
 def vector_form(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``x -> x + v`` or ``x -> x * v`` when ``module``'s rule is the added or multiplied vector's, else None (the
-    engine checks each call's output against it: the probe shows the form of one call, not of every call)."""
+    """``x -> x + v`` or ``x -> x * v`` when ``module``'s rule is the added or multiplied vector's, else None
+    (the engine checks each call's output against it: the probe shows the form of one call, not of every
+    call)."""
     rule = find_grad_rule(module)
     if rule is not _added_vector and rule is not _scaled_by_vector:
         return None
@@ -469,7 +482,8 @@ def vector_form(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | N
 
 
 _STRUCTURAL_CHECKS = (_probe_scaled_embedding, _probe_rms_norm_form, _probe_added_or_scaled)
-_STRUCTURAL_RULES: dict[type, GradRule] = {}  # per class, once matched: the forms are properties of the forward
+# per class, once matched: the forms are properties of the forward
+_STRUCTURAL_RULES: dict[type, GradRule] = {}
 
 
 def _structural_rule(module: nn.Module) -> tuple[bool, GradRule | None]:

@@ -26,7 +26,8 @@ def router_aux_loss_head(model: nn.Module, coef: float | None = None) -> nn.Modu
     ``num_experts_per_tok``, as ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` do), if the loss is on: the
     config's ``output_router_logits`` and a non-zero coefficient (``coef`` if given, else the model's)."""
     for module in model.modules():
-        if all(hasattr(module, name) for name in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")):
+        if all(hasattr(module, name)
+               for name in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")):
             config = getattr(module, "config", None)
             weight = module.router_aux_loss_coef if coef is None else coef
             return module if bool(getattr(config, "output_router_logits", False)) and bool(weight) else None
@@ -35,8 +36,9 @@ def router_aux_loss_head(model: nn.Module, coef: float | None = None) -> nn.Modu
 
 def add_router_aux_loss(model: nn.Module, outputs: Any, inputs: dict[str, Any], losses: torch.Tensor,
                         coef: float | None = None) -> torch.Tensor:
-    """``losses`` (B,) plus each example's own load-balancing loss times ``coef`` (None: the model's coefficient,
-    as its own forward uses; TRL's SFTTrainer passes its ``router_aux_loss_coef``), when the loss is on."""
+    """``losses`` (B,) plus each example's own load-balancing loss times ``coef`` (None: the model's
+    coefficient, as its own forward uses; TRL's SFTTrainer passes its ``router_aux_loss_coef``), when the loss
+    is on."""
     head = router_aux_loss_head(model, coef)
     router_logits = outputs.get("router_logits") if hasattr(outputs, "get") else None
     if head is None or not router_logits:

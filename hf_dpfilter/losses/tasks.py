@@ -25,15 +25,17 @@ IGNORE_INDEX = -100
 def check_token_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
     """Refuse logits and labels that do not have one prediction per label token (never reshape them).
 
-    PEFT's prompt tuning / P-tuning prepend virtual tokens to the logits of a causal LM but not to the labels: a
-    reshape would pair each label with another position's prediction, a meaningless loss.
+    PEFT's prompt tuning / P-tuning prepend virtual tokens to the logits of a causal LM but not to the labels:
+    a reshape would pair each label with another position's prediction, a meaningless loss.
     """
     if logits.dim() != labels.dim() + 1 or tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(
-            f"Per-example token loss: logits of shape {tuple(logits.shape)} and labels of shape {tuple(labels.shape)} "
+            f"Per-example token loss: logits of shape {tuple(logits.shape)} and labels of shape "
+            f"{tuple(labels.shape)} "
             "do not have one prediction per label token (the model adds or drops positions, as PEFT's prompt "
-            "tuning / P-tuning prepend virtual tokens to the logits only). Pad the labels to the logits' length "
-            "with -100 in an override of DPTrainer.compute_per_example_loss, or train without virtual tokens."
+            "tuning / P-tuning prepend virtual tokens to the logits only). Pad the labels to the logits' "
+            "length with -100 in an override of DPTrainer.compute_per_example_loss, or train without virtual "
+            "tokens."
         )
 
 
@@ -70,8 +72,8 @@ def sequence_classification_loss(
 ) -> torch.Tensor:
     """Per-example loss for sequence classification/regression; logits (B,C) -> (B,)."""
     if labels.shape[0] != logits.shape[0]:
-        raise ValueError(f"Logits of shape {tuple(logits.shape)} and labels of shape {tuple(labels.shape)}: one "
-                         "label per example is needed.")
+        raise ValueError(f"Logits of shape {tuple(logits.shape)} and labels of shape {tuple(labels.shape)}: "
+                         "one label per example is needed.")
     num_labels = logits.shape[-1]
     if problem_type is None:
         if num_labels == 1:
@@ -83,16 +85,19 @@ def sequence_classification_loss(
     if label_smoothing and problem_type != "single_label_classification":
         raise ValueError(
             f"label_smoothing_factor={label_smoothing} applies to classification and token losses, not to "
-            f"{problem_type} (the Trainer itself disables it for multi-label problems). Set label_smoothing_factor=0."
+            f"{problem_type} (the Trainer itself disables it for multi-label problems). Set "
+            "label_smoothing_factor=0."
         )
     if problem_type == "regression":
         return (logits.squeeze(-1) - labels.to(logits.dtype).reshape(logits.shape[0])) ** 2
     if problem_type == "single_label_classification":
         return F.cross_entropy(
-            logits.reshape(-1, num_labels), labels.reshape(-1), reduction="none", label_smoothing=label_smoothing
+            logits.reshape(-1, num_labels), labels.reshape(-1), reduction="none",
+            label_smoothing=label_smoothing
         )
     if problem_type == "multi_label_classification":
-        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(dim=-1)
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype),
+                                                  reduction="none").mean(dim=-1)
     raise ValueError(f"Unknown problem_type {problem_type!r}.")
 
 

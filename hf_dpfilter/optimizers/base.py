@@ -5,14 +5,15 @@ Per logical step t with Poisson batch B_t (expected size B, sample rate q)::
     g_t = (1/B) * ( sum_{i in B_t} clip(v_i, C) + N(0, sigma^2 Delta^2 I) )      # privatize (once per step)
     x_{t+1} = BaseOptimizerUpdate(x_t, postprocess(g_t))                         # any torch optimizer
 
-with v_i = grad f(x_t; xi_i) and Delta = C for DP-SGD (Abadi et al., "Deep Learning with Differential Privacy",
-CCS 2016). With Adam/AdamW as the base
+with v_i = grad f(x_t; xi_i) and Delta = C for DP-SGD (Abadi et al., "Deep Learning with Differential
+Privacy", CCS 2016). With Adam/AdamW as the base
 this is DP-Adam(W). The base optimizer and ``postprocess`` (filters, momentum) only see the privatized
 g_t, so they are post-processing.
 
 **The step's order** (:meth:`step`): clip -> sum -> noise -> post-process -> base step -> account; the pieces
-live elsewhere (the engine and its multi-point service :mod:`hf_dpfilter.engine.points`, :mod:`hf_dpfilter.randomness.noise`,
-:mod:`hf_dpfilter.accounting.budget`, the accountant), the order and the state live here.
+live elsewhere (the engine and its multi-point service :mod:`hf_dpfilter.engine.points`,
+:mod:`hf_dpfilter.randomness.noise`, :mod:`hf_dpfilter.accounting.budget`, the accountant), the order and the
+state live here.
 
 **One owner.** The optimizer is the only code that clips, adds noise and records a step. Its
 :meth:`accumulate` drives the clipping engine (forward(s) at the method's parameter points, one backward,
@@ -35,8 +36,8 @@ their :class:`~hf_dpfilter.optimizers.method_config.MethodConfig`):
 * :meth:`method_state_dict` / :meth:`load_method_state_dict` -- extra state, saved with checkpoints.
 
 Noise comes from a torch generator seeded from the plan's secret seed (its own stream,
-:func:`hf_dpfilter.randomness.noise.seeded_generator`), or from the OS CSPRNG with ``secure_rng=True``. Under several
-processes the clipped sums are summed through the plan's collectives and every process adds the *same*
+:func:`hf_dpfilter.randomness.noise.seeded_generator`), or from the OS CSPRNG with ``secure_rng=True``. Under
+several processes the clipped sums are summed through the plan's collectives and every process adds the *same*
 noise draw, so noise enters once in total and all replicas stay identical.
 """
 
@@ -57,7 +58,11 @@ from hf_dpfilter.distributed.collectives import Collectives, default_collectives
 from hf_dpfilter.engine import GhostClippingEngine, PerExampleGradients
 from hf_dpfilter.engine.points import LossFn, per_example_combination
 from hf_dpfilter.optimizers.clipping import clip_factors, zero_nonfinite_examples
-from hf_dpfilter.optimizers.method_config import DPSGDConfig, Mechanism, MethodConfig  # noqa: F401 (DPSGDConfig: re-exported)
+from hf_dpfilter.optimizers.method_config import (
+    DPSGDConfig,  # noqa: F401 (re-exported)
+    Mechanism,
+    MethodConfig,
+)
 from hf_dpfilter.optimizers.method_state import copy_all_, index_to_params, params_to_index
 from hf_dpfilter.optimizers.wrapped import WrappedOptimizer, build_base_optimizer
 from hf_dpfilter.randomness.example_keys import ExampleRandomness, example_digest, keyed_step
@@ -75,8 +80,9 @@ class UnprivatizedGradientError(RuntimeError):
 class DPOptimizer(WrappedOptimizer):
     """Wraps a base ``torch.optim.Optimizer``; clips, privatizes and accounts (DP-SGD / DP-Adam).
 
-    Build it from a plan (``hf_dpfilter.factory.make_private(plan, model, base=...)``) or with :func:`make_dp_optimizer`. Per
-    step: one :meth:`accumulate` per micro-batch, then :meth:`step` (noise once, account, base step).
+    Build it from a plan (``hf_dpfilter.factory.make_private(plan, model, base=...)``) or with
+    :func:`make_dp_optimizer`. Per step: one :meth:`accumulate` per micro-batch, then :meth:`step` (noise
+    once, account, base step).
     """
 
     method_name = "dpsgd"
@@ -92,12 +98,14 @@ class DPOptimizer(WrappedOptimizer):
         target_delta: float | None = None,
     ) -> None:
         if plan.method != self.method_name:
-            raise ValueError(f"{type(self).__name__} implements {self.method_name!r}, the plan is for {plan.method!r}.")
+            raise ValueError(f"{type(self).__name__} implements {self.method_name!r}, the plan is for "
+                             f"{plan.method!r}.")
         self.wrap(optimizer)  # the base optimizer owns param_groups and state (WrappedOptimizer)
         self.plan = plan
         self.accountant = accountant if accountant is not None else PrivacyAccountant(plan.accountant)
         if collectives is None:
-            # custom loops too: processes started by a launcher are one DP run, or refused (hf_dpfilter.distributed.processes)
+            # custom loops too: processes started by a launcher are one DP run, or refused
+            # (hf_dpfilter.distributed.processes)
             from hf_dpfilter.distributed.processes import check_one_dp_run
 
             check_one_dp_run(torch.distributed.get_world_size() if torch.distributed.is_available()
@@ -106,12 +114,14 @@ class DPOptimizer(WrappedOptimizer):
         self.seed = plan.seed
         self._generators: dict[torch.device, torch.Generator] = {}
         #: the secret key of each example's dropout masks and collator draws (never saved nor logged)
-        self.example_randomness = ExampleRandomness.for_plan(plan.secure_rng, plan.seed, self.collectives.agree_on_seed)
+        self.example_randomness = ExampleRandomness.for_plan(plan.secure_rng, plan.seed,
+                                                             self.collectives.agree_on_seed)
         #: a public random id of the run, kept in checkpoints: the privacy ledger recognises its own lineage
         self.run_id = uuid.uuid4().hex
         #: True once load_state_dict restored a checkpoint (its randomness was then refreshed)
         self.restored_from_checkpoint = False
-        #: the privacy unit this run counts (public: unit, id column, k, number of units), saved in checkpoints;
+        #: the privacy unit this run counts (public: unit, id column, k, number of units), saved in
+        # checkpoints;
         #: and the one a loaded checkpoint recorded (None: none, or a checkpoint of an earlier version).
         #: hf_dpfilter.run.unit_identity compares them before the first step of a resume.
         self.unit_identity: dict[str, Any] | None = None
@@ -122,18 +132,22 @@ class DPOptimizer(WrappedOptimizer):
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
         self._engine_checked: GhostClippingEngine | None = None
         self._sharded: bool | None = None
-        #: opt-in: refuse a step that would take epsilon(target_delta) above target_epsilon (hf_dpfilter.accounting.budget)
+        #: opt-in: refuse a step that would take epsilon(target_delta) above target_epsilon
+        # (hf_dpfilter.accounting.budget)
         self.budget = BudgetGuard(target_epsilon, target_delta)
         #: callables ``hook(optimizer)`` run at the start of every step, before any noise is drawn or released
         #: (DPTrainer writes its privacy ledger here).
         self.pre_release_hooks: list[Callable[[DPOptimizer], None]] = []
-        #: examples whose loss or gradient was NaN/inf and whose contribution was replaced by 0. A noiseless count
+        #: examples whose loss or gradient was NaN/inf and whose contribution was replaced by 0. A noiseless
+        # count
         #: of sampled examples (a membership signal): kept in memory, published nowhere unless asked
         self.nonfinite_examples = 0
-        #: warn at every step that zeroes examples, with the count (off by default: the warning is that signal;
+        #: warn at every step that zeroes examples, with the count (off by default: the warning is that
+        # signal;
         #: DPTrainer sets it from ``dp_log_nonprivate_metrics``)
         self.warn_nonfinite = False
-        #: fp16 loss scaling (hf_dpfilter.trainers.loss_scaling): the scale of the engine's backward, divided out exactly,
+        #: fp16 loss scaling (hf_dpfilter.trainers.loss_scaling): the scale of the engine's backward, divided
+        # out exactly,
         #: and moved only by the noised gradient. None: no scaling (fp32, bf16)
         self.loss_scaler: DPLossScaler | None = None
 
@@ -190,7 +204,8 @@ class DPOptimizer(WrappedOptimizer):
         return self.max_grad_norm
 
     def noise_variance(self) -> float:
-        """Per-coordinate variance of the noise in the averaged privatized gradient, (sigma Delta / B)^2 (public)."""
+        """Per-coordinate variance of the noise in the averaged privatized gradient, (sigma Delta / B)^2
+        (public)."""
         return (self.noise_multiplier * self.sensitivity() / self.expected_batch_size) ** 2
 
     def mechanisms(self) -> list[Mechanism]:
@@ -202,14 +217,16 @@ class DPOptimizer(WrappedOptimizer):
         if engine is self._engine_checked:
             return
         if not isinstance(engine, GhostClippingEngine):
-            raise TypeError(f"accumulate() needs the GhostClippingEngine attached to the model, got {engine!r}.")
+            raise TypeError("accumulate() needs the GhostClippingEngine attached to the model, got "
+                            f"{engine!r}.")
         mine, theirs = set(self.params), set(engine.trainable_parameters)
         if mine != theirs:
             raise ValueError(
                 f"The engine's model has {len(theirs)} trainable parameters and the optimizer {len(mine)} "
-                f"({len(theirs - mine)} only in the model, {len(mine - theirs)} only in the optimizer). Every "
-                "trainable parameter must be clipped and noised by this optimizer: build both from the same model "
-                "(engine, optimizer, _ = make_private(plan, model, base=...), from hf_dpfilter.factory) or freeze the parameters you do not train."
+                f"({len(theirs - mine)} only in the model, {len(mine - theirs)} only in the optimizer). "
+                "Every trainable parameter must be clipped and noised by this optimizer: build both from the "
+                "same model (engine, optimizer, _ = make_private(plan, model, base=...), from "
+                "hf_dpfilter.factory) or freeze the parameters you do not train."
             )
         self._engine_checked = engine
 
@@ -220,15 +237,15 @@ class DPOptimizer(WrappedOptimizer):
 
         Args:
             engine: the clipping engine attached to the model.
-            loss_fn: ``loss_fn(param_values)`` runs the forward at the given parameter values (None: the current
-                ones; use ``engine.call_model(param_values, **inputs)``) and returns the per-example losses, shape
-                ``(batch_size,)``.
+            loss_fn: ``loss_fn(param_values)`` runs the forward at the given parameter values (None: the
+                current ones; use ``engine.call_model(param_values, **inputs)``) and returns the per-example
+                losses, shape ``(batch_size,)``.
             batch_size: the micro-batch's examples; 0 declares an empty micro-batch (an empty Poisson sample):
                 nothing is run, and the step then adds noise to a zero sum.
             example_keys: one entry per row of the micro-batch, in order: the example's own content (its raw
-                data-set row, or a tensor of its unpadded values), never its padded row. Each example's dropout
-                masks are keyed to it (:mod:`hf_dpfilter.randomness.example_keys`); without keys a dropout draw in
-                the forward is refused.
+                data-set row, or a tensor of its unpadded values), never its padded row. Each example's
+                dropout masks are keyed to it (:mod:`hf_dpfilter.randomness.example_keys`); without keys a
+                dropout draw in the forward is refused.
             padding_side: the side the rows are padded on (``"left"``: dropout indices run from the end).
             unkeyed_reason: why no keys are given (named in the refusal if the forward draws dropout).
 
@@ -243,7 +260,8 @@ class DPOptimizer(WrappedOptimizer):
             return self._accumulate_gradients(*self._per_example_pass(engine, loss_fn, batch_size))
 
     def run_without_contributing(self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int,
-                                 example_keys: Sequence[Any] | None = None, padding_side: str = "right") -> None:
+                                 example_keys: Sequence[Any] | None = None,
+                                 padding_side: str = "right") -> None:
         """Run a micro-batch's forwards and backwards as :meth:`accumulate` does, and discard them.
 
         Nothing enters the step's sums (nothing is released). Under FSDP2 every forward and backward gathers
@@ -272,9 +290,11 @@ class DPOptimizer(WrappedOptimizer):
         self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int
     ) -> tuple[PerExampleGradients, torch.Tensor, torch.Tensor | None]:
         """The engine's pass at the method's gradient points: (per-example gradients of the combination,
-        combined losses, losses at the current point); :func:`hf_dpfilter.engine.points.per_example_combination`."""
+        combined losses, losses at the current point);
+        :func:`hf_dpfilter.engine.points.per_example_combination`."""
         engine.loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        return per_example_combination(engine, loss_fn, self.gradient_points(), batch_size, self.params, self.sharded)
+        return per_example_combination(engine, loss_fn, self.gradient_points(), batch_size, self.params,
+                                       self.sharded)
 
     def _accumulate_gradients(
         self, grads: PerExampleGradients, combined: torch.Tensor, losses_here: torch.Tensor | None
@@ -305,7 +325,8 @@ class DPOptimizer(WrappedOptimizer):
         self.add_to_sums(grads.weighted_sum(self.clip_factors(grads), release=True))  # frees A, B as it goes
 
     def add_to_sums(self, sums: dict[nn.Parameter, torch.Tensor]) -> None:
-        """Add to the step's clipped-sum buffer (kept in the dtype of the first contribution, fp32 or fp64)."""
+        """Add to the step's clipped-sum buffer (kept in the dtype of the first contribution, fp32 or
+        fp64)."""
         for param, value in sums.items():
             if param in self._sums:
                 self._sums[param].add_(value.to(self._sums[param].dtype))
@@ -352,13 +373,14 @@ class DPOptimizer(WrappedOptimizer):
         return self._generators[device]
 
     def gaussian_noise(self, shape: torch.Size, std: float, like: torch.Tensor) -> torch.Tensor:
-        """N(0, std^2) noise of ``shape`` (:func:`hf_dpfilter.randomness.noise.gaussian_noise`): every non-sharded draw of
-        a step passes here."""
+        """N(0, std^2) noise of ``shape`` (:func:`hf_dpfilter.randomness.noise.gaussian_noise`): every
+        non-sharded draw of a step passes here."""
         return gaussian_noise(shape, std, like, secure=self.secure_rng, generator=self._generator,
                               collectives=self.collectives)
 
     def noise_source(self) -> NoiseSource:
-        """Where this optimizer's noise comes from, for the functions of :mod:`hf_dpfilter.randomness.noise`."""
+        """Where this optimizer's noise comes from, for the functions of
+        :mod:`hf_dpfilter.randomness.noise`."""
         return NoiseSource(draw=self.gaussian_noise, generator=self._generator, secure=self.secure_rng,
                            collectives=self.collectives)
 
@@ -368,8 +390,8 @@ class DPOptimizer(WrappedOptimizer):
         if foreign:
             raise UnprivatizedGradientError(
                 f"{len(foreign)} trainable parameter(s) hold a .grad that the DP optimizer did not build (an "
-                "ordinary loss.backward(), or a gradient written by other code). The DP optimizer only releases "
-                "the clipped sums of its own accumulate(); call optimizer.zero_grad() and use "
+                "ordinary loss.backward(), or a gradient written by other code). The DP optimizer only "
+                "releases the clipped sums of its own accumulate(); call optimizer.zero_grad() and use "
                 "optimizer.accumulate(engine, loss_fn, batch_size) instead of backward()."
             )
         params = self.params
@@ -400,19 +422,19 @@ class DPOptimizer(WrappedOptimizer):
                 loss = closure()
         if not self._accumulated:
             raise UnprivatizedGradientError(
-                f"{type(self).__name__}.step() was called without optimizer.accumulate(...) in this step, so there "
-                "is no clipped sum to privatize (the DP optimizer never releases a gradient it did not build). "
-                "Call optimizer.accumulate(engine, loss_fn, batch_size) for every micro-batch of the logical batch; "
-                "for an empty Poisson batch call optimizer.accumulate(engine, loss_fn, batch_size=0), which "
-                "declares the empty step (it still adds noise and is accounted)."
+                f"{type(self).__name__}.step() was called without optimizer.accumulate(...) in this step, so "
+                "there is no clipped sum to privatize (the DP optimizer never releases a gradient it did not "
+                "build). Call optimizer.accumulate(engine, loss_fn, batch_size) for every micro-batch of the "
+                "logical batch; for an empty Poisson batch call optimizer.accumulate(engine, loss_fn, "
+                "batch_size=0), which declares the empty step (it still adds noise and is accounted)."
             )
         self.budget.check(self.accountant, self.plan, self.dp_steps)
         for hook in self.pre_release_hooks:
             hook(self)
         noisy = self.privatize(self._summed_gradients())
         self._sums = {}
-        # fp16: the loss scaler reads the noised gradient only (post-processing); a non-finite one is not applied,
-        # and the step is accounted all the same (it was released)
+        # fp16: the loss scaler reads the noised gradient only (post-processing); a non-finite one is not
+        # applied, and the step is accounted all the same (it was released)
         if self.loss_scaler is None or self.loss_scaler.after_noise(noisy):
             for p, g in self.postprocess(noisy).items():
                 p.grad = g.to(p.dtype)
@@ -427,8 +449,9 @@ class DPOptimizer(WrappedOptimizer):
 
     # ------------------------------------------------------------------------------- faults
     def _zero_nonfinite(self, grads: PerExampleGradients, losses: torch.Tensor) -> torch.Tensor | None:
-        """Zero the examples with a NaN/inf loss or gradient (:func:`hf_dpfilter.optimizers.clipping.zero_nonfinite_examples`);
-        counted, and warned about only with ``warn_nonfinite``."""
+        """Zero the examples with a NaN/inf loss or gradient
+        (:func:`hf_dpfilter.optimizers.clipping.zero_nonfinite_examples`); counted, and warned about only with
+        ``warn_nonfinite``."""
         bad = zero_nonfinite_examples(grads, losses)
         if bad is None:
             return None
@@ -436,9 +459,9 @@ class DPOptimizer(WrappedOptimizer):
         self.nonfinite_examples += count
         if self.warn_nonfinite:
             warnings.warn(
-                f"{count} example(s) had a NaN or infinite loss or gradient; their contribution to this step was "
-                f"replaced by zero ({self.nonfinite_examples} so far). Check the data (empty or corrupt examples) "
-                "and the learning rate.",
+                f"{count} example(s) had a NaN or infinite loss or gradient; their contribution to this step "
+                f"was replaced by zero ({self.nonfinite_examples} so far). Check the data (empty or corrupt "
+                "examples) and the learning rate.",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -455,8 +478,8 @@ class DPOptimizer(WrappedOptimizer):
         param_index = {p: i for i, p in enumerate(self.params)}
         method_state = self.method_state_dict()
         # Never the seed nor a generator state: optimizer.pt is uploaded with the checkpoints (hub_strategy
-        # "checkpoint"/"all_checkpoints"), and either would regenerate the noise. A loaded optimizer draws fresh
-        # randomness instead (load_state_dict), so a resumed run is not bit-reproducible.
+        # "checkpoint"/"all_checkpoints"), and either would regenerate the noise. A loaded optimizer draws
+        # fresh randomness instead (load_state_dict), so a resumed run is not bit-reproducible.
         return {
             "base": self.original_optimizer.state_dict(),
             "dp": {
@@ -474,24 +497,28 @@ class DPOptimizer(WrappedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "base" not in state_dict or "dp" not in state_dict:
             raise ValueError(
-                "This is not a DPOptimizer state dict (no 'base'/'dp' entries); it may come from a non-private run."
+                "This is not a DPOptimizer state dict (no 'base'/'dp' entries); it may come from a "
+                "non-private run."
             )
         dp_state = state_dict["dp"]
         if dp_state["method"] != self.method_name:
             raise ValueError(
-                f"The checkpoint was written by method {dp_state['method']!r}, this optimizer is {self.method_name!r}."
+                f"The checkpoint was written by method {dp_state['method']!r}, this optimizer is "
+                f"{self.method_name!r}."
             )
         self.original_optimizer.load_state_dict(state_dict["base"])
         self.dp_steps = dp_state["dp_steps"]
         self.loaded_noise_multiplier = dp_state["noise_multiplier"]
         self.run_id = dp_state.get("run_id", self.run_id)
-        # the checkpoint's unit stays this optimizer's until the session compares it (hf_dpfilter/run/unit_identity.py)
+        # the checkpoint's unit stays this optimizer's until the session compares it
+        # (hf_dpfilter/run/unit_identity.py)
         self.unit_identity = self.loaded_unit_identity = dp_state.get("privacy_unit")
-        # Fresh noise after a resume: a restored generator (or one re-derived from the DP seed) would draw on the
-        # branch from this checkpoint the noise another branch already released on other batches, and the two
-        # noises would cancel in the difference of the branches. A seed or generator state in an older
-        # checkpoint is ignored. All processes agree on the new seed (the same noise on every process). A state
-        # of no step (Accelerate's prepare() round-trips the fresh optimizer's own state) has no noise to share.
+        # Fresh noise after a resume: a restored generator (or one re-derived from the DP seed) would draw on
+        # the branch from this checkpoint the noise another branch already released on other batches, and the
+        # two noises would cancel in the difference of the branches. A seed or generator state in an older
+        # checkpoint is ignored. All processes agree on the new seed (the same noise on every process). A
+        # state of no step (Accelerate's prepare() round-trips the fresh optimizer's own state) has no noise
+        # to share.
         if self.dp_steps > 0:
             self.refresh_randomness()
             self.restored_from_checkpoint = True

@@ -111,11 +111,12 @@ class DiceSGDConfig(MethodConfig):
         c2 = self.error_max_grad_norm
         if c2 is not None and not (math.isfinite(c2) and c2 >= 0):
             raise ValueError(
-                f"dicesgd: error_max_grad_norm (C2) must be a finite number >= 0, got {c2}; leave it unset for "
-                "C2 = per_sample_max_grad_norm."
+                f"dicesgd: error_max_grad_norm (C2) must be a finite number >= 0, got {c2}; leave it unset "
+                "for C2 = per_sample_max_grad_norm."
             )
         if self.accounting not in DICE_ACCOUNTINGS:
-            raise ValueError(f"dicesgd: accounting must be one of {DICE_ACCOUNTINGS}, got {self.accounting!r}.")
+            raise ValueError(f"dicesgd: accounting must be one of {DICE_ACCOUNTINGS}, got "
+                             f"{self.accounting!r}.")
 
     def c2(self, plan: PrivacyPlan) -> float:
         return plan.max_grad_norm if self.error_max_grad_norm is None else float(self.error_max_grad_norm)
@@ -133,10 +134,11 @@ class DiceSGDConfig(MethodConfig):
                                                                self.kappa(plan))]
 
     def noise_rounds(self, noise: NoiseSettings, plan: PrivacyPlan) -> list[NoiseRound]:
-        """One round per step: noise sigma (C1 + 2 B C2) on the sum, against a signal of at most C1 + C2 per example
-        (the clipped gradient and, on the mean scale, the clipped feedback)."""
+        """One round per step: noise sigma (C1 + 2 B C2) on the sum, against a signal of at most C1 + C2 per
+        example (the clipped gradient and, on the mean scale, the clipped feedback)."""
         c1, c2, batch = plan.max_grad_norm, self.c2(plan), plan.expected_batch_size
-        sensitivity = f"C1 + 2 B C2 = {c1:g} + 2 x {batch:g} x {c2:g} = {self.sensitivity(plan):g} (error feedback)"
+        sensitivity = (f"C1 + 2 B C2 = {c1:g} + 2 x {batch:g} x {c2:g} = {self.sensitivity(plan):g} (error "
+                       "feedback)")
         return [NoiseRound("every step", 1.0, noise.noise_multiplier, sensitivity,
                            noise.noise_multiplier * self.sensitivity(plan) / (c1 + c2))]
 
@@ -161,7 +163,8 @@ class DiceSGDConfig(MethodConfig):
         }
         if plan.sample_rate is not None:
             details["epsilon_paper_claim"] = dicesgd_paper_epsilon(
-                sigma_sum / plan.expected_batch_size, delta, steps, plan.expected_batch_size / plan.sample_rate,
+                sigma_sum / plan.expected_batch_size, delta, steps,
+                plan.expected_batch_size / plan.sample_rate,
                 plan.max_grad_norm, self.c2(plan), plan.expected_batch_size,
             )
             details["epsilon_paper_claim_note"] = (
@@ -202,8 +205,8 @@ def dicesgd_paper_epsilon(
 class DiceSGD(DPOptimizer):
     """DiceSGD (clipped error feedback) around any base optimizer; see the module docstring.
 
-    Settings: :class:`DiceSGDConfig`. The plan's ``max_grad_norm`` is C1 and its ``noise_multiplier`` is relative
-    to :meth:`sensitivity` = C1 + 2 B C2.
+    Settings: :class:`DiceSGDConfig`. The plan's ``max_grad_norm`` is C1 and its ``noise_multiplier`` is
+    relative to :meth:`sensitivity` = C1 + 2 B C2.
     """
 
     method_name = "dicesgd"
@@ -216,8 +219,9 @@ class DiceSGD(DPOptimizer):
         self.save_error_buffer = bool(config.save_error_buffer)
         if self.save_error_buffer:
             warnings.warn(
-                "dicesgd: save_error_buffer=True: checkpoints will contain DiceSGD's error buffer, a NON-private "
-                "function of the training data. Keep them inside the trust boundary; never publish them.",
+                "dicesgd: save_error_buffer=True: checkpoints will contain DiceSGD's error buffer, a "
+                "NON-private function of the training data. Keep them inside the trust boundary; never "
+                "publish them.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -293,7 +297,8 @@ class DiceSGD(DPOptimizer):
         released = noisy_averages(sums, std, batch, self.noise_source())
         if alpha > 0:
             params = list(released)
-            torch._foreach_add_([released[p] for p in params], [error[p].to(released[p].dtype) for p in params],
+            torch._foreach_add_([released[p] for p in params],
+                                [error[p].to(released[p].dtype) for p in params],
                                 alpha=alpha)
         residual = self._summed_residual()
         if alpha > 0:

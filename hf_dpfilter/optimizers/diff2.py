@@ -16,42 +16,42 @@ The per-example difference is ONE combination clipped once: :meth:`gradient_poin
 parameters with weight +1 and x_{r-2} with weight -1, and the engine clips each example's combined gradient
 (same micro-batch, same dropout masks at both points). The difference has cancellation, so the engine computes
 it in precise mode (float64 terms, a proven upper bound of each norm; see
-:class:`hf_dpfilter.engine.PerExampleGradients` and docs/privacy.md, "Precision of the clip"): the clip holds in
-float32 and under bf16 autocast for any step size. A zero threshold (no movement) clips everything to 0
+:class:`hf_dpfilter.engine.PerExampleGradients` and docs/privacy.md, "Precision of the clip"): the clip holds
+in float32 and under bf16 autocast for any step size. A zero threshold (no movement) clips everything to 0
 and adds no noise. Difference rounds always use min-clipping (the absolute 0.01 of automatic clipping has no
 meaning at the scale of a difference); restart rounds use ``clipping_fn`` like DP-SGD.
 
 **Precision of the difference rounds** (``Diff2Config.difference_precision``). Write d^_j(D) for example j's
-difference AS COMPUTED inside batch D (the terms the forwards and the backward produce, in whatever dtype). For
-neighbours D and D' = D u {x}, at noise 0, clipping being 1-Lipschitz,
+difference AS COMPUTED inside batch D (the terms the forwards and the backward produce, in whatever dtype).
+For neighbours D and D' = D u {x}, at noise 0, clipping being 1-Lipschitz,
 
     || sum_{j in D'} clip(d^_j(D'), C_r) - sum_{j in D} clip(d^_j(D), C_r) ||
         <= C_r + sum_{j in D} || d^_j(D') - d^_j(D) ||,
 
 where "clip" is the engine's: a factor from a proven UPPER bound of ||d^_j|| (precise mode), so each clipped
-term is <= C_r whatever the rounding of d^_j. The first term is the sensitivity; the second is zero exactly when
-each example's computed difference does not depend on the batch it is computed in (batch-invariance), whatever
-its precision. A float32 forward of a batch is not batch-invariant (kernels block by the batch's size, and the
-difference amplifies that rounding by ||g|| / ||g(x) - g(x')||, 10^4 and more at small step sizes), so some
-route must make the second term vanish or be negligible:
+term is <= C_r whatever the rounding of d^_j. The first term is the sensitivity; the second is zero exactly
+when each example's computed difference does not depend on the batch it is computed in (batch-invariance),
+whatever its precision. A float32 forward of a batch is not batch-invariant (kernels block by the batch's
+size, and the difference amplifies that rounding by ||g|| / ||g(x) - g(x')||, 10^4 and more at small step
+sizes), so some route must make the second term vanish or be negligible:
 
 * ``"batch_invariant"`` (default): each example's difference is computed in a micro-batch of its own, collated
   from that example alone (DPTrainer cuts a difference round's sample so and declares it,
   ``accumulate(..., alone=True)``), in the model's own dtype (float32, or bf16 autocast). The arithmetic of
-  example j then reads only j's inputs, the parameters and x_{r-2}: the same operations on the same values in D
-  and in D', hence the same d^_j bit for bit (deterministic kernels), and the second term is 0. Where a kernel is
-  not deterministic run to run (CUDA atomics), d^_j is a random variable whose law depends on j's own
-  inputs only: coupling the draws of D and D' example by example bounds every coupled pair by C_r, and the
-  mechanism's output, a mixture over the couplings, keeps the Gaussian mechanism's guarantee (joint convexity of
-  the divergence) -- as for dropout masks, which are keyed to each example (hf_dpfilter/randomness/example_keys.py). The rounding
-  then only costs utility (d^_j's relative error about u ||g|| / ||d||, u = 2^-24 in float32), never privacy.
-  A micro-batch of several examples, or one not declared collated alone, falls back to float64 (below): the
-  route never trusts a shape for the privacy.
+  example j then reads only j's inputs, the parameters and x_{r-2}: the same operations on the same values in
+  D and in D', hence the same d^_j bit for bit (deterministic kernels), and the second term is 0. Where a
+  kernel is not deterministic run to run (CUDA atomics), d^_j is a random variable whose law depends on j's
+  own inputs only: coupling the draws of D and D' example by example bounds every coupled pair by C_r, and the
+  mechanism's output, a mixture over the couplings, keeps the Gaussian mechanism's guarantee (joint convexity
+  of the divergence) -- as for dropout masks, which are keyed to each example
+  (hf_dpfilter/randomness/example_keys.py). The rounding then only costs utility (d^_j's relative error about
+  u ||g|| / ||d||, u = 2^-24 in float32), never privacy. A micro-batch of several examples, or one not
+  declared collated alone, falls back to float64 (below): the route never trusts a shape for the privacy.
 * ``"float64"``: both points of every difference micro-batch run the whole model in float64 (batched). This is
-  not exactly batch-invariant, but the batch-dependent rounding is 2^-29 times float32's, far inside the clip's
-  relative margin of 1e-6. Needed where examples cannot be computed alone; costs float64 copies of the model's
-  tensors during the round. On one CPU thread it costs about what the batch-invariant route does (a float64
-  GEMM there is little slower than float32, and a micro-batch of one less efficient than a batch;
+  not exactly batch-invariant, but the batch-dependent rounding is 2^-29 times float32's, far inside the
+  clip's relative margin of 1e-6. Needed where examples cannot be computed alone; costs float64 copies of the
+  model's tensors during the round. On one CPU thread it costs about what the batch-invariant route does (a
+  float64 GEMM there is little slower than float32, and a micro-batch of one less efficient than a batch;
   docs/performance.md); on a GPU float64 runs at a fraction of the bf16 tensor-core rate.
 * A threshold lowered by a bound on the float32 error of the difference, from the two points' norms, was
   considered and rejected: a rigorous forward error bound of a whole transformer forward and backward
@@ -59,13 +59,13 @@ route must make the second term vanish or be negligible:
   empirical factor is not a proof, and the bound would be a function of the private per-example norms.
 
 Under FSDP2 sharding the points are written into the shards: no float64 copy is made there, and only the
-``"batch_invariant"`` route with micro-batches declared alone is batch-invariant, so a float32/bf16 sharded model
-is refused with the fix on the ``"float64"`` route (at its first micro-batch) and for a difference micro-batch
-not declared alone (before that round is released); FSDP2's padding micro-batch, which releases nothing, runs as
-it is. "A float64 model" is the whole model (every floating parameter and buffer, frozen ones included; float64
-adapters on a float32 base are not one). On both routes the round's sums are float64; the noise is drawn in
-float32 (as DP-SGD's) and added to them in float64, so the sums are not rounded before the noise
-(:meth:`Diff2.privatize`).
+``"batch_invariant"`` route with micro-batches declared alone is batch-invariant, so a float32/bf16 sharded
+model is refused with the fix on the ``"float64"`` route (at its first micro-batch) and for a difference
+micro-batch not declared alone (before that round is released); FSDP2's padding micro-batch, which releases
+nothing, runs as it is. "A float64 model" is the whole model (every floating parameter and buffer, frozen ones
+included; float64 adapters on a float32 base are not one). On both routes the round's sums are float64; the
+noise is drawn in float32 (as DP-SGD's) and added to them in float64, so the sums are not rounded before the
+noise (:meth:`Diff2.privatize`).
 
 **Batches.** The paper analyses full batch (DIFF2-GD): ``logical_batch_size = N`` gives q = 1 and every
 example in every round. With Poisson minibatches (q < 1) each round is still a Poisson-subsampled Gaussian
@@ -76,10 +76,10 @@ Under several processes each process is a client: the clipped sums are all-reduc
 once per round (base class); v~ and x_{r-2} are identical replicas.
 
 **Accounting.** Restart and difference rounds are separate Gaussian mechanisms, composed heterogeneously:
-:meth:`Diff2Config.mechanisms` declares ``(z1, q)`` for a restart round and ``(z2, q)`` for a difference round.
-With ``target_epsilon``, the calibration (:meth:`Diff2Config.noise_for_scale`) keeps the paper's budget split u (Prop. 4.1: z2 / z1 =
-sqrt((R - k) / (k (u - 1))), k = ceil(R / T) restarts in R steps) and bisects z1 with the exact accountant
-instead of the paper's loose RDP conversion.
+:meth:`Diff2Config.mechanisms` declares ``(z1, q)`` for a restart round and ``(z2, q)`` for a difference
+round. With ``target_epsilon``, the calibration (:meth:`Diff2Config.noise_for_scale`) keeps the paper's budget
+split u (Prop. 4.1: z2 / z1 = sqrt((R - k) / (k (u - 1))), k = ceil(R / T) restarts in R steps) and bisects z1
+with the exact accountant instead of the paper's loose RDP conversion.
 """
 
 from __future__ import annotations
@@ -107,12 +107,13 @@ DIFF2_PRECISIONS = ("batch_invariant", "float64")
 
 __all__ = ["DIFF2_NEIGHBOURINGS", "DIFF2_PRECISIONS", "Diff2", "Diff2Config", "diff2_history"]
 
-#: DIFF2 under FSDP2 with a float32/bf16 model, a difference micro-batch not declared alone (or the float64 route)
+#: DIFF2 under FSDP2 with a float32/bf16 model, a difference micro-batch not declared alone (or the float64
+# route)
 _SHARDED_REFUSAL = (
-    "DIFF2 under FSDP2 sharding writes the difference round's points into the shards, in the model's dtype (no "
-    "float64 copy of a sharded model is made), so only an example computed alone is batch-invariant there; a "
-    "micro-batch of several examples (or not declared alone), or difference_precision='float64', would let one "
-    "example move the others' clipped differences beyond the sensitivity. Fix: keep "
+    "DIFF2 under FSDP2 sharding writes the difference round's points into the shards, in the model's dtype "
+    "(no float64 copy of a sharded model is made), so only an example computed alone is batch-invariant "
+    "there; a micro-batch of several examples (or not declared alone), or difference_precision='float64', "
+    "would let one example move the others' clipped differences beyond the sensitivity. Fix: keep "
     "difference_precision='batch_invariant' with DPTrainer at example level (it computes each example of a "
     "difference round alone and declares it), call accumulate(..., batch_size=1, alone=True) for one example "
     "collated alone in a loop of your own, or train a float64 model."
@@ -144,23 +145,25 @@ class Diff2Config(MethodConfig):
 
     Args:
         restart_every: restart period T (1 = DP-SGD / DP-GD).
-        difference_max_grad_norm: C2, the coefficient of the threshold C2 ||x_{r-1} - x_{r-2}||. None (default):
+        difference_max_grad_norm: C2, the coefficient of the threshold C2 ||x_{r-1} - x_{r-2}||. None
+            (default):
             C2 = C1 / m_1 with m_1 the parameter movement ||x_1 - x_0|| seen by the first difference round, so
             difference thresholds start at C1 and shrink in proportion to the movement. m_1 is a function of
             released outputs (public), so the rule costs no privacy; tune C2 for better utility (e.g. a high
             quantile of ||g_i(x) - g_i(x')|| / ||x - x'|| on public data).
-        difference_noise_multiplier: z2 when the noise multiplier is fixed (None: z1). With target_epsilon both
-            are calibrated (``budget_split``).
+        difference_noise_multiplier: z2 when the noise multiplier is fixed (None: z1). With target_epsilon
+            both are calibrated (``budget_split``).
         budget_split: u > 1, the paper's split (restarts get 1/u of the budget; Prop. 4.1).
-        neighbouring: ``"add_remove"`` or ``"replace_one"`` (the paper; doubles the sensitivity; full batch only).
-        difference_precision: how a difference round computes each example's g_i(x_{r-1}) - g_i(x_{r-2}) so that
-            it does not depend on the other examples of the batch (see the module docstring, "Precision of the
-            difference rounds"). ``"batch_invariant"`` (default): each example in a micro-batch of its own,
-            collated alone, in the model's dtype; a micro-batch of several examples (or one not declared alone)
-            falls back to float64. ``"float64"``: every difference micro-batch in float64, batched.
-        float64_differences: the earlier switch, kept for compatibility: True selects ``"float64"``; False selects
-            ``"batch_invariant"`` (float32 points of a batch of several examples are no longer offered: they are
-            not batch-invariant); None (default): ``difference_precision`` decides.
+        neighbouring: ``"add_remove"`` or ``"replace_one"`` (the paper; doubles the sensitivity; full batch
+            only).
+        difference_precision: how a difference round computes each example's g_i(x_{r-1}) - g_i(x_{r-2}) so
+            that it does not depend on the other examples of the batch (see the module docstring, "Precision
+            of the difference rounds"). ``"batch_invariant"`` (default): each example in a micro-batch of its
+            own, collated alone, in the model's dtype; a micro-batch of several examples (or one not declared
+            alone) falls back to float64. ``"float64"``: every difference micro-batch in float64, batched.
+        float64_differences: the earlier switch, kept for compatibility: True selects ``"float64"``; False
+            selects ``"batch_invariant"`` (float32 points of a batch of several examples are no longer
+            offered: they are not batch-invariant); None (default): ``difference_precision`` decides.
     """
 
     name = "diff2"
@@ -187,19 +190,23 @@ class Diff2Config(MethodConfig):
         if not self.budget_split > 1:
             raise ValueError(f"diff2: budget_split (u) must be > 1, got {self.budget_split}.")
         if self.neighbouring not in DIFF2_NEIGHBOURINGS:
-            raise ValueError(f"diff2: neighbouring must be one of {DIFF2_NEIGHBOURINGS}, got {self.neighbouring!r}.")
+            raise ValueError(f"diff2: neighbouring must be one of {DIFF2_NEIGHBOURINGS}, got "
+                             f"{self.neighbouring!r}.")
         if self.difference_precision not in DIFF2_PRECISIONS:
             raise ValueError(f"diff2: difference_precision must be one of {DIFF2_PRECISIONS}, got "
                              f"{self.difference_precision!r}.")
         if self.float64_differences is not None and not isinstance(self.float64_differences, bool):
-            raise ValueError(f"diff2: float64_differences must be True, False or None, got {self.float64_differences!r}.")
+            raise ValueError("diff2: float64_differences must be True, False or None, got "
+                             f"{self.float64_differences!r}.")
         if self.float64_differences is False and self.difference_precision == "float64":
-            raise ValueError("diff2: float64_differences=False contradicts difference_precision='float64' (the earlier "
-                             "switch would select 'batch_invariant'); give difference_precision alone.")
+            raise ValueError("diff2: float64_differences=False contradicts difference_precision='float64' "
+                             "(the earlier switch would select 'batch_invariant'); give difference_precision "
+                             "alone.")
 
     @property
     def precision_route(self) -> str:
-        """The route of the difference rounds: ``float64_differences`` (when given) or ``difference_precision``."""
+        """The route of the difference rounds: ``float64_differences`` (when given) or
+        ``difference_precision``."""
         if self.float64_differences is not None:
             return "float64" if self.float64_differences else "batch_invariant"
         return self.difference_precision
@@ -216,15 +223,15 @@ class Diff2Config(MethodConfig):
         if plan.sample_rate is not None and not full_batch:
             if self.neighbouring == "replace_one":
                 raise ValueError(
-                    "diff2: neighbouring='replace_one' is only supported for full-batch DIFF2 (sample rate 1, "
-                    "i.e. logical_batch_size = N): the accountant certifies replace-one only without "
+                    "diff2: neighbouring='replace_one' is only supported for full-batch DIFF2 (sample rate "
+                    "1, i.e. logical_batch_size = N): the accountant certifies replace-one only without "
                     "subsampling. Use 'add_remove' or a full batch."
                 )
             if self.restart_every > 1:
                 warnings.warn(
-                    f"DIFF2 with Poisson minibatches (sample rate {plan.sample_rate:.3g} < 1) is an unanalysed "
-                    "extension of the paper's full-batch DIFF2-GD: the accounting holds, the utility theory "
-                    "does not. Use logical_batch_size = N for the paper's algorithm.",
+                    f"DIFF2 with Poisson minibatches (sample rate {plan.sample_rate:.3g} < 1) is an "
+                    "unanalysed extension of the paper's full-batch DIFF2-GD: the accounting holds, the "
+                    "utility theory does not. Use logical_batch_size = N for the paper's algorithm.",
                     UserWarning,
                     stacklevel=4,
                 )
@@ -237,13 +244,15 @@ class Diff2Config(MethodConfig):
 
     def noise_rounds(self, noise: NoiseSettings, plan: PrivacyPlan) -> list[NoiseRound]:
         """Restart rounds (1 in T): z1 x D1 over a signal clipped to C1; difference rounds: z2 x D2 over a
-        difference clipped to C_{2,r} = C2 ||x_{r-1} - x_{r-2}||; D = the threshold, doubled under replace-one."""
+        difference clipped to C_{2,r} = C2 ||x_{r-1} - x_{r-2}||; D = the threshold, doubled under
+        replace-one."""
         factor = 2.0 if self.neighbouring == "replace_one" else 1.0
         z1 = noise.noise_multiplier
         z2 = noise.get("difference_noise_multiplier", z1)
         relation = " x 2 (replace-one)" if factor == 2.0 else ""
         period = int(self.restart_every)
-        rounds = [NoiseRound(f"restart rounds (1 in {period})", 1.0 / period, z1, f"C1 = {plan.max_grad_norm:g}{relation}",
+        rounds = [NoiseRound(f"restart rounds (1 in {period})", 1.0 / period, z1,
+                             f"C1 = {plan.max_grad_norm:g}{relation}",
                              z1 * factor)]
         if period > 1:
             rounds.append(NoiseRound(
@@ -252,16 +261,19 @@ class Diff2Config(MethodConfig):
         return rounds
 
     def fixed_noise(self, noise_multiplier: float, plan: PrivacyPlan) -> NoiseSettings:
-        z2 = noise_multiplier if self.difference_noise_multiplier is None else self.difference_noise_multiplier
+        z2 = (noise_multiplier if self.difference_noise_multiplier is None
+              else self.difference_noise_multiplier)
         return NoiseSettings(noise_multiplier, (("difference_noise_multiplier", float(z2)),))
 
     def noise_for_scale(self, scale: float, plan: PrivacyPlan) -> NoiseSettings:
-        """z1 = scale and z2 / z1 = sqrt((R - k) / (k (u - 1))), k = ceil(R / T) restarts in R steps (Prop. 4.1).
+        """z1 = scale and z2 / z1 = sqrt((R - k) / (k (u - 1))), k = ceil(R / T) restarts in R steps (Prop.
+        4.1).
 
         The noise multipliers are relative to the sensitivity, so they are the same for both relations."""
         steps = plan.steps
         restarts = math.ceil(steps / self.restart_every)
-        ratio = 1.0 if restarts == steps else math.sqrt((steps - restarts) / (restarts * (self.budget_split - 1.0)))
+        ratio = (1.0 if restarts == steps
+                 else math.sqrt((steps - restarts) / (restarts * (self.budget_split - 1.0))))
         return NoiseSettings(float(scale), (("difference_noise_multiplier", ratio * float(scale)),))
 
     def report(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, delta: float) -> dict[str, Any]:
@@ -305,7 +317,8 @@ class Diff2(DPOptimizer):
         config: Diff2Config = self.config
         self.restart_every = int(config.restart_every)
         self.difference_max_grad_norm = config.difference_max_grad_norm
-        self.difference_noise_multiplier = float(plan.noise.get("difference_noise_multiplier", self.noise_multiplier))
+        self.difference_noise_multiplier = float(plan.noise.get("difference_noise_multiplier",
+                                                                self.noise_multiplier))
         self.budget_split = float(config.budget_split)
         self.neighbouring = config.neighbouring
         self.precision_route = config.precision_route
@@ -332,10 +345,12 @@ class Diff2(DPOptimizer):
         else:
             if self._previous is None or self._estimate is None:
                 raise RuntimeError(
-                    f"DIFF2 step {self.dp_steps} is a difference round but the optimizer holds no previous point "
-                    "or estimate (a checkpoint without the method state?). Resume from a full DPOptimizer state_dict."
+                    f"DIFF2 step {self.dp_steps} is a difference round but the optimizer holds no previous "
+                    "point or estimate (a checkpoint without the method state?). Resume from a full "
+                    "DPOptimizer state_dict."
                 )
-            # a function of released values only (public): computed in the parameters' dtype, summed in float64
+            # a function of released values only (public): computed in the parameters' dtype, summed in
+            # float64
             movement = math.sqrt(self.collectives.squared_norm(
                 [p.detach() - self._previous[p] for p in self.params]
             ))
@@ -390,33 +405,36 @@ class Diff2(DPOptimizer):
         return points
 
     def wants_examples_alone(self) -> bool:
-        """True in a difference round of the ``"batch_invariant"`` route (a float32/bf16 model): the caller should
-        give each example as a micro-batch of its own, collated alone, with ``accumulate(..., alone=True)``."""
+        """True in a difference round of the ``"batch_invariant"`` route (a float32/bf16 model): the caller
+        should give each example as a micro-batch of its own, collated alone, with ``accumulate(...,
+        alone=True)``."""
         if self.precision_route != "batch_invariant" or self.current_round().restart:
             return False
         return not self._float64_model()
 
     def _float64_model(self) -> bool:
-        """Whether the whole model is float64, every floating parameter (trainable or frozen) and buffer of the
-        engine's model: only then does a batch run natively in float64. The trainable parameters alone do not
-        say it (float64 adapters on a float32 base compute the base in float32, batched); before an engine is
-        seen (a resumed run's first cut) nothing is proven, and examples are computed alone."""
+        """Whether the whole model is float64, every floating parameter (trainable or frozen) and buffer of
+        the engine's model: only then does a batch run natively in float64. The trainable parameters alone do
+        not say it (float64 adapters on a float32 base compute the base in float32, batched); before an engine
+        is seen (a resumed run's first cut) nothing is proven, and examples are computed alone."""
         engine = self._engine_checked
         model = getattr(engine, "model", None)
         if model is None:
             return False
-        if self._float64_seen is None or self._float64_seen[0] is not engine:  # once per engine, not per example
+        # once per engine, not per example
+        if self._float64_seen is None or self._float64_seen[0] is not engine:
             tensors = [*model.parameters(), *model.buffers()]
-            self._float64_seen = (engine, all(t.dtype == torch.float64 for t in tensors if t.is_floating_point()))
+            self._float64_seen = (engine,
+                                  all(t.dtype == torch.float64 for t in tensors if t.is_floating_point()))
         return self._float64_seen[1]
 
     def accumulate(self, engine: Any, loss_fn: Any, batch_size: int, alone: bool = False,
                    **keys: Any) -> torch.Tensor:
-        """:meth:`DPOptimizer.accumulate`; ``alone=True`` declares that the micro-batch is ONE example (one privacy
-        unit) collated from itself alone (its own padding and width, nothing read from other examples): a
-        difference round of the ``"batch_invariant"`` route then computes it in the model's dtype. Without the
-        declaration (or with several examples) a difference round runs in float64. The declaration is the
-        caller's: DPTrainer makes it only for the micro-batches it collated alone."""
+        """:meth:`DPOptimizer.accumulate`; ``alone=True`` declares that the micro-batch is ONE example (one
+        privacy unit) collated from itself alone (its own padding and width, nothing read from other
+        examples): a difference round of the ``"batch_invariant"`` route then computes it in the model's
+        dtype. Without the declaration (or with several examples) a difference round runs in float64. The
+        declaration is the caller's: DPTrainer makes it only for the micro-batches it collated alone."""
         self._alone = bool(alone) and batch_size == 1
         if self.sharded and self.precision_route == "float64" and batch_size > 0:
             self._check_engine(engine)  # its model says whether the whole model is float64
@@ -428,8 +446,8 @@ class Diff2(DPOptimizer):
             self._alone = False
 
     def run_without_contributing(self, engine: Any, loss_fn: Any, batch_size: int, **keys: Any) -> None:
-        """:meth:`DPOptimizer.run_without_contributing`: FSDP2's padding micro-batch runs at the round's points in
-        the shards' dtype (nothing of it is released, so its precision is free)."""
+        """:meth:`DPOptimizer.run_without_contributing`: FSDP2's padding micro-batch runs at the round's
+        points in the shards' dtype (nothing of it is released, so its precision is free)."""
         self._discarded = True
         try:
             super().run_without_contributing(engine, loss_fn, batch_size, **keys)
@@ -459,9 +477,9 @@ class Diff2(DPOptimizer):
         self._points_cache = None  # the round's points (their float64 copies) are not needed any more
         self._pending_previous = {p: p.detach().clone() for p in self.params}  # x_{r-1}, before the update
         estimate = {} if rnd.restart else self._estimate
-        # a difference round's sums are float64 (precise mode): the noise is drawn in float32, as DP-SGD's, and
-        # noise + sum / B is computed in float64 and rounded once to the estimate's float32 (the sums are not
-        # rounded before the noise; that rounding is post-processing)
+        # a difference round's sums are float64 (precise mode): the noise is drawn in float32, as DP-SGD's,
+        # and noise + sum / B is computed in float64 and rounded once to the estimate's float32 (the sums are
+        # not rounded before the noise; that rounding is post-processing)
         noise_dtype = None if all(p.dtype == torch.float64 for p in self.params) else torch.float32
         for p, increment in noisy_averages(sums, std, self.expected_batch_size, self.noise_source(),
                                            noise_dtype).items():

@@ -1,13 +1,14 @@
 """DiSK: DP optimizer with a simplified Kalman filter (Zhang, Bu, Balle, Hong, Razaviyayn, Mirrokni, "DiSK:
-Differentially Private Optimizer with Simplified Kalman Filter for Noise Reduction", arXiv:2410.03883, Alg. 2).
+Differentially Private Optimizer with Simplified Kalman Filter for Noise Reduction", arXiv:2410.03883, Alg.
+2).
 
 Per logical step t, with gain kappa in (0, 1], step gamma != 0 and c = (1 - kappa) / (kappa gamma)::
 
-    v_i     = c grad f(x_t + gamma d_{t-1}; xi_i) + (1 - c) grad f(x_t; xi_i)      (per example, BEFORE clipping)
-    g_t     = (sum_i clip(v_i, C) + N(0, sigma^2 C^2 I)) / B                      (one Gaussian mechanism, Delta = C)
-    g~_t    = (1 - kappa) g~_{t-1} + kappa g_t,   g~_0 = g_0                      (weight kappa on the NEW gradient)
-    x_{t+1} = BaseOptimizerUpdate(x_t, g~_t)                                      (any torch optimizer)
-    d_t     = x_{t+1} - x_t                                                       (the REAL change, lr/Adam/decay included)
+    v_i     = c grad f(x_t + gamma d_{t-1}; xi_i) + (1 - c) grad f(x_t; xi_i)   (per example, BEFORE clipping)
+    g_t     = (sum_i clip(v_i, C) + N(0, sigma^2 C^2 I)) / B          (one Gaussian mechanism, Delta = C)
+    g~_t    = (1 - kappa) g~_{t-1} + kappa g_t,   g~_0 = g_0          (weight kappa on the NEW gradient)
+    x_{t+1} = BaseOptimizerUpdate(x_t, g~_t)                          (any torch optimizer)
+    d_t     = x_{t+1} - x_t                                 (the REAL change, lr/Adam/decay included)
 
 with d_{-1} = 0 (so the first step is plain DP-SGD). The default gamma = (1 - kappa) / kappa gives c = 1: a
 single gradient evaluation at the look-ahead point x_t + gamma d_{t-1}, at DP-SGD's cost. Any other gamma
@@ -16,9 +17,9 @@ forwards per example, so the *combination* is clipped and each example contribut
 The sensitivity is C and the accounting is DP-SGD's; g~, d and the base optimizer only see privatized values.
 kappa = 1 is the base DP optimizer.
 
-With Adam(W) as the base, the filter lowers the noise variance Adam's second moment sees to kappa / (2 - kappa)
-of DP-Adam's, so each step is sqrt((2 - kappa) / kappa) times longer (1.36x at kappa = 0.7) while the noise
-left in Adam's first moment barely changes (Adam's beta1 already averages it). A learning rate tuned for
+With Adam(W) as the base, the filter lowers the noise variance Adam's second moment sees to kappa / (2 -
+kappa) of DP-Adam's, so each step is sqrt((2 - kappa) / kappa) times longer (1.36x at kappa = 0.7) while the
+noise left in Adam's first moment barely changes (Adam's beta1 already averages it). A learning rate tuned for
 DP-Adam should therefore be multiplied by sqrt(kappa / (2 - kappa)) (docs/results.md measures this on SST-2);
 ``adam_step_match=True`` does it at every step, so DP-Adam's tuned learning rate carries over unchanged.
 """
@@ -62,12 +63,13 @@ class DiSKConfig(MethodConfig):
     def __post_init__(self) -> None:
         if not 0.0 < self.kappa <= 1.0:
             raise ValueError(
-                f"disk: kappa (the Kalman gain, weight on the new gradient) must be in (0, 1], got {self.kappa}."
+                "disk: kappa (the Kalman gain, weight on the new gradient) must be in (0, 1], got "
+                f"{self.kappa}."
             )
         if self.gamma is not None and (self.gamma == 0 or not math.isfinite(self.gamma)):
             raise ValueError(
-                f"disk: gamma must be a finite non-zero number, got {self.gamma}. Leave it unset (None) for the "
-                f"one-pass default (1 - kappa) / kappa = {self.one_pass_gamma:.6g}."
+                f"disk: gamma must be a finite non-zero number, got {self.gamma}. Leave it unset (None) for "
+                f"the one-pass default (1 - kappa) / kappa = {self.one_pass_gamma:.6g}."
             )
 
     @property
@@ -98,16 +100,18 @@ class DiSKOptimizer(DPOptimizer):
         else:
             self.look_ahead_weight = one_pass_gamma / self.gamma
         self._filtered: list[torch.Tensor] | None = None  # g~_{t-1}
-        # x_{t-1} between steps (d_{t-1} = x_t - x_{t-1}); from the step's first micro-batch to its optimizer step
-        # the look-ahead point x_t + gamma d_{t-1} itself, formed in place (_anchor_is_point)
+        # x_{t-1} between steps (d_{t-1} = x_t - x_{t-1}); from the step's first micro-batch to its optimizer
+        # step the look-ahead point x_t + gamma d_{t-1} itself, formed in place (_anchor_is_point)
         self._anchor: list[torch.Tensor] | None = None
         self._anchor_is_point = False
         self.lr_factor = config.adam_lr_factor if config.adam_step_match else 1.0
-        if config.adam_step_match and not all("betas" in group for group in self.original_optimizer.param_groups):
+        if config.adam_step_match and not all("betas" in group
+                                              for group in self.original_optimizer.param_groups):
             raise ValueError(
                 f"disk: adam_step_match=True rescales an Adam-family optimizer's learning rate, but the base "
-                f"optimizer is {type(self.original_optimizer).__name__} (no `betas`). Use optim='adamw_torch' (or "
-                "another Adam), or leave disk_adam_step_match off: with SGD the filter does not lengthen the steps."
+                f"optimizer is {type(self.original_optimizer).__name__} (no `betas`). Use "
+                "optim='adamw_torch' (or another Adam), or leave disk_adam_step_match off: with SGD the "
+                "filter does not lengthen the steps."
             )
 
     def base_step(self) -> None:
@@ -135,8 +139,8 @@ class DiSKOptimizer(DPOptimizer):
             return [(1.0, None)]  # d_{-1} = 0: both points are x_t
         params = self.params
         if not self._anchor_is_point:
-            # x_t + gamma d_{t-1} = x_{t-1} + (1 + gamma) (x_t - x_{t-1}): one in-place pass over the stored x_{t-1},
-            # once per step (every micro-batch of the step evaluates the same point), no new tensor
+            # x_t + gamma d_{t-1} = x_{t-1} + (1 + gamma) (x_t - x_{t-1}): one in-place pass over the stored
+            # x_{t-1}, once per step (every micro-batch of the step evaluates the same point), no new tensor
             with torch.no_grad():
                 torch._foreach_lerp_(self._anchor, [p.detach() for p in params], 1.0 + self.gamma)
             self._anchor_is_point = True
@@ -153,10 +157,12 @@ class DiSKOptimizer(DPOptimizer):
             self._filtered = [g.to(torch.float64 if p.dtype == torch.float64 else torch.float32, copy=True)
                               for p, g in grads.items()]
         else:
-            # g~_t = (1 - kappa) g~_{t-1} + kappa g_t in one pass (lerp: g~ + kappa (g - g~)); g_t is float64 in
-            # the steps whose combination has a negative weight (c > 1, the engine's precise mode) and float32 in
-            # the first one (one point): lerp takes one dtype, so it is rounded to g~'s (no copy when the same)
-            torch._foreach_lerp_(self._filtered, [g.to(f.dtype) for f, g in zip(self._filtered, noisy)], self.kappa)
+            # g~_t = (1 - kappa) g~_{t-1} + kappa g_t in one pass (lerp: g~ + kappa (g - g~)); g_t is float64
+            # in the steps whose combination has a negative weight (c > 1, the engine's precise mode) and
+            # float32 in the first one (one point): lerp takes one dtype, so it is rounded to g~'s (no copy
+            # when the same)
+            torch._foreach_lerp_(self._filtered, [g.to(f.dtype) for f, g in zip(self._filtered, noisy)],
+                                 self.kappa)
             copy_all_(noisy, self._filtered)  # the base optimizer gets g~_t (in tensors it may own)
         # x_t becomes x_{(t+1)-1}: d_t = x_{t+1} - x_t is formed from it at the next step's point
         current = [p.detach() for p in grads]
@@ -171,10 +177,10 @@ class DiSKOptimizer(DPOptimizer):
         params = self.params
         return {
             "filtered": None if self._filtered is None else dict(zip(params, self._filtered)),
-            # x_{t-1}: d_{t-1} = x_t - x_{t-1} is formed from it exactly as in an uninterrupted run; inside a step
-            # (a state_dict between the first micro-batch and the step) the look-ahead point itself, flagged: x_{t-1}
-            # cannot be recovered from it exactly (the division by gamma magnifies the rounding), the point is
-            # exactly what the rest of the step (at the same x_t) evaluates
+            # x_{t-1}: d_{t-1} = x_t - x_{t-1} is formed from it exactly as in an uninterrupted run; inside a
+            # step (a state_dict between the first micro-batch and the step) the look-ahead point itself,
+            # flagged: x_{t-1} cannot be recovered from it exactly (the division by gamma magnifies the
+            # rounding), the point is exactly what the rest of the step (at the same x_t) evaluates
             "anchor": None if self._anchor is None else dict(zip(params, self._anchor)),
             "anchor_is_point": self._anchor_is_point,
         }

@@ -3,8 +3,8 @@
 For a privatized gradient sequence g_0, g_1, ... (one per logical, noised step) and coefficients
 ``b = [b_0, ..., b_nb]``, ``a = [a_1, ..., a_na]`` (Zhang et al., DOPPLER, NeurIPS 2024, Sec. 3.1 / Alg. 2)::
 
-    m_t     = - sum_{tau=1..n_a} a_tau m_{t-tau} + sum_{tau=0..n_b} b_tau g_{t-tau}     (m_{<0} = g_{<0} = 0)
-    c_t     = the same recursion on the unit step (g_s = 1 for s >= 0)                  (a host-side float64 scalar)
+    m_t     = - sum_{tau=1..n_a} a_tau m_{t-tau} + sum_{tau=0..n_b} b_tau g_{t-tau}   (m_{<0} = g_{<0} = 0)
+    c_t     = the same recursion on the unit step (g_s = 1 for s >= 0)      (a host-side float64 scalar)
     m_hat_t = m_t / c_t
 
 The sign convention is ``scipy.signal.lfilter(b, [1, a_1, ..., a_na], g)``. ``c_t`` is the cumulative impulse
@@ -22,8 +22,9 @@ moment (Alg. 3 without GaLore)::
     v_t = beta2 v_{t-1} + (1 - beta2) g_t^2            (the UNFILTERED privatized gradient)
     v_hat_t = v_t / (1 - beta2^(t+1))
     d_t = m_hat_t / max(sqrt(v_hat_t), eps)            base="adam": LP-DPAdam (the literal Alg. 3)
-    d_t = m_hat_t / sqrt(max(v_hat_t - Phi, eps))      base="adam_bc": LP-DPAdamBC, Phi = (sigma * Delta / B)^2,
-                                                       the DP-noise variance (DPAdamBC, Tang et al. 2024)
+    d_t = m_hat_t / sqrt(max(v_hat_t - Phi, eps))      base="adam_bc": LP-DPAdamBC, with
+                                                       Phi = (sigma * Delta / B)^2, the DP-noise variance
+                                                       (DPAdamBC, Tang et al. 2024)
 
 which is then applied by a plain SGD step (its weight decay is then decoupled, as in AdamW). With the
 momentum filter (b = [1 - beta1], a = [-beta1]) ``base="adam"`` is exactly DP-Adam.
@@ -78,30 +79,32 @@ class LowPassFilter:
         self.b = tuple(float(x) for x in b)
         self.a = tuple(float(x) for x in a)
         if not self.b:
-            raise ValueError(f"{name}: b (the numerator) needs at least one coefficient, e.g. b=[1.0] for no filter.")
+            raise ValueError(f"{name}: b (the numerator) needs at least one coefficient, e.g. b=[1.0] for no "
+                             "filter.")
         if not all(math.isfinite(x) for x in self.b + self.a):
             raise ValueError(f"{name}: coefficients must be finite, got b={list(self.b)}, a={list(self.a)}.")
         if self.b[0] == 0:
             raise ValueError(
-                f"{name}: b_0 = 0 makes the bias correction c_0 = b_0 zero (division by zero at the first step). "
-                "Use b_0 != 0 (a delay in front of the filter brings nothing)."
+                f"{name}: b_0 = 0 makes the bias correction c_0 = b_0 zero (division by zero at the first "
+                "step). Use b_0 != 0 (a delay in front of the filter brings nothing)."
             )
         gain = sum(self.b) - sum(self.a)
         if abs(gain - 1.0) > DC_GAIN_TOLERANCE:
             raise ValueError(
                 f"{name}: the filter must have unit DC gain, sum(b) - sum(a) = 1 (i.e. H(1) = 1), got "
-                f"{gain:.8g} for b={list(self.b)}, a={list(self.a)}. Note the sign convention: a = [a_1, ...] "
-                "without the leading 1, as in scipy.signal.lfilter(b, [1, *a], x); momentum 0.9 is b=[0.1], "
-                "a=[-0.9]. Rescale b (or use a preset)."
+                f"{gain:.8g} for b={list(self.b)}, a={list(self.a)}. Note the sign convention: a = [a_1, "
+                "...] without the leading 1, as in scipy.signal.lfilter(b, [1, *a], x); momentum 0.9 is "
+                "b=[0.1], a=[-0.9]. Rescale b (or use a preset)."
             )
         if self.a:
             poles = np.roots([1.0, *self.a])
             radius = float(np.abs(poles).max())
             if radius >= 1.0:
                 raise ValueError(
-                    f"{name}: the filter is unstable: pole(s) {np.round(poles, 6).tolist()} with |p| = {radius:.6g} "
-                    ">= 1 (all roots of z^n_a + a_1 z^(n_a-1) + ... + a_n_a must lie strictly inside the unit "
-                    "circle). Check the sign convention (a = [-0.9] is a pole at 0.9)."
+                    f"{name}: the filter is unstable: pole(s) {np.round(poles, 6).tolist()} with |p| = "
+                    f"{radius:.6g} "
+                    ">= 1 (all roots of z^n_a + a_1 z^(n_a-1) + ... + a_n_a must lie strictly inside the "
+                    "unit circle). Check the sign convention (a = [-0.9] is a pole at 0.9)."
                 )
         self.order = max(len(self.a), len(self.b) - 1)
         self._b_padded = self.b + (0.0,) * (self.order + 1 - len(self.b))
@@ -113,8 +116,8 @@ class LowPassFilter:
 
         With the state kept as s = z / k and k = (b_1 - a_1 b_0) / (1 + a_1), one step is two interpolations:
         L = s + w_1 (g - s) with w_1 = b_0 / (k + b_0), so that m = (k + b_0) L; and the new
-        s = (b_1 / k) g - a_1 ((k + b_0) / k) L, whose weights sum to 1 by the choice of k, i.e. g + w_2 (L - g)
-        with w_2 = -a_1 (k + b_0) / k. (1 + a_1 > 0: the pole -a_1 is inside the unit circle.)
+        s = (b_1 / k) g - a_1 ((k + b_0) / k) L, whose weights sum to 1 by the choice of k, i.e. g + w_2 (L -
+        g) with w_2 = -a_1 (k + b_0) / k. (1 + a_1 > 0: the pole -a_1 is inside the unit circle.)
         """
         if self.order != 1 or not self.a:
             return None
@@ -132,7 +135,8 @@ class LowPassFilter:
         a: Sequence[float] | None,
         prefix: str = "doppler",
     ) -> LowPassFilter:
-        """The filter from explicit coefficients (``b``, optional ``a``) if given, else from the named preset."""
+        """The filter from explicit coefficients (``b``, optional ``a``) if given, else from the named
+        preset."""
         if b is not None:
             return cls(b, a if a is not None else (), name=f"{prefix}: b/a")
         if a is not None:
@@ -146,13 +150,15 @@ class LowPassFilter:
         return cls(preset_b, preset_a, name=f"{prefix}: preset={preset!r}")
 
     def bias_correction(self, t: int, history: list[float]) -> float:
-        """c_t from c_{t-1..t-n_a} (``history``, most recent first, zeros before the start); updates ``history``."""
+        """c_t from c_{t-1..t-n_a} (``history``, most recent first, zeros before the start); updates
+        ``history``."""
         c = sum(self.b[: min(len(self.b), t + 1)]) - sum(a * h for a, h in zip(self.a, history))
         if self.a:
             history.insert(0, c)
             del history[len(self.a) :]
         if abs(c) < 1e-12:
-            raise ValueError(f"The filter's bias correction c_{t} is 0: the step response vanishes; use another filter.")
+            raise ValueError(f"The filter's bias correction c_{t} is 0: the step response vanishes; use "
+                             "another filter.")
         return c
 
     def filter_first_order_(
@@ -172,11 +178,12 @@ class LowPassFilter:
             torch._foreach_mul_(state, factor)
         return state, grads
 
-    def filter_(self, buffers: list[list[torch.Tensor]], grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+    def filter_(self, buffers: list[list[torch.Tensor]],
+                grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """One transposed-direct-form-II step for every tensor at once.
 
-        ``buffers[i]`` is the list (over tensors) of the state ``z_i``; returns ``(m_t, new buffers)``. ``m_t`` is
-        a new list of tensors; the state tensors are updated in place (and rotated, no copies).
+        ``buffers[i]`` is the list (over tensors) of the state ``z_i``; returns ``(m_t, new buffers)``.
+        ``m_t`` is a new list of tensors; the state tensors are updated in place (and rotated, no copies).
         """
         b, a, n = self._b_padded, self._a_padded, self.order
         if n == 0:
@@ -184,8 +191,9 @@ class LowPassFilter:
         m = torch._foreach_add(buffers[0], grads, alpha=b[0])  # m = b_0 g + z_0
         recycled = buffers[0]  # z_0 is consumed: its storage becomes the new z_{n-1}
         if n == 1:
-            # first order (the common presets): new z_0 = b_1 g - a_1 m = (b_1 - a_1 b_0) g - a_1 z_0, in place in
-            # two passes instead of zero + two adds (the filter's state update is pure memory traffic)
+            # first order (the common presets): new z_0 = b_1 g - a_1 m = (b_1 - a_1 b_0) g - a_1 z_0, in
+            # place in two passes instead of zero + two adds (the filter's state update is pure memory
+            # traffic)
             torch._foreach_mul_(recycled, -a[0])
             torch._foreach_add_(recycled, grads, alpha=b[1] - a[0] * b[0])
             return m, [recycled]
@@ -290,13 +298,14 @@ class LowPassPostprocessor:
             # the state of another filter would be read as this one's (or not fit it): refused before any step
             raise ValueError(
                 f"The checkpoint's low-pass filter is of order {len(buffers)} and this run's of order "
-                f"{self.lowpass.order} (preset/b/a in dp_method_args): resume with the settings the checkpoint was "
-                "written with."
+                f"{self.lowpass.order} (preset/b/a in dp_method_args): resume with the settings the "
+                "checkpoint was written with."
             )
         self.buffers = None if buffers is None else [[z[p] for p in params] for z in buffers]
         saved_scale = state.get("state_scale")  # None: z itself (the general form, and older checkpoints)
         scale = self.lowpass.state_scale if self.scaled_state else None
-        if self.buffers is not None and saved_scale != scale:  # another form: convert (exact when the same form)
+        # another form: convert (exact when the same form)
+        if self.buffers is not None and saved_scale != scale:
             if saved_scale is not None:
                 self.buffers = [torch._foreach_mul(z, saved_scale) for z in self.buffers]
             if scale is not None:
@@ -311,8 +320,8 @@ def check_filter_base(base: str, optimizer: torch.optim.Optimizer, argument: str
         raise ValueError(f"{argument} must be one of {LOWPASS_BASES}, got {base!r}.")
     name = type(optimizer).__name__
     if base == "optimizer" and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        # Measured on SST-2 (docs/results.md): at DP-Adam's tuned lr this collapses to chance, the Adam variant
-        # does not. Allowed (it is still post-processing), but not what the paper does.
+        # Measured on SST-2 (docs/results.md): at DP-Adam's tuned lr this collapses to chance, the Adam
+        # variant does not. Allowed (it is still post-processing), but not what the paper does.
         warnings.warn(
             f"{argument}='optimizer' hands the low-passed gradient to {name}: its beta1-EMA filters it again "
             f"and its second moment is of the filtered gradient, which is not the DOPPLER paper's Adam. For "
@@ -325,10 +334,11 @@ def check_filter_base(base: str, optimizer: torch.optim.Optimizer, argument: str
             g.get("momentum", 0) == 0 and not g.get("nesterov", False) for g in optimizer.param_groups
         )
         if not plain:
-            what = "LP-DPSGD and" if base == "sgd" else f"the {'LP-DPAdamBC' if base == 'adam_bc' else 'LP-DPAdam'} direction itself and"
+            what = ("LP-DPSGD and" if base == "sgd"
+                    else f"the {'LP-DPAdamBC' if base == 'adam_bc' else 'LP-DPAdam'} direction itself and")
             raise ValueError(
-                f"{argument}={base!r} computes {what} needs plain SGD (momentum 0) as the wrapped optimizer, got "
-                f"{name}. Use optim='sgd' in the TrainingArguments (or base=torch.optim.SGD), or "
+                f"{argument}={base!r} computes {what} needs plain SGD (momentum 0) as the wrapped optimizer, "
+                f"got {name}. Use optim='sgd' in the TrainingArguments (or base=torch.optim.SGD), or "
                 f"{argument}='optimizer' to hand the filtered gradient to {name}."
             )
 
@@ -338,9 +348,9 @@ class LowPassConfig(MethodConfig):
     """The low-pass filter settings DOPPLER and DP-PMLF share (their configs extend this one).
 
     ``preset`` names a filter (``FILTER_PRESETS``), ignored when ``b`` is given; ``b``/``a`` are explicit
-    coefficients ``[b_0, ...]``/``[a_1, ...]``; ``base`` is how the filtered gradient is used (``"optimizer"``,
-    ``"sgd"``, ``"adam"`` = LP-DPAdam, ``"adam_bc"`` = LP-DPAdamBC); ``beta2``/``eps`` are the Adam variants'
-    second-moment decay and floor.
+    coefficients ``[b_0, ...]``/``[a_1, ...]``; ``base`` is how the filtered gradient is used
+    (``"optimizer"``, ``"sgd"``, ``"adam"`` = LP-DPAdam, ``"adam_bc"`` = LP-DPAdamBC); ``beta2``/``eps`` are
+    the Adam variants' second-moment decay and floor.
     """
 
     preset: str = "first_order_v1"
@@ -352,23 +362,27 @@ class LowPassConfig(MethodConfig):
 
     @property
     def argument_prefix(self) -> str:
-        """How messages name this method's settings: ``"<method>: <field>"`` (the fields of ``dp_method_args``)."""
+        """How messages name this method's settings: ``"<method>: <field>"`` (the fields of
+        ``dp_method_args``)."""
         return self.name
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "b", as_tuple(self.b))
         object.__setattr__(self, "a", as_tuple(self.a))
         if self.base not in LOWPASS_BASES:
-            raise ValueError(f"{self.argument_prefix}: base must be one of {LOWPASS_BASES}, got {self.base!r}.")
+            raise ValueError(f"{self.argument_prefix}: base must be one of {LOWPASS_BASES}, got "
+                             f"{self.base!r}.")
         self.lowpass_filter()  # validates the filter early
 
     def lowpass_filter(self) -> LowPassFilter:
         return LowPassFilter.resolve(self.preset, self.b, self.a, prefix=self.argument_prefix)
 
     def make_postprocessor(self, optimizer: torch.optim.Optimizer) -> LowPassPostprocessor:
-        """The filter state for ``optimizer``'s parameters (checks that the wrapped optimizer fits ``base``)."""
+        """The filter state for ``optimizer``'s parameters (checks that the wrapped optimizer fits
+        ``base``)."""
         check_filter_base(self.base, optimizer, f"{self.argument_prefix}: base")
         return LowPassPostprocessor(self.lowpass_filter(), base=self.base, beta2=self.beta2, eps=self.eps)
 
 
-__all__ = ["FILTER_PRESETS", "LOWPASS_BASES", "LowPassConfig", "LowPassFilter", "LowPassPostprocessor", "check_filter_base"]
+__all__ = ["FILTER_PRESETS", "LOWPASS_BASES", "LowPassConfig", "LowPassFilter", "LowPassPostprocessor",
+           "check_filter_base"]

@@ -33,7 +33,8 @@ __all__ = ["DPSGDConfig", "Mechanism", "MethodConfig", "NoiseRound", "NoiseSetti
 
 @dataclass(frozen=True)
 class Mechanism:
-    """One Gaussian mechanism: noise std / L2 sensitivity, and its Poisson sample rate (1.0 = not subsampled)."""
+    """One Gaussian mechanism: noise std / L2 sensitivity, and its Poisson sample rate (1.0 = not
+    subsampled)."""
 
     noise_multiplier: float
     sample_rate: float
@@ -41,10 +42,12 @@ class Mechanism:
 
 @dataclass(frozen=True)
 class NoiseRound:
-    """One kind of round a method releases, for the plan's diagnostics (``describe``, the noise-to-signal check).
+    """One kind of round a method releases, for the plan's diagnostics (``describe``, the noise-to-signal
+    check).
 
-    ``noise_to_clip`` is the noise std on the sum scale (sigma x the round's sensitivity) over the largest norm one
-    example's contribution to that round's signal can have: 1 for DP-SGD (noise sigma C, signal clipped to C).
+    ``noise_to_clip`` is the noise std on the sum scale (sigma x the round's sensitivity) over the largest
+    norm one example's contribution to that round's signal can have: 1 for DP-SGD (noise sigma C, signal
+    clipped to C).
     """
 
     label: str
@@ -84,7 +87,8 @@ class MethodConfig:
 
     #: the method's name in the registry (``dp_method``)
     name: ClassVar[str] = ""
-    #: the retired flat names of earlier versions were ``legacy_prefix + field name``: read only to refuse them with
+    #: the retired flat names of earlier versions were ``legacy_prefix + field name``: read only to refuse
+    # them with
     #: the field that replaced them (hf_dpfilter/retired_names.py); never mapped
     legacy_prefix: ClassVar[str] = ""
     #: ``mechanisms(step)`` only depends on ``step % mechanism_period`` (lets long histories be built fast)
@@ -153,10 +157,11 @@ class MethodConfig:
         return [(s, q, n) for (s, q), n in counts.items()]
 
     def noise_rounds(self, noise: NoiseSettings, plan: PrivacyPlan) -> list[NoiseRound]:
-        """The rounds the method releases and the real noise of each (DP-SGD: sigma C over a signal clipped to C).
+        """The rounds the method releases and the real noise of each (DP-SGD: sigma C over a signal clipped to
+        C).
 
-        A method whose noise is scaled to another sensitivity than C, or which alternates kinds of rounds, says so
-        here, so that the plan's diagnostics state the noise that is really added."""
+        A method whose noise is scaled to another sensitivity than C, or which alternates kinds of rounds,
+        says so here, so that the plan's diagnostics state the noise that is really added."""
         return [NoiseRound("every step", 1.0, noise.noise_multiplier, f"C = {plan.max_grad_norm:g}",
                            noise.noise_multiplier)]
 
@@ -171,11 +176,13 @@ class MethodConfig:
     def calibrate(self, target_epsilon: float, delta: float, plan: PrivacyPlan) -> NoiseSettings:
         """The smallest noise (along :meth:`noise_for_scale`) whose run spends at most ``target_epsilon``."""
         if plan.steps is None or plan.sample_rate is None:
-            raise ValueError("Calibrating the noise needs the number of steps and the sample rate of the plan.")
+            raise ValueError("Calibrating the noise needs the number of steps and the sample rate of the "
+                             "plan.")
         unit = self.history(self.noise_for_scale(1.0, plan), plan, plan.steps)
         if unit == [(1.0, float(plan.sample_rate), plan.steps)]:
             # DP-SGD's history (one subsampled Gaussian per step, sigma = scale): its dedicated search
-            scale = calibrate_noise_multiplier(target_epsilon, delta, plan.sample_rate, plan.steps, plan.accountant)
+            scale = calibrate_noise_multiplier(target_epsilon, delta, plan.sample_rate, plan.steps,
+                                               plan.accountant)
             return self.noise_for_scale(scale, plan)
         scale = calibrate_scale(
             lambda z: self.history(self.noise_for_scale(z, plan), plan, plan.steps),

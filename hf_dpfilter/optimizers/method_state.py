@@ -1,10 +1,12 @@
-"""A method's extra state: copied into in place (DTensor-aware), and in a checkpoint with parameter keys replaced by
-their position, and back.
+"""A method's extra state: copied into in place (DTensor-aware), and in a checkpoint with parameter keys
+replaced by their position, and back.
 
-Loaded state keyed by a parameter is placed on that parameter's device (its dtype kept: the methods choose it):
-the Trainer loads ``optimizer.pt`` on the CPU when one GPU trains (``map_location="cpu"``) and torch's optimizers
-move their own state to the parameters, so a method's buffers must follow too (DiSK's in-place look-ahead, DP-PMLF's
-snapshots as parameter values and the filters' state are combined with tensors on the parameters' device)."""
+Loaded state keyed by a parameter is placed on that parameter's device (its dtype kept: the methods choose
+it):
+the Trainer loads ``optimizer.pt`` on the CPU when one GPU trains (``map_location="cpu"``) and torch's
+optimizers move their own state to the parameters, so a method's buffers must follow too (DiSK's in-place
+look-ahead, DP-PMLF's snapshots as parameter values and the filters' state are combined with tensors on the
+parameters' device)."""
 
 from __future__ import annotations
 

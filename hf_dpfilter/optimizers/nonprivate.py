@@ -46,7 +46,8 @@ class NonPrivateOptimizer(DPOptimizer):
             # FSDP2's shards are not in the autograd graph (the forward uses gathered tensors): take the plain
             # sum from the engine, whole-size, which the step reduce-scatters like a clipped sum.
             if engine is None:
-                raise ValueError("Under FSDP2 the non-private path needs the clipping engine: accumulate(engine, ...).")
+                raise ValueError("Under FSDP2 the non-private path needs the clipping engine: "
+                                 "accumulate(engine, ...).")
             with engine.record(batch_size=batch_size):
                 losses = loss_fn(None)
             grads = engine.per_example_gradients(losses)

@@ -9,8 +9,8 @@ parameters and K - 1 stored copies) and weights w_j = beta^j / sum_{l<K} beta^l 
     m_hat_t = DOPPLER filter of vbar_t with bias correction        (hf_dpfilter.optimizers.filters)
     x_{t+1} = BaseOptimizerUpdate(x_t, m_hat_t)                    (the paper: plain SGD)
 
-``pmlf_base`` chooses how m_hat_t is used, as DOPPLER's ``doppler_base``: ``"optimizer"`` (the paper; with SGD)
-or, as an extension not in the PMLF paper, DOPPLER's Adam variants ``"adam"``/``"adam_bc"`` (the filter
+``pmlf_base`` chooses how m_hat_t is used, as DOPPLER's ``doppler_base``: ``"optimizer"`` (the paper; with
+SGD) or, as an extension not in the PMLF paper, DOPPLER's Adam variants ``"adam"``/``"adam_bc"`` (the filter
 replaces Adam's first moment; needs ``optim="sgd"``).
 
 The K forwards run on the same examples with the same dropout masks and are merged per example by the
@@ -56,7 +56,8 @@ class PMLFConfig(LowPassConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if isinstance(self.k, bool) or int(self.k) != self.k or self.k < 1:
-            raise ValueError(f"pmlf: k (the number of parameter points) must be an integer >= 1, got {self.k}.")
+            raise ValueError("pmlf: k (the number of parameter points) must be an integer >= 1, got "
+                             f"{self.k}.")
         if not self.beta >= 0:
             raise ValueError(f"pmlf: beta (the per-sample momentum decay) must be >= 0, got {self.beta}.")
 
@@ -85,8 +86,8 @@ class PMLFOptimizer(DPOptimizer):
         weights = self.point_weights()
         points: Points = [(weights[0], None)]
         params = self.params
-        # each point is differentiable in x (Jacobian I) with value = the stored copy exactly, without a copy, so
-        # an ordinary backward of the combined loss equals the engine's per-example combination
+        # each point is differentiable in x (Jacobian I) with value = the stored copy exactly, without a copy,
+        # so an ordinary backward of the combined loss equals the engine's per-example combination
         for weight, snapshot in zip(weights[1:], self._snapshots):
             points.append((weight, dict(zip(params, with_identity_gradient(params, snapshot)))))
         return points
@@ -116,7 +117,8 @@ class PMLFOptimizer(DPOptimizer):
         if len(state["snapshots"]) > self.k - 1:  # the extra points would be used, silently, at every step
             raise ValueError(
                 f"pmlf: the checkpoint holds {len(state['snapshots'])} parameter snapshots (k >= "
-                f"{len(state['snapshots']) + 1}) and this run has k = {self.k}: resume with the checkpoint's k."
+                f"{len(state['snapshots']) + 1}) and this run has k = {self.k}: resume with the checkpoint's "
+                "k."
             )
         self._snapshots = [[snapshot[p] for p in params] for snapshot in state["snapshots"]]
         self.lowpass.load_state_dict(state["lowpass"], params)

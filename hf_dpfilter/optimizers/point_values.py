@@ -1,4 +1,5 @@
-"""The parameter values of a method's extra gradient points: stored tensors, differentiable in x, never copied.
+"""The parameter values of a method's extra gradient points: stored tensors, differentiable in x, never
+copied.
 
 DiSK's look-ahead point and DP-PMLF's snapshots are handed to the engine as parameter values
 (:meth:`~hf_dpfilter.optimizers.base.DPOptimizer.gradient_points`). Two things hold for them:
@@ -41,8 +42,10 @@ class _IdentityGradient(torch.autograd.Function):
         return grad, None
 
 
-def with_identity_gradient(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors equal to ``values`` (exactly, sharing their storage), differentiable in ``params`` with Jacobian I.
+def with_identity_gradient(params: Sequence[nn.Parameter],
+                           values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors equal to ``values`` (exactly, sharing their storage), differentiable in ``params`` with
+    Jacobian I.
 
     FSDP2's sharded parameters (DTensors) keep the arithmetic form ``value + (p - p.detach())``: the engine
     writes their points into the shards (:mod:`hf_dpfilter.engine.points`) and reads only the values.

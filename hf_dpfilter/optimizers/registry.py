@@ -28,13 +28,16 @@ __all__ = [
     "register_method",
 ]
 
-#: ``dp_method`` -> (its config class, its optimizer class), as ``"module:Name"``. Each is imported on first use:
+#: ``dp_method`` -> (its config class, its optimizer class), as ``"module:Name"``. Each is imported on first
+# use:
 #: a plan needs only the config (DP-SGD's lives in method_config, so the default plan imports no engine).
 _REGISTRY: dict[str, tuple[str, str]] = {
-    "none": ("hf_dpfilter.optimizers.nonprivate:NonPrivateConfig", "hf_dpfilter.optimizers.nonprivate:NonPrivateOptimizer"),
+    "none": ("hf_dpfilter.optimizers.nonprivate:NonPrivateConfig",
+             "hf_dpfilter.optimizers.nonprivate:NonPrivateOptimizer"),
     "dpsgd": ("hf_dpfilter.optimizers.method_config:DPSGDConfig", "hf_dpfilter.optimizers.base:DPOptimizer"),
     "disk": ("hf_dpfilter.optimizers.disk:DiSKConfig", "hf_dpfilter.optimizers.disk:DiSKOptimizer"),
-    "doppler": ("hf_dpfilter.optimizers.doppler:DopplerConfig", "hf_dpfilter.optimizers.doppler:DopplerOptimizer"),
+    "doppler": ("hf_dpfilter.optimizers.doppler:DopplerConfig",
+                "hf_dpfilter.optimizers.doppler:DopplerOptimizer"),
     "pmlf": ("hf_dpfilter.optimizers.pmlf:PMLFConfig", "hf_dpfilter.optimizers.pmlf:PMLFOptimizer"),
     "dicesgd": ("hf_dpfilter.optimizers.dicesgd:DiceSGDConfig", "hf_dpfilter.optimizers.dicesgd:DiceSGD"),
     "diff2": ("hf_dpfilter.optimizers.diff2:Diff2Config", "hf_dpfilter.optimizers.diff2:Diff2"),

@@ -19,7 +19,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
     original_optimizer: torch.optim.Optimizer
 
     def wrap(self, optimizer: torch.optim.Optimizer) -> None:
-        """Wrap ``optimizer``; what ``torch.optim.Optimizer.__init__`` would set (its hooks), without its state."""
+        """Wrap ``optimizer``; what ``torch.optim.Optimizer.__init__`` would set (its hooks), without its
+        state."""
         self.original_optimizer = optimizer
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -71,7 +72,8 @@ def build_base_optimizer(
     """An optimizer instance from a class (constructed on ``params``) or an existing instance."""
     if isinstance(base, torch.optim.Optimizer):
         if base_kwargs:
-            raise ValueError(f"base is an optimizer instance; pass its settings to it, not here: {sorted(base_kwargs)}")
+            raise ValueError("base is an optimizer instance; pass its settings to it, not here: "
+                             f"{sorted(base_kwargs)}")
         return base
     if isinstance(base, type) and issubclass(base, torch.optim.Optimizer):
         return base(params, **base_kwargs)

@@ -1,4 +1,5 @@
-"""Which tensors carry the batch axis: proven by tracing the first recorded forward, never guessed from a shape.
+"""Which tensors carry the batch axis: proven by tracing the first recorded forward, never guessed from a
+shape.
 
 The engine treats a layer call as per example when its input is split by example along the leading axis.
 A shape cannot prove that: a positional table called as ``pos_emb(torch.arange(T))`` returns ``(T, d)``, and
@@ -14,11 +15,12 @@ merged dimension, like one along a plain batch axis, loses it), and marked lost
 (``LOST``) where an operation reduces, concatenates, splits, merges into an earlier dimension or
 advanced-indexes along it, normalises over it (``F.batch_norm`` in training, ``F.normalize``/
 ``cosine_similarity`` along it, ``group_norm``/``instance_norm``/``layer_norm`` whose statistics span it), or
-pairs two batch-derived operands example by example (``h @ h.T``, ``cdist(h, h)``, ``outer``, an einsum keeping
-two batch letters, an operand lost or on another dimension: ``h / h.sum(0)``, ``h + h.T``). Tensors that derive only from parameters, buffers and constants (``arange``
-position ids, bucketed relative positions, a weight matrix) carry no tag, except a constant of leading size 1
-expanded to the batch size (``token_type_ids`` buffers, ``position_ids.expand(B, -1)``): one copy per example,
-batch-first by construction.
+pairs two batch-derived operands example by example (``h @ h.T``, ``cdist(h, h)``, ``outer``, an einsum
+keeping two batch letters, an operand lost or on another dimension: ``h / h.sum(0)``, ``h + h.T``). Tensors
+that derive only from parameters, buffers and constants (``arange`` position ids, bucketed relative positions,
+a weight matrix) carry no tag, except a constant of leading size 1 expanded to the batch size
+(``token_type_ids`` buffers, ``position_ids.expand(B, -1)``): one copy per example, batch-first by
+construction.
 
 A layer call is then:
 
@@ -28,18 +30,19 @@ A layer call is then:
   example, exactly, provided every use of the expanded copy broadcasts it along the batch; an operation that
   mixes or drops its batch axis (``out[0]``, a sum over the examples) refuses the module on the first step;
 * ``MERGED`` -- its input's leading dimension is the batch merged with the dimensions after it (the tag
-  ``(0, k)`` with ``k > 1``: OPT's ``hidden_states.reshape(-1, d)`` before its feed-forward block, BLOOM's attention
-  on ``(B*H, T, D)``): row ``r`` belongs to example ``r // k`` because the tracer followed the views that made the
-  dimension, not because its size is a multiple of the batch. A row-wise layer (Linear, LayerNorm, Embedding, ...)
-  called on it is per example once its input and output gradient are viewed as ``(B, k, ...)``, which the engine
-  does (``k`` is the leading size over the batch size at every step, as the proven views make it);
-* ``SHARED`` -- its output carries no batch axis at all: it derives only from parameters, buffers, constants and
-  shapes (a learned positional table that reads only the shape of its input, as BART's; T5's relative attention
-  bias on bucketed ``arange`` positions), so one tensor serves every example. Its per-example gradient is each
-  example's own gradient of that tensor (:mod:`hf_dpfilter.engine.shared_outputs`), exact whatever the model does
-  with it. Proven only when the module's forward read no values of the batch into Python (``int(x)``,
-  ``x.item()``, ``x.tolist()``, ...: counted in :attr:`BatchAxisTracer.host_reads`), which could make its
-  output depend on the examples' data without a tag;
+  ``(0, k)`` with ``k > 1``: OPT's ``hidden_states.reshape(-1, d)`` before its feed-forward block, BLOOM's
+  attention on ``(B*H, T, D)``): row ``r`` belongs to example ``r // k`` because the tracer followed the views
+  that made the dimension, not because its size is a multiple of the batch. A row-wise layer (Linear,
+  LayerNorm, Embedding, ...) called on it is per example once its input and output gradient are viewed as
+  ``(B, k, ...)``, which the engine does (``k`` is the leading size over the batch size at every step, as the
+  proven views make it);
+* ``SHARED`` -- its output carries no batch axis at all: it derives only from parameters, buffers, constants
+  and shapes (a learned positional table that reads only the shape of its input, as BART's; T5's relative
+  attention bias on bucketed ``arange`` positions), so one tensor serves every example. Its per-example
+  gradient is each example's own gradient of that tensor (:mod:`hf_dpfilter.engine.shared_outputs`), exact
+  whatever the model does with it. Proven only when the module's forward read no values of the batch into
+  Python (``int(x)``, ``x.item()``, ``x.tolist()``, ...: counted in :attr:`BatchAxisTracer.host_reads`), which
+  could make its output depend on the examples' data without a tag;
 * unproven -- anything else. Such a call is recorded but refused, naming the module, as soon as the backward
   shows that it carries gradient; a call whose output gets no gradient (DoRA's weight-norm path, which is
   detached) is harmless and skipped.
@@ -62,7 +65,8 @@ __all__ = ["BATCH", "BROADCAST", "LOST", "MERGED", "SHARED", "BatchAxisTracer"]
 
 BATCH = "batch"
 BROADCAST = "broadcast"
-#: a layer call whose input's leading dimension is the batch merged with the dimensions after it (proven by tracing)
+#: a layer call whose input's leading dimension is the batch merged with the dimensions after it (proven by
+# tracing)
 MERGED = "merged"
 #: a layer call whose output derives from no batch tensor: one output shared by every example (see above)
 SHARED = "shared"
@@ -80,7 +84,8 @@ _REDUCTIONS = {
 _ALONG_DIM = {
     "index_select", "gather", "take_along_dim", "scatter", "scatter_", "scatter_add", "scatter_add_",
     "scatter_reduce", "scatter_reduce_", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill",
-    "index_fill_", "index_reduce", "index_reduce_", "roll", "flip", "narrow", "select", "diff", "cumulative_trapezoid",
+    "index_fill_", "index_reduce", "index_reduce_", "roll", "flip", "narrow", "select", "diff",
+    "cumulative_trapezoid",
 }
 _MATMULS = {"matmul", "mm", "bmm", "__matmul__", "__rmatmul__"}
 #: products of two tensors whose rows pair every row of one with every row of the other (a (B, B) result when
@@ -95,8 +100,10 @@ _SPLITS = {"unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hspl
 _CONCATS = {"cat", "concat", "concatenate"}
 _STACKS = {"stack"}
 #: element-wise operations (names without their operator underscores, or in-place ``_``): they broadcast
-_ELEMENTWISE = {"add", "radd", "iadd", "sub", "rsub", "isub", "mul", "rmul", "imul", "div", "truediv", "rtruediv",
-                "itruediv", "true_divide", "where", "maximum", "minimum", "masked_fill", "addcmul", "addcdiv", "lerp"}
+_ELEMENTWISE = {"add", "radd", "iadd", "sub", "rsub", "isub", "mul", "rmul", "imul", "div", "truediv",
+                "rtruediv",
+                "itruediv", "true_divide", "where", "maximum", "minimum", "masked_fill", "addcmul", "addcdiv",
+                "lerp"}
 _BROADCASTS = {"expand", "broadcast_to", "repeat", "expand_copy"}
 #: reads of a tensor's attributes (``p.device``, ``p.shape``, ``p.dim()``): not uses of its values
 _METADATA_READS = {
@@ -105,7 +112,8 @@ _METADATA_READS = {
     "__repr__", "__format__", "get_device",
 }
 #: operations that read a tensor's values into Python: what is built from them carries no tag
-_HOST_READS = {"item", "tolist", "numpy", "__int__", "__float__", "__index__", "__bool__", "__complex__", "__array__"}
+_HOST_READS = {"item", "tolist", "numpy", "__int__", "__float__", "__index__", "__bool__", "__complex__",
+               "__array__"}
 _RESHAPES = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "ravel", "_unsafe_view"}
 
 
@@ -131,8 +139,8 @@ def _dims_argument(args: tuple, kwargs: dict) -> Any:
 
 
 def dropout_input(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The tensor a dropout call draws a mask over (``F.dropout``/``torch.dropout`` in training with ``p > 0``,
-    the query of ``F.scaled_dot_product_attention`` with ``dropout_p > 0``), or None."""
+    """The tensor a dropout call draws a mask over (``F.dropout``/``torch.dropout`` in training with ``p >
+    0``, the query of ``F.scaled_dot_product_attention`` with ``dropout_p > 0``), or None."""
     import torch.nn.functional as F
 
     def arg(index: int, name: str, default: Any) -> Any:
@@ -164,12 +172,14 @@ class BatchAxisTracer(TorchFunctionMode):
         self.misused: set = set()
         #: how many times values of a batch-derived tensor were read into Python (see ``SHARED``)
         self.host_reads = 0
-        #: a tag was decided from values of this batch (see ``_mask_rows``): the verdicts hold for this step only
+        #: a tag was decided from values of this batch (see ``_mask_rows``): the verdicts hold for this step
+        # only
         self.value_dependent = False
         #: id(parameter) -> (parameter, check): ``check()`` is called at each use of the parameter by a torch
         #: function (the engine checks that it runs inside the module whose rule covers it)
         self.watched: dict[int, tuple[torch.Tensor, Any]] = {}
-        #: (tag, innermost running module) of each input a dropout drew a mask for, in call order: keyed to the
+        #: (tag, innermost running module) of each input a dropout drew a mask for, in call order: keyed to
+        # the
         #: rows of its leading axis, or drawn once for all (an nn.Dropout on a tensor free of the batch) by
         #: hf_dpfilter.randomness.example_keys; the engine refuses any other
         self.dropout_inputs: list[tuple[tuple[int, int] | None, Any]] = []
@@ -178,7 +188,8 @@ class BatchAxisTracer(TorchFunctionMode):
 
     # ---------------------------------------------------------------------------------------- tags
     def tag_of(self, tensor: Any) -> tuple[int, int] | None:
-        """``(axis, inner)`` of ``tensor`` (axis LOST if lost), or None when it does not derive from the batch."""
+        """``(axis, inner)`` of ``tensor`` (axis LOST if lost), or None when it does not derive from the
+        batch."""
         if not isinstance(tensor, torch.Tensor):
             return None
         entry = self._tags.get(id(tensor))
@@ -187,7 +198,8 @@ class BatchAxisTracer(TorchFunctionMode):
         return entry[1], entry[2]
 
     def axis(self, tensor: Any) -> int | None:
-        """The batch axis of ``tensor`` if it is a whole dimension (LOST otherwise), None if not from the batch."""
+        """The batch axis of ``tensor`` if it is a whole dimension (LOST otherwise), None if not from the
+        batch."""
         tag = self.tag_of(tensor)
         if tag is None:
             return None
@@ -220,7 +232,8 @@ class BatchAxisTracer(TorchFunctionMode):
     def mark_broadcast(self, expanded: torch.Tensor, key: Any) -> None:
         """``expanded`` is a broadcast layer output expanded to the batch (one copy per example). Its gradient
         is per example only if every use broadcasts it along the batch; an operation that mixes or drops the
-        batch axis of anything derived from it (``out[0]``, a sum over the batch) puts ``key`` in ``misused``."""
+        batch axis of anything derived from it (``out[0]``, a sum over the batch) puts ``key`` in
+        ``misused``."""
         self.tag(expanded, 0, 1, frozenset([key]))
 
     def _origins_of(self, tensor: torch.Tensor) -> frozenset:
@@ -296,9 +309,11 @@ class BatchAxisTracer(TorchFunctionMode):
         ):
             self.tag(out, 0)
 
-    def _result_tag(self, func: Any, args: tuple, kwargs: dict, tagged: list, result: torch.Tensor) -> tuple[int, int]:
+    def _result_tag(self, func: Any, args: tuple, kwargs: dict, tagged: list,
+                    result: torch.Tensor) -> tuple[int, int]:
         name = getattr(func, "__name__", "")
-        if name == "__get__":  # a property: h.T, h.mT transpose (their getter is named __get__, like h.shape's)
+        # a property: h.T, h.mT transpose (their getter is named __get__, like h.shape's)
+        if name == "__get__":
             name = getattr(getattr(func, "__self__", None), "__name__", name)
         first = args[0] if args else None
         first_tag = self.tag_of(first)
@@ -309,8 +324,8 @@ class BatchAxisTracer(TorchFunctionMode):
         if first_tag is not None and first_tag[0] != LOST:
             if name in _RESHAPES:
                 return self._reshape_tag(first, first_tag, result)
-            # a merged batch (inner > 1) moves, or is lost, with its whole dimension: the same rules hold for it
-            # (reduced or normalised along it, the examples mix)
+            # a merged batch (inner > 1) moves, or is lost, with its whole dimension: the same rules hold for
+            # it (reduced or normalised along it, the examples mix)
             special = self._method_axis(name, first, first_tag[0], args, kwargs, result)
             if special is not None:
                 return (special, first_tag[1]) if special != LOST else (LOST, 1)
@@ -347,8 +362,9 @@ class BatchAxisTracer(TorchFunctionMode):
         for source, (axis, inner) in tagged:
             if axis == LOST:
                 return LOST, 1
-            # an element-wise operation broadcasts from the right: a (B, d) operand of a (L, B, d) result has its
-            # batch on dimension 1 even when L == B (other functions, F.embedding(ids), grow dimensions at the end)
+            # an element-wise operation broadcasts from the right: a (B, d) operand of a (L, B, d) result has
+            # its batch on dimension 1 even when L == B (other functions, F.embedding(ids), grow dimensions at
+            # the end)
             if axis == 0 and result.dim() >= 1 and result.shape[0] == source.shape[0] and not (
                     elementwise and source.dim() < result.dim()):
                 landed.add((0, inner))
@@ -361,8 +377,9 @@ class BatchAxisTracer(TorchFunctionMode):
 
     @staticmethod
     def _stack_tag(args: tuple, kwargs: dict, tagged: list, result: torch.Tensor) -> tuple[int, int]:
-        """``torch.stack(tensors, dim)``: the batch axis moves by one if after ``dim``; LOST unless every batch
-        operand has the same tag (that two tensors stacked for B == 2 make a leading size B says nothing)."""
+        """``torch.stack(tensors, dim)``: the batch axis moves by one if after ``dim``; LOST unless every
+        batch operand has the same tag (that two tensors stacked for B == 2 make a leading size B says
+        nothing)."""
         dim = _normalize(kwargs.get("dim", args[1] if len(args) > 1 else 0), result.dim())
         (axis, inner), *others = {tag for _, tag in tagged}
         return (LOST, 1) if others or axis == LOST else ((axis + 1 if axis >= dim else axis), inner)
@@ -377,10 +394,12 @@ class BatchAxisTracer(TorchFunctionMode):
             return tag_b[0] == contracted
         return False
 
-    def _batched_addmm_tag(self, name: str, args: tuple, kwargs: dict, result: torch.Tensor) -> tuple[int, int] | None:
-        """``input + batch1 @ batch2`` batched over dimension 0 (BLOOM's ``alibi.baddbmm(q, k)``): the product's
-        tag when the added input carries the same one or none; LOST where the batch is contracted, or summed over
-        dimension 0 (``addbmm``); None: the general rule applies (one operand derives from the batch)."""
+    def _batched_addmm_tag(self, name: str, args: tuple, kwargs: dict, result: torch.Tensor) -> tuple[int,
+            int] | None:
+        """``input + batch1 @ batch2`` batched over dimension 0 (BLOOM's ``alibi.baddbmm(q, k)``): the
+        product's tag when the added input carries the same one or none; LOST where the batch is contracted,
+        or summed over dimension 0 (``addbmm``); None: the general rule applies (one operand derives from the
+        batch)."""
         added = args[0]
         batch1 = args[1] if len(args) > 1 else kwargs.get("batch1")
         batch2 = args[2] if len(args) > 2 else kwargs.get("batch2")
@@ -397,13 +416,14 @@ class BatchAxisTracer(TorchFunctionMode):
 
     def _pairs_batches(self, name: str, a: Any, b: Any, result: torch.Tensor) -> tuple[int, int] | None:
         """The tag of a product of two batch-derived operands: where their batch axes land in its result (LOST
-        when they land on two dimensions: ``h @ h.T``, ``cdist(h, h)``, ``outer(h, h)`` pair every example with
-        every other); None unless both operands carry a batch axis. A batch merged with other dimensions (tag
-        ``(axis, k)``, k > 1) is kept only on a batched (leading, non-matrix) dimension of both operands, with the
-        same k and size: ``bmm`` over BLOOM's ``(B*H, T, T) @ (B*H, T, D)``, or DeBERTa's ``(B*heads, T, D)``
-        queries and keys, pairs row i with row i."""
+        when they land on two dimensions: ``h @ h.T``, ``cdist(h, h)``, ``outer(h, h)`` pair every example
+        with every other); None unless both operands carry a batch axis. A batch merged with other dimensions
+        (tag ``(axis, k)``, k > 1) is kept only on a batched (leading, non-matrix) dimension of both operands,
+        with the same k and size: ``bmm`` over BLOOM's ``(B*H, T, T) @ (B*H, T, D)``, or DeBERTa's ``(B*heads,
+        T, D)`` queries and keys, pairs row i with row i."""
         tag_a, tag_b = self.tag_of(a), self.tag_of(b)
-        if tag_a is None or tag_b is None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        if tag_a is None or tag_b is None or not isinstance(a, torch.Tensor) or not isinstance(b,
+                                                                                               torch.Tensor):
             return None
         if LOST in (tag_a[0], tag_b[0]):
             return LOST, 1
@@ -462,7 +482,8 @@ class BatchAxisTracer(TorchFunctionMode):
         letter = letters.pop()
         return output.index(letter) if letter in output else LOST
 
-    def _reshape_tag(self, source: torch.Tensor, tag: tuple[int, int], result: torch.Tensor) -> tuple[int, int]:
+    def _reshape_tag(self, source: torch.Tensor, tag: tuple[int, int], result: torch.Tensor) -> tuple[int,
+                                                                                                      int]:
         """The tag after a view/reshape: the batch stays the major part of the result dimension whose outer
         dimensions hold as many elements as the source's outer dimensions (see the class docstring)."""
         axis, _ = tag
@@ -482,7 +503,8 @@ class BatchAxisTracer(TorchFunctionMode):
     def _method_axis(
         self, name: str, source: torch.Tensor, axis: int, args: tuple, kwargs: dict, result: torch.Tensor
     ) -> int | None:
-        """The batch axis after an operation that moves, removes or mixes it; None: the general rule applies."""
+        """The batch axis after an operation that moves, removes or mixes it; None: the general rule
+        applies."""
         ndim = source.dim()
         if name in _TRANSPOSES:
             dims = [kwargs.get("dim0", args[1] if len(args) > 1 else None),
@@ -516,14 +538,15 @@ class BatchAxisTracer(TorchFunctionMode):
             order = [next(rest) if o is None else o for o in order]
             return order.index(axis)
         if name in _BATCH_NORMS:
-            # F.batch_norm(input, running_mean, running_var, weight, bias, training, ...) and torch.batch_norm(input,
-            # weight, bias, running_mean, running_var, training, ...): in training, statistics over every dimension
-            # but 1 (the channels), so over the examples unless the batch axis is the channel axis
+            # F.batch_norm(input, running_mean, running_var, weight, bias, training, ...) and
+            # torch.batch_norm(input, weight, bias, running_mean, running_var, training, ...): in training,
+            # statistics over every dimension but 1 (the channels), so over the examples unless the batch axis
+            # is the channel axis
             training = kwargs.get("training", args[5] if len(args) > 5 else False)
             return LOST if training and axis != 1 else None
         if name in ("group_norm", "instance_norm"):  # (_STATISTICS_ALONG)
-            # statistics per entry of dimension 0 (and, for instance_norm, of the channels): examples mix unless
-            # the batch axis is dimension 0 (instance_norm: 0 or 1)
+            # statistics per entry of dimension 0 (and, for instance_norm, of the channels): examples mix
+            # unless the batch axis is dimension 0 (instance_norm: 0 or 1)
             return LOST if axis != 0 and not (name == "instance_norm" and axis == 1) else None
         if name == "layer_norm":
             shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
@@ -574,11 +597,12 @@ class BatchAxisTracer(TorchFunctionMode):
         return None
 
     def _mask_rows(self, source: torch.Tensor, index: Any) -> int | None:
-        """``x[mask]`` with a boolean mask over ``x``'s leading dimensions that selects the same number ``k`` of
-        entries in every example (BART's classification head picks each example's ``<eos>`` states this way): the
-        result's rows are example by example, ``k`` each, so the batch is the major part of its first dimension.
-        Checked on the values, which another batch may not repeat: the engine traces every step that relies on
-        it again (``value_dependent``). None otherwise (the general rule marks it lost)."""
+        """``x[mask]`` with a boolean mask over ``x``'s leading dimensions that selects the same number ``k``
+        of entries in every example (BART's classification head picks each example's ``<eos>`` states this
+        way): the result's rows are example by example, ``k`` each, so the batch is the major part of its
+        first dimension. Checked on the values, which another batch may not repeat: the engine traces every
+        step that relies on it again (``value_dependent``). None otherwise (the general rule marks it
+        lost)."""
         items = index if isinstance(index, tuple) else (index,)
         mask = items[0]
         if (
@@ -600,8 +624,9 @@ class BatchAxisTracer(TorchFunctionMode):
         advanced = [i for i, item in enumerate(items) if isinstance(item, (torch.Tensor, list))]
         if axis == 0 and advanced and advanced[0] == 0 and advanced == list(range(len(advanced))):
             # x[torch.arange(B), lengths - 1]: one row per example, in order (checked on the values, once)
-            # (or transformers' mask functions' padding_mask[arange(B).view(B, 1, 1, 1), kv_idx]: the other indices
-            # have no more dimensions, so the broadcast's leading one is the rows': each example reads its own row)
+            # (or transformers' mask functions' padding_mask[arange(B).view(B, 1, 1, 1), kv_idx]: the other
+            # indices have no more dimensions, so the broadcast's leading one is the rows': each example reads
+            # its own row)
             rows = items[0]
             if (
                 isinstance(rows, torch.Tensor)

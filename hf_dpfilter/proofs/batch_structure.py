@@ -13,9 +13,9 @@ example two and three times, and classifies every key by how it follows the numb
 * ``boundaries``: FlashAttention's ``cu_seq_lens_*``/``max_length_*`` and ``seq_idx`` of a packed batch,
   recomputed for each micro-batch's own examples.
 
-Every copy's row (or packed segment) of a per-example (per-token) key must equal the example collated alone, and
-so must each row of a batch of two different examples (up to padding): a value computed over the batch (weights
-normalised by the batch size or by its longest example) is refused with its key.
+Every copy's row (or packed segment) of a per-example (per-token) key must equal the example collated alone,
+and so must each row of a batch of two different examples (up to padding): a value computed over the batch
+(weights normalised by the batch size or by its longest example) is refused with its key.
 
 Any other behaviour is refused with the key's name: its relation to the examples is not declared. Nothing
 computed here leaves the process: the probe only reads the structure of one training example's collation
@@ -69,10 +69,10 @@ class BatchStructure:
         unknown = sorted(set(batch) - self.keys)
         if unknown:
             raise BatchStructureError(
-                f"The training batch has keys {unknown} that the collator did not produce when its structure was "
-                f"probed (per example: {sorted(self.per_example)}, packed per token: {sorted(self.per_token)}, "
-                f"shared: {sorted(self.shared)}): which of them carry the example axis is not declared. Make the "
-                "collator return the same keys for every batch."
+                f"The training batch has keys {unknown} that the collator did not produce when its structure "
+                f"was probed (per example: {sorted(self.per_example)}, packed per token: "
+                f"{sorted(self.per_token)}, shared: {sorted(self.shared)}): which of them carry the example "
+                "axis is not declared. Make the collator return the same keys for every batch."
             )
 
     # ------------------------------------------------------------------------------- micro-batches
@@ -118,21 +118,22 @@ class BatchStructure:
         mask = inputs.get("attention_mask")
         if mask is not None and "attention_mask" in self.per_token:
             raise PackingError(
-                "A packed batch (several examples per row) with an `attention_mask`: transformers then builds the "
-                "attention from the mask alone and ignores the restarts of `position_ids`, so every example would "
-                "attend to the others in its row. Drop the attention mask from the packed batch (as "
-                "DataCollatorWithFlattening does)."
+                "A packed batch (several examples per row) with an `attention_mask`: transformers then "
+                "builds the attention from the mask alone and ignores the restarts of `position_ids`, so "
+                "every example would attend to the others in its row. Drop the attention mask from the "
+                "packed batch (as DataCollatorWithFlattening does)."
             )
         layout = PackedLayout.from_position_ids(inputs["position_ids"])
         layout.check_flash_boundaries(inputs)
         if num_examples is not None and layout.num_examples != num_examples:
             raise PackingError(
                 f"The collator was given {num_examples} examples but `position_ids` restart "
-                f"{layout.num_examples} times: the packed rows do not hold one segment per example (a row the "
-                "data set already packed, whose `position_ids` restart inside it; an example split across rows; or "
-                "two examples whose positions continue each other). The sampler draws rows, so each must be one "
-                "segment: pack after sampling (one example per row, with DataCollatorWithFlattening or "
-                "DPSFTTrainer's packing=True), or use a padding collator (a row is then one example)."
+                f"{layout.num_examples} times: the packed rows do not hold one segment per example (a row "
+                "the data set already packed, whose `position_ids` restart inside it; an example split "
+                "across rows; or two examples whose positions continue each other). The sampler draws rows, "
+                "so each must be one segment: pack after sampling (one example per row, with "
+                "DataCollatorWithFlattening or DPSFTTrainer's packing=True), or use a padding collator (a "
+                "row is then one example)."
             )
         for key in self.per_token:
             value = inputs.get(key)
@@ -147,7 +148,8 @@ class BatchStructure:
             micro: dict[str, Any] = {}
             for key, value in inputs.items():
                 if key in self.per_token:
-                    micro[key] = torch.cat([value[row : row + 1, start:stop] for row, start, stop in spans], dim=1)
+                    micro[key] = torch.cat([value[row : row + 1, start:stop] for row, start, stop in spans],
+                                           dim=1)
                 elif key in self.shared:
                     micro[key] = value
             micro_labels = torch.cat([labels[row : row + 1, start:stop] for row, start, stop in spans], dim=1)
@@ -160,8 +162,10 @@ class BatchStructure:
         return out
 
 
-def _boundaries(inputs: dict[str, Any], keys: frozenset[str], lengths: list[int], device: torch.device) -> dict:
-    """FlashAttention's boundary arguments and ``seq_idx`` for a micro-batch of examples of these lengths (one row)."""
+def _boundaries(inputs: dict[str, Any], keys: frozenset[str], lengths: list[int],
+                device: torch.device) -> dict:
+    """FlashAttention's boundary arguments and ``seq_idx`` for a micro-batch of examples of these lengths (one
+    row)."""
     out: dict[str, Any] = {}
     cumulative = [0]
     for length in lengths:
@@ -193,11 +197,12 @@ def _same(a: Any, b: Any) -> bool:
 def _check_rows_are_their_examples(batches: list[dict[str, Any]], per_example: set, per_token: set) -> None:
     """Each copy's row (or packed segment) must be what the example gets collated alone.
 
-    A value computed over the batch (weights normalised by the number of examples or of tokens, a rank within the
-    batch) follows the number of examples like a per-example value, but an example's row then depends on the
-    others: the micro-batches and the first-step check (which slices the batch) would carry that dependence
-    unseen. Copies of one example make it visible without comparing padded rows of different lengths. (Keys the
-    collator draws at random, e.g. masked-LM masking, are left out: their rows differ by design.)
+    A value computed over the batch (weights normalised by the number of examples or of tokens, a rank within
+    the batch) follows the number of examples like a per-example value, but an example's row then depends on
+    the others: the micro-batches and the first-step check (which slices the batch) would carry that
+    dependence unseen. Copies of one example make it visible without comparing padded rows of different
+    lengths. (Keys the collator draws at random, e.g. masked-LM masking, are left out: their rows differ by
+    design.)
     """
     one = batches[0]
     for n, batch in zip((2, 3), batches[1:]):
@@ -210,20 +215,22 @@ def _check_rows_are_their_examples(batches: list[dict[str, Any]], per_example: s
                 parts = [value[:, k * width : (k + 1) * width] for k in range(n)]
             if not all(_same(part, alone) for part in parts):
                 raise BatchStructureError(
-                    f"The collator's '{key}' for an example collated with {n - 1} copies of itself differs from its "
-                    "value when the example is collated alone: it is computed over the batch (e.g. weights "
-                    "normalised by the number of examples or tokens), so each example's row depends on the others "
-                    "in its Poisson batch, which per-example clipping does not bound. Compute it from each example "
-                    "alone in the collator, or in compute_per_example_loss from that example's own inputs."
+                    f"The collator's '{key}' for an example collated with {n - 1} copies of itself differs "
+                    "from its value when the example is collated alone: it is computed over the batch (e.g. "
+                    "weights normalised by the number of examples or tokens), so each example's row depends "
+                    "on the others in its Poisson batch, which per-example clipping does not bound. Compute "
+                    "it from each example alone in the collator, or in compute_per_example_loss from that "
+                    "example's own inputs."
                 )
 
 
 def _same_up_to_padding(row: torch.Tensor, alone: torch.Tensor) -> bool:
-    """``row`` (an example's row in a padded batch) equals ``alone`` on the columns they share, padded on the right
-    or on the left."""
+    """``row`` (an example's row in a padded batch) equals ``alone`` on the columns they share, padded on the
+    right or on the left."""
     if not isinstance(row, torch.Tensor) or not isinstance(alone, torch.Tensor):
         return _same(row, alone)
-    if row.shape == alone.shape or row.dim() < 2 or row.shape[2:] != alone.shape[2:] or row.shape[0] != alone.shape[0]:
+    if (row.shape == alone.shape or row.dim() < 2 or row.shape[2:] != alone.shape[2:]
+        or row.shape[0] != alone.shape[0]):
         return _same(row, alone)
     width = min(row.shape[1], alone.shape[1])
     return _same(row[:, :width], alone[:, :width]) or _same(row[:, -width:], alone[:, -width:])
@@ -232,8 +239,9 @@ def _same_up_to_padding(row: torch.Tensor, alone: torch.Tensor) -> bool:
 def _check_pair(
     collate_fn: Callable[[list], dict[str, Any]], example: Any, other: Any, per_example: set, per_token: set
 ) -> None:
-    """Two different examples: each one's row (segment) in their batch is its collation alone, up to padding. Catches
-    values normalised by the batch's content (e.g. by its longest example), which copies of one example cannot."""
+    """Two different examples: each one's row (segment) in their batch is its collation alone, up to padding.
+    Catches values normalised by the batch's content (e.g. by its longest example), which copies of one
+    example cannot."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
         alone = [dict(collate_fn([example])), dict(collate_fn([other]))]
@@ -250,25 +258,26 @@ def _check_pair(
             same = _same(value[:, :width], alone[0][key]) and _same(value[:, width:], alone[1][key])
         if not same:
             raise BatchStructureError(
-                f"The collator's '{key}' for an example collated with another differs from its value when the example "
-                "is collated alone (beyond padding): it is computed over the batch (e.g. normalised by the longest "
-                "example or the total of tokens), so each example's row depends on the others in its Poisson batch, "
-                "which per-example clipping does not bound. Compute it from each example alone in the collator, or in "
-                "compute_per_example_loss from that example's own inputs."
+                f"The collator's '{key}' for an example collated with another differs from its value when "
+                "the example is collated alone (beyond padding): it is computed over the batch (e.g. "
+                "normalised by the longest example or the total of tokens), so each example's row depends on "
+                "the others in its Poisson batch, which per-example clipping does not bound. Compute it from "
+                "each example alone in the collator, or in compute_per_example_loss from that example's own "
+                "inputs."
             )
 
 
 def probe_batch_structure(
     collate_fn: Callable[[list], dict[str, Any]], example: Any, other: Any = None
 ) -> BatchStructure:
-    """Collate ``example`` 1, 2 and 3 times and classify every key (see the module docstring); with ``other`` (a
-    second example), also check that each example's row in a batch of the two is its collation alone."""
+    """Collate ``example`` 1, 2 and 3 times and classify every key (see the module docstring); with ``other``
+    (a second example), also check that each example's row in a batch of the two is its collation alone."""
     batches = [dict(collate_fn([example] * n)) for n in (1, 2, 3)]
     keys = set(batches[0])
     if any(set(b) != keys for b in batches[1:]):
         raise BatchStructureError(
-            "The collator returns different keys for 1, 2 and 3 examples: which tensors carry the example axis "
-            "cannot be established."
+            "The collator returns different keys for 1, 2 and 3 examples: which tensors carry the example "
+            "axis cannot be established."
         )
     per_example, per_token, shared, boundaries, unknown = set(), set(), set(), set(), []
     packed = any(
@@ -297,16 +306,17 @@ def probe_batch_structure(
     not_torch = [k for k in unknown if isinstance(batches[0][k], (np.ndarray, list, tuple))]
     if not_torch:
         raise BatchStructureError(
-            f"Collated keys {not_torch} are {type(batches[0][not_torch[0]]).__name__}s, not torch tensors: the "
-            "Trainer moves only tensors to the device and the model cannot take them, and which row belongs to "
-            "which example is read from tensors. Return torch tensors from the collator (return_tensors='pt', "
-            "the default of transformers' collators)."
+            f"Collated keys {not_torch} are {type(batches[0][not_torch[0]]).__name__}s, not torch tensors: "
+            "the Trainer moves only tensors to the device and the model cannot take them, and which row "
+            "belongs to which example is read from tensors. Return torch tensors from the collator "
+            "(return_tensors='pt', the default of transformers' collators)."
         )
     if unknown:
         raise BatchStructureError(
-            f"Collated keys {unknown} follow the number of examples in no declared way (not one row per example, "
-            "not packed along the tokens of one row, not shared): which part of them belongs to which example "
-            "is unknown, so micro-batches cannot be cut from them. Leave them out of the collator's output."
+            f"Collated keys {unknown} follow the number of examples in no declared way (not one row per "
+            "example, not packed along the tokens of one row, not shared): which part of them belongs to "
+            "which example is unknown, so micro-batches cannot be cut from them. Leave them out of the "
+            "collator's output."
         )
     if "labels" in keys and "labels" not in per_example | per_token:
         raise BatchStructureError("The collator's `labels` do not carry the example axis.")
@@ -316,7 +326,8 @@ def probe_batch_structure(
             "example: a batch is either packed or one example per row."
         )
     # keys drawn at random by the collator (masked-LM masking) differ between copies by design: not compared
-    drawn = random_keys(collate_fn, example, keys) | (random_keys(collate_fn, other, keys) if other is not None else set())
+    drawn = random_keys(collate_fn, example,
+                        keys) | (random_keys(collate_fn, other, keys) if other is not None else set())
     _check_rows_are_their_examples(batches, per_example - drawn, per_token - drawn)
     if other is not None:
         _check_pair(collate_fn, example, other, per_example - drawn, per_token - drawn)
@@ -324,28 +335,31 @@ def probe_batch_structure(
     if "position_ids" in per_token:
         start = int(batches[0]["position_ids"].reshape(-1)[0])
     return BatchStructure(
-        frozenset(per_example), frozenset(per_token), frozenset(shared), frozenset(boundaries), position_start=start,
+        frozenset(per_example), frozenset(per_token), frozenset(shared), frozenset(boundaries),
+        position_start=start,
         random=frozenset(drawn & (per_example | per_token)),
     )
 
 
-#: copies of the example and seeds the random-key probe collates: a mask drawn with probability 0.15 per token on
+#: copies of the example and seeds the random-key probe collates: a mask drawn with probability 0.15 per token
+# on
 #: a short example is often empty in one collation of one copy (two such collations then agree by chance); 16
 #: copies under 4 seeds make a chance agreement negligible
 _RANDOM_PROBE_COPIES, _RANDOM_PROBE_SEEDS = 16, 4
 
 
 def random_keys(collate_fn: Callable[[list], dict[str, Any]], example: Any, keys: set) -> set:
-    """The keys whose collation of the same examples differs between seeds (torch's; Python's and NumPy's streams
-    are not seeded here, so a collator drawing from them differs too). The run's random streams are restored."""
+    """The keys whose collation of the same examples differs between seeds (torch's; Python's and NumPy's
+    streams are not seeded here, so a collator drawing from them differs too). The run's random streams are
+    restored."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]):
             draws = []
             for seed in range(_RANDOM_PROBE_SEEDS):
-                # the CPU generator only, the one forked above (collators draw on the CPU): torch.manual_seed would
-                # also re-seed every CUDA generator, unrestored, and on a CPU-only build queue a call with a
-                # formatted stack per device type (~1 ms each, most of this probe's cost)
+                # the CPU generator only, the one forked above (collators draw on the CPU): torch.manual_seed
+                # would also re-seed every CUDA generator, unrestored, and on a CPU-only build queue a call
+                # with a formatted stack per device type (~1 ms each, most of this probe's cost)
                 torch.random.default_generator.manual_seed(seed)
                 draws.append(dict(collate_fn([example] * _RANDOM_PROBE_COPIES)))
     finally:

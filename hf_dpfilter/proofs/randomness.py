@@ -2,18 +2,19 @@
 
 An example's loss in its micro-batch and its loss re-collated alone must be the *same function* for the
 comparison to prove anything, and it must be the function training computes: a module may couple examples in
-training mode only (batch statistics, ``x - x.mean(0)`` under ``self.training``), which eval mode would hide. So
-the checks run in training mode with two changes, both exact for what they compare:
+training mode only (batch statistics, ``x - x.mean(0)`` under ``self.training``), which eval mode would hide.
+So the checks run in training mode with two changes, both exact for what they compare:
 
-* dropout is off: the ``nn.Dropout`` modules, and the dropout probabilities attention kernels read at call time
-  (transformers' BERT passes ``self.dropout.p`` and GPT-2 ``self.attn_dropout.p`` to SDPA, Llama its float
-  ``self.attention_dropout``, BLOOM its float ``self.hidden_dropout`` to ``dropout_add``, BART its
+* dropout is off: the ``nn.Dropout`` modules, and the dropout probabilities attention kernels read at call
+  time (transformers' BERT passes ``self.dropout.p`` and GPT-2 ``self.attn_dropout.p`` to SDPA, Llama its
+  float ``self.attention_dropout``, BLOOM its float ``self.hidden_dropout`` to ``dropout_add``, BART its
   ``self.activation_dropout``: any float attribute named as a dropout probability), and the dropout
   probabilities of the model's configs, which some families read at call time (Falcon's decoder layer passes
-  ``self.config.attention_dropout`` and ``self.config.hidden_dropout`` to ``dropout_add``). Dropout draws a mask element by element: it cannot carry one example's data into
-  another's outputs, so turning it off in both forwards hides no coupling;
-* every forward runs on a forked global RNG seeded with the same seed, so that whatever randomness remains draws
-  the same numbers in the batch and alone, and the run's own random stream is left untouched.
+  ``self.config.attention_dropout`` and ``self.config.hidden_dropout`` to ``dropout_add``). Dropout draws a
+  mask element by element: it cannot carry one example's data into another's outputs, so turning it off in
+  both forwards hides no coupling;
+* every forward runs on a forked global RNG seeded with the same seed, so that whatever randomness remains
+  draws the same numbers in the batch and alone, and the run's own random stream is left untouched.
 
 Whatever is still random after that (two seeds give different in-batch losses: a mixup hook with a random
 lambda, router jitter, stochastic depth) cannot be compared and may mix examples: the run is refused by
@@ -31,14 +32,18 @@ from torch import nn
 
 __all__ = ["TrainingRandomnessError", "check_deterministic", "checking_forward", "dropout_free", "same_draws"]
 
-#: float attributes that attention implementations read as their dropout probability at call time (and any float
-#: attribute whose name ends as in :data:`CONFIG_DROPOUT_ENDINGS`: BART's ``activation_dropout``, ``resid_pdrop``)
+#: float attributes that attention implementations read as their dropout probability at call time (and any
+# float
+#: attribute whose name ends as in :data:`CONFIG_DROPOUT_ENDINGS`: BART's ``activation_dropout``,
+# ``resid_pdrop``)
 KERNEL_DROPOUT_ATTRIBUTES = (
-    "attention_dropout", "attn_dropout", "attn_drop", "dropout", "dropout_p", "dropout_prob", "attention_dropout_p",
+    "attention_dropout", "attn_dropout", "attn_drop", "dropout", "dropout_p", "dropout_prob",
+    "attention_dropout_p",
     "hidden_dropout",
 )
 #: endings of a config field that holds a dropout probability (``attention_dropout``, ``hidden_dropout_prob``,
-#: ``resid_pdrop``, ``dropout_rate``); a stochastic-depth rate (``layerdrop``, ``drop_path_rate``) is not one of
+#: ``resid_pdrop``, ``dropout_rate``); a stochastic-depth rate (``layerdrop``, ``drop_path_rate``) is not one
+# of
 #: them: it drops whole layers for the whole micro-batch and stays random, so the two-seed check refuses it
 CONFIG_DROPOUT_ENDINGS = ("dropout", "dropout_prob", "dropout_rate", "dropout_p", "pdrop")
 #: parts of a config field's name that set randomness other than dropout, named in the refusal when non-zero
@@ -46,7 +51,8 @@ CONFIG_DROPOUT_ENDINGS = ("dropout", "dropout_prob", "dropout_rate", "dropout_p"
 CONFIG_RANDOMNESS_NAMES = ("jitter", "layerdrop", "drop_path", "stochastic_depth")
 
 
-#: True inside a checking forward of a model whose dropout it turned off: a proof the engine concludes there saw
+#: True inside a checking forward of a model whose dropout it turned off: a proof the engine concludes there
+# saw
 #: none of the training forward's dropout calls, so it proves again on the next recorded forward
 #: (hf_dpfilter.randomness.example_keys keys each dropout by the proof's verdict)
 DROPOUT_TURNED_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("dropout_turned_off", default=False)
@@ -58,8 +64,8 @@ class TrainingRandomnessError(RuntimeError):
 
 @contextlib.contextmanager
 def checking_forward(model: nn.Module) -> Iterator[None]:
-    """Dropout off (modules, kernel probabilities and the configs' dropout probabilities), every other module left
-    in its training mode; restored."""
+    """Dropout off (modules, kernel probabilities and the configs' dropout probabilities), every other module
+    left in its training mode; restored."""
     modes: list[tuple[nn.Module, bool]] = []
     probabilities: list[tuple[object, str, float]] = []
     token = DROPOUT_TURNED_OFF.set(DROPOUT_TURNED_OFF.get() or not dropout_free(model))
@@ -69,7 +75,8 @@ def checking_forward(model: nn.Module) -> Iterator[None]:
                 modes.append((module, module.training))
                 probabilities.append((module, "p", module.p))
                 module.training, module.p = False, 0.0
-            names = {k for k in vars(module) if k.endswith(CONFIG_DROPOUT_ENDINGS)} | set(KERNEL_DROPOUT_ATTRIBUTES)
+            names = {k for k in vars(module)
+                     if k.endswith(CONFIG_DROPOUT_ENDINGS)} | set(KERNEL_DROPOUT_ATTRIBUTES)
             _zero(module, sorted(names), probabilities)
         for config in _configs(model):
             _zero(config, [k for k in vars(config) if k.endswith(CONFIG_DROPOUT_ENDINGS)], probabilities)
@@ -83,7 +90,8 @@ def checking_forward(model: nn.Module) -> Iterator[None]:
 
 
 def _configs(model: nn.Module) -> list[object]:
-    """The configs the model's modules hold (``module.config`` and its sub-configs, such as ``text_config``), once."""
+    """The configs the model's modules hold (``module.config`` and its sub-configs, such as ``text_config``),
+    once."""
     found: dict[int, object] = {}
     pending = [getattr(module, "config", None) for module in model.modules()]
     while pending:
@@ -96,7 +104,8 @@ def _configs(model: nn.Module) -> list[object]:
 
 
 def _random_config_fields(model: nn.Module) -> list[str]:
-    """``name=value`` for each non-zero float field of the model's configs that sets randomness other than dropout."""
+    """``name=value`` for each non-zero float field of the model's configs that sets randomness other than
+    dropout."""
     return sorted({
         f"{name}={value}" for config in _configs(model) for name, value in vars(config).items()
         if any(part in name for part in CONFIG_RANDOMNESS_NAMES) and isinstance(value, float) and value != 0.0
@@ -104,7 +113,8 @@ def _random_config_fields(model: nn.Module) -> list[str]:
 
 
 def _zero(owner: object, names: Iterable[str], probabilities: list[tuple[object, str, float]]) -> None:
-    """Set each float attribute of ``owner`` named in ``names`` to 0, recording its value in ``probabilities``."""
+    """Set each float attribute of ``owner`` named in ``names`` to 0, recording its value in
+    ``probabilities``."""
     for name in names:
         value = vars(owner).get(name)  # plain attributes only (a submodule lives in _modules)
         if isinstance(value, float) and not isinstance(value, bool) and value != 0.0:
@@ -113,7 +123,8 @@ def _zero(owner: object, names: Iterable[str], probabilities: list[tuple[object,
 
 
 def _nonzero(owner: object, names: Iterable[str]) -> bool:
-    """Whether a float attribute of ``owner`` named in ``names`` is non-zero (what :func:`_zero` would change)."""
+    """Whether a float attribute of ``owner`` named in ``names`` is non-zero (what :func:`_zero` would
+    change)."""
     for name in names:
         value = vars(owner).get(name)
         if isinstance(value, float) and not isinstance(value, bool) and value != 0.0:
@@ -123,17 +134,20 @@ def _nonzero(owner: object, names: Iterable[str]) -> bool:
 
 def dropout_free(model: nn.Module) -> bool:
     """Whether the training forward draws no dropout: no dropout module in training mode with ``p > 0`` and no
-    non-zero dropout probability among the modules' attributes (the names :func:`checking_forward` zeroes). Then the
-    training forward is the checking forward, and its losses can stand for the re-check's in-batch forward.
+    non-zero dropout probability among the modules' attributes (the names :func:`checking_forward` zeroes).
+    Then the training forward is the checking forward, and its losses can stand for the re-check's in-batch
+    forward.
 
     The configs' fields are not read here (a config keeps fields no module of the model uses, e.g. GPT-2's
-    ``summary_first_dropout``). A dropout read from a config at call time and missed here costs no privacy: the
-    training losses then differ from the example alone, the two-seed check of the mismatch finds the checking
-    forward deterministic, and the step is refused (a false refusal, with its message), never released."""
+    ``summary_first_dropout``). A dropout read from a config at call time and missed here costs no privacy:
+    the training losses then differ from the example alone, the two-seed check of the mismatch finds the
+    checking forward deterministic, and the step is refused (a false refusal, with its message), never
+    released."""
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p != 0.0:
             return False
-        names = {k for k in vars(module) if k.endswith(CONFIG_DROPOUT_ENDINGS)} | set(KERNEL_DROPOUT_ATTRIBUTES)
+        names = {k for k in vars(module)
+                 if k.endswith(CONFIG_DROPOUT_ENDINGS)} | set(KERNEL_DROPOUT_ATTRIBUTES)
         if _nonzero(module, names):
             return False
     return True
@@ -146,7 +160,8 @@ def _cuda_devices(model: nn.Module) -> list[int]:
 @contextlib.contextmanager
 def same_draws(model: nn.Module, seed: int) -> Iterator[None]:
     """Run the block on a forked global RNG (CPU and the model's CUDA devices) seeded with ``seed``; the run's
-    own stream is restored afterwards, so seeded runs draw the same dropout masks with or without the checks."""
+    own stream is restored afterwards, so seeded runs draw the same dropout masks with or without the
+    checks."""
     with torch.random.fork_rng(devices=_cuda_devices(model)):
         torch.manual_seed(seed)
         yield
@@ -165,18 +180,21 @@ def check_deterministic(
         return first  # a shape or a non-finite loss: the comparison that follows reports it
     if float((first - second).abs().max()) > 1e-6 * float(first.abs().max()) + 1e-12:
         fields = _random_config_fields(model)
-        named = f" The model's config sets {', '.join(fields)}: set it to 0 for private training." if fields else ""
+        named = (f" The model's config sets {', '.join(fields)}: set it to 0 for private training." if fields
+                 else "")
         raise TrainingRandomnessError(
-            f"The training forward of {where} is random even with dropout off: two random seeds give different "
-            "per-example losses for the same micro-batch (a forward hook or module drawing random numbers, such as "
-            "mixup with a random lambda that mixes the examples of a micro-batch, router jitter, stochastic depth). "
-            "Randomness shared by the examples of a micro-batch can mix them, and an example's loss in the batch "
-            "cannot be compared with its loss alone, so the run is refused before any step is released. Fix: remove "
-            "the random module or hook from training, make its randomness element-wise and independent of the other "
-            "examples (nn.Dropout is fine: it is turned off while checking), or mix examples only within each "
-            "example's own data. A dropout whose probability is read from elsewhere than an nn.Dropout, a float "
-            "attribute of its module or a field of the model's config named as a dropout probability (ending in "
-            "'dropout', 'dropout_p', 'dropout_prob', 'dropout_rate' or 'pdrop', or listed in hf_dpfilter.proofs."
-            "randomness.KERNEL_DROPOUT_ATTRIBUTES) is random too: set that dropout to 0." + named
+            f"The training forward of {where} is random even with dropout off: two random seeds give "
+            "different per-example losses for the same micro-batch (a forward hook or module drawing random "
+            "numbers, such as mixup with a random lambda that mixes the examples of a micro-batch, router "
+            "jitter, stochastic depth). Randomness shared by the examples of a micro-batch can mix them, and "
+            "an example's loss in the batch cannot be compared with its loss alone, so the run is refused "
+            "before any step is released. Fix: remove the random module or hook from training, make its "
+            "randomness element-wise and independent of the other examples (nn.Dropout is fine: it is turned "
+            "off while checking), or mix examples only within each example's own data. A dropout whose "
+            "probability is read from elsewhere than an nn.Dropout, a float attribute of its module or a "
+            "field of the model's config named as a dropout probability (ending in 'dropout', 'dropout_p', "
+            "'dropout_prob', 'dropout_rate' or 'pdrop', or listed in "
+            "hf_dpfilter.proofs.randomness.KERNEL_DROPOUT_ATTRIBUTES) is random too: set that dropout to 0."
+            + named
         )
     return first

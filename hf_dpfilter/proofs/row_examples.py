@@ -99,8 +99,8 @@ def conversation_start_marker(tokenizer: Any) -> tuple[int, ...] | None:
     for index, probe in enumerate(_PROBES):
         try:
             rendered[index] = _ids(tokenizer.apply_chat_template(list(probe), tokenize=True))
-        except Exception:  # noqa: BLE001 - a template may refuse a role (no system role): that probe is left out
-            continue
+        except Exception:  # noqa: BLE001
+            continue  # a template may refuse a role (no system role): that probe is left out
     if _MULTI_TURN not in rendered or len(rendered) < 2:
         return None
     renders = list(rendered.values())

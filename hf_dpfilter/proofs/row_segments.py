@@ -1,17 +1,19 @@
-"""A data-set row is one unit: with packed (padding-free) batches, every segment must be one whole sampled row.
+"""A data-set row is one unit: with packed (padding-free) batches, every segment must be one whole sampled
+row.
 
 The sampler draws data-set rows, and the accountant counts rows, so each row's contribution to a step must be
 one vector clipped to C. Padded batches give that by construction (one row of the batch per data-set row,
 clipped as one vector, whatever the row holds). Packed batches do not: the engine clips each *segment* of
-``position_ids`` (:meth:`hf_dpfilter.data.packing.PackedLayout.from_position_ids`) as its own example, so a row the
-data set already packed (``position_ids`` restarting inside it, TRL's ``seq_lengths``) becomes several clipped
-vectors, and one sampled row moves the clipped sum by up to (its segments) x C. Counting the segments of a batch
-against the rows it was given does not close it: a row whose first segment continues the previous row's
-positions merges with that row and makes up for its extra segment (measured ratio 1.29 with C's bound 1).
+``position_ids`` (:meth:`hf_dpfilter.data.packing.PackedLayout.from_position_ids`) as its own example, so a
+row the data set already packed (``position_ids`` restarting inside it, TRL's ``seq_lengths``) becomes several
+clipped vectors, and one sampled row moves the clipped sum by up to (its segments) x C. Counting the segments
+of a batch against the rows it was given does not close it: a row whose first segment continues the previous
+row's positions merges with that row and makes up for its extra segment (measured ratio 1.29 with C's bound
+1).
 
 :class:`RowSegmentsGuard` wraps the training collator and proves, on every sampled batch before it reaches a
-step, that the segments of the packed batch are its rows, in order: each row collated alone is one segment, and
-the batch's segments have exactly the alone lengths. A pre-packed row is refused with the fix (pack after
+step, that the segments of the packed batch are its rows, in order: each row collated alone is one segment,
+and the batch's segments have exactly the alone lengths. A pre-packed row is refused with the fix (pack after
 sampling: one example per row; or a padding collator, which keeps the row one example). The cost is one
 collation per sampled row (no forward); padded batches are not re-collated.
 
@@ -35,9 +37,9 @@ from hf_dpfilter.proofs.row_examples import check_rows_hold_one_example
 __all__ = ["PrepackedRowError", "RowSegmentsGuard", "check_segments_are_rows"]
 
 _FIX = (
-    "Pack after sampling instead: give the trainer one example per row (DataCollatorWithFlattening then packs "
-    "each step's Poisson sample, and DPSFTTrainer with packing=True packs it best-fit), or use a padding collator, "
-    "which keeps each data-set row one example whose segments are clipped together."
+    "Pack after sampling instead: give the trainer one example per row (DataCollatorWithFlattening then "
+    "packs each step's Poisson sample, and DPSFTTrainer with packing=True packs it best-fit), or use a "
+    "padding collator, which keeps each data-set row one example whose segments are clipped together."
 )
 
 
@@ -58,8 +60,9 @@ def _segment_lengths(batch: dict[str, Any]) -> list[int]:
 def check_segments_are_rows(batch: dict[str, Any], alone: list[dict[str, Any]]) -> None:
     """Refuse unless the packed ``batch`` holds one segment per row, each as long as the row collated alone.
 
-    ``alone[i]`` is row i collated alone. A row alone with several segments is pre-packed; a batch whose segment
-    lengths differ from the rows' (in the collator's order) has a segment made of two rows or a row split.
+    ``alone[i]`` is row i collated alone. A row alone with several segments is pre-packed; a batch whose
+    segment lengths differ from the rows' (in the collator's order) has a segment made of two rows or a row
+    split.
     """
     lengths = []
     for row in alone:
@@ -72,21 +75,22 @@ def check_segments_are_rows(batch: dict[str, Any], alone: list[dict[str, Any]]) 
             segments = _segment_lengths(row)
         if len(segments) != 1:
             raise PrepackedRowError(
-                f"A sampled data-set row holds {len(segments)} segments (its `position_ids` restart inside it, e.g. "
-                "a `position_ids` or `seq_lengths` column from packing the data set): the data set is pre-packed. "
-                "The sampler draws rows and the accountant counts rows, but a packed batch clips each segment as "
-                f"its own example, so one sampled row would move the clipped sum by up to {len(segments)} x C. "
+                f"A sampled data-set row holds {len(segments)} segments (its `position_ids` restart inside "
+                "it, e.g. a `position_ids` or `seq_lengths` column from packing the data set): the data set "
+                "is pre-packed. The sampler draws rows and the accountant counts rows, but a packed batch "
+                "clips each segment as its own example, so one sampled row would move the clipped sum by up "
+                f"to {len(segments)} x C. "
                 + _FIX
             )
         lengths.extend(segments)
     got = _segment_lengths(batch)
     if got != lengths:
         raise PrepackedRowError(
-            f"The packed batch of {len(alone)} rows has {len(got)} segments of `position_ids` that are not those "
-            "rows one after the other (each row collated alone): a segment holds tokens of two rows (a row whose "
-            "`position_ids` continue the previous row's) or a row is split, so what is clipped as one example is "
-            "not what the sampler drew. Each row must start a new segment of `position_ids` (as "
-            "DataCollatorWithFlattening numbers them). " + _FIX
+            f"The packed batch of {len(alone)} rows has {len(got)} segments of `position_ids` that are not "
+            "those rows one after the other (each row collated alone): a segment holds tokens of two rows (a "
+            "row whose `position_ids` continue the previous row's) or a row is split, so what is clipped as "
+            "one example is not what the sampler drew. Each row must start a new segment of `position_ids` "
+            "(as DataCollatorWithFlattening numbers them). " + _FIX
         )
 
 

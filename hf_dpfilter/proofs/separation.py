@@ -1,28 +1,30 @@
 """The one entry of the per-micro-batch proofs: each micro-batch checked (or not) before it is accumulated.
 
 :class:`SeparationChecks` is what the trainer calls once per micro-batch of a logical batch, before the
-micro-batch's clipped gradients are accumulated (so before the optimizer step that would release them). It holds
-the proofs that compare an example in its micro-batch with the same example *re-collated alone* (its raw data-set
-row through the training collator alone, then the trainer's micro-batch path with one example, built by the
-trainer's ``alone`` callable; the keys the collator draws at random keep the example's draw in the micro-batch,
-:mod:`hf_dpfilter.proofs.collator_draws`), all in training mode with dropout off and the same random draws
-(:mod:`hf_dpfilter.proofs.randomness`; a forward still random is refused):
+micro-batch's clipped gradients are accumulated (so before the optimizer step that would release them). It
+holds the proofs that compare an example in its micro-batch with the same example *re-collated alone* (its raw
+data-set row through the training collator alone, then the trainer's micro-batch path with one example, built
+by the trainer's ``alone`` callable; the keys the collator draws at random keep the example's draw in the
+micro-batch, :mod:`hf_dpfilter.proofs.collator_draws`), all in training mode with dropout off and the same
+random draws (:mod:`hf_dpfilter.proofs.randomness`; a forward still random is refused):
 
-* the **first-step check** (:mod:`hf_dpfilter.proofs.first_step_check`), once per run, on the first micro-batch
-  with two examples or more: losses, per-example gradients and norms of a few examples against autograd alone;
+* the **first-step check** (:mod:`hf_dpfilter.proofs.first_step_check`), once per run, on the first
+  micro-batch with two examples or more: losses, per-example gradients and norms of a few examples against
+  autograd alone;
 * the **re-checks**, loss only (no backward; two forwards: the micro-batch's and one
-  example's): one example of the micro-batch, chosen at random among those with a non-zero loss (an example whose
-  every label is ignored has loss 0 whatever the others do), in the micro-batch and alone. The forward is proven
-  deterministic (dropout off) by the first-step check (before it, only micro-batches of one example come, which
-  cannot mix examples); on a mismatch the micro-batch runs again under another seed, to refuse a random forward
-  as such. When the model has no dropout to turn off (:func:`~hf_dpfilter.proofs.randomness.dropout_free`), the
-  training forward is the checking forward: the trainer then runs the re-check after the micro-batch's own
-  training forward (before the step is released) on that forward's per-example losses, one forward more (the
-  example's alone) instead of two, and compares the loss the released gradient comes from (a coupling that
-  only a forward recording gradients takes shows too). A re-check runs on every micro-batch whose shape is new in the run (its longest length, padding side, number of examples, packed or
-  not), and on each other micro-batch with probability ``dp_recheck_rate``. The choices come from a generator
-  seeded from ``os.urandom`` that is neither the sampler's nor the noise's and is never saved: the checks change
-  no batch, no noise and no dropout mask of a seeded run.
+  example's): one example of the micro-batch, chosen at random among those with a non-zero loss (an example
+  whose every label is ignored has loss 0 whatever the others do), in the micro-batch and alone. The forward
+  is proven deterministic (dropout off) by the first-step check (before it, only micro-batches of one example
+  come, which cannot mix examples); on a mismatch the micro-batch runs again under another seed, to refuse a
+  random forward as such. When the model has no dropout to turn off
+  (:func:`~hf_dpfilter.proofs.randomness.dropout_free`), the training forward is the checking forward: the
+  trainer then runs the re-check after the micro-batch's own training forward (before the step is released) on
+  that forward's per-example losses, one forward more (the example's alone) instead of two, and compares the
+  loss the released gradient comes from (a coupling that only a forward recording gradients takes shows too).
+  A re-check runs on every micro-batch whose shape is new in the run (its longest length, padding side, number
+  of examples, packed or not), and on each other micro-batch with probability ``dp_recheck_rate``. The choices
+  come from a generator seeded from ``os.urandom`` that is neither the sampler's nor the noise's and is never
+  saved: the checks change no batch, no noise and no dropout mask of a seeded run.
 
 Every checking forward records gradients as the training forward does (no backward; the graph is dropped at
 once), so a model branching on ``torch.is_grad_enabled()`` or on its activations' ``requires_grad`` computes
@@ -43,8 +45,8 @@ the example alone (no coupling through the loss, a data-dependent branch over th
 positions that depend on the others). What they cannot prove: a coupling that shows on no drawn example and no
 new shape (a branch taken on a shape already seen, for examples not drawn), or one that moves the gradient but
 not the loss. They are the second line; the first is what holds on every micro-batch by construction or by a
-cheap check (the validators, the traced batch axis, the probed collator structure, the loss policy, the packing
-and padding checks).
+cheap check (the validators, the traced batch axis, the probed collator structure, the loss policy, the
+packing and padding checks).
 """
 
 from __future__ import annotations
@@ -133,11 +135,12 @@ class SeparationChecks:
     """The per-micro-batch proofs of a run (see the module docstring); :meth:`before_accumulate` is the entry.
 
     ``loss_fn(inputs, labels)``: the trainer's per-example losses; ``packed(layout)``: the context declaring a
-    micro-batch's layout to the loss and the engine; ``alone(raw, micro_batch, i, each_row)``: the micro-batch of
-    one raw example collated alone, example ``i`` of ``micro_batch`` (whose draws of the collator's random keys it
-    keeps; ``each_row``: the random keys also probed on that row); ``first_step``: run the first-step check (False: done, or turned off); ``rate``: ``dp_recheck_rate``.
-    ``clipping()``: (C, the run's clip factors of per-example norms), for the gradient argument of a loss
-    mismatch under ROUNDING_BOUND (None: no argument, such a mismatch refuses).
+    micro-batch's layout to the loss and the engine; ``alone(raw, micro_batch, i, each_row)``: the micro-batch
+    of one raw example collated alone, example ``i`` of ``micro_batch`` (whose draws of the collator's random
+    keys it keeps; ``each_row``: the random keys also probed on that row); ``first_step``: run the first-step
+    check (False: done, or turned off); ``rate``: ``dp_recheck_rate``. ``clipping()``: (C, the run's clip
+    factors of per-example norms), for the gradient argument of a loss mismatch under ROUNDING_BOUND (None: no
+    argument, such a mismatch refuses).
     """
 
     def __init__(
@@ -172,19 +175,20 @@ class SeparationChecks:
         self._choices = random.Random(int.from_bytes(os.urandom(8), "little"))
 
     def before_accumulate(
-        self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any] | None, *, step_losses: bool = False,
+        self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any] | None, *,
+        step_losses: bool = False,
         per_unit: bool = False,
     ) -> Callable[[torch.Tensor | None], None] | None:
         """Check one micro-batch before it is accumulated; raises before anything of its step is released.
 
         ``raw``: the raw examples of the micro-batch, in its order (the i-th example of ``micro_batch`` is
-        ``raw[i]``); None when the batch did not come from the trainer's training collator. ``step_losses``: the
-        caller can hand over the per-example losses of the micro-batch's own training forward at the current
-        parameters (one loss per example of ``micro_batch``). When a re-check is due and that forward is the
-        checking forward itself (no dropout: :func:`~hf_dpfilter.proofs.randomness.dropout_free`), the re-check
-        is returned instead of run: the caller calls it with those losses (None: not available) after the
-        micro-batch's forward and before the step is released, and the re-check runs one forward (the example's
-        alone) instead of two, comparing the loss the released gradient comes from."""
+        ``raw[i]``); None when the batch did not come from the trainer's training collator. ``step_losses``:
+        the caller can hand over the per-example losses of the micro-batch's own training forward at the
+        current parameters (one loss per example of ``micro_batch``). When a re-check is due and that forward
+        is the checking forward itself (no dropout: :func:`~hf_dpfilter.proofs.randomness.dropout_free`), the
+        re-check is returned instead of run: the caller calls it with those losses (None: not available) after
+        the micro-batch's forward and before the step is released, and the re-check runs one forward (the
+        example's alone) instead of two, comparing the loss the released gradient comes from."""
         self.micro_batches += 1
         count = _count(micro_batch)
         if count == 0:
@@ -207,23 +211,26 @@ class SeparationChecks:
 
                 return recheck_on_step_losses
             self.recheck(model, micro_batch, examples, why, per_unit=per_unit)
-            self.seen.add(shape)  # once passed: a shape refused stays new for a train() run again after a refusal
+            # once passed: a shape refused stays new for a train() run again after a refusal
+            self.seen.add(shape)
         return None
 
     def _raw(self, raw: Sequence[Any] | None, count: int) -> Sequence[Any]:
         if raw is None or len(raw) != count:
             raise SeparationError(
                 f"A micro-batch of {count} examples reached the per-example checks with "
-                f"{'no' if raw is None else len(raw)} raw examples: the checks re-collate each example alone from "
-                "its data-set row, which the trainer's training collator attaches to every logical batch. Train "
-                "with the batches of get_train_dataloader() (do not override it or feed training_step by hand), or "
-                "set dp_verify_first_step=False to turn the per-example checks off (not with an own loss)."
+                f"{'no' if raw is None else len(raw)} raw examples: the checks re-collate each example alone "
+                "from its data-set row, which the trainer's training collator attaches to every logical "
+                "batch. Train with the batches of get_train_dataloader() (do not override it or feed "
+                "training_step by hand), or set dp_verify_first_step=False to turn the per-example checks "
+                "off (not with an own loss)."
             )
         return raw
 
     def _first_step(self, model: nn.Module, micro_batch: MicroBatch, raw: Sequence[Any]) -> None:
         verify_per_example(
-            self.engine, model, self.loss_fn, micro_batch, lambda i: self.alone(raw[i], micro_batch, i, True), self.packed,
+            self.engine, model, self.loss_fn, micro_batch, lambda i: self.alone(raw[i], micro_batch, i, True),
+            self.packed,
             low_precision=self.low_precision,
         )
         self.first_step_pending = False
@@ -259,33 +266,39 @@ class SeparationChecks:
             losses = step_losses.detach().double() if reused else in_batch(CHECK_SEED).double()
             if losses.dim() != 1 or losses.shape[0] != count:
                 raise SeparationError(
-                    f"compute_per_example_loss returned shape {tuple(losses.shape)} for {count} examples: it must "
-                    "return one loss per example, shape (batch,)."
+                    f"compute_per_example_loss returned shape {tuple(losses.shape)} for {count} examples: it "
+                    "must return one loss per example, shape (batch,)."
                 )
-            # an example whose loss is exactly 0 (every label ignored) cannot show a coupling in its loss, and one
-            # whose loss is not finite is zeroed by the optimizer: the draw is among the others, when there are any
-            informative = [i for i in range(count) if math.isfinite(float(losses[i])) and float(losses[i]) != 0.0]
+            # an example whose loss is exactly 0 (every label ignored) cannot show a coupling in its loss, and
+            # one whose loss is not finite is zeroed by the optimizer: the draw is among the others, when
+            # there are any
+            informative = [i for i in range(count) if math.isfinite(float(losses[i]))
+                           and float(losses[i]) != 0.0]
             informative = informative or list(range(count))
             index = informative[self._choices.randrange(len(informative))]
             low_precision = self.low_precision or computes_in_low_precision(model)
-            mine, tol = float(losses[index]), _tolerance(self._dtype(model), low_precision, _tf32(labels.device))
+            mine, tol = float(losses[index]), _tolerance(self._dtype(model), low_precision,
+                                                         _tf32(labels.device))
             self.rechecks_run += 1
-            # the collator's random keys as probed on the training set's first rows; on a mismatch, also as this
-            # example's own row shows them (a first row with nothing to mask shows none: collator_draws)
+            # the collator's random keys as probed on the training set's first rows; on a mismatch, also as
+            # this example's own row shows them (a first row with nothing to mask shows none: collator_draws)
             # a mismatch small enough to be rounding: the gradient argument may settle it
             rounding_size = False
             for by_itself in self._losses_alone(model, micro_batch, raw[index], index):
                 by_itself = by_itself.detach().double()
                 if by_itself.numel() != 1:
                     raise SeparationError(
-                        f"compute_per_example_loss returned {by_itself.numel()} losses for one example alone: it "
-                        "must return one loss per example."
+                        f"compute_per_example_loss returned {by_itself.numel()} losses for one example "
+                        "alone: it must return one loss per example."
                     )
                 own = float(by_itself.sum())
-                if mine == own or (math.isnan(mine) and math.isnan(own)) or abs(mine - own) <= tol * max(abs(own), 1e-6):
-                    return  # the same loss (a non-finite one alone too: the example's own, zeroed by the optimizer)
+                if mine == own or (math.isnan(mine)
+                                   and math.isnan(own)) or abs(mine - own) <= tol * max(abs(own), 1e-6):
+                    # the same loss (a non-finite one alone too: the example's own, zeroed by the optimizer)
+                    return
                 rounding_size = rounding_size or abs(mine - own) <= ROUNDING_BOUND * max(abs(own), 1e-6)
-            check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")  # random: refused as such
+            # random: refused as such
+            check_deterministic(model, in_batch, f"micro-batch {self.micro_batches}")
             settled = rounding_size and not low_precision and self._same_clipped_gradient(
                 model, micro_batch, raw[index], index, mine, tol, per_unit=per_unit)
         if settled:
@@ -297,15 +310,15 @@ class SeparationChecks:
             f"example {index} has another loss in the micro-batch than re-collated alone (values not shown: "
             "they are noiseless functions of private data), so "
             "the other examples of the micro-batch change its loss and per-example clipping would not bound "
-            "their influence. Causes: a compute_per_example_loss normalised over the micro-batch (a mean token "
-            "count, a batch-wide statistic: each example's loss must use its own inputs only), a forward hook or "
-            "module with a branch or statistic over the micro-batch, padding the model attends to (return an "
-            "attention_mask), or left padding with absolute positions (pad on the right). In a run that has "
-            "diverged (a learning rate too high: activations far beyond their usual range), float32 rounding that "
-            "differs between the two shapes can exceed the check's tolerance, and a small mismatch passes "
-            "only if the example's clipped gradient in the micro-batch is within "
-            f"{GRADIENT_TOLERANCE:.0e} C of its clipped gradient alone: lower the learning rate. Nothing of "
-            "this step was released."
+            "their influence. Causes: a compute_per_example_loss normalised over the micro-batch (a mean "
+            "token count, a batch-wide statistic: each example's loss must use its own inputs only), a "
+            "forward hook or module with a branch or statistic over the micro-batch, padding the model "
+            "attends to (return an attention_mask), or left padding with absolute positions (pad on the "
+            "right). In a run that has diverged (a learning rate too high: activations far beyond their "
+            "usual range), float32 rounding that differs between the two shapes can exceed the check's "
+            "tolerance, and a small mismatch passes only if the example's clipped gradient in the "
+            f"micro-batch is within {GRADIENT_TOLERANCE:.0e} C of its clipped gradient alone: lower the "
+            "learning rate. Nothing of this step was released."
         )
 
     def _losses_alone(self, model: nn.Module, micro_batch: MicroBatch, raw: Any, index: int,

@@ -73,13 +73,15 @@ class ModuleValidationError(ValueError):
         self.problems = list(problems)
         lines = "\n".join(p.describe() for p in self.problems)
         super().__init__(
-            f"{len(self.problems)} module(s) cannot be trained with differential privacy as they are: each would "
-            f"let one example influence others or write state from private data outside the DP step.\n{lines}"
+            f"{len(self.problems)} module(s) cannot be trained with differential privacy as they are: each "
+            "would let one example influence others or write state from private data outside the DP "
+            f"step.\n{lines}"
         )
 
 
 class StateWrittenError(RuntimeError):
-    """A forward pass wrote parameters or buffers (found by the engine's first recorded step, before release)."""
+    """A forward pass wrote parameters or buffers (found by the engine's first recorded step, before
+    release)."""
 
     def __init__(self, changes: list[tuple[str, str, str]]) -> None:
         self.changes = list(changes)
@@ -87,9 +89,10 @@ class StateWrittenError(RuntimeError):
         super().__init__(
             "The forward pass changed model state outside the DP optimizer's step: these tensors would carry "
             "information from private examples, unclipped and without noise, into the saved model.\n"
-            f"{lines}\nFix: make the module stateless in training (BatchNorm: convert to GroupNorm/LayerNorm or "
-            "freeze it with batchnorm_eval=True; InstanceNorm: track_running_stats=False; Embedding: max_norm=None; "
-            "adapters that record activation statistics, such as VeLoRA: use plain LoRA). Nothing was released."
+            f"{lines}\nFix: make the module stateless in training (BatchNorm: convert to GroupNorm/LayerNorm "
+            "or freeze it with batchnorm_eval=True; InstanceNorm: track_running_stats=False; Embedding: "
+            "max_norm=None; adapters that record activation statistics, such as VeLoRA: use plain LoRA). "
+            "Nothing was released."
         )
 
 
@@ -151,10 +154,10 @@ def hold_eval_modes(model: nn.Module, options: ValidationOptions) -> None:
 
 # ------------------------------------------------------------------------------------------ the validators
 _BATCHNORM_FIX = (
-    "replace it by GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix(model) converts BatchNorm to "
-    "GroupNorm), or freeze it (requires_grad_(False) on its parameters) and pass "
-    "GhostClippingEngine(..., batchnorm_eval=True) / DPTrainingArguments(dp_batchnorm_eval=True), which keeps it "
-    "in eval mode with its stored statistics in every step."
+    "replace it by GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix(model) converts BatchNorm "
+    "to GroupNorm), or freeze it (requires_grad_(False) on its parameters) and pass "
+    "GhostClippingEngine(..., batchnorm_eval=True) / DPTrainingArguments(dp_batchnorm_eval=True), which "
+    "keeps it in eval mode with its stored statistics in every step."
 )
 
 
@@ -164,18 +167,19 @@ def _batch_norm(name: str, module: nn.Module, options: ValidationOptions) -> lis
     if _trainable(module):
         return [ModuleProblem(
             name,
-            f"{kind} is trainable: in train mode it normalises each example with statistics of the whole batch "
-            "(one example moves every other example's gradient) and writes running_mean/running_var from private "
-            "data; in eval mode its affine parameters have no per-example gradient rule.",
-            "replace it by GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix(model) converts BatchNorm "
-            "to GroupNorm), or freeze it and set batchnorm_eval=True (it then runs in eval mode).",
+            f"{kind} is trainable: in train mode it normalises each example with statistics of the whole "
+            "batch (one example moves every other example's gradient) and writes running_mean/running_var "
+            "from private data; in eval mode its affine parameters have no per-example gradient rule.",
+            "replace it by GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix(model) converts "
+            "BatchNorm to GroupNorm), or freeze it and set batchnorm_eval=True (it then runs in eval mode).",
         )]
     if _held_in_eval(module, options):
         return []
     return [ModuleProblem(
         name,
-        f"{kind} (frozen or affine=False) still normalises with batch statistics in train mode, which couples the "
-        "examples of a batch, and updates running_mean/running_var from private data without noise.",
+        f"{kind} (frozen or affine=False) still normalises with batch statistics in train mode, which "
+        "couples the examples of a batch, and updates running_mean/running_var from private data without "
+        "noise.",
         _BATCHNORM_FIX,
     )]
 
@@ -186,8 +190,8 @@ def _instance_norm(name: str, module: nn.Module, options: ValidationOptions) -> 
         return []  # normalises each example by its own statistics: per example, nothing written
     return [ModuleProblem(
         name,
-        f"{type(module).__name__}(track_running_stats=True) writes running_mean/running_var from private data in "
-        "every training forward, outside the DP step, and saves them without noise.",
+        f"{type(module).__name__}(track_running_stats=True) writes running_mean/running_var from private "
+        "data in every training forward, outside the DP step, and saves them without noise.",
         "build it with track_running_stats=False (each example is then normalised by its own statistics).",
     )]
 
@@ -198,10 +202,11 @@ def _embedding_max_norm(name: str, module: nn.Module, options: ValidationOptions
         return []
     return [ModuleProblem(
         name,
-        f"{type(module).__name__}(max_norm={module.max_norm}) renormalises the looked-up rows of its weight in "
-        "place during the forward: which rows changed reveals which tokens the private batch holds, at any epsilon.",
-        "build it with max_norm=None (renormalise explicitly after the DP step if needed, e.g. in a callback on "
-        "the released weights).",
+        f"{type(module).__name__}(max_norm={module.max_norm}) renormalises the looked-up rows of its weight "
+        "in place during the forward: which rows changed reveals which tokens the private batch holds, at "
+        "any epsilon.",
+        "build it with max_norm=None (renormalise explicitly after the DP step if needed, e.g. in a callback "
+        "on the released weights).",
     )]
 
 
@@ -211,8 +216,8 @@ def _embedding_grad_by_freq(name: str, module: nn.Module, options: ValidationOpt
         return []
     return [ModuleProblem(
         name,
-        f"{type(module).__name__}(scale_grad_by_freq=True) divides each row's gradient by the token's frequency in "
-        "the whole micro-batch: one example's gradient depends on the tokens of the others.",
+        f"{type(module).__name__}(scale_grad_by_freq=True) divides each row's gradient by the token's "
+        "frequency in the whole micro-batch: one example's gradient depends on the tokens of the others.",
         "build it with scale_grad_by_freq=False (the per-example gradient is then each example's own).",
     )]
 
@@ -222,10 +227,11 @@ _DATA_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 @register_module_validator(nn.Module)
 def _data_dependent_rope(name: str, module: nn.Module, options: ValidationOptions) -> list[ModuleProblem]:
-    """transformers' rotary embeddings with a dynamic or LongRoPE scaling (``rope_type`` attribute, one string or
-    one per layer type): their frequencies depend on the longest position of the whole batch. A LongRoPE one
-    recognised as transformers' is accepted: the engine refuses each micro-batch reaching beyond its original
-    length, within which it computes as for each example alone (:mod:`hf_dpfilter.proofs.longrope`)."""
+    """transformers' rotary embeddings with a dynamic or LongRoPE scaling (``rope_type`` attribute, one string
+    or one per layer type): their frequencies depend on the longest position of the whole batch. A LongRoPE
+    one recognised as transformers' is accepted: the engine refuses each micro-batch reaching beyond its
+    original length, within which it computes as for each example alone
+    (:mod:`hf_dpfilter.proofs.longrope`)."""
     rope_type = getattr(module, "rope_type", None)
     kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
     found = sorted({k for k in kinds if isinstance(k, str) and any(d in k for d in _DATA_DEPENDENT_ROPE)})
@@ -233,13 +239,14 @@ def _data_dependent_rope(name: str, module: nn.Module, options: ValidationOption
         return []
     return [ModuleProblem(
         name,
-        f"rotary embedding with rope_type {', '.join(repr(k) for k in found)} recomputes its frequencies from the "
-        "largest position id of the whole micro-batch (writing its inv_freq buffer, only on the steps where a batch "
-        "is long enough, so the first-step check may not see it): every example's gradient then depends on the "
-        "lengths of the other examples, and the written state carries them into later steps.",
-        "use a static scaling (rope_parameters rope_type 'default', 'linear' or 'yarn'), or keep every sequence "
-        "within original_max_position_embeddings and drop the dynamic scaling for training (transformers' "
-        "LongRoPE is accepted as it is: each micro-batch within that length is checked).",
+        f"rotary embedding with rope_type {', '.join(repr(k) for k in found)} recomputes its frequencies "
+        "from the largest position id of the whole micro-batch (writing its inv_freq buffer, only on the "
+        "steps where a batch is long enough, so the first-step check may not see it): every example's "
+        "gradient then depends on the lengths of the other examples, and the written state carries them into "
+        "later steps.",
+        "use a static scaling (rope_parameters rope_type 'default', 'linear' or 'yarn'), or keep every "
+        "sequence within original_max_position_embeddings and drop the dynamic scaling for training "
+        "(transformers' LongRoPE is accepted as it is: each micro-batch within that length is checked).",
     )]
 
 
@@ -249,7 +256,8 @@ _PEFT_REGISTERED = False
 
 def _register_peft_validators() -> None:
     """Validators for PEFT adapters that compute outside the batch or write state. Registered once peft is
-    imported (a model with PEFT layers has imported it), so that the engine does not pay for importing peft."""
+    imported (a model with PEFT layers has imported it), so that the engine does not pay for importing
+    peft."""
     global _PEFT_REGISTERED
     if _PEFT_REGISTERED or "peft" not in sys.modules:
         return
@@ -271,18 +279,18 @@ def _register_peft_validators() -> None:
             if variant_name == "VeloraLinearVariant":
                 problems.append(ModuleProblem(
                     name,
-                    f"VeLoRA (LoraConfig(velora_config=...), adapter '{adapter}') writes the mean of each training "
-                    "micro-batch's activations into the buffer lora_velora_embed (saved with the adapter, never "
-                    "clipped or noised), and computes lora_A through its own autograd function, never calling it as "
-                    "a module: its per-example gradient is invisible.",
+                    f"VeLoRA (LoraConfig(velora_config=...), adapter '{adapter}') writes the mean of each "
+                    "training micro-batch's activations into the buffer lora_velora_embed (saved with the "
+                    "adapter, never clipped or noised), and computes lora_A through its own autograd "
+                    "function, never calling it as a module: its per-example gradient is invisible.",
                     "use plain LoRA (velora_config=None).",
                 ))
             elif variant_name == "ALoraLinearVariant":
                 problems.append(ModuleProblem(
                     name,
-                    f"aLoRA (activated LoRA, LoraConfig(alora_invocation_tokens=...), adapter '{adapter}') runs "
-                    "lora_A/lora_B on the selected tokens of all examples flattened together, so the layer's input "
-                    "has no batch axis and per-example gradients cannot be separated.",
+                    f"aLoRA (activated LoRA, LoraConfig(alora_invocation_tokens=...), adapter '{adapter}') "
+                    "runs lora_A/lora_B on the selected tokens of all examples flattened together, so the "
+                    "layer's input has no batch axis and per-example gradients cannot be separated.",
                     "use plain LoRA (alora_invocation_tokens=None).",
                 ))
             elif variant_name.startswith("Dora"):
@@ -290,11 +298,14 @@ def _register_peft_validators() -> None:
                 layer = magnitude[adapter] if adapter in magnitude else None
                 if layer is not None and _trainable(layer):
                     problems.append(ModuleProblem(
-                        f"{name}.lora_magnitude_vector.{adapter}" if name else f"lora_magnitude_vector.{adapter}",
-                        f"DoRA (use_dora=True, adapter '{adapter}') with a trainable magnitude vector: the magnitude "
-                        "scales the layer's output through a weight norm, a form with no per-example gradient rule.",
-                        "freeze the magnitude (for n, p in model.named_parameters(): if 'lora_magnitude_vector' in n: "
-                        "p.requires_grad_(False)): DoRA with a frozen magnitude is exact; or use plain LoRA.",
+                        f"{name}.lora_magnitude_vector.{adapter}" if name
+                        else f"lora_magnitude_vector.{adapter}",
+                        f"DoRA (use_dora=True, adapter '{adapter}') with a trainable magnitude vector: the "
+                        "magnitude scales the layer's output through a weight norm, a form with no "
+                        "per-example gradient rule.",
+                        "freeze the magnitude (for n, p in model.named_parameters(): if "
+                        "'lora_magnitude_vector' in n: p.requires_grad_(False)): DoRA with a frozen "
+                        "magnitude is exact; or use plain LoRA.",
                     ))
         return problems
 
@@ -305,7 +316,8 @@ def _register_peft_validators() -> None:
                 return []
             return [ModuleProblem(
                 name,
-                "PEANuT (PeanutConfig) computes its weight update by calling its trainable Linear layers on the "
-                "base weight matrix, not on the batch: rows of the weight would be clipped as if they were examples.",
+                "PEANuT (PeanutConfig) computes its weight update by calling its trainable Linear layers on "
+                "the base weight matrix, not on the batch: rows of the weight would be clipped as if they "
+                "were examples.",
                 "use LoRA (LoraConfig) for DP fine-tuning, or freeze the PEANuT adapter.",
             )]

@@ -2,7 +2,8 @@
 
 Dropout drawn from torch's global generator gives each example the block of the stream that everything drawn
 before it leaves: the earlier micro-batches' shapes and order, so adding one example re-deals every later
-example's masks, and the stream is fixed by the public ``seed``. Here every draw inside a step is a function of
+example's masks, and the stream is fixed by the public ``seed``. Here every draw inside a step is a function
+of
 
 * a secret key (:class:`ExampleRandomness`: from the OS CSPRNG with ``secure_rng=True``, else derived from the
   secret DP seed; agreed on by all processes), the logical step, and
@@ -16,11 +17,12 @@ call of ``F.dropout`` (``nn.Dropout``, PEFT's ``lora_dropout``, eager attention)
 ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` in training draws its mask element by element from a
 counter-based hash of (the row's seed, the call's nonce, the element's index within the row). Indices run from
 the start of each axis for right-padded rows and from its end for left-padded ones, so a real token's index is
-the same in the batch and alone whatever the padded width. The call's nonce is drawn from the global generator,
-which is seeded from the key and the step before every micro-batch: the k-th dropout call of every micro-batch of
-a step gets the same nonce, and activation checkpointing and the methods' gradient points, which replay the
-global generator's state, replay the same masks. The leading axis of a dropout input must be the micro-batch's
-rows: checked at every call (its size), and proven by the engine's batch-axis trace on each new input signature.
+the same in the batch and alone whatever the padded width. The call's nonce is drawn from the global
+generator, which is seeded from the key and the step before every micro-batch: the k-th dropout call of every
+micro-batch of a step gets the same nonce, and activation checkpointing and the methods' gradient points,
+which replay the global generator's state, replay the same masks. The leading axis of a dropout input must be
+the micro-batch's rows: checked at every call (its size), and proven by the engine's batch-axis trace on each
+new input signature.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ __all__ = [
     "KeyedRandomnessError", "example_digest", "keyed_mask",
 ]
 
-#: a dropout's mask keyed to the rows of its input's leading axis (each row one example's, or several rows one's)
+#: a dropout's mask keyed to the rows of its input's leading axis (each row one example's, or several rows
+# one's)
 ROWS_DROPOUT = "rows"
 #: an nn.Dropout on a tensor that derives from no example: one mask for the whole step's forward
 SHARED_DROPOUT = "shared"
@@ -66,7 +69,8 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, dict):
-        return {"dict": [[str(k), _canonical(v)] for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))]}
+        return {"dict": [[str(k), _canonical(v)] for k,
+                         v in sorted(value.items(), key=lambda kv: str(kv[0]))]}
     if isinstance(value, (list, tuple)):
         if all(type(v) in _PLAIN for v in value):  # a row of token ids or features: no call per element
             return list(value)
@@ -88,7 +92,8 @@ def example_digest(row: Any) -> bytes:
 
 # -------------------------------------------------------------------------------------------- the secret key
 class ExampleRandomness:
-    """The secret key of the step's per-example randomness (owned by the DP optimizer, never written anywhere).
+    """The secret key of the step's per-example randomness (owned by the DP optimizer, never written
+    anywhere).
 
     Args:
         key: 256 secret bits as bytes.
@@ -164,9 +169,9 @@ def keyed_mask(shape: Sequence[int], row_seeds: torch.Tensor, nonce: int, p: flo
     """The keep-mask (bool) of a dropout input of ``shape``: row r's element at index i keeps with probability
     ``1 - p`` (to 2^-24), drawn from a hash of (``row_seeds[r]``, ``nonce``, i) alone.
 
-    The row's 64-bit seed and the call's nonce are mixed per row (splitmix64); each element then costs a 32-bit
-    hash of the row's word plus a linear function of its index (seven passes over the tensor: the mask is about
-    twice the cost of torch's own dropout mask on CPU).
+    The row's 64-bit seed and the call's nonce are mixed per row (splitmix64); each element then costs a
+    32-bit hash of the row's word plus a linear function of its index (seven passes over the tensor: the mask
+    is about twice the cost of torch's own dropout mask on CPU).
 
     Args:
         shape: the input's shape; its leading axis holds the rows.
@@ -235,8 +240,8 @@ class KeyedDropout(TorchFunctionMode):
         self.keyed_calls = 0
 
     def _verdict(self) -> str:
-        """How the running dropout call's mask is keyed: as the engine's proof says for the running nn.Dropout (while
-        a proof traces this forward, from the tag it just recorded), else by rows."""
+        """How the running dropout call's mask is keyed: as the engine's proof says for the running nn.Dropout
+        (while a proof traces this forward, from the tag it just recorded), else by rows."""
         module = self.dropout_modules[-1] if self.dropout_modules else None
         engine = self.engine
         tracer = getattr(engine, "_tracer", None)
@@ -246,42 +251,46 @@ class KeyedDropout(TorchFunctionMode):
                 return SHARED_DROPOUT
             return ROWS_DROPOUT
         if module is None:
-            return ROWS_DROPOUT  # a functional call: by rows (a proof refuses one whose input is not batch-first)
+            # a functional call: by rows (a proof refuses one whose input is not batch-first)
+            return ROWS_DROPOUT
         verdicts = getattr(engine, "dropout_verdicts", None)
         if verdicts is None:
             return ROWS_DROPOUT  # no engine (a test of the mode alone): by rows, the size checked
         if module not in verdicts:
             raise KeyedRandomnessError(
-                f"The dropout {type(module).__name__} drew a mask in a training forward that no proving step saw it "
-                "in, so how its mask is keyed (to each example's rows, or one mask for a tensor free of the batch) "
-                "is not proven. Fix: set that dropout to 0 for private training.")
+                f"The dropout {type(module).__name__} drew a mask in a training forward that no proving step "
+                "saw it in, so how its mask is keyed (to each example's rows, or one mask for a tensor free "
+                "of the batch) is not proven. Fix: set that dropout to 0 for private training.")
         return verdicts[module]
 
     def _nonce(self) -> int:
-        # from the global generator, seeded per micro-batch from the step: replayed by checkpointing and points
+        # from the global generator, seeded per micro-batch from the step: replayed by checkpointing and
+        # points
         return int(torch.randint(0, 2**62, (1,)).item())
 
     def _mask(self, shape: torch.Size, device: torch.device, p: float, what: str) -> torch.Tensor:
         if what == "dropout" and self._verdict() == SHARED_DROPOUT:
-            # a tensor free of the batch (proven): one mask, from the step's nonce alone, whatever the examples
+            # a tensor free of the batch (proven): one mask, from the step's nonce alone, whatever the
+            # examples
             self.keyed_calls += 1
             one = torch.zeros(1, dtype=torch.int64)
             return keyed_mask((1, *shape), one, self._nonce(), p, False, device).reshape(shape)
         if self.row_seeds is None:
             raise KeyedRandomnessError(
                 f"The training forward draws {what} with p={p}, which cannot be keyed to the examples here: "
-                f"{self.why}. Each example's dropout masks must be its own (drawn from the shared stream, adding "
-                "one example would re-deal the others' masks). Fix: set the model's dropout to 0 for private "
-                "training (e.g. config.hidden_dropout_prob=0, attention_dropout=0, LoraConfig(lora_dropout=0)).")
+                f"{self.why}. Each example's dropout masks must be its own (drawn from the shared stream, "
+                "adding one example would re-deal the others' masks). Fix: set the model's dropout to 0 for "
+                "private training (e.g. config.hidden_dropout_prob=0, attention_dropout=0, "
+                "LoraConfig(lora_dropout=0)).")
         rows = int(self.row_seeds.shape[0])
         if len(shape) < 1 or rows == 0 or int(shape[0]) % rows != 0:
             raise KeyedRandomnessError(
-                f"The training forward draws {what} on a tensor of shape {tuple(shape)} whose leading axis is not "
-                f"the micro-batch's {rows} rows, so its mask cannot be keyed to each example. Fix: set that "
-                "dropout to 0 for private training.")
+                f"The training forward draws {what} on a tensor of shape {tuple(shape)} whose leading axis "
+                f"is not the micro-batch's {rows} rows, so its mask cannot be keyed to each example. Fix: "
+                "set that dropout to 0 for private training.")
         self.keyed_calls += 1
-        # the rows merged with the axes after them (OPT's (B*T, d)): row r's k entries are example r // k's, as
-        # the engine's batch-axis trace proves for the input's signature (MERGED)
+        # the rows merged with the axes after them (OPT's (B*T, d)): row r's k entries are example r // k's,
+        # as the engine's batch-axis trace proves for the input's signature (MERGED)
         merged = int(shape[0]) // rows
         view = (rows, merged, *shape[1:]) if merged > 1 else tuple(shape)
         return keyed_mask(view, self.row_seeds, self._nonce(), p, self.from_end, device).reshape(shape)
@@ -314,16 +323,19 @@ class KeyedDropout(TorchFunctionMode):
             return self._attention(p, args, kwargs)
         if func in _REFUSED_DROPOUT:
             p = float(_argument(args, kwargs, 1, "p", 0.5))
-            training = bool(_argument(args, kwargs, 2, "training" if func.__module__ != "torch" else "train", True))
+            training = bool(_argument(args, kwargs, 2, "training" if func.__module__ != "torch" else "train",
+                                      True))
             if training and p != 0.0:
                 raise KeyedRandomnessError(
-                    f"The training forward calls {getattr(func, '__name__', func)} with p={p}: channel and alpha "
-                    "dropout are not keyed to the examples. Fix: set that dropout to 0 for private training.")
+                    f"The training forward calls {getattr(func, '__name__', func)} with p={p}: channel and "
+                    "alpha dropout are not keyed to the examples. Fix: set that dropout to 0 for private "
+                    "training.")
         return func(*args, **kwargs)
 
     def _attention(self, p: float, args: tuple, kwargs: dict) -> torch.Tensor:
         """SDPA with its dropout keyed: the math kernel given the keyed mask of the attention weights."""
-        query, key, value = (_argument(args, kwargs, i, n, None) for i, n in enumerate(("query", "key", "value")))
+        query, key, value = (_argument(args, kwargs, i, n, None) for i,
+                             n in enumerate(("query", "key", "value")))
         attn_mask = _argument(args, kwargs, 3, "attn_mask", None)
         is_causal = bool(_argument(args, kwargs, 5, "is_causal", False))
         scale = _argument(args, kwargs, 6, "scale", None)
@@ -342,11 +354,12 @@ class KeyedDropout(TorchFunctionMode):
 
 def active_keyed_mode() -> KeyedDropout | None:
     """The innermost :class:`KeyedDropout` on torch's function-mode stack (None when none is active). Autograd
-    runs a backward without the forward's function modes, so a checkpointed layer's recomputation re-enters the
-    mode its original forward ran under (hf_dpfilter.engine.checkpointing)."""
+    runs a backward without the forward's function modes, so a checkpointed layer's recomputation re-enters
+    the mode its original forward ran under (hf_dpfilter.engine.checkpointing)."""
     from torch.overrides import _get_current_function_mode_stack
 
-    return next((m for m in reversed(_get_current_function_mode_stack()) if isinstance(m, KeyedDropout)), None)
+    return next((m for m in reversed(_get_current_function_mode_stack()) if isinstance(m, KeyedDropout)),
+                None)
 
 
 @contextlib.contextmanager
@@ -354,13 +367,14 @@ def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "r
                devices: Sequence[int] = (), engine: Any = None) -> Iterator[KeyedDropout]:
     """Run the block (a micro-batch's forwards and backward) with its dropout keyed to its rows.
 
-    The global generator (CPU and ``devices``) is forked and seeded with ``seed`` (the step's, the same for every
-    micro-batch) at the block's start and at each forward of ``model``, so the block draws nothing from the run's
-    stream and each dropout call's nonce is its place in the forward; restored afterwards.
+    The global generator (CPU and ``devices``) is forked and seeded with ``seed`` (the step's, the same for
+    every micro-batch) at the block's start and at each forward of ``model``, so the block draws nothing from
+    the run's stream and each dropout call's nonce is its place in the forward; restored afterwards.
 
     Args:
         seed: the step's dropout seed (:meth:`ExampleRandomness.step_seed`).
-        row_seeds: one seed per row (:meth:`ExampleRandomness.row_seeds`), or None when the rows cannot be keyed.
+        row_seeds: one seed per row (:meth:`ExampleRandomness.row_seeds`), or None when the rows cannot be
+            keyed.
         padding_side: the side the rows are padded on.
         why: why the rows cannot be keyed (``row_seeds`` None).
         devices: the CUDA devices whose generators are forked too.
@@ -377,13 +391,14 @@ def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "r
 
     def enter(module: torch.nn.Module, *_: Any) -> None:
         if torch._C._current_graph_task_id() != -1 and active_keyed_mode() is not mode:
-            # a recomputation inside the backward that the engine's checkpoint wrapper did not run: its dropout
-            # would draw from the shared stream
+            # a recomputation inside the backward that the engine's checkpoint wrapper did not run: its
+            # dropout would draw from the shared stream
             raise KeyedRandomnessError(
-                "A dropout was recomputed inside the backward by a gradient checkpoint that the engine does not "
-                "know (not transformers' gradient checkpointing), so its mask would not be the example's own. Use "
-                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}), or "
-                "set the dropout to 0 for private training.")
+                "A dropout was recomputed inside the backward by a gradient checkpoint that the engine does "
+                "not know (not transformers' gradient checkpointing), so its mask would not be the example's "
+                "own. Use model.gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False}), or set the dropout to 0 for "
+                "private training.")
         mode.dropout_modules.append(module)
 
     def leave(module: torch.nn.Module, *_: Any) -> None:

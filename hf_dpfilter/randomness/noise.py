@@ -1,4 +1,5 @@
-"""Gaussian noise for one logical step: seeded or from the OS CSPRNG, the same on every process, sharded or not.
+"""Gaussian noise for one logical step: seeded or from the OS CSPRNG, the same on every process, sharded or
+not.
 
 Functions that take what they need; the DP optimizer decides *when* noise is drawn (once per logical step) and
 at which scale, these decide *how*:
@@ -13,8 +14,9 @@ at which scale, these decide *how*:
   parameter of a step in one draw.
 
 A :class:`NoiseSource` bundles where the draws come from. Its ``draw`` is the one function through which every
-non-sharded draw of a step passes (the DP optimizer's :meth:`~hf_dpfilter.optimizers.base.DPOptimizer.gaussian_noise`),
-so a step's noise can be observed (tests) at a single point.
+non-sharded draw of a step passes (the DP optimizer's
+:meth:`~hf_dpfilter.optimizers.base.DPOptimizer.gaussian_noise`), so a step's noise can be observed (tests) at
+a single point.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ __all__ = [
     "sharded_gaussian_noise",
 ]
 
-#: ``draw(shape, std, like)``: N(0, std^2) noise of ``shape`` in ``like``'s dtype and device (layout for shards)
+#: ``draw(shape, std, like)``: N(0, std^2) noise of ``shape`` in ``like``'s dtype and device (layout for
+# shards)
 Draw = Callable[[torch.Size, float, torch.Tensor], torch.Tensor]
 
 
@@ -59,7 +62,8 @@ class NoiseSource:
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
-    """The noise's generator on ``device``: its own stream of the secret ``seed``, the same on every process."""
+    """The noise's generator on ``device``: its own stream of the secret ``seed``, the same on every
+    process."""
     generator = torch.Generator(device=device)
     generator.manual_seed(secure_rng.derive_seed(seed, "gaussian-noise"))
     return generator
@@ -80,7 +84,8 @@ def gaussian_noise(
     whole draw: :func:`sharded_gaussian_noise`.
     """
     if is_sharded(like):
-        return sharded_gaussian_noise(shape, std, like, secure=secure, generator=generator, collectives=collectives)
+        return sharded_gaussian_noise(shape, std, like, secure=secure, generator=generator,
+                                      collectives=collectives)
     if std == 0:
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
     if secure:
@@ -100,7 +105,8 @@ def sharded_gaussian_noise(
     generator: Callable[[torch.device], torch.Generator],
     collectives: Collectives,
 ) -> torch.Tensor:
-    """This process's shard of one N(0, std^2 I) draw of the whole ``shape`` (docs/privacy.md, "Sharded noise").
+    """This process's shard of one N(0, std^2 I) draw of the whole ``shape`` (docs/privacy.md, "Sharded
+    noise").
 
     Seeded noise: every process draws the whole tensor from the shared stream, as one process would, and
     keeps its own rows. The shards are then disjoint pieces of exactly the one-process draw (no piece twice,
@@ -114,7 +120,8 @@ def sharded_gaussian_noise(
     if std == 0:
         return as_layout_of(like, torch.zeros_like(local))
     if secure:
-        return as_layout_of(like, secure_rng.secure_gaussian(local.shape, std, dtype=local.dtype, device=local.device))
+        return as_layout_of(like,
+                secure_rng.secure_gaussian(local.shape, std, dtype=local.dtype, device=local.device))
     whole = torch.empty(shape, dtype=local.dtype, device=local.device)
     whole.normal_(0.0, std, generator=generator(local.device))
     return collectives.shard_of(like, whole)
@@ -123,8 +130,8 @@ def sharded_gaussian_noise(
 def noisy_average(summed: torch.Tensor, std: float, batch: float, draw: Draw) -> torch.Tensor:
     """``(summed + N(0, std^2 I)) / batch`` as a new tensor, in two memory passes.
 
-    The noise is drawn directly at scale ``std / batch`` and the sum added into it: on CPU the Gaussian draw for
-    every trainable parameter is the largest cost of a DP step after the backward (124M draws for GPT-2
+    The noise is drawn directly at scale ``std / batch`` and the sum added into it: on CPU the Gaussian draw
+    for every trainable parameter is the largest cost of a DP step after the backward (124M draws for GPT-2
     small), so the separate scale / add / divide passes of the naive form are worth avoiding.
     """
     return draw(summed.shape, std / batch, summed).add_(summed, alpha=1.0 / batch)
@@ -139,10 +146,11 @@ def noisy_averages(
     The noise of all parameters (per device and dtype, in the order of ``sums``) is **one** draw of
     ``sum_p numel(p)`` coordinates from the generator (or the CSPRNG), split into views, and the sums are
     added with one ``foreach`` kernel: a constant number of kernels per step instead of three per
-    parameter. The values are views of one buffer (contiguous, disjoint). ``noise_dtype`` (unsharded sums): draw
-    the noise in that dtype and return the averages in it, each ``noise + sum / batch`` computed in the sums'
-    precision and rounded once (float32 noise on float64 sums, DIFF2: the draw costs a fraction of a float64
-    one, and the sums are not rounded before the noise is added; the final rounding is post-processing).
+    parameter. The values are views of one buffer (contiguous, disjoint). ``noise_dtype`` (unsharded sums):
+    draw the noise in that dtype and return the averages in it, each ``noise + sum / batch`` computed in the
+    sums' precision and rounded once (float32 noise on float64 sums, DIFF2: the draw costs a fraction of a
+    float64 one, and the sums are not rounded before the noise is added; the final rounding is
+    post-processing).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
     for p, s in sums.items():
@@ -175,7 +183,8 @@ def _sharded_noisy_averages(
         whole = torch.empty(sum(sizes), dtype=local.dtype, device=local.device)
         whole.normal_(0.0, std, generator=source.generator(local.device))
         pieces = [piece.view(v.shape) for piece, v in zip(whole.split(sizes), values)]
-        noisy = [source.collectives.shard_of(v, piece) if is_sharded(v) else piece for piece, v in zip(pieces, values)]
+        noisy = [source.collectives.shard_of(v, piece) if is_sharded(v) else piece for piece,
+                 v in zip(pieces, values)]
     for n, v in zip(noisy, values):
         n.add_(v, alpha=scale)
     return noisy

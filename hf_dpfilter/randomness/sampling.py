@@ -7,9 +7,9 @@ of rate q over the whole data set.
 
 Which examples are in a batch must stay secret (subsampling amplification assumes it). With ``secure=True``
 the coins come from the OS CSPRNG (each process flips the coins of its own shard). Otherwise they come from a
-generator seeded with ``derive_seed(seed, "poisson-sampler", epoch)``: deterministic given the secret seed, and
-a stream of its own, never the noise generator's. After a resume DPTrainer gives the sampler a fresh seed from
-the OS CSPRNG (no generator state is saved), so the batches after a resume are fresh draws.
+generator seeded with ``derive_seed(seed, "poisson-sampler", epoch)``: deterministic given the secret seed,
+and a stream of its own, never the noise generator's. After a resume DPTrainer gives the sampler a fresh seed
+from the OS CSPRNG (no generator state is saved), so the batches after a resume are fresh draws.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class ShuffledBatchSampler(Sampler[list[int]]):
     """Fixed-size shuffled batches (``poisson_sampling=False``, or non-private runs), per (seed, epoch)."""
 
     def __init__(
-        self, num_samples: int, batch_size: int, steps_per_epoch: int, seed: int, rank: int = 0, world_size: int = 1
+        self, num_samples: int, batch_size: int, steps_per_epoch: int, seed: int, rank: int = 0,
+        world_size: int = 1
     ) -> None:
         # Every process must see the same permutation, so this sampler is always seeded (the plan's secret
         # DP seed); shuffled batches carry no proven guarantee anyway (the accountant assumes Poisson).

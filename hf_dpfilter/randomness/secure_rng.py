@@ -32,7 +32,8 @@ def fresh_seed() -> int:
 
 
 def derive_seed(seed: int, stream: str, *indices: int) -> int:
-    """A 63-bit seed for ``stream`` (e.g. ``"noise"``, ``"poisson-sampler"``) and optional indices (the epoch).
+    """A 63-bit seed for ``stream`` (e.g. ``"noise"``, ``"poisson-sampler"``) and optional indices (the
+    epoch).
 
     SHA-256 of the master seed, the stream name and the indices: different streams and epochs get unrelated
     seeds, so two generators never start from the same state.
@@ -47,7 +48,8 @@ def secure_uniform(count: int) -> torch.Tensor:
     return torch.from_numpy((raw >> np.uint64(11)).astype(np.float64) / 2.0**53)
 
 
-def secure_gaussian(shape: torch.Size | tuple[int, ...], std: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def secure_gaussian(shape: torch.Size | tuple[int, ...], std: float, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
     """N(0, std^2) noise from the OS CSPRNG (Box-Muller in float64)."""
     count = math.prod(shape)
     pairs = (count + 1) // 2

@@ -11,11 +11,11 @@ earlier ledger whole under ``earlier_runs``: nothing is ever dropped from the fi
 The ledger is written before each noisy step is computed (see ``DPTrainer._write_privacy_ledger``), so a crash
 never leaves it below what was spent.
 
-**Several writers at once lose nothing.** Every write re-reads the file and replaces it under an exclusive lock
-(``fcntl.flock`` on ``_privacy_ledger.lock``): two trainers (or two sessions) writing one ``output_dir`` at
-the same time each keep the other's entry, the newest one of each session, instead of the last writer's file
-winning. An entry is identified by its last session's public random ``id``: a session's own earlier writes, and
-the entry it continued from, are replaced by its newest one; every other entry is kept.
+**Several writers at once lose nothing.** Every write re-reads the file and replaces it under an exclusive
+lock (``fcntl.flock`` on ``_privacy_ledger.lock``): two trainers (or two sessions) writing one ``output_dir``
+at the same time each keep the other's entry, the newest one of each session, instead of the last writer's
+file winning. An entry is identified by its last session's public random ``id``: a session's own earlier
+writes, and the entry it continued from, are replaced by its newest one; every other entry is kept.
 
 **The unit is part of the run's identity.** Each entry records the privacy unit it counted (``privacy_unit``:
 the unit, the id column, k, the number of units; see :mod:`hf_dpfilter.run.unit_identity`); the session's
@@ -75,7 +75,8 @@ def ledger_lock(output_dir: str) -> Iterator[None]:
 
 
 def write_json_atomically(path: str, content: Any) -> None:
-    """``content`` as JSON at ``path``, replaced atomically (a temporary file of this writer, then a rename)."""
+    """``content`` as JSON at ``path``, replaced atomically (a temporary file of this writer, then a
+    rename)."""
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     with open(tmp, "w") as f:
         json.dump(content, f, indent=1)
@@ -83,7 +84,8 @@ def write_json_atomically(path: str, content: Any) -> None:
 
 
 def _entries(ledger: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Every entry of a ledger file, oldest first: its earlier runs, then its own (without ``earlier_runs``)."""
+    """Every entry of a ledger file, oldest first: its earlier runs, then its own (without
+    ``earlier_runs``)."""
     if ledger is None:
         return []
     return [*ledger.get("earlier_runs", []), {k: v for k, v in ledger.items() if k != "earlier_runs"}]
@@ -148,21 +150,22 @@ class PrivacyLedger:
         self, run_id: str, accountant: PrivacyAccountant, resumed_from_step: int | None,
         checkpoint_dir: str | None = None, all_processes: bool = True,
     ) -> None:
-        """Start a session of run ``run_id``; ``accountant`` (the checkpoint's, or empty) is moved to the ledger's
-        history when the ledger already counts this run (same ``run_id``) beyond it.
+        """Start a session of run ``run_id``; ``accountant`` (the checkpoint's, or empty) is moved to the
+        ledger's history when the ledger already counts this run (same ``run_id``) beyond it.
 
         ``resumed_from_step``: the checkpoint's step count, None for a fresh run. ``checkpoint_dir``: the
-        checkpoint resumed from; when it lies in another output directory whose ledger counts this run (a branch
-        resumed into a new ``output_dir``), that ledger's history is this one's start: the model of the origin
-        directory was released from the same data, so its steps stay counted here too.
+        checkpoint resumed from; when it lies in another output directory whose ledger counts this run (a
+        branch resumed into a new ``output_dir``), that ledger's history is this one's start: the model of the
+        origin directory was released from the same data, so its steps stay counted here too.
         """
         # all_processes=False: called on the saving process alone, which must not enter a collective
         existing = _read_on_main_process(self.path) if all_processes else read_ledger_file(self.path)
         self.run_id = run_id
         entries = _entries(existing)
-        # the same run: resumed from one of its checkpoints, or train() called again on the same trainer; its entry
-        # may be the file's own or (another run wrote here since) one of its earlier runs: the one counting most.
-        # A ledger of an earlier version (no run_id) met on a resume is taken as this run's: counting more.
+        # the same run: resumed from one of its checkpoints, or train() called again on the same trainer; its
+        # entry may be the file's own or (another run wrote here since) one of its earlier runs: the one
+        # counting most. A ledger of an earlier version (no run_id) met on a resume is taken as this run's:
+        # counting more.
         mine = [e for e in entries if e.get("run_id") == run_id]
         if existing is not None and existing.get("run_id") is None and resumed_from_step is not None:
             mine.append(entries[-1])
@@ -170,13 +173,15 @@ class PrivacyLedger:
         self.continued_from = list(source.get("continued_from", [])) if source is not None else []
         self._consumed = {_key(source)} if source is not None else set()
         if source is None and resumed_from_step is not None and checkpoint_dir:
-            origin_path = os.path.join(os.path.dirname(os.path.abspath(os.path.normpath(checkpoint_dir))), LEDGER_FILE)
+            origin_path = os.path.join(os.path.dirname(os.path.abspath(os.path.normpath(checkpoint_dir))),
+                                       LEDGER_FILE)
             origin = None if os.path.abspath(origin_path) == os.path.abspath(self.path) else (
                 _read_on_main_process(origin_path) if all_processes else read_ledger_file(origin_path))
             if origin is not None and origin.get("run_id") == run_id:
                 source = origin
                 self.continued_from = [*origin.get("continued_from", []), origin_path]
-        # every entry of this file stays, except the one this session continues (its history is now this one's)
+        # every entry of this file stays, except the one this session continues (its history is now this
+        # one's)
         self.earlier_runs = _merged(entries, drop=self._consumed)
         self.source_unit = source.get("privacy_unit") if source is not None else None
         if source is not None:
@@ -188,7 +193,8 @@ class PrivacyLedger:
                 self.steps_beyond_checkpoint = counted.steps - accountant.steps
                 accountant.load_state_dict(counted.state_dict())
         self.sessions.append(
-            {"id": uuid.uuid4().hex, "resumed_from_step": resumed_from_step, "steps_released": 0, "status": "started"}
+            {"id": uuid.uuid4().hex, "resumed_from_step": resumed_from_step, "steps_released": 0,
+             "status": "started"}
         )
         self._session_start = accountant.steps
 

@@ -1,10 +1,10 @@
 """The privacy session of a run: the ledger written before every release, resumes, and runs on one model.
 
-Every ``train()`` opens a session on ``output_dir/privacy_ledger.json`` (:mod:`hf_dpfilter.run.ledger`), which counts
-every step whose noise may have been released (a step in flight at a crash included), across resumes and
-branches. A resume refreshes the randomness and refuses what would overspend or go uncounted: a changed plan,
-a checkpoint without the DP optimizer's state, parameters another DP run of this process already released into.
-The methods here are a mixin of :class:`hf_dpfilter.trainers.trainer.DPTrainerMixin`.
+Every ``train()`` opens a session on ``output_dir/privacy_ledger.json`` (:mod:`hf_dpfilter.run.ledger`), which
+counts every step whose noise may have been released (a step in flight at a crash included), across resumes
+and branches. A resume refreshes the randomness and refuses what would overspend or go uncounted: a changed
+plan, a checkpoint without the DP optimizer's state, parameters another DP run of this process already
+released into. The methods here are a mixin of :class:`hf_dpfilter.trainers.trainer.DPTrainerMixin`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class _PrivacyCallback(TrainerCallback):
         planned = self.trainer.planned_steps
         if state.max_steps != planned:
             raise RuntimeError(
-                f"The Trainer plans {state.max_steps} optimizer steps but the noise was calibrated for {planned}. "
+                f"The Trainer plans {state.max_steps} optimizer steps but the noise was calibrated for "
+                f"{planned}. "
                 "Do not change num_train_epochs/max_steps after creating the DPTrainer."
             )
         self.trainer._attach_engine_to_prepared_model()
@@ -47,14 +48,15 @@ class _PrivacyCallback(TrainerCallback):
         self.trainer._announce_plan()
 
     def on_train_end(self, args, state, control, **kwargs):
-        # a non-private run (dp_method="none") releases nothing to account, and opened no ledger session (whose
-        # reading is collective: opening one here, on the saving process only, would hang the others)
+        # a non-private run (dp_method="none") releases nothing to account, and opened no ledger session
+        # (whose reading is collective: opening one here, on the saving process only, would hang the others)
         if self.trainer.dp_optimizer is not None and self.trainer.privacy_plan.is_private:
             self.trainer._write_privacy_ledger(self.trainer.dp_optimizer, in_flight=False)
 
 
 def read_privacy_ledger(output_dir: str) -> dict[str, Any]:
-    """The privacy ledger of a run (output_dir/privacy_ledger.json), with ``epsilon`` computed from its history.
+    """The privacy ledger of a run (output_dir/privacy_ledger.json), with ``epsilon`` computed from its
+    history.
 
     The ledger counts every step whose noise may have been released, including one in flight at a crash, so
     its epsilon is never below what was spent.
@@ -71,7 +73,8 @@ def read_privacy_ledger(output_dir: str) -> dict[str, Any]:
 
 
 class PrivacySessionMixin:
-    """Budget, ledger and resume checks of a DP run (a mixin of :class:`hf_dpfilter.trainers.trainer.DPTrainerMixin`)."""
+    """Budget, ledger and resume checks of a DP run (a mixin of
+    :class:`hf_dpfilter.trainers.trainer.DPTrainerMixin`)."""
 
     def _check_resumed_budget(self) -> None:
         """Refuse to resume a target_epsilon run whose plan changed: the restored history would overspend."""
@@ -79,14 +82,16 @@ class PrivacySessionMixin:
         if optimizer is None or self.args.target_epsilon is None or optimizer.dp_steps == 0:
             return
         previous = getattr(optimizer, "loaded_noise_multiplier", None)
-        if optimizer.dp_steps > self.planned_steps or (previous is not None and previous != self.noise_multiplier):
+        if optimizer.dp_steps > self.planned_steps or (previous is not None
+                                                       and previous != self.noise_multiplier):
             raise ValueError(
-                f"Cannot resume: the checkpoint spent {optimizer.dp_steps} steps at noise_multiplier={previous}, "
-                f"calibrated for a different plan than this run's {self.planned_steps} steps at "
-                f"noise_multiplier={self.noise_multiplier:.6g}. Continuing would exceed target_epsilon="
-                f"{self.args.target_epsilon}. Resume with the original max_steps/num_train_epochs and target_epsilon, "
-                "or re-calibrate explicitly: pass noise_multiplier instead of target_epsilon (the reported epsilon "
-                "then counts every step, including the checkpoint's)."
+                f"Cannot resume: the checkpoint spent {optimizer.dp_steps} steps at "
+                f"noise_multiplier={previous}, calibrated for a different plan than this run's "
+                f"{self.planned_steps} steps at noise_multiplier={self.noise_multiplier:.6g}. Continuing "
+                f"would exceed target_epsilon={self.args.target_epsilon}. Resume with the original "
+                "max_steps/num_train_epochs and target_epsilon, or re-calibrate explicitly: pass "
+                "noise_multiplier instead of target_epsilon (the reported epsilon then counts every step, "
+                "including the checkpoint's)."
             )
 
     #: attribute set on every trainable parameter once a DP run releases a step into it: the run's id
@@ -106,23 +111,25 @@ class PrivacySessionMixin:
         optimizer = self.dp_optimizer
         if optimizer is None or not self.privacy_plan.is_private or optimizer.restored_from_checkpoint:
             return
-        earlier = {getattr(p, self.RELEASED_BY_ATTRIBUTE, None) for p in optimizer.params} - {None, optimizer.run_id}
+        earlier = {getattr(p, self.RELEASED_BY_ATTRIBUTE, None) for p in optimizer.params} - {None,
+                optimizer.run_id}
         if earlier:
             raise ValueError(
-                f"The model's trainable parameters already received noisy steps from another DP run in this process "
-                f"(run_id {', '.join(sorted(earlier))}, see its privacy_ledger.json): this run's epsilon would count "
-                "only its own steps, while the model it releases holds both. Continue the earlier run by resuming from "
-                "its checkpoint (train(resume_from_checkpoint=...)), or train a fresh copy of the original model. If "
-                "the runs use disjoint data and you account them yourself, remove the mark first: "
-                f"for p in model.parameters(): p.__dict__.pop('{self.RELEASED_BY_ATTRIBUTE}', None)."
+                "The model's trainable parameters already received noisy steps from another DP run in this "
+                f"process (run_id {', '.join(sorted(earlier))}, see its privacy_ledger.json): this run's "
+                "epsilon would count only its own steps, while the model it releases holds both. Continue "
+                "the earlier run by resuming from its checkpoint (train(resume_from_checkpoint=...)), or "
+                "train a fresh copy of the original model. If the runs use disjoint data and you account "
+                "them yourself, remove the mark first: for p in model.parameters(): "
+                f"p.__dict__.pop('{self.RELEASED_BY_ATTRIBUTE}', None)."
             )
 
     def _refuse_resume_without_dp_state(self, global_step: int) -> None:
         """A resumed step count without the DP optimizer's state: its released steps would go uncounted.
 
-        The Trainer restores the model and ``trainer_state.json`` and skips a missing ``optimizer.pt`` without a
-        word (``save_only_model=True``, or the file deleted): the accountant would restart at 0 on a model that
-        already holds the checkpoint's noisy steps.
+        The Trainer restores the model and ``trainer_state.json`` and skips a missing ``optimizer.pt`` without
+        a word (``save_only_model=True``, or the file deleted): the accountant would restart at 0 on a model
+        that already holds the checkpoint's noisy steps.
         """
         optimizer = self.dp_optimizer
         if global_step == 0 or optimizer is None or not self.privacy_plan.is_private:
@@ -130,18 +137,18 @@ class PrivacySessionMixin:
         if not optimizer.restored_from_checkpoint:
             raise ValueError(
                 f"Cannot resume from a checkpoint at step {global_step} without the DP optimizer's state "
-                "(optimizer.pt missing: save_only_model=True, or the file was removed): the model already holds "
-                f"{global_step} noisy steps that the accountant could not count, so the reported epsilon would leave "
-                "them out. Resume from a checkpoint saved with save_only_model=False, or start a fresh run from the "
-                "original model."
+                "(optimizer.pt missing: save_only_model=True, or the file was removed): the model already "
+                f"holds {global_step} noisy steps that the accountant could not count, so the reported "
+                "epsilon would leave them out. Resume from a checkpoint saved with save_only_model=False, or "
+                "start a fresh run from the original model."
             )
 
     def _begin_privacy_session(self) -> None:
         """At the start of every ``train()``: fresh randomness after a resume, and the ledger's session.
 
-        A restored optimizer already drew a fresh noise seed (``DPOptimizer.load_state_dict``); the sampler gets
-        one too, so the batches after a resume are not derivable from ``dp_seed`` and the step either. The
-        accountant then continues from the privacy ledger of this run (every branch's releases), and a
+        A restored optimizer already drew a fresh noise seed (``DPOptimizer.load_state_dict``); the sampler
+        gets one too, so the batches after a resume are not derivable from ``dp_seed`` and the step either.
+        The accountant then continues from the privacy ledger of this run (every branch's releases), and a
         ``target_epsilon`` run whose ledger counts releases beyond the checkpoint is refused when the
         remaining plan would take it above the target.
         """
@@ -165,9 +172,10 @@ class PrivacySessionMixin:
         if extra == 0:
             return
         logger.warning(
-            "Resuming from a checkpoint at step %d while the privacy ledger %s counts %d steps of this run: the %d "
-            "step(s) released after this checkpoint (another branch, or before a crash) stay counted in every "
-            "epsilon reported from now on.", optimizer.dp_steps, ledger.path, optimizer.accountant.steps, extra,
+            "Resuming from a checkpoint at step %d while the privacy ledger %s counts %d steps of this run: "
+            "the %d step(s) released after this checkpoint (another branch, or before a crash) stay counted "
+            "in every epsilon reported from now on.", optimizer.dp_steps, ledger.path,
+            optimizer.accountant.steps, extra,
         )
         target = self.args.target_epsilon
         if target is None:
@@ -180,19 +188,20 @@ class PrivacySessionMixin:
         epsilon = projected.get_epsilon(self.delta)
         if epsilon > target:
             raise ValueError(
-                f"Cannot resume from the checkpoint at step {optimizer.dp_steps}: the privacy ledger {ledger.path} "
-                f"already counts {optimizer.accountant.steps} released steps of this run ({extra} after this "
-                f"checkpoint, on another branch or before a crash), and the {remaining} remaining planned steps "
-                f"would take epsilon to {epsilon:.4g} > target_epsilon={target}. Resume from the newest checkpoint "
-                "(resume_from_checkpoint=True), or lower max_steps/num_train_epochs so that the whole history fits "
-                "the target, or pass noise_multiplier instead of target_epsilon (the reported epsilon then counts "
-                "every release)."
+                f"Cannot resume from the checkpoint at step {optimizer.dp_steps}: the privacy ledger "
+                f"{ledger.path} already counts {optimizer.accountant.steps} released steps of this run "
+                f"({extra} after this checkpoint, on another branch or before a crash), and the {remaining} "
+                f"remaining planned steps would take epsilon to {epsilon:.4g} > target_epsilon={target}. "
+                "Resume from the newest checkpoint (resume_from_checkpoint=True), or lower "
+                "max_steps/num_train_epochs so that the whole history fits the target, or pass "
+                "noise_multiplier instead of target_epsilon (the reported epsilon then counts every release)."
             )
 
     def _record_unit(self, ledger: PrivacyLedger, resumed: bool, checkpoint_dir: str | None) -> None:
-        """The unit is part of the run's identity (hf_dpfilter/run/unit_identity.py): a resume whose unit, id column,
-        k or user partition differs from what the checkpoint and the ledger counted is refused here, before the
-        first step; then this session's unit is recorded (ledger entry, checkpoints, the private partition file)."""
+        """The unit is part of the run's identity (hf_dpfilter/run/unit_identity.py): a resume whose unit, id
+        column, k or user partition differs from what the checkpoint and the ledger counted is refused here,
+        before the first step; then this session's unit is recorded (ledger entry, checkpoints, the private
+        partition file)."""
         users = getattr(self, "_user_index", None)
         record = unit_identity.unit_record(self.args, users)
         digest = unit_identity.partition_digest(users) if users is not None else None
@@ -257,7 +266,8 @@ class PrivacySessionMixin:
             # steps are counted as what they will release.
             uniform = all(n == self.planned_steps for _, _, n in self.privacy_plan.history())
             if uniform and last is not None and now > last and self.ledger_reserve_seconds > 0:
-                remaining = max(0, self.planned_steps - (optimizer.dp_steps + 1))  # the plan's steps, this branch
+                # the plan's steps, this branch
+                remaining = max(0, self.planned_steps - (optimizer.dp_steps + 1))
                 ahead = min(int(self.ledger_reserve_seconds / (now - last)), remaining)
         history = optimizer.accountant.copy()
         if in_flight:

@@ -1,4 +1,5 @@
-"""The privacy unit is part of a run's identity: recorded with every release, and a resume that changes it refused.
+"""The privacy unit is part of a run's identity: recorded with every release, and a resume that changes it
+refused.
 
 A run's (ε, δ) is a statement about one unit. Resuming 3 example-level steps at ``privacy_unit="user"`` (or a
 user-level run with another ``user_id_column``, another k, or another grouping of the examples into users)
@@ -46,7 +47,8 @@ PARTITIONS_FILE = "_privacy_unit_partitions.json"
 
 
 def unit_record(args: Any, users: UserIndex | None) -> dict[str, Any]:
-    """The public record of the unit a run counts: what its ``training_args`` and its report already publish."""
+    """The public record of the unit a run counts: what its ``training_args`` and its report already
+    publish."""
     unit = getattr(args, "privacy_unit", "example")
     # dp_row_is_unit: the steps protected rows, not the examples in them; recorded only when declared, so the
     # records of runs that never set it (and of earlier versions) stay the same
@@ -58,7 +60,8 @@ def unit_record(args: Any, users: UserIndex | None) -> dict[str, Any]:
 
 
 def partition_digest(users: UserIndex) -> str:
-    """SHA-256 of the sorted multiset of the users' example-index groups (private: see the module docstring)."""
+    """SHA-256 of the sorted multiset of the users' example-index groups (private: see the module
+    docstring)."""
     groups = sorted(sorted(group) for group in users.examples)
     return hashlib.sha256(json.dumps(groups, separators=(",", ":")).encode()).hexdigest()
 
@@ -71,10 +74,10 @@ def _describe(record: dict[str, Any] | None) -> str:
 
 def _refuse(where: str, recorded: str, current: str, run_id: str) -> None:
     raise PrivacyUnitError(
-        f"Cannot resume run {run_id}: its {where} counted its released steps with {recorded}, but this run declares "
-        f"{current}. The (ε, δ) reported for the whole history would claim this unit for steps that protected "
-        "another one. Resume with the unit, user_id_column, max_examples_per_user, dp_row_is_unit and "
-        "training set of the checkpoint, or start a fresh run from the original model (no "
+        f"Cannot resume run {run_id}: its {where} counted its released steps with {recorded}, but this run "
+        f"declares {current}. The (ε, δ) reported for the whole history would claim this unit for steps that "
+        "protected another one. Resume with the unit, user_id_column, max_examples_per_user, dp_row_is_unit "
+        "and training set of the checkpoint, or start a fresh run from the original model (no "
         "resume_from_checkpoint, a new output_dir)."
     )
 
@@ -82,7 +85,8 @@ def _refuse(where: str, recorded: str, current: str, run_id: str) -> None:
 def _partition_files(output_dir: str, checkpoint_dir: str | None) -> list[str]:
     paths = [os.path.join(output_dir, PARTITIONS_FILE)]
     if checkpoint_dir:  # a branch resumed into another output_dir: the checkpoint's own directory too
-        origin = os.path.join(os.path.dirname(os.path.abspath(os.path.normpath(checkpoint_dir))), PARTITIONS_FILE)
+        origin = os.path.join(os.path.dirname(os.path.abspath(os.path.normpath(checkpoint_dir))),
+                              PARTITIONS_FILE)
         if os.path.abspath(origin) != os.path.abspath(paths[0]):
             paths.append(origin)
     return paths
@@ -95,17 +99,18 @@ def check_resumed_unit(
     """Refuse a resume whose unit differs from the one its history counted.
 
     ``current``: this run's :func:`unit_record`; ``digest``: its :func:`partition_digest` (None at example
-    level). ``checkpoint``/``ledger``: the records of the checkpoint's ``optimizer.pt`` and of the ledger entry
-    this session continues (None where nothing was recorded: written by an earlier version). ``resumed``: the
-    session resumes a checkpoint (one without any record is accepted with a warning).
+    level). ``checkpoint``/``ledger``: the records of the checkpoint's ``optimizer.pt`` and of the ledger
+    entry this session continues (None where nothing was recorded: written by an earlier version).
+    ``resumed``: the session resumes a checkpoint (one without any record is accepted with a warning).
     """
     for where, recorded in (("checkpoint (optimizer.pt)", checkpoint), ("privacy ledger", ledger)):
         if recorded is not None and recorded != current:
             _refuse(where, _describe(recorded), _describe(current), run_id)
     if resumed and checkpoint is None and ledger is None:
         logger.warning(
-            "Resuming run %s from a checkpoint that records no privacy unit (written by an earlier version): its "
-            "steps are taken as counted with %s. If they protected another unit, start a fresh run instead.",
+            "Resuming run %s from a checkpoint that records no privacy unit (written by an earlier version): "
+            "its steps are taken as counted with %s. If they protected another unit, start a fresh run "
+            "instead.",
             run_id, _describe(current),
         )
     if current.get("unit") != "user":
@@ -117,13 +122,15 @@ def check_resumed_unit(
             continue
         found = True
         if recorded_digest != digest:
-            _refuse(f"user partition ({os.path.basename(path)})", "another grouping of the examples into users",
+            _refuse(f"user partition ({os.path.basename(path)})", "another grouping of the examples into "
+                "users",
                     f"this training set's users under column {current.get('user_id_column')!r}", run_id)
     if not found and checkpoint is not None:
         logger.warning(
-            "Resuming user-level run %s: no record of its user partition was found beside the checkpoint or in "
-            "output_dir (%s); the unit, column, k and number of users match, but whether the examples are grouped "
-            "into the same users cannot be checked. Keep the checkpoint in its output_dir to have it checked.",
+            "Resuming user-level run %s: no record of its user partition was found beside the checkpoint or "
+            "in output_dir (%s); the unit, column, k and number of users match, but whether the examples are "
+            "grouped into the same users cannot be checked. Keep the checkpoint in its output_dir to have it "
+            "checked.",
             run_id, PARTITIONS_FILE,
         )
 

@@ -5,27 +5,29 @@ scaling multiplies the loss by a scale S before the backward so that small gradi
 divides S out afterwards. Here S is always a power of two, and three things hold:
 
 * **Exact clipping of the scaled gradients.** The engine's backward runs on ``S * sum_i loss_i``, so its terms
-  are those of ``S g_i``; :class:`~hf_dpfilter.engine.PerExampleGradients` divides the float64 squared norms and
-  their rounding bounds by ``S^2`` and the fp32/fp64 clip coefficients by ``S``. Dividing by a power of two
-  changes only the exponent: no rounding, so the proven bound of ``||S g_i||`` divided by S is a proven bound of
-  ``||g_i||`` and every example is clipped to C as without scaling (the clipped sum equals the unscaled run's up
-  to the fp16 rounding of the backward itself; tests/trainers/test_loss_scaling.py).
+  are those of ``S g_i``; :class:`~hf_dpfilter.engine.PerExampleGradients` divides the float64 squared norms
+  and their rounding bounds by ``S^2`` and the fp32/fp64 clip coefficients by ``S``. Dividing by a power of
+  two changes only the exponent: no rounding, so the proven bound of ``||S g_i||`` divided by S is a proven
+  bound of ``||g_i||`` and every example is clipped to C as without scaling (the clipped sum equals the
+  unscaled run's up to the fp16 rounding of the backward itself; tests/trainers/test_loss_scaling.py).
 * **Overflow is decided per example, before the release.** An example whose loss or gradient norm is NaN/inf
   (an fp16 overflow in its own backward: the batch axis is proven separate, so it stays in its own rows) is
-  replaced by the zero vector (:func:`hf_dpfilter.optimizers.clipping.zero_nonfinite_examples`), a deterministic function
-  of that example alone, within the sensitivity C like any clipped contribution. No batch-level "any inf?"
-  test reads the sum of the private gradients: that is ``torch.amp.GradScaler``'s rule (skip the step when any
-  gradient is inf), a noiseless function of one example that would decide whether the step is released.
+  replaced by the zero vector (:func:`hf_dpfilter.optimizers.clipping.zero_nonfinite_examples`), a
+  deterministic function of that example alone, within the sensitivity C like any clipped contribution. No
+  batch-level "any inf?" test reads the sum of the private gradients: that is ``torch.amp.GradScaler``'s rule
+  (skip the step when any gradient is inf), a noiseless function of one example that would decide whether the
+  step is released.
 * **The scale moves only on released quantities.** :meth:`DPLossScaler.after_noise` reads the *noised*
   gradient of the step (post-processing): a non-finite noised gradient skips the base optimizer's update and
-  halves S; ``growth_interval`` finite noised steps in a row double it (0: never grows). A skipped step is still
-  a release and is accounted (one privacy step = one accounted step, whatever the scaler decides).
+  halves S; ``growth_interval`` finite noised steps in a row double it (0: never grows). A skipped step is
+  still a release and is accounted (one privacy step = one accounted step, whatever the scaler decides).
 
 What is given up, and why: GradScaler lowers its scale on the overflow of private gradients; here an example
-that overflows is dropped (zeroed) instead, and how many were dropped is a noiseless count of private data that
-the scaler never reads (it is kept in memory and published only with ``dp_log_nonprivate_metrics``). So pick a
-scale that leaves room: the per-example losses are summed, not averaged over the batch, so one example's
-gradient at the logits is at most ~2 S in fp16 and ``DEFAULT_INIT_SCALE`` = 2^10 keeps it far below 65504.
+that overflows is dropped (zeroed) instead, and how many were dropped is a noiseless count of private data
+that the scaler never reads (it is kept in memory and published only with ``dp_log_nonprivate_metrics``). So
+pick a scale that leaves room: the per-example losses are summed, not averaged over the batch, so one
+example's gradient at the logits is at most ~2 S in fp16 and ``DEFAULT_INIT_SCALE`` = 2^10 keeps it far below
+65504.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_INIT_SCALE", "FP16_METHODS", "MAX_INIT_SCALE", "DPLossScaler", "all_finite", "check_fp16_method"]
+__all__ = ["DEFAULT_INIT_SCALE", "FP16_METHODS", "MAX_INIT_SCALE", "DPLossScaler", "all_finite",
+           "check_fp16_method"]
 
 #: the default fp16 loss scale: 2^10 (see the module docstring)
 DEFAULT_INIT_SCALE = 2.0**10
-#: the largest scale accepted: a cross-entropy's gradient at the logits has entries up to 1 per example, so S of
+#: the largest scale accepted: a cross-entropy's gradient at the logits has entries up to 1 per example, so S
+# of
 #: them reach S; from 2^16 on that is past fp16's largest value (65504) and every confidently wrong example
 #: overflows and is zeroed, silently (how many is a private count)
 MAX_INIT_SCALE = 2.0**15
@@ -51,7 +55,8 @@ def _check_power_of_two(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a power of two (dividing it out is then exact), got {value!r}.")
 
 
-#: the methods trained with fp16 loss scaling: their optimizer state follows the noised gradient only. The others
+#: the methods trained with fp16 loss scaling: their optimizer state follows the noised gradient only. The
+# others
 #: keep state tied to every base step (DiSK's parameter change, DIFF2's rounds, DiceSGD's residual, PMLF's
 #: snapshots), which a step the scaler does not apply would desynchronise: refused until that is modelled
 FP16_METHODS = ("dpsgd", "none")
@@ -64,16 +69,18 @@ def check_fp16_method(method: str, scale: float, source: str | None = None) -> N
     if method not in FP16_METHODS:
         asked = "fp16=True" if source is None else f"fp16 ({source})"
         raise ValueError(
-            f"{asked} is supported with dp_method in {FP16_METHODS}, not {method!r}: a step the loss scaler does "
-            "not apply (a non-finite noised gradient) would desynchronise that method's state, which follows every "
-            "base optimizer step. Use bf16=True (same memory, no loss scaling needed) or fp32 with this method."
+            f"{asked} is supported with dp_method in {FP16_METHODS}, not {method!r}: a step the loss scaler "
+            "does not apply (a non-finite noised gradient) would desynchronise that method's state, which "
+            "follows every base optimizer step. Use bf16=True (same memory, no loss scaling needed) or fp32 "
+            "with this method."
         )
     _check_power_of_two("dp_fp16_loss_scale", float(scale))
     if scale > MAX_INIT_SCALE:
         raise ValueError(
-            f"dp_fp16_loss_scale={scale:g} is above 2^15: a cross-entropy's gradient at the logits has entries up to "
-            "1 per example, S times that passes fp16's largest value (65504), and every example that overflows is "
-            "replaced by zero without a trace (their number is private). Use at most 2^15 (default 2^10)."
+            f"dp_fp16_loss_scale={scale:g} is above 2^15: a cross-entropy's gradient at the logits has "
+            "entries up to 1 per example, S times that passes fp16's largest value (65504), and every "
+            "example that overflows is replaced by zero without a trace (their number is private). Use at "
+            "most 2^15 (default 2^10)."
         )
 
 
@@ -148,14 +155,15 @@ def attach_loss_scaler(trainer: Any) -> None:
     :class:`DPLossScaler`; take Accelerate's ``GradScaler`` away in every run.
 
     Accelerate builds a ``torch.amp.GradScaler`` for fp16 on an accelerator and wraps the optimizer's step in
-    ``scaler.step`` / ``scaler.update``, which skip the step when *any* gradient is inf: a noiseless function of
-    the private batch (and here ``p.grad`` is empty until the DP optimizer fills it). The DP optimizer scales,
-    divides out and decides instead, so the accelerator's scaler is removed before ``prepare`` wraps the
-    optimizer; fp16 autocast (Accelerate's wrapping of the model's forward) is kept.
+    ``scaler.step`` / ``scaler.update``, which skip the step when *any* gradient is inf: a noiseless function
+    of the private batch (and here ``p.grad`` is empty until the DP optimizer fills it). The DP optimizer
+    scales, divides out and decides instead, so the accelerator's scaler is removed before ``prepare`` wraps
+    the optimizer; fp16 autocast (Accelerate's wrapping of the model's forward) is kept.
     """
     accelerator = getattr(trainer, "accelerator", None)
     if accelerator is not None and getattr(accelerator, "scaler", None) is not None:
-        accelerator.scaler = None  # whatever asked for it: its skip test reads private gradients without noise
+        # whatever asked for it: its skip test reads private gradients without noise
+        accelerator.scaler = None
     fp16 = getattr(trainer.args, "fp16", False) or getattr(accelerator, "mixed_precision", "no") == "fp16"
     if not fp16:
         return

@@ -2,17 +2,19 @@
 
 A script written for ``Seq2SeqTrainer``/``Seq2SeqTrainingArguments`` (transformers' run_summarization,
 run_translation) becomes private by swapping the two classes: the DP fields come from
-:class:`hf_dpfilter.trainers.arguments.DPArgumentsMixin`, the training step, the Poisson sampler, the optimizer and the
-accounting from :class:`hf_dpfilter.trainers.trainer.DPTrainerMixin`. Training is the same as DPTrainer's: an
-encoder-decoder's per-example loss is the mean cross-entropy over the example's own label tokens (the logits are
-already aligned with the labels, the model shifts them into ``decoder_input_ids``, so no shift is done here).
+:class:`hf_dpfilter.trainers.arguments.DPArgumentsMixin`, the training step, the Poisson sampler, the
+optimizer and the accounting from :class:`hf_dpfilter.trainers.trainer.DPTrainerMixin`. Training is the same
+as DPTrainer's: an encoder-decoder's per-example loss is the mean cross-entropy over the example's own label
+tokens (the logits are already aligned with the labels, the model shifts them into ``decoder_input_ids``, so
+no shift is done here).
 
-What the Seq2Seq arguments add acts on evaluation only, and :data:`SEQ2SEQ_FIELD_POLICIES` says so for each field
-(a field a new transformers release adds has no row, and ``tests/trainers/test_seq2seq.py`` fails until it is classified):
+What the Seq2Seq arguments add acts on evaluation only, and :data:`SEQ2SEQ_FIELD_POLICIES` says so for each
+field (a field a new transformers release adds has no row, and ``tests/trainers/test_seq2seq.py`` fails until
+it is classified):
 ``predict_with_generate`` makes ``evaluate()``/``predict()`` generate, under the same evaluation-set checks as
 any evaluation (a set sharing rows with the training set is refused); ``generation_*`` set how. The
-``sortish_sampler`` flag is read by no code of the installed transformers, and DPTrainerMixin's training loader
-draws each step's batch with the Poisson sampler whatever the flag: it cannot replace the sampler.
+``sortish_sampler`` flag is read by no code of the installed transformers, and DPTrainerMixin's training
+loader draws each step's batch with the Poisson sampler whatever the flag: it cannot replace the sampler.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ _GENERATION = "evaluation only: how evaluate()/predict() generate (held-out sets
 #: The DP status of every field ``Seq2SeqTrainingArguments`` adds to ``TrainingArguments``.
 SEQ2SEQ_FIELD_POLICIES: dict[str, FieldPolicy] = {
     "sortish_sampler": FieldPolicy(
-        "honoured", "no effect: no code of the installed transformers reads it, and DPSeq2SeqTrainer's training "
+        "honoured", "no effect: no code of the installed transformers reads it, and DPSeq2SeqTrainer's "
+                    "training "
         "loader draws every batch with the Poisson sampler (the accounting's) whatever its value"),
     "predict_with_generate": FieldPolicy(
-        "honoured", "evaluation only: evaluate()/predict() generate, on sets that share no row with the training set "
+        "honoured", "evaluation only: evaluate()/predict() generate, on sets that share no row with the "
+                    "training set "
         "(refused otherwise, as any evaluation)"),
     "generation_max_length": FieldPolicy("honoured", _GENERATION),
     "generation_num_beams": FieldPolicy("honoured", _GENERATION),
@@ -47,7 +51,8 @@ SEQ2SEQ_FIELD_POLICIES: dict[str, FieldPolicy] = {
 
 
 def check_seq2seq_fields(args: Any, stage: str) -> None:
-    """Raise :class:`~hf_dpfilter.run.training_fields.TrainingFieldError` for every refused Seq2Seq value (none today:
+    """Raise :class:`~hf_dpfilter.run.training_fields.TrainingFieldError` for every refused Seq2Seq value
+    (none today:
     the table's checks run here, so that a refusal added to a row takes effect)."""
     check_training_fields(args, stage, SEQ2SEQ_FIELD_POLICIES)
 
@@ -56,7 +61,8 @@ def check_seq2seq_fields(args: Any, stage: str) -> None:
 @dataclass(repr=False)
 class DPSeq2SeqTrainingArguments(DPArgumentsMixin, Seq2SeqTrainingArguments):
     """``Seq2SeqTrainingArguments`` + the DP settings of :class:`hf_dpfilter.DPTrainingArguments`, for
-    :class:`DPSeq2SeqTrainer`. Its MRO is ``DPArgumentsMixin -> Seq2SeqTrainingArguments -> TrainingArguments``:
+    :class:`DPSeq2SeqTrainer`. Its MRO is ``DPArgumentsMixin -> Seq2SeqTrainingArguments ->
+    TrainingArguments``:
     ``__post_init__`` runs the Seq2Seq table's checks, the DP checks, then transformers'."""
 
     def __post_init__(self) -> None:
@@ -68,8 +74,9 @@ class DPSeq2SeqTrainer(DPTrainerMixin, Seq2SeqTrainer):
     """A ``transformers.Seq2SeqTrainer`` that trains with (epsilon, delta)-differential privacy.
 
     Same constructor as ``Seq2SeqTrainer``; ``args`` must be :class:`DPSeq2SeqTrainingArguments` (or any
-    arguments with the DP fields). Training is :class:`~hf_dpfilter.trainers.trainer.DPTrainerMixin`'s; evaluation and
-    prediction are ``Seq2SeqTrainer``'s (``predict_with_generate``), behind the mixin's evaluation-set checks.
+    arguments with the DP fields). Training is :class:`~hf_dpfilter.trainers.trainer.DPTrainerMixin`'s;
+    evaluation and prediction are ``Seq2SeqTrainer``'s (``predict_with_generate``), behind the mixin's
+    evaluation-set checks.
     """
 
 

@@ -1,19 +1,21 @@
-"""``DPTrainerMixin``: the DP glue over a ``transformers.Trainer`` loop; ``DPTrainer`` = the mixin + ``Trainer``.
+"""``DPTrainerMixin``: the DP glue over a ``transformers.Trainer`` loop; ``DPTrainer`` = the mixin +
+``Trainer``.
 
 Thin glue over the Trainer's own loop, through its hooks:
 
 * ``get_train_dataloader`` yields one *logical* batch per optimizer step, Poisson-sampled (possibly empty);
 * ``training_step`` splits it into micro-batches of ``per_device_train_batch_size``
-  (:mod:`hf_dpfilter.data.micro_batches`), computes per-example losses (:mod:`hf_dpfilter.losses.tasks`), and lets
-  the DP optimizer accumulate the clipped per-example (combinations of) gradients via the clipping engine;
+  (:mod:`hf_dpfilter.data.micro_batches`), computes per-example losses (:mod:`hf_dpfilter.losses.tasks`), and
+  lets the DP optimizer accumulate the clipped per-example (combinations of) gradients via the clipping
+  engine;
 * ``create_optimizer`` wraps the Trainer's optimizer in the DP optimizer of ``dp_method``, which alone clips,
   adds the noise once per step and records the step with the accountant (its ledger:
   :mod:`hf_dpfilter.run.session`);
 * ``log`` adds the epsilon spent so far to every log line (progress bar, TensorBoard, W&B, ...).
 
 Everything about the privacy of the run (N, q, steps, delta, sigma, the method's mechanisms, the sampler and
-the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once from the arguments; the engine,
-the optimizer and the sampler are built from it by :mod:`hf_dpfilter.factory`.
+the randomness) comes from one :class:`hf_dpfilter.plan.PrivacyPlan`, built once from the arguments; the
+engine, the optimizer and the sampler are built from it by :mod:`hf_dpfilter.factory`.
 
 The mixin holds all of it, so another Trainer of the Hugging Face stack gets the same machinery with no copy:
 ``class DPSomethingTrainer(DPTrainerMixin, SomethingTrainer)`` with arguments that mix in
@@ -96,23 +98,24 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
     """The DP glue of a ``transformers.Trainer`` (see the module docstring): put it first among the bases,
     ``class DPTrainer(DPTrainerMixin, Trainer)``, so that its hooks wrap the Trainer's.
 
-    ``args`` must mix in :class:`~hf_dpfilter.trainers.arguments.DPArgumentsMixin` (:class:`DPTrainingArguments` does). The
-    train dataset must have a length (N is needed for the sample rate and the default delta). After ``train()``,
-    :meth:`privacy_report` gives the epsilon spent.
+    ``args`` must mix in :class:`~hf_dpfilter.trainers.arguments.DPArgumentsMixin`
+    (:class:`DPTrainingArguments` does). The train dataset must have a length (N is needed for the sample rate
+    and the default delta). After ``train()``, :meth:`privacy_report` gives the epsilon spent.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, DPArgumentsMixin):
             raise TypeError(
-                f"{type(self).__name__} needs DPTrainingArguments (a TrainingArguments subclass with the DP fields of "
-                "hf_dpfilter.trainers.arguments.DPArgumentsMixin) as `args`."
+                f"{type(self).__name__} needs DPTrainingArguments (a TrainingArguments subclass with the DP "
+                "fields of hf_dpfilter.trainers.arguments.DPArgumentsMixin) as `args`."
             )
         self.dp_optimizer: DPOptimizer | None = None
         self.engine: GhostClippingEngine | None = None
         self._batch_structure: BatchStructure | None = None  # probed on the training collator
         self._packed_layout: PackedLayout | None = None  # the packed micro-batch being computed, if any
-        self._separation: SeparationChecks | None = None  # the per-micro-batch proofs, built at the first step
+        # the per-micro-batch proofs, built at the first step
+        self._separation: SeparationChecks | None = None
         self._packing_checked = False  # packed rows: attention proven to stay inside each example, once
         check_loss_policy(self, DPTrainerMixin)
         check_prompt_learning(self.model)
@@ -122,25 +125,27 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self._run_guard = RunGuard(self, DPTrainerMixin)
 
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
-        """``Trainer.train``, after the checks of :class:`hf_dpfilter.run.guard.RunGuard` (one run per trainer;
-        the arguments, batch and processes the plan was computed for)."""
+        """``Trainer.train``, after the checks of :class:`hf_dpfilter.run.guard.RunGuard` (one run per
+        trainer; the arguments, batch and processes the plan was computed for)."""
         self._run_guard.before_train(self)
         self._refuse_seed_to_loggers()  # callbacks may have been added since the trainer was created
         self._refuse_nonprivate_statistics()  # and the arguments changed (include_num_input_tokens_seen)
         if self.dp_optimizer is not None:
-            # a train() refused part-way through a step (a re-check, a hook) left the clipped sums of its first
-            # micro-batches, never released: kept, the next step would add them to its own (another Poisson
-            # sample in it, an example sampled in both counted twice). The Trainer zeroes the model, not them.
+            # a train() refused part-way through a step (a re-check, a hook) left the clipped sums of its
+            # first micro-batches, never released: kept, the next step would add them to its own (another
+            # Poisson sample in it, an example sampled in both counted twice). The Trainer zeroes the model,
+            # not them.
             self.dp_optimizer.zero_grad()
         checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        # a checkpoint of another output_dir: its ledger is this run's history too (PrivacyLedger.open_session)
+        # a checkpoint of another output_dir: its ledger is this run's history too
+        # (PrivacyLedger.open_session)
         self._resumed_checkpoint_dir = checkpoint if isinstance(checkpoint, str) else None
         return self._without_nonprivate_loss(super().train(*args, **kwargs))
 
     def _without_nonprivate_loss(self, output: TrainOutput) -> TrainOutput:
-        """``training_loss`` NaN and no ``train_loss`` in the metrics unless ``dp_log_nonprivate_metrics``: the
-        Trainer's value is the exact mean loss of the private batches (two runs on neighbouring data sets give an
-        example's own loss), and the metrics are what scripts save (``trainer.save_metrics``)."""
+        """``training_loss`` NaN and no ``train_loss`` in the metrics unless ``dp_log_nonprivate_metrics``:
+        the Trainer's value is the exact mean loss of the private batches (two runs on neighbouring data sets
+        give an example's own loss), and the metrics are what scripts save (``trainer.save_metrics``)."""
         if not self.privacy_plan.is_private or self.args.dp_log_nonprivate_metrics:
             return output
         metrics = {k: v for k, v in (output.metrics or {}).items() if k not in self.NONPRIVATE_LOG_KEYS}
@@ -148,7 +153,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         return TrainOutput(output.global_step, float("nan"), metrics)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        # every evaluation, in training or not: a set sharing rows with the training set is refused (run_guard)
+        # every evaluation, in training or not: a set sharing rows with the training set is refused
+        # (run_guard)
         self._run_guard.check_eval_set(self, eval_dataset, "the evaluation set")
         return super().get_eval_dataloader(eval_dataset)
 
@@ -158,10 +164,10 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise ValueError(
-            "hyperparameter_search is not supported by DPTrainer: every trial trains on the private data and the "
-            "choice of the best trial releases information about it, which no single run's epsilon accounts for. "
-            "Tune on public data or on a public proxy task, or account the whole search (create one DPTrainer per "
-            "trial and add up their epsilons)."
+            "hyperparameter_search is not supported by DPTrainer: every trial trains on the private data and "
+            "the choice of the best trial releases information about it, which no single run's epsilon "
+            "accounts for. Tune on public data or on a public proxy task, or account the whole search "
+            "(create one DPTrainer per trial and add up their epsilons)."
         )
 
     # ------------------------------------------------------------------------------ set-up
@@ -172,10 +178,12 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self._refuse_nonprivate_statistics()
         self._refuse_seed_to_loggers()
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
-            raise ValueError("DPTrainer needs a train_dataset with a length (N sets the sample rate and delta).")
+            raise ValueError("DPTrainer needs a train_dataset with a length (N sets the sample rate and "
+                             "delta).")
         if len(self.train_dataset) == 0:
             raise ValueError("The training set is empty.")
-        # privacy_unit='user': the plan is over users (N = number of users, q over users), hf_dpfilter/data/units.py
+        # privacy_unit='user': the plan is over users (N = number of users, q over users),
+        # hf_dpfilter/data/units.py
         self._user_index = privacy_units.user_index_for(args, self.train_dataset)
         num_units = self._user_index.num_users if self._user_index is not None else len(self.train_dataset)
         self.privacy_plan = PrivacyPlan.from_training_args(args, num_units)
@@ -186,11 +194,12 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         self._privacy_ledger: PrivacyLedger | None = None  # the session of train() extending the ledger
         if self.privacy_plan.is_private and not args.poisson_sampling:
             logger.warning(
-                "poisson_sampling=False: batches are shuffled fixed-size batches; the reported epsilon assumes "
-                "Poisson sampling and is not a proven guarantee for this run."
+                "poisson_sampling=False: batches are shuffled fixed-size batches; the reported epsilon "
+                "assumes Poisson sampling and is not a proven guarantee for this run."
             )
         self.engine = make_engine(
-            self.privacy_plan, self.model, verify_first_backward=args.dp_verify_first_step, stack_layers=args.dp_stack_layers,
+            self.privacy_plan, self.model, verify_first_backward=args.dp_verify_first_step,
+            stack_layers=args.dp_stack_layers,
             batchnorm_eval=args.dp_batchnorm_eval,
         )
 
@@ -224,22 +233,25 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         return self.privacy_plan.noise_multiplier
 
     def _refuse_sharded_training(self) -> None:
-        """Refuse DeepSpeed and FSDP1; FSDP2 (``fully_shard``, accelerate's ``fsdp_version: 2``) is supported."""
-        deepspeed = getattr(self, "is_deepspeed_enabled", False) or bool(getattr(self.args, "deepspeed", None))
+        """Refuse DeepSpeed and FSDP1; FSDP2 (``fully_shard``, accelerate's ``fsdp_version: 2``) is
+        supported."""
+        deepspeed = getattr(self, "is_deepspeed_enabled",
+                            False) or bool(getattr(self.args, "deepspeed", None))
         if deepspeed:
             raise ValueError(
-                "DeepSpeed is not supported by DPTrainer: ZeRO partitions and reduces the gradients inside its own "
-                "engine, where the DP optimizer cannot take each example's gradient from the whole layer "
-                "activations, reduce-scatter the clipped sums and add the noise once. Shard with FSDP2 instead "
-                "(accelerate launch --config_file accelerate_configs/fsdp.yaml, README 'Large models: FSDP2'), or "
-                "use DDP (accelerate_configs/multi_gpu.yaml) with LoRA."
+                "DeepSpeed is not supported by DPTrainer: ZeRO partitions and reduces the gradients inside "
+                "its own engine, where the DP optimizer cannot take each example's gradient from the whole "
+                "layer activations, reduce-scatter the clipped sums and add the noise once. Shard with FSDP2 "
+                "instead (accelerate launch --config_file accelerate_configs/fsdp.yaml, README 'Large "
+                "models: FSDP2'), or use DDP (accelerate_configs/multi_gpu.yaml) with LoRA."
             )
         fsdp = getattr(self, "is_fsdp_enabled", False) or bool(getattr(self.args, "fsdp", None))
         if fsdp and self._fsdp_version() != 2:
             raise ValueError(
-                "FSDP (version 1) is not supported by DPTrainer: it flattens the parameters into one buffer per "
-                "unit, so the DP optimizer cannot clip, reduce-scatter and noise them per parameter. Use FSDP2: "
-                "accelerate launch --config_file accelerate_configs/fsdp.yaml (fsdp_version: 2), or DDP."
+                "FSDP (version 1) is not supported by DPTrainer: it flattens the parameters into one buffer "
+                "per unit, so the DP optimizer cannot clip, reduce-scatter and noise them per parameter. Use "
+                "FSDP2: accelerate launch --config_file accelerate_configs/fsdp.yaml (fsdp_version: 2), or "
+                "DDP."
             )
 
     def _refuse_nonprivate_statistics(self) -> None:
@@ -248,18 +260,19 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         private = self.args.dp_method != "none"
         if private and tokens not in ("no", False, None) and not self.args.dp_log_nonprivate_metrics:
             raise ValueError(
-                f"include_num_input_tokens_seen={tokens!r} logs and saves (trainer_state.json, loggers) the exact "
-                "token count of every secret Poisson batch, without noise: adding one example moves it by that "
-                "example's length. Leave it at 'no', or set dp_log_nonprivate_metrics=True to publish it knowingly "
-                "(docs/threat_model.md: the reported epsilon then does not cover it)."
+                f"include_num_input_tokens_seen={tokens!r} logs and saves (trainer_state.json, loggers) the "
+                "exact token count of every secret Poisson batch, without noise: adding one example moves it "
+                "by that example's length. Leave it at 'no', or set dp_log_nonprivate_metrics=True to "
+                "publish it knowingly (docs/threat_model.md: the reported epsilon then does not cover it)."
             )
 
     def _refuse_seed_to_loggers(self) -> None:
-        """Loggers that read the arguments field by field (not through ``to_dict()``) would upload ``dp_seed``.
+        """Loggers that read the arguments field by field (not through ``to_dict()``) would upload
+        ``dp_seed``.
 
         transformers' ClearMLCallback copies ``getattr(args, f.name) for f in dataclasses.fields(args)`` (and
-        ``Task.connect(args)`` when run remotely) to the ClearML server: the seed regenerates the noise and the
-        batches. ``report_to="all"`` adds it whenever clearml is installed.
+        ``Task.connect(args)`` when run remotely) to the ClearML server: the seed regenerates the noise and
+        the batches. ``report_to="all"`` adds it whenever clearml is installed.
         """
         if self.args.dp_seed is None:
             return  # nothing secret in the field: the fresh per-run seed lives in the plan only
@@ -269,10 +282,10 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             return
         if any(isinstance(callback, ClearMLCallback) for callback in self.callback_handler.callbacks):
             raise ValueError(
-                "report_to includes ClearML (explicitly, or through report_to='all' with clearml installed), whose "
-                "callback uploads every field of the arguments read one by one, dp_seed included: anyone with the "
-                "logs could regenerate the noise and the batches. Leave dp_seed unset (a fresh secret seed per run, "
-                "never stored in the arguments), or drop 'clearml' from report_to."
+                "report_to includes ClearML (explicitly, or through report_to='all' with clearml installed), "
+                "whose callback uploads every field of the arguments read one by one, dp_seed included: "
+                "anyone with the logs could regenerate the noise and the batches. Leave dp_seed unset (a "
+                "fresh secret seed per run, never stored in the arguments), or drop 'clearml' from report_to."
             )
 
     def _fsdp_version(self) -> int:
@@ -283,7 +296,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         return int(config.get("version", 2))  # transformers' default for `fsdp=...` in the TrainingArguments
 
     def _attach_engine_to_prepared_model(self) -> None:
-        """Re-attach the engine when Accelerate replaced the parameters (FSDP2's ``fully_shard`` makes DTensors).
+        """Re-attach the engine when Accelerate replaced the parameters (FSDP2's ``fully_shard`` makes
+        DTensors).
 
         The optimizer's parameters were switched to the sharded ones by Accelerate; the engine must key its
         terms by the same objects (the optimizer checks that both hold the same set).
@@ -294,7 +308,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             self.engine.attach()
 
     # ------------------------------------------------------------------------ optimizer
-    #: TEST-ONLY (hf_dpfilter.audit): the audit's observed or deliberately weakened optimizer, built by the factory.
+    #: TEST-ONLY (hf_dpfilter.audit): the audit's observed or deliberately weakened optimizer, built by the
+    # factory.
     #: None in every real run.
     _dp_audit_options: AuditOptions | None = None
 
@@ -320,7 +335,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         """Log the privacy plan and warn, with the fix, when it cannot rise above the noise."""
         if not self.is_world_process_zero():
             return
-        announce_start(self)  # epsilon, delta, sigma, q, steps where the script's user sees them; lr, unit warnings
+        # epsilon, delta, sigma, q, steps where the script's user sees them; lr, unit warnings
+        announce_start(self)
         count = self.trainable_parameter_count()
         logger.info("%s", self.privacy_plan.describe(count))
         if self._user_index is not None:  # the plan's N, B and q count users (hf_dpfilter/data/units.py)
@@ -344,8 +360,10 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        collator = span_labels.with_span_labels(collator, self.label_names)  # QA: start/end positions as `labels`
-        collator = _FreshRowsCollator(collator)  # each collation its own copy of the rows (a collator may edit them)
+        # QA: start/end positions as `labels`
+        collator = span_labels.with_span_labels(collator, self.label_names)
+        # each collation its own copy of the rows (a collator may edit them)
+        collator = _FreshRowsCollator(collator)
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         # privacy_unit='user': Poisson over users, up to k examples each (hf_dpfilter/data/units.py)
         sampler = make_sampler(self.privacy_plan, rank=rank, world_size=world, users=self._user_index,
@@ -363,7 +381,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         # the guard (packed rows) and the maskless-padding check see every batch collated from now on
         self._use_training_structure(
             probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None))
-        padding.check_collator_padding(self.model, collator, [dataset[i] for i in range(min(2, len(dataset)))],
+        padding.check_collator_padding(self.model, collator,
+                                       [dataset[i] for i in range(min(2, len(dataset)))],
                                        self._batch_structure)  # early; every batch is checked too
         return _LogicalBatchLoader(
             loaded,
@@ -385,42 +404,48 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
 
         The documented hook for a loss of your own: override it to return one loss per example, each computed
         from that example's own inputs only. The contract: nothing batch-wide. No normalisation by the
-        micro-batch (its mean token count, its number of examples), no statistic, branch or negative taken over
-        the other examples: micro-batches are cut by the trainer, and whatever reads them lets one example move
-        the others' losses, which per-example clipping does not bound. The first-step check verifies it example
-        by example, and the re-checks (``dp_recheck_rate``, every new micro-batch shape) compare an example's loss
-        in its micro-batch with its loss re-collated alone over the run (hf_dpfilter/proofs/separation.py). For
-        packed rows (several examples per row) ``self.packed_layout`` says which tokens belong to which example.
+        micro-batch (its mean token count, its number of examples), no statistic, branch or negative taken
+        over the other examples: micro-batches are cut by the trainer, and whatever reads them lets one
+        example move the others' losses, which per-example clipping does not bound. The first-step check
+        verifies it example by example, and the re-checks (``dp_recheck_rate``, every new micro-batch shape)
+        compare an example's loss in its micro-batch with its loss re-collated alone over the run
+        (hf_dpfilter/proofs/separation.py). For packed rows (several examples per row) ``self.packed_layout``
+        says which tokens belong to which example.
         """
         outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
         smoothing = float(self.args.label_smoothing_factor or 0.0)
-        if span_labels.is_span_output(outputs):  # extractive QA's start/end logits (hf_dpfilter/losses/question_answering.py)
-            return span_labels.span_loss(outputs, labels, inputs.get("attention_mask"), self._packed_layout is not None,
+        # extractive QA's start/end logits (hf_dpfilter/losses/question_answering.py)
+        if span_labels.is_span_output(outputs):
+            return span_labels.span_loss(outputs, labels, inputs.get("attention_mask"),
+                                         self._packed_layout is not None,
                                          label_smoothing=smoothing)
         logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
         problem_type = getattr(getattr(model, "config", None), "problem_type", None)
         if self._packed_layout is not None:
             if logits.dim() != 3:
                 raise PackingError(
-                    f"The model returns logits of shape {tuple(logits.shape)} for packed rows: a sequence-level head "
-                    "pools over the whole row, mixing the examples packed in it. Use a padding collator (one "
-                    "example per row) for this model."
+                    f"The model returns logits of shape {tuple(logits.shape)} for packed rows: a "
+                    "sequence-level head pools over the whole row, mixing the examples packed in it. Use a "
+                    "padding collator (one example per row) for this model."
                 )
             return packed_token_mean_loss(logits, labels, self._packed_layout, shift=self._causal_lm,
                                           label_smoothing=smoothing)
         losses = per_example_loss(logits, labels, causal_lm=self._causal_lm, problem_type=problem_type,
                                   label_smoothing=smoothing)
         # the MoE load-balancing loss per example; TRL's SFTTrainer keeps its own coefficient (router_loss.py)
-        return add_router_aux_loss(model, outputs, inputs, losses, getattr(self, "router_aux_loss_coef", None))
+        return add_router_aux_loss(model, outputs, inputs, losses,
+                                   getattr(self, "router_aux_loss_coef", None))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # Evaluation keeps the model's own loss (no gradients, nothing private is released by training).
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
-    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
         """One logical batch: micro-batches -> per-example losses -> clipped sums in ``p.grad``.
 
-        Each micro-batch goes through the per-micro-batch proofs (:class:`~hf_dpfilter.proofs.separation.SeparationChecks`)
-        before it is accumulated: a failure raises before the step is released."""
+        Each micro-batch goes through the per-micro-batch proofs
+        (:class:`~hf_dpfilter.proofs.separation.SeparationChecks`) before it is accumulated: a failure raises
+        before the step is released."""
         model = self.model  # hooks live on the unwrapped modules; DDP reduction is done by the DP optimizer
         if self.privacy_plan.is_private:  # a callback may have hooked a gradient since the last step
             refuse_gradient_hooks(model)
@@ -436,13 +461,15 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         units = inputs.pop(privacy_units.UNITS_KEY, None)  # privacy_unit='user': each example's user
         labels = inputs.pop("labels", None)
         if labels is None:
-            raise ValueError(f"DPTrainer needs `labels` in every batch (got {sorted(inputs)}): return them from the collator "
-                             "(a `label`/`labels` column, kept by remove_unused_columns), or start_positions/end_positions "
-                             "with a *ForQuestionAnswering model (hf_dpfilter/losses/question_answering.py).")
+            raise ValueError(f"DPTrainer needs `labels` in every batch (got {sorted(inputs)}): return them "
+                             "from the collator (a `label`/`labels` column, kept by remove_unused_columns), "
+                             "or start_positions/end_positions with a *ForQuestionAnswering model "
+                             "(hf_dpfilter/losses/question_answering.py).")
         batch = labels.shape[0]
         _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
         total = torch.zeros((), device=self.args.device)
-        cut = self._cut_logical_batch(inputs, labels, num_examples, units, raw) if (batch and labels.numel()) else []
+        cut = self._cut_logical_batch(inputs, labels, num_examples, units,
+                                      raw) if (batch and labels.numel()) else []
         micro_batches = [micro_batch for micro_batch, _ in cut]
         examples = sum(m[1].shape[0] if m[2] is None else m[2].num_examples for m in micro_batches)
         batch = examples
@@ -450,7 +477,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             # on every process at its first step, whatever it sampled (FSDP2 runs collectives in the forward)
             self._check_packed_attention(model)
         if not self._per_example_checked and self.dp_optimizer.sharded:
-            check_hook_verified_when_sharded(self, DPTrainerMixin)  # the same on every process: all refuse together
+            # the same on every process: all refuse together
+            check_hook_verified_when_sharded(self, DPTrainerMixin)
         separation = self._separation_checks()
         side = declared_padding_side(self.data_collator, self.processing_class)  # the dropout indices' origin
         rounds = len(micro_batches)
@@ -462,7 +490,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             # an empty Poisson batch, declared as such: the optimizer step still adds noise and is accounted
             self.dp_optimizer.accumulate(self.engine, None, batch_size=0)
         for index in range(rounds):
-            micro, micro_labels, layout = micro_batches[min(index, len(micro_batches) - 1)] if micro_batches else (
+            micro, micro_labels, layout = micro_batches[min(index,
+                                                            len(micro_batches) - 1)] if micro_batches else (
                 self._padding_micro_batch()
             )
             size = micro_labels.shape[0] if layout is None else layout.num_examples
@@ -471,7 +500,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
 
             def loss_fn(values, micro=micro, micro_labels=micro_labels, here=here):
                 with self.compute_loss_context_manager():
-                    losses = self._after_forward(model, self.compute_per_example_loss(model, micro, micro_labels, values))
+                    losses = self._after_forward(model,
+                            self.compute_per_example_loss(model, micro, micro_labels, values))
                 if values is None:
                     here.append(losses.detach())
                 return losses
@@ -491,30 +521,36 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                     self.dp_optimizer.run_without_contributing(self.engine, loss_fn, batch_size=size,
                                                                example_keys=padding_row)
                     continue
-                losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size, **self._alone_declaration,
-                                                      **dropout_keys(cut[index][0], cut[index][1], self.model, side))
-            if recheck is not None:  # a due re-check on this forward's own losses, before the step is released
+                losses = self.dp_optimizer.accumulate(self.engine, loss_fn, batch_size=size,
+                                                      **self._alone_declaration,
+                                                      **dropout_keys(cut[index][0], cut[index][1], self.model,
+                                                                     side))
+            # a due re-check on this forward's own losses, before the step is released
+            if recheck is not None:
                 recheck(here[0] if len(here) == 1 else None)
             total = total + losses.sum()
         return total / max(batch, 1)
     def _after_forward(self, model: nn.Module, losses: torch.Tensor) -> torch.Tensor:
-        """The losses of a forward, after the hook check again, before any backward reads them: a forward hook (or
-        a forward of one's own) that registers a gradient hook while it runs is refused before that hook sees a
-        gradient (the engine's first backward and the first-step check reach the parameters unclipped)."""
+        """The losses of a forward, after the hook check again, before any backward reads them: a forward hook
+        (or a forward of one's own) that registers a gradient hook while it runs is refused before that hook
+        sees a gradient (the engine's first backward and the first-step check reach the parameters
+        unclipped)."""
         if self.privacy_plan.is_private:
             refuse_gradient_hooks(model)
         return losses
 
     @property
     def _per_example_checked(self) -> bool:
-        """Whether the first-step per-example check has passed (or is turned off: ``dp_verify_first_step=False``)."""
+        """Whether the first-step per-example check has passed (or is turned off:
+        ``dp_verify_first_step=False``)."""
         if not self.args.dp_verify_first_step:
             return True
         return self._separation is not None and not self._separation.first_step_pending
 
     def _separation_checks(self) -> SeparationChecks | None:
-        """The per-micro-batch proofs (hf_dpfilter/proofs/separation.py), built at the first step; None when they
-        cannot run: no engine, or FSDP2 sharding (a forward on one process alone would stall the collectives)."""
+        """The per-micro-batch proofs (hf_dpfilter/proofs/separation.py), built at the first step; None when
+        they cannot run: no engine, or FSDP2 sharding (a forward on one process alone would stall the
+        collectives)."""
         if self._separation is None and self.engine is not None and not self.dp_optimizer.sharded:
             model = self.model
 
@@ -527,7 +563,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 first_step=self.args.dp_verify_first_step, rechecks=self.args.dp_verify_first_step,
                 rate=self.args.dp_recheck_rate, min_examples=self._first_check_examples(),
                 # the precision the accelerator really computes in (fixed when the Trainer was created)
-                low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16", "fp16"),
+                low_precision=getattr(getattr(self, "accelerator", None), "mixed_precision", "no") in ("bf16",
+                        "fp16"),
                 clipping=self._clipping,
             )
         return self._separation
@@ -540,8 +577,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         return bound, lambda norms: clip_factors(norms, bound, fn)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """0 unless ``dp_log_nonprivate_metrics``: the Trainer's count (``total_flos``) is a function of the private
-        Poisson batch sizes and token counts, and is written to trainer_state.json and the loggers."""
+        """0 unless ``dp_log_nonprivate_metrics``: the Trainer's count (``total_flos``) is a function of the
+        private Poisson batch sizes and token counts, and is written to trainer_state.json and the loggers."""
         if self.privacy_plan.is_private and not self.args.dp_log_nonprivate_metrics:
             return 0
         return super().floating_point_ops(inputs)
@@ -563,7 +600,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
     #: ``train_samples_per_second`` times ``train_runtime`` gives it back exactly, and Hugging Face's example
     #: scripts save ``train_samples = len(train_dataset)``. Published only with ``dp_log_nonprivate_metrics``.
     EXAMPLE_COUNT_KEYS = (
-        "train_samples_per_second", "train_samples", "num_train_samples", "train_examples", "num_train_examples",
+        "train_samples_per_second", "train_samples", "num_train_samples", "train_examples",
+        "num_train_examples",
         "num_input_tokens_seen", "train_tokens_per_second", "num_tokens",
     )
 
@@ -591,9 +629,10 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 logs.pop(key, None)
 
     def num_examples(self, dataloader: DataLoader) -> int:
-        """The Trainer's count of a loader's examples, logged ("Num examples") when training starts and, times the
-        epochs, behind ``train_samples_per_second``. For the training loader of a user-level run: the number of
-        users (the plan's public N), since its number of examples is private (see ``EXAMPLE_COUNT_KEYS``)."""
+        """The Trainer's count of a loader's examples, logged ("Num examples") when training starts and, times
+        the epochs, behind ``train_samples_per_second``. For the training loader of a user-level run: the
+        number of users (the plan's public N), since its number of examples is private (see
+        ``EXAMPLE_COUNT_KEYS``)."""
         if isinstance(dataloader, _LogicalBatchLoader) and self._example_count_private:
             return self.privacy_plan.num_examples
         return super().num_examples(dataloader)
@@ -624,7 +663,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
     def privacy_report(self) -> dict[str, Any]:
         """epsilon spent so far and everything needed to interpret it (never the DP seed)."""
         plan = self.privacy_plan
-        # the unit, the number of units and q over them (privacy_unit='user': over users), hf_dpfilter/data/units.py
+        # the unit, the number of units and q over them (privacy_unit='user': over users),
+        # hf_dpfilter/data/units.py
         return privacy_units.with_unit({
             "epsilon": self.current_epsilon(),
             "delta": self.delta,
@@ -650,7 +690,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             row_is_unit=self.args.dp_row_is_unit)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        """``Trainer.create_model_card`` plus the privacy paragraph: the unit-level (epsilon, delta) of the run."""
+        """``Trainer.create_model_card`` plus the privacy paragraph: the unit-level (epsilon, delta) of the
+        run."""
         super().create_model_card(*args, **kwargs)
         if not self.privacy_plan.is_private or not self.is_world_process_zero():
             return

@@ -6,7 +6,8 @@ import csv
 
 
 def read_glue_tsv(path: str) -> tuple[list[str], list[int]]:
-    """A GLUE single-sentence TSV: a `label` column and one text column (`sentence`, or `content` in SST-2 dev)."""
+    """A GLUE single-sentence TSV: a `label` column and one text column (`sentence`, or `content` in SST-2
+    dev)."""
     with open(path, newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
     if not rows:

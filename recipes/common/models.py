@@ -15,10 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HEAD_SETTINGS", "MeanPooledClassifier", "mean_pool", "mean_pooled_embeddings", "packaged_model_path"]
+__all__ = ["HEAD_SETTINGS", "MeanPooledClassifier", "mean_pool", "mean_pooled_embeddings",
+           "packaged_model_path"]
 
-#: DP-Adam at epsilon 8 on a MeanPooledClassifier head over the frozen packaged MiniLM (the demo's defaults), chosen
-#: on a validation split carved from the SST-2 training set, never the dev set (python -m benchmarks demo-tuning)
+#: DP-Adam at epsilon 8 on a MeanPooledClassifier head over the frozen packaged MiniLM (the demo's defaults),
+# chosen
+#: on a validation split carved from the SST-2 training set, never the dev set (python -m benchmarks
+# demo-tuning)
 HEAD_SETTINGS = {"train_samples": 20000, "epochs": 5.0, "logical_batch_size": 1000, "learning_rate": 0.01,
                  "max_grad_norm": 1.0}
 
@@ -39,10 +42,11 @@ def packaged_model_path() -> str:
 
 
 class MeanPooledClassifier(nn.Module):
-    """A linear classifier on mean-pooled token states: the way the packaged MiniLM was trained to embed sentences.
+    """A linear classifier on mean-pooled token states: the way the packaged MiniLM was trained to embed
+    sentences.
 
-    With an ``encoder`` (any HF encoder, e.g. ``AutoModel.from_pretrained(packaged_model_path())``) it takes the
-    tokenized batch; without one it takes precomputed ``sentence_embedding`` vectors (see
+    With an ``encoder`` (any HF encoder, e.g. ``AutoModel.from_pretrained(packaged_model_path())``) it takes
+    the tokenized batch; without one it takes precomputed ``sentence_embedding`` vectors (see
     :func:`mean_pooled_embeddings`), which is how a frozen encoder is trained cheaply: the encoder's output
     is a fixed public function of each example, so computing it once changes nothing in the privacy analysis.
     ``BertForSequenceClassification`` would classify the [CLS] state through a pooler that this model never
@@ -65,7 +69,8 @@ class MeanPooledClassifier(nn.Module):
     ) -> dict[str, torch.Tensor]:
         if sentence_embedding is None:
             if self.encoder is None or input_ids is None:
-                raise ValueError("MeanPooledClassifier needs `sentence_embedding`, or an encoder and `input_ids`.")
+                raise ValueError("MeanPooledClassifier needs `sentence_embedding`, or an encoder and "
+                                 "`input_ids`.")
             if attention_mask is None:
                 attention_mask = torch.ones_like(input_ids)
             states = self.encoder(

@@ -1,8 +1,8 @@
 """An offline chat tokenizer and a small Llama-family model built from a config: no download, no data.
 
 The tokenizer is byte-level with no merges (every UTF-8 byte is a token) plus the chat special tokens, so its
-vocabulary is a public constant: nothing is learned from the training text (a tokenizer trained on private text
-would publish its frequent strings in its vocabulary). Its chat template marks the assistant turns with
+vocabulary is a public constant: nothing is learned from the training text (a tokenizer trained on private
+text would publish its frequent strings in its vocabulary). Its chat template marks the assistant turns with
 ``{% generation %}`` so that TRL's ``assistant_only_loss`` can mask everything else.
 """
 
@@ -14,7 +14,8 @@ __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "byte_level_chat_tokenizer", "smal
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
 
-#: each turn ends with <|end|> (the eos token); the assistant's content and its <|end|> are the generation part
+#: each turn ends with <|end|> (the eos token); the assistant's content and its <|end|> are the generation
+# part
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}<|assistant|>{% generation %}{{ message['content'] }}<|end|>"
@@ -43,7 +44,8 @@ def byte_level_chat_tokenizer() -> Any:
     return tokenizer
 
 
-def small_llama(tokenizer: Any, hidden_size: int = 64, layers: int = 2, heads: int = 4, max_positions: int = 512,
+def small_llama(tokenizer: Any, hidden_size: int = 64, layers: int = 2, heads: int = 4,
+                max_positions: int = 512,
                 seed: int = 0, dtype: Any = None) -> Any:
     """A ``LlamaForCausalLM`` built from a config (random weights) for ``tokenizer``'s vocabulary."""
     import torch
@@ -53,7 +55,8 @@ def small_llama(tokenizer: Any, hidden_size: int = 64, layers: int = 2, heads: i
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
         head_dim=hidden_size // heads, max_position_embeddings=max_positions,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

@@ -84,7 +84,8 @@ def plot_training_curves(
     drawn on that panel's second axis."""
     train_steps, train_loss = _series(log_history, "loss")
     eval_keys = sorted(
-        {k for e in log_history for k in e if k.startswith("eval_") and k not in _SKIP_EVAL and isinstance(e[k], (int, float))}
+        {k for e in log_history for k in e if k.startswith("eval_") and k not in _SKIP_EVAL
+         and isinstance(e[k], (int, float))}
     )
     if not train_steps and not eval_keys:
         return None

@@ -93,14 +93,16 @@ def test_rdp_prv_pld_agree(sigma, q, steps, delta):
     eps_pld = compute_epsilon(history, delta, "pld")
     assert eps_prv * 0.99 <= eps_rdp <= eps_prv * 1.35
     assert abs(eps_pld - eps_prv) <= 0.03 * eps_prv
-    # PRV's reported value is its upper bound: not below the (pessimistic) PLD by more than discretisation error
+    # PRV's reported value is its upper bound: not below the (pessimistic) PLD by more than discretisation
+    # error
     assert eps_prv >= eps_pld * 0.999
 
 
 def test_reference_value_sigma1_q001_1000_steps():
     # eps(sigma=1, q=0.01, 1000 steps, delta=1e-5), add/remove relation. Independent values:
     #   prv_accountant estimate (eps_error=0.01): 1.82824; dp_accounting PLD (interval 1e-4): 1.82824;
-    #   Opacus PRVAccountant upper bound (eps_error=0.01): 1.8384; RDP (Opacus orders, improved conversion): 2.1014.
+    #   Opacus PRVAccountant upper bound (eps_error=0.01): 1.8384; RDP (Opacus orders, improved conversion):
+    # 2.1014.
     reference = 1.8282
     eps_prv = compute_epsilon([(1.0, 0.01, 1000)], 1e-5, "prv")
     eps_pld = compute_epsilon([(1.0, 0.01, 1000)], 1e-5, "pld")
@@ -219,7 +221,8 @@ def test_record_step_counts_logical_steps_and_merges_equal_mechanisms():
     from types import SimpleNamespace as Mechanism
 
     acc = PrivacyAccountant("pld")
-    two = [Mechanism(noise_multiplier=2.0, sample_rate=0.01), Mechanism(noise_multiplier=3.0, sample_rate=1.0)]
+    two = [Mechanism(noise_multiplier=2.0, sample_rate=0.01),
+           Mechanism(noise_multiplier=3.0, sample_rate=1.0)]
     for _ in range(3):
         acc.record_step(two)
     assert acc.steps == 3

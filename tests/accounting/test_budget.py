@@ -25,4 +25,5 @@ def test_the_guard_stops_at_the_first_overspending_step():
             guard.check(accountant, plan, steps)
             accountant.step(2.0, 0.1, 1)
             steps += 1
-    assert compute_epsilon([(2.0, 0.1, steps)], 1e-5, "rdp") <= 1.5 < compute_epsilon([(2.0, 0.1, steps + 1)], 1e-5, "rdp")
+    assert compute_epsilon([(2.0, 0.1, steps)], 1e-5, "rdp") <= 1.5 < compute_epsilon([(2.0, 0.1, steps + 1)],
+                                                                                      1e-5, "rdp")

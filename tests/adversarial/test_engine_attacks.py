@@ -67,7 +67,8 @@ def test_state_written_on_a_later_step_is_refused_before_that_step_releases(repl
     labels = torch.tensor([0, 1, 0, 1])
 
     def step(x):
-        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=4)
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"),
+                             batch_size=4)
 
     step(torch.randn(4, 3))  # the proving step: nothing written
     optimizer.zero_grad()
@@ -77,7 +78,8 @@ def test_state_written_on_a_later_step_is_refused_before_that_step_releases(repl
     with pytest.raises(StateWrittenError, match=r"'peak'"):
         step(outlier)
     after = optimizer._local_sums()
-    assert all(torch.equal(after[p], s) for p, s in sums_before.items())  # nothing of that step entered the sums
+    # nothing of that step entered the sums
+    assert all(torch.equal(after[p], s) for p, s in sums_before.items())
 
 
 def test_a_model_writing_no_state_passes_every_step():
@@ -154,7 +156,8 @@ def _trainer(out, callbacks=(), **extra):
 def _clearml_callback():
     from transformers.integrations import ClearMLCallback
 
-    return ClearMLCallback.__new__(ClearMLCallback)  # its __init__ needs clearml installed; its setup is below
+    # its __init__ needs clearml installed; its setup is below
+    return ClearMLCallback.__new__(ClearMLCallback)
 
 
 def test_clearml_reads_the_fields_one_by_one_so_a_given_dp_seed_is_refused(tmp_path):
@@ -166,10 +169,11 @@ def test_clearml_reads_the_fields_one_by_one_so_a_given_dp_seed_is_refused(tmp_p
     trainer = _trainer(tmp_path)
     hparams = {f.name: getattr(trainer.args, f.name) for f in fields(trainer.args) if f.init}
     assert "dp_seed" in hparams  # to_dict() drops it; a field-by-field copy does not
-    assert "fields(training_args)" in __import__("inspect").getsource(ClearMLCallback._copy_training_args_as_hparams)
+    assert ("fields(training_args)" in __import__("inspect").getsource(ClearMLCallback._copy_training_args_as_hparams))
     with pytest.raises(ValueError, match=r"(?s)ClearML.*dp_seed.*Leave dp_seed unset"):
         _trainer(tmp_path, callbacks=[_clearml_callback()], dp_seed=12345)
-    _trainer(tmp_path, callbacks=[_clearml_callback()]).callback_handler.pop_callback(ClearMLCallback)  # no seed
+    # no seed
+    _trainer(tmp_path, callbacks=[_clearml_callback()]).callback_handler.pop_callback(ClearMLCallback)
 
 
 def test_a_clearml_callback_added_after_creation_is_refused_at_train(tmp_path):
@@ -197,8 +201,9 @@ def test_a_branch_resumed_into_another_output_dir_counts_the_origin_ledger(tmp_p
 
 # ------------------------------------------------------------ a checkpoint without the DP optimizer's state
 def test_resuming_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
-    """``save_only_model=True`` (or a deleted optimizer.pt): the Trainer resumes the model and the step count but
-    silently skips the optimizer, so the DP accountant would restart at 0 and leave the checkpoint's steps out."""
+    """``save_only_model=True`` (or a deleted optimizer.pt): the Trainer resumes the model and the step count
+    but silently skips the optimizer, so the DP accountant would restart at 0 and leave the checkpoint's steps
+    out."""
     _trainer(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, save_only_model=True).train()
     assert not (tmp_path / "checkpoint-2" / "optimizer.pt").exists()
     trainer = _trainer(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, save_only_model=True)
@@ -218,7 +223,8 @@ def test_srun_tasks_without_a_process_group_are_refused_and_a_batch_script_is_no
     # the batch script of `sbatch --ntasks 4` runs once: SLURM_NTASKS alone announces no processes
     check_one_dp_run(1, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, group_size=None)
     # srun starting one torchrun per node: the group is torchrun's (WORLD_SIZE), larger than the step's tasks
-    check_one_dp_run(8, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "WORLD_SIZE": "8", "RANK": "5"}, group_size=8)
+    check_one_dp_run(8, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "WORLD_SIZE": "8", "RANK": "5"},
+                     group_size=8)
 
 
 # ------------------------------------------------------------------------------- PEFT tuners (peft 0.21)
@@ -229,13 +235,15 @@ def _peft_configs():
     return {
         "LoHa": lambda: peft.LoHaConfig(r=4, target_modules=query_value, init_weights=False),
         "LoKr": lambda: peft.LoKrConfig(r=4, target_modules=query_value, init_weights=False),
-        "IA3": lambda: peft.IA3Config(target_modules=["query", "output.dense"], feedforward_modules=["output.dense"]),
+        "IA3": lambda: peft.IA3Config(target_modules=["query", "output.dense"],
+                                      feedforward_modules=["output.dense"]),
         "OFT": lambda: peft.OFTConfig(r=0, oft_block_size=4, target_modules=query_value, init_weights=False),
         "BOFT": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=query_value, init_weights=False),
         "FourierFT": lambda: peft.FourierFTConfig(n_frequency=10, target_modules=query_value),
         "VeRA": lambda: peft.VeraConfig(r=4, target_modules=query_value),
         "AdaLoRA": lambda: peft.AdaLoraConfig(r=4, target_modules=query_value, total_step=10),
-        "TrainableTokens": lambda: peft.TrainableTokensConfig(target_modules=["word_embeddings"], token_indices=[3, 5]),
+        "TrainableTokens": lambda: peft.TrainableTokensConfig(target_modules=["word_embeddings"],
+                                                              token_indices=[3, 5]),
         "LoRA+trainable_token_indices": lambda: peft.LoraConfig(
             r=4, target_modules=query_value, trainable_token_indices={"word_embeddings": [3, 5]}),
         "LoRA on an Embedding": lambda: peft.LoraConfig(r=4, target_modules=["word_embeddings", "query"]),
@@ -247,7 +255,8 @@ def _peft_configs():
 @pytest.mark.parametrize("tuner", list(_peft_configs()))
 def test_peft_tuners_without_a_per_example_rule_are_refused_by_name(tuner):
     """Each tuner keeps its trainable weights where no per-example rule reaches them (ParameterDicts of the
-    layer, weights used by a parametrization): refused by the parameter's name, before anything is released."""
+    layer, weights used by a parametrization): refused by the parameter's name, before anything is
+    released."""
     from models import tiny_bert
     from peft import get_peft_model
 
@@ -260,10 +269,12 @@ def test_peft_tuners_without_a_per_example_rule_are_refused_by_name(tuner):
     labels = torch.tensor([0, 1, 0, 1])
     with pytest.raises((UnsupportedLayerError, ModuleValidationError)) as refused:
         engine = make_engine(plan, model)
-        optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
+        optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad],
+                                   base=torch.optim.SGD,
                                         lr=0.0)
         optimizer.accumulate(engine, lambda values: F.cross_entropy(
-            model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, labels, reduction="none"), batch_size=4)
+            model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, labels, reduction="none"),
+            batch_size=4)
     message = str(refused.value)
     assert "Trainable parameter" in message and "reeze" in message, message
 
@@ -304,7 +315,8 @@ _MIXERS = ["F.batch_norm", "torch.batch_norm", "F.normalize(dim=0)", "F.group_no
 @pytest.mark.parametrize("kind", _MIXERS)
 def test_functional_ops_that_mix_examples_are_refused_before_release(kind):
     """F.batch_norm in training moved the clipped sum by 1.23 C when one example was added (F.normalize over
-    the batch: 1.10 C); cdist/einsum pairings coupled the examples. The tracer now marks their batch axis lost."""
+    the batch: 1.10 C); cdist/einsum pairings coupled the examples. The tracer now marks their batch axis
+    lost."""
     torch.manual_seed(0)
     model = _FunctionalMixer(kind)
     if "cdist" not in kind and "einsum" not in kind:
@@ -312,10 +324,12 @@ def test_functional_ops_that_mix_examples_are_refused_before_release(kind):
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
                               max_grad_norm=0.05, seed=0)
     engine = make_engine(plan, model)
-    optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD, lr=0.0)
+    optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
+                               lr=0.0)
     x, labels = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
     with pytest.raises(RuntimeError, match=r"lost its batch axis.*Nothing was released"):
-        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=4)
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"),
+                             batch_size=4)
     assert all(float(s.abs().sum()) == 0 for s in optimizer._local_sums().values())
 
 
@@ -364,7 +378,8 @@ def test_memory_metrics_are_not_published_without_the_opt_in(tmp_path):
 
 def test_embedding_scaling_gradients_by_batch_frequency_is_refused_at_attach():
     """scale_grad_by_freq=True: each row's gradient is divided by the token's count in the whole micro-batch
-    (examples coupled); it used to stop at the first step with an unrelated "path the hooks do not see" error."""
+    (examples coupled); it used to stop at the first step with an unrelated "path the hooks do not see"
+    error."""
     model = nn.Sequential(nn.Embedding(20, 4, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(20, 2))
     with pytest.raises(ModuleValidationError, match=r"(?s)'0'.*scale_grad_by_freq=True.*Fix: build it with"):
         GhostClippingEngine(model)
@@ -374,8 +389,8 @@ def test_embedding_scaling_gradients_by_batch_frequency_is_refused_at_attach():
 
 # ----------------------------------------------------------------- a second DPTrainer on an already DP model
 def test_a_new_dptrainer_on_parameters_of_an_earlier_run_is_refused(tmp_path):
-    """train() twice on one trainer is refused (run_guard); a NEW DPTrainer on the same model object used to run a
-    fresh accountant: its epsilon left out the first run's steps, which the released model holds."""
+    """train() twice on one trainer is refused (run_guard); a NEW DPTrainer on the same model object used to
+    run a fresh accountant: its epsilon left out the first run's steps, which the released model holds."""
     from helpers import ListDataset, PadCollator, make_examples
     from models import VOCAB
 
@@ -400,7 +415,8 @@ def test_a_new_dptrainer_on_parameters_of_an_earlier_run_is_refused(tmp_path):
 
 # ---------------------------------------------------------- a call the proving step did not see, T == B
 class _ExtraCallLater(nn.Module):
-    """Calls its positional table on the batch's ids; when an id is 0 also on arange(T) (shared by every example).
+    """Calls its positional table on the batch's ids; when an id is 0 also on arange(T) (shared by every
+    example).
 
     (A branch on the values: a branch on the shape is traced on its own step, the verdicts are kept per input
     shape.)"""
@@ -427,7 +443,8 @@ def test_an_extra_call_within_a_forward_does_not_inherit_the_proven_verdict_when
     labels = torch.tensor([0, 1, 0, 1])
 
     def step(ids):
-        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(ids), labels, reduction="none"), batch_size=4)
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(ids), labels, reduction="none"),
+                             batch_size=4)
 
     step(torch.randint(1, 16, (4, 4)))  # proving step: one call of pos, on the batch ids
     optimizer.zero_grad()

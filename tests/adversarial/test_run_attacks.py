@@ -1,5 +1,5 @@
-"""The run attacked through the public API (issue 29): hooks registered while a forward runs, evaluation sets that
-repeat training rows in another form, what a run writes to the files a user publishes.
+"""The run attacked through the public API (issue 29): hooks registered while a forward runs, evaluation sets
+that repeat training rows in another form, what a run writes to the files a user publishes.
 
 Each test is a way in that failed before its fix, or one no other test covers; the negative controls train.
 """
@@ -22,7 +22,8 @@ def _args(tmp_path, **kw):
     base = dict(
         output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
         logical_batch_size=6, per_device_train_batch_size=6, max_steps=2, optim="sgd", learning_rate=0.5,
-        report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0, logging_steps=1,
+        report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0,
+        logging_steps=1,
     )
     base.update(kw)
     return DPTrainingArguments(**base)
@@ -32,16 +33,17 @@ def _trainer(tmp_path, model=None, train=None, **kw):
     args_kw = {k: kw.pop(k) for k in list(kw) if k not in ("eval_dataset", "callbacks")}
     return DPTrainer(model=model if model is not None else tiny_bert(dtype=torch.float32),
                      args=_args(tmp_path, **args_kw),
-                     train_dataset=train if train is not None else ListDataset(make_examples(6, VOCAB, False)),
+                     train_dataset=train if train is not None
+                     else ListDataset(make_examples(6, VOCAB, False)),
                      data_collator=PadCollator(0), **kw)
 
 
 # ------------------------------------------------------------------ hooks registered while a forward runs
 @pytest.mark.parametrize("kind", ["parameter", "module"])
 def test_gradient_hook_registered_inside_a_forward_is_refused_before_any_backward(tmp_path, kind):
-    """A forward hook that hooks a gradient while the first forward runs: the check before the step saw no hook,
-    and the first backward (the engine's check, the first-step check) reached the parameter unclipped, one example
-    at a time (old code: 5 gradients seen, step 1 released, refused only at step 2)."""
+    """A forward hook that hooks a gradient while the first forward runs: the check before the step saw no
+    hook, and the first backward (the engine's check, the first-step check) reached the parameter unclipped,
+    one example at a time (old code: 5 gradients seen, step 1 released, refused only at step 2)."""
     model = tiny_bert(dtype=torch.float32)
     seen = []
 
@@ -51,7 +53,8 @@ def test_gradient_hook_registered_inside_a_forward_is_refused_before_any_backwar
         if kind == "module" and not model.classifier._backward_hooks:
             model.classifier.register_full_backward_hook(lambda mod, gi, go: seen.append(go[0].clone()))
 
-    model.bert.embeddings.register_forward_hook(register)  # before the head runs: a hook on it takes this forward
+    # before the head runs: a hook on it takes this forward
+    model.bert.embeddings.register_forward_hook(register)
     trainer = _trainer(tmp_path, model=model)
     with pytest.raises(GradientHookError, match="classifier"):
         trainer.train()
@@ -71,16 +74,19 @@ def _padded(examples, length=12, left=False):
 
 @pytest.mark.parametrize("form", ["datasets-right", "datasets-left", "torch-right"])
 def test_training_rows_tokenized_again_with_padding_are_refused(tmp_path, form):
-    """The training rows tokenized again with ``padding="max_length"`` (the masked tokens, the loss and metrics
-    are the training rows'): old code compared the padded ``input_ids`` and evaluated them as a held-out set."""
+    """The training rows tokenized again with ``padding="max_length"`` (the masked tokens, the loss and
+    metrics are the training rows'): old code compared the padded ``input_ids`` and evaluated them as a
+    held-out set."""
     examples = make_examples(6, VOCAB, False)
-    train = datasets.Dataset.from_list([{"input_ids": e["input_ids"].tolist(), "labels": e["labels"]} for e in examples])
+    train = datasets.Dataset.from_list([{"input_ids": e["input_ids"].tolist(), "labels": e["labels"]}
+                                        for e in examples])
     rows = _padded(examples[4:5], left=form.endswith("left"))
     if form.startswith("torch"):
         rows = ListDataset([{**r, "input_ids": torch.tensor(r["input_ids"])} for r in rows])
     held_out = _padded(make_examples(3, VOCAB, False, seed=7))
     trainer = _trainer(tmp_path, train=train)
-    assert overlapping_rows(train, rows if form.startswith("torch") else datasets.Dataset.from_list(rows)) == 1
+    assert overlapping_rows(train,
+                            rows if form.startswith("torch") else datasets.Dataset.from_list(rows)) == 1
     with pytest.raises(TrainingFieldError, match="shares at least one identical row"):
         trainer.evaluate(rows if form.startswith("torch") else datasets.Dataset.from_list(rows))
     # negative control: a padded held-out set shares no row and is compared, not refused
@@ -99,17 +105,20 @@ def _dropout_bert():
 
 
 def _saved_rng(tmp_path, examples, name, **kw):
-    trainer = _trainer(tmp_path / name, model=_dropout_bert(), train=ListDataset(examples), noise_multiplier=1.0,
-                       logical_batch_size=4, per_device_train_batch_size=2, save_strategy="steps", save_steps=2,
+    trainer = _trainer(tmp_path / name, model=_dropout_bert(), train=ListDataset(examples),
+                       noise_multiplier=1.0,
+                       logical_batch_size=4, per_device_train_batch_size=2, save_strategy="steps",
+                       save_steps=2,
                        seed=1, dp_seed=5, disable_tqdm=True, **kw)
     trainer.train()
     return torch.load(tmp_path / name / "checkpoint-2" / "rng_state.pth", weights_only=False)
 
 
 def test_checkpoint_rng_state_says_nothing_of_the_batches(tmp_path):
-    """rng_state.pth holds the global generators, advanced by every dropout draw: one per activation element of
-    each secret micro-batch. Old code: replacing one example by a longer one changed the saved state (with the
-    public seed, a noiseless function of the batches); now it is the public seed's and the step's alone."""
+    """rng_state.pth holds the global generators, advanced by every dropout draw: one per activation element
+    of each secret micro-batch. Old code: replacing one example by a longer one changed the saved state (with
+    the public seed, a noiseless function of the batches); now it is the public seed's and the step's
+    alone."""
     examples = make_examples(8, VOCAB, False, min_len=3, max_len=6)
     replaced = [*examples[:-1], dict(examples[-1], input_ids=torch.arange(3, 23))]
     a, b = _saved_rng(tmp_path, examples, "a"), _saved_rng(tmp_path, replaced, "b")
@@ -117,7 +126,8 @@ def test_checkpoint_rng_state_says_nothing_of_the_batches(tmp_path):
     assert all((x == y).all() for x, y in zip(a["numpy"][1:2], b["numpy"][1:2]))
 
 
-# ------------------------------------------------------------------ the ledger and the unit, through DPSFTTrainer
+# ------------------------------------------------------------------ the ledger and the unit, through
+# DPSFTTrainer
 def test_dpsfttrainer_resume_that_declares_users_is_refused_before_a_step(tmp_path):
     """Steps released per example, resumed by DPSFTTrainer (TRL's preparation of the rows in between) as a
     user-level run: refused before its first step, the ledger untouched."""
@@ -130,17 +140,19 @@ def test_dpsfttrainer_resume_that_declares_users_is_refused_before_a_step(tmp_pa
     ledger = (tmp_path / "privacy_ledger.json").read_text()
     resumed = trainer_for(tmp_path, chat_rows(6, user_ids=True), **dict(kw, max_steps=4), privacy_unit="user",
                           user_id_column="user_id", max_examples_per_user=2, logical_batch_size=2)
-    with pytest.raises(PrivacyUnitError, match="privacy_unit='example', but this run declares privacy_unit='user'"):
+    with pytest.raises(PrivacyUnitError, match="privacy_unit='example', but this run declares "
+                                               "privacy_unit='user'"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert resumed.dp_optimizer.dp_steps == 2 and (tmp_path / "privacy_ledger.json").read_text() == ledger
 
 
 # ------------------------------------------------------------------ train() again after a refusal mid-step
 def test_train_again_after_a_refusal_mid_step_releases_no_stale_clipped_sums(tmp_path):
-    """A refusal in the third micro-batch of step 1 (here a hook a forward hook registers late) left the clipped
-    sums of the first two in the DP optimizer, and no step was released, so train() may run again once the hook
-    is removed: old code added those sums to its first step (another Poisson sample inside one released step,
-    an example sampled in both counted twice). At noise 0 the step now equals a fresh trainer's."""
+    """A refusal in the third micro-batch of step 1 (here a hook a forward hook registers late) left the
+    clipped sums of the first two in the DP optimizer, and no step was released, so train() may run again once
+    the hook is removed: old code added those sums to its first step (another Poisson sample inside one
+    released step, an example sampled in both counted twice). At noise 0 the step now equals a fresh
+    trainer's."""
     examples = ListDataset(make_examples(12, VOCAB, False))
     model, calls, handles = tiny_bert(dtype=torch.float32), [0], []
 
@@ -165,9 +177,10 @@ def test_train_again_after_a_refusal_mid_step_releases_no_stale_clipped_sums(tmp
 
 
 def test_a_shape_refused_by_a_recheck_is_checked_again_in_the_next_attempt(tmp_path):
-    """The micro-batch-normalised loss of tests/proofs/test_separation.py (case 4), refused by the re-check of a
-    new shape; nothing was released, so the step (or train()) may be run again: old code had marked the shape as
-    seen before checking it, so with dp_recheck_rate=0 the same micro-batch was then accumulated unchecked."""
+    """The micro-batch-normalised loss of tests/proofs/test_separation.py (case 4), refused by the re-check of
+    a new shape; nothing was released, so the step (or train()) may be run again: old code had marked the
+    shape as seen before checking it, so with dp_recheck_rate=0 the same micro-batch was then accumulated
+    unchecked."""
     from test_separation import _args as recheck_args
     from test_separation import _example, _MeanCountLoss, _step
 
@@ -185,8 +198,8 @@ def test_a_shape_refused_by_a_recheck_is_checked_again_in_the_next_attempt(tmp_p
 
 
 def test_an_eval_set_changed_in_place_after_its_verdict_is_checked_again(tmp_path):
-    """The verdict of an eval set is kept per trainer; a torch data set (a list behind it) can be changed in place
-    after it evaluated: old code kept the held-out verdict and evaluated the training row now in it."""
+    """The verdict of an eval set is kept per trainer; a torch data set (a list behind it) can be changed in
+    place after it evaluated: old code kept the held-out verdict and evaluated the training row now in it."""
     examples = make_examples(9, VOCAB, False)
     trainer = _trainer(tmp_path, train=ListDataset(examples[:6]))
     held_out = ListDataset(examples[6:9])
@@ -197,9 +210,9 @@ def test_an_eval_set_changed_in_place_after_its_verdict_is_checked_again(tmp_pat
 
 
 def test_the_trainers_hub_uploads_skip_the_private_underscore_files():
-    """The user partition's digest lives in ``output_dir/_privacy_unit_partitions.json`` (and the ledger's lock
-    beside it) on the claim that the Trainer's uploads skip root files starting with ``_``: true of the installed
-    transformers (both uploads of output_dir pass ``ignore_patterns=["_*", "checkpoint-*"]``) and of
+    """The user partition's digest lives in ``output_dir/_privacy_unit_partitions.json`` (and the ledger's
+    lock beside it) on the claim that the Trainer's uploads skip root files starting with ``_``: true of the
+    installed transformers (both uploads of output_dir pass ``ignore_patterns=["_*", "checkpoint-*"]``) and of
     huggingface_hub's matching; a file in a subfolder would not be skipped."""
     import inspect
 

@@ -1,21 +1,24 @@
-"""Adversarial review of issue 30's engine verdicts (merged batch axes, shared outputs, MoE), through the public API.
+"""Adversarial review of issue 30's engine verdicts (merged batch axes, shared outputs, MoE), through the
+public API.
 
 Each test is an attack that found a hole (now closed):
 
 * an element-wise operation combining a batch tensor with one whose batch axis was lost (``h / h.sum(0)``,
-  ``h - h.mean(0)``, a branch on a batch statistic) or lands on another dimension (``h + h.T`` when B == d), and
-  ``torch.stack`` of two tensors for B == 2, used to keep the batch tag of the first operand that lined up by size,
-  so a trainable layer after it passed as per example (only the sampled first-step check could see it): the
-  tracer now marks such a result lost, and the layer is refused before release;
-* an element-wise operation broadcasting a ``(B, d)`` tensor into ``(L, B, d)`` with L == B was given the batch
-  on dimension 0 (the size matched), so a layer on it passed as per example with every example in each row;
+  ``h - h.mean(0)``, a branch on a batch statistic) or lands on another dimension (``h + h.T`` when B == d),
+  and ``torch.stack`` of two tensors for B == 2, used to keep the batch tag of the first operand that lined up
+  by size, so a trainable layer after it passed as per example (only the sampled first-step check could see
+  it): the tracer now marks such a result lost, and the layer is refused before release;
+* an element-wise operation broadcasting a ``(B, d)`` tensor into ``(L, B, d)`` with L == B was given the
+  batch on dimension 0 (the size matched), so a layer on it passed as per example with every example in each
+  row;
 * Mixtral's experts frozen (LoRA on the attention) with a routing that mixes the batch: their in-place
   ``index_add_`` loses the token axis, and ``h + out`` used to take the residual's tag; frozen experts now get
-  the trainable ones' verdict (row-wise form and routing on the tokens' own axis, :mod:`hf_dpfilter.engine.moe`);
+  the trainable ones' verdict (row-wise form and routing on the tokens' own axis,
+  :mod:`hf_dpfilter.engine.moe`);
 * a merge that interleaves the examples only on a later shape (``(T*B, d)`` for T > 8, OPT's ``(B*T, d)``
   otherwise): the verdicts were proven once, on the first step, and reused by call index, so the later step
-  viewed interleaved rows as ``(B, T, d)`` (per-example norms off by 10x, with the same losses: no loss re-check
-  can see it). Verdicts are now kept per input signature and a new one is traced on its own step;
+  viewed interleaved rows as ``(B, T, d)`` (per-example norms off by 10x, with the same losses: no loss
+  re-check can see it). Verdicts are now kept per input signature and a new one is traced on its own step;
 * a leaf given the ``x + v`` / ``x * v`` rule by its class's probe that computes another form on real data (a
   branch on the values, or an instance whose form differs from its class's first): each call is now checked
   against the form, after the forward and before the backward;
@@ -88,7 +91,8 @@ _LOST = ["h / h.abs().sum(0)", "h - h.mean(0)", "where(h.sum(0) > 0)", "h + h.T"
 def test_an_operand_without_the_batch_axis_makes_the_rows_mixed(kind):
     torch.manual_seed(0)
     _refused_before_release(_LostOperand(kind), torch.randn(2, 3), torch.tensor([0, 1]),
-                            r"(?s)Module 'head'.*(lost its batch axis|batch axis at dimension 1).*Nothing was released")
+                            r"(?s)Module 'head'.*(lost its batch axis|batch axis at dimension 1).*Nothing "
+                            r"was released")
 
 
 def test_per_example_statistics_stay_accepted():
@@ -96,7 +100,8 @@ def test_per_example_statistics_stay_accepted():
     model = _LostOperand("per-example statistics")
     engine, optimizer = _engine_and_optimizer(model, 2)
     x, labels = torch.randn(2, 3), torch.tensor([0, 1])
-    optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=2)
+    optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"),
+                         batch_size=2)
 
 
 def test_frozen_experts_routed_over_the_batch_are_not_taken_as_per_example():
@@ -124,7 +129,8 @@ def test_frozen_experts_routed_over_the_batch_are_not_taken_as_per_example():
 
 
 class _InterleavesWhenLong(nn.Module):
-    """A LayerNorm on OPT's ``(B*T, d)`` rows while T <= 8, on ``(T*B, d)`` (interleaved examples) when T > 8."""
+    """A LayerNorm on OPT's ``(B*T, d)`` rows while T <= 8, on ``(T*B, d)`` (interleaved examples) when T >
+    8."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -149,12 +155,14 @@ def test_a_merge_that_interleaves_on_a_later_shape_is_refused_on_that_step():
 
     def step(length: int) -> None:
         x = torch.randn(3, length, 3)
-        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=3)
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"),
+                             batch_size=3)
 
     step(4)  # proven: MERGED, rows of example r // T
     step(6)  # a new shape, traced on its step: the same merge, accepted
     sums = {p: s.clone() for p, s in optimizer._local_sums().items()}
-    with pytest.raises(RuntimeError, match=r"(?s)Module 'norm' \(LayerNorm.*lost its batch axis.*Nothing was released"):
+    with pytest.raises(RuntimeError, match=r"(?s)Module 'norm' \(LayerNorm.*lost its batch axis.*Nothing was "
+                                           r"released"):
         step(12)
     assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())
     step(4)  # a proven shape keeps its verdicts
@@ -200,17 +208,20 @@ def test_a_vector_leaf_that_branches_on_the_values_is_refused_on_the_step_it_bra
     labels = torch.tensor([0, 1, 0])
 
     def step(x):
-        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=3)
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"),
+                             batch_size=3)
 
     step(torch.randn(3, 3))
     sums = {p: s.clone() for p, s in optimizer._local_sums().items()}
-    with pytest.raises(UnsupportedLayerError, match=r"(?s)Module 'leaf' \(_BranchOnValues\).*Nothing was released"):
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)Module 'leaf' \(_BranchOnValues\).*Nothing was "
+                                                    r"released"):
         step(100 * torch.randn(3, 3))
     assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())
 
 
 def test_an_instance_with_another_form_than_its_class_probe_is_refused():
-    """The form is probed once per class: a later model's instance computing x * v got the first one's x + v."""
+    """The form is probed once per class: a later model's instance computing x * v got the first one's x +
+    v."""
     torch.manual_seed(0)
     _WithLeaf(_Form("add"))(torch.randn(2, 3))
     GhostClippingEngine(_WithLeaf(_Form("add"))).detach()  # the class is probed: x + v
@@ -220,8 +231,8 @@ def test_an_instance_with_another_form_than_its_class_probe_is_refused():
 
 
 class _RollsRows(nn.Linear):
-    """A Linear subclass (the Linear rule, by its base class) whose forward shifts the rows by one example when
-    the micro-batch has 3 examples: its input is per example, its output is not."""
+    """A Linear subclass (the Linear rule, by its base class) whose forward shifts the rows by one example
+    when the micro-batch has 3 examples: its input is per example, its output is not."""
 
     def forward(self, x):
         return super().forward(x.roll(1, 0) if x.shape[0] == 3 else x)
@@ -231,24 +242,29 @@ def test_a_layer_subclass_whose_forward_mixes_the_rows_is_refused_on_that_shape(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), _RollsRows(4, 2))
     engine, optimizer = _engine_and_optimizer(model, 4)
-    optimizer.accumulate(engine, lambda values: F.cross_entropy(model(torch.randn(4, 3)), torch.tensor([0, 1, 0, 1]),
+    optimizer.accumulate(engine,
+                         lambda values: F.cross_entropy(model(torch.randn(4, 3)), torch.tensor([0, 1, 0, 1]),
                                                                 reduction="none"), batch_size=4)
     sums = {p: s.clone() for p, s in optimizer._local_sums().items()}
     x, labels = torch.randn(3, 3), torch.tensor([0, 1, 0])
-    with pytest.raises(RuntimeError, match=r"(?s)Module '2' \(_RollsRows.*does not keep those rows per example"):
-        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=3)
+    with pytest.raises(RuntimeError, match=r"(?s)Module '2' \(_RollsRows.*does not keep those rows per "
+                                           r"example"):
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"),
+                             batch_size=3)
     assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())
 
 
 def test_shared_outputs_under_gradient_checkpointing_stay_exact(tmp_path, monkeypatch):
-    """Holds (no test covered it): T5's relative attention bias (a shared output) with checkpointed layers, whose
-    recomputation runs inside the engine's per-example backward to the shared outputs."""
+    """Holds (no test covered it): T5's relative attention bias (a shared output) with checkpointed layers,
+    whose recomputation runs inside the engine's per-example backward to the shared outputs."""
     import test_positions as positions
     from test_model_families import Seq2SeqCollator, _args
 
     model = positions._model("t5-s2s")
-    monkeypatch.setattr(positions, "_args", lambda *args, **kwargs: _args(*args, gradient_checkpointing=True, **kwargs))
-    assert positions._max_difference(model, tmp_path, "s2s", Seq2SeqCollator(model.config.pad_token_id)) < 1e-9
+    monkeypatch.setattr(positions, "_args", lambda *args,
+                        **kwargs: _args(*args, gradient_checkpointing=True, **kwargs))
+    assert positions._max_difference(model, tmp_path, "s2s",
+                                     Seq2SeqCollator(model.config.pad_token_id)) < 1e-9
 
 
 def test_two_forwards_of_other_shapes_in_one_step_keep_their_proof():
@@ -269,7 +285,8 @@ def test_two_forwards_of_other_shapes_in_one_step_keep_their_proof():
 
 
 class _CentredLogits(nn.Module):
-    """Logits centred over the batch after the last trainable layer: no layer sees the mixing, the losses do."""
+    """Logits centred over the batch after the last trainable layer: no layer sees the mixing, the losses
+    do."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -285,10 +302,13 @@ def test_losses_that_mix_the_examples_after_the_last_layer_are_refused_on_that_s
     torch.manual_seed(0)
     model = _CentredLogits()
     engine, optimizer = _engine_and_optimizer(model, 4)
-    optimizer.accumulate(engine, lambda values: F.cross_entropy(model(torch.randn(4, 3)), torch.tensor([0, 1, 0, 1]),
+    optimizer.accumulate(engine,
+                         lambda values: F.cross_entropy(model(torch.randn(4, 3)), torch.tensor([0, 1, 0, 1]),
                                                                 reduction="none"), batch_size=4)
     sums = {p: s.clone() for p, s in optimizer._local_sums().items()}
     x, labels = torch.randn(3, 3), torch.tensor([0, 1, 0])
-    with pytest.raises(RuntimeError, match=r"(?s)per-example losses of the proving step.*lost its batch axis"):
-        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"), batch_size=3)
+    with pytest.raises(RuntimeError,
+                       match=r"(?s)per-example losses of the proving step.*lost its batch axis"):
+        optimizer.accumulate(engine, lambda values: F.cross_entropy(model(x), labels, reduction="none"),
+                             batch_size=3)
     assert all(torch.equal(optimizer._local_sums()[p], s) for p, s in sums.items())

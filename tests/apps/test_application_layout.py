@@ -1,8 +1,9 @@
-"""The package is the privacy machinery only: the demo, the pretrained-model helpers, plots and metrics live beside it.
+"""The package is the privacy machinery only: the demo, the pretrained-model helpers, plots and metrics live
+beside it.
 
-``hf_dpfilter/`` imports none of the application code (``recipes``, ``examples``, ``benchmarks`` and what used to
-live in the package: ``demo``, ``models``, ``plotting``, ``generation_metrics``, ``metrics``); the application
-code runs from a checkout, started by path, from any working directory.
+``hf_dpfilter/`` imports none of the application code (``recipes``, ``examples``, ``benchmarks`` and what used
+to live in the package: ``demo``, ``models``, ``plotting``, ``generation_metrics``, ``metrics``); the
+application code runs from a checkout, started by path, from any working directory.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def _imported_modules(path: Path, source: str | None = None) -> set[str]:
             module = ".".join(base + ([node.module] if node.module else []))
             found.add(module)
             found.update(f"{module}.{alias.name}" for alias in node.names)  # from pkg import submodule
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("hf_dpfilter."):
+        elif isinstance(node, ast.Constant) and isinstance(node.value,
+                                                           str) and node.value.startswith("hf_dpfilter."):
             found.add(node.value)
     return found
 
@@ -60,7 +62,8 @@ def test_the_package_imports_no_application_code():
     files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 20, files  # the walk found the package
     for path in files:
-        offenders += [f"{path.relative_to(ROOT)}: {m}" for m in sorted(_imported_modules(path)) if _is_forbidden(m)]
+        offenders += [f"{path.relative_to(ROOT)}: {m}" for m in sorted(_imported_modules(path))
+                      if _is_forbidden(m)]
     assert not offenders, "the library imports application code:\n" + "\n".join(offenders)
 
 
@@ -76,7 +79,8 @@ def test_the_checker_sees_each_kind_of_import():
     }
     for source, expected in cases.items():
         tree_modules = _imported_modules(fake, source)
-        assert expected in tree_modules and any(_is_forbidden(m) for m in tree_modules), (source, tree_modules)
+        assert expected in tree_modules and any(_is_forbidden(m) for m in tree_modules), (source,
+                                                                                          tree_modules)
 
 
 def test_the_moved_modules_are_gone_from_the_package_and_its_exports():
@@ -101,8 +105,8 @@ def test_make_demo_runs_the_example_script():
 
 @pytest.mark.parametrize("script", ["examples/demo.py", "recipes/glue.py", "recipes/table2text.py"])
 def test_application_scripts_start_by_path_from_any_directory(script):
-    """A fresh interpreter, started elsewhere, with nothing on PYTHONPATH: the script finds recipes.common. (The
-    run is shared with the tests that read the recipes' --help text.)"""
+    """A fresh interpreter, started elsewhere, with nothing on PYTHONPATH: the script finds recipes.common.
+    (The run is shared with the tests that read the recipes' --help text.)"""
     proc = script_help(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "usage:" in proc.stdout
@@ -119,7 +123,8 @@ def test_metrics_load_offline_from_a_script_started_elsewhere(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) == 0.5

@@ -23,7 +23,8 @@ from benchmarks import common  # noqa: E402  (the checkout's package: pyproject 
 from benchmarks.__main__ import SUBCOMMANDS, main, register  # noqa: E402
 
 #: the claims the docs make, each with the sub-command that produces its figures
-EXPECTED = {"speed-memory", "opacus-parity", "utility", "recipe-throughput", "checkpointing-memory", "gpu-report"}
+EXPECTED = {"speed-memory", "opacus-parity", "utility", "recipe-throughput", "checkpointing-memory",
+            "gpu-report"}
 
 
 def test_the_registry_covers_the_docs_claims_and_every_module_runs_its_help(capsys):
@@ -53,7 +54,8 @@ def test_a_new_subcommand_is_one_registry_line(monkeypatch):
 
 
 def test_time_interleaved_reports_the_median_of_per_round_ratios(monkeypatch):
-    """Rounds (A, B) = (1, 3), (2, 2), (4, 4): per-round ratios 3, 1, 1 -> 1; the ratio of medians would be 1.5."""
+    """Rounds (A, B) = (1, 3), (2, 2), (4, 4): per-round ratios 3, 1, 1 -> 1; the ratio of medians would be
+    1.5."""
     durations = iter([1.0, 3.0, 2.0, 2.0, 4.0, 4.0])
     clock = itertools.count()
     now = {"t": 0.0}
@@ -72,16 +74,19 @@ def test_time_interleaved_reports_the_median_of_per_round_ratios(monkeypatch):
 
 def test_the_shared_setup_serves_the_benchmarks():
     """One set-up module: the benchmarks import their models, data and measurements from benchmarks.common."""
-    for module in ("speed_memory", "tune_demo", "utility_sst2", "opacus_parity", "paper_protocols", "recipe_throughput"):
+    for module in ("speed_memory", "tune_demo", "utility_sst2", "opacus_parity", "paper_protocols",
+                   "recipe_throughput"):
         source = (ROOT / "benchmarks" / f"{module}.py").read_text()
         assert "from benchmarks.common import" in source, module
-        assert "sys.path.insert(0, os.path.join(os.path.dirname" not in source, module  # no per-script path set-up
+        # no per-script path set-up
+        assert "sys.path.insert(0, os.path.join(os.path.dirname" not in source, module
     assert "from benchmarks.common import" in (ROOT / "benchmarks" / "checkpointing_memory.py").read_text()
     importlib.import_module("benchmarks.speed_memory")  # imports through the package, from any module
 
 
 def test_speed_memory_runs_through_the_entry_point(tmp_path):
-    """Tiny models (HF_DPFILTER_BENCH_TINY=1): timing rounds and a memory worker per variant, all via -m benchmarks."""
+    """Tiny models (HF_DPFILTER_BENCH_TINY=1): timing rounds and a memory worker per variant, all via -m
+    benchmarks."""
     out = tmp_path / "rows.json"
     env = dict(os.environ, HF_DPFILTER_BENCH_TINY="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
@@ -97,10 +102,11 @@ def test_speed_memory_runs_through_the_entry_point(tmp_path):
 
 
 def test_recheck_cost_runs_through_the_entry_point(tmp_path, monkeypatch):
-    """The re-check cost benchmark on a tiny BERT and synthetic lengths: every variant steps, the re-checks run in
-    the checked variants only, and the ratios are reported."""
+    """The re-check cost benchmark on a tiny BERT and synthetic lengths: every variant steps, the re-checks
+    run in the checked variants only, and the ratios are reported."""
     monkeypatch.setenv("HF_DPFILTER_DATA", str(tmp_path))  # no SST-2 there: synthetic lengths
-    argv = ["--tiny", "--examples", "64", "--batch", "8", "--micro_batch", "4", "--warmup", "1", "--rounds", "2",
+    argv = ["--tiny", "--examples", "64", "--batch", "8", "--micro_batch", "4", "--warmup", "1", "--rounds",
+            "2",
             "--first_step_repeats", "1"]
     result = importlib.import_module("benchmarks.recheck_cost").main(argv)
     assert result["lengths"] == "synthetic lengths"
@@ -109,10 +115,12 @@ def test_recheck_cost_runs_through_the_entry_point(tmp_path, monkeypatch):
 
 
 def test_checks_cost_runs_both_sides_interleaved_without_git(tmp_path, monkeypatch):
-    """The cost of issue 29's checks against a reference commit, with both sides this tree (``--reference .``: no
-    git): two worker processes, every case and variant steps, and a ratio per case and variant is reported."""
+    """The cost of issue 29's checks against a reference commit, with both sides this tree (``--reference .``:
+    no git): two worker processes, every case and variant steps, and a ratio per case and variant is
+    reported."""
     monkeypatch.setenv("HF_DPFILTER_DATA", str(tmp_path))  # no SST-2 there: synthetic lengths
-    argv = ["--reference", ".", "--tiny", "--examples", "48", "--batch", "8", "--micro_batch", "4", "--warmup", "1",
+    argv = ["--reference", ".", "--tiny", "--examples", "48", "--batch", "8", "--micro_batch", "4",
+            "--warmup", "1",
             "--rounds", "2", "--steps", "1"]
     result = importlib.import_module("benchmarks.checks_cost").main(argv)
     assert result["lengths"] == "synthetic lengths"
@@ -137,8 +145,8 @@ def test_recheck_cost_breakdown_times_each_check_where_it_runs(tmp_path, monkeyp
 
 
 def test_shape_census_counts_new_shapes_random_and_grouped():
-    """The census of micro-batch shapes: every shape of the first step is new, both orders cut the same draws into
-    as many micro-batches, and the fractions are of those micro-batches."""
+    """The census of micro-batch shapes: every shape of the first step is new, both orders cut the same draws
+    into as many micro-batches, and the fractions are of those micro-batches."""
     from benchmarks.checks_breakdown import shape_census
 
     lengths = [3 + (i * 7) % 40 for i in range(2000)]
@@ -151,12 +159,14 @@ def test_shape_census_counts_new_shapes_random_and_grouped():
 
 
 def test_real_length_reports_every_variant_with_its_padding(tmp_path, monkeypatch):
-    """The real-length benchmark on tiny models and synthetic lengths (64 examples, one SST-2-like and one E2E-like
-    task): every variant steps, is timed against the non-private Trainer, and its padded/real token ratio is
-    counted (at least 1: every forward sees its real tokens and its padding); the JSON holds it all."""
+    """The real-length benchmark on tiny models and synthetic lengths (64 examples, one SST-2-like and one
+    E2E-like task): every variant steps, is timed against the non-private Trainer, and its padded/real token
+    ratio is counted (at least 1: every forward sees its real tokens and its padding); the JSON holds it
+    all."""
     monkeypatch.setenv("HF_DPFILTER_DATA", str(tmp_path))  # no data there: synthetic lengths
     out = tmp_path / "real_length.json"
-    argv = ["--tiny", "--quick", "--examples", "64", "--logical-batch", "16", "--micro-batch", "8", "--rounds", "1",
+    argv = ["--tiny", "--quick", "--examples", "64", "--logical-batch", "16", "--micro-batch", "8",
+            "--rounds", "1",
             "--json", str(out)]
     module = importlib.import_module("benchmarks.real_length")
     module.main(argv)
@@ -164,13 +174,15 @@ def test_real_length_reports_every_variant_with_its_padding(tmp_path, monkeypatc
     assert [r["task"] for r in results] == ["sst2", "e2e"]
     for result in results:
         assert result["lengths"].startswith("synthetic")
-        expected = set(module.VARIANTS) if result["grouping_field"] else set(module.VARIANTS) - {"DPTrainer grouped"}
+        expected = (set(module.VARIANTS) if result["grouping_field"]
+                    else set(module.VARIANTS) - {"DPTrainer grouped"})
         assert set(result["variants"]) == expected
         for row in result["variants"].values():
             assert row["step_s"] > 0 and row["ratio"] > 0 and row["first_step_s"] > 0
             assert row["padded_per_real"] >= 1.0 and row["real_tokens"] > 0 and row["forwards_per_step"] >= 1
             assert 0.0 <= row["recheck_share"] < 1.0 and row["ratio_without_rechecks"] > 0
-        assert result["variants"]["Trainer"]["ratio"] == 1.0 and result["variants"]["Trainer"]["tokens_ratio"] == 1.0
+        assert (result["variants"]["Trainer"]["ratio"] == 1.0
+                and result["variants"]["Trainer"]["tokens_ratio"] == 1.0)
         if result["grouping_field"]:  # the same sampled batches, ordered by length: never more padding
             dp, grouped = result["variants"]["DPTrainer"], result["variants"]["DPTrainer grouped"]
             assert grouped["real_tokens"] == dp["real_tokens"] and grouped["positions"] <= dp["positions"]

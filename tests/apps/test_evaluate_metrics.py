@@ -1,4 +1,5 @@
-"""The ``evaluate`` modules shipped in ``recipes.common.metrics`` load with no network and give the exact values.
+"""The ``evaluate`` modules shipped in ``recipes.common.metrics`` load with no network and give the exact
+values.
 
 * Both modules load from the package with ``HF_HUB_OFFLINE=1`` / ``HF_EVALUATE_OFFLINE=1`` while every socket
   connection and DNS lookup is refused and recorded: nothing may even try the network. A fresh interpreter

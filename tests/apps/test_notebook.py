@@ -1,4 +1,5 @@
-"""examples/quickstart.ipynb executes end to end (nbclient, a Jupyter kernel on this interpreter, CPU, offline)."""
+"""examples/quickstart.ipynb executes end to end (nbclient, a Jupyter kernel on this interpreter, CPU,
+offline)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
         "display_name": "hf_dpfilter tests", "language": "python",
     }))
     kernel_manager = KernelManager(
-        kernel_name=KERNEL_NAME, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]),
+        kernel_name=KERNEL_NAME,
+        kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]),
     )
 
     # The kernel inherits this environment: the data, a scratch output folder, and no network (offline hub).
@@ -95,14 +97,16 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     assert "512 training and 200 evaluation examples" in text
     assert "dev accuracy" in text
     assert text.count("ε = ") >= 8, text[-3000:]  # ε printed at every one of the 8 training steps
-    assert any("image/png" in out.get("data", {}) for c in code_cells for out in c.outputs), "no plot displayed"
+    assert any("image/png" in out.get("data", {}) for c in code_cells
+               for out in c.outputs), "no plot displayed"
     final = _cell_text(code_cells[-1])
     assert final.startswith("final epsilon ") and "<= target 8" in final, final
     assert 0 < float(final.split()[2]) <= 8.0
 
 
 def test_make_test_installs_the_notebook_runner_and_never_skips_it():
-    """`make test` installs the test extra, which holds what executes the notebook, and runs it with no skip."""
+    """`make test` installs the test extra, which holds what executes the notebook, and runs it with no
+    skip."""
     with open(os.path.join(ROOT, "pyproject.toml")) as f:  # (no tomllib: Python 3.10 is supported)
         block = re.search(r"^test = \[(.*?)^\]", f.read(), flags=re.S | re.M)
     assert block, "pyproject.toml lost its test extra"

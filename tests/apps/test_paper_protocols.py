@@ -1,8 +1,10 @@
-"""``python -m benchmarks utility`` on the LoRA scale, at a tiny size: the code path of the papers'-regime sweep.
+"""``python -m benchmarks utility`` on the LoRA scale, at a tiny size: the code path of the papers'-regime
+sweep.
 
-The real sweep (the pretrained MiniLM, LoRA r = 16 on its top two layers, 6,000 SST-2 examples, a learning-rate grid
-on a validation split carved from the training set, then seeds on the dev set) takes CPU-hours; here the same
-protocols run with a few dozen examples and one step per run, so that the sweep, its resume and its report cannot rot.
+The real sweep (the pretrained MiniLM, LoRA r = 16 on its top two layers, 6,000 SST-2 examples, a
+learning-rate grid on a validation split carved from the training set, then seeds on the dev set) takes
+CPU-hours; here the same protocols run with a few dozen examples and one step per run, so that the sweep, its
+resume and its report cannot rot.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ def sweep(tmp_path, *extra: str) -> dict:
     (tmp_path / "results.md").touch()
     paper_protocols.main([
         "--protocols", "disk_lora", "pmlf_lora", "--data_dir", data_dir, "--top_train_samples", "16",
-        "--top_validation_samples", "16", "--seeds", "0", "--threads", "1", "--json", str(tmp_path / "runs.json"),
-        "--output", str(tmp_path / "results.md"), "--plot", str(tmp_path / "plot.png"), "--work_dir", str(tmp_path / "work"), *extra,
+        "--top_validation_samples", "16", "--seeds", "0", "--threads", "1", "--json",
+        str(tmp_path / "runs.json"),
+        "--output", str(tmp_path / "results.md"), "--plot", str(tmp_path / "plot.png"), "--work_dir",
+        str(tmp_path / "work"), *extra,
     ])
     return json.loads((tmp_path / "runs.json").read_text())
 
@@ -57,7 +61,8 @@ def test_the_lora_sweep_tunes_once_runs_every_cell_resumes_and_reports(tmp_path,
     # the grid runs once per method, at the protocol's tuning epsilon, on the validation split
     tuned = sorted(k for k in runs if "|tune|" in k)
     assert tuned == sorted([
-        "disk_lora|DP-AdamW|eps=1|tune|learning_rate=0.001", "disk_lora|DP-AdamW|eps=1|tune|learning_rate=0.01",
+        "disk_lora|DP-AdamW|eps=1|tune|learning_rate=0.001",
+        "disk_lora|DP-AdamW|eps=1|tune|learning_rate=0.01",
         "disk_lora|DiSK|eps=1|tune|learning_rate=0.001", "disk_lora|DiSK|eps=1|tune|learning_rate=0.01",
         "pmlf_lora|DP-PMLF|eps=1|tune|learning_rate=0.5", "pmlf_lora|DP-SGD|eps=1|tune|learning_rate=0.5",
     ])
@@ -67,7 +72,8 @@ def test_the_lora_sweep_tunes_once_runs_every_cell_resumes_and_reports(tmp_path,
                              "pmlf_lora|DP-SGD|eps=1|seed=0", "pmlf_lora|DP-PMLF|eps=1|seed=0"])
     for key, row in runs.items():
         target = float(key.split("|eps=")[1].split("|")[0])
-        assert row["epsilon"] <= target + 1e-9, (key, row)  # every run's epsilon from the library's accountant
+        # every run's epsilon from the library's accountant
+        assert row["epsilon"] <= target + 1e-9, (key, row)
         assert row["steps"] >= 1 and row["cpu_seconds"] > 0 and row["threads"] == 1, (key, row)
         assert 0.0 <= row["accuracy"] <= 1.0
     # each method's seeds run the point its own validation grid chose, at every epsilon
@@ -96,8 +102,8 @@ def test_the_lora_sweep_tunes_once_runs_every_cell_resumes_and_reports(tmp_path,
 
 
 def test_the_validation_split_holds_no_row_identical_to_a_training_row(tmp_path, monkeypatch):
-    """SST-2 repeats phrases; a validation row equal to a training row would score the training set (and the trainer
-    refuses to evaluate on training rows)."""
+    """SST-2 repeats phrases; a validation row equal to a training row would score the training set (and the
+    trainer refuses to evaluate on training rows)."""
     import argparse
 
     args = argparse.Namespace(data_dir=sst2_or_skip(), train_samples=20000, top_train_samples=3000,
@@ -109,9 +115,10 @@ def test_the_validation_split_holds_no_row_identical_to_a_training_row(tmp_path,
     assert texts and not any(text in train for text in texts)
 
 
-def test_a_grid_point_the_trainer_stops_is_saved_as_failed_and_never_chosen(tmp_path, tiny_protocols, monkeypatch):
-    """A learning rate that diverges can end in a refusal (a re-check's mismatch): the grid point is saved as failed,
-    scores nothing and is not run again; a seed run that fails still stops the sweep."""
+def test_a_grid_point_the_trainer_stops_is_saved_as_failed_and_never_chosen(tmp_path, tiny_protocols,
+                                                                            monkeypatch):
+    """A learning rate that diverges can end in a refusal (a re-check's mismatch): the grid point is saved as
+    failed, scores nothing and is not run again; a seed run that fails still stops the sweep."""
     import argparse
 
     from hf_dpfilter.proofs.separation import SeparationError
@@ -132,7 +139,8 @@ def test_a_grid_point_the_trainer_stops_is_saved_as_failed_and_never_chosen(tmp_
     paper_protocols.run_protocol("disk_lora", args, store)
     runs = store.load()
     failed = runs["disk_lora|DiSK|eps=1|tune|learning_rate=0.01"]
-    assert failed["accuracy"] is None and failed["failed"].startswith("SeparationError: Re-check (a new shape)")
+    assert failed["accuracy"] is None and failed["failed"].startswith("SeparationError: Re-check (a new "
+        "shape)")
     assert "more" not in failed["failed"]
     assert runs["disk_lora|DiSK|eps=6.7|seed=0"]["point"] == {"learning_rate": 1e-3}
     assert runs["disk_lora|DP-AdamW|eps=6.7|seed=0"]["point"] == {"learning_rate": 1e-2}

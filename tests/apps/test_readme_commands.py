@@ -1,4 +1,5 @@
-"""Every shell command the README shows runs as printed, after ``make demo`` or ``make test`` created ``.venv``.
+"""Every shell command the README shows runs as printed, after ``make demo`` or ``make test`` created
+``.venv``.
 
 The commands are read from the files themselves, so a new one is covered without touching this test: every
 fenced ``bash`` block of README.md and docs/*.md. The HTML comment on the line just above a block says how it
@@ -67,7 +68,8 @@ def bash_blocks(path: Path) -> list[Block]:
             above = lines[i - 1].strip() if i else ""
             match = MARKER.match(above)
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-            blocks.append(Block(path, i + 1, match.group(1) if match else "", (match and match.group(2)) or "",
+            blocks.append(Block(path, i + 1, match.group(1) if match else "",
+                                (match and match.group(2)) or "",
                                 _join_continuations(lines[i + 1:end])))
             i = end
         i += 1
@@ -112,25 +114,29 @@ def test_the_readme_has_the_blocks_this_test_runs():
 
 
 def test_every_command_runs_without_an_activated_venv():
-    """`accelerate launch ...` failed on a fresh clone unless the reader had activated .venv; say where it is."""
+    """`accelerate launch ...` failed on a fresh clone unless the reader had activated .venv; say where it
+    is."""
     for block in all_blocks():
         for command in block.commands:
             program = shlex.split(command)[0]
             assert program == "make" or program.startswith(".venv/bin/"), (
-                f"{block.path.name}:{block.line}: {command[:80]!r} needs an activated venv: write .venv/bin/{program}"
+                f"{block.path.name}:{block.line}: {command[:80]!r} needs an activated venv: write "
+                f".venv/bin/{program}"
             )
 
 
 # -------------------------------------------------------------------------------------- static checks
-_SCRIPT = re.compile(r"(?:^|[\s`(])(?:[^\s`]*/)?python3?\s+((?:benchmarks|examples|recipes|tests)/[\w/]+\.py)((?:\s+[^`|;&#]*)?)")
-_LAUNCH = re.compile(r"(?:^|\s)(?:\S*/)?(?:accelerate launch|torchrun)\b[^`]*?\s((?:recipes|examples|benchmarks)/[\w/]+\.py)"
-                     r"((?:\s+[^`|;&#]*)?)")
+_SCRIPT = re.compile(r"(?:^|[\s`(])(?:[^\s`]*/)?python3?\s+"
+                     r"((?:benchmarks|examples|recipes|tests)/[\w/]+\.py)((?:\s+[^`|;&#]*)?)")
+_LAUNCH = re.compile(r"(?:^|\s)(?:\S*/)?(?:accelerate "
+                     r"launch|torchrun)\b[^`]*?\s((?:recipes|examples|benchmarks)/[\w/]+\.py)((?:\s+[^`|;&#]*)?)")
 _MODULE = re.compile(r"(?:^|\s)(?:\S*/)?python3?\s+-m\s+(hf_dpfilter[\w.]*)")
 _BENCHMARK = re.compile(r"(?:^|[\s`(])(?:\S*/)?python3?\s+-m\s+benchmarks\s+([a-z][\w-]*)((?:\s+[^`|;&#]*)?)")
 
 
 def _benchmark_module(subcommand: str) -> str:
-    """``benchmarks/<module>.py`` of a ``python -m benchmarks <sub-command>`` (the one entry point's registry)."""
+    """``benchmarks/<module>.py`` of a ``python -m benchmarks <sub-command>`` (the one entry point's
+    registry)."""
     from benchmarks.__main__ import SUBCOMMANDS
 
     assert subcommand in SUBCOMMANDS, f"python -m benchmarks {subcommand}: no such sub-command"
@@ -141,13 +147,15 @@ def _script_mentions() -> list[tuple[str, str, str]]:
     """(where, script, the rest of its command line) for every script a README/docs command runs."""
     found = []
     for path in DOCS:
-        text = re.sub(r"\\\n\s*", " ", path.read_text())  # continuation lines, in blocks and indented commands
+        # continuation lines, in blocks and indented commands
+        text = re.sub(r"\\\n\s*", " ", path.read_text())
         for number, line in enumerate(text.splitlines(), 1):
             for pattern in (_SCRIPT, _LAUNCH):
                 for match in pattern.finditer(line):
                     found.append((f"{path.name}:{number}", match.group(1), match.group(2) or ""))
             for match in _BENCHMARK.finditer(line):
-                found.append((f"{path.name}:{number}", _benchmark_module(match.group(1)), match.group(2) or ""))
+                found.append((f"{path.name}:{number}", _benchmark_module(match.group(1)),
+                              match.group(2) or ""))
     return found
 
 
@@ -189,7 +197,8 @@ def _run_blocks(kind: str, capsys) -> None:
     if not venv_python.exists():
         pytest.skip("no .venv in the repository root (make demo / make test creates it)")
     # No PATH changes: the commands must run as printed. PYTHONPATH: this checkout's package, also for the
-    # recipes that `accelerate launch` starts from recipes/ (an editable install may point at another checkout).
+    # recipes that `accelerate launch` starts from recipes/ (an editable install may point at another
+    # checkout).
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     timings = []
@@ -198,7 +207,8 @@ def _run_blocks(kind: str, capsys) -> None:
             continue
         for command in block.commands:
             start = time.time()
-            result = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True)
+            result = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
+                                    text=True)
             timings.append((time.time() - start, command))
             assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             if "recipes/" in command and "--max_train_samples 1000" in command:
@@ -209,7 +219,8 @@ def _run_blocks(kind: str, capsys) -> None:
             print(f"\n  {seconds:6.1f} s  {command[:110]}")
 
 
-@pytest.mark.skipif(not (DATA / "glue" / "SST-2").exists() or not (DATA / "e2e").exists(), reason="no ../shared/data")
+@pytest.mark.skipif(not (DATA / "glue" / "SST-2").exists() or not (DATA / "e2e").exists(),
+                    reason="no ../shared/data")
 def test_readme_commands_run_as_written(capsys):
     _run_blocks("run", capsys)
 

@@ -22,7 +22,8 @@ import table2text  # noqa: E402
 import table2text_seq2seq  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
-needs_sst2 = pytest.mark.skipif(not os.path.exists(os.path.join(DATA, "glue", "SST-2", "train.tsv")), reason="no SST-2")
+needs_sst2 = pytest.mark.skipif(not os.path.exists(os.path.join(DATA, "glue", "SST-2", "train.tsv")),
+                                reason="no SST-2")
 needs_e2e = pytest.mark.skipif(not os.path.exists(os.path.join(DATA, "e2e", "devset.csv")), reason="no E2E")
 
 
@@ -61,7 +62,8 @@ def tiny_gpt2_dir(tmp_path_factory):
 def _check_outputs(out_dir, method: str) -> dict:
     with open(os.path.join(out_dir, "results.json")) as f:
         results = json.load(f)  # strict JSON (no NaN/Infinity literals)
-    for key in ("metrics", "privacy", "epsilon", "delta", "sigma", "steps", "sample_rate", "wall_time_seconds", "arguments"):
+    for key in ("metrics", "privacy", "epsilon", "delta", "sigma", "steps", "sample_rate",
+                "wall_time_seconds", "arguments"):
         assert key in results
     assert results["privacy"]["method"] == method
     assert results["arguments"]["method"] == method
@@ -90,11 +92,13 @@ def test_glue_recipe_runs(tiny_bert_dir, tmp_path, capsys, lora_r):
 
 @needs_sst2
 @pytest.mark.parametrize("method", ["diff2", "dicesgd", "disk", "doppler", "pmlf"])
-def test_every_listed_method_runs_with_its_defaults_and_a_short_plan_warns(tiny_bert_dir, tmp_path, capsys, method):
+def test_every_listed_method_runs_with_its_defaults_and_a_short_plan_warns(tiny_bert_dir, tmp_path, capsys,
+                                                                           method):
     """The issue's command, scaled down: defaults only (no --method_args), a 9-step plan on 2,000 examples."""
     out = tmp_path / method
     glue.main([
-        "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"), "--method", method,
+        "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"), "--method",
+        method,
         "--epsilon", "8", "--max_train_samples", "2000", "--max_eval_samples", "32", "--max_seq_length", "16",
         "--epochs", "1.25", "--num_evals", "1", "--output_dir", str(out), "--use_cpu", "--secure_rng",
     ])
@@ -159,9 +163,11 @@ def test_glue_paper_preset():
     s = glue.resolve_settings(args)
     assert (s["logical_batch_size"], s["epochs"], s["learning_rate"]) == (6000, 18, 5e-4)
     assert (s["clipping_fn"], s["clipping_norm"], s["max_seq_length"]) == ("automatic", 1.0, 256)
-    args = glue.build_parser().parse_args(["--task", "qnli", "--method", "dpsgd", "--preset", "paper", "--learning_rate", "1e-3"])
+    args = glue.build_parser().parse_args(["--task", "qnli", "--method", "dpsgd", "--preset", "paper",
+                                           "--learning_rate", "1e-3"])
     s = glue.resolve_settings(args)
-    assert (s["logical_batch_size"], s["epochs"], s["learning_rate"], s["clipping_norm"]) == (2000, 6, 1e-3, 0.1)
+    assert (s["logical_batch_size"], s["epochs"], s["learning_rate"], s["clipping_norm"]) == (2000, 6, 1e-3,
+                                                                                              0.1)
 
 
 def test_recipes_use_the_adam_variant_of_the_low_pass_filters(tmp_path):
@@ -172,15 +178,18 @@ def test_recipes_use_the_adam_variant_of_the_low_pass_filters(tmp_path):
     assert settings["method_args"] == {"base": "adam"}
     training_args = _common.training_arguments(args, settings, n_train=512)
     assert (training_args.dp_method_args, training_args.optim) == ({"base": "adam"}, "sgd")
-    # choosing the base yourself replaces the default (base='optimizer' keeps the AdamW); retired names are refused
+    # choosing the base yourself replaces the default (base='optimizer' keeps the AdamW); retired names are
+    # refused
     args = glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "base=optimizer", "k=3"])
     settings = glue.resolve_settings(args)
     assert settings["method_args"] == {"base": "optimizer", "k": 3}
     assert _common.training_arguments(args, settings, n_train=512).optim != "sgd"
     with pytest.raises(ValueError, match="not a setting of dp_method='pmlf'"):
-        glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "kappa=0.5"]))
+        glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args",
+                                                              "kappa=0.5"]))
     with pytest.raises(ValueError, match=r"'pmlf_base' is no longer accepted.*dp_method_args=\{'base'"):
-        glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "pmlf_base=adam"]))
+        glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args",
+                                                              "pmlf_base=adam"]))
 
 
 def test_results_never_contain_the_dp_seed_and_secure_rng_is_one_flag():
@@ -198,7 +207,8 @@ def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path, capsys, no_baseline):
     table2text.main([
         "--dataset", "e2e", "--model", tiny_gpt2_dir, "--data_dir", os.path.join(DATA, "e2e"),
         "--method", "dpsgd", "--epsilon", "8", "--max_train_samples", "64", "--max_eval_samples", "4",
-        "--logical_batch_size", "16", "--per_device_train_batch_size", "8", "--max_steps", "2", "--num_evals", "1",
+        "--logical_batch_size", "16", "--per_device_train_batch_size", "8", "--max_steps", "2", "--num_evals",
+        "1",
         "--num_beams", "2", "--max_generation_length", "8", "--output_dir", str(out), "--use_cpu",
     ] + (["--no_baseline"] if no_baseline else []))
     results = _check_outputs(out, "dpsgd")
@@ -210,7 +220,8 @@ def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path, capsys, no_baseline):
     else:  # the non-private copy baseline, scored on the same evaluation inputs, as glue.py's majority class
         baseline = results["baseline"]
         assert baseline["metric"] == "eval_bleu" and baseline["n_eval"] == 4 and 0 < baseline["value"] <= 1
-        assert set(baseline["scores"]) == {f"eval_{k}" for k in ("bleu", "nist", "meteor", "rouge_l", "cider")}
+        assert set(baseline["scores"]) == {f"eval_{k}"
+                                           for k in ("bleu", "nist", "meteor", "rouge_l", "cider")}
         assert baseline["left_baseline"] == (results["metrics"]["eval_bleu"] > baseline["value"])
         if not baseline["left_baseline"]:  # two steps of a tiny model: it stays below, and says so
             assert "never rose above the copy baseline" in baseline["note"]
@@ -221,8 +232,8 @@ def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path, capsys, no_baseline):
 
 @needs_e2e
 def test_table2text_seq2seq_recipe_runs(tmp_path):
-    """T5 through DPSeq2SeqTrainer on E2E, fully fine-tuned (its relative position bias a shared output), the five
-    generation metrics from predict_with_generate."""
+    """T5 through DPSeq2SeqTrainer on E2E, fully fine-tuned (its relative position bias a shared output), the
+    five generation metrics from predict_with_generate."""
     from make_tiny_gpt2 import e2e_texts
     from make_tiny_seq2seq import build_tiny_seq2seq
 
@@ -231,8 +242,10 @@ def test_table2text_seq2seq_recipe_runs(tmp_path):
     out = tmp_path / "e2e-t5"
     table2text_seq2seq.main([
         "--dataset", "e2e", "--model", model_dir, "--data_dir", os.path.join(DATA, "e2e"),
-        "--method", "dpsgd", "--noise_multiplier", "1.0", "--max_train_samples", "16", "--max_eval_samples", "3",
-        "--logical_batch_size", "4", "--per_device_train_batch_size", "4", "--max_steps", "1", "--num_evals", "1",
+        "--method", "dpsgd", "--noise_multiplier", "1.0", "--max_train_samples", "16", "--max_eval_samples",
+        "3",
+        "--logical_batch_size", "4", "--per_device_train_batch_size", "4", "--max_steps", "1", "--num_evals",
+        "1",
         "--num_beams", "2", "--max_generation_length", "6", "--max_seq_length", "48", "--no_baseline",
         "--output_dir", str(out), "--use_cpu",
     ])
@@ -251,7 +264,8 @@ def test_table2text_labels_only_on_target(tiny_gpt2_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
     fmt = table2text.Seq2SeqAsLM(tokenizer, max_length=64)
-    pairs = [("name[Aromi], food[Chinese]", "Aromi serves Chinese food."), ("name[X]", "X is a pub by the river.")]
+    pairs = [("name[Aromi], food[Chinese]", "Aromi serves Chinese food."), ("name[X]", "X is a pub by the "
+        "river.")]
     rows = [fmt.example(s, t) for s, t in pairs]
     for (src, _), row in zip(pairs, rows):
         n_prompt = len(fmt.prompt(src))
@@ -259,7 +273,8 @@ def test_table2text_labels_only_on_target(tiny_gpt2_dir):
         assert row["labels"][n_prompt:] == row["input_ids"][n_prompt:] and row["labels"][-1] == fmt.eos_id
     batch = table2text.CausalLMCollator(fmt.pad_id)(rows)
     model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir).double().eval()
-    losses = per_example_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+    losses = per_example_loss(model(input_ids=batch["input_ids"],
+                                    attention_mask=batch["attention_mask"]).logits,
                               batch["labels"], causal_lm=True)
     for i, row in enumerate(rows):  # each example alone, unpadded: mean over its own target tokens
         ids = torch.tensor([row["input_ids"]])
@@ -272,7 +287,8 @@ def test_table2text_labels_only_on_target(tiny_gpt2_dir):
 
 def test_dart_split_is_by_triple_set(tmp_path):
     entries = [
-        {"tripleset": [[f"S{i}", "REL", f"O{i}"]], "annotations": [{"source": "x", "text": f"S{i} rel O{i}."}] * 2}
+        {"tripleset": [[f"S{i}", "REL", f"O{i}"]],
+         "annotations": [{"source": "x", "text": f"S{i} rel O{i}."}] * 2}
         for i in range(10)
     ]
     (tmp_path / "dart-v1.1.1-full-dev.json").write_text(json.dumps(entries))
@@ -286,7 +302,8 @@ def test_plot_run_writes_pngs(tmp_path):
     from recipes.common.plotting import plot_run
 
     history = [{"loss": 0.7 - 0.01 * s, "epsilon": 0.5 * s ** 0.5, "step": s} for s in range(1, 11)]
-    history += [{"eval_loss": 0.65, "eval_accuracy": 0.6, "step": 5}, {"eval_loss": 0.6, "eval_accuracy": 0.7, "step": 10}]
+    history += [{"eval_loss": 0.65, "eval_accuracy": 0.6, "step": 5},
+                {"eval_loss": 0.6, "eval_accuracy": 0.7, "step": 10}]
     written = plot_run(history, tmp_path, target_epsilon=2.0, delta=1e-5, title="t")
     assert sorted(os.path.basename(p) for p in written) == ["epsilon.png", "training.png"]
     assert plot_run([], tmp_path / "empty") == []
@@ -296,11 +313,13 @@ def test_plot_run_writes_pngs(tmp_path):
 def test_quickstart_example_runs(tmp_path):
     _minilm_dir()
     env = dict(
-        os.environ, HF_DPFILTER_DATA=DATA, QUICKSTART_N_TRAIN="48", QUICKSTART_N_EVAL="16", QUICKSTART_BATCH="16",
+        os.environ, HF_DPFILTER_DATA=DATA, QUICKSTART_N_TRAIN="48", QUICKSTART_N_EVAL="16",
+        QUICKSTART_BATCH="16",
         QUICKSTART_MAX_STEPS="2", QUICKSTART_OUTPUT_DIR=str(tmp_path), TOKENIZERS_PARALLELISM="false",
     )
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "quickstart.py")], capture_output=True, text=True, env=env,
+        [sys.executable, os.path.join(ROOT, "examples", "quickstart.py")], capture_output=True, text=True,
+        env=env,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -327,7 +346,8 @@ def test_help_shows_every_default(recipe):
 
 @pytest.mark.parametrize("recipe", [glue, table2text], ids=["glue", "table2text"])
 def test_epsilon_and_noise_multiplier_together_are_refused(recipe, tmp_path):
-    """Issue 22 item 7: sigma used to win silently over --epsilon (a run asked for epsilon 8 ended at 22.4)."""
+    """Issue 22 item 7: sigma used to win silently over --epsilon (a run asked for epsilon 8 ended at
+    22.4)."""
     import _common
 
     argv = ["--output_dir", str(tmp_path), "--use_cpu", "--epsilon", "8", "--noise_multiplier", "0.5"]
@@ -348,8 +368,8 @@ def test_epsilon_and_noise_multiplier_together_are_refused(recipe, tmp_path):
 
 @needs_sst2
 def test_each_warning_of_a_recipe_run_is_shown_once(tiny_bert_dir, tmp_path, capsys):
-    """A short run prints its plan warnings once (beside the plan, not again as the trainer's UserWarning) and no
-    other warning repeats. Without --use_cpu on a CPU machine: torch's pin_memory warning came at every
+    """A short run prints its plan warnings once (beside the plan, not again as the trainer's UserWarning) and
+    no other warning repeats. Without --use_cpu on a CPU machine: torch's pin_memory warning came at every
     evaluation."""
     import collections
     import warnings

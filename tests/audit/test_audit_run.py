@@ -1,4 +1,5 @@
-"""The empirical one-run audit through the real DPTrainer: honest runs stay below the claim, broken ones do not.
+"""The empirical one-run audit through the real DPTrainer: honest runs stay below the claim, broken ones do
+not.
 
 Pre-registered design (docs/audit.md §8 and §9): claimed eps = 1, delta = 1e-5, m = 1000 Dirac canaries,
 full batch (q = 1), T = 100, k+ = k- = 50, 95% confidence, fixed seeds. Expected: honest ~0.2; noise / 7 ~3.0;
@@ -28,7 +29,8 @@ def test_honest_dpsgd_stays_below_claim():
     assert result.steps == 100 and result.details["scored_releases"] == 100
     assert result.claimed_epsilon <= 1.0
     assert result.epsilon_lower_bound <= result.claimed_epsilon
-    assert result.fdp_epsilon_lower_bound is not None and result.fdp_epsilon_lower_bound <= result.claimed_epsilon
+    assert (result.fdp_epsilon_lower_bound is not None
+            and result.fdp_epsilon_lower_bound <= result.claimed_epsilon)
     # The spare probe coordinates measure the noise actually added: sigma * C per step (sum scale).
     assert result.noise_std_estimate == pytest.approx(result.noise_multiplier, rel=0.15)
 
@@ -96,7 +98,8 @@ def test_write_section_keeps_other_sections(tmp_path):
     from hf_dpfilter.audit.__main__ import SECTION, write_section
 
     path = tmp_path / "privacy.md"
-    path.write_text("# Privacy\n\n## Accounting\n\ntext A\n\n" + SECTION + "\n\nold table\n\n## Later\n\ntext B\n")
+    path.write_text("# Privacy\n\n## Accounting\n\ntext A\n\n" + SECTION + "\n\nold table\n\n## "
+        "Later\n\ntext B\n")
     write_section(path, SECTION + "\n\nnew table\n")
     text = path.read_text()
     assert "text A" in text and "text B" in text and "new table" in text and "old table" not in text

@@ -243,10 +243,11 @@ def _sim_bounds(mu_mult: float, seeds, **kw) -> np.ndarray:
 
 @pytest.mark.parametrize("kw", [dict(guess_counts=[50]), dict()], ids=["k50", "grid"])
 def test_simulated_full_batch_audit_power(kw):
-    """docs/audit.md §9: claimed eps = 1 (delta = 1e-5), m = 1000, full batch: mu = 0.268 honest, 7 mu for noise/7.
+    """docs/audit.md §9: claimed eps = 1 (delta = 1e-5), m = 1000, full batch: mu = 0.268 honest, 7 mu for
+    noise/7.
 
-    Expected (400 simulated runs, k = 50): honest median 0.21 (95% quantile 0.56, P[> 1] = 0.003); noise/7 median
-    3.00 (5% quantile 2.49); sensitivity x4 median 1.81 (P[> 1] = 1.00).
+    Expected (400 simulated runs, k = 50): honest median 0.21 (95% quantile 0.56, P[> 1] = 0.003); noise/7
+    median 3.00 (5% quantile 2.49); sensitivity x4 median 1.81 (P[> 1] = 1.00).
     """
     seeds = range(20)
     honest = _sim_bounds(1.0, seeds, **kw)
@@ -268,7 +269,8 @@ def test_simulated_full_batch_fdp_audit_power():
 
 
 def test_false_alarm_rate_at_the_claim():
-    # the idealized honest mechanism is exactly at its claim: the 95% bound may exceed it in at most ~5% of runs
+    # the idealized honest mechanism is exactly at its claim: the 95% bound may exceed it in at most ~5% of
+    # runs
     steinke = _sim_bounds(1.0, range(100, 300), guess_counts=[50])
     assert np.mean(steinke > 1.0) <= 0.05
     # a tight claim at eps = 4 with the f-DP bound (docs/audit.md §9: a few % exceedances at most)
@@ -281,7 +283,8 @@ def test_false_alarm_rate_at_the_claim():
 
 
 def test_simulated_poisson_audit_power():
-    # docs/audit.md §9.3: q = 0.1, T = 100, sigma = 3.942: honest P[> 1] = 0, noise/7 median 2.71 with P[> 1] = 1
+    # docs/audit.md §9.3: q = 0.1, T = 100, sigma = 3.942: honest P[> 1] = 0, noise/7 median 2.71 with P[> 1]
+    # = 1
     honest, broken = [], []
     for seed in range(20):
         rng = np.random.default_rng(seed)

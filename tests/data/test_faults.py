@@ -26,7 +26,8 @@ def _linear_step(x: torch.Tensor, make_loss, warn: bool = True) -> tuple[torch.T
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2).double()
     engine = GhostClippingEngine(model, verify_first_backward=False)
-    opt = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0,
+    opt = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=1.0, noise_multiplier=0.0,
+                            max_grad_norm=1.0,
                             expected_batch_size=1.0)
     opt.warn_nonfinite = warn  # the per-step warning is opt-in (a noiseless membership signal)
     opt.accumulate(engine, lambda values: make_loss(model(x)), batch_size=x.shape[0])
@@ -57,7 +58,8 @@ def test_nonfinite_examples_are_not_warned_about_by_default():
         warnings.simplefilter("error", RuntimeWarning)
         _, opt = _linear_step(x, lambda out: out.pow(2).sum(dim=1), warn=False)
     assert opt.nonfinite_examples == 1  # still counted in memory (inside the trust boundary)
-    assert not make_dp_optimizer([torch.nn.Parameter(torch.zeros(1))], torch.optim.SGD, lr=1.0, noise_multiplier=0.0,
+    assert not make_dp_optimizer([torch.nn.Parameter(torch.zeros(1))], torch.optim.SGD, lr=1.0,
+                                 noise_multiplier=0.0,
                                  max_grad_norm=1.0, expected_batch_size=1.0).warn_nonfinite
 
 
@@ -88,7 +90,8 @@ def test_nan_label_in_trainer_is_zeroed_and_sensitivity_holds(tmp_path):
         model = tiny_roberta(num_labels=1)
         before = flat([p.detach().clone() for p in model.parameters()])
         # dp_log_nonprivate_metrics: the per-step warning with the count is published only when asked
-        trainer = DPTrainer(model=model, args=_args(tmp_path / sub, logical_batch_size=7, per_device_train_batch_size=3,
+        trainer = DPTrainer(model=model,
+                            args=_args(tmp_path / sub, logical_batch_size=7, per_device_train_batch_size=3,
                                                     dp_log_nonprivate_metrics=True),
                             train_dataset=ListDataset(data), data_collator=FloatLabels(1))
         trainer.train()
@@ -115,9 +118,11 @@ def test_one_example_dataset(tmp_path):
     examples = make_examples(1, VOCAB, causal=False)
     # The default delta N^-1.1 = 1 is meaningless for N = 1: a clear error names target_delta.
     with pytest.raises(ValueError, match="target_delta"):
-        DPTrainer(model=tiny_roberta(), args=_args(tmp_path, logical_batch_size=1), train_dataset=ListDataset(examples),
+        DPTrainer(model=tiny_roberta(), args=_args(tmp_path, logical_batch_size=1),
+                  train_dataset=ListDataset(examples),
                   data_collator=PadCollator(1))
-    trainer = DPTrainer(model=tiny_roberta(), args=_args(tmp_path, logical_batch_size=1, max_steps=2, target_delta=0.5,
+    trainer = DPTrainer(model=tiny_roberta(),
+                        args=_args(tmp_path, logical_batch_size=1, max_steps=2, target_delta=0.5,
                                                          noise_multiplier=1.0),
                         train_dataset=ListDataset(examples), data_collator=PadCollator(1))
     trainer.train()
@@ -144,7 +149,8 @@ def test_sequence_longer_than_model_maximum(tmp_path):
     examples = make_examples(3, VOCAB, causal=False, min_len=50, max_len=50)  # tiny_bert has 40 positions
     trainer = DPTrainer(model=tiny_bert(), args=_args(tmp_path, logical_batch_size=3),
                         train_dataset=ListDataset(examples), data_collator=PadCollator(0))
-    with pytest.raises(ValueError, match=r"length 50.*maximum of 40.*max_position_embeddings.*truncation=True"):
+    with pytest.raises(ValueError,
+                       match=r"length 50.*maximum of 40.*max_position_embeddings.*truncation=True"):
         trainer.train()
 
 
@@ -160,7 +166,8 @@ def test_roberta_position_offset_is_respected(tmp_path):
 def test_empty_logical_batch_training_step(tmp_path):
     """An empty Poisson batch: no gradient, loss 0, and the optimizer step still adds noise and is counted."""
     examples = make_examples(5, VOCAB, causal=False)
-    trainer = DPTrainer(model=tiny_roberta(), args=_args(tmp_path, logical_batch_size=2, noise_multiplier=1.0),
+    trainer = DPTrainer(model=tiny_roberta(),
+                        args=_args(tmp_path, logical_batch_size=2, noise_multiplier=1.0),
                         train_dataset=ListDataset(examples), data_collator=PadCollator(1))
     trainer.create_optimizer()
     empty = trainer.get_train_dataloader().collate_fn([])

@@ -1,9 +1,9 @@
-"""A micro-batch's padding columns are cut from the inputs that run along the tokens, and from the labels only when
-the model's head declares them per token; never from a tensor because it is as wide as the row.
+"""A micro-batch's padding columns are cut from the inputs that run along the tokens, and from the labels only
+when the model's head declares them per token; never from a tensor because it is as wide as the row.
 
 A batch padded to a multiple of 8 (``pad_to_multiple_of=8``, run_glue's fp16 default) is 8 columns wide; a
-multi-label target of 8 classes is then as wide as the row by chance, and QA's (start, end) pair is as wide as a
-micro-batch of 2 columns. Neither may lose label columns when the micro-batch drops its padding: one step at
+multi-label target of 8 classes is then as wide as the row by chance, and QA's (start, end) pair is as wide as
+a micro-batch of 2 columns. Neither may lose label columns when the micro-batch drops its padding: one step at
 noise 0 equals the per-example reference (each example alone, its gradient clipped, summed).
 """
 
@@ -48,7 +48,8 @@ def _qa_two_columns():
     return model, rows, lambda rows: _pad(rows, 1)
 
 
-@pytest.mark.parametrize("case", [_multi_label, _qa_two_columns], ids=["multi_label_8_of_8", "qa_pair_2_wide"])
+@pytest.mark.parametrize("case", [_multi_label, _qa_two_columns],
+                         ids=["multi_label_8_of_8", "qa_pair_2_wide"])
 def test_labels_as_wide_as_the_row_by_chance_keep_their_columns(case, tmp_path):
     model, rows, collate = case()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -58,8 +59,10 @@ def test_labels_as_wide_as_the_row_by_chance_keep_their_columns(case, tmp_path):
     expected = sum(g * f for g, f in zip(grads, clip_factors(norms, clip)))
     before = [p.detach().clone() for p in params]
     args = DPTrainingArguments(
-        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
-        per_device_train_batch_size=1, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip,
+        logical_batch_size=len(rows),
+        per_device_train_batch_size=1, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant",
         weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
     )
     DPTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collate).train()
@@ -86,8 +89,9 @@ class _TextAndFeatures(torch.nn.Module):
 
 
 def test_a_feature_vector_as_wide_as_the_row_keeps_its_columns(tmp_path):
-    """A per-example input that does not run along the tokens (8 features, rows padded to 8 columns) is never cut
-    with the padding columns: the micro-batch keeps its width (it was cut to the used columns and the step failed)."""
+    """A per-example input that does not run along the tokens (8 features, rows padded to 8 columns) is never
+    cut with the padding columns: the micro-batch keeps its width (it was cut to the used columns and the step
+    failed)."""
     model = _TextAndFeatures()
     g = torch.Generator().manual_seed(4)
     rows = [{"input_ids": torch.randint(3, 90, (n,), generator=g).tolist(),
@@ -100,9 +104,12 @@ def test_a_feature_vector_as_wide_as_the_row_keeps_its_columns(tmp_path):
     expected = sum(g * f for g, f in zip(grads, clip_factors(norms, clip)))
     before = [p.detach().clone() for p in params]
     args = DPTrainingArguments(
-        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
-        per_device_train_batch_size=1, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
-        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip,
+        logical_batch_size=len(rows),
+        per_device_train_batch_size=1, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
+        remove_unused_columns=False,
     )
     DPTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collate).train()
     got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
@@ -111,8 +118,9 @@ def test_a_feature_vector_as_wide_as_the_row_keeps_its_columns(tmp_path):
 
 def test_left_padding_with_a_multi_label_target_as_wide_as_the_row_is_refused(tmp_path):
     """BERT's head reads the first column, a pad for every short example under left padding: refused on every
-    micro-batch, also when the integer multi-label target (8 classes) is as wide as the row (8 tokens, the longest
-    example): it was taken for a token-level label and the coupled step released (without the first-step check)."""
+    micro-batch, also when the integer multi-label target (8 classes) is as wide as the row (8 tokens, the
+    longest example): it was taken for a token-level label and the coupled step released (without the
+    first-step check)."""
     from hf_dpfilter.proofs.padding import PaddingError
 
     model, _, _ = _multi_label()
@@ -122,7 +130,8 @@ def test_left_padding_with_a_multi_label_target_as_wide_as_the_row_is_refused(tm
 
     def left(rows):
         width = max(len(r["input_ids"]) for r in rows)
-        return {"input_ids": torch.tensor([[0] * (width - len(r["input_ids"])) + r["input_ids"] for r in rows]),
+        return {"input_ids": torch.tensor([[0] * (width - len(r["input_ids"])) + r["input_ids"]
+                                           for r in rows]),
                 "attention_mask": torch.tensor([[0] * (width - len(r["input_ids"])) + [1] * len(r["input_ids"])
                                                 for r in rows]),
                 "labels": torch.tensor([r["labels"] for r in rows])}

@@ -66,7 +66,8 @@ def test_packed_per_example_gradients_equal_each_example_alone_fp64(name):
     layout = PackedLayout.from_position_ids(batch["position_ids"])
     engine = GhostClippingEngine(model)
     with engine.packed(layout), engine.record(batch_size=layout.num_examples):
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       use_cache=False).logits
         losses = packed_token_mean_loss(logits, batch["labels"], layout, shift=True)
     with engine.packed(layout):
         grads = engine.per_example_gradients(losses)
@@ -121,10 +122,12 @@ def test_dptrainer_step_with_flattening_collator_equals_per_example_reference(na
 
 @pytest.mark.parametrize("method", ["disk", "dicesgd"])
 def test_other_methods_train_on_packed_rows(method, tmp_path):
-    """Methods with several gradient points (DiSK: a functional call at other values) and DiceSGD on packed rows."""
+    """Methods with several gradient points (DiSK: a functional call at other values) and DiceSGD on packed
+    rows."""
     model = tiny_gpt2(dtype=torch.float32)
     examples = make_examples(8, VOCAB, causal=True, seed=6)
-    trainer = DPTrainer(model=model, args=_args(tmp_path, 4, dp_method=method, max_steps=2, noise_multiplier=0.5),
+    trainer = DPTrainer(model=model,
+                        args=_args(tmp_path, 4, dp_method=method, max_steps=2, noise_multiplier=0.5),
                         train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
     trainer.train()
     assert trainer.accountant.steps == 2
@@ -135,7 +138,8 @@ def _packed_aggregate(examples, clip=0.5):
     model = tiny_gpt2(dtype=torch.float32)
     plan = PrivacyPlan.for_optimizer(method="dpsgd", method_args={}, noise_multiplier=0.0, max_grad_norm=clip,
                                      expected_batch_size=4.0, sample_rate=0.5, seed=0)
-    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5,
+                                        verify_first_backward=False)
     batch = DataCollatorWithFlattening()(examples)
     layout = PackedLayout.from_position_ids(batch["position_ids"])
 
@@ -169,7 +173,8 @@ def test_micro_batches_cut_at_example_boundaries_with_flash_kwargs():
     examples = make_examples(5, VOCAB, causal=True, seed=4)
     structure = probe_batch_structure(collator, examples[0])
     assert structure.packed and {"input_ids", "labels", "position_ids"} <= structure.per_token
-    assert structure.boundaries == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
+    assert structure.boundaries == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                                    "seq_idx"}
     batch = collator(examples)
     labels = batch.pop("labels")
     micro = structure.micro_batches(batch, labels, size=2, num_examples=5)
@@ -188,7 +193,8 @@ def test_micro_batches_cut_at_example_boundaries_with_flash_kwargs():
 def test_packed_batch_with_attention_mask_is_refused():
     def collate(examples):
         batch = DataCollatorWithFlattening()(examples)
-        batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # would make every example see the others
+        # would make every example see the others
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         return batch
 
     examples = make_examples(3, VOCAB, causal=True)
@@ -228,9 +234,11 @@ def test_module_that_is_not_token_wise_on_packed_rows_is_refused():
 @pytest.mark.parametrize("case", ["no cache", "synthetic probe", "per-example check"])
 def test_attention_across_packed_examples_is_refused_before_the_first_step(case, tmp_path):
     """transformers keeps packed examples apart only without a cache; a forward that creates one
-    (TrainingArguments(use_cache=True)) lets every example attend to those before it in the row. DPTrainer passes
-    use_cache=False with packed rows. With that removed, the attention is caught before anything is released:
-    first by the probe on synthetic tokens, and, with the probe removed too, by the per-example first-step check."""
+    (TrainingArguments(use_cache=True)) lets every example attend to those before it in the row. DPTrainer
+    passes use_cache=False with packed rows. With that removed, the attention is caught before anything is
+    released:
+    first by the probe on synthetic tokens, and, with the probe removed too, by the per-example first-step
+    check."""
 
     class LeakyTrainer(DPTrainer):
         def _no_cache_when_packed(self, micro_batch):
@@ -242,7 +250,8 @@ def test_attention_across_packed_examples_is_refused_before_the_first_step(case,
 
     model = tiny_decoder("llama")
     examples = make_examples(4, VOCAB, causal=True, seed=3)
-    cls = {"no cache": DPTrainer, "synthetic probe": LeakyTrainer, "per-example check": LeakyUnprobedTrainer}[case]
+    cls = {"no cache": DPTrainer, "synthetic probe": LeakyTrainer,
+           "per-example check": LeakyUnprobedTrainer}[case]
     trainer = cls(model=model, args=_args(tmp_path, len(examples), micro=4, use_cache=True),
                   train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
     assert model.config.use_cache
@@ -264,7 +273,8 @@ def test_encoder_whose_attention_ignores_packing_is_refused(tmp_path):
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=24, max_position_embeddings=40, pad_token_id=0, hidden_dropout_prob=0.0,
+                        intermediate_size=24, max_position_embeddings=40, pad_token_id=0,
+                        hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     model = BertForMaskedLM(config).double()
@@ -278,8 +288,8 @@ def test_encoder_whose_attention_ignores_packing_is_refused(tmp_path):
 
 
 def test_no_parameter_or_buffer_changes_outside_the_step(tmp_path):
-    """The attention probe and the per-example check run forwards of their own: with learning rate 0 and noise 0,
-    nothing in the model (parameters, buffers) changes over a packed step."""
+    """The attention probe and the per-example check run forwards of their own: with learning rate 0 and noise
+    0, nothing in the model (parameters, buffers) changes over a packed step."""
     model = tiny_decoder("llama")
     examples = make_examples(4, VOCAB, causal=True, seed=3)
     trainer = DPTrainer(model=model, args=_args(tmp_path, len(examples), learning_rate=0.0),
@@ -292,10 +302,11 @@ def test_no_parameter_or_buffer_changes_outside_the_step(tmp_path):
 
 @pytest.mark.parametrize("method", ["dpsgd", "disk", "doppler", "pmlf", "dicesgd", "diff2"])
 def test_every_method_on_packed_rows_equals_the_padded_run(method, tmp_path):
-    """Three steps of every method (noise 0, float64) on DataCollatorWithFlattening batches end at the same weights
-    as on padded batches of the same examples: packed rows inherit each method's per-example sensitivity (DiSK/PMLF's
-    functional calls at other weights, DiceSGD's feedback, DIFF2's differences across steps). The packed row (6
-    examples, 43 tokens) is longer than GPT-2's 40 positions while each example fits: it trains."""
+    """Three steps of every method (noise 0, float64) on DataCollatorWithFlattening batches end at the same
+    weights as on padded batches of the same examples: packed rows inherit each method's per-example
+    sensitivity (DiSK/PMLF's functional calls at other weights, DiceSGD's feedback, DIFF2's differences across
+    steps). The packed row (6 examples, 43 tokens) is longer than GPT-2's 40 positions while each example
+    fits: it trains."""
     from helpers import PadCollator
 
     examples = make_examples(6, VOCAB, causal=True, seed=3)
@@ -303,7 +314,8 @@ def test_every_method_on_packed_rows_equals_the_padded_run(method, tmp_path):
     weights = []
     for collator in (PadCollator(0), DataCollatorWithFlattening()):
         model = tiny_gpt2()
-        args = _args(tmp_path, len(examples), micro=4, dp_method=method, max_steps=3, per_sample_max_grad_norm=0.3,
+        args = _args(tmp_path, len(examples), micro=4, dp_method=method, max_steps=3,
+                     per_sample_max_grad_norm=0.3,
                      learning_rate=0.5, dp_method_args={"restart_every": 2} if method == "diff2" else None)
         DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=collator).train()
         weights.append(flat([p.detach() for p in model.parameters()]))
@@ -313,15 +325,17 @@ def test_every_method_on_packed_rows_equals_the_padded_run(method, tmp_path):
 
 def test_packed_example_longer_than_the_positions_is_refused(tmp_path):
     examples = make_examples(3, VOCAB, causal=True, seed=3, min_len=41, max_len=41)
-    trainer = DPTrainer(model=tiny_gpt2(), args=_args(tmp_path, len(examples)), train_dataset=ListDataset(examples),
+    trainer = DPTrainer(model=tiny_gpt2(), args=_args(tmp_path, len(examples)),
+                        train_dataset=ListDataset(examples),
                         data_collator=DataCollatorWithFlattening())
     with pytest.raises(ValueError, match="sequences of length 41, longer than the model's maximum of 40"):
         trainer.train()
 
 
 class RowMixingForCausalLM(torch.nn.Module):
-    """A custom causal LM (no config, no get_input_embeddings) whose token t reads the running mean of the whole row
-    up to t, ignoring the position_ids restarts: each packed example reads the examples before it."""
+    """A custom causal LM (no config, no get_input_embeddings) whose token t reads the running mean of the
+    whole row up to t, ignoring the position_ids restarts: each packed example reads the examples before
+    it."""
 
     def __init__(self):
         super().__init__()
@@ -341,9 +355,11 @@ def test_custom_model_the_attention_probe_cannot_run_on(tmp_path, verify):
     dp_verify_first_step=False nothing showed that the model mixes the examples of a row. Now: caught by the
     per-example check, or refused when that check is off."""
     examples = make_examples(4, VOCAB, causal=True, seed=3)
-    trainer = DPTrainer(model=RowMixingForCausalLM(), args=_args(tmp_path, 4, micro=4, dp_verify_first_step=verify),
+    trainer = DPTrainer(model=RowMixingForCausalLM(),
+                        args=_args(tmp_path, 4, micro=4, dp_verify_first_step=verify),
                         train_dataset=ListDataset(examples), data_collator=DataCollatorWithFlattening())
-    error, match = (PerExampleCheckError, "couples examples") if verify else (PackingError, "probe cannot run")
+    error, match = (PerExampleCheckError, "couples examples") if verify else (PackingError,
+                                                                              "probe cannot run")
     with pytest.raises(error, match=match):
         trainer.train()
     assert trainer.accountant.steps == 0

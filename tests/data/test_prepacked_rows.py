@@ -1,13 +1,15 @@
 """A row the data set packed is one unit (issue 29, case 6): never sampled per row and clipped per segment.
 
 The sampler draws data-set rows. A padding collator keeps each row one example (its segments clipped together,
-by construction); a padding-free collator makes every segment of ``position_ids`` its own clipped example, so a
-pre-packed row (``position_ids`` restarting inside it, TRL's ``seq_lengths``) is refused on every collated batch,
-before the step that would hold it -- also when it is first sampled at a later step. A row whose first segment
-continues the previous row's positions used to make up for its extra segment in the segment count (ratio 1.29).
+by construction); a padding-free collator makes every segment of ``position_ids`` its own clipped example, so
+a pre-packed row (``position_ids`` restarting inside it, TRL's ``seq_lengths``) is refused on every collated
+batch, before the step that would hold it -- also when it is first sampled at a later step. A row whose first
+segment continues the previous row's positions used to make up for its extra segment in the segment count
+(ratio 1.29).
 
 Sensitivity at noise 0 in float32 through the public API: q = 1, SGD with lr 1, so the update is
--(1/B) x the clipped sum; D' = D plus one pre-packed row; ratio = |sum(D') - sum(D)| / C <= 1 + 1e-4 or refused.
+-(1/B) x the clipped sum; D' = D plus one pre-packed row; ratio = |sum(D') - sum(D)| / C <= 1 + 1e-4 or
+refused.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from hf_dpfilter import DPTrainer
 from hf_dpfilter.data.packing import PackingError
 
 FIX = "Pack after sampling"
-needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None and os.environ.get("HF_DPFILTER_NO_SKIP") != "1",
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None
+                               and os.environ.get("HF_DPFILTER_NO_SKIP") != "1",
                                reason="needs trl (hf_dpfilter[trl])")
 CLIP = 0.01  # every example clipped: each contributes a vector of norm C exactly
 
@@ -41,14 +44,16 @@ class PositionsPaddingCollator:
         for i, r in enumerate(rows):
             n = len(r["input_ids"])
             positions = torch.as_tensor(r.get("position_ids", range(n)))
-            out["input_ids"][i, :n], out["labels"][i, :n] = torch.as_tensor(r["input_ids"]), torch.as_tensor(r["labels"])
+            out["input_ids"][i, :n], out["labels"][i,
+                    :n] = torch.as_tensor(r["input_ids"]), torch.as_tensor(r["labels"])
             out["position_ids"][i, :n], out["attention_mask"][i, :n] = positions, 1
             out["position_ids"][i, n:] = positions[-1] + 1 + torch.arange(longest - n)
         return out
 
 
 class PositionsFlatteningCollator:
-    """Padding-free: the rows one after the other in one row, each with its own `position_ids` (0.. if none)."""
+    """Padding-free: the rows one after the other in one row, each with its own `position_ids` (0.. if
+    none)."""
 
     def __call__(self, rows: list[dict]) -> dict:
         def cat(key):
@@ -65,7 +70,8 @@ def prepacked_row(segments: list[dict], first_position: int = 0) -> dict:
     return {
         "input_ids": torch.cat([s["input_ids"] for s in segments]),
         "labels": torch.cat([s["labels"] for s in segments]),
-        "position_ids": torch.cat([torch.arange(a, a + len(s["input_ids"])) for a, s in zip(starts, segments)]),
+        "position_ids": torch.cat([torch.arange(a, a + len(s["input_ids"])) for a,
+                                   s in zip(starts, segments)]),
     }
 
 
@@ -102,9 +108,11 @@ def _segments(k=3):
     return make_examples(k, VOCAB, causal=True, seed=11, min_len=5, max_len=8)
 
 
-# -------------------------------------------------------------------------- route (a): DPTrainer, packed batches
+# -------------------------------------------------------------------------- route (a): DPTrainer, packed
+# batches
 @pytest.mark.parametrize(("segments", "where", "continues"), [(2, 3, True), (3, 3, False), (3, 0, False)])
-def test_prepacked_row_in_padding_free_batches_is_refused_before_the_step(segments, where, continues, tmp_path):
+def test_prepacked_row_in_padding_free_batches_is_refused_before_the_step(segments, where, continues,
+                                                                          tmp_path):
     """D' = D plus one pre-packed row, in dataset[0] or later. ``continues``: its first segment continues the
     previous row's positions, which made the segment count match (old code: trained, ratio 1.29 > 1)."""
     data = _data()
@@ -129,11 +137,12 @@ def test_row_that_continues_the_previous_rows_positions_is_refused(tmp_path):
 
 
 def test_prepacked_row_first_sampled_at_a_later_step_is_refused_before_that_step(tmp_path):
-    """Not in dataset[0]/[1] (the probe's rows) and not in step 1: refused at the step that samples it, after the
-    steps before it were released normally (old code: trained through it)."""
+    """Not in dataset[0]/[1] (the probe's rows) and not in step 1: refused at the step that samples it, after
+    the steps before it were released normally (old code: trained through it)."""
     data = _data(8, seed=5)
     index = 5
-    rows = data[:index] + [prepacked_row(_segments(2), first_position=len(data[index - 1]["input_ids"]))] + data[index:]
+    rows = data[:index] + [prepacked_row(_segments(2),
+                                         first_position=len(data[index - 1]["input_ids"]))] + data[index:]
     for seed in range(50):
         trainer = _trainer(tmp_path, rows, PositionsFlatteningCollator(), logical_batch_size=3, max_steps=3,
                            dp_seed=seed)
@@ -168,7 +177,8 @@ def test_trl_padding_free_collator_with_seq_lengths_is_refused_with_the_fix(tmp_
         _trainer(tmp_path, rows, collator).train()
 
 
-# ------------------------------------------------------------------- route (a): rows kept whole, clipped together
+# ------------------------------------------------------------------- route (a): rows kept whole, clipped
+# together
 def test_padding_collator_clips_a_prepacked_row_as_one_unit(tmp_path):
     """One data-set row = one row of the batch = one clipped vector, whatever it packs: ratio <= 1 over rows
     (declared with dp_row_is_unit; without it the row is refused, tests/data/test_row_examples.py)."""
@@ -179,8 +189,9 @@ def test_padding_collator_clips_a_prepacked_row_as_one_unit(tmp_path):
 
 
 def test_flattening_collator_keeps_a_prepacked_row_one_segment(tmp_path):
-    """DataCollatorWithFlattening numbers each row's positions itself (the row's own are not used): the row is one
-    segment, so one clipped vector (declared with dp_row_is_unit: its own column says it holds several)."""
+    """DataCollatorWithFlattening numbers each row's positions itself (the row's own are not used): the row is
+    one segment, so one clipped vector (declared with dp_row_is_unit: its own column says it holds
+    several)."""
     data = _data()
     more = data[:3] + [prepacked_row(_segments())] + data[3:]
     moved = ratio(tmp_path, data, more, DataCollatorWithFlattening(), dp_row_is_unit=True)
@@ -212,7 +223,8 @@ def _sft_rows(n, seed):
         encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
         ids = list(encoded["input_ids"])
-        out.append({"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, encoded["assistant_masks"])]})
+        out.append({"input_ids": ids,
+                    "labels": [t if m else -100 for t, m in zip(ids, encoded["assistant_masks"])]})
     return out, tokenizer
 
 
@@ -234,8 +246,10 @@ def _sft_trainer(tmp_path, rows, tokenizer, collator=None, **kw):
     from recipes.common.offline_chat import small_llama
 
     args = DPSFTConfig(
-        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=CLIP, logical_batch_size=len(rows),
-        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=CLIP,
+        logical_batch_size=len(rows),
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant",
         weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, bf16=False,
         gradient_checkpointing=False, max_length=128, remove_unused_columns=False,
         dataset_kwargs={"skip_prepare_dataset": True}, **{"packing": True, **kw})
@@ -258,13 +272,15 @@ def _sft_sum(tmp_path, rows, tokenizer, collator=None, **kw):
 @needs_trl
 @pytest.mark.parametrize("continues", [False, True])
 def test_sft_rows_of_two_conversations_with_their_own_positions_are_refused(continues, tmp_path):
-    """skip_prepare_dataset, each pre-packed row two conversations with `position_ids` restarting inside it, and a
-    padding-free collator that passes them through (old code with ``continues``: trained, ratio 1.08 > 1)."""
+    """skip_prepare_dataset, each pre-packed row two conversations with `position_ids` restarting inside it,
+    and a padding-free collator that passes them through (old code with ``continues``: trained, ratio 1.08 >
+    1)."""
     convs, tokenizer = _sft_rows(6, seed=1)
     single = [{**c, "position_ids": list(range(len(c["input_ids"])))} for c in convs[:4]]
     first = len(single[2]["input_ids"]) if continues else 0
     rows = single[:3] + [_two_conversations(convs[4:], first, "position_ids")] + single[3:]
-    # TRL takes a collator of one's own only without its padding-free packing: DPTrainer's packed micro-batches
+    # TRL takes a collator of one's own only without its padding-free packing: DPTrainer's packed
+    # micro-batches
     trainer = _sft_trainer(tmp_path, rows, tokenizer, PositionsFlatteningCollator(), packing=False)
     with pytest.raises(PackingError, match=FIX):
         trainer.train()
@@ -282,9 +298,9 @@ def test_sft_seq_lengths_column_is_refused_when_the_trainer_is_created(tmp_path)
 
 @needs_trl
 def test_sft_two_conversations_in_a_row_without_boundaries_are_one_unit(tmp_path):
-    """TRL's collator numbers a row's positions 0.. itself: the row (two conversations) is one segment, one clipped
-    vector, and the accounting counts rows. Ratio <= 1 over rows (declared with dp_row_is_unit; without it the
-    row is refused by the chat template's start marker, tests/data/test_row_examples.py)."""
+    """TRL's collator numbers a row's positions 0.. itself: the row (two conversations) is one segment, one
+    clipped vector, and the accounting counts rows. Ratio <= 1 over rows (declared with dp_row_is_unit;
+    without it the row is refused by the chat template's start marker, tests/data/test_row_examples.py)."""
     convs, tokenizer = _sft_rows(7, seed=2)
     rows = convs[:4]
     more = rows[:2] + [_two_conversations(convs[4:6])] + rows[2:]

@@ -1,10 +1,10 @@
 """The privacy unit, declared: ``privacy_unit="user"`` (issue 24, item 2; hf_dpfilter/data/units.py).
 
-* Clipping per unit, exactly (float64): a user's clipped vector is the sum of the per-example gradients of their
-  examples (each computed alone by autograd), wherever the examples sit -- several padded rows, segments of
-  several packed rows -- with its norm, for GPT-2 and a Llama-family decoder.
-* User-level sensitivity at noise 0 (float32): removing one user and all their examples (spread over packed rows
-  and micro-batches) moves the pre-noise aggregate by <= C, for DP-SGD and DiSK's two-point combination;
+* Clipping per unit, exactly (float64): a user's clipped vector is the sum of the per-example gradients of
+  their examples (each computed alone by autograd), wherever the examples sit -- several padded rows, segments
+  of several packed rows -- with its norm, for GPT-2 and a Llama-family decoder.
+* User-level sensitivity at noise 0 (float32): removing one user and all their examples (spread over packed
+  rows and micro-batches) moves the pre-noise aggregate by <= C, for DP-SGD and DiSK's two-point combination;
   negative control: clipping the user's examples separately moves it by about k C. The 2-process version
   (gloo) is in test_two_processes_user_sensitivity.
 * Sampling: users Poisson-sampled at rate q, at most k examples of a user per step, chosen uniformly; shards
@@ -61,8 +61,9 @@ def _example(length: int, seed: int) -> dict:
 
 
 def _per_user_reference(model, data: list[dict], params: list) -> tuple[float, torch.Tensor]:
-    """The float64 per-user reference of one step at lr 1 over the 4 users of ``data``: each user's summed gradient
-    (every example alone) clipped to C = the median user norm (so some users are clipped, some not); (C, update)."""
+    """The float64 per-user reference of one step at lr 1 over the 4 users of ``data``: each user's summed
+    gradient (every example alone) clipped to C = the median user norm (so some users are clipped, some not);
+    (C, update)."""
     per_user: dict[str, torch.Tensor] = {}
     for e in data:
         per_user[e["user"]] = per_user.get(e["user"], 0) + _alone_gradient(model, e, params)
@@ -90,8 +91,9 @@ def _packed_rows(rows: list[list[dict]]) -> tuple[torch.Tensor, torch.Tensor, to
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("where", ["packed_rows", "padded_rows"])
 def test_unit_gradient_is_the_sum_of_its_examples_gradients_fp64(name, where):
-    """Each user's vector (norm and value) = the sum of their examples' gradients, each computed alone by autograd;
-    users whose examples sit in several rows (packed: segments of two rows; padded: several rows)."""
+    """Each user's vector (norm and value) = the sum of their examples' gradients, each computed alone by
+    autograd; users whose examples sit in several rows (packed: segments of two rows; padded: several
+    rows)."""
     model = MODELS[name]()
     model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -147,8 +149,8 @@ def _users(n_users: int, per_user: list[int], seed: int) -> tuple[list[dict], li
     g = torch.Generator().manual_seed(seed)
     for u in range(n_users):
         for _ in range(per_user[u]):
-            examples.append(_example(int(torch.randint(3, 9, (1,), generator=g)), int(torch.randint(10**6, (1,),
-                                                                                                      generator=g))))
+            length = int(torch.randint(3, 9, (1,), generator=g))
+            examples.append(_example(length, int(torch.randint(10**6, (1,), generator=g))))
             users.append(u)
     return examples, users
 
@@ -173,11 +175,13 @@ def accumulate_packed_users(engine, optimizer, examples, units, micro, per_examp
     structure = probe_batch_structure(collator, examples[0], examples[min(1, len(examples) - 1)])
     batch = collator(examples)
     labels = batch.pop("labels")
-    cut = unit_micro_batches(structure, lambda i, lab, n, size: structure.micro_batches(i, lab, size, n), batch,
+    cut = unit_micro_batches(structure, lambda i, lab, n, size: structure.micro_batches(i, lab, size, n),
+                             batch,
                              labels, units, micro)
     for inputs, micro_labels, layout in cut:
         def loss_fn(values, inputs=inputs, micro_labels=micro_labels, layout=layout):
-            logits = engine.call_model(values, input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+            logits = engine.call_model(values, input_ids=inputs["input_ids"],
+                                       position_ids=inputs["position_ids"],
                                        use_cache=False).logits
             return packed_token_mean_loss(logits, micro_labels, layout.examples_layout, shift=True) * 50.0
 
@@ -195,7 +199,8 @@ def _aggregate(examples, users, clip, method="dpsgd", per_example=False, micro=3
     method_args = {"kappa": 0.7, "gamma": 0.5} if method == "disk" else {}
     plan = PrivacyPlan.for_optimizer(method=method, method_args=method_args, noise_multiplier=0.0,
                                      max_grad_norm=clip, expected_batch_size=4.0, sample_rate=0.5, seed=0)
-    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5,
+                                        verify_first_backward=False)
 
     def one_step(examples, users):
         order = sorted(range(len(examples)), key=lambda i: users[i])
@@ -216,8 +221,9 @@ def test_removing_one_user_moves_the_aggregate_by_at_most_c(method):
     k, clip = 3, 0.5
     others, users = _users(5, [1, 3, 2, 4, 1], seed=1)
     victim = _extreme_user(k)
-    # the victim (user 9) between the others: with micro-batches of 3 examples its examples share a micro-batch
-    # with nobody else's split in two, and the users before and after it land in other micro-batches
+    # the victim (user 9) between the others: with micro-batches of 3 examples its examples share a
+    # micro-batch with nobody else's split in two, and the users before and after it land in other
+    # micro-batches
     d_examples, d_users = others + victim, users + [9] * k
     warmup = (others, users) if method == "disk" else None
     with_user, delta, cuts = _aggregate(d_examples, d_users, clip, method, warmup=warmup)
@@ -240,7 +246,8 @@ def test_micro_batches_hold_whole_users():
     batch = collator(examples)
     labels = batch.pop("labels")
     structure = probe_batch_structure(collator, examples[0], examples[1])
-    cut = unit_micro_batches(structure, lambda i, lab, n, size: structure.micro_batches(i, lab, size, n), batch,
+    cut = unit_micro_batches(structure, lambda i, lab, n, size: structure.micro_batches(i, lab, size, n),
+                             batch,
                              labels, torch.tensor(users), 3)
     seen = []
     for inputs, _labels, layout in cut:
@@ -250,7 +257,8 @@ def test_micro_batches_hold_whole_users():
         seen += [len(u) for u in layout.units]
     assert seen == [2, 4, 1, 1, 3, 2]  # every user whole, in order
     with pytest.raises(PrivacyUnitError, match="not consecutive"):
-        unit_micro_batches(structure, lambda i, lab, n, size: structure.micro_batches(i, lab, size, n), batch, labels,
+        unit_micro_batches(structure, lambda i, lab, n, size: structure.micro_batches(i, lab, size, n), batch,
+                           labels,
                            torch.tensor([0, 1, 0] + users[3:]), 3)
 
 
@@ -266,7 +274,8 @@ def test_two_processes_user_sensitivity(tmp_path):
     # the worker imports this checkout's hf_dpfilter (not another installed copy)
     path = os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+           "127.0.0.1",
            "--master_port", str(_free_port()), os.path.join(HERE, "user_unit_worker.py"), str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -319,7 +328,8 @@ def test_users_are_poisson_sampled_at_q_and_at_most_k_examples_enter_a_step():
     sizes = torch.tensor(sizes, dtype=torch.float64)
     assert abs(sizes.mean() - 40 * q) <= 5 * (40 * q * (1 - q) / steps) ** 0.5
     assert abs(sizes.var() / (40 * q * (1 - q)) - 1) < 0.15
-    # a sampled user with n > k examples: each of them chosen with probability k / n (uniform without replacement)
+    # a sampled user with n > k examples: each of them chosen with probability k / n (uniform without
+    # replacement)
     for u in range(40):
         members = [i for i, v in enumerate(unit_of) if v == u]
         if per_user[u] > k:
@@ -339,7 +349,8 @@ def test_process_shards_hold_whole_users_and_form_one_draw(secure):
     unit_of = [u for u, n in enumerate(per_user) for _ in range(n)]
     index = UserIndex.from_dataset([{"user": u} for u in unit_of], "user")
     world = 2
-    shards = [list(UserPoissonBatchSampler(index, 0.5, 2, 30, seed=3, rank=r, world_size=world, secure=secure))
+    shards = [list(UserPoissonBatchSampler(index, 0.5, 2, 30, seed=3, rank=r, world_size=world,
+                                           secure=secure))
               for r in range(world)]
     single = list(UserPoissonBatchSampler(index, 0.5, 2, 30, seed=3))
     for step in range(30):
@@ -372,7 +383,8 @@ def _args(tmp_path, **kw):
         output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
         logical_batch_size=4, per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
         lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
-        remove_unused_columns=False, dp_seed=0, privacy_unit="user", user_id_column="user", max_examples_per_user=3,
+        remove_unused_columns=False, dp_seed=0, privacy_unit="user", user_id_column="user",
+        max_examples_per_user=3,
     )
     base.update(kw)
     return DPTrainingArguments(**base)
@@ -380,8 +392,10 @@ def _args(tmp_path, **kw):
 
 @pytest.mark.parametrize("collator", ["padded", "packed"])
 def test_dptrainer_user_level_step_equals_the_per_user_reference(collator, tmp_path):
-    """One DPTrainer step at user level (q = 1, k >= every user's count, noise 0, micro-batches of 2 examples):
-    the update is -(lr / B) sum_u clip_C(sum of u's per-example gradients), B = the expected users per step."""
+    """One DPTrainer step at user level (q = 1, k >= every user's count, noise 0, micro-batches of 2
+    examples):
+    the update is -(lr / B) sum_u clip_C(sum of u's per-example gradients), B = the expected users per
+    step."""
     model = tiny_gpt2()
     model.eval()
     data = _user_data()
@@ -407,9 +421,9 @@ def test_dptrainer_user_level_step_equals_the_per_user_reference(collator, tmp_p
 
 
 def test_fp16_loss_scaling_at_user_level_equals_the_per_user_reference(tmp_path, caplog):
-    """fp16=True at user level: the scale S = 2^12 multiplies each user's summed loss and is divided out exactly
-    (float64 model: the update equals the float64 per-user reference), the step clipping each user to C; the
-    start report's user line names public quantities only."""
+    """fp16=True at user level: the scale S = 2^12 multiplies each user's summed loss and is divided out
+    exactly (float64 model: the update equals the float64 per-user reference), the step clipping each user to
+    C; the start report's user line names public quantities only."""
     model = tiny_gpt2()
     model.eval()
     data = _user_data()
@@ -440,7 +454,8 @@ def test_epsilon_over_users_is_the_accountants_and_the_card_says_user_level(tmp_
     trainer.train()
     report = trainer.privacy_report()
     assert report["steps"] == 3
-    assert report["epsilon"] == pytest.approx(compute_epsilon([(1.3, 0.5, 3)], report["delta"], "prv"), rel=1e-9)
+    assert report["epsilon"] == pytest.approx(compute_epsilon([(1.3, 0.5, 3)], report["delta"], "prv"),
+                                              rel=1e-9)
     # the example-level plan of the same data would have q = 2 / 8: a different (smaller) epsilon
     assert compute_epsilon([(1.3, 0.25, 3)], report["delta"], "prv") < report["epsilon"]
     trainer.create_model_card(model_name="tiny")
@@ -473,8 +488,10 @@ def test_datasets_dataset_with_a_string_user_column(tmp_path):
     def collate(batch):
         return PadCollator(0)([{k: torch.tensor(v) for k, v in b.items()} for b in batch])
 
-    args = _args(tmp_path, user_id_column="author", remove_unused_columns=True, noise_multiplier=1.0, max_steps=2)
-    trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=args, train_dataset=table, data_collator=collate)
+    args = _args(tmp_path, user_id_column="author", remove_unused_columns=True, noise_multiplier=1.0,
+                 max_steps=2)
+    trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=args, train_dataset=table,
+                        data_collator=collate)
     assert trainer.num_train_examples == 4
     trainer.train()
     assert trainer.accountant.steps == 2
@@ -484,7 +501,8 @@ def test_a_sequence_level_head_is_refused_at_user_level(tmp_path):
     from models import tiny_roberta
 
     data = [{**e, "user": i % 2} for i, e in enumerate(make_examples(6, VOCAB, causal=False, seed=1))]
-    trainer = DPTrainer(model=tiny_roberta(), args=_args(tmp_path, logical_batch_size=2), train_dataset=ListDataset(data),
+    trainer = DPTrainer(model=tiny_roberta(), args=_args(tmp_path, logical_batch_size=2),
+                        train_dataset=ListDataset(data),
                         data_collator=PadCollator(1))
     with pytest.raises(PrivacyUnitError, match="one label per token"):
         trainer.train()
@@ -511,16 +529,19 @@ def test_bad_unit_declarations_are_refused_with_the_fix(fields, match, tmp_path)
 def test_missing_users_or_too_large_a_user_batch_are_refused_at_creation(tmp_path):
     data = [{k: v for k, v in e.items() if k != "user"} for e in _user_data()]
     with pytest.raises(PrivacyUnitError, match="user_id_column='user' is not in example 0"):
-        DPTrainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=ListDataset(data), data_collator=PadCollator(0))
+        DPTrainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=ListDataset(data),
+                  data_collator=PadCollator(0))
     import datasets
 
     table = datasets.Dataset.from_list([{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "author": "a"}])
     with pytest.raises(PrivacyUnitError, match="not a column of the training set"):
         DPTrainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=table, data_collator=PadCollator(0))
     with pytest.raises(PrivacyUnitError, match="the logical batch counts users"):
-        DPTrainer(model=tiny_gpt2(), args=_args(tmp_path, logical_batch_size=5), train_dataset=ListDataset(_user_data()),
+        DPTrainer(model=tiny_gpt2(), args=_args(tmp_path, logical_batch_size=5),
+                  train_dataset=ListDataset(_user_data()),
                   data_collator=PadCollator(0))
     data = _user_data()
     data[2] = {**data[2], "user": None}
     with pytest.raises(PrivacyUnitError, match=r"no user for 1 example\(s\), first at row 2"):
-        DPTrainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=ListDataset(data), data_collator=PadCollator(0))
+        DPTrainer(model=tiny_gpt2(), args=_args(tmp_path), train_dataset=ListDataset(data),
+                  data_collator=PadCollator(0))

@@ -82,8 +82,8 @@ def test_two_processes_equal_one_process(tmp_path):
         # Only the main process writes the results and plots.
         assert (tmp_path / "two" / name / "files_rank0" / "results.json").exists()
         if method == "dpsgd":
-            # epsilon.png; no training.png here: without evaluation and without the (non-private, opt-in) training
-            # loss there is no curve to draw
+            # epsilon.png; no training.png here: without evaluation and without the (non-private, opt-in)
+            # training loss there is no curve to draw
             assert (tmp_path / "two" / name / "files_rank0" / "epsilon.png").exists()
         assert not (tmp_path / "two" / name / "files_rank1").exists()
     # Noise is really there when sigma > 0 (the comparison above is not trivially noise-free).
@@ -152,12 +152,15 @@ def _bucketed_sum_worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(rank)
     shapes = [(7, 3), (5,), (40, 40), (2, 2), (300,), (1,)]
-    tensors = [torch.randn(s, dtype=torch.float64 if i % 3 == 0 else torch.float32) for i, s in enumerate(shapes)]
+    tensors = [torch.randn(s, dtype=torch.float64 if i % 3 == 0 else torch.float32) for i,
+               s in enumerate(shapes)]
     per_tensor = [t.clone() for t in tensors]
     ProcessGroupCollectives(bucket_bytes=0).sum_(per_tensor)
     bucketed = [t.clone() for t in tensors]
-    ProcessGroupCollectives(bucket_bytes=1000).sum_(bucketed)  # several buckets, one tensor larger than a bucket
-    torch.save({"per_tensor": per_tensor, "bucketed": bucketed, "default": ProcessGroupCollectives().bucket_bytes},
+    # several buckets, one tensor larger than a bucket
+    ProcessGroupCollectives(bucket_bytes=1000).sum_(bucketed)
+    torch.save({"per_tensor": per_tensor, "bucketed": bucketed,
+                "default": ProcessGroupCollectives().bucket_bytes},
                os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -165,7 +168,8 @@ def _bucketed_sum_worker(rank: int, port: int, out: str) -> None:
 def test_bucketed_all_reduce_equals_one_call_per_tensor(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.start_processes(_bucketed_sum_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_bucketed_sum_worker, args=(_free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")
         assert got["default"] == 0  # gloo: one call per tensor by default (NCCL: 25 MiB buckets)

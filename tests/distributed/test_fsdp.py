@@ -1,8 +1,8 @@
 """FSDP2 (``fully_shard``, two processes over gloo on CPU) gives exactly the one-process result.
 
 * Each process clips its own examples from the whole (gathered) layer activations, the clipped sums are
-  reduce-scattered into the parameter shards and the base optimizer steps on the shards: the parameters after a
-  few steps equal the one-process run in float64 for DP-SGD, the non-private path and every method (DiSK and
+  reduce-scattered into the parameter shards and the base optimizer steps on the shards: the parameters after
+  a few steps equal the one-process run in float64 for DP-SGD, the non-private path and every method (DiSK and
   DP-PMLF at two parameter points, DIFF2's difference rounds, DiceSGD's error buffer, DOPPLER's filter), and
   every process reports the same epsilon;
 * the noise of the shards is exactly one N(0, sigma^2 Delta^2 I) draw for the whole model: with seeded noise
@@ -10,10 +10,10 @@
   noise and no step repeats an earlier one; with ``secure_rng`` the std is right and the shards are
   independent.
 
-* the DPTrainer path (Accelerate's FSDP2 preparation) equals the one-process DPTrainer run. ``accelerate launch``
-  with accelerate_configs/fsdp.yaml cannot start it on CPU: Accelerate 1.15 attaches its FSDP plugin only to GPU
-  process groups (a CPU launch becomes MULTI_CPU, i.e. DDP; ``--cpu`` starts one process), so the worker sets
-  the plugin on the state as the launcher would on GPUs.
+* the DPTrainer path (Accelerate's FSDP2 preparation) equals the one-process DPTrainer run. ``accelerate
+  launch`` with accelerate_configs/fsdp.yaml cannot start it on CPU: Accelerate 1.15 attaches its FSDP plugin
+  only to GPU process groups (a CPU launch becomes MULTI_CPU, i.e. DDP; ``--cpu`` starts one process), so the
+  worker sets the plugin on the state as the launcher would on GPUs.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def runs(tmp_path_factory):
         "--master_port", str(_free_port()), WORKER, str(out / "two"), *configs,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    one = subprocess.run([sys.executable, WORKER, str(out / "one"), *configs], capture_output=True, text=True, env=env)
+    one = subprocess.run([sys.executable, WORKER, str(out / "one"), *configs], capture_output=True, text=True,
+                         env=env)
     output, _ = proc.communicate(timeout=900)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert proc.returncode == 0, output[-5000:]
@@ -68,7 +69,8 @@ def test_two_sharded_processes_equal_one_process(runs, config):
     ranks = [torch.load(runs / "two" / name / f"rank{r}.pt") for r in range(2)]
     assert ranks[0]["world_size"] == 2
     assert ranks[0]["sharded"] == sorted(ref["params"]), "every parameter must be an FSDP2 shard (a DTensor)"
-    initial = torch.load(runs / "one" / "dpsgd_0" / "rank0.pt")  # a trained reference, to see that things move
+    # a trained reference, to see that things move
+    initial = torch.load(runs / "one" / "dpsgd_0" / "rank0.pt")
     for r, got in enumerate(ranks):
         diff = max((got["params"][k] - ref["params"][k]).abs().max().item() for k in ref["params"])
         assert diff <= 1e-10, f"{config}: rank {r} differs from the one-process run by {diff:.2e}"
@@ -120,12 +122,13 @@ def test_sharded_noise_has_the_right_std_and_no_repeats(runs, kind):
         assert abs(_corr(vectors[0][step], vectors[1][step])) < 0.1, "the shards' noise is correlated"
         if step:
             for r in range(2):
-                assert abs(_corr(vectors[r][step], vectors[r][step - 1])) < 0.1, "a step repeated earlier noise"
+                assert abs(_corr(vectors[r][step],
+                                 vectors[r][step - 1])) < 0.1, "a step repeated earlier noise"
 
 
 def test_dptrainer_under_accelerate_fsdp2_equals_one_process(tmp_path):
-    """The DPTrainer path: Accelerate's FSDP2 preparation (fully_shard, the optimizer's parameter switch), Poisson
-    shards of different sizes (padding micro-batches keep the gathers in step), noise included.
+    """The DPTrainer path: Accelerate's FSDP2 preparation (fully_shard, the optimizer's parameter switch),
+    Poisson shards of different sizes (padding micro-batches keep the gathers in step), noise included.
 
     Accelerate attaches its FSDP plugin only to GPU process groups, so the worker sets the plugin that
     `accelerate launch --config_file accelerate_configs/fsdp.yaml` would set (FSDP_ON_CPU=1); the rest is
@@ -140,7 +143,8 @@ def test_dptrainer_under_accelerate_fsdp2_equals_one_process(tmp_path):
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(env, FSDP_ON_CPU="1"))
-    one = subprocess.run([sys.executable, WORKER, str(tmp_path / "one"), *configs], capture_output=True, text=True,
+    one = subprocess.run([sys.executable, WORKER, str(tmp_path / "one"), *configs], capture_output=True,
+                         text=True,
                          env=env)
     output, _ = proc.communicate(timeout=900)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]

@@ -70,7 +70,8 @@ def test_fused_and_stacked_layers_equal_the_per_example_reference(name, stack):
     examples, batch = _batch(causal, pad_id)
     reference = _reference(model, examples, causal)
     _, grads = _engine_grads(model, batch, causal, stack)
-    expected_norms = torch.sqrt(sum(g.reshape(len(examples), -1).pow(2).sum(dim=1) for g in reference.values()))
+    expected_norms = torch.sqrt(sum(g.reshape(len(examples), -1).pow(2).sum(dim=1)
+                                    for g in reference.values()))
     torch.testing.assert_close(grads.norms(), expected_norms, rtol=1e-10, atol=1e-12)
     assert bool((grads.clipping_norms() >= expected_norms).all())
     coefficients = torch.linspace(-1.0, 2.0, len(examples), dtype=torch.float64)
@@ -94,7 +95,8 @@ def _block_of(engine, grads, suffix: str):
 def test_layers_reading_one_input_are_fused(autocast):
     examples, batch = _batch(False, 1)
     model = tiny_roberta(dtype=torch.float32 if autocast else torch.float64)
-    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu",
+                                                                                          enabled=False)
     engine = GhostClippingEngine(model, verify_first_backward=False)
     engine.stack_layers = False
     with context, engine.record(batch_size=len(examples)):
@@ -108,7 +110,8 @@ def test_layers_reading_one_input_are_fused(autocast):
 
     decoder = tiny_decoder("llama")
     engine, grads = _engine_grads(decoder, _batch(True, 0)[1], True, stack=False)
-    assert sorted(n.rsplit(".", 2)[-2] for n in _block_of(engine, grads, "layers.0.self_attn.q_proj.weight")) == [
+    assert sorted(n.rsplit(".", 2)[-2]
+                  for n in _block_of(engine, grads, "layers.0.self_attn.q_proj.weight")) == [
         "k_proj", "q_proj", "v_proj"]
     assert sorted(n.rsplit(".", 2)[-2] for n in _block_of(engine, grads, "layers.0.mlp.up_proj.weight")) == [
         "gate_proj", "up_proj"]
@@ -116,16 +119,20 @@ def test_layers_reading_one_input_are_fused(autocast):
 
 def _roberta(layers: int) -> RobertaForSequenceClassification:
     config = RobertaConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=24,
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=24,
         max_position_embeddings=40, pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(0)
     return RobertaForSequenceClassification(config).double()
 
 
-_VIEWS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::narrow", "aten::slice", "aten::select",
-          "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::as_strided",
-          "aten::detach", "aten::alias", "aten::split", "aten::split_with_sizes", "aten::empty", "aten::lift_fresh",
+_VIEWS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::narrow", "aten::slice",
+          "aten::select",
+          "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze", "aten::expand",
+          "aten::as_strided",
+          "aten::detach", "aten::alias", "aten::split", "aten::split_with_sizes", "aten::empty",
+          "aten::lift_fresh",
           "aten::resolve_conj", "aten::resolve_neg", "aten::result_type"}
 
 
@@ -157,7 +164,8 @@ def test_stacks_respect_the_memory_budget(monkeypatch):
     assert len(grads._blocks) == unstacked  # a budget below one layer stacks nothing
     monkeypatch.setattr(engine_module, "_STACK_SHARE", 1.0)
     _, grads = _engine_grads(_roberta(4), batch, False, stack=True)
-    assert len(grads._blocks) == 4 + 2  # one stack per layer shape (q/k/v, attention output, up, down); classifier
+    # one stack per layer shape (q/k/v, attention output, up, down); classifier
+    assert len(grads._blocks) == 4 + 2
     assert max(b.left.shape[0] for b in grads._blocks) == 4
     torch.testing.assert_close(grads.norms(), reference.norms(), rtol=1e-12, atol=0)
 
@@ -177,7 +185,8 @@ def test_dropped_examples_are_zero_in_stacked_blocks():
 
 
 class _TwoSquareLayers(torch.nn.Module):
-    """Two same-shape projections (stacked together) and a scalar head, per-token signs as in the bf16 tests."""
+    """Two same-shape projections (stacked together) and a scalar head, per-token signs as in the bf16
+    tests."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -198,14 +207,16 @@ def test_bf16_clip_holds_for_stacked_layers_adversarial():
     with torch.autocast("cpu", dtype=torch.bfloat16), engine.record(batch_size=x.shape[0]):
         losses = (model(x) * signs).sum(dim=1)
     grads = engine.per_example_gradients(losses.float())
-    assert any(b.left is not None and b.left.shape[0] == 2 and b.left.dtype == torch.bfloat16 for b in grads._blocks)
+    assert any(b.left is not None and b.left.shape[0] == 2 and b.left.dtype == torch.bfloat16
+               for b in grads._blocks)
     exact = _exact_norms(grads)
     assert bool((grads.clipping_norms().double() >= exact).all())
 
 
 def test_autocast_inputs_are_held_once_and_outputs_unchanged():
     """Under autocast a Linear's input is cast once, before the layer: autograd saves that cast and the engine
-    keeps the same tensor (no second copy), the q/k/v projections share it, and the outputs are bit-identical."""
+    keeps the same tensor (no second copy), the q/k/v projections share it, and the outputs are
+    bit-identical."""
     examples, batch = _batch(False, 1)
     model = tiny_roberta(dtype=torch.float32)
 
@@ -217,7 +228,8 @@ def test_autocast_inputs_are_held_once_and_outputs_unchanged():
             return t
 
         recording = engine.record(batch_size=len(examples)) if engine else contextlib.nullcontext()
-        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack,
+                lambda t: t):
             with recording:
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return logits, saved
@@ -226,7 +238,8 @@ def test_autocast_inputs_are_held_once_and_outputs_unchanged():
     engine = GhostClippingEngine(model, verify_first_backward=False)
     logits, saved = forward(engine)
     assert torch.equal(logits, plain_logits)
-    kept = {r.activations.untyped_storage().data_ptr() for r in engine._records if r.activations.is_floating_point()}
+    kept = {r.activations.untyped_storage().data_ptr() for r in engine._records
+            if r.activations.is_floating_point()}
     assert kept <= set(saved), "the engine keeps an input that autograd does not save (a second copy)"
     assert sum(saved.values()) < sum(plain_saved.values())  # one cast for q, k and v instead of three
 
@@ -240,14 +253,15 @@ def test_trainer_passes_dp_stack_layers_to_the_engine(tmp_path):
         args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, logical_batch_size=4,
                                    per_device_train_batch_size=4, max_steps=1, use_cpu=True, report_to=[],
                                    dp_stack_layers=stack)
-        trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
+        trainer = DPTrainer(model=tiny_roberta(), args=args,
+                            train_dataset=ListDataset(make_examples(8, VOCAB, False)),
                             data_collator=PadCollator(1))
         assert trainer.engine.stack_layers is stack
 
 
 class _SharedInputs(torch.nn.Module):
-    """Two GPT-2 Conv1D layers reading one input (fused on their left side, column blocks) and a Linear reading
-    the same input (its input is on the right side: not fused with them)."""
+    """Two GPT-2 Conv1D layers reading one input (fused on their left side, column blocks) and a Linear
+    reading the same input (its input is on the right side: not fused with them)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -278,7 +292,8 @@ def test_conv1d_layers_sharing_their_input_are_fused_by_columns(stack):
     fused = _block_of(engine, grads, "first.weight")
     assert sorted(fused) == ["first.weight", "second.weight"]
     assert _block_of(engine, grads, "linear.weight") == ["linear.weight"]
-    expected_norms = torch.sqrt(sum(g.reshape(len(examples), -1).pow(2).sum(dim=1) for g in reference.values()))
+    expected_norms = torch.sqrt(sum(g.reshape(len(examples), -1).pow(2).sum(dim=1)
+                                    for g in reference.values()))
     torch.testing.assert_close(grads.norms(), expected_norms, rtol=1e-10, atol=1e-12)
     coefficients = torch.linspace(0.5, 1.5, len(examples), dtype=torch.float64)
     sums = grads.weighted_sum(coefficients, release=True)
@@ -289,7 +304,8 @@ def test_conv1d_layers_sharing_their_input_are_fused_by_columns(stack):
 
 @pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
 def test_removing_one_example_moves_the_clipped_sum_by_at_most_c(stack):
-    """Sensitivity with fused and stacked layers: the clipped sum with and without example j differs by <= C."""
+    """Sensitivity with fused and stacked layers: the clipped sum with and without example j differs by <=
+    C."""
     from hf_dpfilter.optimizers.clipping import clip_factors
 
     max_grad_norm = 1e-3  # below every example's norm: each one is clipped

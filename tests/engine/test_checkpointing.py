@@ -47,11 +47,13 @@ def _train(model, tmp_path, checkpointing: bool, method="dpsgd", method_args=Non
     args = DPTrainingArguments(
         output_dir=str(tmp_path), dp_method=method, dp_method_args=method_args, noise_multiplier=0.0,
         per_sample_max_grad_norm=0.5, logical_batch_size=6, per_device_train_batch_size=2, max_steps=steps,
-        optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True,
+        optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", weight_decay=0.0, report_to=[],
+        use_cpu=True,
         save_strategy="no", remove_unused_columns=False, dp_seed=0,
         **(NON_REENTRANT if checkpointing else {}),
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(0))
     trainer.train()
     return flat([p.detach() for p in model.parameters()])
 
@@ -62,7 +64,8 @@ CASES = [  # (model, method, method args)
     ("llama_lora", "dpsgd", None),
     ("llama", "disk", {"kappa": 0.7, "gamma": 0.5}),  # two points: x_t and x_t + gamma d_{t-1}
     ("llama", "disk", None),  # one point, at x_t + gamma d_{t-1} (other values than the model's)
-    ("llama", "pmlf", {"k": 3, "beta": 0.9}),  # the stored snapshots themselves (views) recomputed in the backward
+    # the stored snapshots themselves (views) recomputed in the backward
+    ("llama", "pmlf", {"k": 3, "beta": 0.9}),
 ]
 
 
@@ -84,7 +87,8 @@ def _record_one_batch(model, values=None):
         if torch._C._current_graph_task_id() != -1:
             recomputed.append(module)
 
-    handles = [m.register_forward_hook(count_recomputation) for m in model.modules() if isinstance(m, nn.Linear)]
+    handles = [m.register_forward_hook(count_recomputation) for m in model.modules()
+               if isinstance(m, nn.Linear)]
     with engine.record(batch_size=3):
         out = engine.call_model(values, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         losses = per_example_loss(out.logits, batch["labels"], causal_lm=True)
@@ -147,7 +151,8 @@ def test_unknown_checkpointing_at_other_values_raises_instead_of_training_wrongl
     shifted = {p: p + 0.1 for p in engine.trainable_parameters}  # differentiable in p, as DiSK's point
     with engine.record(batch_size=3):
         out = engine.call_model(shifted, x)
-    with pytest.raises(CheckpointingError, match="recomputed by a gradient checkpoint that the engine does not know"):
+    with pytest.raises(CheckpointingError, match="recomputed by a gradient checkpoint that the engine does "
+                                                 "not know"):
         engine.per_example_gradients(out.squeeze(1))
 
 
@@ -166,11 +171,14 @@ def _train_bf16(tmp_path, checkpointing: bool):
     examples = make_examples(6, VOCAB, causal=True, seed=3)
     args = DPTrainingArguments(
         output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=0.5, logical_batch_size=6,
-        per_device_train_batch_size=2, max_steps=2, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
-        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0,
+        per_device_train_batch_size=2, max_steps=2, optim="sgd", learning_rate=0.5,
+        lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+        dp_seed=0,
         bf16=True, **(NON_REENTRANT if checkpointing else {}),
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(0))
     trainer.train()
     return flat([p.detach() for p in model.parameters()])
 

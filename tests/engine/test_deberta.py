@@ -1,12 +1,13 @@
 """DeBERTa-v2/v3 exact: the relative-position table every example shares gets each example's own gradient.
 
-DeBERTa reads ``encoder.rel_embeddings.weight`` directly, normalises it with ``encoder.LayerNorm`` and projects the
-same rows in every attention layer (``query_proj``/``key_proj`` with ``share_att_key``, else ``pos_key_proj``/
-``pos_query_proj``), then reshapes the projection by its own shape and repeats it over the batch; its attention
-runs on ``(B·heads, T, D)``. One DPTrainer step at noise 0 (float64, right padding) equals the one-example-at-a-time
-clipped sum, for full fine-tuning (sequence and token classification, both projection layouts) and for LoRA on
-``query_proj``/``value_proj`` (hf_dpfilter.engine.shared_tables, hf_dpfilter.engine.shared_outputs). A module whose batch-free output the model uses
-by its own shape, outside a declared encoder, is refused by name before anything is released, never a torch error.
+DeBERTa reads ``encoder.rel_embeddings.weight`` directly, normalises it with ``encoder.LayerNorm`` and
+projects the same rows in every attention layer (``query_proj``/``key_proj`` with ``share_att_key``, else
+``pos_key_proj``/ ``pos_query_proj``), then reshapes the projection by its own shape and repeats it over the
+batch; its attention runs on ``(B·heads, T, D)``. One DPTrainer step at noise 0 (float64, right padding)
+equals the one-example-at-a-time clipped sum, for full fine-tuning (sequence and token classification, both
+projection layouts) and for LoRA on ``query_proj``/``value_proj`` (hf_dpfilter.engine.shared_tables,
+hf_dpfilter.engine.shared_outputs). A module whose batch-free output the model uses by its own shape, outside
+a declared encoder, is refused by name before anything is released, never a torch error.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from hf_dpfilter import DPTrainer, UnsupportedLayerError
 
 #: DeBERTa-v3's layout (relative attention, log buckets, LayerNorm on the table, c2p and p2c), tiny
 V3 = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-          max_position_embeddings=64, pad_token_id=0, relative_attention=True, position_buckets=8, max_relative_positions=-1,
-          norm_rel_ebd="layer_norm", pos_att_type=["p2c", "c2p"], position_biased_input=False, hidden_dropout_prob=0.0,
+          max_position_embeddings=64, pad_token_id=0, relative_attention=True, position_buckets=8,
+          max_relative_positions=-1,
+          norm_rel_ebd="layer_norm", pos_att_type=["p2c", "c2p"], position_biased_input=False,
+          hidden_dropout_prob=0.0,
           attention_probs_dropout_prob=0.0)
 
 
@@ -39,7 +42,8 @@ def deberta(head: str, share_att_key: bool = True, num_labels: int = 2):
 def deberta_lora():
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(deberta("cls"), LoraConfig(r=4, lora_alpha=8, target_modules=["query_proj", "value_proj"]))
+    model = get_peft_model(deberta("cls"),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["query_proj", "value_proj"]))
     torch.manual_seed(1)
     for name, param in model.named_parameters():
         if "lora_B" in name:  # LoRA's B starts at zero, which would make A's gradient vanish
@@ -76,7 +80,8 @@ def test_one_step_equals_the_per_example_reference(case, tmp_path):
 
 
 def test_shared_table_step_stays_within_the_sensitivity():
-    """float32, noise 0: one example added moves the clipped sum (the shared table's rows included) by at most C."""
+    """float32, noise 0: one example added moves the clipped sum (the shared table's rows included) by at most
+    C."""
     model = deberta("cls").float()
     ids, labels = ids_batch(4, 6, vocab=VOCAB)
     extra, extra_label = ids_batch(1, 6, vocab=VOCAB, seed=1)
@@ -86,8 +91,8 @@ def test_shared_table_step_stays_within_the_sensitivity():
 
 
 class _ReshapesItsTable(nn.Module):
-    """An odd model outside any declared encoder: a layer called on a batch-free table (output (1, 4, 8)) whose
-    output the forward reshapes by its own shape, which the engine's per-example expansion breaks."""
+    """An odd model outside any declared encoder: a layer called on a batch-free table (output (1, 4, 8))
+    whose output the forward reshapes by its own shape, which the engine's per-example expansion breaks."""
 
     def __init__(self):
         from transformers import PretrainedConfig
@@ -110,14 +115,16 @@ class _ReshapesItsTable(nn.Module):
 
 def test_a_batch_free_output_used_by_its_shape_is_refused_by_name(tmp_path):
     examples = make_examples(4, VOCAB, causal=False, seed=3)
-    trainer = DPTrainer(model=_ReshapesItsTable(), args=_args(tmp_path, 4), train_dataset=ListDataset(examples),
+    trainer = DPTrainer(model=_ReshapesItsTable(), args=_args(tmp_path, 4),
+                        train_dataset=ListDataset(examples),
                         data_collator=PadCollator(0))
     with pytest.raises(UnsupportedLayerError, match="(?s)'table_proj' \\(Linear\\).*Fix: freeze the module"):
         trainer.train()
 
 
 def test_per_example_output_grads_in_lanes(monkeypatch):
-    """The batched backward, run a few examples at a time, gives each example's own gradient of a shared value."""
+    """The batched backward, run a few examples at a time, gives each example's own gradient of a shared
+    value."""
     from hf_dpfilter.engine import shared_outputs
 
     monkeypatch.setattr(shared_outputs, "LANES", 2)

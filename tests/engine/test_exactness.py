@@ -18,7 +18,8 @@ def _lora_roberta():
     from peft import LoraConfig, get_peft_model
 
     model = tiny_roberta(dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0, modules_to_save=["classifier"])
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0,
+                        modules_to_save=["classifier"])
     model = get_peft_model(model, config).double()
     # LoRA's B starts at zero, which would make A's gradient vanish; give it values so both are tested.
     torch.manual_seed(1)
@@ -36,7 +37,8 @@ MODELS = {
 }
 
 
-def run_one_step(model, examples, causal, pad_id, tmp_path, clipping_fn, max_grad_norm, micro=3, **extra_args):
+def run_one_step(model, examples, causal, pad_id, tmp_path, clipping_fn, max_grad_norm, micro=3,
+                 **extra_args):
     args = DPTrainingArguments(
         output_dir=str(tmp_path),
         dp_method="dpsgd",
@@ -57,7 +59,8 @@ def run_one_step(model, examples, causal, pad_id, tmp_path, clipping_fn, max_gra
         dp_seed=0,
         **extra_args,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(pad_id))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(pad_id))
     before = {p: p.detach().clone() for p in model.parameters() if p.requires_grad}
     trainer.train()
     return {p: p.detach() - before[p] for p in before}, trainer

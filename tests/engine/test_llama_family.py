@@ -56,9 +56,10 @@ def assert_one_step_exact(model, tmp_path, clipping_fn, micro=2, **extra_args):
     expected = flat([-reference[p] / len(examples) for p in delta])
     got = flat(list(delta.values()))
     rel = ((got - expected).norm() / expected.norm()).item()
-    # Gemma2's eager attention (its only kind: sdpa lacks soft-capping) takes the softmax in float32 whatever the
-    # model's dtype, so its per-example reference is float32-accurate only; where a CPU's float64 kernels round a
-    # batch of 2 and a batch of 1 differently, the cast to float32 can land on different sides (seen: 7e-8).
+    # Gemma2's eager attention (its only kind: sdpa lacks soft-capping) takes the softmax in float32 whatever
+    # the model's dtype, so its per-example reference is float32-accurate only; where a CPU's float64 kernels
+    # round a batch of 2 and a batch of 1 differently, the cast to float32 can land on different sides (seen:
+    # 7e-8).
     tolerance = 1e-6 if getattr(getattr(model, "config", None), "model_type", "") == "gemma2" else 1e-10
     assert rel <= tolerance, f"relative error {rel:.3e}"
     assert trainer.privacy_report()["steps"] == 1
@@ -170,7 +171,8 @@ def test_structural_check_finds_unknown_rms_norms_and_scaled_embeddings():
     assert torch.allclose(ours, reference, rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize("layer", [_CenteredNorm(8), _OddScaledEmbedding(11, 4, 3.0)], ids=["norm", "embedding"])
+@pytest.mark.parametrize("layer", [_CenteredNorm(8), _OddScaledEmbedding(11, 4, 3.0)],
+                         ids=["norm", "embedding"])
 def test_unknown_trainable_layer_is_refused(layer):
     model = nn.Sequential(layer, nn.Linear(4 if isinstance(layer, nn.Embedding) else 8, 2))
     assert find_grad_rule(layer) is None
@@ -227,7 +229,8 @@ def test_bf16_base_fp32_adapters_train_with_dptrainer(tmp_path):
         per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2, bf16=True, report_to=[], use_cpu=True,
         save_strategy="no", remove_unused_columns=False, dp_seed=0, logging_steps=1,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(0))
     result = trainer.train()
     assert math.isnan(result.training_loss)  # a private run returns no noiseless training loss
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -85,7 +85,8 @@ print("RESULT " + json.dumps(result))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for peak RSS")
 def test_dp_step_memory_scales_with_activations_not_per_example_grads():
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", _WORKER], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _WORKER], capture_output=True, text=True, env=env,
+                          timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"worker failed: {done.stderr[-2000:]}"
     result = json.loads(lines[-1][len("RESULT ") :])

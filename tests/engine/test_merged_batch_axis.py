@@ -1,13 +1,15 @@
-"""Layers called on a batch merged with another axis: exact when the merge is traced, refused when it mixes examples.
+"""Layers called on a batch merged with another axis: exact when the merge is traced, refused when it mixes
+examples.
 
-OPT's decoder layer flattens its hidden states to ``(B*T, d)`` before ``final_layer_norm``, ``fc1`` and ``fc2``;
-BLOOM runs attention on ``(B*H, T, D)`` (``baddbmm``/``bmm``) before its output projection. The batch-axis tracer
-follows those views, so each row is proven to belong to example ``r // k`` and the layers train exactly: one
-DPTrainer step at noise 0 equals the one-example-at-a-time float64 reference (classification and causal LM, right
-and left padding; both families are declared ``"mask"`` in ``POSITION_SCHEMES``). BLOOM left-padded is NaN in
-float64 (its float64 mask overflows to -inf in the float32 softmax on the pads' fully masked rows): checked in
-float32, the precision its softmax computes in anyway. A view that puts two examples in one row, or one of the
-same ``(B*T, d)`` shape whose rows interleave the examples, is refused by name before anything is released.
+OPT's decoder layer flattens its hidden states to ``(B*T, d)`` before ``final_layer_norm``, ``fc1`` and
+``fc2``; BLOOM runs attention on ``(B*H, T, D)`` (``baddbmm``/``bmm``) before its output projection. The
+batch-axis tracer follows those views, so each row is proven to belong to example ``r // k`` and the layers
+train exactly: one DPTrainer step at noise 0 equals the one-example-at-a-time float64 reference
+(classification and causal LM, right and left padding; both families are declared ``"mask"`` in
+``POSITION_SCHEMES``). BLOOM left-padded is NaN in float64 (its float64 mask overflows to -inf in the float32
+softmax on the pads' fully masked rows): checked in float32, the precision its softmax computes in anyway. A
+view that puts two examples in one row, or one of the same ``(B*T, d)`` shape whose rows interleave the
+examples, is refused by name before anything is released.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def _model(name: str, head: str, dtype: torch.dtype) -> nn.Module:
     return _head(head).from_config(_config(name, FAMILIES[name], 0.0)).to(dtype)
 
 
-@pytest.mark.parametrize(("name", "head", "side", "dtype"), CASES, ids=[f"{f}-{h}-{s}" for f, h, s, _ in CASES])
+@pytest.mark.parametrize(("name", "head", "side", "dtype"), CASES,
+                         ids=[f"{f}-{h}-{s}" for f, h, s, _ in CASES])
 def test_one_step_equals_the_per_example_reference(name, head, side, dtype, tmp_path):
     assert POSITION_SCHEMES[name].kind == "mask"  # positions (OPT) and ALiBi (BLOOM) counted over the mask
     model = _model(name, head, dtype)
@@ -57,13 +60,16 @@ TRACED = {  # x: (B=2, T=3, d=4) batch-first -> the tag of the result
     "merged, summed over rows": (lambda x: x.reshape(-1, 4).sum(0), LOST_TAG),
     "merged, transposed": (lambda x: x.reshape(-1, 4).t(), (1, 3)),
     "bmm on (B*H, T, D)": (lambda x: torch.bmm(_heads(x), _heads(x).transpose(1, 2)), (0, 2)),
-    "matmul on (B*H, T, D) (DeBERTa's q @ k^T)": (lambda x: torch.matmul(_heads(x), _heads(x).transpose(-1, -2) / 2),
+    "matmul on (B*H, T, D) (DeBERTa's q @ k^T)": (lambda x: torch.matmul(_heads(x),
+                                                                         _heads(x).transpose(-1, -2) / 2),
                                                  (0, 2)),
-    "bmm, batch on a matrix dim": (lambda x: torch.bmm(_heads(x).transpose(0, 1), _heads(x).transpose(0, 1).mT),
+    "bmm, batch on a matrix dim": (lambda x: torch.bmm(_heads(x).transpose(0, 1),
+                                                       _heads(x).transpose(0, 1).mT),
                                    LOST_TAG),
     "baddbmm (ALiBi)": (lambda x: _heads(x)[:, :1, :1].expand(4, 3, 3).baddbmm(
         batch1=_heads(x), batch2=_heads(x).transpose(1, 2)), (0, 2)),
-    "addbmm sums the examples": (lambda x: torch.addbmm(torch.zeros(3, 3), _heads(x), _heads(x).transpose(1, 2)),
+    "addbmm sums the examples": (lambda x: torch.addbmm(torch.zeros(3, 3), _heads(x),
+                                                        _heads(x).transpose(1, 2)),
                                  LOST_TAG),
 }
 
@@ -80,11 +86,12 @@ def test_the_tracer_follows_a_merged_batch(case):
 
 # ----------------------------------------------------------------------------- views that mix examples
 class _Mixer(nn.Module):
-    """Token embeddings, a view of them that is NOT per example, a trainable layer on it, then per-example logits.
+    """Token embeddings, a view of them that is NOT per example, a trainable layer on it, then per-example
+    logits.
 
     ``pairs``: the pooled ``(B, d)`` viewed as ``(B/2, 2d)``, two examples in each row, under a Linear.
-    ``interleaved``: ``(B, T, d)`` -> ``(T, B, d)`` -> ``(T*B, d)``, OPT's shape with row r of example r % B, under a
-    LayerNorm (the shape alone cannot tell it from OPT's ``(B*T, d)``)."""
+    ``interleaved``: ``(B, T, d)`` -> ``(T, B, d)`` -> ``(T*B, d)``, OPT's shape with row r of example r % B,
+    under a LayerNorm (the shape alone cannot tell it from OPT's ``(B*T, d)``)."""
 
     def __init__(self, kind: str) -> None:
         from transformers import PretrainedConfig
@@ -109,7 +116,8 @@ class _Mixer(nn.Module):
         return {"logits": self.head((h * attention_mask.unsqueeze(-1)).sum(1))}
 
 
-@pytest.mark.parametrize(("kind", "module", "fix"), [("pairs", "pair", "Linear"), ("interleaved", "norm", "LayerNorm")])
+@pytest.mark.parametrize(("kind", "module", "fix"),
+                         [("pairs", "pair", "Linear"), ("interleaved", "norm", "LayerNorm")])
 def test_a_view_that_mixes_examples_is_refused_by_name(kind, module, fix, tmp_path):
     model = _Mixer(kind)
     if kind == "pairs":
@@ -118,8 +126,8 @@ def test_a_view_that_mixes_examples_is_refused_by_name(kind, module, fix, tmp_pa
     else:
         model.pair.requires_grad_(False)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=rf"(?s)Module '{module}' \({fix}.*lost its batch axis.*rows stay per "
-                                           r"example.*Nothing was released"):
+    with pytest.raises(RuntimeError, match=rf"(?s)Module '{module}' \({fix}.*lost its batch axis.*rows stay "
+                                           r"per example.*Nothing was released"):
         _train(model, tmp_path, "cls", n=4)
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
@@ -136,8 +144,10 @@ def test_an_embedding_on_lost_ids_keeps_the_ids_fix(tmp_path):
     model = Table("ids")
     model.pair.requires_grad_(False)
     model.norm.requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"(?s)Module 'embed' \(Embedding.*call it on ids derived from the batch"):
-        DPTrainer(model=model, args=_args(tmp_path, 4), train_dataset=_dataset(4), data_collator=PadCollator(0)).train()
+    with pytest.raises(RuntimeError, match=r"(?s)Module 'embed' \(Embedding.*call it on ids derived from the "
+                                           r"batch"):
+        DPTrainer(model=model, args=_args(tmp_path, 4), train_dataset=_dataset(4),
+                  data_collator=PadCollator(0)).train()
 
 
 def _dataset(n: int):
@@ -147,7 +157,8 @@ def _dataset(n: int):
 
 
 class _FlattenedFeedForward(nn.Module):
-    """An embedding, then a Linear on the tokens merged with the batch (OPT's ``reshape(-1, d)``), then a head."""
+    """An embedding, then a Linear on the tokens merged with the batch (OPT's ``reshape(-1, d)``), then a
+    head."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -162,9 +173,10 @@ class _FlattenedFeedForward(nn.Module):
 
 
 def test_merged_batch_axis_on_packed_rows_is_refused_by_name():
-    """On packed rows the engine regroups one token axis per packed example; which axes the batch was merged with
-    (OPT's tokens, BLOOM's heads, which a head count equal to the row length would pass for tokens) is not
-    recorded, so a call on a merged batch is refused by name, with the fix, before any gradient is formed."""
+    """On packed rows the engine regroups one token axis per packed example; which axes the batch was merged
+    with (OPT's tokens, BLOOM's heads, which a head count equal to the row length would pass for tokens) is
+    not recorded, so a call on a merged batch is refused by name, with the fix, before any gradient is
+    formed."""
     from helpers import make_examples
     from transformers import DataCollatorWithFlattening
 
@@ -181,9 +193,9 @@ def test_merged_batch_axis_on_packed_rows_is_refused_by_name():
 
 
 def test_user_level_units_on_padded_rows_clip_each_users_merged_rows_together(tmp_path):
-    """privacy_unit='user' with OPT (fc1/fc2 on (B*T, d)) on padded rows: the merged call is viewed per row and
-    a user's rows concatenated, so one step at noise 0 equals the float64 per-user reference (it was refused as
-    "packed rows" although every example had its own row)."""
+    """privacy_unit='user' with OPT (fc1/fc2 on (B*T, d)) on padded rows: the merged call is viewed per row
+    and a user's rows concatenated, so one step at noise 0 equals the float64 per-user reference (it was
+    refused as "packed rows" although every example had its own row)."""
     from helpers import ListDataset, flat
     from test_units import _args as _user_args
     from test_units import _per_user_reference, _user_data
@@ -193,7 +205,8 @@ def test_user_level_units_on_padded_rows_clip_each_users_merged_rows_together(tm
     params = [p for p in model.parameters() if p.requires_grad]
     clip, expected = _per_user_reference(model, data, params)
     before = [p.detach().clone() for p in params]
-    DPTrainer(model=model, args=_user_args(tmp_path, per_sample_max_grad_norm=clip), train_dataset=ListDataset(data),
+    DPTrainer(model=model, args=_user_args(tmp_path, per_sample_max_grad_norm=clip),
+              train_dataset=ListDataset(data),
               data_collator=PadCollator(model.config.pad_token_id)).train()
     got = flat([p.detach() - b for p, b in zip(params, before)])
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-10

@@ -1,13 +1,14 @@
 """The architectures that were exact before issue 29's checks, through DPTrainer with those checks on.
 
-Every family trains one step with its config's dropout probabilities all set non-zero (training mode, right padding
-with a mask): the per-example checks turn dropout off wherever the family reads its probability (an nn.Dropout, a
-float attribute of a module, the config at call time as Falcon does) and refuse nothing. At noise 0 in float64 with
-dropout 0, one step equals -(1/B) sum_i clip(g_i) from the one-example-at-a-time reference; for every family declared
-in ``hf_dpfilter.proofs.padding.POSITION_SCHEMES``, with left padding too (a wrong entry would let positions shift
-with the batch). Randomness that is not dropout (Mixtral's router jitter) is refused with its reason; a bf16 frozen
-base under fp32 LoRA adapters is checked at the half-precision tolerance, with or without autocast.
-Families not covered elsewhere (tests/engine/test_exactness.py, tests/engine/test_llama_family.py, tests/proofs/test_padding.py).
+Every family trains one step with its config's dropout probabilities all set non-zero (training mode, right
+padding with a mask): the per-example checks turn dropout off wherever the family reads its probability (an
+nn.Dropout, a float attribute of a module, the config at call time as Falcon does) and refuse nothing. At
+noise 0 in float64 with dropout 0, one step equals -(1/B) sum_i clip(g_i) from the one-example-at-a-time
+reference; for every family declared in ``hf_dpfilter.proofs.padding.POSITION_SCHEMES``, with left padding too
+(a wrong entry would let positions shift with the batch). Randomness that is not dropout (Mixtral's router
+jitter) is refused with its reason; a bf16 frozen base under fp32 LoRA adapters is checked at the
+half-precision tolerance, with or without autocast. Families not covered elsewhere
+(tests/engine/test_exactness.py, tests/engine/test_llama_family.py, tests/proofs/test_padding.py).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from hf_dpfilter.proofs.padding import PaddingError
 from hf_dpfilter.proofs.randomness import TrainingRandomnessError
 from hf_dpfilter.trainers.trainer import _is_causal_lm
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+              intermediate_size=24,
               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 GQA = dict(num_key_value_heads=2, num_attention_heads=4, head_dim=4)
-#: name -> (model_type, head: "cls" sequence classification, "tok" token classification, "lm" causal LM, config)
+#: name -> (model_type, head: "cls" sequence classification, "tok" token classification, "lm" causal LM,
+# config)
 FAMILIES = {
     "bert": ("bert", "cls", {}),
     "roberta": ("roberta", "cls", {"pad_token_id": 1}),
@@ -41,7 +44,8 @@ FAMILIES = {
     "modernbert": ("modernbert", "cls", dict(global_attn_every_n_layers=1, local_attention=8, cls_token_id=1,
                                              sep_token_id=2)),
     "gpt2": ("gpt2", "lm", {}),
-    "gpt_neo": ("gpt_neo", "lm", dict(num_layers=2, attention_types=[[["global", "local"], 1]], window_size=8)),
+    "gpt_neo": ("gpt_neo", "lm",
+                dict(num_layers=2, attention_types=[[["global", "local"], 1]], window_size=8)),
     "gpt_neox": ("gpt_neox", "lm", {}),
     "falcon": ("falcon", "lm", {}),
     "falcon_new": ("falcon", "lm", dict(new_decoder_architecture=True, num_kv_heads=2)),
@@ -69,7 +73,8 @@ LORA = {
     "llama": ("llama", "lm", GQA, ["q_proj", "v_proj"]),
     "opt": ("opt", "lm", dict(ffn_dim=24, word_embed_proj_dim=16), ["q_proj", "v_proj"]),
     "bloom": ("bloom", "lm", dict(n_layer=2, n_head=2), ["query_key_value"]),
-    "t5": ("t5", "s2s", dict(d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2, decoder_start_token_id=0),
+    "t5": ("t5", "s2s",
+           dict(d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2, decoder_start_token_id=0),
            ["q", "v"]),
     "mixtral": ("mixtral", "lm", dict(GQA, num_local_experts=4, num_experts_per_tok=2), ["q_proj", "v_proj"]),
 }
@@ -88,7 +93,8 @@ def _config(model_type: str, extra: dict, dropout: float, **overrides):
 def _head(head: str):
     import transformers
 
-    return {"cls": transformers.AutoModelForSequenceClassification, "tok": transformers.AutoModelForTokenClassification,
+    return {"cls": transformers.AutoModelForSequenceClassification,
+            "tok": transformers.AutoModelForTokenClassification,
             "lm": transformers.AutoModelForCausalLM, "s2s": transformers.AutoModelForSeq2SeqLM}[head]
 
 
@@ -116,7 +122,8 @@ def lora(name: str, dropout: float, dtype=torch.float32, **overrides):
 
 
 class Seq2SeqCollator(PadCollator):
-    """PadCollator plus decoder_input_ids (the labels shifted right, as DataCollatorForSeq2Seq gets from T5)."""
+    """PadCollator plus decoder_input_ids (the labels shifted right, as DataCollatorForSeq2Seq gets from
+    T5)."""
 
     def __call__(self, examples):
         batch = super().__call__(examples)
@@ -159,8 +166,8 @@ def test_lora_trains_with_dropout_on(name, tmp_path):
 
 
 class _OwnBlock(nn.Module):
-    """A user's module: an nn.Dropout inside, a functional dropout with its own float probability (named as BART names
-    it) and one read from the model's config at call time."""
+    """A user's module: an nn.Dropout inside, a functional dropout with its own float probability (named as
+    BART names it) and one read from the model's config at call time."""
 
     def __init__(self, config):
         super().__init__()
@@ -198,14 +205,16 @@ def test_own_module_with_dropout_trains(tmp_path):
 
 def test_router_jitter_is_refused_with_its_reason(tmp_path):
     model = lora("mixtral", dropout=0.0, router_jitter_noise=0.1)
-    with pytest.raises(TrainingRandomnessError, match="(?s)random even with dropout off.*router_jitter_noise=0.1"):
+    with pytest.raises(TrainingRandomnessError, match="(?s)random even with dropout "
+                                                      "off.*router_jitter_noise=0.1"):
         _train(model, tmp_path, "lm")
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16-weights", "bf16-autocast"])
 def test_bf16_frozen_base_under_fp32_adapters_is_not_refused(autocast, tmp_path):
-    """``get_peft_model`` on a base loaded in bf16 keeps fp32 adapters: the base's matmuls are bf16 with or without
-    autocast, and a batch and an example alone round differently (1e-3 relative): checked at bf16's tolerance."""
+    """``get_peft_model`` on a base loaded in bf16 keeps fp32 adapters: the base's matmuls are bf16 with or
+    without autocast, and a batch and an example alone round differently (1e-3 relative): checked at bf16's
+    tolerance."""
     model = lora("llama", dropout=0.1)
     for param in model.parameters():
         if not param.requires_grad:
@@ -215,8 +224,8 @@ def test_bf16_frozen_base_under_fp32_adapters_is_not_refused(autocast, tmp_path)
 
 # ------------------------------------------------------------------------- one step equals the reference
 def _reference(model, examples, collator, clip: float | None):
-    """Per-example clipped gradients summed, each example collated alone (no padding), float64; with ``clip=None``
-    the per-example norms."""
+    """Per-example clipped gradients summed, each example collated alone (no padding), float64; with
+    ``clip=None`` the per-example norms."""
     causal = _is_causal_lm(model)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = []
@@ -228,7 +237,8 @@ def _reference(model, examples, collator, clip: float | None):
             batch.pop("labels")
         loss = per_example_loss(model(**batch).logits, labels, causal_lm=causal)
         grads.append(flat([torch.zeros_like(p) if g is None else g
-                           for g, p in zip(torch.autograd.grad(loss.sum(), params, allow_unused=True), params)]))
+                           for g,
+                           p in zip(torch.autograd.grad(loss.sum(), params, allow_unused=True), params)]))
     norms = torch.stack([g.norm() for g in grads])
     if clip is None:
         return norms
@@ -253,13 +263,16 @@ def _relative_error(model, tmp_path, head: str, collator) -> float:
 
 #: right padding: encoders not covered elsewhere; left padding: every declared family not covered elsewhere
 #: (encoders through a token-level head: their sequence heads read the first column and are refused under left
-#: padding); Gemma2 left-padded is NaN in float64 (its eager mask overflows to -inf, and the re-check refuses the
+#: padding); Gemma2 left-padded is NaN in float64 (its eager mask overflows to -inf, and the re-check refuses
+# the
 #: step): in float32 (7e-6 relative, as padded on the right)
 CASES = [(n, "cls", "right") for n in ["xlm-roberta", "distilbert", "albert", "electra", "modernbert"]] + [
-    (n, "tok", "left") for n in ["bert", "distilbert", "albert", "electra", "modernbert", "xlm-roberta", "xlm-roberta-xl",
+    (n, "tok", "left")
+    for n in ["bert", "distilbert", "albert", "electra", "modernbert", "xlm-roberta", "xlm-roberta-xl",
                                  "camembert"]] + [
     (n, "lm", "left") for n in ["gpt_neo", "gptj", "gpt_neox", "falcon", "falcon_new", "falcon_alibi", "phi",
-                                "stablelm", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2",
+                                "stablelm", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3",
+                                "starcoder2",
                                 "olmo2", "granite", "gemma3_text"]]
 
 
@@ -269,15 +282,16 @@ def test_one_step_equals_the_per_example_reference(name, head, side, tmp_path):
     model = family(name, dropout=0.0, head=head, dtype=dtype)
     pad = model.config.pad_token_id or 0
     collator = LeftPadCollator(pad) if side == "left" else PadCollator(pad)
-    # Gemma's RMSNorm casts to float32 inside a float64 model (x.float()): float32-rounded terms, ~1e-9 relative
+    # Gemma's RMSNorm casts to float32 inside a float64 model (x.float()): float32-rounded terms, ~1e-9
+    # relative
     tolerance = 1e-4 if dtype == torch.float32 else 1e-7 if name.startswith("gemma") else 1e-9
     assert _relative_error(model, tmp_path, head, collator) <= tolerance
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_modernbert_sequence_head_left_padded(pooling, tmp_path):
-    """ModernBERT's "mean" pooling averages over the attention mask: exact left-padded; "cls" reads the first column
-    (a pad for every shorter example): refused."""
+    """ModernBERT's "mean" pooling averages over the attention mask: exact left-padded; "cls" reads the first
+    column (a pad for every shorter example): refused."""
     model = family("modernbert", dropout=0.0, dtype=torch.float64)
     model.config.classifier_pooling = pooling
     if pooling == "mean":
@@ -287,10 +301,13 @@ def test_modernbert_sequence_head_left_padded(pooling, tmp_path):
         _train(model, tmp_path, "cls", collator=LeftPadCollator(0))
 
 
-#: BLOOM left-padded is NaN in float64 (its mask overflows, as Gemma2's) and Mixtral's experts run grouped matmuls,
+#: BLOOM left-padded is NaN in float64 (its mask overflows, as Gemma2's) and Mixtral's experts run grouped
+# matmuls,
 #: which take no float64: both in float32 (BLOOM rounds to 2e-5 relative padded on the right as well)
-LORA_CASES = [("opt", "left", torch.float64), ("bloom", "left", torch.float32), ("mixtral", "left", torch.float32),
-              ("gpt2", "left", torch.float64), ("bert", "right", torch.float64), ("t5", "right", torch.float64)]
+LORA_CASES = [("opt", "left", torch.float64), ("bloom", "left", torch.float32),
+              ("mixtral", "left", torch.float32),
+              ("gpt2", "left", torch.float64), ("bert", "right", torch.float64),
+              ("t5", "right", torch.float64)]
 
 
 @pytest.mark.parametrize(("name", "side", "dtype"), LORA_CASES, ids=[f"{n}-{s}" for n, s, _ in LORA_CASES])
@@ -298,5 +315,6 @@ def test_lora_step_equals_the_per_example_reference(name, side, dtype, tmp_path)
     model = lora(name, dropout=0.0, dtype=dtype)
     pad = model.config.pad_token_id or 0
     head = LORA[name][1]
-    collator = LeftPadCollator(pad) if side == "left" else Seq2SeqCollator(pad) if head == "s2s" else PadCollator(pad)
+    collator = (LeftPadCollator(pad) if side == "left" else Seq2SeqCollator(pad) if head == "s2s"
+                else PadCollator(pad))
     assert _relative_error(model, tmp_path, head, collator) <= (1e-9 if dtype == torch.float64 else 1e-4)

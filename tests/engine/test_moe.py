@@ -1,10 +1,11 @@
 """Mixtral and Qwen2-MoE full fine-tuning (issue 30): routers, 3-D experts, the load-balancing loss.
 
 Tiny configs (hidden 16, 2 layers, 4 experts, top-2; Qwen2-MoE with its shared expert and sigmoid gate). One
-DPTrainer step at noise 0 in float64 equals the per-example reference (each example alone, its gradient clipped,
-summed), padded on the right and on the left; with the load-balancing loss on, the reference is the model's own
-``outputs.loss`` (cross-entropy plus ``coef`` times its aux loss) for each example alone. The experts' routing
-must carry the tokens' own axis: a routing weight normalised over the batch is refused by name.
+DPTrainer step at noise 0 in float64 equals the per-example reference (each example alone, its gradient
+clipped, summed), padded on the right and on the left; with the load-balancing loss on, the reference is the
+model's own ``outputs.loss`` (cross-entropy plus ``coef`` times its aux loss) for each example alone. The
+experts' routing must carry the tokens' own axis: a routing weight normalised over the batch is refused by
+name.
 """
 
 from __future__ import annotations
@@ -127,13 +128,15 @@ def test_routing_that_mixes_the_batch_is_refused_by_name(tmp_path):
     examples = make_examples(4, VOCAB, causal=True, seed=3)
     trainer = DPTrainer(model=model, args=_args(tmp_path, 4), train_dataset=ListDataset(examples),
                         data_collator=PadCollator(0))
-    with pytest.raises(RuntimeError, match=r"(?s)Module 'experts'.*routed by indices or weights that do not carry"):
+    with pytest.raises(RuntimeError, match=r"(?s)Module 'experts'.*routed by indices or weights that do not "
+                                           r"carry"):
         trainer.train()
 
 
 def test_trl_sft_on_mixtral_trains_with_trls_load_balancing_loss(tmp_path):
-    """TRL turns the load-balancing loss on for MoE models (``router_aux_loss_coef`` unset: the model's own): the
-    DPSFTTrainer trains it per example, with the DPSFTConfig's coefficient when given (before: refused)."""
+    """TRL turns the load-balancing loss on for MoE models (``router_aux_loss_coef`` unset: the model's own):
+    the DPSFTTrainer trains it per example, with the DPSFTConfig's coefficient when given (before:
+    refused)."""
     pytest.importorskip("trl")
     import datasets
     from test_sft import chat_rows, config
@@ -143,7 +146,8 @@ def test_trl_sft_on_mixtral_trains_with_trls_load_balancing_loss(tmp_path):
     from recipes.common.offline_chat import byte_level_chat_tokenizer
 
     tokenizer = byte_level_chat_tokenizer()
-    model_config = AutoConfig.for_model("mixtral", **{**COMMON, **GQA, **MOE["mixtral"], "vocab_size": len(tokenizer),
+    model_config = AutoConfig.for_model("mixtral",
+                                        **{**COMMON, **GQA, **MOE["mixtral"], "vocab_size": len(tokenizer),
                                                      "pad_token_id": tokenizer.pad_token_id})
     model_config._experts_implementation = "eager"
     torch.manual_seed(0)
@@ -164,7 +168,8 @@ def test_trl_sft_on_mixtral_trains_with_trls_load_balancing_loss(tmp_path):
 
 
 def test_add_remove_sensitivity_of_the_clipped_sum(tmp_path):
-    """float32, noise 0: adding one example moves the pre-noise clipped sum by at most C (routing per token)."""
+    """float32, noise 0: adding one example moves the pre-noise clipped sum by at most C (routing per
+    token)."""
     from test_declared_structure import ids_batch, sensitivity_ratio
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -204,9 +209,10 @@ def test_user_level_units_on_padded_rows_with_the_load_balancing_loss(tmp_path):
 
 
 def test_diff2_difference_round_on_float32_experts_telescopes_to_gradient_descent(tmp_path):
-    """DIFF2 records a float32 model's difference round in float64: the experts' rule recomputes in the recorded
-    dtype (it crashed inside torch, float64 tokens against float32 experts). Noise 0, no clipping, q = 1, two
-    micro-batches per step: restart then difference round equals two DP-SGD steps (the telescoping sum)."""
+    """DIFF2 records a float32 model's difference round in float64: the experts' rule recomputes in the
+    recorded dtype (it crashed inside torch, float64 tokens against float32 experts). Noise 0, no clipping, q
+    = 1, two micro-batches per step: restart then difference round equals two DP-SGD steps (the telescoping
+    sum)."""
     import copy
 
     examples = make_examples(4, VOCAB, causal=True, seed=3)
@@ -219,7 +225,8 @@ def test_diff2_difference_round_on_float32_experts_telescopes_to_gradient_descen
             logical_batch_size=4, per_device_train_batch_size=2, max_steps=2, optim="sgd", learning_rate=0.1,
             lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
             remove_unused_columns=False, dp_seed=0, **extra)
-        DPTrainer(model=run, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0)).train()
+        DPTrainer(model=run, args=args, train_dataset=ListDataset(examples),
+                  data_collator=PadCollator(0)).train()
         runs.append(flat([p.detach() for p in run.parameters()]))
     start = flat([p.detach() for p in model.parameters()])
     assert float((runs[1] - runs[0]).norm() / (runs[0] - start).norm()) <= 1e-4

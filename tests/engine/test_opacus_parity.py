@@ -55,7 +55,8 @@ def _opacus_clipped_sum(model, batch, max_grad_norm):
     # Opacus clips (B, T) position ids only (the benchmark passes them explicitly too)
     seq = batch["input_ids"].shape[1]
     position_ids = torch.arange(seq).unsqueeze(0).repeat(size, 1)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=position_ids).logits
     criterion(logits, batch["labels"]).backward()
     optimizer.accumulate()
     return [p.summed_grad for p in model._module.parameters()]
@@ -94,7 +95,8 @@ def _trainer(tmp_path, examples, trainer_class=DPTrainer, **overrides):
         dp_seed=7, noise_multiplier=1.0, logging_steps=100, disable_tqdm=True,
     )
     settings.update(overrides)
-    return trainer_class(model=tiny_bert(), args=DPTrainingArguments(**settings), train_dataset=ListDataset(examples),
+    return trainer_class(model=tiny_bert(), args=DPTrainingArguments(**settings),
+                         train_dataset=ListDataset(examples),
                      data_collator=PadCollator(0))
 
 
@@ -122,14 +124,17 @@ def test_dptrainer_draws_fresh_poisson_batches_every_epoch(tmp_path):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_dptrainer_steps_the_trainers_adamw_without_batch_clipping(tmp_path):
     examples = make_examples(40, VOCAB, causal=False, seed=2)
-    trainer = _trainer(tmp_path, examples, optim="adamw_torch", adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-7,
+    trainer = _trainer(tmp_path, examples, optim="adamw_torch", adam_beta1=0.8, adam_beta2=0.99,
+                       adam_epsilon=1e-7,
                        weight_decay=0.01)
-    assert trainer.args.max_grad_norm == 0.0  # the Trainer's global-norm clipping would distort the noisy step
+    # the Trainer's global-norm clipping would distort the noisy step
+    assert trainer.args.max_grad_norm == 0.0
     trainer.create_optimizer_and_scheduler(num_training_steps=trainer.planned_steps)
     base = trainer.dp_optimizer.original_optimizer
     assert isinstance(base, torch.optim.AdamW)
     group = base.param_groups[0]
     assert (group["betas"], group["eps"], group["lr"]) == ((0.8, 0.99), 1e-7, 1e-3)
-    assert {g["weight_decay"] for g in base.param_groups} == {0.0, 0.01}  # HF: no decay on biases and LayerNorm
+    # HF: no decay on biases and LayerNorm
+    assert {g["weight_decay"] for g in base.param_groups} == {0.0, 0.01}
     trainer.train()
     assert trainer.lr_scheduler.get_last_lr() == [1e-3] * len(base.param_groups)  # constant, no warm-up

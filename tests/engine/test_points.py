@@ -1,5 +1,6 @@
-"""The engine's multi-point service (hf_dpfilter.engine.points): a method declares its points, the engine returns
-each example's *combination* of gradients (clipped once by the optimizer), with the RNG replayed exactly."""
+"""The engine's multi-point service (hf_dpfilter.engine.points): a method declares its points, the engine
+returns each example's *combination* of gradients (clipped once by the optimizer), with the RNG replayed
+exactly."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _reference(model: nn.Module, x: torch.Tensor, points, mask_seed: int) -> tor
     for i in range(len(x)):
         total = None
         for weight, values in points:
-            leaves = {n: (values or {}).get(p, p).detach().clone().requires_grad_() for n, p in model.named_parameters()}
+            leaves = {n: (values or {}).get(p, p).detach().clone().requires_grad_() for n,
+                      p in model.named_parameters()}
             torch.manual_seed(mask_seed)  # the batch forward's dropout masks; example i's row of them
             out = torch.func.functional_call(model, leaves, (x,))
             grads = torch.autograd.grad(out[i].squeeze().pow(2), list(leaves.values()))
@@ -39,7 +41,8 @@ def test_the_combination_is_one_vector_per_example_with_the_same_dropout_masks()
     engine = GhostClippingEngine(model)
     x = torch.randn(6, 5, dtype=torch.float64)
     params = list(model.parameters())
-    # a point's values are differentiable in x with Jacobian I, as the methods give them (value + p - p.detach())
+    # a point's values are differentiable in x with Jacobian I, as the methods give them (value + p -
+    # p.detach())
     other = {p: p.detach() * 0.5 + 0.1 + (p - p.detach()) for p in params}
     points = [(1.0, None), (-0.5, other)]
     torch.manual_seed(3)
@@ -58,6 +61,7 @@ def test_a_point_minus_itself_is_exactly_zero():
     x = torch.randn(6, 5, dtype=torch.float64)
     params = list(model.parameters())
     same = CurrentPoint({p: p.clone() for p in params})
-    grads, _, here = per_example_combination(engine, _loss_fn(engine, x), [(1.0, same), (-1.0, None)], len(x), params)
+    grads, _, here = per_example_combination(engine, _loss_fn(engine, x), [(1.0, same), (-1.0, None)], len(x),
+                                             params)
     assert torch.equal(grads.norms(), torch.zeros(6, dtype=torch.float64))
     assert here is not None  # the CurrentPoint's (or None's) losses are the step's

@@ -1,20 +1,21 @@
 """Shared outputs and tied output biases (issue 30): BART, T5 and masked-LM heads, exact per example.
 
-* BART's ``BartLearnedPositionalEmbedding`` reads only the shape of its input and T5's ``relative_attention_bias``
-  runs on bucketed ``arange`` positions: the trace proves that their outputs derive from no batch tensor (SHARED),
-  and each example's gradient of the shared output gives its own gradient of the table
-  (hf_dpfilter.engine.shared_outputs). BART classification and seq2seq, T5 seq2seq: one DPTrainer step at noise 0
-  equals the float64 per-example reference (each example alone, decoder labels padded with -100) within 1e-6.
+* BART's ``BartLearnedPositionalEmbedding`` reads only the shape of its input and T5's
+  ``relative_attention_bias`` runs on bucketed ``arange`` positions: the trace proves that their outputs
+  derive from no batch tensor (SHARED), and each example's gradient of the shared output gives its own
+  gradient of the table (hf_dpfilter.engine.shared_outputs). BART classification and seq2seq, T5 seq2seq: one
+  DPTrainer step at noise 0 equals the float64 per-example reference (each example alone, decoder labels
+  padded with -100) within 1e-6.
 * BERT's ``cls.predictions.bias`` and RoBERTa's ``lm_head.bias`` are the decoder's bias (tied): the decoder's
   rule covers them, used only inside it (checked on the proving forward); BERT and RoBERTa MLM exact.
-* A leaf module adding or multiplying its one vector parameter (``x + v``, a layer scale ``x * v``, as DINOv2's
-  ``Dinov2LayerScale``) gets that form's rule from a structural probe (at a random ``v``); another form is refused
-  by name.
+* A leaf module adding or multiplying its one vector parameter (``x + v``, a layer scale ``x * v``, as
+  DINOv2's ``Dinov2LayerScale``) gets that form's rule from a structural probe (at a random ``v``); another
+  form is refused by name.
 * A shared table evaluated at several parameter points (``call_model``, as DiSK/PMLF/DIFF2 do): each example's
   combination equals the one-example-at-a-time reference.
-* A module whose untagged output was built from values of the batch read into Python is refused by name; a module
-  using a tied parameter outside the sub-module whose rule covers it is refused by name. (Tables on ``arange(T)``
-  exact and within sensitivity, T5's bias too: tests/proofs/test_declared_structure.py.)
+* A module whose untagged output was built from values of the batch read into Python is refused by name; a
+  module using a tied parameter outside the sub-module whose rule covers it is refused by name. (Tables on
+  ``arange(T)`` exact and within sensitivity, T5's bias too: tests/proofs/test_declared_structure.py.)
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from hf_dpfilter import DPTrainer
 from hf_dpfilter.engine.rules import UnsupportedLayerError
 
-TINY = dict(d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+TINY = dict(d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2,
             encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=64, decoder_start_token_id=2)
 #: name -> (model_type, head, config)
 CASES = {
     "bart-cls": ("bart", "cls", TINY),
     "bart-s2s": ("bart", "s2s", TINY),
-    "t5-s2s": ("t5", "s2s", dict(d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2, decoder_start_token_id=0,
+    "t5-s2s": ("t5", "s2s",
+               dict(d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2, decoder_start_token_id=0,
                                   relative_attention_num_buckets=8, relative_attention_max_distance=16)),
     "bert-mlm": ("bert", "mlm", {}),
     "roberta-mlm": ("roberta", "mlm", {"pad_token_id": 1}),
@@ -95,8 +98,8 @@ class _Classifier(nn.Module):
 
 
 class _LengthFromValues(nn.Embedding):
-    """A positional table whose positions count the batch's non-pad tokens, read into Python (``int(...)``): its
-    output carries no batch axis but depends on the data of every example."""
+    """A positional table whose positions count the batch's non-pad tokens, read into Python (``int(...)``):
+    its output carries no batch axis but depends on the data of every example."""
 
     def forward(self, input_ids):
         real = int((input_ids != 0).sum(-1).max())
@@ -105,7 +108,8 @@ class _LengthFromValues(nn.Embedding):
 
 
 class _TiedBiasOutsideDecoder(nn.Module):
-    """A head whose own bias is its decoder's (tied, as BERT's) and is also added once more outside the decoder."""
+    """A head whose own bias is its decoder's (tied, as BERT's) and is also added once more outside the
+    decoder."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -130,7 +134,8 @@ def test_positions_built_from_values_of_the_batch_are_refused_by_name(tmp_path):
 def test_a_tied_parameter_used_outside_the_covering_rule_is_refused_by_name(tmp_path):
     model = _Classifier(nn.Embedding(VOCAB, 8))
     model.head = nn.Sequential(_TiedBiasOutsideDecoder(), nn.Linear(8, 2))
-    with pytest.raises(UnsupportedLayerError, match=r"(?s)'head.0.bias'.*'head.0.decoder'.*also used in 'head.0'"):
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)'head.0.bias'.*'head.0.decoder'.*also used in "
+                                                    r"'head.0'"):
         _train_classifier(model, tmp_path)
 
 
@@ -154,8 +159,9 @@ class _ScoreModel(nn.Module):
 
 
 def test_a_shared_table_at_several_parameter_points_is_exact():
-    """DiSK/PMLF/DIFF2 evaluate the model at other values of the parameters (``call_model``): the shared table's
-    per-example gradient is taken at the values its forward used, each example's combination as the reference's."""
+    """DiSK/PMLF/DIFF2 evaluate the model at other values of the parameters (``call_model``): the shared
+    table's per-example gradient is taken at the values its forward used, each example's combination as the
+    reference's."""
     from test_points import _loss_fn
     from test_points import _reference as points_reference
 
@@ -184,7 +190,8 @@ class _LayerScale(nn.Module):
 class _AddedBias(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.shift = nn.Parameter(torch.zeros(dim))  # zero at first: the probe uses a random value, not this one
+        # zero at first: the probe uses a random value, not this one
+        self.shift = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x):
         return x + self.shift

@@ -16,11 +16,14 @@ def _one_step(tmp_path, bf16: bool):
     examples = make_examples(8, VOCAB, causal=False, seed=4)
     args = DPTrainingArguments(
         output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=0.05, logical_batch_size=8,
-        per_device_train_batch_size=4, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
-        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, bf16=bf16,
+        per_device_train_batch_size=4, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+        bf16=bf16,
         dp_seed=0,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(1))
     before = flat([p.detach().clone() for p in model.parameters()])
     trainer.train()
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -55,14 +58,15 @@ def test_norms_and_sums_accumulate_in_fp32_under_bf16():
 
 
 def _exact_norms(grads) -> torch.Tensor:
-    """float64 norms (on the CPU) of the per-example gradients the stored terms describe (call before any norm is
-    taken)."""
+    """float64 norms (on the CPU) of the per-example gradients the stored terms describe (call before any norm
+    is taken)."""
     batch = grads.batch_size
     total = torch.zeros(batch, dtype=torch.float64)
     for param, (outer, index, dense) in grads._merged.items():
         g = torch.zeros(batch, param.numel(), dtype=torch.float64)
         if outer is not None:
-            g += torch.bmm(outer.left.cpu().double().transpose(1, 2), outer.right.cpu().double()).reshape(batch, -1)
+            g += torch.bmm(outer.left.cpu().double().transpose(1, 2),
+                           outer.right.cpu().double()).reshape(batch, -1)
         if dense is not None:
             g += dense.grad.cpu().double().reshape(batch, -1)
         if index is not None:
@@ -81,7 +85,8 @@ def _exact_norms(grads) -> torch.Tensor:
 
 def _stored_terms(grads) -> list[torch.Tensor]:
     """Every activation and output gradient the per-example gradients keep."""
-    terms = [t for outer, _, _ in grads._merged.values() if outer is not None for t in (outer.left, outer.right)]
+    terms = [t for outer, _,
+             _ in grads._merged.values() if outer is not None for t in (outer.left, outer.right)]
     return terms + [t for block in grads._blocks for t in (block.left, block.right) if t is not None]
 
 
@@ -125,7 +130,8 @@ def _check_contract(engine, model_call, batch: int, max_grad_norm: float):
         losses = model_call()
     grads = engine.per_example_gradients(losses.float())
     exact = _exact_norms(grads)
-    assert any(t.dtype == torch.bfloat16 for t in _stored_terms(grads)), "bf16 terms must stay bf16 (no fp32 copies)"
+    assert any(t.dtype == torch.bfloat16
+               for t in _stored_terms(grads)), "bf16 terms must stay bf16 (no fp32 copies)"
     bounds = grads.clipping_norms()
     assert bounds.dtype == torch.float32
     assert bool((bounds.double() >= exact).all()), (bounds, exact)

@@ -1,11 +1,13 @@
-"""A sweep of transformers' text model types (issue 30): each family's one DPTrainer step at noise 0 is exact against
-the float64 per-example reference, or refused by name before any step, never a crash inside torch/transformers.
+"""A sweep of transformers' text model types (issue 30): each family's one DPTrainer step at noise 0 is exact
+against the float64 per-example reference, or refused by name before any step, never a crash inside
+torch/transformers.
 
-A few representatives of the sweep's table (docs/large_models.md, "Architectures swept"): families exact through
-the generic rules and structural checks, Helium and Gemma 4 whose RMSNorm multiplies in float32 (``w.float() *
-n(x)``: a float32 term, where the input-dtype scale form's float64 term failed the first-step check in float64),
-Cohere's float32 LayerNorm without bias and MobileBERT's ``NoNorm`` (``x * w + b``), each with its own rule, and
-layers without a rule refused by name (DeBERTa v1's LayerNorm, DiffLlama's attention with its own parameters).
+A few representatives of the sweep's table (docs/large_models.md, "Architectures swept"): families exact
+through the generic rules and structural checks, Helium and Gemma 4 whose RMSNorm multiplies in float32
+(``w.float() * n(x)``: a float32 term, where the input-dtype scale form's float64 term failed the first-step
+check in float64), Cohere's float32 LayerNorm without bias and MobileBERT's ``NoNorm`` (``x * w + b``), each
+with its own rule, and layers without a rule refused by name (DeBERTa v1's LayerNorm, DiffLlama's attention
+with its own parameters).
 """
 
 from __future__ import annotations

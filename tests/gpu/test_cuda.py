@@ -1,5 +1,6 @@
 """CUDA checks: CPU/CUDA parity of every method in float64, the noise on CUDA, bf16 autocast on CUDA, and fp16
-with the DP loss scaler (Accelerate's fp16 autocast and GradScaler path, hf_dpfilter/trainers/loss_scaling.py).
+with the DP loss scaler (Accelerate's fp16 autocast and GradScaler path,
+hf_dpfilter/trainers/loss_scaling.py).
 
 Runs only where a CUDA device is visible; elsewhere every test is skipped with the reason shown by
 ``pytest -rs``. The CUDA-specific code paths it covers: products of bf16 terms with fp32 accumulation on
@@ -34,12 +35,14 @@ def _train(method: str, cuda: bool, tmp_path, dtype=torch.float64, bf16: bool = 
     examples = make_examples(16, VOCAB, causal=False, seed=1)
     args = DPTrainingArguments(
         output_dir=str(tmp_path), dp_method=method, dp_method_args=METHOD_ARGS.get(method),
-        noise_multiplier=0.0, per_sample_max_grad_norm=0.05, logical_batch_size=4, per_device_train_batch_size=2,
+        noise_multiplier=0.0, per_sample_max_grad_norm=0.05, logical_batch_size=4,
+        per_device_train_batch_size=2,
         max_steps=steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         report_to=[], use_cpu=not cuda, save_strategy="no", remove_unused_columns=False, dp_seed=0, seed=3,
         bf16=bf16, fp16=fp16,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(1))
     before = flat([p.detach().cpu().clone() for p in model.parameters()])
     trainer.train()
     if check is not None:
@@ -66,7 +69,8 @@ def test_noise_std_on_cuda():
     )
     optimizer.accumulate(None, lambda values: torch.zeros(0), batch_size=0)
     optimizer.step()
-    # SGD with lr 1 from 0: the parameter is minus the privatized gradient, N(0, (sigma C / B)^2) per coordinate
+    # SGD with lr 1 from 0: the parameter is minus the privatized gradient, N(0, (sigma C / B)^2) per
+    # coordinate
     std = float(param.detach().double().std())
     expected = 2.0 * 0.5 / 4
     assert abs(std - expected) < 0.01 * expected, (std, expected)
@@ -81,9 +85,10 @@ def test_bf16_autocast_close_to_fp32_on_cuda(tmp_path):
 
 
 def test_fp16_loss_scaled_step_close_to_fp32_on_cuda(tmp_path):
-    """fp16=True on CUDA, the whole path: Accelerate's fp16 autocast on the forward, its GradScaler removed (it
-    would skip steps on the private sum), the DP loss scaler's S = 2^10 on the engine's backward and divided out
-    before clipping; one step within fp16 rounding of the fp32 step (hf_dpfilter/trainers/loss_scaling.py)."""
+    """fp16=True on CUDA, the whole path: Accelerate's fp16 autocast on the forward, its GradScaler removed
+    (it would skip steps on the private sum), the DP loss scaler's S = 2^10 on the engine's backward and
+    divided out before clipping; one step within fp16 rounding of the fp32 step
+    (hf_dpfilter/trainers/loss_scaling.py)."""
     dtypes = set()
 
     def check(trainer):
@@ -99,7 +104,8 @@ def test_fp16_loss_scaled_step_close_to_fp32_on_cuda(tmp_path):
     try:
         start, full = _train("dpsgd", cuda=True, tmp_path=tmp_path / "fp32", dtype=torch.float32, steps=1)
         dtypes.clear()
-        _, mixed = _train("dpsgd", cuda=True, tmp_path=tmp_path / "fp16", dtype=torch.float32, fp16=True, steps=1,
+        _, mixed = _train("dpsgd", cuda=True, tmp_path=tmp_path / "fp16", dtype=torch.float32, fp16=True,
+                          steps=1,
                           check=check)
     finally:
         hook.remove()
@@ -109,8 +115,8 @@ def test_fp16_loss_scaled_step_close_to_fp32_on_cuda(tmp_path):
 
 
 def _fp16_scaled_clip_contract(device: str) -> None:
-    """Under fp16 autocast with S = 2^10 the clipping norm bounds the exact norm of the stored terms divided by S
-    (those of S g_i), and each clipped contribution is finite and within C."""
+    """Under fp16 autocast with S = 2^10 the clipping norm bounds the exact norm of the stored terms divided
+    by S (those of S g_i), and each clipped contribution is finite and within C."""
     from test_precision import _exact_norms
 
     g = torch.Generator().manual_seed(5)
@@ -141,7 +147,8 @@ def test_fp16_scaled_clip_contract_on_cuda():
 
 @pytest.mark.parametrize("tf32", [False, True])
 def test_bf16_clip_contract_on_cuda(tf32):
-    """The precision contract (docs/privacy.md) on the tensor-core path: bound >= float64 norm, c_i ||g_i|| <= C."""
+    """The precision contract (docs/privacy.md) on the tensor-core path: bound >= float64 norm, c_i ||g_i|| <=
+    C."""
     from test_precision import _exact_norms
 
     previous = torch.backends.cuda.matmul.allow_tf32
@@ -156,7 +163,8 @@ def test_bf16_clip_contract_on_cuda(tf32):
                 if hasattr(model, "lm_head"):
                     losses = per_example_loss(logits, ids, causal_lm=True)
                 else:
-                    losses = per_example_loss(logits, torch.tensor([0, 1, 0, 1], device="cuda"), causal_lm=False)
+                    losses = per_example_loss(logits, torch.tensor([0, 1, 0, 1], device="cuda"),
+                                              causal_lm=False)
             grads = engine.per_example_gradients(losses)
             exact = _exact_norms(grads)
             bounds = grads.clipping_norms().double()
@@ -186,6 +194,7 @@ def test_same_shape_layers_are_stacked_on_cuda_and_clip_holds_in_bf16():
     with torch.autocast("cuda", dtype=torch.bfloat16), engine.record(batch_size=x.shape[0]):
         losses = (model(x.cuda()) * signs.cuda()).sum(dim=1)
     grads = engine.per_example_gradients(losses.float())
-    assert any(b.left is not None and b.left.shape[0] == 2 for b in grads._blocks), "same-shape layers not stacked"
+    assert any(b.left is not None and b.left.shape[0] == 2
+               for b in grads._blocks), "same-shape layers not stacked"
     exact = _exact_norms(grads)
     assert bool((grads.clipping_norms().double() >= exact.to(grads.clipping_norms().device)).all())

@@ -1,8 +1,8 @@
 """Sensitivity on the device the GPU report measures: removing one example moves the clipped sum by at most C.
 
 The same check as ``tests/engine/test_blocks.py``'s, run on CUDA (skipped without a GPU) and, so that the test
-itself is checked on every machine, on CPU: float32 and bf16 autocast, with same-shape layers stacked (the CUDA
-default) and not. Under bf16 the released sums are fp32 sums of bf16 terms, so the bound holds up to fp32
+itself is checked on every machine, on CPU: float32 and bf16 autocast, with same-shape layers stacked (the
+CUDA default) and not. Under bf16 the released sums are fp32 sums of bf16 terms, so the bound holds up to fp32
 rounding (docs/privacy.md, "Mixed precision: the norm under bf16"). ``make gpu-report`` runs the CUDA cases.
 """
 
@@ -21,7 +21,8 @@ from hf_dpfilter.optimizers.clipping import clip_factors
 
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device "
+        "visible")),
 ]
 MODELS = {"roberta": (tiny_roberta, False, 1), "gpt2_tied": (tiny_gpt2, True, 0)}
 
@@ -57,4 +58,5 @@ def test_removing_one_example_moves_the_clipped_sum_by_at_most_c(device, name, b
     moved = torch.sqrt(sum((with_all[p].double() - without[p].double()).pow(2).sum() for p in with_all))
     tolerance = 1e-3 if bf16 else 1e-5  # fp32 sums (of bf16 terms under autocast)
     assert moved <= max_grad_norm * (1 + tolerance), (float(moved), max_grad_norm)
-    assert moved > max_grad_norm * 0.9  # the removed example was clipped to C, not dropped or zeroed elsewhere
+    # the removed example was clipped to C, not dropped or zeroed elsewhere
+    assert moved > max_grad_norm * 0.9

@@ -27,20 +27,24 @@ from benchmarks.__main__ import SUBCOMMANDS  # noqa: E402
 
 def test_without_cuda_it_prints_one_line_and_exits_0():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", GPU_PYTHON=sys.executable)  # no GPU, whatever the machine
-    proc = subprocess.run(["make", "-s", "gpu-report", "GPU_REPORT_ARGS=--budget-s 60"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run(["make", "-s", "gpu-report", "GPU_REPORT_ARGS=--budget-s 60"], cwd=ROOT,
+                          capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert lines == [gpu_report.NO_CUDA], lines
-    # the budget reaches the command: BUDGET_S (default 480), and GPU_REPORT_ARGS after it (the last flag wins)
+    # the budget reaches the command: BUDGET_S (default 480), and GPU_REPORT_ARGS after it (the last flag
+    # wins)
     for extra, flags in (([], "--budget-s 480"), (["BUDGET_S=60"], "--budget-s 60"),
                          (["GPU_REPORT_ARGS=--budget-s 30"], "--budget-s 480 --budget-s 30")):
-        dry = subprocess.run(["make", "-n", "gpu-report", *extra], cwd=ROOT, capture_output=True, text=True, env=env)
+        dry = subprocess.run(["make", "-n", "gpu-report", *extra], cwd=ROOT, capture_output=True, text=True,
+                             env=env)
         assert f"-m benchmarks gpu-report {flags}" in dry.stdout, dry.stdout + dry.stderr
 
 
 def test_every_step_runs_existing_scripts_with_their_flags(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_report, "_has_minilm", lambda: False)  # real-length then adds --tasks e2e: checked too
+    # real-length then adds --tasks e2e: checked too
+    monkeypatch.setattr(gpu_report, "_has_minilm", lambda: False)
     for step in gpu_report.STEPS:
         if step == "real_length" and "real-length" not in SUBCOMMANDS:  # another branch adds it
             assert gpu_report.unavailable(step, "data", "data") is not None
@@ -76,7 +80,8 @@ def test_every_step_runs_existing_scripts_with_their_flags(tmp_path, monkeypatch
 def _speed_rows(case: str, ours: float, memory: float, opacus: float | None) -> list[dict]:
     rows = [{"case": case, "variant": "non-private", "time_s": 0.1, "time_ratio": 1.0, "grad_ratio": 1.0,
              "peak_mb": 1000.0, "mem_ratio": 1.0, "note": ""},
-            {"case": case, "variant": "hf_dpfilter", "time_s": 0.1 * ours, "time_ratio": ours, "grad_ratio": ours,
+            {"case": case, "variant": "hf_dpfilter", "time_s": 0.1 * ours, "time_ratio": ours,
+             "grad_ratio": ours,
              "peak_mb": 1000.0 * memory, "mem_ratio": memory, "note": ""}]
     if opacus is None:
         rows.append({"case": case, "variant": "opacus", "note": "not run: ghost: parameter tying"})
@@ -89,28 +94,34 @@ def _speed_rows(case: str, ours: float, memory: float, opacus: float | None) -> 
 def test_tables_from_saved_results_go_between_the_cuda_markers(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    bf16 = _speed_rows("roberta full B=32 T=128", 1.2, 1.1, 2.0) + _speed_rows("gpt2 full B=16 T=512", 1.4, 1.3, None)
+    bf16 = _speed_rows("roberta full B=32 T=128", 1.2, 1.1, 2.0) + _speed_rows("gpt2 full B=16 T=512", 1.4,
+                                                                               1.3, None)
     (results / "speed_cuda_bf16.json").write_text(json.dumps({"rows": bf16, "methods": []}))
     methods = [{"case": "roberta full B=32 T=128", "method": m, "step_s": 0.1 * r, "step_ratio": r,
                 "opt_step_s": 0.01, "opt_extra_frac": 0.02} for m, r in (("dpsgd", 1.0), ("diff2", 1.9))]
     (results / "speed_cuda_methods.json").write_text(json.dumps({"rows": [], "methods": methods}))
     recipe = {"rows": [{"method": m, "train_runtime": t, "steps_time": t - 0.5, "steps": 60, "rest": 0.5}
                        for m, t in (("none", 10.0), ("dpsgd", 12.0))],
-              "end_to_end_ratio": 1.2, "step_ratio": 1.21, "arguments": {"steps": 60, "batch": 32, "repeats": 1}}
+              "end_to_end_ratio": 1.2, "step_ratio": 1.21,
+              "arguments": {"steps": 60, "batch": 32, "repeats": 1}}
     (results / "recipe_throughput_cuda.json").write_text(json.dumps(recipe))
     variant = {"step_s": 0.5, "ratio": 1.0, "ratios": [1.0], "first_step_s": 2.0, "padded_per_real": 3.0,
                "tokens_ratio": 1.0}
     real = {"settings": {"logical_batch": 256, "micro_batch": 32, "rounds": 5},
-            "results": [{"task": "e2e", "model": "GPT-2 6x384", "examples": 4672, "mean_length": 40.0, "max_length": 90,
+            "results": [{"task": "e2e", "model": "GPT-2 6x384", "examples": 4672, "mean_length": 40.0,
+                         "max_length": 90,
                          "variants": {"Trainer": variant, "DPTrainer grouped": dict(
                              variant, step_s=0.45, ratio=0.9, padded_per_real=1.2, tokens_ratio=0.4)}}]}
     (results / "real_length_cuda.json").write_text(json.dumps(real))
     (results / "tests_cuda.xml").write_text(
         '<testsuites><testsuite name="pytest" tests="3" failures="1" errors="0" skipped="0">'
-        '<testcase classname="tests.test_cuda" name="test_a"/><testcase classname="tests.test_cuda" name="test_b"/>'
-        '<testcase classname="tests.test_cuda" name="test_c"><failure message="x"/></testcase></testsuite></testsuites>')
-    meta = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-25 14:00 UTC", "torch": "2.13.0", "cuda": "13.0",
-            "steps": [{"step": "speed_fp32", "status": "timed out", "seconds": 420.0, "log": "speed_fp32.log"}]}
+        '<testcase classname="tests.test_cuda" name="test_a"/><testcase classname="tests.test_cuda" '
+        'name="test_b"/><testcase classname="tests.test_cuda" name="test_c"><failure '
+        'message="x"/></testcase></testsuite></testsuites>')
+    meta = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-25 14:00 UTC", "torch": "2.13.0",
+            "cuda": "13.0",
+            "steps": [{"step": "speed_fp32", "status": "timed out", "seconds": 420.0,
+                       "log": "speed_fp32.log"}]}
     text = gpu_report.render(str(results), meta)
     assert "## GPU report: NVIDIA H100 80GB HBM3, 2026-11-25 14:00 UTC" in text
     assert "`tests/gpu/test_cuda.py`: 2 passed, 1 failed, 0 skipped -- failed: tests.test_cuda.test_c" in text
@@ -142,11 +153,13 @@ def test_performance_doc_says_the_gpu_figures_are_still_to_be_measured():
 
 
 def test_the_tests_step_runs_and_its_counts_reach_the_report(tmp_path):
-    """The real `tests` step (on CPU every CUDA case skips): subprocesses, JUnit files, the counts in the tables."""
+    """The real `tests` step (on CPU every CUDA case skips): subprocesses, JUnit files, the counts in the
+    tables."""
     done = gpu_report.run_step("tests", str(tmp_path), "no-data", limit=300)
     assert done["status"] == "ok", (tmp_path / "tests.log").read_text()[-3000:]
     text = gpu_report.render(str(tmp_path), {"device": "d", "date": "t", "steps": [done]})
-    counts = re.findall(r"`tests/test_cuda(?:_sensitivity)?\.py[^`]*`: (\d+) passed, (\d+) failed, (\d+) skipped", text)
+    counts = re.findall(r"`tests/test_cuda(?:_sensitivity)?\.py[^`]*`: (\d+) passed, (\d+) failed, (\d+) "
+                        r"skipped", text)
     assert len(counts) == 2 and all(int(skipped) > 0 for _, _, skipped in counts), text
     import torch
 
@@ -157,8 +170,10 @@ def test_the_tests_step_runs_and_its_counts_reach_the_report(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the budget
-#: fake steps: each appends its name to order.txt; `tests` writes a JUnit file, `speed_bf16` writes one case of
-#: its JSON (as speed-memory does after every case), then starts a child that sleeps and waits for it: it would
+#: fake steps: each appends its name to order.txt; `tests` writes a JUnit file, `speed_bf16` writes one case
+# of
+#: its JSON (as speed-memory does after every case), then starts a child that sleeps and waits for it: it
+# would
 #: overrun the budget; every later step would end at once
 _FAKE = r"""
 import json, os, subprocess, sys, time
@@ -191,11 +206,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_budget_runs_steps_in_priority_order_cuts_the_overrun_and_writes_partial_tables(tmp_path, monkeypatch,
+def test_the_budget_runs_steps_in_priority_order_cuts_the_overrun_and_writes_partial_tables(tmp_path,
+                                                                                            monkeypatch,
                                                                                            capsys):
     results = tmp_path / "results"
     results.mkdir()
-    (results / "speed_cuda_fp32.json").write_text("{}")  # a stale file of an earlier run: removed, not rendered
+    # a stale file of an earlier run: removed, not rendered
+    (results / "speed_cuda_fp32.json").write_text("{}")
     monkeypatch.setattr(gpu_report, "cuda_available", lambda: True)
     monkeypatch.setattr(gpu_report, "device_info", lambda: {"device": "Fake GPU", "date": "today"})
     monkeypatch.setattr(gpu_report, "unavailable", lambda step, data_dir, data_root: None)
@@ -241,8 +258,10 @@ def test_the_budget_runs_steps_in_priority_order_cuts_the_overrun_and_writes_par
 
 
 def test_a_missing_real_length_subcommand_is_marked_not_available(tmp_path, monkeypatch):
-    monkeypatch.setattr("benchmarks.__main__.SUBCOMMANDS", {k: v for k, v in SUBCOMMANDS.items() if k != "real-length"})
-    done = gpu_report.run_steps(["real_length"], str(tmp_path), "no-e2e", "no-data", deadline=time.monotonic() + 60,
+    monkeypatch.setattr("benchmarks.__main__.SUBCOMMANDS",
+                        {k: v for k, v in SUBCOMMANDS.items() if k != "real-length"})
+    done = gpu_report.run_steps(["real_length"], str(tmp_path), "no-e2e", "no-data",
+                                deadline=time.monotonic() + 60,
                                 time_scale=1.0, min_step_s=1.0)
     assert done[0]["status"] == "not available" and "real-length" in done[0]["note"]
     text = gpu_report.render(str(tmp_path), {"steps": done})
@@ -250,8 +269,9 @@ def test_a_missing_real_length_subcommand_is_marked_not_available(tmp_path, monk
 
 
 def test_the_wheels_for_a_gpu_machine_without_network(capsys):
-    """Every pin of requirements-lock.txt has a decision (carried, on the GPU image, not needed); the carried ones
-    are downloaded at their locked versions for the image's Python, without their dependencies (dry run)."""
+    """Every pin of requirements-lock.txt has a decision (carried, on the GPU image, not needed); the carried
+    ones are downloaded at their locked versions for the image's Python, without their dependencies (dry
+    run)."""
     from benchmarks import gpu_carry
 
     pins = gpu_carry.read_lock(os.path.join(ROOT, "requirements-lock.txt"))
@@ -269,14 +289,16 @@ def test_the_wheels_for_a_gpu_machine_without_network(capsys):
     assert "pip download" in out and "transformers==" in out and ".gpu-data/" in out
     # the session script installs exactly those wheels without an index and runs the report within the budget
     script = open(os.path.join(ROOT, "benchmarks", "gpu_session.sh")).read()
-    for needle in ("--no-index --no-deps", "--target", "PYTHONPATH", "gpu-report", "BUDGET_S", "HF_DPFILTER_DATA"):
+    for needle in ("--no-index --no-deps", "--target", "PYTHONPATH", "gpu-report", "BUDGET_S",
+                   "HF_DPFILTER_DATA"):
         assert needle in script, needle
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", "gpu_session.sh")]).returncode == 0
 
 
 def test_a_test_run_cut_at_the_deadline_keeps_the_counts_of_the_tests_it_finished(tmp_path):
     """The deadline's first signal is SIGINT: pytest stops and still writes the JUnit file of what it ran."""
-    (tmp_path / "test_fake.py").write_text("import time\n\ndef test_a():\n    pass\n\ndef test_b():\n    time.sleep(60)\n")
+    (tmp_path / "test_fake.py").write_text("import time\n\ndef test_a():\n    pass\n\ndef test_b():\n    "
+                                           "time.sleep(60)\n")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir",
                str(tmp_path), str(tmp_path / "test_fake.py"), f"--junitxml={tmp_path / 'tests_cuda.xml'}"]
     with open(tmp_path / "tests.log", "w") as log:

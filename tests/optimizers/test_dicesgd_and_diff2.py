@@ -50,7 +50,8 @@ def _setup(method, seed=0, base=torch.optim.SGD, lr=0.5, method_args=None, verif
     """Model, engine and DP optimizer; ``method_args`` are the method's settings, ``kw`` the DP settings."""
     model = tiny_roberta()
     engine = GhostClippingEngine(model, verify_first_backward=verify)  # the clipping norm is the optimizer's
-    opt = make_dp_optimizer(model.parameters(), base=base, method=method, method_args=method_args, lr=lr, seed=seed,
+    opt = make_dp_optimizer(model.parameters(), base=base, method=method, method_args=method_args, lr=lr,
+                            seed=seed,
                             **kw)
     return model, engine, opt
 
@@ -103,7 +104,8 @@ def test_diff2_without_noise_or_clipping_is_full_batch_gd():
     batch = padded_batch(6, seed=1)
     common = dict(noise_multiplier=0.0, max_grad_norm=1e9, expected_batch_size=6, sample_rate=1.0)
     m1, e1, gd = _setup("dpsgd", **common)
-    m2, e2, diff2 = _setup("diff2", method_args={"restart_every": 3, "difference_max_grad_norm": 1e12}, **common)
+    m2, e2, diff2 = _setup("diff2", method_args={"restart_every": 3, "difference_max_grad_norm": 1e12},
+                           **common)
     for _ in range(5):  # restart, difference, difference, restart, difference (telescoping sum)
         _step(m1, e1, gd, batch)
         _step(m2, e2, diff2, batch)
@@ -122,12 +124,14 @@ def test_dicesgd_without_feedback_equals_dp_sgd():
         assert all(torch.equal(a, b) for a, b in zip(_params(m1), _params(m2)))
     assert dice.sensitivity() == dpsgd.sensitivity()
     assert dpsgd.accountant.history == dice.accountant.history
-    assert max(float(e.abs().max()) for e in dice._error.values()) > 0  # the residual is there, never fed back
+    # the residual is there, never fed back
+    assert max(float(e.abs().max()) for e in dice._error.values()) > 0
 
 
 # ------------------------------------------------------------------------------------------------ 2
 class _UnclippedFeedbackDice(DiceSGD):
-    """Broken on purpose: feeds the raw buffer back (while claiming the same sensitivity). Runs DiceSGD's plan."""
+    """Broken on purpose: feeds the raw buffer back (while claiming the same sensitivity). Runs DiceSGD's
+    plan."""
 
     def feedback_factor(self) -> float:
         return 1.0
@@ -189,7 +193,8 @@ def _diff2_run(cls, relation="add_remove", c1=0.3, c2=1.0, steps=4):
     models, engines, opts = [], [], []
     for _ in range(2):
         model = tiny_roberta()
-        opt = _optimizer(cls, model, {"restart_every": 3, "difference_max_grad_norm": c2, "neighbouring": relation},
+        opt = _optimizer(cls, model,
+                         {"restart_every": 3, "difference_max_grad_norm": c2, "neighbouring": relation},
                          noise_multiplier=0.0, max_grad_norm=c1, expected_batch_size=6, sample_rate=1.0)
         models.append(model)
         engines.append(GhostClippingEngine(model, verify_first_backward=False))
@@ -236,7 +241,8 @@ def test_diff2_first_backward_check_holds_in_a_difference_round():
     so the ordinary gradient is the difference g(x) - g(x_{r-2}) that the engine computes and clips."""
     batch = padded_batch(6, seed=1)
     model, engine, opt = _setup("diff2", noise_multiplier=0.5, max_grad_norm=0.3, expected_batch_size=6,
-                                sample_rate=1.0, method_args={"restart_every": 3, "difference_max_grad_norm": 1.0})
+                                sample_rate=1.0,
+                                method_args={"restart_every": 3, "difference_max_grad_norm": 1.0})
     _step(model, engine, opt, batch)  # restart round
     assert not opt.current_round().restart and len(opt.gradient_points()) == 2
     engine.verify_first_backward = True  # check the next backward: the difference round's
@@ -253,7 +259,8 @@ def test_diff2_replace_one_doubles_the_sensitivity():
     common = dict(max_grad_norm=0.3, expected_batch_size=6, sample_rate=1.0, lr=1.0)
     settings = {"restart_every": 2, "difference_max_grad_norm": 1.0}
     m1, e1, o1 = _setup("diff2", noise_multiplier=0.0, method_args=settings, **common)
-    m2, e2, o2 = _setup("diff2", noise_multiplier=0.0, method_args={**settings, "neighbouring": "replace_one"},
+    m2, e2, o2 = _setup("diff2", noise_multiplier=0.0,
+                        method_args={**settings, "neighbouring": "replace_one"},
                         **common)
     for _ in range(3):
         o1.gradient_points(), o2.gradient_points()
@@ -263,7 +270,8 @@ def test_diff2_replace_one_doubles_the_sensitivity():
     # ... and the same noise multiplier means twice the noise std (same seed, one restart step).
     moves = []
     for z, relation in ((0.0, "add_remove"), (1.0, "add_remove"), (1.0, "replace_one")):
-        model, engine, opt = _setup("diff2", noise_multiplier=z, method_args={**settings, "neighbouring": relation},
+        model, engine, opt = _setup("diff2", noise_multiplier=z,
+                                    method_args={**settings, "neighbouring": relation},
                                     **common)
         before = _params(model)
         _step(model, engine, opt, batch)
@@ -279,7 +287,8 @@ def _resume_matches(method, steps_before, steps_after, base=torch.optim.Adam, no
     # A loaded DP optimizer draws fresh noise (no generator state is saved, docs/threat_model.md): the exact
     # round trip of the method's state is checked at noise 0.
     batches = _batches(steps_before + steps_after)
-    common = dict(noise_multiplier=noise_multiplier, max_grad_norm=0.3, expected_batch_size=6, base=base, lr=0.01, **kw)
+    common = dict(noise_multiplier=noise_multiplier, max_grad_norm=0.3, expected_batch_size=6, base=base,
+                  lr=0.01, **kw)
     m_ref, e_ref, o_ref = _setup(method, **common)
     for b in batches:
         _step(m_ref, e_ref, o_ref, b)
@@ -344,7 +353,8 @@ def _contains_buffer(state, buffer) -> bool:
 def _dice_args(tmp_path, **kw):
     return DPTrainingArguments(
         output_dir=str(tmp_path), dp_method="dicesgd", per_sample_max_grad_norm=0.3, logical_batch_size=6,
-        per_device_train_batch_size=4, max_steps=2, optim="sgd", learning_rate=0.1, lr_scheduler_type="constant",
+        per_device_train_batch_size=4, max_steps=2, optim="sgd", learning_rate=0.1,
+        lr_scheduler_type="constant",
         weight_decay=0.0, report_to=[], use_cpu=True, remove_unused_columns=False, dp_seed=0, logging_steps=1,
         accountant="pld", **kw,
     )
@@ -377,7 +387,8 @@ def test_dicesgd_buffer_not_logged_nor_checkpointed(tmp_path, caplog):
 
 def test_dicesgd_trainer_calibrates_with_its_own_accounting(tmp_path):
     examples = make_examples(20, VOCAB, causal=False, seed=3)
-    args = _dice_args(tmp_path, target_epsilon=4.0, save_strategy="no", dp_method_args={"error_max_grad_norm": 0.05})
+    args = _dice_args(tmp_path, target_epsilon=4.0, save_strategy="no",
+                      dp_method_args={"error_max_grad_norm": 0.05})
     trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(examples),
                         data_collator=PadCollator(1))
     trainer.train()
@@ -391,7 +402,8 @@ def test_diff2_through_trainer_full_batch(tmp_path):
     args = DPTrainingArguments(
         output_dir=str(tmp_path), dp_method="diff2", target_epsilon=3.0, per_sample_max_grad_norm=0.3,
         logical_batch_size=8, per_device_train_batch_size=4, max_steps=4, optim="sgd", learning_rate=0.1,
-        lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+        lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
+        remove_unused_columns=False,
         dp_seed=0, accountant="rdp",
         dp_method_args={"restart_every": 2, "difference_max_grad_norm": 1.0, "neighbouring": "replace_one"},
     )
@@ -429,7 +441,8 @@ def test_dicesgd_documented_epsilons():
     assert dicesgd_paper_epsilon(paper * 3 * c1 / b, delta, t, n, c1, c2, b) == pytest.approx(8.0)
     default = calibrated(4.0)
     assert 0.99 * 4.0 <= compute_epsilon(dicesgd_history(default, b / n, t, kappa), delta, "pld") <= 4.0
-    # The split is never worse than treating the whole release as one unamplified Gaussian (Delta = C1 + 2BC2).
+    # The split is never worse than treating the whole release as one unamplified Gaussian (Delta = C1 +
+    # 2BC2).
     assert compute_epsilon(history, delta, "pld") <= compute_epsilon([(z, 1.0, t)], delta, "pld") + 1e-6
 
 
@@ -465,7 +478,8 @@ def test_diff2_heterogeneous_composition_equals_manual():
     # keeps the paper's split; exact mu-GDP eps <= 3 (eps 3, T 20, R 2000: docs/privacy.md, DIFF2 example)
     # (full batch, q = 1; C2 is needed to run DIFF2 but plays no part in the calibration)
     plan = PrivacyPlan.create(num_examples=1000, logical_batch_size=1000, max_steps=2000, method="diff2",
-                              method_args={"restart_every": 20, "difference_max_grad_norm": 1.0}, target_epsilon=3.0,
+                              method_args={"restart_every": 20, "difference_max_grad_norm": 1.0},
+                              target_epsilon=3.0,
                               target_delta=1e-5, accountant="rdp", seed=0)
     settings = plan.noise
     ratio = settings.get("difference_noise_multiplier") / settings.noise_multiplier

@@ -1,14 +1,15 @@
-"""DIFF2's difference rounds clip a per-example DIFFERENCE of gradients; the clip must hold in the run's dtype.
+"""DIFF2's difference rounds clip a per-example DIFFERENCE of gradients; the clip must hold in the run's
+dtype.
 
 The ghost norm of g_i(x) - g_i(x') sums token products whose cross terms cancel, so in float32 its relative
 error grows like eps32 (||g|| / ||g(x) - g(x')||)^2 and a squared norm that rounds to <= 0 used to let the
 example in unclipped. Now difference rounds run in precise mode (float64 terms, a proven upper bound of each
 norm), and each example's computed difference must not depend on the other examples of its batch: on the
 ``batch_invariant`` route (default) each example is a micro-batch of its own, computed in the model's dtype;
-on the ``float64`` route the batch runs in float64. With neighbouring batches D and D u {x} (x extreme), noise 0
-and step sizes down to tiny ones, the pre-noise aggregate never moves by more than the round's sensitivity
-Delta = C2 ||x_{r-1} - x_{r-2}||, in float32 and under bf16 autocast, on both routes; float32 points of a batch
-of several examples (no longer offered) break it under the batch-dependent rounding stand-in.
+on the ``float64`` route the batch runs in float64. With neighbouring batches D and D u {x} (x extreme), noise
+0 and step sizes down to tiny ones, the pre-noise aggregate never moves by more than the round's sensitivity
+Delta = C2 ||x_{r-1} - x_{r-2}||, in float32 and under bf16 autocast, on both routes; float32 points of a
+batch of several examples (no longer offered) break it under the batch-dependent rounding stand-in.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ ROUTES = ["batch_invariant", "float64"]
 
 
 def _float32_batched_points(optimizer):
-    """The float32 points of a whole batch (the route before float64, no longer offered): for the teeth tests."""
+    """The float32 points of a whole batch (the route before float64, no longer offered): for the teeth
+    tests."""
     return [(1.0, None), (-1.0, {p: v + (p - p.detach()) for p, v in optimizer._previous.items()})]
 
 
@@ -125,18 +127,20 @@ def test_difference_round_never_exceeds_its_sensitivity(lr, bf16, kernels, route
     # kept small (each example is a micro-batch of its own): the batch-invariant route under the stand-in at
     # every step size, two extreme examples; the float64 route at the middle step sizes, four
     if route == "batch_invariant" and (kernels == "own-cpu" and lr != 5e-6 or (lr, bf16) == (5e-6, False)):
-        pytest.skip("the batch-invariant route: the stand-in's rounding covers the CPU's own kernels (and float32 "
-                    "at 5e-6 under the stand-in is test_the_stand_in_breaks_float32_batched_differences)")
+        pytest.skip("the batch-invariant route: the stand-in's rounding covers the CPU's own kernels (and "
+                    "float32 at 5e-6 under the stand-in is "
+                    "test_the_stand_in_breaks_float32_batched_differences)")
     if route == "float64" and lr in (5e-2, 1e-10):
         pytest.skip("the float64 route at the extreme step sizes: covered by the batch-invariant route's runs")
-    worst = _worst_movement(lr, bf16, kernels == "batch-dependent", route, seeds=2 if route == "batch_invariant" else 4)
+    worst = _worst_movement(lr, bf16, kernels == "batch-dependent", route,
+                            seeds=2 if route == "batch_invariant" else 4)
     assert worst <= 1.0, f"lr={lr}: the aggregate moved by {worst:.3g} x the sensitivity"
 
 
 def test_the_stand_in_breaks_float32_batched_differences():
-    """Teeth: with the batch-dependent rounding stand-in, float32 points of a batch of several examples move the
-    aggregate by more than the sensitivity (the stand-in does what it stands for), where the batch-invariant
-    route, on the same data, does not."""
+    """Teeth: with the batch-dependent rounding stand-in, float32 points of a batch of several examples move
+    the aggregate by more than the sensitivity (the stand-in does what it stands for), where the
+    batch-invariant route, on the same data, does not."""
     worst = _worst_movement(5e-6, False, True, "float32-batched", seeds=2)  # 1.000285 x Delta on our CPU
     assert worst > 1.0, f"the stand-in no longer breaks float32 batched differences ({worst:.6g} x Delta)"
     held = _worst_movement(5e-6, False, True, "batch_invariant", seeds=2)
@@ -171,8 +175,8 @@ def test_precise_norm_bound_covers_total_cancellation():
 
 
 def _difference_norms(batch, lr: float, route: str) -> tuple[torch.Tensor, torch.dtype]:
-    """Per-example norms of the clipped combination g_i(x_{r-1}) - g_i(x_{r-2}) in a difference round, with the
-    batch-dependent rounding stand-in (each example alone on the batch-invariant route)."""
+    """Per-example norms of the clipped combination g_i(x_{r-1}) - g_i(x_{r-2}) in a difference round, with
+    the batch-dependent rounding stand-in (each example alone on the batch-invariant route)."""
     model, engine, optimizer = _make(lr, route, True)
 
     def loss_fn_of(ids, y):
@@ -208,8 +212,8 @@ def test_difference_of_an_example_does_not_depend_on_the_other_examples_of_the_b
     block by the batch's size), and the difference g(x) - g(x') amplifies that by ||g|| / ||g(x) - g(x')||: a
     neighbouring batch then moved the OTHER examples' clipped differences, and the aggregate by more than the
     round's sensitivity on some CPUs. Each example alone (batch-invariant route): the same difference bit for
-    bit whichever examples share the step. Both points in float64: the same to float64 accuracy. Float32 points
-    of the batch (teeth): moved by 8e-5 and 1e-2."""
+    bit whichever examples share the step. Both points in float64: the same to float64 accuracy. Float32
+    points of the batch (teeth): moved by 8e-5 and 1e-2."""
     base = _batch(12, 1)
     x_ids, _ = _batch(1, 100)
     with_x = (torch.cat([base[0], x_ids]), torch.cat([base[1], torch.tensor([1e3])]))
@@ -239,7 +243,8 @@ def test_difference_round_dtype_and_the_current_loss(route):
                                      "difference_precision": precision},
         noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
-    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3, verify_first_backward=True)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3,
+                                        verify_first_backward=True)
     ids, y = _batch(8, 0)
     seen = []
 
@@ -256,7 +261,8 @@ def test_difference_round_dtype_and_the_current_loss(route):
     optimizer.step()
     assert optimizer.wants_examples_alone() == (route != "float64")
     if route == "batch_invariant":
-        reported = torch.cat([optimizer.accumulate(engine, loss_fn_of(ids[i:i + 1], y[i:i + 1]), 1, alone=True)
+        reported = torch.cat([optimizer.accumulate(engine, loss_fn_of(ids[i:i + 1], y[i:i + 1]), 1,
+                                                   alone=True)
                               for i in range(8)])
         assert seen == [torch.float32] * 17
     else:
@@ -270,7 +276,8 @@ def test_difference_round_dtype_and_the_current_loss(route):
 
 
 def test_float64_differences_keeps_its_meaning():
-    """The earlier switch: True selects the float64 route, False the batch-invariant one (not float32 batches)."""
+    """The earlier switch: True selects the float64 route, False the batch-invariant one (not float32
+    batches)."""
     assert Diff2Config(float64_differences=True).precision_route == "float64"
     assert Diff2Config(float64_differences=False).precision_route == "batch_invariant"
     assert Diff2Config().precision_route == "batch_invariant"
@@ -304,45 +311,50 @@ def _trainer_difference_round(tmp_path, precision: str, lr: float):
 
     examples = make_examples(8, VOCAB, causal=False, seed=3)
     args = DPTrainingArguments(
-        output_dir=str(tmp_path / precision), dp_method="diff2", noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
+        output_dir=str(tmp_path / precision), dp_method="diff2", noise_multiplier=0.0,
+        per_sample_max_grad_norm=1.0,
         logical_batch_size=8, per_device_train_batch_size=4, max_steps=2, optim="sgd", learning_rate=lr,
         lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no",
         remove_unused_columns=False, dp_seed=0, accountant="rdp",
-        dp_method_args={"restart_every": 2, "difference_max_grad_norm": 0.5, "difference_precision": precision},
+        dp_method_args={"restart_every": 2, "difference_max_grad_norm": 0.5,
+                        "difference_precision": precision},
     )
     keep = _Keep()
-    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=args, train_dataset=ListDataset(examples),
+    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=args,
+                        train_dataset=ListDataset(examples),
                         data_collator=PadCollator(1), callbacks=[keep])
     trainer.train()
     return trainer, keep.points
 
 
 def test_trainer_difference_round_batch_invariant_against_float64(tmp_path):
-    """One DPTrainer DIFF2 difference round at noise 0: the batch-invariant route (each example alone, float32)
-    against the float64 route. The restart rounds are the same code; the difference round's clipped sum S
-    differs only by the float32 rounding of each example's difference: ||S_32 - S_64|| <= sum_j
-    ||d^32_j - d^64_j||, each of relative size about u32 ||g_j|| / ||d_j|| (u32 = 2^-24) times the conditioning
-    of the forward and backward. Measured: ||S_32 - S_64|| = 2.5e-5 C_2,r (||S_64|| = 3.25 C_2,r); the tolerance
-    allows 1e-3 C_2,r."""
+    """One DPTrainer DIFF2 difference round at noise 0: the batch-invariant route (each example alone,
+    float32) against the float64 route. The restart rounds are the same code; the difference round's clipped
+    sum S differs only by the float32 rounding of each example's difference: ||S_32 - S_64|| <= sum_j
+    ||d^32_j - d^64_j||, each of relative size about u32 ||g_j|| / ||d_j|| (u32 = 2^-24) times the
+    conditioning of the forward and backward. Measured: ||S_32 - S_64|| = 2.5e-5 C_2,r (||S_64|| = 3.25
+    C_2,r); the tolerance allows 1e-3 C_2,r."""
     lr = 0.1
     invariant, (x0, x1, x2) = _trainer_difference_round(tmp_path, "batch_invariant", lr)
     reference, (y0, y1, y2) = _trainer_difference_round(tmp_path, "float64", lr)
     assert invariant._alone_declaration == {"alone": True} and reference._alone_declaration == {}
     assert torch.equal(x0, y0) and torch.equal(x1, y1)  # the restart round: the same code on both routes
-    # noise 0, SGD, B = 8: x1 - x0 = -lr v~_1 and x2 - x1 = -lr (v~_1 + S / B), so S = B ((x1 - x0) - (x2 - x1)) / lr
+    # noise 0, SGD, B = 8: x1 - x0 = -lr v~_1 and x2 - x1 = -lr (v~_1 + S / B), so S = B ((x1 - x0) - (x2 -
+    # x1)) / lr
     s_invariant = 8 * ((x1 - x0) - (x2 - x1)) / lr
     s_reference = 8 * ((y1 - y0) - (y2 - y1)) / lr
     threshold = 0.5 * float((x1 - x0).norm())  # C_2,r = C2 ||x_1 - x_0|| (every parameter is trained)
     assert threshold > 0 and float(s_reference.norm()) > 0.1 * threshold
     difference = float((s_invariant - s_reference).norm()) / threshold
-    print(f"||S_32 - S_64|| / C_2r = {difference:.3g}, ||S_64|| / C_2r = {float(s_reference.norm()) / threshold:.3g}")
+    print(f"||S_32 - S_64|| / C_2r = {difference:.3g}, ||S_64|| / C_2r = "
+          f"{float(s_reference.norm()) / threshold:.3g}")
     assert difference <= 1e-3, f"the routes' clipped sums differ by {difference:.2e} x C_2,r"
 
 
 def test_noise_drawn_in_float32_is_added_to_the_float64_sums():
     """A difference round's sums are float64 (precise mode): the noise is drawn in float32 (as DP-SGD's, a
-    fraction of a float64 draw's cost) and noise + sum / B is computed in float64 and rounded once: the sums are
-    not rounded before the noise."""
+    fraction of a float64 draw's cost) and noise + sum / B is computed in float64 and rounded once: the sums
+    are not rounded before the noise."""
     from hf_dpfilter.distributed.collectives import Collectives
     from hf_dpfilter.randomness.noise import NoiseSource
 
@@ -362,11 +374,11 @@ def test_noise_drawn_in_float32_is_added_to_the_float64_sums():
 
 
 def test_sharded_difference_rounds_run_only_examples_alone():
-    """FSDP2 writes a difference round's points into the shards (no float64 copy): only an example computed alone
-    is batch-invariant there. A float32 sharded model (one gloo process: FSDP2's DTensors) is refused on the
-    float64 route at its first micro-batch, and on the batch-invariant route for a difference micro-batch of
-    several examples (it used to run in float32, batched); examples declared alone run, and so does a float64
-    model on the float64 route."""
+    """FSDP2 writes a difference round's points into the shards (no float64 copy): only an example computed
+    alone is batch-invariant there. A float32 sharded model (one gloo process: FSDP2's DTensors) is refused on
+    the float64 route at its first micro-batch, and on the batch-invariant route for a difference micro-batch
+    of several examples (it used to run in float32, batched); examples declared alone run, and so does a
+    float64 model on the float64 route."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
@@ -384,7 +396,8 @@ def test_sharded_difference_rounds_run_only_examples_alone():
                                              "difference_precision": precision},
                 noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
             )
-            engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.1, verify_first_backward=False)
+            engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.1,
+                                                verify_first_backward=False)
             ids, y = _batch(4, 0)
 
             def loss_fn_of(ids, y, engine=engine):
@@ -408,7 +421,8 @@ def test_sharded_difference_rounds_run_only_examples_alone():
             optimizer.zero_grad()
             for i in range(4):
                 optimizer.accumulate(engine, loss_fn_of(ids[i:i + 1], y[i:i + 1]), batch_size=1, alone=True)
-            optimizer.run_without_contributing(engine, loss_fn_of(ids[:1], y[:1]), batch_size=1)  # FSDP2's padding
+            # FSDP2's padding
+            optimizer.run_without_contributing(engine, loss_fn_of(ids[:1], y[:1]), batch_size=1)
             optimizer.step()
             assert optimizer.dp_steps == 2
     finally:
@@ -432,12 +446,14 @@ def _float64_adapters_norms(n: int, precision: str):
                                      "difference_precision": precision},
         noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
-    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=5e-6, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=5e-6,
+                                        verify_first_backward=False)
     ids, y = _batch(13, 1)
     y[12] = 1e3
 
     def loss_fn_of(ids, y):
-        return lambda values: (engine.call_model(values, input_ids=ids).logits.squeeze(-1).double() - y.double()) ** 2
+        return lambda values: (engine.call_model(values,
+                                                 input_ids=ids).logits.squeeze(-1).double() - y.double()) ** 2
 
     optimizer.accumulate(engine, loss_fn_of(ids[:8], y[:8]), batch_size=8)
     optimizer.step()
@@ -446,11 +462,11 @@ def _float64_adapters_norms(n: int, precision: str):
 
 
 def test_float64_adapters_on_a_float32_base_are_not_a_float64_model():
-    """Float64 trainable parameters do not make a float64 model: with float64 LoRA adapters on a float32 base the
-    base ran in float32, batched (the batch-invariant route took it for a float64 model and asked for no example
-    alone; the float64 route gave points only to the adapters), and an example's difference moved by 36% when a
-    neighbour joined the batch. Now the batch-invariant route asks for each example alone and a batch runs the
-    whole model in float64 (both routes)."""
+    """Float64 trainable parameters do not make a float64 model: with float64 LoRA adapters on a float32 base
+    the base ran in float32, batched (the batch-invariant route took it for a float64 model and asked for no
+    example alone; the float64 route gave points only to the adapters), and an example's difference moved by
+    36% when a neighbour joined the batch. Now the batch-invariant route asks for each example alone and a
+    batch runs the whole model in float64 (both routes)."""
     without, alone = _float64_adapters_norms(12, "float64")
     with_x, _ = _float64_adapters_norms(13, "float64")
     assert not alone  # the float64 route: batched, in float64
@@ -460,17 +476,19 @@ def test_float64_adapters_on_a_float32_base_are_not_a_float64_model():
 
 
 def test_difference_round_noise_has_the_rounds_std_in_float32():
-    """An empty difference round of a float32 model releases pure noise: v~_2 - v~_1 = N(0, (z2 C_2,r / B)^2 I), in
-    float32, with the round's own threshold (not C1) and z2 (6465 coordinates: the std within 5%)."""
+    """An empty difference round of a float32 model releases pure noise: v~_2 - v~_1 = N(0, (z2 C_2,r / B)^2
+    I), in float32, with the round's own threshold (not C1) and z2 (6465 coordinates: the std within 5%)."""
     model = tiny_bert(num_labels=1, dtype=torch.float32)
     plan = PrivacyPlan.for_optimizer(
         method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 3.0,
                                      "difference_noise_multiplier": 2.0},
         noise_multiplier=0.5, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
     )
-    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3,
+                                        verify_first_backward=False)
     ids, y = _batch(4, 0)
-    optimizer.accumulate(engine, lambda v: (engine.call_model(v, input_ids=ids).logits.squeeze(-1) - y) ** 2, 4)
+    optimizer.accumulate(engine, lambda v: (engine.call_model(v, input_ids=ids).logits.squeeze(-1) - y) ** 2,
+                         4)
     optimizer.step()
     optimizer.zero_grad()
     before = {p: v.clone() for p, v in optimizer._estimate.items()}
@@ -485,8 +503,8 @@ def test_difference_round_noise_has_the_rounds_std_in_float32():
 
 def test_resume_between_a_restart_and_its_difference_rounds(tmp_path):
     """A checkpoint after the restart round and one difference round (T = 3), resumed: the resumed run's first
-    step is a difference round, cut example by example (declared alone) before the resumed optimizer has seen an
-    engine, and computed from the restored x_{r-2} and v~; at noise 0 and full batch it ends where the
+    step is a difference round, cut example by example (declared alone) before the resumed optimizer has seen
+    an engine, and computed from the restored x_{r-2} and v~; at noise 0 and full batch it ends where the
     uninterrupted run ends."""
     from helpers import ListDataset, PadCollator, make_examples
     from models import VOCAB, tiny_roberta
@@ -509,10 +527,12 @@ def test_resume_between_a_restart_and_its_difference_rounds(tmp_path):
 
     def run(name, resume=None):
         args = DPTrainingArguments(
-            output_dir=str(tmp_path / name), dp_method="diff2", noise_multiplier=0.0, per_sample_max_grad_norm=0.01,
+            output_dir=str(tmp_path / name), dp_method="diff2", noise_multiplier=0.0,
+            per_sample_max_grad_norm=0.01,
             logical_batch_size=6, per_device_train_batch_size=3, max_steps=3, optim="sgd", learning_rate=0.1,
             lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="steps",
-            save_steps=2, remove_unused_columns=False, dp_seed=0, accountant="rdp", dp_method_args={"restart_every": 3},
+            save_steps=2, remove_unused_columns=False, dp_seed=0, accountant="rdp",
+            dp_method_args={"restart_every": 3},
         )
         trainer = Spy(model=tiny_roberta(dtype=torch.float32), args=args, train_dataset=ListDataset(examples),
                       data_collator=PadCollator(1), callbacks=[Stop()])

@@ -25,7 +25,8 @@ from hf_dpfilter.optimizers.filters import FILTER_PRESETS, LowPassFilter, LowPas
 
 
 def _regression_batch(batch_size: int, seed: int, extreme: float | None = None) -> dict:
-    """RoBERTa regression batch (num_labels=1); example 0 gets a wildly wrong label when ``extreme`` is set."""
+    """RoBERTa regression batch (num_labels=1); example 0 gets a wildly wrong label when ``extreme`` is
+    set."""
     batch = padded_batch(batch_size, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     batch["labels"] = torch.randn(batch_size, generator=g, dtype=torch.float64)
@@ -44,9 +45,11 @@ def _loss_fn(model, engine, batch):
     return loss_fn
 
 
-def _setup(method, base=torch.optim.SGD, num_labels=1, noise=0.5, max_grad_norm=1.0, verify=True, method_args=None,
+def _setup(method, base=torch.optim.SGD, num_labels=1, noise=0.5, max_grad_norm=1.0, verify=True,
+           method_args=None,
            **kw):
-    """Model, engine and DP optimizer; ``method_args`` are the method's settings, ``kw`` the base optimizer's."""
+    """Model, engine and DP optimizer; ``method_args`` are the method's settings, ``kw`` the base
+    optimizer's."""
     model = tiny_roberta(num_labels=num_labels)
     model.eval()  # no dropout (the tiny models have p = 0 anyway)
     engine = GhostClippingEngine(model, verify_first_backward=verify)  # the clipping norm is the optimizer's
@@ -112,7 +115,8 @@ def test_custom_filter_matches_lfilter_and_checks_its_coefficients():
     seq = torch.randn(30, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     post = LowPassPostprocessor(LowPassFilter(b, a))
     out = torch.stack([post([x.clone()])[0] for x in seq]).numpy()
-    expected = lfilter(b, [1.0, *a], seq.numpy(), axis=0) / np.cumsum(lfilter(b, [1.0, *a], np.eye(1, 30)[0]))[:, None]
+    expected = lfilter(b, [1.0, *a], seq.numpy(),
+                       axis=0) / np.cumsum(lfilter(b, [1.0, *a], np.eye(1, 30)[0]))[:, None]
     np.testing.assert_allclose(out, expected, rtol=1e-11, atol=1e-13)
     assert len(post.buffers) == 3  # max(n_a, n_b) state buffers
     with pytest.raises(ValueError, match="unit DC gain"):
@@ -196,8 +200,8 @@ def test_disk_kappa_one_equals_base_dp_optimizer_exactly():
 
 
 def test_disk_adam_step_match_is_the_scaled_learning_rate():
-    # The lr rule sqrt(kappa / (2 - kappa)) applied by the optimizer equals the user scaling the lr by hand, and
-    # leaves the user's lr in param_groups (LR schedulers and checkpoints see their own values).
+    # The lr rule sqrt(kappa / (2 - kappa)) applied by the optimizer equals the user scaling the lr by hand,
+    # and leaves the user's lr in param_groups (LR schedulers and checkpoints see their own values).
     factor = math.sqrt(0.7 / 1.3)
     matched = _trajectory("disk", method_args={"kappa": 0.7, "adam_step_match": True}, lr=0.05, noise=0.0)
     by_hand = _trajectory("disk", method_args={"kappa": 0.7}, lr=0.05 * factor, noise=0.0)
@@ -205,7 +209,8 @@ def test_disk_adam_step_match_is_the_scaled_learning_rate():
     for p, q in zip(matched, by_hand):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
     assert not all(torch.allclose(p, r) for p, r in zip(matched, unmatched))
-    model, engine, opt = _setup("disk", base=torch.optim.AdamW, method_args={"adam_step_match": True}, lr=0.05)
+    model, engine, opt = _setup("disk", base=torch.optim.AdamW, method_args={"adam_step_match": True},
+                                lr=0.05)
     _step(model, engine, opt, _regression_batch(3, seed=0))
     assert [g["lr"] for g in opt.param_groups] == [0.05]
     with pytest.raises(ValueError, match="disk: adam_step_match.*SGD"):
@@ -219,7 +224,8 @@ def test_doppler_adam_with_the_momentum_filter_is_dp_adam():
     # LP-DPAdam: the filter replaces Adam's first moment, so the EMA filter b = [0.1], a = [-0.9] is DP-Adam
     # (up to where eps enters: max(sqrt(v_hat), eps) here, sqrt(v_hat) + eps in torch; both negligible).
     reference = _trajectory("dpsgd", base=torch.optim.Adam, eps=0.0)
-    got = _trajectory("doppler", base=torch.optim.SGD, method_args={"preset": "momentum", "base": "adam", "eps": 1e-300})
+    got = _trajectory("doppler", base=torch.optim.SGD,
+                      method_args={"preset": "momentum", "base": "adam", "eps": 1e-300})
     for p, q in zip(got, reference):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
 
@@ -251,7 +257,8 @@ def _reference_sum(model, batch, points, max_grad_norm):
         v = [torch.zeros_like(p) for p in _params(model)]
         for weight, values in points:
             leaves = [x.detach().clone().requires_grad_(True) for x in values]
-            out = torch.func.functional_call(model, dict(zip(names, leaves)), args=(), kwargs={"input_ids": ids})
+            out = torch.func.functional_call(model, dict(zip(names, leaves)), args=(),
+                                             kwargs={"input_ids": ids})
             loss = per_example_loss(out.logits, batch["labels"][i : i + 1], causal_lm=False).sum()
             for acc, grad in zip(v, torch.autograd.grad(loss, leaves)):
                 acc += weight * grad
@@ -272,7 +279,8 @@ def _reference_sum(model, batch, points, max_grad_norm):
     ],
 )
 def test_one_step_clipped_sum_equals_per_example_reference(method, kw):
-    model, engine, opt = _setup(method, base=torch.optim.AdamW, noise=0.3, max_grad_norm=0.5, lr=0.05, method_args=kw)
+    model, engine, opt = _setup(method, base=torch.optim.AdamW, noise=0.3, max_grad_norm=0.5, lr=0.05,
+                                method_args=kw)
     history = [[p.detach().clone() for p in _params(model)]]
     for t in range(3):
         _step(model, engine, opt, _regression_batch(4, seed=10 + t))
@@ -322,12 +330,14 @@ def _broken_accumulate(opt):
 @pytest.mark.parametrize("method,kw", MODES)
 def test_remove_one_example_moves_presum_by_at_most_C(method, kw):
     C = 1.0
-    model, engine, opt = _setup(method, base=torch.optim.SGD, noise=1.0, max_grad_norm=C, lr=0.2, method_args=kw)
+    model, engine, opt = _setup(method, base=torch.optim.SGD, noise=1.0, max_grad_norm=C, lr=0.2,
+                                method_args=kw)
     for t in range(2):  # build up d / snapshots / filter state
         _step(model, engine, opt, _regression_batch(4, seed=20 + t, extreme=30.0))
     assert opt.sensitivity() == C  # no rescaling of the noise
     points = opt.gradient_points()
-    assert len(points) == {"disk": 2 if "gamma" in kw else 1, "pmlf": min(kw.get("k", 1), 3), "doppler": 1}[method]
+    assert len(points) == {"disk": 2 if "gamma" in kw else 1, "pmlf": min(kw.get("k", 1), 3),
+                           "doppler": 1}[method]
     batch = _regression_batch(5, seed=5, extreme=1e4)  # example 0: a wildly wrong label, a huge gradient
     full = _presum(model, engine, opt, batch)
     moves = [(full - _presum(model, engine, opt, _drop(batch, i))).norm().item() for i in (0, 3)]
@@ -405,8 +415,9 @@ def _train(out_dir, method, kw, resume=None, cls=DPTrainer):
     ],
 )
 def test_dptrainer_checkpoint_resume_restores_the_filter_state(method, kw, tmp_path):
-    """The resumed DPTrainer's optimizer holds exactly the checkpoint's state (filter, base optimizer, accountant)
-    before its first step; its noise and batches are then fresh, so the run is not bit-identical."""
+    """The resumed DPTrainer's optimizer holds exactly the checkpoint's state (filter, base optimizer,
+    accountant) before its first step; its noise and batches are then fresh, so the run is not
+    bit-identical."""
     _train(str(tmp_path / "a"), method, kw)
     saved = torch.load(tmp_path / "a" / "checkpoint-3" / "optimizer.pt", weights_only=False)
     loaded = {}
@@ -416,7 +427,8 @@ def test_dptrainer_checkpoint_resume_restores_the_filter_state(method, kw, tmp_p
             loaded.update(copy.deepcopy(self.dp_optimizer.state_dict()))
             return super()._begin_privacy_session()
 
-    _, trainer = _train(str(tmp_path / "b"), method, kw, resume=str(tmp_path / "a" / "checkpoint-3"), cls=Capture)
+    _, trainer = _train(str(tmp_path / "b"), method, kw, resume=str(tmp_path / "a" / "checkpoint-3"),
+                        cls=Capture)
 
     def same(a, b):
         if isinstance(a, dict):
@@ -426,8 +438,8 @@ def test_dptrainer_checkpoint_resume_restores_the_filter_state(method, kw, tmp_p
         return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
     assert loaded["dp"]["method_state"] and same(loaded, saved)
-    # run "a" released 6 steps from this lineage before the branch resumed its checkpoint-3 into "b": the branch's
-    # ledger continues a's (PrivacyLedger: continued_from), so its 3 new steps come on top of those 6
+    # run "a" released 6 steps from this lineage before the branch resumed its checkpoint-3 into "b": the
+    # branch's ledger continues a's (PrivacyLedger: continued_from), so its 3 new steps come on top of those 6
     assert trainer.privacy_report()["steps"] == 6 + 3
 
 
@@ -449,10 +461,13 @@ def test_dptrainer_smoke(method, kw, tmp_path):
     examples = make_examples(16, VOCAB, causal=False, seed=1)
     args = DPTrainingArguments(
         output_dir=str(tmp_path), dp_method=method, noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
-        logical_batch_size=4, per_device_train_batch_size=2, max_steps=3, learning_rate=kw.pop("learning_rate", 1e-3),
-        report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0, logging_steps=1, **kw,
+        logical_batch_size=4, per_device_train_batch_size=2, max_steps=3,
+        learning_rate=kw.pop("learning_rate", 1e-3),
+        report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0,
+        logging_steps=1, **kw,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(1))
     before = flat([p.detach().clone() for p in model.parameters()])
     result = trainer.train()
     assert math.isnan(result.training_loss)  # a private run returns no noiseless training loss
@@ -474,11 +489,14 @@ def test_bad_hyperparameters_give_clear_errors():
     with pytest.raises(ValueError, match="pmlf: k"):
         make_dp_optimizer(params, method="pmlf", method_args={"k": 0}, **common)
     with pytest.raises(ValueError, match="optim='sgd'"):
-        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", method_args={"base": "adam_bc"}, **common)
+        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", method_args={"base": "adam_bc"},
+                          **common)
     with pytest.raises(ValueError, match="LP-DPAdam direction.*optim='sgd'"):
-        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", method_args={"base": "adam"}, **common)
+        make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", method_args={"base": "adam"},
+                          **common)
     with pytest.raises(ValueError, match="pmlf: base='adam'.*optim='sgd'"):
-        make_dp_optimizer(params, base=torch.optim.Adam, method="pmlf", method_args={"base": "adam"}, **common)
+        make_dp_optimizer(params, base=torch.optim.Adam, method="pmlf", method_args={"base": "adam"},
+                          **common)
     with pytest.raises(ValueError, match="doppler: unknown preset"):
         make_dp_optimizer(params, method="doppler", method_args={"preset": "nope"}, **common)
     with pytest.raises(ValueError, match="pmlf: a was given without b"):
@@ -486,7 +504,8 @@ def test_bad_hyperparameters_give_clear_errors():
     # The retired flat names are refused with the field that replaced them (never mapped, never ignored).
     with pytest.raises(ValueError, match=r"'disk_kappa' is no longer accepted.*method_args=\{'kappa'"):
         make_dp_optimizer(params, method="disk", disk_kappa=0.5, **common)
-    with pytest.raises(ValueError, match=r"'pmlf_k' is no longer accepted.*dp_method='pmlf'.*method_args=\{'k'"):
+    with pytest.raises(ValueError, match=r"'pmlf_k' is no longer "
+                                         r"accepted.*dp_method='pmlf'.*method_args=\{'k'"):
         make_dp_optimizer(params, method="dpsgd", pmlf_k=3, **common)
     with pytest.raises(ValueError, match=r"'secure_noise' was renamed 'secure_rng'"):
         make_dp_optimizer(params, method="dpsgd", secure_noise=True, **common)

@@ -3,8 +3,9 @@
 * DiSK's stored x_{t-1} holds the look-ahead point from a step's first micro-batch to its optimizer step: a
   ``state_dict()`` taken in between (a callback, a save while a step is refused) resumes that step exactly, at
   noise 0, bit for bit (x_{t-1} is not recovered from the point by a division by gamma);
-* the loaded method state lies on the parameters' device (the Trainer loads ``optimizer.pt`` on the CPU when one
-  GPU trains): here a CPU checkpoint loaded for parameters on the ``meta`` device, and on CUDA a resumed step.
+* the loaded method state lies on the parameters' device (the Trainer loads ``optimizer.pt`` on the CPU when
+  one GPU trains): here a CPU checkpoint loaded for parameters on the ``meta`` device, and on CUDA a resumed
+  step.
 
 float32, the tiny RoBERTa of tests/models.py, no dropout, SGD.
 """
@@ -38,7 +39,8 @@ def _step(opt, engine, seed: int, n: int = 4, split: int | None = None, between=
         inputs = {k: v for k, v in part.items() if k != "labels"}
 
         def loss_fn(values, inputs=inputs, labels=part["labels"]):
-            return per_example_loss(engine.call_model(values, **inputs).logits.float(), labels, causal_lm=False)
+            return per_example_loss(engine.call_model(values, **inputs).logits.float(), labels,
+                                    causal_lm=False)
 
         opt.accumulate(engine, loss_fn, len(rows))
         if i == 0 and between is not None:
@@ -77,7 +79,8 @@ def _spy_points(opt) -> list[list[torch.Tensor]]:
 
 def test_disk_state_dict_inside_a_step_resumes_that_step_exactly():
     model = tiny_roberta(num_labels=1).float()
-    engine, opt = _private(model, "disk", {"kappa": 0.95})  # gamma = 1/19: x_{t-1} from the point loses digits
+    # gamma = 1/19: x_{t-1} from the point loses digits
+    engine, opt = _private(model, "disk", {"kappa": 0.95})
     for seed in (1, 2, 3):
         _step(opt, engine, seed)
     saved = {}
@@ -146,8 +149,10 @@ def test_cpu_loaded_method_state_resumes_on_cuda(method, kw):
 
 @pytest.mark.parametrize("saved,resumed,match", [
     (("pmlf", {"k": 3}), ("pmlf", {"k": 2}), "resume with the checkpoint's k"),  # 3 points used silently
-    (("doppler", {}), ("doppler", {"preset": "second_order"}), "of order 1 and this run's of order 2"),  # IndexError
-    (("doppler", {"preset": "second_order"}), ("doppler", {}), "of order 2 and this run's of order 1"),  # silent
+    # IndexError
+    (("doppler", {}), ("doppler", {"preset": "second_order"}), "of order 1 and this run's of order 2"),
+    # silent
+    (("doppler", {"preset": "second_order"}), ("doppler", {}), "of order 2 and this run's of order 1"),
 ])
 def test_a_checkpoint_of_other_method_settings_is_refused_before_any_step(saved, resumed, match):
     model = tiny_roberta(num_labels=1).float()

@@ -53,7 +53,8 @@ def _loss_fn(engine, batch):
     return loss_fn
 
 
-POINT_METHODS = [("disk", {"kappa": 0.7}), ("disk", {"kappa": 0.7, "gamma": 0.2}), ("pmlf", {"k": 3, "beta": 0.9})]
+POINT_METHODS = [("disk", {"kappa": 0.7}), ("disk", {"kappa": 0.7, "gamma": 0.2}),
+                 ("pmlf", {"k": 3, "beta": 0.9})]
 
 
 @pytest.mark.parametrize("method,kw", POINT_METHODS)
@@ -128,7 +129,8 @@ def test_first_order_two_lerp_form_resumes_from_the_general_form():
         resumed([x.clone()])
     state = resumed.state_dict(["p"])
     assert state["state_scale"] == lowpass.state_scale
-    state = {**state, "state_scale": None, "buffers": [{"p": z["p"] * lowpass.state_scale} for z in state["buffers"]]}
+    state = {**state, "state_scale": None,
+             "buffers": [{"p": z["p"] * lowpass.state_scale} for z in state["buffers"]]}
     fresh = LowPassPostprocessor(lowpass)
     fresh.load_state_dict(state, ["p"])
     for x, expected in zip(seq[3:], out[3:]):
@@ -141,7 +143,8 @@ def _causal_batch(n: int, seed: int) -> dict:
     return batch
 
 
-@pytest.mark.parametrize("method,kw", [("disk", {"kappa": 0.7, "gamma": 0.2}), ("pmlf", {"k": 3, "beta": 0.5})])
+@pytest.mark.parametrize("method,kw",
+                         [("disk", {"kappa": 0.7, "gamma": 0.2}), ("pmlf", {"k": 3, "beta": 0.5})])
 def test_points_of_tied_weights_in_micro_batches_equal_the_per_example_reference(method, kw):
     """GPT-2's tied embedding/LM head: the stored point is one tensor for both uses, in every micro-batch."""
     model = tiny_gpt2()
@@ -155,7 +158,8 @@ def test_points_of_tied_weights_in_micro_batches_equal_the_per_example_reference
 
     def loss_fn(part):
         return lambda values: per_example_loss(
-            engine.call_model(values, input_ids=part["input_ids"], attention_mask=part["attention_mask"]).logits,
+            engine.call_model(values, input_ids=part["input_ids"],
+                              attention_mask=part["attention_mask"]).logits,
             part["labels"], causal_lm=True)
 
     for seed in range(3):
@@ -182,8 +186,10 @@ def test_points_of_tied_weights_in_micro_batches_equal_the_per_example_reference
         v = [torch.zeros_like(p) for p in params]
         for weight, values in points:
             leaves = [t.clone().requires_grad_(True) for t in values]
-            logits = torch.func.functional_call(model, dict(zip(names, leaves)), args=(), kwargs={"input_ids": ids}).logits
-            for acc, grad in zip(v, torch.autograd.grad(per_example_loss(logits, ids, causal_lm=True).sum(), leaves)):
+            logits = torch.func.functional_call(model, dict(zip(names, leaves)), args=(),
+                                                kwargs={"input_ids": ids}).logits
+            for acc, grad in zip(v,
+                    torch.autograd.grad(per_example_loss(logits, ids, causal_lm=True).sum(), leaves)):
                 acc += weight * grad
         factor = clip_factors(flat(v).norm().reshape(1), 0.5)[0]
         for acc, grad in zip(expected, v):
@@ -208,7 +214,8 @@ def test_disk_two_points_with_a_negative_weight_in_float32_train_and_keep_sensit
         for rows in splits:
             part = {k: v[rows] for k, v in batch.items()}
             opt.accumulate(engine, lambda values, part=part: per_example_loss(
-                engine.call_model(values, input_ids=part["input_ids"], attention_mask=part["attention_mask"]).logits,
+                engine.call_model(values, input_ids=part["input_ids"],
+                                  attention_mask=part["attention_mask"]).logits,
                 part["labels"], causal_lm=False), len(rows))
         sums = opt._local_sums()
         return flat([sums[p].float() for p in params])

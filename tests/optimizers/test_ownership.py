@@ -1,9 +1,10 @@
-"""One owner of clipping and noise: the README's custom loop, per-method sensitivity through it, and the refusals.
+"""One owner of clipping and noise: the README's custom loop, per-method sensitivity through it, and the
+refusals.
 
 * The README's custom-loop block is executed as written.
-* For every method, the custom loop (make_private + optimizer.accumulate) with noise 0 and neighbouring batches
-  D and D u {x} (x an extreme example) moves the pre-noise aggregate by at most the sensitivity the noise is
-  calibrated to (``optimizer.sensitivity()``, the Delta of std = sigma * Delta).
+* For every method, the custom loop (make_private + optimizer.accumulate) with noise 0 and neighbouring
+  batches D and D u {x} (x an extreme example) moves the pre-noise aggregate by at most the sensitivity the
+  noise is calibrated to (``optimizer.sensitivity()``, the Delta of std = sigma * Delta).
 * The old two-owner pattern (an engine with its own C, p.grad filled outside the optimizer, step() without
   accumulate) is refused with a message that says what to do.
 """
@@ -44,7 +45,8 @@ def test_readme_custom_loop_runs_as_written():
 METHOD_CASES = {
     "dpsgd": ("dpsgd", {}),
     "disk one-pass": ("disk", {}),
-    "disk two-point": ("disk", {"gamma": 0.1}),  # weights (1 - c, c) with c > 1: a combination with cancellation
+    # weights (1 - c, c) with c > 1: a combination with cancellation
+    "disk two-point": ("disk", {"gamma": 0.1}),
     "doppler": ("doppler", {}),
     "pmlf k=2": ("pmlf", {"k": 2}),
     "dicesgd": ("dicesgd", {"error_max_grad_norm": 0.05}),
@@ -62,11 +64,13 @@ def _batch(n: int, seed: int):
 
 
 def _run(method: str, method_args: dict, last_batch, warmup_batches, clip: float = 0.5):
-    """The README loop with noise 0: warm-up steps on shared batches, then the pre-noise aggregate of the last."""
+    """The README loop with noise 0: warm-up steps on shared batches, then the pre-noise aggregate of the
+    last."""
     model = tiny_bert(num_labels=2)  # float64, deterministic init
     plan = PrivacyPlan.for_optimizer(method=method, method_args=method_args, noise_multiplier=0.0,
                                      max_grad_norm=clip, expected_batch_size=4.0, sample_rate=0.5, seed=0)
-    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5, verify_first_backward=False)
+    engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5,
+                                        verify_first_backward=False)
 
     def accumulate(ids, y):
         def loss_fn(param_values):
@@ -109,7 +113,8 @@ def test_custom_loop_moves_the_pre_noise_aggregate_by_at_most_the_calibrated_sen
 def _setup():
     model = torch.nn.Linear(3, 2).double()
     engine = GhostClippingEngine(model, verify_first_backward=False)
-    optimizer = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
+    optimizer = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=0.1, noise_multiplier=1.0,
+                                  max_grad_norm=1.0,
                                   expected_batch_size=4, sample_rate=0.1, seed=0)
     return model, engine, optimizer
 
@@ -129,7 +134,8 @@ def test_step_refuses_a_gradient_the_optimizer_did_not_build():
     model, engine, optimizer = _setup()
     x = torch.randn(4, 3, dtype=torch.float64)
     model(x).pow(2).sum().backward()  # the two-owner pattern: p.grad filled outside the optimizer
-    with pytest.raises(UnprivatizedGradientError, match=r"optimizer\.accumulate\(engine, loss_fn, batch_size\)"):
+    with pytest.raises(UnprivatizedGradientError, match=r"optimizer\.accumulate\(engine, loss_fn, "
+                                                        r"batch_size\)"):
         optimizer.step()
     with pytest.raises(UnprivatizedGradientError, match="did not build"):
         optimizer.accumulate(engine, lambda v: engine.call_model(v, x).pow(2).sum(1), batch_size=4)

@@ -17,7 +17,8 @@ from hf_dpfilter.proofs.batch_structure import BatchStructureError, probe_batch_
 
 
 class SharedTableCollator(PadCollator):
-    """Adds a table shared by every example (one entry per position): its length T may equal B by coincidence."""
+    """Adds a table shared by every example (one entry per position): its length T may equal B by
+    coincidence."""
 
     def __call__(self, examples):
         batch = super().__call__(examples)
@@ -33,7 +34,8 @@ def test_padding_collator_keys_carry_the_example_axis():
 
 
 def test_shared_tensor_of_batch_length_is_not_sliced():
-    """T == B: three examples of length 3. The shared table has shape (3,) and must reach every micro-batch whole."""
+    """T == B: three examples of length 3. The shared table has shape (3,) and must reach every micro-batch
+    whole."""
     examples = [{"input_ids": torch.arange(3, 6) + i, "labels": i % 2} for i in range(3)]
     collator = SharedTableCollator(1)
     structure = probe_batch_structure(collator, examples[0])
@@ -62,7 +64,8 @@ def test_batch_with_a_key_the_probe_did_not_see_is_refused(tmp_path):
         output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
         noise_multiplier=0.0, logical_batch_size=4, max_steps=1, per_device_train_batch_size=2,
     )
-    trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(4, VOCAB, False)),
+    trainer = DPTrainer(model=tiny_roberta(), args=args,
+                        train_dataset=ListDataset(make_examples(4, VOCAB, False)),
                         data_collator=PadCollator(1))
     batch = trainer.get_train_dataloader().collate_fn([trainer.train_dataset[i] for i in range(4)])
     batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
@@ -87,7 +90,8 @@ def test_packed_rows_with_one_label_per_example_are_refused():
 
 
 class BatchNormalisedWeightsCollator(PadCollator):
-    """Per-example loss weights normalised over the batch (1/B each): one per example, but each depends on B."""
+    """Per-example loss weights normalised over the batch (1/B each): one per example, but each depends on
+    B."""
 
     def __call__(self, examples):
         batch = super().__call__(examples)
@@ -104,15 +108,16 @@ class WeightedLossTrainer(DPTrainer):
 
 
 def test_value_normalised_over_the_batch_is_refused_with_its_key(tmp_path):
-    """The weights follow the number of examples like a per-example key, so the probe took them as one; the first-step
-    check slices the batch (the example 'alone' keeps its 1/B weight) and passed. Adding an example changes every
-    other example's weight: with 8 aligned unclipped gradients just under C and one opposite example added, the
-    pre-noise aggregate moved by 1.76 C (float32, noise 0; the bound is ~2C). Refused before the first step, naming
-    the key."""
+    """The weights follow the number of examples like a per-example key, so the probe took them as one; the
+    first-step check slices the batch (the example 'alone' keeps its 1/B weight) and passed. Adding an example
+    changes every other example's weight: with 8 aligned unclipped gradients just under C and one opposite
+    example added, the pre-noise aggregate moved by 1.76 C (float32, noise 0; the bound is ~2C). Refused
+    before the first step, naming the key."""
     examples = make_examples(6, VOCAB, causal=False)
     with pytest.raises(BatchStructureError, match="'loss_weights'.*computed over the batch"):
         probe_batch_structure(BatchNormalisedWeightsCollator(1), examples[0])
-    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, logical_batch_size=6, max_steps=1,
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, logical_batch_size=6,
+                               max_steps=1,
                                per_device_train_batch_size=6, report_to=[], use_cpu=True, save_strategy="no",
                                remove_unused_columns=False, dp_seed=0, optim="sgd", learning_rate=0.1)
     trainer = WeightedLossTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(examples),
@@ -123,12 +128,14 @@ def test_value_normalised_over_the_batch_is_refused_with_its_key(tmp_path):
 
 
 def test_masked_lm_collator_with_random_masking_is_accepted(tmp_path):
-    """Random masking differs between copies by design (independent per example): not taken for a batch value."""
+    """Random masking differs between copies by design (independent per example): not taken for a batch
+    value."""
     from transformers import BertTokenizerFast, DataCollatorForLanguageModeling
 
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *[f"w{i}" for i in range(40)]]))
-    collator = DataCollatorForLanguageModeling(BertTokenizerFast(vocab_file=str(vocab)), mlm=True, mlm_probability=0.5)
+    collator = DataCollatorForLanguageModeling(BertTokenizerFast(vocab_file=str(vocab)), mlm=True,
+                                               mlm_probability=0.5)
     structure = probe_batch_structure(collator, {"input_ids": list(range(5, 30))})
     assert {"input_ids", "labels"} <= structure.per_example
 
@@ -150,7 +157,8 @@ def test_value_normalised_by_the_batch_content_is_refused(tmp_path):
     probe_batch_structure(LongestNormalisedWeightsCollator(1), examples[0])  # copies alone: not seen
     with pytest.raises(BatchStructureError, match="'loss_weights'.*collated with another"):
         probe_batch_structure(LongestNormalisedWeightsCollator(1), examples[0], examples[1])
-    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, logical_batch_size=6, max_steps=1,
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, logical_batch_size=6,
+                               max_steps=1,
                                per_device_train_batch_size=6, report_to=[], use_cpu=True, save_strategy="no",
                                remove_unused_columns=False, dp_seed=0, optim="sgd", learning_rate=0.1)
     trainer = WeightedLossTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(examples),

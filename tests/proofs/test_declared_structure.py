@@ -7,8 +7,9 @@ axis, are declared or proven, never guessed.
 * the first recorded step refuses any parameter or buffer written by the forward (before anything is
   released), and any trainable parameter whose module was never called;
 * the batch axis of each layer call is traced from the model's inputs: a shared table (``pos_emb(arange(T))``,
-  T5's relative attention bias) is exact and within sensitivity when trainable (issue 30: its output is shared by
-  every example, hf_dpfilter.engine.shared_outputs), with T == B and T != B; the (1, T) broadcast stays exact;
+  T5's relative attention bias) is exact and within sensitivity when trainable (issue 30: its output is shared
+  by every example, hf_dpfilter.engine.shared_outputs), with T == B and T != B; the (1, T) broadcast stays
+  exact;
 * PEFT: PEANuT, aLoRA, VeLoRA and DoRA with a trainable magnitude are refused before the first step with the
   method, module and fix named; DoRA with a frozen magnitude is exact.
 
@@ -36,16 +37,20 @@ C = 0.05  # small enough that every example is clipped: the sums depend on every
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def clipped_sum(model: nn.Module, forward, inputs: dict, labels: torch.Tensor, **engine_kwargs) -> list[torch.Tensor]:
+def clipped_sum(model: nn.Module, forward, inputs: dict, labels: torch.Tensor,
+                **engine_kwargs) -> list[torch.Tensor]:
     """The pre-noise sum of clipped per-example gradients (noise 0), on a copy of ``model``."""
     model = copy.deepcopy(model)
-    plan = PrivacyPlan.create(num_examples=100, logical_batch_size=len(labels), epochs=1, noise_multiplier=0.0,
+    plan = PrivacyPlan.create(num_examples=100, logical_batch_size=len(labels), epochs=1,
+                              noise_multiplier=0.0,
                               max_grad_norm=C, seed=0)
     engine = make_engine(plan, model, **engine_kwargs)
-    optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD, lr=0.0)
+    optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
+                               lr=0.0)
 
     def loss_fn(values):
-        out = forward(model, inputs) if not values else forward(lambda **kw: engine.call_model(values, **kw), inputs)
+        out = forward(model, inputs) if not values else forward(lambda **kw: engine.call_model(values, **kw),
+                                                                inputs)
         return F.cross_entropy(out, labels, reduction="none")
 
     optimizer.accumulate(engine, loss_fn, batch_size=len(labels))
@@ -210,12 +215,14 @@ class _WeightOutsideItsModule(nn.Module):
 
 def test_a_trainable_parameter_whose_module_is_never_called_is_refused_by_name():
     with pytest.raises(UnsupportedLayerError, match=r"(?s)'side.weight' \(module 'side'\).*Fix: freeze"):
-        clipped_sum(_WeightOutsideItsModule(), _bn_forward, {"x": torch.randn(4, 3)}, torch.randint(0, 2, (4,)))
+        clipped_sum(_WeightOutsideItsModule(), _bn_forward, {"x": torch.randn(4, 3)},
+                    torch.randint(0, 2, (4,)))
 
 
 # ------------------------------------------------------------------------------------ batch axis, traced
 class _PositionalModel(nn.Module):
-    """Token embedding plus a learned positional table looked up with torch.arange(T) (shape (T,) or (1, T))."""
+    """Token embedding plus a learned positional table looked up with torch.arange(T) (shape (T,) or (1,
+    T))."""
 
     def __init__(self, broadcast: bool, vocab: int = 20, dim: int = 8, max_len: int = 16) -> None:
         super().__init__()
@@ -343,14 +350,16 @@ def test_peanut_is_refused_at_attach_naming_the_method_and_the_fix():
     from peft import PeanutConfig
 
     model = _peft_bert(PeanutConfig(r=4, target_modules=["query", "value"]))
-    with pytest.raises(ModuleValidationError, match=r"(?s)attention.self.query'.*PEANuT.*weight matrix.*Fix: use LoRA"):
+    with pytest.raises(ModuleValidationError, match=r"(?s)attention.self.query'.*PEANuT.*weight matrix.*Fix: "
+                                                    r"use LoRA"):
         GhostClippingEngine(model)
 
 
 def test_velora_is_refused_at_attach_naming_the_method_and_the_fix():
     from peft import LoraConfig, VeloraConfig
 
-    model = _peft_bert(LoraConfig(r=4, target_modules=["query", "value"], velora_config=VeloraConfig(num_groups=2)))
+    model = _peft_bert(LoraConfig(r=4, target_modules=["query", "value"],
+                                  velora_config=VeloraConfig(num_groups=2)))
     with pytest.raises(ModuleValidationError, match=r"(?s)VeLoRA.*lora_velora_embed.*Fix: use plain LoRA"):
         GhostClippingEngine(model)
 
@@ -369,7 +378,8 @@ def test_dora_with_a_trainable_magnitude_is_refused_naming_the_fix():
     from peft import LoraConfig
 
     model = _peft_bert(LoraConfig(r=4, target_modules=["query", "value"], use_dora=True))
-    with pytest.raises(ModuleValidationError, match=r"(?s)lora_magnitude_vector.default'.*DoRA.*freeze the magnitude"):
+    with pytest.raises(ModuleValidationError, match=r"(?s)lora_magnitude_vector.default'.*DoRA.*freeze the "
+                                                    r"magnitude"):
         GhostClippingEngine(model)
 
 
@@ -394,7 +404,8 @@ def test_dora_with_a_frozen_magnitude_is_exact_and_within_sensitivity(length):
 def test_plain_lora_stays_exact():
     from peft import LoraConfig
 
-    model = _peft_bert(LoraConfig(r=4, target_modules=["query", "value"], lora_dropout=0.0, init_lora_weights=False))
+    model = _peft_bert(LoraConfig(r=4, target_modules=["query", "value"], lora_dropout=0.0,
+                                  init_lora_weights=False))
     inputs, labels = _bert_inputs(4, 4)
     ours = clipped_sum(model, _bert_forward, inputs, labels)
     assert relative_error(ours, reference_sum(model, _bert_forward, inputs, labels)) <= 1e-10
@@ -412,14 +423,16 @@ def test_without_the_peft_validators_the_runtime_proof_still_refuses(monkeypatch
         k: v for k, v in validators._VALIDATORS.items() if not k.__module__.startswith("peft")})
     inputs, labels = _bert_inputs(16, 5)  # 16 == hidden size: rows of the weight would look like examples
     velora = _peft_bert(LoraConfig(r=4, target_modules=["query"], velora_config=VeloraConfig(num_groups=2)))
-    with pytest.raises(StateWrittenError, match=r"lora_velora_embed.default' \(module '.*query.lora_velora_embed'\)"):
+    with pytest.raises(StateWrittenError, match=r"lora_velora_embed.default' \(module "
+                                                r"'.*query.lora_velora_embed'\)"):
         clipped_sum(velora, _bert_forward, inputs, labels)
     peanut = _peft_bert(PeanutConfig(r=4, target_modules=["query"]))
     with pytest.raises(UnsupportedLayerError, match=r"peanut_A.default.weight"):
         clipped_sum(peanut, _bert_forward, inputs, labels)
 
 
-# ------------------------------------------------------------------------ DPTrainer: no state outside the step
+# ------------------------------------------------------------------------ DPTrainer: no state outside the
+# step
 class _PooledWithBatchNorm(nn.Module):
     """Embedding, mean pool, a frozen BatchNorm1d (with running stats) and a classifier, returning logits."""
 
@@ -432,7 +445,8 @@ class _PooledWithBatchNorm(nn.Module):
         self.head = nn.Linear(8, 2)
 
     def forward(self, input_ids, attention_mask=None):
-        # pooled over the example's own tokens: a mean over the padded row would depend on the batch's longest example
+        # pooled over the example's own tokens: a mean over the padded row would depend on the batch's longest
+        # example
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         weights = mask.unsqueeze(-1).to(torch.float32)
         pooled = (self.embed(input_ids) * weights).sum(1) / weights.sum(1).clamp_min(1.0)
@@ -446,12 +460,15 @@ def _trainer(tmp_path, model, **overrides):
 
     args = DPTrainingArguments(
         output_dir=str(tmp_path), noise_multiplier=1.0, per_sample_max_grad_norm=0.5, logical_batch_size=4,
-        per_device_train_batch_size=2, max_steps=3, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
-        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0,
+        per_device_train_batch_size=2, max_steps=3, optim="sgd", learning_rate=0.5,
+        lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+        dp_seed=0,
         **overrides,
     )
     examples = make_examples(8, 90, causal=False, seed=3)
-    return DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
+    return DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                     data_collator=PadCollator(0))
 
 
 def test_dptrainer_refuses_batchnorm_unless_frozen_in_eval_mode(tmp_path):
@@ -523,7 +540,8 @@ def test_a_first_step_of_one_example_does_not_fix_the_verdicts():
 def _tiny_t5_seq2seq(freeze_relative_bias: bool):
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=20, d_model=8, d_kv=4, d_ff=12, num_layers=1, num_decoder_layers=1, num_heads=2,
+    config = T5Config(vocab_size=20, d_model=8, d_kv=4, d_ff=12, num_layers=1, num_decoder_layers=1,
+                      num_heads=2,
                       relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
                       feed_forward_proj="relu", pad_token_id=0, decoder_start_token_id=0)
     torch.manual_seed(0)
@@ -542,7 +560,8 @@ def _seq2seq_forward(model, inputs):
 
 def _seq2seq_inputs(batch: int, length: int, seed: int = 0):
     ids, labels = ids_batch(batch, length, seed=seed)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids.flip(1)}, labels
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "decoder_input_ids": ids.flip(1)}, labels
 
 
 @pytest.mark.parametrize("length", [4, 6], ids=["T==B", "T!=B"])
@@ -578,13 +597,14 @@ def test_a_head_on_each_examples_last_token_is_proven_per_example():
     mask[2, -1] = 0
     forward = lambda m, inputs: m(inputs["input_ids"], inputs["attention_mask"])  # noqa: E731
     ours = clipped_sum(model, forward, {"input_ids": ids, "attention_mask": mask}, labels)
-    assert relative_error(ours, reference_sum(model, forward, {"input_ids": ids, "attention_mask": mask}, labels)) <= 1e-10
+    assert relative_error(ours,
+            reference_sum(model, forward, {"input_ids": ids, "attention_mask": mask}, labels)) <= 1e-10
 
 
 @pytest.mark.parametrize("kind", ["batchnorm", "embedding_max_norm"])
 def test_without_any_validator_the_first_step_still_refuses_the_written_state(monkeypatch, kind):
-    """Defence in depth: with the registry emptied, the running statistics of a BatchNorm in train mode and the
-    in-place renormalisation of Embedding(max_norm) are caught by the first step's version check."""
+    """Defence in depth: with the registry emptied, the running statistics of a BatchNorm in train mode and
+    the in-place renormalisation of Embedding(max_norm) are caught by the first step's version check."""
     import hf_dpfilter.proofs.validators as validators
 
     monkeypatch.setattr(validators, "_VALIDATORS", {})
@@ -596,7 +616,8 @@ def test_without_any_validator_the_first_step_still_refuses_the_written_state(mo
     else:
         model = _PositionalModel(broadcast=True)
         model.tok = nn.Embedding(20, 8, max_norm=0.5)
-        inputs, expected, forward = {"input_ids": ids_batch(4, 5)[0]}, r"'tok.weight' \(module 'tok'\)", _ids_forward
+        inputs, expected, forward = {"input_ids": ids_batch(4,
+                5)[0]}, r"'tok.weight' \(module 'tok'\)", _ids_forward
     with pytest.raises(StateWrittenError, match=expected):
         clipped_sum(model, forward, inputs, torch.randint(0, 2, (4,)))
 
@@ -678,10 +699,10 @@ def test_examples_reordered_before_a_trainable_layer_are_refused(reorder):
 
 @pytest.mark.parametrize("mix", ["matmul", "einsum"])
 def test_a_product_summing_over_the_examples_loses_the_batch_axis_even_when_sizes_coincide(mix):
-    """``h.T @ h`` and ``einsum('bd,be->de')`` sum over the examples; with d == B their result looks batch-first
-    by shape. The trace follows the contracted axis, so the layer fed with it is refused. (A result like this
-    added back to per-example rows keeps their batch axis: whether a computation couples examples is the
-    validators' and the per-example independence check's business, not the axis trace's.)"""
+    """``h.T @ h`` and ``einsum('bd,be->de')`` sum over the examples; with d == B their result looks
+    batch-first by shape. The trace follows the contracted axis, so the layer fed with it is refused. (A
+    result like this added back to per-example rows keeps their batch axis: whether a computation couples
+    examples is the validators' and the per-example independence check's business, not the axis trace's.)"""
 
     class Gram(nn.Module):
         def __init__(self) -> None:

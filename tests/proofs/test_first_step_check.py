@@ -1,11 +1,11 @@
 """The first-step check verifies per example, and independence; the loss is built per example or refused.
 
 Once per run (dp_verify_first_step), a few examples of the first micro-batch are recomputed alone: their
-losses and per-example gradients must equal the in-batch ones. A rule wrong per example but right in sum (which
-a batch-sum check passes) and a loss that couples examples through the documented hook are both caught before
-any step is released. Losses defined over the batch (compute_loss override, compute_loss_func) are refused
-unless compute_per_example_loss is overridden; label smoothing is exact per example; prompt learning and
-logits/labels of different lengths are refused.
+losses and per-example gradients must equal the in-batch ones. A rule wrong per example but right in sum
+(which a batch-sum check passes) and a loss that couples examples through the documented hook are both caught
+before any step is released. Losses defined over the batch (compute_loss override, compute_loss_func) are
+refused unless compute_per_example_loss is overridden; label smoothing is exact per example; prompt learning
+and logits/labels of different lengths are refused.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def _args(tmp_path, **kw):
 
 def _trainer(tmp_path, model=None, cls=DPTrainer, causal=False, **kw):
     model = model if model is not None else tiny_bert()
-    return cls(model=model, args=_args(tmp_path, **kw), train_dataset=ListDataset(make_examples(6, VOCAB, causal)),
+    return cls(model=model, args=_args(tmp_path, **kw),
+               train_dataset=ListDataset(make_examples(6, VOCAB, causal)),
                data_collator=PadCollator(0))
 
 
@@ -85,7 +86,8 @@ class ContrastiveTrainer(DPTrainer):
 
 
 class OwnLossTrainer(DPTrainer):
-    """A per-example loss of the user's own (squared hinge), through the documented hook: accepted and verified."""
+    """A per-example loss of the user's own (squared hinge), through the documented hook: accepted and
+    verified."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         raise AssertionError("never used for training")
@@ -120,12 +122,15 @@ def test_compute_loss_override_is_refused_with_the_hook(tmp_path):
 
 def test_compute_loss_func_is_refused(tmp_path):
     with pytest.raises(LossPolicyError, match="compute_loss_func"):
-        DPTrainer(model=tiny_bert(), args=_args(tmp_path), train_dataset=ListDataset(make_examples(6, VOCAB, False)),
-                  data_collator=PadCollator(0), compute_loss_func=lambda outputs, labels, num_items_in_batch: 0)
+        DPTrainer(model=tiny_bert(), args=_args(tmp_path),
+                  train_dataset=ListDataset(make_examples(6, VOCAB, False)),
+                  data_collator=PadCollator(0), compute_loss_func=lambda outputs, labels,
+                  num_items_in_batch: 0)
 
 
 def test_label_smoothing_is_exact_per_example():
-    """label_smoothing_factor: the Trainer's LabelSmoother applied to each example alone (not to the batch)."""
+    """label_smoothing_factor: the Trainer's LabelSmoother applied to each example alone (not to the
+    batch)."""
     from transformers.trainer_pt_utils import LabelSmoother
 
     torch.manual_seed(0)
@@ -142,7 +147,8 @@ def test_label_smoothing_is_exact_per_example():
     y = torch.tensor([0, 2, 1, 1])
     ours = per_example_loss(classes, y, causal_lm=False, label_smoothing=0.2)
     for i in range(4):
-        assert torch.allclose(ours[i], smoother.__class__(epsilon=0.2)({"logits": classes[i : i + 1]}, y[i : i + 1]).double())
+        assert torch.allclose(ours[i],
+                smoother.__class__(epsilon=0.2)({"logits": classes[i : i + 1]}, y[i : i + 1]).double())
 
 
 def test_logits_and_labels_of_different_lengths_are_refused():
@@ -161,16 +167,17 @@ def test_prompt_tuning_is_refused_before_the_first_step(tmp_path):
 
 
 def test_own_loss_with_the_check_turned_off_is_refused(tmp_path):
-    """The hook is accepted because the first-step check verifies it: with the check off, a loss over the batch
-    (in-batch negatives) would train silently, so the combination is refused before anything runs."""
+    """The hook is accepted because the first-step check verifies it: with the check off, a loss over the
+    batch (in-batch negatives) would train silently, so the combination is refused before anything runs."""
     with pytest.raises(LossPolicyError, match="compute_per_example_loss and dp_verify_first_step=False"):
         _trainer(tmp_path, cls=ContrastiveTrainer, dp_verify_first_step=False)
 
 
 class _TrainingOnlyCentering(nn.Module):
-    """A hand-written batch normalisation: centres the features over the batch, in training mode only. The mean is
-    read into Python and back (``.tolist()``), out of the batch-axis trace's sight: with the tensor itself, the
-    tracer refuses the head first (tests/adversarial/test_verdict_attacks.py); this is the first-step check's case."""
+    """A hand-written batch normalisation: centres the features over the batch, in training mode only. The
+    mean is read into Python and back (``.tolist()``), out of the batch-axis trace's sight: with the tensor
+    itself, the tracer refuses the head first (tests/adversarial/test_verdict_attacks.py); this is the
+    first-step check's case."""
 
     def forward(self, x):
         return x - torch.tensor(x.mean(dim=0, keepdim=True).tolist(), dtype=x.dtype) if self.training else x
@@ -192,9 +199,9 @@ class _CenteredClassifier(nn.Module):
 
 def test_coupling_only_in_training_mode_is_caught(tmp_path):
     """A module that couples examples only under self.training (no parameter, no buffer, not a BatchNorm; with
-    the tensor mean itself it moved the pre-noise aggregate by 1.27 C when one example was added). The check used to run every
-    module in eval mode, where the coupling is absent, and passed; the model is deterministic in training mode,
-    so the check now runs in it and refuses before anything is released."""
+    the tensor mean itself it moved the pre-noise aggregate by 1.27 C when one example was added). The check
+    used to run every module in eval mode, where the coupling is absent, and passed; the model is
+    deterministic in training mode, so the check now runs in it and refuses before anything is released."""
     model = _CenteredClassifier()
     before = [p.detach().clone() for p in model.parameters()]
     trainer = _trainer(tmp_path, model, per_sample_max_grad_norm=0.01)
@@ -205,10 +212,10 @@ def test_coupling_only_in_training_mode_is_caught(tmp_path):
 
 
 def test_model_with_dropout_is_checked_in_training_mode(tmp_path):
-    """With dropout (here also inside BERT's sdpa attention, a kernel argument read from ``self.dropout.p``) the
-    losses in training mode are random. The check used to fall back to eval mode; it now turns dropout off in the
-    modules and the kernel probability (element-wise: it cannot couple examples) and checks in training mode. A
-    forward still random after that is refused (tests/proofs/test_separation.py)."""
+    """With dropout (here also inside BERT's sdpa attention, a kernel argument read from ``self.dropout.p``)
+    the losses in training mode are random. The check used to fall back to eval mode; it now turns dropout off
+    in the modules and the kernel probability (element-wise: it cannot couple examples) and checks in training
+    mode. A forward still random after that is refused (tests/proofs/test_separation.py)."""
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -225,24 +232,26 @@ def test_model_with_dropout_is_checked_in_training_mode(tmp_path):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_left_padding_with_absolute_positions_passes_the_check_by_construction(tmp_path, family):
-    """GPT-2 numbers positions from the first column, so left padding gave each example positions that depend on the
-    longest example of its batch: one long example added moved the pre-noise aggregate by 3.77 C (24 short examples,
-    float32, noise 0), and the check only caught it when the first micro-batch was padded. Every micro-batch now gets
-    position_ids derived from its mask (hf_dpfilter.proofs.padding; tests/proofs/test_padding.py), so each
-    example has its positions alone and the check, comparing with the example re-collated alone, passes.
-    Llama's rotary positions are made exact the same way."""
+    """GPT-2 numbers positions from the first column, so left padding gave each example positions that depend
+    on the longest example of its batch: one long example added moved the pre-noise aggregate by 3.77 C (24
+    short examples, float32, noise 0), and the check only caught it when the first micro-batch was padded.
+    Every micro-batch now gets position_ids derived from its mask (hf_dpfilter.proofs.padding;
+    tests/proofs/test_padding.py), so each example has its positions alone and the check, comparing with the
+    example re-collated alone, passes. Llama's rotary positions are made exact the same way."""
     from models import tiny_decoder
 
     model = tiny_gpt2() if family == "gpt2" else tiny_decoder("llama")
     examples = make_examples(6, VOCAB, causal=True, seed=2)
     args = _args(tmp_path)
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=LeftPadCollator())
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=LeftPadCollator())
     trainer.train()
     assert trainer.accountant.steps == 1 and trainer._per_example_checked
 
 
 class _ShrunkLinear(nn.Linear):
-    """A Linear whose (test-only) rule gives each example 99% of its gradient: norms 1% low, clipping 1% weak."""
+    """A Linear whose (test-only) rule gives each example 99% of its gradient: norms 1% low, clipping 1%
+    weak."""
 
 
 def _shrunk_rule(module, activations, grad_output):
@@ -253,8 +262,9 @@ def _shrunk_rule(module, activations, grad_output):
 
 
 def test_bf16_set_after_creation_does_not_loosen_the_check(tmp_path):
-    """The check's tolerance follows the precision the accelerator computes in: args.bf16 set after the trainer was
-    created changes no computation (fp64 here) but used to widen the tolerance to 5e-2, letting a rule 1% wrong pass."""
+    """The check's tolerance follows the precision the accelerator computes in: args.bf16 set after the
+    trainer was created changes no computation (fp64 here) but used to widen the tolerance to 5e-2, letting a
+    rule 1% wrong pass."""
     register_grad_rule(_ShrunkLinear)(_shrunk_rule)
     try:
         model = tiny_bert()
@@ -270,8 +280,9 @@ def test_bf16_set_after_creation_does_not_loosen_the_check(tmp_path):
 
 
 def test_own_loss_under_fsdp2_sharding_is_refused(tmp_path):
-    """FSDP2 sharding skips the first-step check, so an overridden compute_per_example_loss would train unverified.
-    (Sharding is simulated by marking the DP optimizer sharded; the refusal comes before any sharded code runs.)"""
+    """FSDP2 sharding skips the first-step check, so an overridden compute_per_example_loss would train
+    unverified. (Sharding is simulated by marking the DP optimizer sharded; the refusal comes before any
+    sharded code runs.)"""
 
     class ShardedOwnLoss(ContrastiveTrainer):
         def create_optimizer(self, model=None):
@@ -287,10 +298,11 @@ def test_own_loss_under_fsdp2_sharding_is_refused(tmp_path):
 
 def test_check_waits_for_a_micro_batch_of_two_examples(tmp_path):
     """A Poisson batch of one example equals itself alone: checked on it, a loss coupling examples (in-batch
-    negatives) passed and then trained unverified on every later batch. The check now waits for a micro-batch of two
-    examples or more (a micro-batch of one cannot couple examples, so the step before it is safe)."""
+    negatives) passed and then trained unverified on every later batch. The check now waits for a micro-batch
+    of two examples or more (a micro-batch of one cannot couple examples, so the step before it is safe)."""
     args = _args(tmp_path, logical_batch_size=2, per_device_train_batch_size=4, max_steps=2, dp_seed=0)
-    trainer = ContrastiveTrainer(model=tiny_bert(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
+    trainer = ContrastiveTrainer(model=tiny_bert(), args=args,
+                                 train_dataset=ListDataset(make_examples(8, VOCAB, False)),
                                  data_collator=PadCollator(0))
     sizes = [len(batch) for batch in make_sampler(trainer.privacy_plan, rank=0, world_size=1)][:2]
     assert sizes == [1, 2]  # dp_seed=0 draws one example, then two
@@ -300,7 +312,8 @@ def test_check_waits_for_a_micro_batch_of_two_examples(tmp_path):
 
 
 def test_loss_set_on_the_instance_is_held_to_the_same_policy(tmp_path):
-    """compute_per_example_loss assigned on the trainer object (not a subclass) after creation, with the check off:
+    """compute_per_example_loss assigned on the trainer object (not a subclass) after creation, with the check
+    off:
     the policy looked only at the class, so the in-batch-negatives loss trained unverified."""
     import types
 
@@ -312,7 +325,8 @@ def test_loss_set_on_the_instance_is_held_to_the_same_policy(tmp_path):
 
 
 class _TailSwappedLinear(nn.Linear):
-    """A Linear whose (test-only) rule swaps the last two examples' gradients: right in sum, wrong at the batch's end."""
+    """A Linear whose (test-only) rule swaps the last two examples' gradients: right in sum, wrong at the
+    batch's end."""
 
 
 def _tail_swapped_rule(module, activations, grad_output):

@@ -1,15 +1,18 @@
-"""Padding never couples examples: checked on every micro-batch from the attention mask (hf_dpfilter.proofs.padding).
+"""Padding never couples examples: checked on every micro-batch from the attention mask
+(hf_dpfilter.proofs.padding).
 
-Sensitivity tests at noise 0 in float32 on neighbouring data sets D, D' (ratio = ||clipped sum(D') - clipped sum(D)||
-/ C, at most 1 for add/remove, 2 for replace-one), with an added example whose labels are all ignored: it has no
-gradient of its own, so all it moves is the other examples' gradients, through the padding it sets.
+Sensitivity tests at noise 0 in float32 on neighbouring data sets D, D' (ratio = ||clipped sum(D') - clipped
+sum(D)|| / C, at most 1 for add/remove, 2 for replace-one), with an added example whose labels are all
+ignored: it has no gradient of its own, so all it moves is the other examples' gradients, through the padding
+it sets.
 
-1. A collator that pads without an attention mask (BERT attends to the pads): one long example moved the clipped sum
-   by several C, and the first-step check passed. Now every such batch is refused before its step is released; with
-   the mask the same run is exact.
-2. Left padding with GPT-2's absolute positions: positions shift with the longest example of the batch. With step 1
-   holding one length only and the long example first sampled at step 2, nothing was checked. Now every micro-batch
-   gets position ids derived from the mask: exact, equal to the float64 per-example reference of each example alone.
+1. A collator that pads without an attention mask (BERT attends to the pads): one long example moved the
+   clipped sum by several C, and the first-step check passed. Now every such batch is refused before its step
+   is released; with the mask the same run is exact.
+2. Left padding with GPT-2's absolute positions: positions shift with the longest example of the batch. With
+   step 1 holding one length only and the long example first sampled at step 2, nothing was checked. Now every
+   micro-batch gets position ids derived from the mask: exact, equal to the float64 per-example reference of
+   each example alone.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def _args(tmp_path, n, **kw):
 
 
 class MasklessPadCollator(PadCollator):
-    """Pads on the right like PadCollator but returns no attention mask (the model then attends to the pads)."""
+    """Pads on the right like PadCollator but returns no attention mask (the model then attends to the
+    pads)."""
 
     def __call__(self, examples):
         batch = super().__call__(examples)
@@ -55,19 +59,21 @@ def _long_example(causal: bool, seed: int = 7) -> dict:
 
 
 def _one_step_sum(tmp_path, model, examples, collator) -> torch.Tensor:
-    """train() for one step at q = 1 (every example sampled), noise 0, SGD lr 1: the clipped sum is -B * the change."""
+    """train() for one step at q = 1 (every example sampled), noise 0, SGD lr 1: the clipped sum is -B * the
+    change."""
     trainer = DPTrainer(model=model, args=_args(tmp_path, len(examples)), train_dataset=ListDataset(examples),
                         data_collator=collator)
     before = [p.detach().clone() for p in model.parameters()]
     trainer.train()
     assert trainer.accountant.steps == 1
-    return -len(examples) * flat([p.detach().double() - b.double() for p, b in zip(model.parameters(), before)])
+    return -len(examples) * flat([p.detach().double() - b.double() for p,
+                                  b in zip(model.parameters(), before)])
 
 
 # ------------------------------------------------------------------------- 1. padding without a mask
 def _bert():
-    """A tiny float32 BERT with weights of a trained model's scale (initializer_range 0.5): at the default 0.02 the pads'
-    embeddings are too small to move much; the coupling is the same."""
+    """A tiny float32 BERT with weights of a trained model's scale (initializer_range 0.5): at the default
+    0.02 the pads' embeddings are too small to move much; the coupling is the same."""
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -78,24 +84,26 @@ def _bert():
 
 
 def test_padding_without_an_attention_mask_is_refused_before_the_step(tmp_path):
-    """D: short examples of one length (no padding: trains). D' = D plus a long zero-loss example: every other row
-    is padded to 30 columns the model attends to: the clipped sum moved by 2.13 C (add/remove bound: 1) and the
-    first-step check passed. Now the batch is refused before its step, nothing released."""
+    """D: short examples of one length (no padding: trains). D' = D plus a long zero-loss example: every other
+    row is padded to 30 columns the model attends to: the clipped sum moved by 2.13 C (add/remove bound: 1)
+    and the first-step check passed. Now the batch is refused before its step, nothing released."""
     shorts = make_examples(6, VOCAB, causal=False, seed=1, min_len=5, max_len=5)
     _one_step_sum(tmp_path / "d", _bert(), shorts, MasklessPadCollator(0))
     model = _bert()
     before = [p.detach().clone() for p in model.parameters()]
     trainer = DPTrainer(model=model, args=_args(tmp_path / "d2", 7), train_dataset=ListDataset(
         shorts + [_long_example(False)]), data_collator=MasklessPadCollator(0))
-    with pytest.raises(PaddingError, match="returns no `attention_mask`.*return the attention mask from the collator"):
+    with pytest.raises(PaddingError, match="returns no `attention_mask`.*return the attention mask from the "
+                                           "collator"):
         trainer.train()
     assert trainer.accountant.steps == 0
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
 def test_padding_without_a_mask_is_refused_when_training_starts(tmp_path):
-    """The first two examples of the training set, of different widths, already show the maskless padding: refused
-    when the training data loader is built, before the first step (every batch is still checked: above)."""
+    """The first two examples of the training set, of different widths, already show the maskless padding:
+    refused when the training data loader is built, before the first step (every batch is still checked:
+    above)."""
     shorts = make_examples(4, VOCAB, causal=False, seed=1, min_len=5, max_len=5)
     trainer = DPTrainer(model=_bert(), args=_args(tmp_path, 5), train_dataset=ListDataset(
         [_long_example(False)] + shorts), data_collator=MasklessPadCollator(0))
@@ -113,10 +121,12 @@ def test_padding_with_the_mask_is_within_sensitivity(tmp_path):
     assert ratio <= 1 + 1e-4, f"the clipped sum moved by {ratio:.4f} C"
 
 
-# ------------------------------------------------------------------------- 2. left padding, absolute positions
+# ------------------------------------------------------------------------- 2. left padding, absolute
+# positions
 def _step_two_sums(tmp_path, collator, model, step_one, *steps_two):
-    """The clipped sums of later steps after a first step on ``step_one`` (whose micro-batch the first-step check
-    verifies): each a training_step on its own sample at the same parameters (noise 0, nothing released)."""
+    """The clipped sums of later steps after a first step on ``step_one`` (whose micro-batch the first-step
+    check verifies): each a training_step on its own sample at the same parameters (noise 0, nothing
+    released)."""
     examples = step_one + [e for step in steps_two for e in step]
     trainer = DPTrainer(model=model, args=_args(tmp_path, len(step_one), max_steps=2),
                         train_dataset=ListDataset(examples), data_collator=collator)
@@ -135,9 +145,10 @@ def _step_two_sums(tmp_path, collator, model, step_one, *steps_two):
 
 @pytest.mark.parametrize("collator", [LeftPadCollator(), PadCollator(0)], ids=["left", "right"])
 def test_long_example_first_sampled_at_step_two_is_within_replace_one(tmp_path, collator):
-    """Step 1: eight examples of one length (no padding, checked). Step 2 replaces one example by a long one with
-    every label ignored: under left padding GPT-2's positions shifted for all the others (ratio 2.54 > 2, unchecked).
-    Now positions come from the mask on every micro-batch: within 2 C, like right padding (the control)."""
+    """Step 1: eight examples of one length (no padding, checked). Step 2 replaces one example by a long one
+    with every label ignored: under left padding GPT-2's positions shifted for all the others (ratio 2.54 > 2,
+    unchecked). Now positions come from the mask on every micro-batch: within 2 C, like right padding (the
+    control)."""
     shorts = make_examples(9, VOCAB, causal=True, seed=2, min_len=6, max_len=6)
     step_one, kept, replaced = shorts[:8], shorts[:8], shorts[8]
     d, d2 = _step_two_sums(tmp_path, collator, tiny_gpt2(dtype=torch.float32), step_one,
@@ -149,8 +160,8 @@ def test_long_example_first_sampled_at_step_two_is_within_replace_one(tmp_path, 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_left_padded_step_equals_the_per_example_reference(tmp_path, family):
     """float64: the clipped sum of a left-padded micro-batch equals the sum of each example's clipped gradient
-    computed alone, unpadded (helpers.reference_clipped_sum). Llama's rotary attention is shift-invariant only up to
-    rounding; with the positions from the mask it is exact too."""
+    computed alone, unpadded (helpers.reference_clipped_sum). Llama's rotary attention is shift-invariant only
+    up to rounding; with the positions from the mask it is exact too."""
     from models import tiny_decoder
 
     examples = make_examples(5, VOCAB, causal=True, seed=3, min_len=3, max_len=9)
@@ -164,7 +175,8 @@ def test_left_padded_step_equals_the_per_example_reference(tmp_path, family):
                         train_dataset=ListDataset(shorts + examples), data_collator=LeftPadCollator())
     trainer.create_optimizer()
     trainer.get_train_dataloader()
-    trainer.training_step(model, trainer._padding_collator(shorts))  # the training collator: raw rows attached
+    # the training collator: raw rows attached
+    trainer.training_step(model, trainer._padding_collator(shorts))
     trainer.dp_optimizer.zero_grad()
     trainer.training_step(model, trainer._padding_collator(examples))
     local = trainer.dp_optimizer._local_sums()
@@ -234,8 +246,9 @@ class RobertaLeftPad(LeftPadCollator):
 
 
 def test_roberta_left_padding_is_exact_without_injected_positions(tmp_path):
-    """RoBERTa counts positions over the tokens that are not pad_token_id: left padding with its pad token is exact
-    as is (no position_ids are added: an arange there would be wrong), equal to each example alone, unpadded."""
+    """RoBERTa counts positions over the tokens that are not pad_token_id: left padding with its pad token is
+    exact as is (no position_ids are added: an arange there would be wrong), equal to each example alone,
+    unpadded."""
     examples = _token_examples(5, seed=6)
     model = _tiny_roberta_tokens()
     model.eval()
@@ -286,8 +299,8 @@ def test_bert_sequence_head_with_left_padding_is_refused(tmp_path):
 
 
 def test_positions_from_the_mask_are_each_rows_own():
-    """Left-padded, right-padded, unpadded and empty rows: each real token gets its index from the row's first real
-    token (an example's own masked token keeps its column), pads a valid index."""
+    """Left-padded, right-padded, unpadded and empty rows: each real token gets its index from the row's first
+    real token (an example's own masked token keeps its column), pads a valid index."""
     from hf_dpfilter.proofs.padding import leading_padding, positions_from_mask
 
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 1, 1], [0, 0, 0, 0, 0]])

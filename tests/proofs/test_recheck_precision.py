@@ -76,7 +76,8 @@ def test_without_a_gradient_argument_a_small_mismatch_refuses_and_the_weights_ar
     with pytest.raises(SeparationError, match="another loss in the micro-batch than re-collated alone"):
         checks.recheck(model, batch, raw, "a new shape")
     assert checks.rounding_rechecks == 0
-    assert model.weight is weight and model.weight.data_ptr() == storage and model.weight.dtype == torch.float32
+    assert (model.weight is weight and model.weight.data_ptr() == storage
+            and model.weight.dtype == torch.float32)
 
 
 def test_a_coupling_refuses():
@@ -95,11 +96,12 @@ def test_a_float32_mismatch_too_large_for_rounding_refuses():
     assert checks.rounding_rechecks == 0
 
 
-# ------------------------------------------------------------------ through the public API: DPTrainer, noise 0
+# ------------------------------------------------------------------ through the public API: DPTrainer, noise
+# 0
 class _WidthCoupledLoss(DPTrainer):
-    """Own-count token NLL; while the micro-batch is padded beyond 10 tokens, every example's loss is scaled by
-    1 + 1e-3 (the long example's presence reaches the short one's loss): in float32 only (``float32_only``) or
-    in every precision (a small real coupling, below ROUNDING_BOUND, above the 1e-4 tolerance);
+    """Own-count token NLL; while the micro-batch is padded beyond 10 tokens, every example's loss is scaled
+    by 1 + 1e-3 (the long example's presence reaches the short one's loss): in float32 only (``float32_only``)
+    or in every precision (a small real coupling, below ROUNDING_BOUND, above the 1e-4 tolerance);
     ``value_only``: the loss's value moves, its gradient not (a stand-in for rounding: a confident model's
     sits in the log-softmax's value, and no example reaches another's gradient)."""
 
@@ -122,8 +124,8 @@ class _SmallRealCoupling(_WidthCoupledLoss):
 def _make(tmp_path, cls, examples, clip=2.0):
     def make(name):
         # sampled order: micro-batch 1 holds the two equal examples (the first-step check), micro-batch 2 the
-        # short and the long one (a new shape: its re-check). The long one has no label (loss 0), so the re-check
-        # draws the short one, whose loss the long one's width moves
+        # short and the long one (a new shape: its re-check). The long one has no label (loss 0), so the
+        # re-check draws the short one, whose loss the long one's width moves
         args = _args(tmp_path / name, per_sample_max_grad_norm=clip, dp_recheck_rate=0.0,
                      dp_group_by_length=False)
         return cls(model=tiny_gpt2(torch.float32), args=args, train_dataset=ListDataset(examples),

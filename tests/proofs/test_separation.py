@@ -1,4 +1,5 @@
-"""The per-example checks over the whole run: "alone" re-collated alone, training mode, re-checks (issue 29, 3-5).
+"""The per-example checks over the whole run: "alone" re-collated alone, training mode, re-checks (issue 29,
+3-5).
 
 Through the public API (DPTrainer on tiny models, noise 0): each logical batch is built by the trainer's own
 training collator and computed by ``training_step``; the released pre-noise aggregate is the DP optimizer's
@@ -7,12 +8,12 @@ clipped sum. Neighbouring data sets D and D' differ by one added example; the ra
 
 * "alone" is the example's raw row collated alone (a collator that pads without an attention mask is caught:
   slicing the padded row out of the batch kept the pads and passed);
-* case 3: a random forward hook that mixes the examples of a micro-batch (mixup, random lambda) is refused (the
-  check used to fall back to eval mode, where the hook is off); dropout is not a reason to refuse;
+* case 3: a random forward hook that mixes the examples of a micro-batch (mixup, random lambda) is refused
+  (the check used to fall back to eval mode, where the hook is off); dropout is not a reason to refuse;
 * case 4: a ``compute_per_example_loss`` normalised by the micro-batch's mean token count passes on a first
   micro-batch of equal lengths and is refused by the re-check of the next micro-batch's new shape;
-* case 5: a forward hook capping the micro-batch's embedding norm above a threshold (a data-dependent branch) that
-  first triggers in micro-batch 2 is refused; without the checks it moves the aggregate by more than C.
+* case 5: a forward hook capping the micro-batch's embedding norm above a threshold (a data-dependent branch)
+  that first triggers in micro-batch 2 is refused; without the checks it moves the aggregate by more than C.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def _example(length: int, seed: int, causal: bool, labelled: bool = True) -> dic
 
 
 def _step(trainer: DPTrainer, examples: list[dict]):
-    """One logical batch of ``examples`` (in this order) through the training collator and ``training_step``; the
-    pre-noise clipped sum it accumulated (flat, float64) and the sensitivity C."""
+    """One logical batch of ``examples`` (in this order) through the training collator and ``training_step``;
+    the pre-noise clipped sum it accumulated (flat, float64) and the sensitivity C."""
     trainer.create_optimizer()
     collate = trainer.get_train_dataloader().collate_fn  # the training collator: it attaches the raw rows
     trainer.training_step(trainer.model, collate(examples))
@@ -67,9 +68,9 @@ def _ratio(make_trainer, d: list[dict], d_prime: list[dict]) -> float:
 
 # ------------------------------------------------------------------------------------- "alone" is re-collated
 class _TypesFromTheLongest(PadCollator):
-    """Pads with the mask, but marks every row's tokens as segment 1 when the batch's longest example has over 8
-    tokens: each example's row then depends on the others in its batch. The collator probe sees only the training
-    set's first two examples (short here), so it accepts it."""
+    """Pads with the mask, but marks every row's tokens as segment 1 when the batch's longest example has over
+    8 tokens: each example's row then depends on the others in its batch. The collator probe sees only the
+    training set's first two examples (short here), so it accepts it."""
 
     def __call__(self, examples):
         batch = super().__call__(examples)
@@ -80,13 +81,14 @@ class _TypesFromTheLongest(PadCollator):
 
 @pytest.mark.parametrize("batch_dependent", [True, False])
 def test_alone_is_the_example_collated_alone_not_a_sliced_row(tmp_path, batch_dependent):
-    """The first-step check built "example i alone" by slicing row i out of the collated batch, so a row that depends
-    on the rest of the batch (here its segment ids follow the batch's longest example) was compared with itself and
-    passed. Re-collated alone the short example gets its own segment ids: the coupling shows and the run is refused
-    before any release. The control (segment ids of the example's own) trains."""
+    """The first-step check built "example i alone" by slicing row i out of the collated batch, so a row that
+    depends on the rest of the batch (here its segment ids follow the batch's longest example) was compared
+    with itself and passed. Re-collated alone the short example gets its own segment ids: the coupling shows
+    and the run is refused before any release. The control (segment ids of the example's own) trains."""
     examples = [_example(length, seed, causal=False) for seed, length in enumerate([3, 4, 9, 6])]
     collator = _TypesFromTheLongest(0) if batch_dependent else PadCollator(0)
-    trainer = DPTrainer(model=tiny_bert(), args=_args(tmp_path, logical_batch_size=4, per_device_train_batch_size=4),
+    trainer = DPTrainer(model=tiny_bert(),
+                        args=_args(tmp_path, logical_batch_size=4, per_device_train_batch_size=4),
                         train_dataset=ListDataset(examples), data_collator=collator)
     if not batch_dependent:
         _step(trainer, examples)
@@ -113,10 +115,11 @@ def _scale_hook(module, args, output):
 
 @pytest.mark.parametrize("hook", ["mixup", "deterministic", "dropout"])
 def test_random_forward_that_mixes_examples_is_refused(tmp_path, hook):
-    """Case 3: with a random forward the check fell back to eval mode, where the mixup hook is off, and trained
-    unrefused (ratio 1.165 from a zero-loss example). Now the checks run in training mode with dropout off and the
-    same draws; a forward still random is refused before any release. A deterministic per-example hook trains, and
-    so does dropout (in modules and in the attention kernel), turned off in both forwards while checking."""
+    """Case 3: with a random forward the check fell back to eval mode, where the mixup hook is off, and
+    trained unrefused (ratio 1.165 from a zero-loss example). Now the checks run in training mode with dropout
+    off and the same draws; a forward still random is refused before any release. A deterministic per-example
+    hook trains, and so does dropout (in modules and in the attention kernel), turned off in both forwards
+    while checking."""
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -165,17 +168,17 @@ class _OwnCountLoss(_MeanCountLoss):
 
 @pytest.mark.parametrize("cls", [_MeanCountLoss, _OwnCountLoss])
 def test_loss_normalised_by_the_micro_batch_is_refused_by_a_recheck(tmp_path, cls):
-    """Case 4: the first micro-batch holds two examples of one length (the mean count is each one's own count: the
-    first-step check passes); the second micro-batch holds a short and a long example, a new shape, and its re-check
-    refuses before the step is released (the old code trained it, and the long example moved the float32 aggregate by
-    1.20 C, 1.28 C, 1.33 C with 1, 2, 3 short examples beside it). Own-count normalisation trains, and adding the long
-    example moves the aggregate by at most C."""
+    """Case 4: the first micro-batch holds two examples of one length (the mean count is each one's own count:
+    the first-step check passes); the second micro-batch holds a short and a long example, a new shape, and
+    its re-check refuses before the step is released (the old code trained it, and the long example moved the
+    float32 aggregate by 1.20 C, 1.28 C, 1.33 C with 1, 2, 3 short examples beside it). Own-count
+    normalisation trains, and adding the long example moves the aggregate by at most C."""
     equal = [_example(6, seed, causal=True) for seed in (1, 2)]
     short, long_ = _example(3, 3, causal=True), _example(30, 4, causal=True)
 
     def make(name):
-        # the refused case in sampled order: grouped, the long example leads micro-batch 1 and the first-step check
-        # refuses instead (tests/data/test_length_grouping.py); the control runs grouped (the default)
+        # the refused case in sampled order: grouped, the long example leads micro-batch 1 and the first-step
+        # check refuses instead (tests/data/test_length_grouping.py); the control runs grouped (the default)
         return cls(model=tiny_gpt2(torch.float32), args=_args(tmp_path / name, per_sample_max_grad_norm=2.0,
                                                               dp_recheck_rate=0.0,
                                                               dp_group_by_length=cls is _OwnCountLoss),
@@ -183,7 +186,8 @@ def test_loss_normalised_by_the_micro_batch_is_refused_by_a_recheck(tmp_path, cl
 
     if cls is _MeanCountLoss:
         trainer = make("refused")
-        with pytest.raises(SeparationError, match="(?s)Re-check \\(a new shape\\).*normalised over the micro-batch"):
+        with pytest.raises(SeparationError, match="(?s)Re-check \\(a new shape\\).*normalised over the "
+                                                  "micro-batch"):
             _step(trainer, [*equal, short, long_])
         assert trainer._per_example_checked and trainer.accountant.steps == 0
         return
@@ -193,9 +197,9 @@ def test_loss_normalised_by_the_micro_batch_is_refused_by_a_recheck(tmp_path, cl
 
 # -------------------------------------------------------------------------------------------------- case 5
 class _CapMicroBatchNorm:
-    """Reverses every example's embedding features when the whole micro-batch's norm exceeds ``limit`` (a branch
-    on a batch-wide statistic). The norm is read into Python (``float``), out of the batch-axis trace's sight: a
-    tensor scale (``output * limit / output.norm()``) is refused by the tracer first
+    """Reverses every example's embedding features when the whole micro-batch's norm exceeds ``limit`` (a
+    branch on a batch-wide statistic). The norm is read into Python (``float``), out of the batch-axis trace's
+    sight: a tensor scale (``output * limit / output.norm()``) is refused by the tracer first
     (tests/adversarial/test_verdict_attacks.py); a branch on the values is the re-check's case."""
 
     def __init__(self, limit: float) -> None:
@@ -217,9 +221,10 @@ def _gpt2(cap: bool):
 @pytest.mark.parametrize("cap", [True, False])
 def test_data_dependent_branch_in_micro_batch_two_is_refused(tmp_path, cap):
     """Case 5: the branch triggers only when the long example (no label of its own: its bound is 0) lands in
-    micro-batch 2 (micro-batch norms 0.47 and 0.39 without it, 1.32 with it; limit 0.5). Without the checks the
-    float32 aggregate moves by more than C; with them (the default) the re-check of micro-batch 2's new shape refuses before the
-    step is released. Without the hook it trains and the example moves the aggregate by at most C."""
+    micro-batch 2 (micro-batch norms 0.47 and 0.39 without it, 1.32 with it; limit 0.5). Without the checks
+    the float32 aggregate moves by more than C; with them (the default) the re-check of micro-batch 2's new
+    shape refuses before the step is released. Without the hook it trains and the example moves the aggregate
+    by at most C."""
     shorts = [_example(4, seed, causal=True) for seed in range(1, 8)]
     long_ = _example(36, 9, causal=True, labelled=False)
     d, d_prime = shorts, [*shorts, long_]
@@ -228,7 +233,8 @@ def test_data_dependent_branch_in_micro_batch_two_is_refused(tmp_path, cap):
         # the hole in sampled order (grouped, the long example would be in micro-batch 1); the control grouped
         args = _args(tmp_path / name, logical_batch_size=8, per_device_train_batch_size=4,
                      per_sample_max_grad_norm=0.01, dp_group_by_length=not cap, **kw)
-        return DPTrainer(model=_gpt2(cap), args=args, train_dataset=ListDataset(d_prime), data_collator=PadCollator(0))
+        return DPTrainer(model=_gpt2(cap), args=args, train_dataset=ListDataset(d_prime),
+                         data_collator=PadCollator(0))
 
     if not cap:
         assert _ratio(make, d, d_prime) <= 1 + 1e-4
@@ -243,8 +249,9 @@ def test_data_dependent_branch_in_micro_batch_two_is_refused(tmp_path, cap):
 
 # ------------------------------------------------------------------------------------------ seeded runs
 def test_rechecks_change_no_batch_noise_or_dropout_mask_of_a_seeded_run(tmp_path):
-    """Every micro-batch re-checked (dp_recheck_rate=1) or no check at all: a seeded run with dropout and noise
-    ends on the same parameters. The checks draw from their own generator and run their forwards on a forked RNG."""
+    """Every micro-batch re-checked (dp_recheck_rate=1) or no check at all: a seeded run with dropout and
+    noise ends on the same parameters. The checks draw from their own generator and run their forwards on a
+    forked RNG."""
     from transformers import BertConfig, BertForSequenceClassification
 
     def run(name, **kw):
@@ -256,7 +263,8 @@ def test_rechecks_change_no_batch_noise_or_dropout_mask_of_a_seeded_run(tmp_path
         examples = [_example(3 + seed % 5, seed, causal=False) for seed in range(12)]
         args = _args(tmp_path / name, noise_multiplier=1.0, max_steps=3, logical_batch_size=6,
                      per_device_train_batch_size=3, learning_rate=0.1, seed=3, **kw)
-        trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(0))
+        trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                            data_collator=PadCollator(0))
         trainer.train()
         return flat([p.detach().double() for p in model.parameters()]), trainer
 

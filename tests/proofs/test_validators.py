@@ -11,7 +11,8 @@ from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine, Uns
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False)
+    base = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no",
+                remove_unused_columns=False)
     base.update(kw)
     return DPTrainingArguments(**base)
 
@@ -83,7 +84,8 @@ def test_unknown_method_and_clipping(tmp_path):
 
 def test_unsupported_trainable_layer_is_named():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv1d(4, 4, 1))
-    with pytest.raises(UnsupportedLayerError, match=r"'1\.weight'.*torch\.nn\.modules\.conv\.Conv1d.*Freeze it"):
+    with pytest.raises(UnsupportedLayerError, match=r"'1\.weight'.*torch\.nn\.modules\.conv\.Conv1d.*Freeze "
+                                                    r"it"):
         GhostClippingEngine(model)
     model[1].requires_grad_(False)  # frozen: fine, and costs nothing
     GhostClippingEngine(model)

@@ -1,15 +1,15 @@
 """Dropout keyed to each example (hf_dpfilter/randomness/example_keys.py), through DPTrainer.
 
-* Neighbouring data sets at noise 0 and a fixed secret seed: D and D' = [x] + D, where x's labels are all -100 (no
-  gradient of its own). x shifts every other example's place in the stream, its micro-batch and its padded width;
-  with each family's dropout on, the clipped sum moves by <= 1e-10 C (float64), with the length grouping on and off,
-  at q = 1 and q < 1. With labels, the move is <= C (1 + 1e-4) in float32. Drawn from the global stream (before),
-  the unlabeled x moved GPT-2's sum by 1.5-7 C.
-* The masks are secret: two runs with the same public ``seed`` and no ``dp_seed`` draw different masks; two with
-  the same ``dp_seed`` are bit-identical; the key reaches no file of the run's output directory.
+* Neighbouring data sets at noise 0 and a fixed secret seed: D and D' = [x] + D, where x's labels are all -100
+  (no gradient of its own). x shifts every other example's place in the stream, its micro-batch and its padded
+  width; with each family's dropout on, the clipped sum moves by <= 1e-10 C (float64), with the length
+  grouping on and off, at q = 1 and q < 1. With labels, the move is <= C (1 + 1e-4) in float32. Drawn from the
+  global stream (before), the unlabeled x moved GPT-2's sum by 1.5-7 C.
+* The masks are secret: two runs with the same public ``seed`` and no ``dp_seed`` draw different masks; two
+  with the same ``dp_seed`` are bit-identical; the key reaches no file of the run's output directory.
 * A dropout whose leading axis is not the examples (a (T, B, d) activation) is refused by the proving step; an
-  nn.Dropout on a tensor every example shares (DeBERTa-v2's relative-position table) draws one mask for the step;
-  a mask is the same in the batch and alone (right and left padding).
+  nn.Dropout on a tensor every example shares (DeBERTa-v2's relative-position table) draws one mask for the
+  step; a mask is the same in the batch and alone (right and left padding).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ MODELS = {
     "llama": (lambda dtype: family("llama", 0.1, dtype=dtype), "lm"),
     "bart": (lambda dtype: _built("bart", "s2s", dtype, d_model=16, encoder_layers=1, decoder_layers=1,
                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
-                                  decoder_ffn_dim=24, decoder_start_token_id=2, forced_eos_token_id=None), "s2s"),
+                                  decoder_ffn_dim=24, decoder_start_token_id=2, forced_eos_token_id=None),
+                                  "s2s"),
     "t5": (lambda dtype: _built("t5", "s2s", dtype, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2,
                                 decoder_start_token_id=0), "s2s"),
     "lora-bert": (lambda dtype: lora("bert", 0.1, dtype=dtype), "cls"),
@@ -51,7 +52,8 @@ MODELS = {
 
 
 def _deberta(dtype):
-    return _built("deberta-v2", "cls", dtype, relative_attention=True, position_buckets=8, max_relative_positions=16,
+    return _built("deberta-v2", "cls", dtype, relative_attention=True, position_buckets=8,
+                  max_relative_positions=16,
                   pos_att_type=["p2c", "c2p"])
 
 
@@ -78,7 +80,8 @@ def _clipped_sum(tmp_path, model, examples, head: str, collator=None, **kw) -> t
     pre-noise clipped sum, flat, in float64."""
     pad = getattr(model.config, "pad_token_id", None) or 0
     collator = collator or (Seq2SeqCollator(pad) if head == "s2s" else PadCollator(pad))
-    trainer = DPTrainer(model=model, args=_args(tmp_path, len(examples), **kw), train_dataset=ListDataset(examples),
+    trainer = DPTrainer(model=model, args=_args(tmp_path, len(examples), **kw),
+                        train_dataset=ListDataset(examples),
                         data_collator=collator)
     trainer.create_optimizer()
     collate = trainer.get_train_dataloader().collate_fn  # attaches the raw rows
@@ -184,7 +187,8 @@ class _SequenceFirstDropout(nn.Module):
 
 
 def test_a_dropout_over_another_leading_axis_is_refused(tmp_path):
-    data = [{"input_ids": torch.randint(3, VOCAB, (3,)), "labels": i % 2} for i in range(6)]  # T = 3 = micro-batch
+    # T = 3 = micro-batch
+    data = [{"input_ids": torch.randint(3, VOCAB, (3,)), "labels": i % 2} for i in range(6)]
     with pytest.raises(KeyedRandomnessError, match="leading axis"):
         _clipped_sum(tmp_path, _SequenceFirstDropout(), data, "cls", dp_verify_first_step=False)
 
@@ -202,8 +206,9 @@ def test_a_rows_mask_is_its_own_in_the_batch_and_alone():
 
 
 def test_a_shared_tables_mask_is_not_keyed_to_rows_when_its_size_is_a_multiple_of_them(tmp_path):
-    """DeBERTa-v2's (16, d) relative-position table in micro-batches of 4 or 8 rows: its size is a multiple of the
-    rows, but the proof says it derives from no example, so it gets the step's one mask, not the rows' seeds."""
+    """DeBERTa-v2's (16, d) relative-position table in micro-batches of 4 or 8 rows: its size is a multiple of
+    the rows, but the proof says it derives from no example, so it gets the step's one mask, not the rows'
+    seeds."""
     data = _examples("cls", 8)
     x = _unlabeled(_examples("cls", 1, seed=11)[0])
     for size in (4, 8):
@@ -219,7 +224,8 @@ def test_checkpointed_layers_recompute_the_same_keyed_masks(method):
     """Non-reentrant gradient checkpointing recomputes each layer inside the backward, where autograd runs
     without the forward's function modes: the engine's checkpoint wrapper re-enters the keyed dropout, and the
     restored generator gives each call its forward's nonce, so the clipped sum equals the one without
-    checkpointing (DiSK's two points too). Before, the recomputation drew native masks (SDPA: a metadata error)."""
+    checkpointing (DiSK's two points too). Before, the recomputation drew native masks (SDPA: a metadata
+    error)."""
     from hf_dpfilter import PrivacyPlan
     from hf_dpfilter.factory import make_engine, make_optimizer
     from hf_dpfilter.losses.tasks import per_example_loss
@@ -236,7 +242,8 @@ def test_checkpointed_layers_recompute_the_same_keyed_masks(method):
         plan = PrivacyPlan.create(num_examples=100, logical_batch_size=2, epochs=1, noise_multiplier=0.0,
                                   max_grad_norm=1e3, seed=0, method=method)
         engine = make_engine(plan, model)
-        optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
+        optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad],
+                                   base=torch.optim.SGD,
                                    lr=0.0)
 
         def loss_fn(values, engine=engine):

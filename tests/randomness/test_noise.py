@@ -1,4 +1,5 @@
-"""hf_dpfilter.randomness.noise: the step's Gaussian noise as functions (one draw per step, the seeded stream, std 0)."""
+"""hf_dpfilter.randomness.noise: the step's Gaussian noise as functions (one draw per step, the seeded stream,
+std 0)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def _source(seed: int, draws: list | None = None, secure: bool = False) -> Noise
     def draw(shape, std, like):
         if draws is not None:
             draws.append((tuple(shape), std))
-        return gaussian_noise(shape, std, like, secure=secure, generator=generator, collectives=default_collectives())
+        return gaussian_noise(shape, std, like, secure=secure, generator=generator,
+                              collectives=default_collectives())
 
     return NoiseSource(draw=draw, generator=generator, secure=secure, collectives=default_collectives())
 

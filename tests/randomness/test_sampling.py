@@ -45,7 +45,8 @@ def _train(tmp_path, examples, **overrides):
     model = tiny_roberta()
     model.eval()  # dropout is off anyway; keep the forward deterministic
     args = _args(tmp_path, **overrides)
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(1))
     before = [p.detach().clone() for p in model.parameters()]
     trainer.train()
     after = [p.detach().clone() for p in model.parameters()]

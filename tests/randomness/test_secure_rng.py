@@ -27,7 +27,8 @@ def test_secure_gaussian_shapes_and_not_reproducible():
     a = secure_gaussian((3, 5), 1.0, dtype=torch.float32, device=torch.device("cpu"))
     b = secure_gaussian((3, 5), 1.0, dtype=torch.float32, device=torch.device("cpu"))
     assert a.shape == (3, 5) and a.dtype == torch.float32 and not torch.equal(a, b)
-    assert secure_gaussian((7,), 1.0, dtype=torch.float64, device=torch.device("cpu")).shape == (7,)  # odd count
+    # odd count
+    assert secure_gaussian((7,), 1.0, dtype=torch.float64, device=torch.device("cpu")).shape == (7,)
 
 
 def test_training_arguments_secure_rng_uses_the_csprng(tmp_path, monkeypatch):
@@ -55,7 +56,8 @@ def test_training_arguments_secure_rng_uses_the_csprng(tmp_path, monkeypatch):
         output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
         noise_multiplier=1.0, logical_batch_size=4, max_steps=1, secure_rng=True, accountant="rdp",
     )
-    trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
+    trainer = DPTrainer(model=tiny_roberta(), args=args,
+                        train_dataset=ListDataset(make_examples(8, VOCAB, False)),
                         data_collator=PadCollator(1))
     trainer.train()
     assert trainer.dp_optimizer.secure_rng is True

@@ -95,10 +95,11 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("method", available_methods())
 def test_resume_restores_the_state_and_draws_fresh_randomness(method, tmp_path):
-    """An interrupted run resumed from its mid-epoch checkpoint restores the optimizer's state (base optimizer,
-    method state, accountant, step count) and ends with the uninterrupted run's accounting. Its noise and its
-    batches are fresh (no generator state is saved, docs/threat_model.md), so it is not bit-identical: earlier
-    versions restored the noise generator, which let two branches from one checkpoint share noise."""
+    """An interrupted run resumed from its mid-epoch checkpoint restores the optimizer's state (base
+    optimizer, method state, accountant, step count) and ends with the uninterrupted run's accounting. Its
+    noise and its batches are fresh (no generator state is saved, docs/threat_model.md), so it is not
+    bit-identical: earlier versions restored the noise generator, which let two branches from one checkpoint
+    share noise."""
     # DiceSGD's error buffer is private and not checkpointed by default (it restarts at zero, with a warning);
     # save_error_buffer=True keeps it (checkpoints then stay inside the trust boundary).
     extra = {"dp_method_args": {"save_error_buffer": True}} if method == "dicesgd" else {}
@@ -108,7 +109,8 @@ def test_resume_restores_the_state_and_draws_fresh_randomness(method, tmp_path):
     model = tiny_roberta()
     examples = make_examples(N, VOCAB, causal=False, seed=11)
     interrupted = DPTrainer(model=model, args=_args(tmp_path / "cut", method, 7, **extra),
-                            train_dataset=ListDataset(examples), data_collator=PadCollator(1), callbacks=[_stop_at(3)])
+                            train_dataset=ListDataset(examples), data_collator=PadCollator(1),
+                            callbacks=[_stop_at(3)])
     interrupted.train()
     saved = torch.load(tmp_path / "cut" / "checkpoint-3" / "optimizer.pt", weights_only=False)
     loaded = {}
@@ -129,8 +131,9 @@ def test_resume_restores_the_state_and_draws_fresh_randomness(method, tmp_path):
 
 
 def test_resume_restores_the_fp16_loss_scale_before_any_step(tmp_path):
-    """fp16: the DP loss scaler is attached when the optimizer is built, before the Trainer loads the checkpoint,
-    so a scale lowered by a skipped step (a non-finite noised gradient) is the resumed run's first scale."""
+    """fp16: the DP loss scaler is attached when the optimizer is built, before the Trainer loads the
+    checkpoint, so a scale lowered by a skipped step (a non-finite noised gradient) is the resumed run's first
+    scale."""
     from transformers import TrainerCallback
 
     examples = make_examples(N, VOCAB, causal=False, seed=11)
@@ -141,7 +144,8 @@ def test_resume_restores_the_fp16_loss_scale_before_any_step(tmp_path):
                 kwargs["optimizer"].optimizer.loss_scaler.update(False)  # as after a non-finite noised step
 
     cut = DPTrainer(model=tiny_roberta(), args=_args(tmp_path, "dpsgd", 4, fp16=True),
-                    train_dataset=ListDataset(examples), data_collator=PadCollator(1), callbacks=[Skip(), _stop_at(3)])
+                    train_dataset=ListDataset(examples), data_collator=PadCollator(1),
+                    callbacks=[Skip(), _stop_at(3)])
     cut.train()
     seen = {}
     engine_scales: list[float] = []
@@ -153,7 +157,8 @@ def test_resume_restores_the_fp16_loss_scale_before_any_step(tmp_path):
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             out = super().training_step(model, inputs, num_items_in_batch)
-            if inputs["labels"].shape[0]:  # the engine takes the scale at a per-example pass: none for an empty
+            # the engine takes the scale at a per-example pass: none for an empty
+            if inputs["labels"].shape[0]:
                 engine_scales.append(self.engine.loss_scale)  # Poisson sample (1% here: (3/4)^16)
             return out
 
@@ -206,7 +211,8 @@ def test_privacy_ledger_written_before_each_step(tmp_path):
 
 @pytest.mark.parametrize("reserve", [True, False], ids=["reserving", "no-reserve"])
 def test_ledger_never_under_reports_after_a_crash(tmp_path, reserve):
-    """A crash inside a step (after the noisy release could have happened) leaves a ledger counting that step."""
+    """A crash inside a step (after the noisy release could have happened) leaves a ledger counting that
+    step."""
 
     class Crash(RuntimeError):
         pass
@@ -225,7 +231,8 @@ def test_ledger_never_under_reports_after_a_crash(tmp_path, reserve):
             return optimizer
 
     trainer = Crashing(
-        model=tiny_roberta(), args=_args(tmp_path, "dpsgd", 5), train_dataset=ListDataset(make_examples(N, VOCAB, False)),
+        model=tiny_roberta(), args=_args(tmp_path, "dpsgd", 5),
+        train_dataset=ListDataset(make_examples(N, VOCAB, False)),
         data_collator=PadCollator(1),
     )
     if not reserve:
@@ -264,7 +271,8 @@ def test_ledger_reserves_steps_ahead_only_as_far_as_asked(tmp_path, monkeypatch)
                         data_collator=PadCollator(1), callbacks=[ReadLedger()])
     trainer.ledger_reserve_seconds = 0.25  # each ledger call is 0.1 s after the last: two steps ahead
     trainer.train()
-    # step 1 (no step time yet), step 2 reserving 3-4, step 5 reserving 6-7, step 8 reserving 9 (the plan ends)
+    # step 1 (no step time yet), step 2 reserving 3-4, step 5 reserving 6-7, step 8 reserving 9 (the plan
+    # ends)
     assert seen == [(1, 0), (4, 2), (7, 2), (9, 1)]
     final = json.loads((tmp_path / "privacy_ledger.json").read_text())
     assert final["status"] == "finished" and final["steps"] == 9 and final["steps_reserved_ahead"] == 0
@@ -290,12 +298,14 @@ def test_optimizer_refuses_step_beyond_target():
     steps = 0
     with pytest.raises(PrivacyBudgetExceededError, match="target_epsilon=1.5"):
         for _ in range(1000):
-            opt.accumulate(None, None, batch_size=0)  # noise-only steps (empty batches), accounted all the same
+            # noise-only steps (empty batches), accounted all the same
+            opt.accumulate(None, None, batch_size=0)
             opt.step()
             steps += 1
     assert steps >= 10  # the guard stops at the budget, not before
     assert opt.accountant.get_epsilon(1e-5) <= 1.5
     from hf_dpfilter.accounting.accountant import compute_epsilon
 
-    assert compute_epsilon([(2.0, 0.1, steps + 1)], 1e-5, "rdp") > 1.5  # the refused step would have overspent
+    # the refused step would have overspent
+    assert compute_epsilon([(2.0, 0.1, steps + 1)], 1e-5, "rdp") > 1.5
     assert opt.dp_steps == steps

@@ -95,7 +95,8 @@ def test_default_run_publishes_no_seed_generator_state_loss_or_exact_counts(tmp_
     trainer.create_model_card(model_name="tiny")
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     names = {p.name for p in files}
-    assert {"training_args.bin", "trainer_state.json", "optimizer.pt", "privacy_ledger.json", "README.md"} <= names
+    assert {"training_args.bin", "trainer_state.json", "optimizer.pt", "privacy_ledger.json",
+            "README.md"} <= names
     for path in files:  # no file holds the seed in decimal (JSON, model card, logs)
         assert str(SEED).encode() not in path.read_bytes(), path
     # training_args.bin (pushed to the Hub with the model)
@@ -229,10 +230,12 @@ def test_ledger_keeps_earlier_entries_on_resume(tmp_path):
 
 
 def test_resume_counts_a_ledger_of_an_earlier_version(tmp_path):
-    """A ledger without run_id (written before this format) met on a resume counts as the run's own history."""
+    """A ledger without run_id (written before this format) met on a resume counts as the run's own
+    history."""
     _trainer(tmp_path, max_steps=4).train()
     path = tmp_path / "privacy_ledger.json"
-    old = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("run_id", "sessions", "earlier_runs")}
+    old = {k: v for k,
+           v in json.loads(path.read_text()).items() if k not in ("run_id", "sessions", "earlier_runs")}
     path.write_text(json.dumps(old))
     trainer = _trainer(tmp_path, max_steps=4)
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
@@ -330,7 +333,8 @@ def test_process_group_must_match_the_trainer_and_the_launcher():
 
 
 def test_accelerate_simple_launcher_asked_for_several_processes_is_refused():
-    # what `accelerate launch --num_processes 2 --config_file accelerate_configs/cpu.yaml` gives the ONE process
+    # what `accelerate launch --num_processes 2 --config_file accelerate_configs/cpu.yaml` gives the ONE
+    # process
     env = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     with pytest.raises(RuntimeError, match="started ONE"):
         check_one_dp_run(1, env=env, group_size=None)
@@ -367,7 +371,8 @@ def test_torchrun_two_processes_without_use_cpu_is_refused(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+           "127.0.0.1",
            "--master_port", str(port), _script(tmp_path), str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     output = proc.stdout + proc.stderr
@@ -381,7 +386,8 @@ def test_torchrun_two_processes_without_use_cpu_is_refused(tmp_path):
 def test_accelerate_launch_two_processes_with_the_cpu_config_is_refused(tmp_path):
     config = Path(__file__).resolve().parents[2] / "accelerate_configs" / "cpu.yaml"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--config_file", str(config),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--config_file",
+           str(config),
            _script(tmp_path), str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     output = proc.stdout + proc.stderr
@@ -425,7 +431,8 @@ def test_two_processes_resume_with_the_same_fresh_noise_on_every_process(tmp_pat
     script = tmp_path / "resume_twice.py"
     script.write_text(_RESUME_SCRIPT.format(tests=str(here), root=str(here.parent)))
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+           "127.0.0.1",
            "--master_port", str(port), str(script), str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

@@ -1,12 +1,14 @@
 """Nothing noiseless leaves through the side doors (issue 29, cases 7, 8, 11).
 
-7. ``train()``'s ``TrainOutput.training_loss`` is NaN and no ``train_loss`` is in its metrics, the saved metrics or
-   ``trainer_state.json`` unless ``dp_log_nonprivate_metrics=True`` (the exact mean loss of the private batches).
-8. Hooks that would see a gradient before the noise (a parameter's tensor or post-accumulate hook, a module backward
-   hook) are refused by name when ``train()`` starts and at every step, so one added by a callback is refused before
-   the step computes anything; ``WANDB_WATCH=gradients|all`` is refused. Frozen parameters and forward hooks train.
-11. An evaluation or prediction set sharing one row with the training set (``datasets.Dataset``, a torch data set,
-    mixed; DPSFTTrainer's prepared sets) is refused before anything is computed on it, unless
+7. ``train()``'s ``TrainOutput.training_loss`` is NaN and no ``train_loss`` is in its metrics, the saved
+   metrics or ``trainer_state.json`` unless ``dp_log_nonprivate_metrics=True`` (the exact mean loss of the
+   private batches).
+8. Hooks that would see a gradient before the noise (a parameter's tensor or post-accumulate hook, a module
+   backward hook) are refused by name when ``train()`` starts and at every step, so one added by a callback is
+   refused before the step computes anything; ``WANDB_WATCH=gradients|all`` is refused. Frozen parameters and
+   forward hooks train.
+11. An evaluation or prediction set sharing one row with the training set (``datasets.Dataset``, a torch data
+    set, mixed; DPSFTTrainer's prepared sets) is refused before anything is computed on it, unless
     ``dp_allow_eval_on_training_rows=True`` (then with a warning); a held-out split evaluates.
 """
 
@@ -34,7 +36,8 @@ def _args(tmp_path, **kw):
     base = dict(
         output_dir=str(tmp_path), dp_method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
         logical_batch_size=6, per_device_train_batch_size=6, max_steps=2, optim="sgd", learning_rate=0.5,
-        report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0, logging_steps=1,
+        report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0,
+        logging_steps=1,
     )
     base.update(kw)
     return DPTrainingArguments(**base)
@@ -43,7 +46,8 @@ def _args(tmp_path, **kw):
 def _trainer(tmp_path, train=None, model=None, **kw):
     args_kw = {k: kw.pop(k) for k in list(kw) if k not in ("eval_dataset", "callbacks")}
     return DPTrainer(model=model if model is not None else tiny_bert(), args=_args(tmp_path, **args_kw),
-                     train_dataset=train if train is not None else ListDataset(make_examples(6, VOCAB, False)),
+                     train_dataset=train if train is not None
+                     else ListDataset(make_examples(6, VOCAB, False)),
                      data_collator=PadCollator(0), **kw)
 
 
@@ -103,7 +107,8 @@ def test_a_gradient_hook_is_refused_by_name_before_training(tmp_path, kind):
 
 
 class _HookingCallback(TrainerCallback):
-    """Registers a tensor hook on the head, as wandb.watch does from WandbCallback.on_train_begin, or later."""
+    """Registers a tensor hook on the head, as wandb.watch does from WandbCallback.on_train_begin, or
+    later."""
 
     def __init__(self, trainer, at_step: int | None) -> None:
         self.trainer, self.at_step, self.calls = trainer, at_step, []
@@ -144,7 +149,8 @@ def test_frozen_parameter_forward_and_synchronisation_hooks_train(tmp_path):
     model = tiny_bert()
     frozen = model.bert.embeddings.word_embeddings.weight
     calls = []
-    frozen.register_hook(lambda grad: calls.append("frozen"))  # never runs once frozen: no gradient reaches it
+    # never runs once frozen: no gradient reaches it
+    frozen.register_hook(lambda grad: calls.append("frozen"))
     frozen.requires_grad_(False)
     model.classifier.register_forward_hook(lambda m, i, o: calls.append("forward"))
     trainer = _trainer(tmp_path, model=model)
@@ -161,7 +167,8 @@ def test_frozen_parameter_forward_and_synchronisation_hooks_train(tmp_path):
 # ------------------------------------------------------------------------ 11. evaluation on training rows
 def _hf(examples, start=0):
     return datasets.Dataset.from_list(
-        [{"input_ids": e["input_ids"].tolist(), "labels": e["labels"], "idx": start + i} for i, e in enumerate(examples)])
+        [{"input_ids": e["input_ids"].tolist(), "labels": e["labels"], "idx": start + i} for i,
+         e in enumerate(examples)])
 
 
 def _pad_lists(pad):
@@ -179,8 +186,10 @@ SPLITS = {  # (training set, eval set with one training row, held-out eval set)
 def test_an_eval_set_sharing_one_training_row_is_refused(tmp_path, kind):
     train, overlapping, held_out = SPLITS[kind](make_examples(9, VOCAB, False, seed=3))
     collator = _pad_lists(PadCollator(0))
-    with pytest.raises(TrainingFieldError, match=r"eval_dataset shares at least one identical row.*held-out split"):
-        DPTrainer(model=tiny_bert(), args=_args(tmp_path, eval_strategy="steps", eval_steps=1), train_dataset=train,
+    with pytest.raises(TrainingFieldError, match=r"eval_dataset shares at least one identical row.*held-out "
+                                                 r"split"):
+        DPTrainer(model=tiny_bert(), args=_args(tmp_path, eval_strategy="steps", eval_steps=1),
+                  train_dataset=train,
                   eval_dataset=overlapping, data_collator=collator)
     trainer = DPTrainer(model=tiny_bert(), args=_args(tmp_path), train_dataset=train, data_collator=collator)
     for call in (trainer.evaluate, trainer.predict):  # before anything is computed on it
@@ -196,7 +205,8 @@ def test_the_opt_in_evaluates_training_rows_with_a_warning(tmp_path):
     train, overlapping, _ = SPLITS["datasets"](make_examples(9, VOCAB, False, seed=3))
     trainer = DPTrainer(model=tiny_bert(), args=_args(tmp_path, dp_allow_eval_on_training_rows=True),
                         train_dataset=train, data_collator=_pad_lists(PadCollator(0)))
-    with pytest.warns(UserWarning, match=r"dp_allow_eval_on_training_rows=True: the evaluation set shares at least one identical row"):
+    with pytest.warns(UserWarning, match=r"dp_allow_eval_on_training_rows=True: the evaluation set shares at "
+                                         r"least one identical row"):
         metrics = trainer.evaluate(overlapping)
     assert math.isfinite(metrics["eval_loss"])
 

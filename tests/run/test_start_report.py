@@ -1,5 +1,6 @@
-"""The plan states the noise that is really added (issue 22 item 11: DiceSGD's sensitivity C1 + 2 B C2, DIFF2's
-restart and difference rounds) and an optimizer without a sample rate never reports epsilon 0 (item 5)."""
+"""The plan states the noise that is really added (issue 22 item 11: DiceSGD's sensitivity C1 + 2 B C2,
+DIFF2's restart and difference rounds) and an optimizer without a sample rate never reports epsilon 0 (item
+5)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ D = 10_000  # trainable parameters
 
 
 def _plan(method, method_args=None, **kw):
-    base = dict(num_examples=1000, logical_batch_size=64, epochs=20, method=method, method_args=method_args, seed=0,
+    base = dict(num_examples=1000, logical_batch_size=64, epochs=20, method=method, method_args=method_args,
+                seed=0,
                 accountant="rdp")
     base.update(kw)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DIFF2 with Poisson minibatches warns that it is an unanalysed extension
+        # DIFF2 with Poisson minibatches warns that it is an unanalysed extension
+        warnings.simplefilter("ignore")
         return PrivacyPlan.create(**base)
 
 
@@ -62,8 +65,8 @@ def test_diff2_diagnostics_state_both_rounds_and_warn_on_the_louder():
     assert "restart rounds (1 in 5): sigma = 0.5" in text and "difference rounds (4 in 5): sigma = 4" in text
     ratio = plan.noise_to_signal(D)
     assert ratio["per_step"] == pytest.approx(4.0 * math.sqrt(D) / 64)
-    # with d = 1e7, sigma = 0.5 alone (what the warning read before) gives 0.5 sqrt(d) / (64 sqrt(300)) = 1.4 < 2;
-    # the difference rounds' 4.0 gives 11
+    # with d = 1e7, sigma = 0.5 alone (what the warning read before) gives 0.5 sqrt(d) / (64 sqrt(300)) = 1.4
+    # < 2; the difference rounds' 4.0 gives 11
     messages = plan.learnability_warnings(D * 1000)
     assert any("difference rounds" in w for w in messages), messages
 
@@ -74,7 +77,8 @@ def test_diff2_replace_one_doubles_the_stated_noise():
     assert "x 2 (replace-one)" in plan.describe(D)
 
 
-# ----------------------------------------------------------------------------- item 5: no sample rate, no epsilon 0
+# ----------------------------------------------------------------------------- item 5: no sample rate, no
+# epsilon 0
 def _steps(optimizer, engine, model, steps):
     x = torch.randn(4, 3, dtype=torch.float64)
     for _ in range(steps):

@@ -1,6 +1,6 @@
-"""Every TrainingArguments field has a declared DP status (hf_dpfilter/run/training_fields.py), and the refusals it
-declares happen when the arguments are created, with the fix in the message (issue 22 items 9, 13, 17, 18 and
-issue 21 item 11)."""
+"""Every TrainingArguments field has a declared DP status (hf_dpfilter/run/training_fields.py), and the
+refusals it declares happen when the arguments are created, with the fix in the message (issue 22 items 9, 13,
+17, 18 and issue 21 item 11)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ DOCS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "co
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", noise_multiplier=1.0)
+    base = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no",
+                noise_multiplier=1.0)
     base.update(kw)
     return DPTrainingArguments(**base)
 
@@ -50,7 +51,8 @@ def test_the_docs_hold_the_table():
     match = re.search(r"<!-- training-fields:start -->\n(.*?)<!-- training-fields:end -->", text, re.S)
     assert match, "docs/configuration.md lacks the training-fields table markers"
     assert match.group(1) == render_markdown(), (
-        "docs/configuration.md is out of sync with FIELD_POLICIES: paste hf_dpfilter.run.training_fields.render_markdown()"
+        "docs/configuration.md is out of sync with FIELD_POLICIES: paste "
+        "hf_dpfilter.run.training_fields.render_markdown()"
     )
 
 
@@ -59,7 +61,8 @@ REFUSED = [
     (dict(max_grad_norm=0.1), r"max_grad_norm=0\.1 .*per_sample_max_grad_norm=0\.1"),
     (dict(max_grad_norm=5.0), r"per_sample_max_grad_norm"),
     # item 13
-    (dict(auto_find_batch_size=True), r"auto_find_batch_size=True is not supported.*per_device_train_batch_size"),
+    (dict(auto_find_batch_size=True), r"auto_find_batch_size=True is not "
+                                      r"supported.*per_device_train_batch_size"),
     # item 17
     (dict(debug="underflow_overflow"), r"debug='underflow_overflow'.*Remove it"),
     (dict(debug="underflow_overflow tpu_metrics_debug"), r"debug='underflow_overflow'"),
@@ -75,7 +78,8 @@ REFUSED = [
     (dict(eval_strategy="steps", save_strategy="steps", load_best_model_at_end=True),
      r"load_best_model_at_end=True.*dp_eval_disjoint_from_train=True"),
     (dict(eval_strategy="steps", metric_for_best_model="loss"), r"metric_for_best_model='loss'"),
-    (dict(eval_strategy="steps", save_strategy="best", metric_for_best_model="loss"), r"save_strategy='best'"),
+    (dict(eval_strategy="steps", save_strategy="best", metric_for_best_model="loss"),
+     r"save_strategy='best'"),
     (dict(eval_strategy="steps", lr_scheduler_type="reduce_lr_on_plateau"), r"reduce_lr_on_plateau"),
     # other fields that would be silently ignored or break the per-example bound
     (dict(use_liger_kernel=True), r"use_liger_kernel=True"),
@@ -103,9 +107,11 @@ def test_max_grad_norm_default_and_zero_are_not_refused(tmp_path, value):
 
 
 def test_honoured_values_are_accepted(tmp_path):
-    args = _args(tmp_path, debug="tpu_metrics_debug", optim="sgd", lr_scheduler_type="cosine", eval_strategy="steps",
+    args = _args(tmp_path, debug="tpu_metrics_debug", optim="sgd", lr_scheduler_type="cosine",
+                 eval_strategy="steps",
                  gradient_accumulation_steps=2)
-    assert args.logical_batch_size == 2 * args.per_device_train_batch_size and args.gradient_accumulation_steps == 1
+    assert (args.logical_batch_size == 2 * args.per_device_train_batch_size
+            and args.gradient_accumulation_steps == 1)
     # with the declaration, evaluation-driven model selection is allowed at the arguments
     _args(tmp_path, eval_strategy="steps", save_strategy="steps", load_best_model_at_end=True,
           dp_eval_disjoint_from_train=True)
@@ -119,7 +125,8 @@ def test_all_refusals_are_listed_together(tmp_path):
 
 #: for every field whose status is "refused": a value that must be refused, and what the message says
 REFUSED_EXAMPLE = {
-    "accelerator_config": (dict(accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 2}}), "num_steps"),
+    "accelerator_config": (dict(accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 2}}),
+                           "num_steps"),
     "auto_find_batch_size": (dict(auto_find_batch_size=True), "auto_find_batch_size"),
     "train_sampling_strategy": (dict(train_sampling_strategy="sequential"), "train_sampling_strategy"),
     "lr_scheduler_type": (dict(eval_strategy="steps", lr_scheduler_type="reduce_lr_on_plateau"), "reduce_lr"),
@@ -128,17 +135,21 @@ REFUSED_EXAMPLE = {
     "neftune_noise_alpha": (dict(neftune_noise_alpha=1.0), "NEFTune"),
     "use_liger_kernel": (dict(use_liger_kernel=True), "Liger"),
     "activation_checkpointing_kwargs": (
-        dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant"),
+        dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}),
+        "use_reentrant"),
     "gradient_checkpointing_kwargs": (
-        dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant"),
+        dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}),
+        "use_reentrant"),
     "torch_compile": (dict(torch_compile=True), "torch_compile"),
     "torch_compile_backend": (dict(torch_compile_backend="inductor"), "torch_compile"),
     "torch_compile_mode": (dict(torch_compile_mode="max-autotune"), "torch_compile"),
     "debug": (dict(debug="underflow_overflow"), "underflow_overflow"),
     "load_best_model_at_end": (
         dict(eval_strategy="steps", save_strategy="steps", load_best_model_at_end=True), "dp_eval_disjoint"),
-    "metric_for_best_model": (dict(eval_strategy="steps", metric_for_best_model="accuracy"), "dp_eval_disjoint"),
-    "save_strategy": (dict(eval_strategy="steps", save_strategy="best", metric_for_best_model="loss"), "'best'"),
+    "metric_for_best_model": (dict(eval_strategy="steps", metric_for_best_model="accuracy"),
+                              "dp_eval_disjoint"),
+    "save_strategy": (dict(eval_strategy="steps", save_strategy="best", metric_for_best_model="loss"),
+                      "'best'"),
     "parallelism_config": (dict(parallelism_config=object()), "parallelism_config"),
 }
 #: refused at DPTrainer creation, where the accelerator says what runs (tests/distributed/test_ddp.py)

@@ -1,17 +1,18 @@
-"""Users declared cleanly, the unit part of the run's identity, the ledger under a lock (issue 29, cases 9, 10).
+"""Users declared cleanly, the unit part of the run's identity, the ledger under a lock (issue 29, cases 9,
+10).
 
-* **User ids** (hf_dpfilter/data/user_ids.py): NaN in every numeric form (float, NumPy float32/float64 scalars and
-  0-d arrays, 0-d torch tensors), None, empty and whitespace-only ids, ids of mixed types (int and str, bool and
-  int) and strings equal but for surrounding whitespace are refused when the DPTrainer is created, naming the
-  column, the first row, the count and the fix; clean ids of each type (str, int, torch and NumPy ints) are
-  accepted and grouped as declared.
-* **The unit on resume** (hf_dpfilter/run/unit_identity.py): a user-level or example-level run resumed with another
-  unit, another ``user_id_column``, another k or another grouping of the examples into users (same column, same
-  number of users) is refused before its first step; the same settings resume and count every step. The user
-  partition's digest is kept out of the published files (the ledger, the checkpoints).
-* **Two writers, one ledger** (hf_dpfilter/run/ledger.py): two sessions writing one output_dir's ledger at the same
-  time (threads meeting at a barrier before every write) lose no release: the ledger's entries count the sum.
-  A resume from an older checkpoint after another run wrote the ledger still counts the abandoned branch.
+* **User ids** (hf_dpfilter/data/user_ids.py): NaN in every numeric form (float, NumPy float32/float64 scalars
+  and 0-d arrays, 0-d torch tensors), None, empty and whitespace-only ids, ids of mixed types (int and str,
+  bool and int) and strings equal but for surrounding whitespace are refused when the DPTrainer is created,
+  naming the column, the first row, the count and the fix; clean ids of each type (str, int, torch and NumPy
+  ints) are accepted and grouped as declared.
+* **The unit on resume** (hf_dpfilter/run/unit_identity.py): a user-level or example-level run resumed with
+  another unit, another ``user_id_column``, another k or another grouping of the examples into users (same
+  column, same number of users) is refused before its first step; the same settings resume and count every
+  step. The user partition's digest is kept out of the published files (the ledger, the checkpoints).
+* **Two writers, one ledger** (hf_dpfilter/run/ledger.py): two sessions writing one output_dir's ledger at the
+  same time (threads meeting at a barrier before every write) lose no release: the ledger's entries count the
+  sum. A resume from an older checkpoint after another run wrote the ledger still counts the abandoned branch.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _one_thread():
 
 
 def _data(per_user=PER_USER, ids=None) -> list[dict]:
-    """Examples of len(per_user) users, interleaved in the data set; ``ids`` names the users (default 'user-u')."""
+    """Examples of len(per_user) users, interleaved in the data set; ``ids`` names the users (default
+    'user-u')."""
     examples = make_examples(sum(per_user), VOCAB, causal=True, seed=3)
     users = [u for u, n in enumerate(per_user) for _ in range(n)]
     names = ids or [f"user-{u}" for u in range(len(per_user))]
@@ -68,7 +70,8 @@ def _args(out, unit="user", **kw) -> DPTrainingArguments:
 
 def _trainer(out, data=None, unit="user", **kw) -> DPTrainer:
     return DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=_args(out, unit, **kw),
-                     train_dataset=ListDataset(data if data is not None else _data()), data_collator=PadCollator(0))
+                     train_dataset=ListDataset(data if data is not None else _data()),
+                     data_collator=PadCollator(0))
 
 
 # ---------------------------------------------------------------------------------------------- 9: user ids
@@ -80,7 +83,8 @@ def _with_id(row: int, value, data=None) -> list[dict]:
 
 BAD_IDS = {
     "torch_nan": (lambda: _with_id(2, torch.tensor(float("nan"))), "no user for 1 example"),
-    "torch_nan_float16": (lambda: _with_id(2, torch.tensor(float("nan"), dtype=torch.float16)), "no user for 1"),
+    "torch_nan_float16": (lambda: _with_id(2, torch.tensor(float("nan"), dtype=torch.float16)), "no user for "
+        "1"),
     "numpy_float32_nan": (lambda: _with_id(2, np.float32("nan")), "no user for 1 example"),
     "numpy_0d_array_nan": (lambda: _with_id(2, np.array(np.nan)), "no user for 1 example"),
     "float_nan": (lambda: _with_id(2, float("nan")), "no user for 1 example"),
@@ -137,7 +141,8 @@ def test_a_datasets_column_with_a_missing_id_is_refused(tmp_path):
                   train_dataset=datasets.Dataset.from_list(rows), data_collator=PadCollator(0))
 
 
-# ------------------------------------------------------------------------------------------ 10: unit on resume
+# ------------------------------------------------------------------------------------------ 10: unit on
+# resume
 def _first_run(out, unit="user", data=None) -> str:
     """Two released steps, checkpoint-2; returns the checkpoint."""
     _trainer(out, data, unit).train()
@@ -196,7 +201,8 @@ def test_the_same_unit_resumes_and_counts_every_step(unit, tmp_path):
     assert state["dp"]["privacy_unit"] == ledger["privacy_unit"]
     private = tmp_path / "_privacy_unit_partitions.json"
     if unit == "user":
-        assert ledger["privacy_unit"] == {"unit": "user", "user_id_column": "user", "max_examples_per_user": 3,
+        assert ledger["privacy_unit"] == {"unit": "user", "user_id_column": "user",
+                                          "max_examples_per_user": 3,
                                           "num_units": 4}
         digest = json.loads(private.read_text())[ledger["run_id"]]
         published = [tmp_path / "privacy_ledger.json", *(tmp_path / "checkpoint-4").iterdir()]

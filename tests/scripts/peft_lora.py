@@ -1,5 +1,6 @@
-"""PEFT's quicktour pattern: ``LoraConfig(task_type=...)``, ``get_peft_model``, ``print_trainable_parameters``, then
-the Trainer; here a causal LM on text with ``DataCollatorForLanguageModeling(mlm=False)``.
+"""PEFT's quicktour pattern: ``LoraConfig(task_type=...)``, ``get_peft_model``,
+``print_trainable_parameters``, then the Trainer; here a causal LM on text with
+``DataCollatorForLanguageModeling(mlm=False)``.
 
 The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``.
 """
@@ -29,7 +30,8 @@ class ScriptArguments:
 
 
 def main(argv: list[str] | None = None) -> Trainer:
-    script_args, training_args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses(
+    script_args, training_args = HfArgumentParser((ScriptArguments,
+                                                   TrainingArguments)).parse_args_into_dataclasses(
         args=argv)
     tokenizer = AutoTokenizer.from_pretrained(script_args.model_name_or_path)
     model = AutoModelForCausalLM.from_pretrained(script_args.model_name_or_path)
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> Trainer:
     model.print_trainable_parameters()
 
     dataset = load_dataset("text", data_files={"train": script_args.train_file})["train"]
-    dataset = dataset.map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=32), batched=True,
+    dataset = dataset.map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=32),
+                          batched=True,
                           remove_columns=["text"])
     trainer = Trainer(
         model=model,

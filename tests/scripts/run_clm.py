@@ -1,8 +1,8 @@
-"""transformers' examples/pytorch/language-modeling/run_clm.py pattern: text files, ``group_texts`` into blocks of
-``block_size``, ``default_data_collator`` (the labels are a copy of the ids; the model shifts them).
+"""transformers' examples/pytorch/language-modeling/run_clm.py pattern: text files, ``group_texts`` into
+blocks of ``block_size``, ``default_data_collator`` (the labels are a copy of the ids; the model shifts them).
 
-The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``. The privacy unit is then a
-block of concatenated text, not a document (docs/choosing.md).
+The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``. The privacy unit is
+then a block of concatenated text, not a document (docs/choosing.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class ModelArguments:
 class DataTrainingArguments:
     train_file: str = field(metadata={"help": "A text file with the training data."})
     validation_file: str | None = field(default=None, metadata={"help": "A text file with held-out data."})
-    block_size: int = field(default=16, metadata={"help": "Length of the blocks the concatenated texts are cut into."})
+    block_size: int = field(default=16, metadata={"help": "Length of the blocks the concatenated texts are "
+                                                          "cut into."})
 
 
 def main(argv: list[str] | None = None) -> Trainer:
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> Trainer:
         return result
 
     with training_args.main_process_first(desc="grouping texts together"):
-        lm_datasets = tokenized_datasets.map(group_texts, batched=True, desc=f"Grouping texts in chunks of {block_size}")
+        lm_datasets = tokenized_datasets.map(group_texts, batched=True, desc="Grouping texts in chunks of "
+            f"{block_size}")
 
     trainer = Trainer(
         model=model,

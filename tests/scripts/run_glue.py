@@ -1,4 +1,5 @@
-"""transformers' examples/pytorch/text-classification/run_glue.py pattern: csv/json files, DataCollatorWithPadding.
+"""transformers' examples/pytorch/text-classification/run_glue.py pattern: csv/json files,
+DataCollatorWithPadding.
 
 The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``.
 """
@@ -28,7 +29,8 @@ class ModelArguments:
 @dataclass
 class DataTrainingArguments:
     train_file: str = field(metadata={"help": "A csv or json file with the training data."})
-    validation_file: str | None = field(default=None, metadata={"help": "A csv or json file with held-out data."})
+    validation_file: str | None = field(default=None, metadata={"help": "A csv or json file with held-out "
+        "data."})
     max_seq_length: int = field(default=128, metadata={"help": "Longer sequences are truncated."})
 
 
@@ -43,18 +45,21 @@ def main(argv: list[str] | None = None) -> Trainer:
     label_list = sorted(raw_datasets["train"].unique("label"))
     num_labels = len(label_list)
 
-    config = AutoConfig.from_pretrained(model_args.model_name_or_path, num_labels=num_labels, finetuning_task="sst2")
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, num_labels=num_labels,
+                                        finetuning_task="sst2")
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     model = AutoModelForSequenceClassification.from_pretrained(model_args.model_name_or_path, config=config)
     label_to_id = {v: i for i, v in enumerate(label_list)}
 
     def preprocess_function(examples):
-        result = tokenizer(examples["sentence"], padding=False, max_length=data_args.max_seq_length, truncation=True)
+        result = tokenizer(examples["sentence"], padding=False, max_length=data_args.max_seq_length,
+                           truncation=True)
         result["label"] = [label_to_id[label] for label in examples["label"]]
         return result
 
     with training_args.main_process_first(desc="dataset map pre-processing"):
-        raw_datasets = raw_datasets.map(preprocess_function, batched=True, desc="Running tokenizer on dataset")
+        raw_datasets = raw_datasets.map(preprocess_function, batched=True,
+                                        desc="Running tokenizer on dataset")
 
     trainer = Trainer(
         model=model,

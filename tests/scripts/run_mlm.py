@@ -1,8 +1,9 @@
 """transformers' examples/pytorch/language-modeling/run_mlm.py pattern: line-by-line texts, padded by
 ``DataCollatorForLanguageModeling`` which draws the masked positions at random for each example.
 
-The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``. ``--freeze`` (not upstream)
-names parameters kept frozen; the tests freeze nothing (BERT's tied ``cls.predictions.bias`` trains).
+The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``. ``--freeze`` (not
+upstream) names parameters kept frozen; the tests freeze nothing (BERT's tied ``cls.predictions.bias``
+trains).
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ def main(argv: list[str] | None = None) -> Trainer:
 
     def tokenize_function(examples):
         examples["text"] = [line for line in examples["text"] if len(line) > 0 and not line.isspace()]
-        return tokenizer(examples["text"], padding=False, truncation=True, max_length=data_args.max_seq_length,
+        return tokenizer(examples["text"], padding=False, truncation=True,
+                         max_length=data_args.max_seq_length,
                          return_special_tokens_mask=True)
 
     with training_args.main_process_first(desc="dataset map tokenization"):
         tokenized_datasets = raw_datasets.map(tokenize_function, batched=True, remove_columns=["text"])
 
-    data_collator = DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=data_args.mlm_probability)
+    data_collator = DataCollatorForLanguageModeling(tokenizer=tokenizer,
+                                                    mlm_probability=data_args.mlm_probability)
     trainer = Trainer(
         model=model,
         args=training_args,

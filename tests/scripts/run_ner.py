@@ -1,5 +1,5 @@
-"""transformers' examples/pytorch/token-classification/run_ner.py pattern: words and tags, labels aligned to the
-sub-word tokens with ``word_ids()`` (-100 on special tokens and later pieces of a word),
+"""transformers' examples/pytorch/token-classification/run_ner.py pattern: words and tags, labels aligned to
+the sub-word tokens with ``word_ids()`` (-100 on special tokens and later pieces of a word),
 ``DataCollatorForTokenClassification``.
 
 The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``.
@@ -30,7 +30,8 @@ class ModelArguments:
 @dataclass
 class DataTrainingArguments:
     train_file: str = field(metadata={"help": "A json file with `tokens` and `ner_tags` columns."})
-    label_all_tokens: bool = field(default=False, metadata={"help": "Label every piece of a word, not only the first."})
+    label_all_tokens: bool = field(default=False, metadata={"help": "Label every piece of a word, not only "
+        "the first."})
 
 
 def main(argv: list[str] | None = None) -> Trainer:
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> Trainer:
     model = AutoModelForTokenClassification.from_pretrained(model_args.model_name_or_path, config=config)
 
     def tokenize_and_align_labels(examples):
-        tokenized_inputs = tokenizer(examples["tokens"], padding=False, truncation=True, is_split_into_words=True)
+        tokenized_inputs = tokenizer(examples["tokens"], padding=False, truncation=True,
+                                     is_split_into_words=True)
         labels = []
         for i, label in enumerate(examples["ner_tags"]):
             word_ids = tokenized_inputs.word_ids(batch_index=i)

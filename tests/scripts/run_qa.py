@@ -1,8 +1,10 @@
-"""transformers' examples/pytorch/question-answering/run_qa.py pattern: SQuAD-style json, ``prepare_train_features``
-(offsets -> start/end token positions, the CLS index for an answer outside the span), ``DataCollatorWithPadding``.
+"""transformers' examples/pytorch/question-answering/run_qa.py pattern: SQuAD-style json,
+``prepare_train_features`` (offsets -> start/end token positions, the CLS index for an answer outside the
+span), ``DataCollatorWithPadding``.
 
-The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``; the per-example start/end
-loss is built in (hf_dpfilter/losses/question_answering.py), ``remove_unused_columns`` stays at its default.
+The swap: ``Trainer`` -> ``DPTrainer``, ``TrainingArguments`` -> ``DPTrainingArguments``; the per-example
+start/end loss is built in (hf_dpfilter/losses/question_answering.py), ``remove_unused_columns`` stays at its
+default.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ class DataTrainingArguments:
     train_file: str = field(metadata={"help": "A json file with id, question, context and answers."})
     validation_file: str | None = field(default=None, metadata={"help": "The same for held-out data."})
     max_seq_length: int = field(default=48, metadata={"help": "Longer question+context pairs are truncated."})
-    doc_stride: int = field(default=8, metadata={"help": "Overlap of the chunks a long context is split into."})
+    doc_stride: int = field(default=8,
+                            metadata={"help": "Overlap of the chunks a long context is split into."})
     keep_example_id: bool = field(default=False, metadata={
-        "help": "Keep each feature's example id (example_id), as run_qa does for its validation features: the user "
-                "column of a run that protects examples, not features (--privacy_unit user --user_id_column "
-                "example_id)."})
+        "help": "Keep each feature's example id (example_id), as run_qa does for its validation features: "
+                "the user column of a run that protects examples, not features (--privacy_unit user "
+                "--user_id_column example_id)."})
 
 
 def main(argv: list[str] | None = None) -> Trainer:
@@ -53,8 +56,10 @@ def main(argv: list[str] | None = None) -> Trainer:
     def prepare_train_features(examples):
         examples["question"] = [q.lstrip() for q in examples["question"]]
         tokenized_examples = tokenizer(
-            examples["question"], examples["context"], truncation="only_second", max_length=data_args.max_seq_length,
-            stride=data_args.doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True, padding=False,
+            examples["question"], examples["context"], truncation="only_second",
+            max_length=data_args.max_seq_length,
+            stride=data_args.doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True,
+            padding=False,
         )
         sample_mapping = tokenized_examples.pop("overflow_to_sample_mapping")
         if data_args.keep_example_id:  # several features of one long context: one unit (docs/tasks.md)

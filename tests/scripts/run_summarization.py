@@ -1,10 +1,10 @@
-"""transformers' examples/pytorch/summarization/run_summarization.py pattern: json with text/summary, ``text_target``
-labels with the pad token replaced by -100, ``DataCollatorForSeq2Seq``, ``Seq2SeqTrainer`` with
-``predict_with_generate``.
+"""transformers' examples/pytorch/summarization/run_summarization.py pattern: json with text/summary,
+``text_target`` labels with the pad token replaced by -100, ``DataCollatorForSeq2Seq``, ``Seq2SeqTrainer``
+with ``predict_with_generate``.
 
-The swap: ``Seq2SeqTrainer`` -> ``DPSeq2SeqTrainer``, ``Seq2SeqTrainingArguments`` -> ``DPSeq2SeqTrainingArguments``.
-``--lora_r`` (not upstream) trains LoRA adapters on q and v; the tests fine-tune T5 fully (its relative position
-bias included).
+The swap: ``Seq2SeqTrainer`` -> ``DPSeq2SeqTrainer``, ``Seq2SeqTrainingArguments`` ->
+``DPSeq2SeqTrainingArguments``. ``--lora_r`` (not upstream) trains LoRA adapters on q and v; the tests
+fine-tune T5 fully (its relative position bias included).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class DataTrainingArguments:
     validation_file: str | None = field(default=None, metadata={"help": "The same for held-out data."})
     max_source_length: int = field(default=32, metadata={"help": "Longer sources are truncated."})
     max_target_length: int = field(default=8, metadata={"help": "Longer targets are truncated."})
-    source_prefix: str = field(default="", metadata={"help": "A prefix added to every source (T5: 'summarize: ')."})
+    source_prefix: str = field(default="", metadata={"help": "A prefix added to every source (T5: "
+        "'summarize: ')."})
 
 
 def main(argv: list[str] | None = None) -> Seq2SeqTrainer:
@@ -51,8 +52,10 @@ def main(argv: list[str] | None = None) -> Seq2SeqTrainer:
 
     def preprocess_function(examples):
         inputs = [data_args.source_prefix + text for text in examples["text"]]
-        model_inputs = tokenizer(inputs, max_length=data_args.max_source_length, padding=False, truncation=True)
-        labels = tokenizer(text_target=examples["summary"], max_length=data_args.max_target_length, truncation=True)
+        model_inputs = tokenizer(inputs, max_length=data_args.max_source_length, padding=False,
+                                 truncation=True)
+        labels = tokenizer(text_target=examples["summary"], max_length=data_args.max_target_length,
+                           truncation=True)
         model_inputs["labels"] = labels["input_ids"]
         return model_inputs
 
@@ -78,5 +81,6 @@ def main(argv: list[str] | None = None) -> Seq2SeqTrainer:
     )
     trainer.train()
     if training_args.do_eval:
-        trainer.evaluate(max_length=training_args.generation_max_length, num_beams=training_args.generation_num_beams)
+        trainer.evaluate(max_length=training_args.generation_max_length,
+                         num_beams=training_args.generation_num_beams)
     return trainer

@@ -1,5 +1,5 @@
-"""TRL's trl/scripts/sft.py pattern: ``TrlParser`` over ScriptArguments, the SFT config and ModelConfig, the model
-given by name, ``get_peft_config(model_args)`` (LoRA with ``--use_peft``).
+"""TRL's trl/scripts/sft.py pattern: ``TrlParser`` over ScriptArguments, the SFT config and ModelConfig, the
+model given by name, ``get_peft_config(model_args)`` (LoRA with ``--use_peft``).
 
 The swap: ``SFTTrainer`` -> ``DPSFTTrainer``, ``SFTConfig`` -> ``DPSFTConfig``.
 """

@@ -1,8 +1,8 @@
 """Every refused configuration raises a clear error (docs/configuration.md lists them all).
 
-Complements tests/proofs/test_validators.py (epsilon/delta/sample-rate/both-or-neither/negative noise/fp16/gradient
-accumulation conflict/unknown method or clipping/unsupported layer/half-precision parameters/hidden parameter
-use), which are not repeated here.
+Complements tests/proofs/test_validators.py (epsilon/delta/sample-rate/both-or-neither/negative
+noise/fp16/gradient accumulation conflict/unknown method or clipping/unsupported layer/half-precision
+parameters/hidden parameter use), which are not repeated here.
 """
 
 from __future__ import annotations
@@ -17,15 +17,18 @@ from hf_dpfilter import DPTrainer, DPTrainingArguments, GhostClippingEngine, mak
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False)
+    base = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no",
+                remove_unused_columns=False)
     base.update(kw)
     return DPTrainingArguments(**base)
 
 
 ARGUMENT_ERRORS = [
-    (dict(noise_multiplier=1.0, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}),
+    (dict(noise_multiplier=1.0, gradient_checkpointing=True,
+          gradient_checkpointing_kwargs={"use_reentrant": True}),
      "use_reentrant=True is not supported"),
-    (dict(noise_multiplier=1.0, activation_checkpointing=True, activation_checkpointing_kwargs={"preserve_rng_state": True}),
+    (dict(noise_multiplier=1.0, activation_checkpointing=True,
+          activation_checkpointing_kwargs={"preserve_rng_state": True}),
      "use_reentrant=True is not supported"),
     (dict(noise_multiplier=1.0, accountant="moments"), "accountant must be one of"),
     (dict(noise_multiplier=1.0, per_sample_max_grad_norm=0.0), "per_sample_max_grad_norm must be > 0"),
@@ -122,7 +125,8 @@ def test_base_optimizer_instance_with_settings():
 
 def test_base_is_not_an_optimizer():
     with pytest.raises(TypeError, match="base must be a torch.optim.Optimizer"):
-        make_dp_optimizer([torch.nn.Parameter(torch.zeros(2))], base=object, noise_multiplier=1.0, max_grad_norm=1.0,
+        make_dp_optimizer([torch.nn.Parameter(torch.zeros(2))], base=object, noise_multiplier=1.0,
+                          max_grad_norm=1.0,
                           expected_batch_size=4)
 
 

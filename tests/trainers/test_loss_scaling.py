@@ -1,15 +1,16 @@
-"""fp16 loss scaling (hf_dpfilter/trainers/loss_scaling.py) and what a swapped script shows at the start of training.
+"""fp16 loss scaling (hf_dpfilter/trainers/loss_scaling.py) and what a swapped script shows at the start of
+training.
 
 * Scaling: the engine's backward on ``S * sum_i loss_i`` with S = 2^k gives, after S is divided out, the very
-  norms and clipped sums of the unscaled run (bitwise in float64 and float32: scaling by 2^k commutes with every
-  rounding); under fp16 autocast it recovers gradients that underflow unscaled; DPTrainer(fp16=True) equals the
-  float64 per-example reference.
+  norms and clipped sums of the unscaled run (bitwise in float64 and float32: scaling by 2^k commutes with
+  every rounding); under fp16 autocast it recovers gradients that underflow unscaled; DPTrainer(fp16=True)
+  equals the float64 per-example reference.
 * Overflow: an example whose gradient overflows is zeroed per example, so whether the step is applied and the
-  next scale are the same with and without it (neighbouring data sets); the scaler reads the noised gradient only,
-  and a step it skips is still accounted.
-* The start of training (hf_dpfilter/run/start_report.py): the plan's epsilon, delta, sigma, q and steps printed
-  once; one warning when the learning rate or schedule is the non-private script's; one warning when the rows
-  are fixed-length blocks of concatenated text (the unit is then a block, not a document).
+  next scale are the same with and without it (neighbouring data sets); the scaler reads the noised gradient
+  only, and a step it skips is still accounted.
+* The start of training (hf_dpfilter/run/start_report.py): the plan's epsilon, delta, sigma, q and steps
+  printed once; one warning when the learning rate or schedule is the non-private script's; one warning when
+  the rows are fixed-length blocks of concatenated text (the unit is then a block, not a document).
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ def test_scaled_norms_and_clipped_sums_equal_the_unscaled_ones_exactly(ids, dtyp
 
 
 class _ArangePositions(torch.nn.Module):
-    """A positional table on torch.arange(T): its output is SHARED by every example (engine/shared_outputs.py)."""
+    """A positional table on torch.arange(T): its output is SHARED by every example
+    (engine/shared_outputs.py)."""
 
     def __init__(self):
         super().__init__()
-        self.embed, self.pos, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Embedding(16, 8), torch.nn.Linear(8, 2)
+        self.embed, self.pos, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Embedding(16,
+                8), torch.nn.Linear(8, 2)
 
     def forward(self, input_ids):
         hidden = torch.tanh(self.embed(input_ids) + self.pos(torch.arange(input_ids.shape[1])))
@@ -81,7 +84,8 @@ def test_scaled_shared_outputs_equal_the_unscaled_ones_exactly(ids):
     model = _ArangePositions().double()
     plain, scaled = _grads(model, ids, 1.0), _grads(model, ids, 2.0**12)
     assert torch.equal(plain.clipping_norms(), scaled.clipping_norms())
-    a, b = plain.weighted_sum(torch.ones(4, dtype=torch.float64)), scaled.weighted_sum(torch.ones(4, dtype=torch.float64))
+    a, b = plain.weighted_sum(torch.ones(4, dtype=torch.float64)), scaled.weighted_sum(torch.ones(4,
+            dtype=torch.float64))
     assert all(torch.equal(a[p], b[p]) for p in a) and a[model.pos.weight].abs().sum() > 0
 
 
@@ -98,7 +102,8 @@ def test_a_scale_that_is_not_a_power_of_two_is_refused():
 
 def test_fp16_with_a_stateful_method_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="desynchronise"):
-        DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, fp16=True, dp_method="disk", use_cpu=True,
+        DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, fp16=True, dp_method="disk",
+                            use_cpu=True,
                             report_to=[])
 
 
@@ -121,11 +126,14 @@ def test_dptrainer_fp16_step_equals_the_per_example_reference(tmp_path):
     reference, _ = reference_clipped_sum(model, examples, False, clip)
     args = DPTrainingArguments(
         output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=6,
-        per_device_train_batch_size=3, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
-        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False, dp_seed=0,
+        per_device_train_batch_size=3, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+        dp_seed=0,
         fp16=True, dp_fp16_loss_scale=2.0**12,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=PadCollator(1))
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(1))
     before = {p: p.detach().clone() for p in model.parameters() if p.requires_grad}
     trainer.train()
     assert trainer.engine.loss_scale == 2.0**12 and trainer.accelerator.scaler is None
@@ -219,8 +227,10 @@ def test_the_loss_scale_is_kept_in_the_optimizer_checkpoint():
 
 # ------------------------------------------------------------------------------------- the start of training
 def _swapped_args(tmp_path, **overrides):
-    """A non-private script's arguments after the swap: Trainer's defaults (adamw, lr 5e-5, linear) + DP flags."""
-    settings = dict(output_dir=str(tmp_path), noise_multiplier=1.0, logical_batch_size=4, per_device_train_batch_size=4,
+    """A non-private script's arguments after the swap: Trainer's defaults (adamw, lr 5e-5, linear) + DP
+    flags."""
+    settings = dict(output_dir=str(tmp_path), noise_multiplier=1.0, logical_batch_size=4,
+                    per_device_train_batch_size=4,
                     accountant="rdp",
                     max_steps=2, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
                     dp_seed=0)
@@ -232,7 +242,8 @@ def _group_texts(documents: list[list[int]], block_size: int) -> dict:
     """run_clm's group_texts: concatenate the documents, cut the stream into blocks, labels = inputs."""
     stream = [t for doc in documents for t in doc]
     blocks = [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
-    return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks], "labels": [list(b) for b in blocks]}
+    return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks],
+            "labels": [list(b) for b in blocks]}
 
 
 def test_a_swapped_clm_script_shows_the_plan_and_warns_once_for_the_lr_and_the_block_unit(tmp_path, caplog):
@@ -240,33 +251,38 @@ def test_a_swapped_clm_script_shows_the_plan_and_warns_once_for_the_lr_and_the_b
     from transformers import default_data_collator
 
     g = torch.Generator().manual_seed(5)
-    documents = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(5, 20, (8,), generator=g)]
+    documents = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist()
+                 for n in torch.randint(5, 20, (8,), generator=g)]
     train = datasets.Dataset.from_dict(_group_texts(documents, block_size=8)).with_format("torch")
     trainer = DPTrainer(model=tiny_gpt2(dtype=torch.float32), args=_swapped_args(tmp_path),
                         train_dataset=train, data_collator=default_data_collator)  # run_clm's
-    with caplog.at_level(logging.WARNING, logger="hf_dpfilter"), warnings.catch_warnings(record=True) as caught:
+    with caplog.at_level(logging.WARNING,
+                         logger="hf_dpfilter"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
     banners = [r for r in caplog.records if "***** Differential privacy" in r.getMessage()]
     assert len(banners) == 1 and banners[0].levelno == logging.WARNING
     plan = trainer.privacy_plan
-    for text in (f"epsilon = {plan.epsilon():.4g}", f"delta = {plan.delta:.3g}", f"sigma = {plan.noise_multiplier:.4g}",
+    for text in (f"epsilon = {plan.epsilon():.4g}", f"delta = {plan.delta:.3g}",
+                 f"sigma = {plan.noise_multiplier:.4g}",
                  f"q = {plan.sample_rate:.4g}", "for 2 steps", "protected unit: one example"):
         assert text in banners[0].getMessage(), (text, banners[0].getMessage())
     lr = [str(w.message) for w in caught if "Settings left from a non-private script" in str(w.message)]
     assert len(lr) == 1 and "learning_rate=5e-05" in lr[0]
     blocks = [str(w.message) for w in caught if "fixed-length blocks" in str(w.message)]
-    assert len(blocks) == 1 and "8" not in blocks[0]  # no length read from the rows (a document's, when not blocks)
+    # no length read from the rows (a document's, when not blocks)
+    assert len(blocks) == 1 and "8" not in blocks[0]
 
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_the_banner_says_when_the_per_example_checks_are_off(verify, tmp_path):
-    """dp_verify_first_step=False turns the first-step check and the re-checks off: the start banner says so, and
-    what still holds (it was said nowhere at the start of such a run)."""
+    """dp_verify_first_step=False turns the first-step check and the re-checks off: the start banner says so,
+    and what still holds (it was said nowhere at the start of such a run)."""
     args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
                                logical_batch_size=4, per_device_train_batch_size=2, max_steps=2, report_to=[],
                                use_cpu=True, save_strategy="no", dp_verify_first_step=verify)
-    trainer = DPTrainer(model=tiny_roberta(), args=args, train_dataset=ListDataset(make_examples(8, VOCAB, False)),
+    trainer = DPTrainer(model=tiny_roberta(), args=args,
+                        train_dataset=ListDataset(make_examples(8, VOCAB, False)),
                         data_collator=PadCollator(1))
     banner = plan_banner(trainer)
     assert ("per-example checks: off (dp_verify_first_step=False" in banner) is not verify, banner
@@ -287,11 +303,14 @@ def test_learning_rate_warning_only_for_non_private_settings(tmp_path, overrides
 
 def test_learning_rate_warning_judges_the_optimizer_the_run_uses(tmp_path):
     """A script's own optimizer (``optimizers=`` or ``optimizer_cls_and_kwargs``) runs at its own rate, not at
-    ``args.learning_rate`` (Trainer's 5e-5 left as is): judged from the optimizer built, named as torch names it."""
+    ``args.learning_rate`` (Trainer's 5e-5 left as is): judged from the optimizer built, named as torch names
+    it."""
     model = tiny_roberta(dtype=torch.float32)
     args = _swapped_args(tmp_path, lr_scheduler_type="constant")
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
-                        data_collator=PadCollator(1), optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-3), None))
+    trainer = DPTrainer(model=model, args=args,
+                        train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
+                        data_collator=PadCollator(1),
+                        optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-3), None))
     trainer.create_optimizer()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -299,7 +318,8 @@ def test_learning_rate_warning_judges_the_optimizer_the_run_uses(tmp_path):
     assert not caught, [str(w.message) for w in caught]
     problems = learning_rate_problems(args, 100, torch.optim.AdamW(model.parameters(), lr=2e-5))
     assert len(problems) == 1 and "learning_rate=2e-05 with adamw:" in problems[0], problems
-    assert "optimizernames" not in learning_rate_problems(args, 100)[0]  # args.optim's value, not the enum's name
+    # args.optim's value, not the enum's name
+    assert "optimizernames" not in learning_rate_problems(args, 100)[0]
 
 def test_fixed_length_blocks_read_from_the_collator_only(tmp_path):
     """The block warning is decided by the script's code (a causal LM's collator that cannot pad: run_clm's
@@ -309,9 +329,12 @@ def test_fixed_length_blocks_read_from_the_collator_only(tmp_path):
     assert fixed_length_blocks(default_data_collator, causal_lm=True)
     assert fixed_length_blocks(DefaultDataCollator(), causal_lm=True)
     assert not fixed_length_blocks(default_data_collator, causal_lm=False)
-    assert not fixed_length_blocks(DataCollatorWithPadding(tiny_tokenizer()), causal_lm=True)  # pads: documents
-    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=_swapped_args(tmp_path, learning_rate=1e-3),
-                        train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)), data_collator=PadCollator(1))
+    # pads: documents
+    assert not fixed_length_blocks(DataCollatorWithPadding(tiny_tokenizer()), causal_lm=True)
+    trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32),
+                        args=_swapped_args(tmp_path, learning_rate=1e-3),
+                        train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
+                        data_collator=PadCollator(1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         announce_start(trainer)  # DP settings and classification rows: nothing to warn about
@@ -319,7 +342,8 @@ def test_fixed_length_blocks_read_from_the_collator_only(tmp_path):
 
 
 def test_add_remove_sensitivity_of_the_scaled_fp16_clipped_sum(ids):
-    """float32 weights, fp16 autocast, S = 2^10, noise 0: removing one example moves the clipped sum by <= C."""
+    """float32 weights, fp16 autocast, S = 2^10, noise 0: removing one example moves the clipped sum by <=
+    C."""
     model = tiny_roberta(dtype=torch.float32)
     clip = 1e-2
 
@@ -341,16 +365,17 @@ def test_add_remove_sensitivity_of_the_scaled_fp16_clipped_sum(ids):
 
 # ------------------------------------------------------------------------------ fp16 asked for another way
 def test_accelerate_fp16_environment_is_the_fp16_run(tmp_path, monkeypatch):
-    """`accelerate launch --mixed_precision fp16` (ACCELERATE_MIXED_PRECISION=fp16) without fp16=True: the method
-    check applies, and the run gets the DP loss scaler in place of Accelerate's GradScaler (put back here as
-    Accelerate does on CUDA: kept, its step wrapper reads the empty p.grad and fails inside torch)."""
+    """`accelerate launch --mixed_precision fp16` (ACCELERATE_MIXED_PRECISION=fp16) without fp16=True: the
+    method check applies, and the run gets the DP loss scaler in place of Accelerate's GradScaler (put back
+    here as Accelerate does on CUDA: kept, its step wrapper reads the empty p.grad and fails inside torch)."""
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     with pytest.raises(ValueError, match="ACCELERATE_MIXED_PRECISION=fp16"):
         _swapped_args(tmp_path, dp_method="disk")
     args = _swapped_args(tmp_path, learning_rate=1e-3, max_steps=1)
     assert args.fp16
     model = tiny_roberta(dtype=torch.float32)
-    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
+    trainer = DPTrainer(model=model, args=args,
+                        train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
                         data_collator=PadCollator(1))
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
     before = flat([p.detach().clone() for p in model.parameters()])
@@ -360,20 +385,24 @@ def test_accelerate_fp16_environment_is_the_fp16_run(tmp_path, monkeypatch):
 
 
 def test_fp16_set_after_the_arguments_is_checked_before_any_step(tmp_path):
-    """``args.fp16 = True`` after construction (a script's ``if cuda: args.fp16 = True``) with a stateful method:
-    refused when the optimizer is built, before any step, not given a loss scaler that could skip its steps."""
+    """``args.fp16 = True`` after construction (a script's ``if cuda: args.fp16 = True``) with a stateful
+    method:
+    refused when the optimizer is built, before any step, not given a loss scaler that could skip its
+    steps."""
     args = _swapped_args(tmp_path, dp_method="disk", learning_rate=1e-3)
     trainer = DPTrainer(model=tiny_roberta(dtype=torch.float32), args=args,
-                        train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)), data_collator=PadCollator(1))
+                        train_dataset=ListDataset(make_examples(4, VOCAB, causal=False)),
+                        data_collator=PadCollator(1))
     args.fp16 = True
     with pytest.raises(ValueError, match="is supported with dp_method in"):
         trainer.create_optimizer()
 
 
 def test_an_overflowing_example_changes_nothing_the_trainer_shows(tmp_path):
-    """DPTrainer(fp16=True), D and D' differing in one example whose forward overflows (a token embedded at 1e38:
-    inf logits, NaN loss): on the first micro-batch, so the first-step check sees it too. It is zeroed; the run
-    is not refused, and the logs, warnings, privacy report and loss scale are those of D'."""
+    """DPTrainer(fp16=True), D and D' differing in one example whose forward overflows (a token embedded at
+    1e38:
+    inf logits, NaN loss): on the first micro-batch, so the first-step check sees it too. It is zeroed; the
+    run is not refused, and the logs, warnings, privacy report and loss scale are those of D'."""
 
     def run(poisoned: bool, out: str):
         model = tiny_roberta(dtype=torch.float32)
@@ -381,9 +410,11 @@ def test_an_overflowing_example_changes_nothing_the_trainer_shows(tmp_path):
             model.roberta.embeddings.word_embeddings.weight[3] = 1e38
         rows = make_examples(4, VOCAB, causal=False, seed=3)
         for row in rows:
-            row["input_ids"] = torch.where(torch.as_tensor(row["input_ids"]) == 3, 4, torch.as_tensor(row["input_ids"]))
+            row["input_ids"] = torch.where(torch.as_tensor(row["input_ids"]) == 3, 4,
+                                           torch.as_tensor(row["input_ids"]))
         rows[1]["input_ids"][1] = 3 if poisoned else 4
-        trainer = DPTrainer(model=model, args=_swapped_args(tmp_path / out, max_steps=1, learning_rate=1e-3, fp16=True,
+        trainer = DPTrainer(model=model,
+                            args=_swapped_args(tmp_path / out, max_steps=1, learning_rate=1e-3, fp16=True,
                                                             lr_scheduler_type="constant", logging_steps=1),
                             train_dataset=ListDataset(rows), data_collator=PadCollator(1))
         with warnings.catch_warnings(record=True) as caught:

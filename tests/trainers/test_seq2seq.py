@@ -1,9 +1,9 @@
 """DPSeq2SeqTrainer / DPSeq2SeqTrainingArguments (issue 30): Seq2SeqTrainer's script with the two-class swap.
 
-Every field Seq2SeqTrainingArguments adds has a DP status (hf_dpfilter/trainers/seq2seq.py), the docs hold the table, and a
-tiny T5 (LoRA on q and v; the upstream-style summarization script fine-tunes it fully) trains one private step through
-DataCollatorForSeq2Seq and evaluates with ``predict_with_generate``; ``sortish_sampler=True`` leaves the Poisson
-sampler in place.
+Every field Seq2SeqTrainingArguments adds has a DP status (hf_dpfilter/trainers/seq2seq.py), the docs hold the
+table, and a tiny T5 (LoRA on q and v; the upstream-style summarization script fine-tunes it fully) trains one
+private step through DataCollatorForSeq2Seq and evaluates with ``predict_with_generate``;
+``sortish_sampler=True`` leaves the Poisson sampler in place.
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ def test_trains_and_evaluates_with_generate(tmp_path):
 
     tokenizer = tiny_tokenizer()
     model = tiny_t5(vocab_size=len(tokenizer))
-    train = Dataset.from_list(_rows(tokenizer, ["the cat sat on the mat", "a dog ran", "the bird flew over a tree",
+    train = Dataset.from_list(_rows(tokenizer, ["the cat sat on the mat", "a dog ran", "the bird flew over a "
+        "tree",
                                                 "a red cat", "the big dog sat"],
                                     ["cat mat", "dog", "bird tree", "red cat", "big dog"]))
-    held_out = Dataset.from_list(_rows(tokenizer, ["a small bird", "the slow dog ran"], ["small bird", "slow dog"]))
+    held_out = Dataset.from_list(_rows(tokenizer, ["a small bird", "the slow dog ran"],
+                                       ["small bird", "slow dog"]))
     args = DPSeq2SeqTrainingArguments(
         output_dir=str(tmp_path), noise_multiplier=1.0, logical_batch_size=4, per_device_train_batch_size=2,
         max_steps=1, learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
@@ -80,14 +82,16 @@ def test_trains_and_evaluates_with_generate(tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
     metrics = trainer.evaluate()
     assert metrics["eval_n"] == 2.0 and seen["shape"][0] == 2  # one generated sequence per held-out example
-    with pytest.raises(ValueError, match="share"):  # a training row in the evaluation set is refused, as any eval
+    # a training row in the evaluation set is refused, as any eval
+    with pytest.raises(ValueError, match="share"):
         trainer.evaluate(eval_dataset=train.select([0, 1]))
 
 
 def test_one_step_equals_the_per_example_reference_when_source_and_target_widths_coincide(tmp_path):
-    """The padded sources of the logical batch are as long as its padded targets (12), and later micro-batches hold
-    only short sources: the decoder's tensors and the labels keep their width (cut to the encoder's used columns,
-    they lost target tokens and the re-check refused the step). Float64, noise 0, LoRA on T5: the reference sum."""
+    """The padded sources of the logical batch are as long as its padded targets (12), and later micro-batches
+    hold only short sources: the decoder's tensors and the labels keep their width (cut to the encoder's used
+    columns, they lost target tokens and the re-check refused the step). Float64, noise 0, LoRA on T5: the
+    reference sum."""
     from helpers import ListDataset, flat
 
     from hf_dpfilter.losses.tasks import per_example_loss
@@ -116,9 +120,12 @@ def test_one_step_equals_the_per_example_reference_when_source_and_target_widths
     expected = sum(x * f for x, f in zip(grads, clip_factors(norms, clip)))
     before = [p.detach().clone() for p in params]
     args = DPSeq2SeqTrainingArguments(
-        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
-        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
-        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip,
+        logical_batch_size=len(rows),
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
+        remove_unused_columns=False,
     )
     DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collator).train()
     got = -len(rows) * flat([p.detach() - b for p, b in zip(params, before)])
@@ -128,8 +135,8 @@ def test_one_step_equals_the_per_example_reference_when_source_and_target_widths
 
 
 def _relative_error_of_one_step(tmp_path, model, rows, collator, loss_alone, **extra) -> float:
-    """One DPSeq2SeqTrainer step at noise 0 against the float64 reference: ``loss_alone(model, batch, labels)`` on
-    each row collated alone, its gradient clipped, summed."""
+    """One DPSeq2SeqTrainer step at noise 0 against the float64 reference: ``loss_alone(model, batch,
+    labels)`` on each row collated alone, its gradient clipped, summed."""
     return _one_step(tmp_path, model, rows, collator, loss_alone, **extra)[0]
 
 
@@ -152,9 +159,12 @@ def _one_step(
     expected = sum(x * f for x, f in zip(grads, clip_factors(norms, clip)))
     before = [p.detach().clone() for p in params]
     args = DPSeq2SeqTrainingArguments(
-        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=len(rows),
-        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
-        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
+        output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip,
+        logical_batch_size=len(rows),
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
+        remove_unused_columns=False,
         **extra,
     )
     trainer = DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows),
@@ -169,14 +179,15 @@ def _t5_rows():
     model = tiny_t5(lora=False, vocab_size=len(tokenizer)).double()
     g = torch.Generator().manual_seed(2)
     rows = [{"input_ids": torch.randint(5, len(tokenizer), (s,), generator=g).tolist(),
-             "labels": torch.randint(5, len(tokenizer), (t,), generator=g).tolist()} for s, t in ((6, 3), (4, 5), (3, 2))]
+             "labels": torch.randint(5, len(tokenizer), (t,), generator=g).tolist()} for s,
+             t in ((6, 3), (4, 5), (3, 2))]
     return tokenizer, model, rows
 
 
 def test_label_smoothing_is_applied_per_example(tmp_path):
-    """``label_smoothing_factor`` (run_summarization/run_translation's common 0.1): one step at noise 0 equals the
-    reference with the Trainer's own LabelSmoother on each example alone (it was refused as ignored; without the
-    smoothing the step is 7% away)."""
+    """``label_smoothing_factor`` (run_summarization/run_translation's common 0.1): one step at noise 0 equals
+    the reference with the Trainer's own LabelSmoother on each example alone (it was refused as ignored;
+    without the smoothing the step is 7% away)."""
     from transformers.trainer_pt_utils import LabelSmoother
 
     tokenizer, model, rows = _t5_rows()
@@ -187,9 +198,10 @@ def test_label_smoothing_is_applied_per_example(tmp_path):
 
 
 def test_a_collator_without_the_model_gets_the_decoder_inputs_from_each_example_labels(tmp_path):
-    """``DataCollatorForSeq2Seq(tokenizer)`` without ``model=`` gives no ``decoder_input_ids``: the model builds them
-    from its labels, which the trainer keeps out of its forward; they are built per row from the labels
-    (``prepare_decoder_input_ids_from_labels``; it failed inside T5). The reference: HF's own loss, labels given."""
+    """``DataCollatorForSeq2Seq(tokenizer)`` without ``model=`` gives no ``decoder_input_ids``: the model
+    builds them from its labels, which the trainer keeps out of its forward; they are built per row from the
+    labels (``prepare_decoder_input_ids_from_labels``; it failed inside T5). The reference: HF's own loss,
+    labels given."""
     tokenizer, model, rows = _t5_rows()
     error = _relative_error_of_one_step(tmp_path, model, rows, DataCollatorForSeq2Seq(tokenizer),
                                         lambda m, batch, labels: m(**batch, labels=labels).loss)
@@ -257,10 +269,10 @@ def test_an_encoder_decoder_whose_rule_for_decoder_inputs_is_unknown_is_refused_
 
 
 def test_labels_padded_on_the_left_are_refused_on_every_micro_batch(tmp_path):
-    """A tokenizer padding on the left makes DataCollatorForSeq2Seq pad the labels on the left: the decoder attends
-    to those pads, as many as the batch's longest target asks. With sources of one length (no encoder padding to
-    refuse) such a step was released coupled without the first-step check; the collator's declared side is refused
-    on every micro-batch (not the labels' leading -100, which may be the example's own)."""
+    """A tokenizer padding on the left makes DataCollatorForSeq2Seq pad the labels on the left: the decoder
+    attends to those pads, as many as the batch's longest target asks. With sources of one length (no encoder
+    padding to refuse) such a step was released coupled without the first-step check; the collator's declared
+    side is refused on every micro-batch (not the labels' leading -100, which may be the example's own)."""
     from helpers import ListDataset
 
     from hf_dpfilter.proofs.padding import PaddingError
@@ -313,8 +325,10 @@ def test_user_level_units_clip_each_users_source_and_target_rows_together(tmp_pa
     before = [p.detach().clone() for p in params]
     args = DPSeq2SeqTrainingArguments(
         output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=clip, logical_batch_size=3,
-        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
-        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, remove_unused_columns=False,
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0,
+        remove_unused_columns=False,
         privacy_unit="user", user_id_column="user", max_examples_per_user=2,
     )
     DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=collator).train()
@@ -323,25 +337,29 @@ def test_user_level_units_clip_each_users_source_and_target_rows_together(tmp_pa
 
 
 def test_a_token_budget_bounds_the_decoder_side_too(tmp_path):
-    """dp_micro_batch_tokens=16 on short sources with long targets (2-3 source tokens, 8-10 target tokens): each
-    grouped micro-batch's rows x padded width stays within the budget on the decoder side too (it counted the
-    sources only: 5 rows of 3 source but 10 target tokens, 50 decoder positions), and one step at noise 0 equals the
-    ungrouped one (float64)."""
+    """dp_micro_batch_tokens=16 on short sources with long targets (2-3 source tokens, 8-10 target tokens):
+    each grouped micro-batch's rows x padded width stays within the budget on the decoder side too (it counted
+    the sources only: 5 rows of 3 source but 10 target tokens, 50 decoder positions), and one step at noise 0
+    equals the ungrouped one (float64)."""
     from helpers import ListDataset, flat
 
     tokenizer, _, _ = _t5_rows()
     g = torch.Generator().manual_seed(4)
     rows = [{"input_ids": torch.randint(5, len(tokenizer), (2 + i % 2,), generator=g).tolist(),
-             "labels": torch.randint(5, len(tokenizer), (8 + i % 3,), generator=g).tolist()} for i in range(8)]
+             "labels": torch.randint(5, len(tokenizer), (8 + i % 3,), generator=g).tolist()}
+             for i in range(8)]
 
     def step(**kw):
         _, model, _ = _t5_rows()
         seen = []
         model.register_forward_pre_hook(lambda m, a, k: seen.append(
-            (k["input_ids"].shape[0], max(k["input_ids"].shape[1], k["decoder_input_ids"].shape[1]))), with_kwargs=True)
+            (k["input_ids"].shape[0], max(k["input_ids"].shape[1], k["decoder_input_ids"].shape[1]))),
+            with_kwargs=True)
         args = DPSeq2SeqTrainingArguments(
-            output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=0.5, logical_batch_size=8,
-            per_device_train_batch_size=8, max_steps=1, optim="sgd", learning_rate=1.0, report_to=[], use_cpu=True,
+            output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=0.5,
+            logical_batch_size=8,
+            per_device_train_batch_size=8, max_steps=1, optim="sgd", learning_rate=1.0, report_to=[],
+            use_cpu=True,
             save_strategy="no", dp_seed=0, remove_unused_columns=False, dp_verify_first_step=False, **kw)
         DPSeq2SeqTrainer(model=model, args=args, train_dataset=ListDataset(rows),
                          data_collator=DataCollatorForSeq2Seq(tokenizer, model=model)).train()
@@ -349,5 +367,6 @@ def test_a_token_budget_bounds_the_decoder_side_too(tmp_path):
 
     off, _ = step(dp_group_by_length=False)
     on, seen = step(dp_micro_batch_tokens=16)
-    assert sum(n for n, _ in seen) == 8 and all(n * width <= 16 for n, width in seen[1:]), seen  # [0]: the lead
+    # [0]: the lead
+    assert sum(n for n, _ in seen) == 8 and all(n * width <= 16 for n, width in seen[1:]), seen
     assert ((on - off).norm() / off.norm()).item() <= 1e-12

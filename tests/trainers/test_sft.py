@@ -2,7 +2,8 @@
 
 A tiny Llama built from a config and the offline byte-level chat tokenizer (recipes.common.offline_chat), on
 conversational data with assistant-only loss and packing after sampling. Per-example references in float64
-(each example alone, ordinary autograd, on the tokens TRL prepared), sensitivity in float32 (remove one example:
+(each example alone, ordinary autograd, on the tokens TRL prepared), sensitivity in float32 (remove one
+example:
 the pre-noise aggregate moves by at most C), the refusals and their fixes.
 """
 
@@ -53,7 +54,8 @@ def chat_rows(n: int, seed: int = 0, user_ids: bool = False) -> list[dict]:
 def config(tmp_path, n: int, **kw) -> DPSFTConfig:
     base = dict(
         output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=1.0, logical_batch_size=n,
-        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+        per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant",
         weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", dp_seed=0, bf16=False,
         gradient_checkpointing=False, assistant_only_loss=True, packing=True, max_length=64, logging_steps=1,
     )
@@ -64,7 +66,8 @@ def config(tmp_path, n: int, **kw) -> DPSFTConfig:
 def trainer_for(tmp_path, rows, dtype=torch.float64, **kw):
     tokenizer = byte_level_chat_tokenizer()
     model = small_llama(tokenizer, hidden_size=16, heads=4, max_positions=128, dtype=dtype)
-    return DPSFTTrainer(model=model, args=config(tmp_path, len(rows), **kw), train_dataset=datasets.Dataset.from_list(
+    return DPSFTTrainer(model=model, args=config(tmp_path, len(rows), **kw),
+                        train_dataset=datasets.Dataset.from_list(
         rows), processing_class=tokenizer)
 
 
@@ -100,7 +103,8 @@ def test_config_keeps_sftconfig_defaults_and_is_both_classes(tmp_path):
 
 
 def test_every_sft_field_has_a_dp_status():
-    added = {f.name for f in dataclasses.fields(SFTConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    added = {f.name for f in dataclasses.fields(SFTConfig)} - {f.name
+                                                               for f in dataclasses.fields(TrainingArguments)}
     missing = sorted(added - set(SFT_FIELD_POLICIES))
     assert not missing, f"SFTConfig fields without a DP status in SFT_FIELD_POLICIES: {missing}"
 
@@ -117,7 +121,8 @@ def test_two_class_switch_on_a_conversational_dataset(tmp_path):
     report = trainer.privacy_report()
     assert report["steps"] == 2 and 0 < report["epsilon"] < float("inf")
     assert report["num_train_examples"] == len(rows)
-    assert not any("mean_token_accuracy" in entry or "num_tokens" in entry for entry in trainer.state.log_history)
+    assert not any("mean_token_accuracy" in entry or "num_tokens" in entry
+                   for entry in trainer.state.log_history)
 
 
 def test_user_level_sft_publishes_no_example_or_token_count(tmp_path):
@@ -175,10 +180,12 @@ def test_each_step_sample_is_packed_best_fit_into_micro_batches(tmp_path):
     labels = batch.pop("labels")
     micro = list(trainer._micro_batches(batch, labels, num))
     lengths = [len(trainer.train_dataset[i]["input_ids"]) for i in range(len(rows))]
-    # each micro-batch knows exactly which examples it holds (the bins, in the packed order): the example re-collated
-    # alone from its raw row has the tokens of its segment
+    # each micro-batch knows exactly which examples it holds (the bins, in the packed order): the example
+    # re-collated alone from its raw row has the tokens of its segment
     with_members = trainer._micro_batches_with_members(batch, labels, num)
-    assert [m for _, m in with_members] == [tuple(i for b in bins for i in b) for bins in micro_batch_bins(lengths, 64, 2)]
+    assert [m for _,
+            m in with_members] == [tuple(i for b in bins for i in b)
+                                   for bins in micro_batch_bins(lengths, 64, 2)]
     for (inputs, _, layout), members in with_members:
         for k, (row, start, _stop) in enumerate(layout.spans):
             alone, _, alone_layout = trainer._alone(raw[members[k]])
@@ -191,16 +198,18 @@ def test_each_step_sample_is_packed_best_fit_into_micro_batches(tmp_path):
     for (inputs, micro_labels, layout), bins in zip(micro, plan):
         assert layout.rows == len(bins) <= 2 and layout.length <= 64  # one row per bin of max_length tokens
         assert "attention_mask" not in inputs  # examples kept apart by the position_ids restarts
-        assert inputs["cu_seq_lens_q"].tolist() == [0] + [r * layout.length + stop for r, _, stop in layout.spans]
+        assert inputs["cu_seq_lens_q"].tolist() == [0] + [r * layout.length + stop for r, _,
+                                                          stop in layout.spans]
         assert layout.num_examples == sum(len(b) for b in bins)
-        for k, (row, start, stop) in enumerate(layout.spans):  # padding joins a row's last example, label -100
+        # padding joins a row's last example, label -100
+        for k, (row, start, stop) in enumerate(layout.spans):
             real = lengths[[i for b in bins for i in b][k]]
             assert stop - start >= real and bool((micro_labels[row, start + real : stop] == -100).all())
 
 
 def test_packed_chat_rows_per_example_gradients_equal_each_example_alone_fp64(tmp_path):
-    """Engine per-example gradient norms (and gradients) on the trainer's packed micro-batches of chat rows with
-    assistant-only loss, against autograd on each example alone, in float64."""
+    """Engine per-example gradient norms (and gradients) on the trainer's packed micro-batches of chat rows
+    with assistant-only loss, against autograd on each example alone, in float64."""
     rows = chat_rows(7, seed=3)
     trainer = trainer_for(tmp_path, rows, per_device_train_batch_size=3)
     model, engine = trainer.model, trainer.engine
@@ -222,10 +231,12 @@ def test_packed_chat_rows_per_example_gradients_equal_each_example_alone_fp64(tm
         norms = grads.norms()
         for k, (row, start, stop) in enumerate(layout.spans):
             ids = inputs["input_ids"][row, start:stop].tolist()  # the example, then the row's padding if last
-            index = next(i for i in range(len(data)) if data[i]["input_ids"] == ids[: len(data[i]["input_ids"])])
+            index = next(i for i in range(len(data))
+                         if data[i]["input_ids"] == ids[: len(data[i]["input_ids"])])
             ids = data[index]["input_ids"]
             example_labels = data[index]["labels"]
-            assert any(t != -100 for t in example_labels) and any(t == -100 for t in example_labels)  # assistant only
+            # assistant only
+            assert any(t != -100 for t in example_labels) and any(t == -100 for t in example_labels)
             reference = alone_gradient(model, ids, example_labels, params)
             ref_norm = flat(reference).norm()
             assert abs(norms[k] - ref_norm) <= 1e-6 * ref_norm, (index, float(norms[k]), float(ref_norm))
@@ -285,8 +296,9 @@ def test_dp_step_equals_the_clipped_per_example_reference(tmp_path):
 
 
 def test_fp16_sft_gets_the_dp_loss_scaler_and_refuses_a_stateful_method(tmp_path):
-    """DPSFTConfig(fp16=True): SFTConfig's bf16 default yields, the DP loss scaler (not Accelerate's GradScaler)
-    scales the step, and a method whose state a skipped step would desynchronise is refused with the config."""
+    """DPSFTConfig(fp16=True): SFTConfig's bf16 default yields, the DP loss scaler (not Accelerate's
+    GradScaler) scales the step, and a method whose state a skipped step would desynchronise is refused with
+    the config."""
     with pytest.raises(ValueError, match="fp16=True is supported with dp_method in"):
         config(tmp_path, 4, fp16=True, dp_method="disk", noise_multiplier=1.0)
     trainer = trainer_for(tmp_path, chat_rows(4), fp16=True, bf16=None, dp_fp16_loss_scale=2.0**12)
@@ -327,14 +339,16 @@ def test_prepacked_dataset_and_sftconfig_are_refused(tmp_path):
         DPSFTTrainer(model=small_llama(tokenizer, hidden_size=16), args=config(tmp_path, 1),
                      train_dataset=packed, processing_class=tokenizer)
     with pytest.raises(TypeError, match="DPSFTConfig"):
-        DPSFTTrainer(model=small_llama(tokenizer, hidden_size=16), args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False),
+        DPSFTTrainer(model=small_llama(tokenizer, hidden_size=16),
+                     args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False),
                      train_dataset=packed, processing_class=tokenizer)
 
 
 def test_nonprivate_sft_trainer_still_runs_on_the_same_data(tmp_path):
     """The baseline of the benchmark and the recipe: TRL's own SFTTrainer on the same rows and tokenizer."""
     tokenizer = byte_level_chat_tokenizer()
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, use_cpu=True, bf16=False,
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, use_cpu=True,
+                     bf16=False,
                      report_to=[], save_strategy="no", assistant_only_loss=True, packing=True, max_length=64,
                      gradient_checkpointing=False)
     SFTTrainer(model=small_llama(tokenizer, hidden_size=16), args=args,
@@ -363,9 +377,12 @@ def test_sft_recipe_runs_on_a_tiny_model(tmp_path, unit, capsys):
     out = tmp_path / unit
     _sft_recipe().main([
         "--data_dir", os.path.join(DATA, "e2e"), "--max_train_samples", "48", "--max_eval_samples", "3",
-        "--max_steps", "2", "--num_evals", "1", "--logical_batch_size", "6", "--per_device_train_batch_size", "4",
-        "--offline_hidden_size", "16", "--offline_layers", "1", "--num_beams", "1", "--max_generation_length", "6",
-        "--privacy_unit", unit, "--max_examples_per_user", "3", "--use_cpu", "--no_plots", "--output_dir", str(out),
+        "--max_steps", "2", "--num_evals", "1", "--logical_batch_size", "6", "--per_device_train_batch_size",
+        "4",
+        "--offline_hidden_size", "16", "--offline_layers", "1", "--num_beams", "1", "--max_generation_length",
+        "6",
+        "--privacy_unit", unit, "--max_examples_per_user", "3", "--use_cpu", "--no_plots", "--output_dir",
+        str(out),
     ])
     with open(out / "results.json") as f:
         results = json.load(f)
@@ -393,7 +410,8 @@ def test_synthetic_users_are_skewed_and_seeded():
 
 
 def test_sft_recipe_help_runs():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "sft.py"), "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "sft.py"), "--help"],
+                         capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "--privacy_unit" in out.stdout and "synthetic" in out.stdout.lower()
 
@@ -420,7 +438,8 @@ def _formatted_rows(kind: str, n: int) -> list[dict]:
     if kind == "prompt_completion":
         return [{"prompt": [r["messages"][0]], "completion": [r["messages"][1]]} for r in rows]
     if kind == "text_prompt_completion":
-        return [{"prompt": r["messages"][0]["content"] + " ->", "completion": " " + r["messages"][1]["content"]}
+        return [{"prompt": r["messages"][0]["content"] + " ->",
+                 "completion": " " + r["messages"][1]["content"]}
                 for r in rows]
     return [{"text": r["messages"][0]["content"] + ": " + r["messages"][1]["content"]} for r in rows]
 
@@ -440,8 +459,10 @@ def test_data_formats_and_options_train_privately(tmp_path, kind, options):
     if kind == "lora":
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    args = config(tmp_path, 8, noise_multiplier=1.0, logical_batch_size=4, optim="adamw_torch", learning_rate=1e-3,
+        peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                 task_type="CAUSAL_LM")
+    args = config(tmp_path, 8, noise_multiplier=1.0, logical_batch_size=4, optim="adamw_torch",
+                  learning_rate=1e-3,
                   assistant_only_loss=kind == "lora", **options)
     trainer = DPSFTTrainer(model=small_llama(tokenizer, hidden_size=16), args=args,
                            train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
@@ -460,7 +481,8 @@ def test_throughput_benchmark_runs_interleaved():
     import sft_throughput
 
     result = sft_throughput.main(["--rounds", "2", "--steps", "1", "--examples", "24", "--batch", "6",
-                                  "--max_length", "96", "--bins", "2", "--micro", "4", "--hidden", "16", "--layers", "1"])
+                                  "--max_length", "96", "--bins", "2", "--micro", "4", "--hidden", "16",
+                                  "--layers", "1"])
     assert set(result["per_round"]) == {"dp_packed", "dp_unpacked", "nonprivate"}
     assert all(len(v) == 2 and min(v) > 0 for v in result["per_round"].values())
     assert result["packed_over_unpacked"] > 0 and result["dp_over_nonprivate"] > 0

@@ -1,9 +1,11 @@
-"""Scripts in the style of the stack's fine-tuning examples run private with the two-class swap and DP flags (issue 30).
+"""Scripts in the style of the stack's fine-tuning examples run private with the two-class swap and DP flags
+(issue 30).
 
 Each script under tests/scripts/ follows its upstream example's pattern (HfArgumentParser/TrlParser over its
-dataclasses, its preprocessing, collator, Trainer class and loss) with only the swap; the DP settings are flags. They
-run in-process (``main(argv)``) on tiny models saved once per module (hidden 16, 2 layers, a word-level tokenizer) and a
-handful of local examples, one private step each at noise 1, and each must release that step with a moved parameter.
+dataclasses, its preprocessing, collator, Trainer class and loss) with only the swap; the DP settings are
+flags. They run in-process (``main(argv)``) on tiny models saved once per module (hidden 16, 2 layers, a
+word-level tokenizer) and a handful of local examples, one private step each at noise 1, and each must release
+that step with a moved parameter.
 
 MLM trains BERT's tied ``cls.predictions.bias`` and summarization fully fine-tunes T5 (relative position bias
 included): the scripts' ``--freeze`` and ``--lora_r`` stay available but the tests pass neither.
@@ -38,7 +40,8 @@ def stage(tmp_path_factory):
     vocab = len(tokenizer)
     torch.manual_seed(0)
     models = {
-        "bert": BertForMaskedLM(BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        "bert": BertForMaskedLM(BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=2,
+                                           num_attention_heads=2,
                                            intermediate_size=24, max_position_embeddings=64, pad_token_id=0)),
         "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=16, n_layer=2, n_head=2, n_positions=64,
                                            bos_token_id=2, eos_token_id=3, pad_token_id=0)),
@@ -55,15 +58,19 @@ def stage(tmp_path_factory):
         return str(path)
 
     files = {
-        "glue_train": write("glue_train.json", [{"sentence": _sentence(rng, 4 + i % 4), "label": i % 2} for i in range(6)]),
-        "glue_dev": write("glue_dev.json", [{"sentence": _sentence(rng, 5), "label": i % 2} for i in range(2)]),
+        "glue_train": write("glue_train.json",
+                            [{"sentence": _sentence(rng, 4 + i % 4), "label": i % 2} for i in range(6)]),
+        "glue_dev": write("glue_dev.json",
+                          [{"sentence": _sentence(rng, 5), "label": i % 2} for i in range(2)]),
         "text": write("text.txt", [_sentence(rng, 5 + i % 6) for i in range(8)]),
         "ner": write("ner.json", [{"tokens": (w := _sentence(rng, 3 + i % 3).split()),
                                    "ner_tags": ["B-X" if t in ("cat", "dog", "bird") else "O" for t in w]}
                                   for i in range(6)]),
-        "summ_train": write("summ_train.json", [{"text": _sentence(rng, 6 + i % 3), "summary": _sentence(rng, 2)}
+        "summ_train": write("summ_train.json",
+                            [{"text": _sentence(rng, 6 + i % 3), "summary": _sentence(rng, 2)}
                                                 for i in range(6)]),
-        "summ_dev": write("summ_dev.json", [{"text": _sentence(rng, 7), "summary": _sentence(rng, 2)} for _ in range(2)]),
+        "summ_dev": write("summ_dev.json",
+                          [{"text": _sentence(rng, 7), "summary": _sentence(rng, 2)} for _ in range(2)]),
     }
     qa = []
     for i in range(8):
@@ -76,14 +83,16 @@ def stage(tmp_path_factory):
     files["qa_train"], files["qa_dev"] = write("qa_train.json", qa[:6]), write("qa_dev.json", qa[6:])
     sft_dir = root / "sft_data"
     sft_dir.mkdir()
-    (sft_dir / "train.jsonl").write_text("\n".join(json.dumps({"text": _sentence(rng, 6 + i % 4)}) for i in range(6)))
+    (sft_dir / "train.jsonl").write_text("\n".join(json.dumps({"text": _sentence(rng, 6 + i % 4)})
+                                                   for i in range(6)))
     files["sft"] = str(sft_dir)
     return root, files
 
 
 def _dp_flags(out) -> list[str]:
     return ["--output_dir", str(out), "--noise_multiplier", "1.0", "--logical_batch_size", "4",
-            "--per_device_train_batch_size", "2", "--max_steps", "1", "--learning_rate", "1e-3", "--report_to", "none",
+            "--per_device_train_batch_size", "2", "--max_steps", "1", "--learning_rate", "1e-3",
+            "--report_to", "none",
             "--use_cpu", "--save_strategy", "no", "--dp_seed", "0"]
 
 
@@ -103,7 +112,8 @@ def _run(script: str, argv: list[str]):
 
     class Recording(original):  # the script's own class, recording the trainable values before training
         def train(self, *args, **kwargs):
-            captured["before"] = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+            captured["before"] = {n: p.detach().clone() for n,
+                                  p in self.model.named_parameters() if p.requires_grad}
             return super().train(*args, **kwargs)
 
     name = next(k for k in ("Trainer", "Seq2SeqTrainer", "SFTTrainer") if k in module.__dict__)
@@ -118,7 +128,8 @@ def _run(script: str, argv: list[str]):
 
 def test_run_glue(stage, tmp_path):
     root, files = stage
-    trainer = _run("run_glue", ["--model_name_or_path", str(root / "bert"), "--train_file", files["glue_train"],
+    trainer = _run("run_glue",
+                   ["--model_name_or_path", str(root / "bert"), "--train_file", files["glue_train"],
                                 "--validation_file", files["glue_dev"], "--do_train", "--do_eval",
                                 *_dp_flags(tmp_path)])
     assert "eval_accuracy" in trainer.state.log_history[-1]
@@ -138,7 +149,8 @@ def test_run_mlm(stage, tmp_path):
 
 def test_run_ner(stage, tmp_path):
     root, files = stage
-    _run("run_ner", ["--model_name_or_path", str(root / "bert"), "--train_file", files["ner"], *_dp_flags(tmp_path)])
+    _run("run_ner",
+         ["--model_name_or_path", str(root / "bert"), "--train_file", files["ner"], *_dp_flags(tmp_path)])
 
 
 def test_run_qa(stage, tmp_path):
@@ -150,11 +162,12 @@ def test_run_qa(stage, tmp_path):
 
 
 def test_run_qa_features_of_one_example_as_one_unit(stage, tmp_path):
-    """Long contexts split into several features (max_seq_length 12, doc_stride 4): with each feature's example id
-    as the user, an example's features are one unit (N counts examples, not features)."""
+    """Long contexts split into several features (max_seq_length 12, doc_stride 4): with each feature's
+    example id as the user, an example's features are one unit (N counts examples, not features)."""
     root, files = stage
     trainer = _run("run_qa", ["--model_name_or_path", str(root / "bert"), "--train_file", files["qa_train"],
-                              "--max_seq_length", "12", "--doc_stride", "4", "--keep_example_id", "--privacy_unit",
+                              "--max_seq_length", "12", "--doc_stride", "4", "--keep_example_id",
+                              "--privacy_unit",
                               "user", "--user_id_column", "example_id", "--max_examples_per_user", "4",
                               *_dp_flags(tmp_path)])
     assert len(trainer.train_dataset) > trainer.privacy_plan.num_examples == 6  # 6 examples, more features
@@ -171,12 +184,15 @@ def test_run_summarization(stage, tmp_path):
 
 def test_trl_sft(stage, tmp_path):
     root, files = stage
-    _run("sft", ["--model_name_or_path", str(root / "gpt2"), "--dataset_name", files["sft"], "--max_length", "32",
-                 "--use_peft", "--lora_r", "4", "--lora_target_modules", ".*c_attn", "--gradient_checkpointing", "false",
+    _run("sft",
+         ["--model_name_or_path", str(root / "gpt2"), "--dataset_name", files["sft"], "--max_length", "32",
+                 "--use_peft", "--lora_r", "4", "--lora_target_modules", ".*c_attn",
+                 "--gradient_checkpointing", "false",
                  *_dp_flags(tmp_path)])
 
 
 def test_peft_lora(stage, tmp_path):
     root, files = stage
-    _run("peft_lora", ["--model_name_or_path", str(root / "gpt2"), "--train_file", files["text"], "--lora_r", "4",
+    _run("peft_lora",
+         ["--model_name_or_path", str(root / "gpt2"), "--train_file", files["text"], "--lora_r", "4",
                        *_dp_flags(tmp_path)])

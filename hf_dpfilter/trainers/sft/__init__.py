@@ -1,7 +1,8 @@
-"""DP supervised fine-tuning through TRL: :class:`DPSFTTrainer` and :class:`DPSFTConfig` (needs ``hf_dpfilter[trl]``).
+"""DP supervised fine-tuning through TRL: :class:`DPSFTTrainer` and :class:`DPSFTConfig` (needs
+``hf_dpfilter[trl]``).
 
-A user of TRL's ``SFTTrainer``/``SFTConfig`` switches to ``DPSFTTrainer``/``DPSFTConfig`` and keeps the data set
-and the options (docs/sft.md). The names are imported lazily: the submodules that need no TRL
+A user of TRL's ``SFTTrainer``/``SFTConfig`` switches to ``DPSFTTrainer``/``DPSFTConfig`` and keeps the data
+set and the options (docs/sft.md). The names are imported lazily: the submodules that need no TRL
 (:mod:`hf_dpfilter.trainers.sft.packing`) imports without it, and asking for the trainer
 or the config without TRL installed raises an ``ImportError`` that names the extra.
 """
@@ -13,7 +14,8 @@ from typing import Any
 
 __all__ = ["DPSFTConfig", "DPSFTTrainer", "require_trl"]
 
-_EXPORTS = {"DPSFTConfig": "hf_dpfilter.trainers.sft.config", "DPSFTTrainer": "hf_dpfilter.trainers.sft.trainer"}
+_EXPORTS = {"DPSFTConfig": "hf_dpfilter.trainers.sft.config",
+            "DPSFTTrainer": "hf_dpfilter.trainers.sft.trainer"}
 
 #: the oldest TRL whose SFTTrainer the DP glue was written against (its dataset preparation and collator)
 MIN_TRL = "1.16"

@@ -2,8 +2,8 @@
 
 The DP fields are declared once, in :class:`hf_dpfilter.trainers.arguments.DPArgumentsMixin` (shared with
 ``DPTrainingArguments``); this class only combines the two dataclasses. Its MRO is ``DPSFTConfig ->
-DPArgumentsMixin -> SFTConfig -> _BaseConfig -> TrainingArguments``, so ``__post_init__`` runs the SFT refusals,
-then the DP checks, then TRL's (which resolves ``bf16=None``), then the Trainer's.
+DPArgumentsMixin -> SFTConfig -> _BaseConfig -> TrainingArguments``, so ``__post_init__`` runs the SFT
+refusals, then the DP checks, then TRL's (which resolves ``bf16=None``), then the Trainer's.
 
 Every field SFTConfig adds to ``TrainingArguments`` has a DP status in :data:`SFT_FIELD_POLICIES` (the same
 four statuses as :mod:`hf_dpfilter.run.training_fields`); a field a new TRL release adds has no row, and
@@ -32,10 +32,11 @@ def _packing_strategy(args: Any, stage: str) -> str | None:
         return None
     if args.packing_strategy == "wrapped":
         return (
-            "packing_strategy='wrapped' concatenates the examples and cuts the stream into rows of max_length: an "
-            "example is split across rows and attention and loss cross example boundaries, so no example's "
-            "contribution can be clipped on its own. Use packing_strategy='bfd' (the default): under DP the "
-            "library samples the examples first and packs each step's sample best-fit, one example per segment."
+            "packing_strategy='wrapped' concatenates the examples and cuts the stream into rows of "
+            "max_length: an example is split across rows and attention and loss cross example boundaries, so "
+            "no example's contribution can be clipped on its own. Use packing_strategy='bfd' (the default): "
+            "under DP the library samples the examples first and packs each step's sample best-fit, one "
+            "example per segment."
         )
     return (
         f"packing_strategy={args.packing_strategy!r} splits an example longer than max_length into several "
@@ -48,9 +49,9 @@ def _loss_type(args: Any, stage: str) -> str | None:
     if args.loss_type in ("nll", "chunked_nll"):
         return None
     return (
-        f"loss_type={args.loss_type!r} is not computed per example by DPSFTTrainer (TRL computes it as one token "
-        "mean over the whole batch, which couples the examples). Use loss_type='nll': each example's loss is then "
-        "its own mean token NLL over its unmasked tokens."
+        f"loss_type={args.loss_type!r} is not computed per example by DPSFTTrainer (TRL computes it as one "
+        "token mean over the whole batch, which couples the examples). Use loss_type='nll': each example's "
+        "loss is then its own mean token NLL over its unmasked tokens."
     )
 
 
@@ -58,9 +59,9 @@ def _activation_offloading(args: Any, stage: str) -> str | None:
     if not args.activation_offloading:
         return None
     return (
-        "activation_offloading=True moves saved activations to the CPU inside TRL's training step, which the DP "
-        "training step replaces: the option would be ignored silently. Leave activation_offloading=False (use "
-        "gradient_checkpointing to save memory)."
+        "activation_offloading=True moves saved activations to the CPU inside TRL's training step, which the "
+        "DP training step replaces: the option would be ignored silently. Leave activation_offloading=False "
+        "(use gradient_checkpointing to save memory)."
     )
 
 
@@ -77,34 +78,43 @@ def _pad_to_multiple_of(args: Any, stage: str) -> str | None:
 SFT_FIELD_POLICIES: dict[str, FieldPolicy] = {
     "model_init_kwargs": FieldPolicy("honoured", "how a model given by name is loaded (public)."),
     "trust_remote_code": FieldPolicy("honoured", "loading code only."),
-    "router_aux_loss_coef": FieldPolicy("honoured", "the MoE load-balancing loss, computed per example over its own "
+    "router_aux_loss_coef": FieldPolicy("honoured", "the MoE load-balancing loss, computed per example over "
+                                                    "its own "
                                         "tokens (hf_dpfilter/losses/router.py)."),
     "chat_template_path": FieldPolicy("honoured", "the chat template applied to each example alone."),
     "dataset_text_field": FieldPolicy("honoured", "which column holds the text."),
-    "dataset_kwargs": FieldPolicy("honoured", "skip_prepare_dataset: a row is what is sampled and clipped, one "
+    "dataset_kwargs": FieldPolicy("honoured", "skip_prepare_dataset: a row is what is sampled and clipped, "
+                                              "one "
                                   "tokenized example (a `seq_lengths` column is refused when the trainer is "
                                   "created, a row packed with its own `position_ids` or holding several "
                                   "conversations (the chat template's start more than once) at the batch "
                                   "that samples it, unless dp_row_is_unit=True declares the row the unit)."),
     "dataset_num_proc": FieldPolicy("honoured", "preprocessing workers."),
     "eos_token": FieldPolicy("honoured", "tokenizer setting."),
-    "max_length": FieldPolicy("honoured", "each example is truncated to it alone; with packing, the capacity of "
+    "max_length": FieldPolicy("honoured", "each example is truncated to it alone; with packing, the capacity "
+                                          "of "
                               "a packed row of a step's sample."),
     "truncation_mode": FieldPolicy("honoured", "per example."),
-    "shuffle_dataset": FieldPolicy("honoured", "a fixed permutation of the rows; Poisson sampling ignores order."),
-    "packing": FieldPolicy("honoured", "packing after sampling: the data set is not packed; each step's Poisson "
+    "shuffle_dataset": FieldPolicy("honoured", "a fixed permutation of the rows; Poisson sampling ignores "
+                                               "order."),
+    "packing": FieldPolicy("honoured", "packing after sampling: the data set is not packed; each step's "
+                                       "Poisson "
                            "sample is packed best-fit decreasing, each example one segment (docs/sft.md)."),
-    "packing_strategy": FieldPolicy("refused", "'bfd' honoured; 'wrapped' and 'bfd_split' (which cut examples "
+    "packing_strategy": FieldPolicy("refused", "'bfd' honoured; 'wrapped' and 'bfd_split' (which cut "
+                                               "examples "
                                     "into several segments) refused.", _packing_strategy),
-    "padding_free": FieldPolicy("honoured", "one packed row per micro-batch, examples kept apart by position_ids."),
-    "pad_to_multiple_of": FieldPolicy("refused", "refused with padding-free or packed rows (the padding would "
+    "padding_free": FieldPolicy("honoured", "one packed row per micro-batch, examples kept apart by "
+                                            "position_ids."),
+    "pad_to_multiple_of": FieldPolicy("refused", "refused with padding-free or packed rows (the padding "
+                                                 "would "
                                       "read as examples).", _pad_to_multiple_of),
     "eval_packing": FieldPolicy("honoured", "evaluation only (TRL packs the eval set)."),
     "completion_only_loss": FieldPolicy("honoured", "labels of each example alone."),
     "assistant_only_loss": FieldPolicy("honoured", "labels of each example alone."),
     "loss_type": FieldPolicy("refused", "'nll' honoured (each example's mean token NLL); 'dft' refused.",
                              _loss_type),
-    "activation_offloading": FieldPolicy("refused", "True refused (TRL's offloading wraps the training step the DP "
+    "activation_offloading": FieldPolicy("refused", "True refused (TRL's offloading wraps the training step "
+                                                    "the DP "
                                          "step replaces).", _activation_offloading),
     "pad_token": FieldPolicy("honoured", "tokenizer setting (deprecated in TRL)."),
 }
@@ -117,8 +127,8 @@ def check_sft_fields(args: Any, stage: str) -> None:
 
 def _sft_default(name: str) -> Any:
     """A field with SFTConfig's default for one that SFTConfig re-declares with another default than
-    TrainingArguments': DPTrainingArguments' copy of the field would otherwise win in the combined dataclass, and a
-    user switching SFTConfig -> DPSFTConfig would get other defaults."""
+    TrainingArguments': DPTrainingArguments' copy of the field would otherwise win in the combined dataclass,
+    and a user switching SFTConfig -> DPSFTConfig would get other defaults."""
     source = {f.name: f for f in dataclasses.fields(SFTConfig)}[name]
     if source.default_factory is not dataclasses.MISSING:
         return field(default_factory=source.default_factory, metadata=source.metadata)

@@ -1,16 +1,17 @@
 """Packing after sampling: each step's Poisson sample is packed, never the data set.
 
-TRL's ``packing=True`` packs the *data set* into rows of ``max_length`` before training; a packed row would then
-be what the sampler draws, and one example's influence would spread over whatever it was packed with. Under DP
-the sampler draws examples (the privacy unit), the padding-free collator lays the sample out as segments of one
-row (``position_ids`` restart at every example), and this module groups the sample's examples into micro-batches
-of ``rows`` bins of at most ``capacity`` tokens each, best-fit decreasing. Each micro-batch is then re-packed by
-the library's packed-row machinery (:mod:`hf_dpfilter.proofs.batch_structure`), which recomputes ``cu_seq_lens``/
-``seq_idx`` for its own examples and clips every example separately (:mod:`hf_dpfilter.data.packing`).
+TRL's ``packing=True`` packs the *data set* into rows of ``max_length`` before training; a packed row would
+then be what the sampler draws, and one example's influence would spread over whatever it was packed with.
+Under DP the sampler draws examples (the privacy unit), the padding-free collator lays the sample out as
+segments of one row (``position_ids`` restart at every example), and this module groups the sample's examples
+into micro-batches of ``rows`` bins of at most ``capacity`` tokens each, best-fit decreasing. Each micro-batch
+is then re-packed by the library's packed-row machinery (:mod:`hf_dpfilter.proofs.batch_structure`), which
+recomputes ``cu_seq_lens``/ ``seq_idx`` for its own examples and clips every example separately
+(:mod:`hf_dpfilter.data.packing`).
 
 The grouping is a function of the sample's lengths only; each example's clipped gradient does not depend on it
-(attention never crosses a segment boundary, and the per-example gradients are exact), so it changes the speed,
-never what an example contributes.
+(attention never crosses a segment boundary, and the per-example gradients are exact), so it changes the
+speed, never what an example contributes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
         raise ValueError(f"capacity must be >= 1, got {capacity}.")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (remaining capacity, bin id), sorted: the best fit is the first that fits
+    # (remaining capacity, bin id), sorted: the best fit is the first that fits
+    free: list[tuple[int, int]] = []
     for index in order:
         length = lengths[index]
         slot = bisect.bisect_left(free, (length, -1))
@@ -64,9 +66,9 @@ def pack_rows(
 
     Rows shorter than the longest are padded at the end with label -100 and ``position_ids`` that continue the
     row's last example: the padding joins that example's segment (the model's packed mask and
-    :class:`PackedLayout` both read a new example only where positions restart), comes after all of its tokens so
-    a causal model's outputs for them do not depend on it, and carries no loss, so it adds exactly nothing to the
-    example's loss or gradient. No token of one example is ever in another's segment.
+    :class:`PackedLayout` both read a new example only where positions restart), comes after all of its tokens
+    so a causal model's outputs for them do not depend on it, and carries no loss, so it adds exactly nothing
+    to the example's loss or gradient. No token of one example is ever in another's segment.
     """
     if "position_ids" not in structure.per_token:
         raise PackingError("Packing a step's sample needs the collator's per-token `position_ids`.")

@@ -1,4 +1,5 @@
-"""``evaluate`` metric modules shipped with the recipes (not the library), loaded from their folder with no network.
+"""``evaluate`` metric modules shipped with the recipes (not the library), loaded from their folder with no
+network.
 
 Each module is a directory ``recipes/common/metrics/<name>/`` holding the ``evaluate`` script
 ``<name>.py`` (an ``evaluate.Metric`` subclass):

@@ -1,1 +1,2 @@
-"""The packaged ``evaluate`` module ``accuracy`` (script: ``accuracy.py``); load it with ``recipes.common.metrics.load``."""
+"""The packaged ``evaluate`` module ``accuracy`` (script: ``accuracy.py``); load it with
+``recipes.common.metrics.load``."""

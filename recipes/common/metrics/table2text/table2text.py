@@ -3,8 +3,8 @@
 A thin wrapper: ``_compute`` calls :func:`recipes.common.generation_metrics.compute_generation_metrics`,
 the exact offline implementations (``e2e-metrics`` conventions and scales; see that module for the
 tokenization of each metric and the METEOR caveat). Shipped with the recipes; load it with
-``recipes.common.metrics.load("table2text")`` or ``evaluate.load(recipes.common.metrics.module_path("table2text"))``.
-Nothing is fetched from the Hub.
+``recipes.common.metrics.load("table2text")`` or
+``evaluate.load(recipes.common.metrics.module_path("table2text"))``. Nothing is fetched from the Hub.
 """
 
 import datasets
