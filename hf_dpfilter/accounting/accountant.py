@@ -113,20 +113,20 @@ _HistoryKey = tuple[tuple[float, float, int], ...]
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _check_accountant(accountant: str) -> str:
+def check_accountant(accountant: str) -> str:
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"unknown accountant {accountant!r}; allowed values are {', '.join(ACCOUNTANTS)}")
     return accountant
 
 
-def _check_delta(delta: float) -> float:
+def check_delta(delta: float) -> float:
     delta = float(delta)
     if not (0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta}; pass e.g. default_delta(N) = N^-1.1")
     return delta
 
 
-def _check_mechanism(noise_multiplier: float, sample_rate: float, num_steps: int) -> tuple[float, float, int]:
+def check_mechanism(noise_multiplier: float, sample_rate: float, num_steps: int) -> tuple[float, float, int]:
     sigma, q = float(noise_multiplier), float(sample_rate)
     if not (math.isfinite(sigma) and sigma >= 0.0):
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}")
@@ -140,7 +140,7 @@ def _check_mechanism(noise_multiplier: float, sample_rate: float, num_steps: int
     return sigma, q, int(num_steps)
 
 
-def _aggregate(history: Iterable[Sequence[float]]) -> _HistoryKey:
+def history_key(history: Iterable[Sequence[float]]) -> _HistoryKey:
     """Validate a history and sum the steps per distinct (sigma, q); composition is commutative."""
     counts: dict[tuple[float, float], int] = {}
     for entry in history:
@@ -148,7 +148,7 @@ def _aggregate(history: Iterable[Sequence[float]]) -> _HistoryKey:
             raise ValueError(
                 f"history entries must be (noise_multiplier, sample_rate, num_steps), got {entry!r}"
             )
-        sigma, q, n = _check_mechanism(*entry)
+        sigma, q, n = check_mechanism(*entry)
         if n > 0:
             counts[(sigma, q)] = counts.get((sigma, q), 0) + n
     return tuple(sorted((s, q, n) for (s, q), n in counts.items()))
@@ -394,7 +394,7 @@ _BACKENDS: dict[str, Callable[[_HistoryKey, float], float]] = {
 }
 
 
-def _epsilon_of_key(key: _HistoryKey, delta: float, accountant: str) -> float:
+def epsilon_of_key(key: _HistoryKey, delta: float, accountant: str) -> float:
     if not key:
         return 0.0
     if any(s == 0.0 for s, _, _ in key):
@@ -420,9 +420,9 @@ def compute_epsilon(history: list[tuple[float, float, int]], delta: float, accou
         An upper bound on epsilon (add/remove-one relation); ``0.0`` for an empty history (or only zero-step
         entries), ``float('inf')`` if any recorded step has ``noise_multiplier == 0``.
     """
-    _check_accountant(accountant)
-    delta = _check_delta(delta)
-    return _epsilon_of_key(_aggregate(history), delta, accountant)
+    check_accountant(accountant)
+    delta = check_delta(delta)
+    return epsilon_of_key(history_key(history), delta, accountant)
 
 
 class PrivacyAccountant:
@@ -437,7 +437,7 @@ class PrivacyAccountant:
 
     def __init__(self, accountant: str = "prv") -> None:
         """Create an empty accountant using backend ``accountant`` (one of ``ACCOUNTANTS``)."""
-        self.accountant: str = _check_accountant(accountant)
+        self.accountant: str = check_accountant(accountant)
         self.history: list[list] = []
         self._steps = 0  # logical (optimizer) steps; one step may compose several mechanisms
 
@@ -462,7 +462,7 @@ class PrivacyAccountant:
 
     def _compose(self, noise_multiplier: float, sample_rate: float, num_steps: int,
                  merge_anywhere: bool = False):
-        sigma, q, n = _check_mechanism(noise_multiplier, sample_rate, num_steps)
+        sigma, q, n = check_mechanism(noise_multiplier, sample_rate, num_steps)
         if n == 0:
             return
         entries = self.history if merge_anywhere else self.history[-1:]
@@ -492,11 +492,11 @@ class PrivacyAccountant:
         if horizon is not None and (isinstance(horizon, bool) or int(horizon) != horizon or horizon < 1):
             raise ValueError(f"horizon must be an integer >= 1 or None, got {horizon!r}")
         if horizon is not None and self.accountant == "prv":
-            key, steps = _aggregate(self.history), self._steps
+            key, steps = history_key(self.history), self._steps
             # At the horizon the exact path gives the same value (same accountant), cached for the report.
             if key and steps < horizon and all(s > 0.0 and n == steps for s, _, n in key):
                 horizon_key = tuple((s, q, int(horizon)) for s, q, _ in key)
-                eps = _eps_prv_before_horizon(horizon_key, _check_delta(delta), steps)
+                eps = _eps_prv_before_horizon(horizon_key, check_delta(delta), steps)
                 if eps is not None:
                     return eps
         return compute_epsilon(self.history, delta, self.accountant)
@@ -511,7 +511,7 @@ class PrivacyAccountant:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the state produced by :meth:`state_dict` (validated; consecutive equal entries merged)."""
-        accountant = _check_accountant(state.get("accountant", self.accountant))
+        accountant = check_accountant(state.get("accountant", self.accountant))
         history = state.get("history", [])
         fresh = PrivacyAccountant(accountant)
         for entry in history:

@@ -13,12 +13,12 @@ import math
 from collections.abc import Callable
 
 from hf_dpfilter.accounting.accountant import (
-    _aggregate,
-    _check_accountant,
-    _check_delta,
-    _check_mechanism,
-    _epsilon_of_key,
+    check_accountant,
+    check_delta,
+    check_mechanism,
     compute_epsilon,
+    epsilon_of_key,
+    history_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,25 +47,25 @@ def calibrate_noise_multiplier(
     Raises:
         ValueError: on invalid arguments, or if ``extra_history`` alone already spends ``target_epsilon``.
     """
-    _check_accountant(accountant)
+    check_accountant(accountant)
     target_epsilon = float(target_epsilon)
     if not (math.isfinite(target_epsilon) and target_epsilon > 0):
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}")
-    delta = _check_delta(target_delta)
+    delta = check_delta(target_delta)
     if isinstance(steps, bool) or int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps}")
-    _check_mechanism(1.0, sample_rate, steps)
+    check_mechanism(1.0, sample_rate, steps)
     if not (0.0 < epsilon_tolerance < 1.0):
         raise ValueError(f"epsilon_tolerance must be in (0, 1), got {epsilon_tolerance}")
     q, steps = float(sample_rate), int(steps)
-    extra = list(_aggregate(extra_history or []))
+    extra = list(history_key(extra_history or []))
     lower = target_epsilon * (1.0 - epsilon_tolerance)
 
     def eps_fn(backend: str) -> Callable[[float], float]:
-        return lambda sigma: _epsilon_of_key(_aggregate([*extra, (sigma, q, steps)]), delta, backend)
+        return lambda sigma: epsilon_of_key(history_key([*extra, (sigma, q, steps)]), delta, backend)
 
     # feasibility check (PLD stands in for PRV here: same value up to PRV's ~0.3 % error margin, much cheaper)
-    eps_extra = _epsilon_of_key(tuple(extra), delta, "pld" if accountant == "prv" else accountant)
+    eps_extra = epsilon_of_key(tuple(extra), delta, "pld" if accountant == "prv" else accountant)
     if eps_extra >= target_epsilon:
         raise ValueError(
             f"extra_history alone already spends epsilon={eps_extra:.4g} >= target_epsilon={target_epsilon}; "

@@ -40,7 +40,7 @@ NUM_EXAMPLES_KEY = "_dp_num_examples"
 RAW_EXAMPLES_KEY = "_dp_raw_examples"
 
 
-class _FreshRowsCollator:
+class FreshRowsCollator:
     """Gives the collator its own copy of each row (a dict and its list values copied), so that a collator
     that changes its features in place (``f.pop("label")``, ``f["input_ids"].append(eos)``: harmless to the
     plain Trainer, whose rows are used once) leaves the row as sampled. The checks collate a row more than
@@ -62,7 +62,7 @@ def _fresh(row: Any) -> Any:
     return row
 
 
-class _EmptySafeCollator:
+class EmptySafeCollator:
     """Collates a (possibly empty) list of examples; an empty batch keeps the keys with 0 rows.
 
     ``structure`` (the probed structure of ``collate_fn``, set by the trainer): without a per-example
@@ -88,7 +88,7 @@ class _EmptySafeCollator:
         return {**empty, NUM_EXAMPLES_KEY: 0}
 
 
-class _LogicalBatchLoader(DataLoader):
+class LogicalBatchLoader(DataLoader):
     """A DataLoader over logical batches that forwards ``set_epoch`` to its Poisson sampler."""
 
     def set_epoch(self, epoch: int) -> None:
@@ -96,7 +96,7 @@ class _LogicalBatchLoader(DataLoader):
             self.batch_sampler.set_epoch(epoch)
 
 
-def _check_sequence_length(model: nn.Module, inputs: dict[str, Any], packed: bool = False) -> None:
+def check_sequence_length(model: nn.Module, inputs: dict[str, Any], packed: bool = False) -> None:
     """Clear error for sequences longer than the model's position embeddings (instead of an index error).
 
     ``packed``: a row holds several examples, each with its own positions; the longest example must fit, not
@@ -457,7 +457,7 @@ class MicroBatchMixin:
         the logical batch of a step, and each micro-batch collated again from its rows (``regroup``: skipped
         when the step's logical batch showed no key drawn at random, as the two collations of its rows
         compare)."""
-        collator: _EmptySafeCollator = self._padding_collator
+        collator: EmptySafeCollator = self._padding_collator
         step = getattr(getattr(getattr(self, "dp_optimizer", None), "accountant", None), "steps", None)
         if regroup and getattr(self, "_deterministic_collation_step", None) == step:
             return batch
@@ -484,7 +484,7 @@ class MicroBatchMixin:
         hundred tokens: the first-step check, and a re-check only on a mismatch). The collation alone runs on
         forked random streams, so the checks draw nothing from the run's (nor from the collator's own
         generator)."""
-        collator: _EmptySafeCollator = self._padding_collator
+        collator: EmptySafeCollator = self._padding_collator
         structure = self._training_batch_structure()
         drawn = set(structure.random)  # the keys the probe found drawn at random
         (seed,), _ = self._collator_row_seeds([raw])
@@ -519,7 +519,7 @@ class MicroBatchMixin:
 
         Its forward and backward only keep the processes' collectives in step; the result is discarded.
         """
-        collator: _EmptySafeCollator = self._padding_collator
+        collator: EmptySafeCollator = self._padding_collator
         inputs = dict(self._prepare_inputs(collator.collate_fn([collator.dataset[0]])))
         inputs.pop(privacy_units.UNITS_KEY, None)
         labels = inputs.pop("labels")

@@ -373,7 +373,7 @@ def unit_micro_batches(
     (``labels_along_tokens=False``: extractive QA's (start, end) pair, whose head is token-wise: every layer's
     output is then regrouped per unit, and a layer that is not token-wise, a pooler, is refused by the
     engine)."""
-    from hf_dpfilter.proofs.batch_structure import _boundaries
+    from hf_dpfilter.proofs.batch_structure import flash_boundaries
 
     unit_list = [int(u) for u in units.tolist()]
     n = len(unit_list)
@@ -396,7 +396,8 @@ def unit_micro_batches(
                 elif key in structure.shared:
                     sub[key] = value
             sub_labels = torch.cat([labels[r : r + 1, a:b] for r, a, b in spans], dim=1)
-            sub.update(_boundaries(inputs, structure.boundaries, [b - a for _, a, b in spans], labels.device))
+            sub.update(flash_boundaries(inputs, structure.boundaries, [b - a for _, a, b in spans],
+                                        labels.device))
         pieces = list(micro_batches(sub, sub_labels, stop - start, size=stop - start))
         if len(pieces) != 1:
             raise PackingError("Cutting a micro-batch at unit boundaries split a unit.")

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_dpfilter.engine.precision import _bmm, _split_bf16, _stored
+from hf_dpfilter.engine.precision import bmm, split_bf16, stored_term
 from hf_dpfilter.engine.rules import DenseTerm, IndexTerm, OuterTerm, Term
 
 
-def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | None, IndexTerm | None,
+def merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | None, IndexTerm | None,
                                                                  DenseTerm | None]:
     """Combine every use of one parameter into at most one term of each kind (concatenating along tokens)."""
     outers = [t for t in terms if isinstance(t, OuterTerm)]
@@ -25,7 +25,7 @@ def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | Non
     outer = index = dense = None
 
     def same_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        stored = [_stored(t, dtype) for t in tensors]
+        stored = [stored_term(t, dtype) for t in tensors]
         # uses in different dtypes: concatenate in the accumulation dtype
         if len({t.dtype for t in stored}) > 1:
             stored = [t.to(dtype) for t in stored]
@@ -33,14 +33,14 @@ def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | Non
 
     # A single use (the common case) is kept as it is: torch.cat would copy every activation and output grad.
     if len(outers) == 1:
-        outer = OuterTerm(left=_stored(outers[0].left, dtype), right=_stored(outers[0].right, dtype))
+        outer = OuterTerm(left=stored_term(outers[0].left, dtype), right=stored_term(outers[0].right, dtype))
     elif outers:
         outer = OuterTerm(
             left=torch.cat(same_dtype([t.left for t in outers]), dim=1),
             right=torch.cat(same_dtype([t.right for t in outers]), dim=1),
         )
     if len(indexes) == 1:
-        index = IndexTerm(ids=indexes[0].ids, right=_stored(indexes[0].right, dtype),
+        index = IndexTerm(ids=indexes[0].ids, right=stored_term(indexes[0].right, dtype),
                           num_rows=indexes[0].num_rows)
     elif indexes:
         index = IndexTerm(
@@ -57,7 +57,7 @@ def _merge_terms(terms: list[Term], dtype: torch.dtype) -> tuple[OuterTerm | Non
     return outer, index, dense
 
 
-def _use_ghost(outer: OuterTerm) -> bool:
+def use_ghost(outer: OuterTerm) -> bool:
     """Ghost identity unless the per-example gradient is no larger than the layer's stored ``A`` and ``B``.
 
     Per example, ghost costs ``T^2 (P+Q)`` for the norm plus ``T P Q`` for the weighted sum, and keeps only
@@ -72,13 +72,13 @@ def _use_ghost(outer: OuterTerm) -> bool:
     return p * q > tokens * (p + q)
 
 
-def _weighted_outer(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor,
+def weighted_outer(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
     """``sum_i c_i sum_t left[l,i,t] (outer) right[l,i,t]`` for every l, as one batched GEMM, (L, P, Q).
 
     left (L, B, T, P), right (L, B, T, Q): L stacked layers (L = 1 for one layer). The narrower side is scaled
     by c, formed in ``dtype`` (the clip factor is never rounded to bf16). With a bf16 other side on CUDA, the
-    scaled side is split into three bf16 pieces (:func:`_split_bf16`) so the GEMMs run on tensor cores with
+    scaled side is split into three bf16 pieces (:func:`split_bf16`) so the GEMMs run on tensor cores with
     fp32 accumulation; otherwise both sides are in ``dtype``.
     """
     layers, batch, tokens, p = left.shape
@@ -91,19 +91,19 @@ def _weighted_outer(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor,
     scaled = scaled.reshape(layers, batch * tokens, -1)
     other = other.reshape(layers, batch * tokens, -1)
     if other.is_cuda and other.dtype == torch.bfloat16 and dtype == torch.float32:
-        pieces = _split_bf16(scaled)
+        pieces = split_bf16(scaled)
     else:
         pieces = [scaled]
     total = None
     for piece in pieces:
-        part = _bmm(piece.transpose(1, 2), other, dtype) if p <= q else _bmm(other.transpose(1, 2), piece,
+        part = bmm(piece.transpose(1, 2), other, dtype) if p <= q else bmm(other.transpose(1, 2), piece,
                                                                              dtype)
         total = part if total is None else total.add_(part)
     return total
 
 
 @dataclass
-class _OuterBlock:
+class OuterBlock:
     """Weight parameters whose per-example gradients are all outer products, computed together.
 
     ``left`` (L, B, T, P) and ``right`` (L, B, T, Q) hold L layers stacked (L = 1 unless same-shape layers are
@@ -126,9 +126,9 @@ class _OuterBlock:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.left, self.right, self.grads) if t is not None)
 
-def _fuse_shared_sides(
+def fuse_shared_sides(
     outers: dict[nn.Parameter, OuterTerm], raw_sides: dict[nn.Parameter, tuple[int, int]], input_dtypes: dict
-) -> list[_OuterBlock]:
+) -> list[OuterBlock]:
     """One block (L = 1) per layer, fusing the weight parameters that share a side (the same recorded tensor).
 
     ``raw_sides`` holds the ids of the (left, right) tensors the layer rules returned, before any dtype
@@ -165,19 +165,19 @@ def _fuse_shared_sides(
             left = outers[params[0]].left
             right = torch.cat([outers.pop(p).right for p in params], dim=2)
             places = [(0, 1, sum(sizes[:k]), size) for k, size in enumerate(sizes)]
-        blocks.append(_OuterBlock(params, places, left.unsqueeze(0), right.unsqueeze(0),
+        blocks.append(OuterBlock(params, places, left.unsqueeze(0), right.unsqueeze(0),
                                   input_dtypes[params[0]]))
     return blocks
 
 
-def _stack_blocks(blocks: list[_OuterBlock], budget: int) -> list[_OuterBlock]:
+def stack_blocks(blocks: list[OuterBlock], budget: int) -> list[OuterBlock]:
     """Stack blocks of the same shapes, dtypes and device (same-shape layers) into blocks of several layers.
 
     Each stack's terms and Gram matrices stay within ``budget`` bytes (stacking copies the terms while the
     originals still exist). The kernel count of the norms and sums then no longer grows with the number of
     layers, only with the number of distinct shapes and with the memory the terms take.
     """
-    by_shape: dict[tuple, list[_OuterBlock]] = {}
+    by_shape: dict[tuple, list[OuterBlock]] = {}
     for block in blocks:
         key = (block.left.shape, block.right.shape, block.left.dtype, block.right.dtype, block.left.device,
                block.input_dtype)
@@ -201,30 +201,30 @@ def _stack_blocks(blocks: list[_OuterBlock], budget: int) -> list[_OuterBlock]:
             right = torch.cat([b.right for b in chunk])
             for block in chunk:  # drop the per-layer terms now: only the stack holds them
                 block.left = block.right = None
-            out.append(_OuterBlock(params, places, left, right, chunk[0].input_dtype))
+            out.append(OuterBlock(params, places, left, right, chunk[0].input_dtype))
     return out
 
 
-_CHUNK_ABOVE = 4096  # Gram matrices over longer dot products (vocabulary-sized) are accumulated in chunks
-_CHUNK = 1024
+CHUNK_ABOVE = 4096  # Gram matrices over longer dot products (vocabulary-sized) are accumulated in chunks
+CHUNK = 1024
 
 
-def _gram(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x x^T`` per example, (B, T, T) in ``dtype``. A dot product longer than ``_CHUNK_ABOVE`` (GPT-2's
-    ``lm_head`` output gradient: 50257) is summed in chunks of ``_CHUNK``, so its error bound grows with
+def per_example_gram(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x x^T`` per example, (B, T, T) in ``dtype``. A dot product longer than ``CHUNK_ABOVE`` (GPT-2's
+    ``lm_head`` output gradient: 50257) is summed in chunks of ``CHUNK``, so its error bound grows with
     ``chunk + chunks`` (~1100) instead of its length (see
     :meth:`PerExampleGradients._param_norm_and_bound`)."""
     length = x.shape[2]
-    if length <= _CHUNK_ABOVE:
-        return _bmm(x, x.transpose(1, 2), dtype)
+    if length <= CHUNK_ABOVE:
+        return bmm(x, x.transpose(1, 2), dtype)
     gram = None
-    for start in range(0, length, _CHUNK):
-        part = x[:, :, start : start + _CHUNK]
-        chunk = _bmm(part, part.transpose(1, 2), dtype)
+    for start in range(0, length, CHUNK):
+        part = x[:, :, start : start + CHUNK]
+        chunk = bmm(part, part.transpose(1, 2), dtype)
         gram = chunk if gram is None else gram.add_(chunk)
     return gram
 
 
-def _quadratic(n: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def quadratic(n: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """``n_i^T M_i n_i`` per example for n (B, T) and M (B, T, T)."""
     return torch.bmm(n.unsqueeze(1), torch.bmm(m, n.unsqueeze(2))).reshape(-1)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointingError", "checkpoint_function_is_reentrant"]
 
 
-def _inside_backward() -> bool:
+def inside_backward() -> bool:
     """True while autograd runs a backward (where checkpointed layers are recomputed)."""
     return torch._C._current_graph_task_id() != -1
 
@@ -41,7 +41,7 @@ class CheckpointingError(RuntimeError):
     """Gradient checkpointing set up in a way per-example clipping cannot see (reentrant, or unknown)."""
 
 
-_REENTRANT_REFUSED = (
+REENTRANT_REFUSED = (
     "Reentrant gradient checkpointing (use_reentrant=True) is not supported with per-example clipping: it "
     "runs the first forward of every checkpointed layer without autograd, so the clipping hooks never see "
     "those layers. Use the non-reentrant kind: gradient_checkpointing_kwargs={'use_reentrant': False} "
@@ -53,14 +53,14 @@ _REENTRANT_REFUSED = (
 def checkpoint_function_is_reentrant(function: Callable) -> bool | None:
     """Whether transformers' checkpoint function (a ``functools.partial`` of ``torch.utils.checkpoint``)
     is reentrant: True/False when its keywords say, True when unset (torch's default), None when unknown."""
-    while isinstance(function, _CheckpointAtRecordedValues):
+    while isinstance(function, CheckpointAtRecordedValues):
         function = function.checkpoint
     if not isinstance(function, functools.partial):
         return None
     return bool(function.keywords.get("use_reentrant", True))
 
 
-class _CheckpointAtRecordedValues:
+class CheckpointAtRecordedValues:
     """transformers' per-layer checkpoint function, with the recomputation run at the parameter values of the
     original forward (those given to :meth:`GhostClippingEngine.call_model`, or the current ones)."""
 
@@ -77,7 +77,7 @@ class _CheckpointAtRecordedValues:
         keyed = active_keyed_mode()
 
         def at_recorded_values(*inner_args: Any, **inner_kwargs: Any) -> Any:
-            if not _inside_backward():
+            if not inside_backward():
                 return function(*inner_args, **inner_kwargs)  # the original forward: the values are in place
             from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
 
@@ -98,7 +98,7 @@ class _CheckpointAtRecordedValues:
         return self.checkpoint(at_recorded_values, *args, **kwargs)
 
 
-class _CheckpointReplay:
+class CheckpointReplay:
     """The engine's side of gradient checkpointing (a mixin of :class:`GhostClippingEngine`)."""
 
     def _adopt_checkpointing(self) -> None:
@@ -109,16 +109,16 @@ class _CheckpointReplay:
             if function is None or not getattr(module, "gradient_checkpointing", False):
                 continue
             if checkpoint_function_is_reentrant(function):
-                raise CheckpointingError(_REENTRANT_REFUSED)
-            if not isinstance(function, _CheckpointAtRecordedValues):
-                module._gradient_checkpointing_func = _CheckpointAtRecordedValues(function, self)
+                raise CheckpointingError(REENTRANT_REFUSED)
+            if not isinstance(function, CheckpointAtRecordedValues):
+                module._gradient_checkpointing_func = CheckpointAtRecordedValues(function, self)
 
     def _check_recomputation(self, module: nn.Module) -> None:
         if id(module) not in self._recorded_modules:
             raise CheckpointingError(
                 f"Module {type(module).__name__} was recomputed during the backward but its forward was "
                 f"never recorded: its first forward ran without autograd, as reentrant checkpointing does. "
-                f"{_REENTRANT_REFUSED}"
+                f"{REENTRANT_REFUSED}"
             )
         if self._recorded_at_other_values and not self._replaying_values:
             raise CheckpointingError(

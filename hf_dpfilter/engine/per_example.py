@@ -9,18 +9,18 @@ import torch
 from torch import nn
 
 from hf_dpfilter.engine.blocks import (
-    _CHUNK,
-    _CHUNK_ABOVE,
-    _fuse_shared_sides,
-    _gram,
-    _merge_terms,
-    _OuterBlock,
-    _quadratic,
-    _stack_blocks,
-    _use_ghost,
-    _weighted_outer,
+    CHUNK,
+    CHUNK_ABOVE,
+    OuterBlock,
+    fuse_shared_sides,
+    merge_terms,
+    per_example_gram,
+    quadratic,
+    stack_blocks,
+    use_ghost,
+    weighted_outer,
 )
-from hf_dpfilter.engine.precision import _bmm, _gamma, _rounding_units, _sum_tokens
+from hf_dpfilter.engine.precision import bmm, higham_gamma, rounding_units, sum_tokens
 from hf_dpfilter.engine.rules import DenseTerm, IndexTerm, OuterTerm, Term
 
 __all__ = ["PerExampleGradients"]
@@ -64,7 +64,7 @@ class PerExampleGradients:
         """``terms`` is consumed: its entries are removed as they are merged, so that the originals can be
         freed as soon as a fused or stacked copy replaces them (the caller must not hold other references).
 
-        ``stack_layers``: stack same-shape layers (see :func:`_stack_blocks`); None means on CUDA only, where
+        ``stack_layers``: stack same-shape layers (see :func:`stack_blocks`); None means on CUDA only, where
         a step of a small model is bound by kernel launches. On CPU the batched products save nothing and the
         stack is a transient copy.
 
@@ -87,7 +87,7 @@ class PerExampleGradients:
             p: (id(ts[0].left), id(ts[0].right)) for p,
             ts in terms.items() if len(ts) == 1 and isinstance(ts[0], OuterTerm)
         }
-        merged = {p: _merge_terms(terms.pop(p), self.dtype) for p in list(terms)}
+        merged = {p: merge_terms(terms.pop(p), self.dtype) for p in list(terms)}
         # Parameters with only a dense per-example gradient (biases, LayerNorm: most tensors of a transformer)
         # are handled together: one (B, N) matrix per device, so their norms and weighted sums cost a few
         # kernels in all instead of a few per parameter.
@@ -104,10 +104,10 @@ class PerExampleGradients:
         outers = {p: terms_[0] for p, terms_ in merged.items() if terms_[1] is None and terms_[2] is None}
         for param in outers:
             del merged[param]
-        self._blocks = _fuse_shared_sides(outers, raw_sides, self._input_dtypes)
+        self._blocks = fuse_shared_sides(outers, raw_sides, self._input_dtypes)
         if self._blocks and (stack_layers if stack_layers is not None else self._blocks[0].left.is_cuda):
             held = sum(block.nbytes for block in self._blocks)
-            self._blocks = _stack_blocks(self._blocks, max(_STACK_MIN_BYTES, int(_STACK_SHARE * held)))
+            self._blocks = stack_blocks(self._blocks, max(_STACK_MIN_BYTES, int(_STACK_SHARE * held)))
         self._merged = merged
         self._squared_norms: torch.Tensor | None = None
         self._squared_norms64: torch.Tensor | None = None
@@ -127,7 +127,7 @@ class PerExampleGradients:
         out = []
         for grad in self._dense_groups.values():
             squared = torch.linalg.vector_norm(grad, dim=1, dtype=torch.float64).square()
-            out.append((squared, squared * (4 * _gamma(grad.shape[1] + 4, 2.0**-52))))
+            out.append((squared, squared * (4 * higham_gamma(grad.shape[1] + 4, 2.0**-52))))
         return out
 
     def _norm_and_bound(
@@ -157,7 +157,7 @@ class PerExampleGradients:
         * a materialized gradient ``B_i^T A_i`` is formed and squared in float64.
         """
         dtype = self.dtype
-        unit, input_unit = _rounding_units(dtype, device, input_dtype)
+        unit, input_unit = rounding_units(dtype, device, input_dtype)
         materialized = None
         f64 = torch.float64
         parts: list[torch.Tensor] = []
@@ -169,26 +169,27 @@ class PerExampleGradients:
             return torch.linalg.vector_norm(x, dim=2, dtype=dtype)
 
         def dot_error(length: int) -> float:
-            chunk, chunks = (length, 1) if length <= _CHUNK_ABOVE else (_CHUNK, -(-length // _CHUNK))
-            return (1 + input_unit) ** 2 * (1 + _gamma(chunk + chunks, unit)) - 1
+            chunk, chunks = (length, 1) if length <= CHUNK_ABOVE else (CHUNK, -(-length // CHUNK))
+            return (1 + input_unit) ** 2 * (1 + higham_gamma(chunk + chunks, unit)) - 1
 
         if outer is not None:
             tokens, p, q = outer.left.shape[1], outer.left.shape[2], outer.right.shape[2]
             depth, norm_length = max(depth, 2 * tokens + 8), max(norm_length, p, q)
             n_left, n_right = norms(outer.left), norms(outer.right)
             s_outer = torch.linalg.vecdot(n_left, n_right)
-            if not _use_ghost(outer):
+            if not use_ghost(outer):
                 # narrow layer (LoRA, or T large): materialize in float64 (cheap here), store in the sum's
                 # dtype
-                grad = _bmm(outer.left.transpose(1, 2), outer.right, f64)
+                grad = bmm(outer.left.transpose(1, 2), outer.right, f64)
                 if dense is not None:
                     grad = grad + dense.grad.reshape(grad.shape).to(f64)
-                parts.append(_sum_tokens(grad * grad))
+                parts.append(sum_tokens(grad * grad))
                 extra = 0.0 if dense is None else torch.linalg.vector_norm(dense.grad.reshape(batch, -1),
                                                                            dim=1,
                                                                            dtype=dtype)
                 scale = s_outer + extra
-                factor = (1 + _gamma(tokens + 2, 2.0**-52)) ** 2 * (1 + _gamma(p + q + 8, 2.0**-52)) - 1
+                factor = (1 + higham_gamma(tokens + 2, 2.0**-52)) ** 2 * (1 + higham_gamma(p + q + 8,
+                                                                                           2.0**-52)) - 1
                 terms.append((factor, scale * scale))
                 materialized = grad.to(dtype)
                 dense = DenseTerm(materialized)
@@ -196,20 +197,20 @@ class PerExampleGradients:
                 dense_done = True
             else:
                 dense_done = False
-                left_gram, d_left = _gram(outer.left, dtype), dot_error(p)
-                right_gram, d_right = _gram(outer.right, dtype), dot_error(q)
+                left_gram, d_left = per_example_gram(outer.left, dtype), dot_error(p)
+                right_gram, d_right = per_example_gram(outer.right, dtype), dot_error(q)
                 product = left_gram * right_gram
-                parts.append(_sum_tokens(product))
-                magnitude = _sum_tokens(product.abs_())
+                parts.append(sum_tokens(product))
+                magnitude = sum_tokens(product.abs_())
                 del product
-                weighted_left = _quadratic(n_left, right_gram.abs_())
-                weighted_right = _quadratic(n_right, left_gram.abs_())
+                weighted_left = quadratic(n_left, right_gram.abs_())
+                weighted_right = quadratic(n_right, left_gram.abs_())
                 del left_gram, right_gram
                 terms += [
                     (d_left, weighted_left),
                     (d_right, weighted_right),
                     (d_left * d_right, s_outer * s_outer),
-                    (unit + _gamma(depth, unit) * (1 + unit), magnitude),
+                    (unit + higham_gamma(depth, unit) * (1 + unit), magnitude),
                 ]
         else:
             dense_done = False
@@ -219,29 +220,29 @@ class PerExampleGradients:
             n_rows = norms(index.right)
             s_index = n_rows.sum(dim=1)
             same_row = index.ids.unsqueeze(2) == index.ids.unsqueeze(1)
-            right_gram = _gram(index.right, dtype).masked_fill_(~same_row, 0)
-            parts.append(_sum_tokens(right_gram))
-            magnitude = _sum_tokens(right_gram.abs_())
+            right_gram = per_example_gram(index.right, dtype).masked_fill_(~same_row, 0)
+            parts.append(sum_tokens(right_gram))
+            magnitude = sum_tokens(right_gram.abs_())
             del right_gram
-            pairs = _sum_tokens((n_rows.unsqueeze(2) * n_rows.unsqueeze(1)).masked_fill_(~same_row, 0))
-            terms += [(dot_error(q), pairs), (unit + _gamma(depth, unit) * (1 + unit), magnitude)]
+            pairs = sum_tokens((n_rows.unsqueeze(2) * n_rows.unsqueeze(1)).masked_fill_(~same_row, 0))
+            terms += [(dot_error(q), pairs), (unit + higham_gamma(depth, unit) * (1 + unit), magnitude)]
         cross_pieces: list[torch.Tensor] = []
         if outer is not None and index is not None:
             # Tied weights: 2 <sum_s l_s r_s^T, sum_t e_{id_t} r'_t^T> = 2 sum_{s,t} l_s[id_t] (r_s . r'_t)
             steps = outer.left.shape[1]
             dot = max(dot, outer.right.shape[2])
             gathered = outer.left.gather(2, index.ids.unsqueeze(1).expand(-1, steps, -1))
-            cross = _bmm(outer.right, index.right.transpose(1, 2), dtype).mul_(gathered)
-            parts.append(2 * _sum_tokens(cross))
+            cross = bmm(outer.right, index.right.transpose(1, 2), dtype).mul_(gathered)
+            parts.append(2 * sum_tokens(cross))
             # a posteriori: |l_s[id_t]| d_Q ||r_s|| ||r'_t|| per pair, and the product and sum roundings
             weighted = torch.linalg.vecdot(
                 torch.bmm(gathered.abs().to(dtype).transpose(1, 2), n_right.unsqueeze(2)).squeeze(2), n_rows
             )
-            magnitude = _sum_tokens(cross.abs_())
+            magnitude = sum_tokens(cross.abs_())
             del cross, gathered
             terms += [
                 (2 * dot_error(outer.right.shape[2]) * (1 + unit), weighted),
-                (2 * (unit + _gamma(depth, unit) * (1 + unit)), magnitude),
+                (2 * (unit + higham_gamma(depth, unit) * (1 + unit)), magnitude),
             ]
         if dense is not None:
             flat = dense.grad.reshape(batch, -1)
@@ -251,23 +252,23 @@ class PerExampleGradients:
             norm_length = max(norm_length, flat.shape[1])
             if not dense_done:
                 grad = dense.grad.reshape(batch, first, -1)
-                parts.append(_sum_tokens(grad * grad))
+                parts.append(sum_tokens(grad * grad))
                 cross_pieces.append(dense_norm * dense_norm)
             if outer is not None:
                 dot = max(dot, outer.left.shape[2])
                 d = dense.grad.reshape(batch, outer.left.shape[2], outer.right.shape[2])
-                parts.append(2 * _sum_tokens(_bmm(outer.left, d, dtype).mul_(outer.right)))
+                parts.append(2 * sum_tokens(bmm(outer.left, d, dtype).mul_(outer.right)))
                 cross_pieces.append(2 * dense_norm * s_outer)
             if index is not None:
                 d = dense.grad.reshape(batch, index.num_rows, -1)
                 rows = d.gather(1, index.ids.unsqueeze(-1).expand(-1, -1, d.shape[2]))
-                parts.append(2 * _sum_tokens(rows.mul_(index.right)))
+                parts.append(2 * sum_tokens(rows.mul_(index.right)))
                 cross_pieces.append(2 * dense_norm * s_index)
-        eps = (1 + input_unit) ** 2 * (1 + _gamma(dot, unit)) * (1 + unit) - 1
-        terms += [((1 + eps) ** 2 * (1 + _gamma(depth, unit)) - 1, piece) for piece in cross_pieces]
+        eps = (1 + input_unit) ** 2 * (1 + higham_gamma(dot, unit)) * (1 + unit) - 1
+        terms += [((1 + eps) ** 2 * (1 + higham_gamma(depth, unit)) - 1, piece) for piece in cross_pieces]
         # the bound's own ingredients are rounded: norms of <= norm_length terms, sums of <= depth positive
         # terms
-        safety = (1 + _gamma(2 * norm_length + 2 * depth + 16, unit)) ** 4
+        safety = (1 + higham_gamma(2 * norm_length + 2 * depth + 16, unit)) ** 4
         total = parts[0]
         for part in parts[1:]:
             total = total + part.to(total.dtype)
@@ -285,7 +286,7 @@ class PerExampleGradients:
                                    DenseTerm(materialized.reshape(self.batch_size, *param.shape)))
         return total, terms
 
-    def _block_norm_and_bound(self, block: _OuterBlock) -> tuple[torch.Tensor,
+    def _block_norm_and_bound(self, block: OuterBlock) -> tuple[torch.Tensor,
                                                                  list[tuple[float, torch.Tensor]]]:
         """:meth:`_norm_and_bound` of a block, its L layers as L times more rows: values shaped (L, B)."""
         if block.grads is not None:  # materialized by an earlier call (norms taken again after zero_examples)
@@ -346,7 +347,7 @@ class PerExampleGradients:
                 total = total + squared.to(device)
                 bound = bound + group_bound.to(device)
             cast_unit = 2.0**-52 if self.dtype == torch.float64 else 2.0**-23
-            bound = bound + (cast_unit + _gamma(count, 2.0**-52)) * (magnitude + total.abs() + bound)
+            bound = bound + (cast_unit + higham_gamma(count, 2.0**-52)) * (magnitude + total.abs() + bound)
             if self.loss_scale != 1.0:  # the terms are of loss_scale * g_i: 1 / scale^2 is a power of two
                 total, bound = total * self.loss_scale**-2, bound * self.loss_scale**-2
             self._squared_norms64 = total
@@ -423,7 +424,7 @@ class PerExampleGradients:
                 c = converted[param.device] = coefficients.to(device=param.device, dtype=self.dtype)
             total = None
             if outer is not None:
-                total = _weighted_outer(outer.left[None], outer.right[None], c,
+                total = weighted_outer(outer.left[None], outer.right[None], c,
                                         self.dtype).reshape(param.shape)
             if dense is not None:
                 g = torch.mv(dense.grad.reshape(self.batch_size, -1).t(), c).reshape(param.shape)
@@ -449,7 +450,7 @@ class PerExampleGradients:
                 totals = torch.matmul(c, block.grads.reshape(layers, self.batch_size, p * q)).reshape(layers,
                                                                                                       p, q)
             else:
-                totals = _weighted_outer(block.left, block.right, c, self.dtype)
+                totals = weighted_outer(block.left, block.right, c, self.dtype)
             for param, (layer, dim, start, size) in zip(block.params, block.places):
                 piece = totals[layer].narrow(dim, start, size)
                 out[param] = (piece.reshape(param.shape) if dim == 0

@@ -2,8 +2,8 @@
 bounds.
 
 Terms are kept in the dtype the layers computed in (bf16 under autocast); every product accumulates in fp32
-(fp64 for fp64 models and precise mode). The error constants (:func:`_gamma`, :func:`_rounding_units`) are
-the ingredients of the proven norm bounds of :class:`hf_dpfilter.engine.per_example.PerExampleGradients`
+(fp64 for fp64 models and precise mode). The error constants (:func:`higham_gamma`, :func:`rounding_units`)
+are the ingredients of the proven norm bounds of :class:`hf_dpfilter.engine.per_example.PerExampleGradients`
 (docs/privacy.md, "Precision of the clip").
 """
 
@@ -15,16 +15,16 @@ from torch import nn
 from hf_dpfilter.engine.rules import IndexTerm, OuterTerm, Term
 
 
-def _term_dtype(term: Term) -> torch.dtype:
+def term_dtype(term: Term) -> torch.dtype:
     return term.left.dtype if isinstance(term, OuterTerm) else term.right.dtype if isinstance(term,
             IndexTerm) else term.grad.dtype
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 try:  # transformers is a dependency, but keep the engine importable without it
     from transformers.pytorch_utils import Conv1D as _HFConv1D
@@ -33,19 +33,19 @@ except ImportError:  # pragma: no cover
 
 #: Layers whose forward is one GEMM of their input, which autocast runs in bf16/fp16 (exact types: a subclass
 #: may do other work on its input first). Their input is cast before the call (see _autocast_pre_hook).
-_AUTOCAST_MATMUL_LAYERS = tuple(t for t in (nn.Linear, _HFConv1D) if t is not None)
+AUTOCAST_MATMUL_LAYERS = tuple(t for t in (nn.Linear, _HFConv1D) if t is not None)
 
 
-def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def stored_term(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A term tensor as the engine keeps it: low-precision (bf16/fp16) tensors stay as the layer computed them
-    when the accumulation dtype is fp32 (products then accumulate in fp32, see :func:`_bmm`); anything else is
+    when the accumulation dtype is fp32 (products then accumulate in fp32, see :func:`bmm`); anything else is
     converted to the accumulation dtype (float64 in precise mode: exact for fp32/bf16/fp16 values)."""
-    if t.dtype == dtype or (dtype == torch.float32 and t.dtype in _LOW_PRECISION):
+    if t.dtype == dtype or (dtype == torch.float32 and t.dtype in LOW_PRECISION):
         return t
     return t.to(dtype)
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def bmm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` (batched) with the result in ``dtype``, accumulating in ``dtype``.
 
     Low-precision inputs keep their dtype: on CUDA the product runs on tensor cores with fp32 accumulation and
@@ -54,21 +54,21 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     if a.dtype == dtype and b.dtype == dtype:
         return torch.bmm(a, b)
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in _LOW_PRECISION and dtype == torch.float32:
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in LOW_PRECISION and dtype == torch.float32:
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a.to(dtype), b.to(dtype))
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` with the result in ``dtype``; low-precision inputs as in :func:`_bmm`."""
+    """``a @ b`` with the result in ``dtype``; low-precision inputs as in :func:`bmm`."""
     if a.dtype == dtype and b.dtype == dtype:
         return torch.mm(a, b)
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in _LOW_PRECISION and dtype == torch.float32:
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in LOW_PRECISION and dtype == torch.float32:
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.to(dtype), b.to(dtype))
 
 
-def _split_bf16(x: torch.Tensor) -> list[torch.Tensor]:
+def split_bf16(x: torch.Tensor) -> list[torch.Tensor]:
     """Three bf16 tensors whose fp32 sum is ``x`` (fp32) to a relative error of at most ``2^-27`` per element.
 
     bf16 keeps fp32's exponent range, so each residual is exact in fp32 and at most ``2^-9`` of the previous
@@ -82,7 +82,7 @@ def _split_bf16(x: torch.Tensor) -> list[torch.Tensor]:
     return [hi, mid, lo]
 
 
-def _sum_tokens(x: torch.Tensor) -> torch.Tensor:
+def sum_tokens(x: torch.Tensor) -> torch.Tensor:
     """Sum a (B, m, n) tensor over its last two axes in two reductions (n, then m terms).
 
     Any order of summing k terms errs by at most ``(k-1) u`` times the sum of their magnitudes; in two stages
@@ -92,12 +92,12 @@ def _sum_tokens(x: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=2).sum(dim=1)
 
 
-def _gamma(n: int, unit: float) -> float:
+def higham_gamma(n: int, unit: float) -> float:
     """Higham's ``gamma_n = n u / (1 - n u)``: bound on the relative error of ``n`` roundings."""
     return n * unit / (1.0 - n * unit)
 
 
-def _rounding_units(dtype: torch.dtype, device: torch.device, input_dtype: torch.dtype) -> tuple[float,
+def rounding_units(dtype: torch.dtype, device: torch.device, input_dtype: torch.dtype) -> tuple[float,
                                                                                                  float]:
     """(accumulation unit, input-rounding unit) of the engine's products in ``dtype`` on ``device``.
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from hf_dpfilter.distributed.collectives import is_sharded
-from hf_dpfilter.engine.checkpointing import _inside_backward
+from hf_dpfilter.engine.checkpointing import inside_backward
 from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, experts_verdict, is_experts, split_rows
 from hf_dpfilter.engine.rules import UnsupportedLayerError, find_grad_rule, vector_form
@@ -533,7 +533,7 @@ class _ProvingStep:
         return output, activations, None, 0
 
     def _count_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._recording and torch.is_grad_enabled() and not _inside_backward():
+        if self._recording and torch.is_grad_enabled() and not inside_backward():
             self._model_forwards += 1
             signature = _input_signature(args, kwargs)
             if self._tracer is not None:  # a proof: the signatures its verdicts hold for

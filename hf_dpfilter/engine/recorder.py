@@ -50,21 +50,21 @@ from torch import nn
 from hf_dpfilter.data.packing import PackedLayout, regroup_record
 from hf_dpfilter.distributed.collectives import is_sharded
 from hf_dpfilter.engine.checkpointing import (
-    _REENTRANT_REFUSED,
+    REENTRANT_REFUSED,
+    CheckpointAtRecordedValues,
     CheckpointingError,
-    _CheckpointAtRecordedValues,
-    _CheckpointReplay,
-    _inside_backward,
+    CheckpointReplay,
+    inside_backward,
 )
 from hf_dpfilter.engine.layer_inputs import find_layer_input
 from hf_dpfilter.engine.moe import RoutedTokens, is_experts, recorded_output
 from hf_dpfilter.engine.per_example import PerExampleGradients
 from hf_dpfilter.engine.points import Float64Point
 from hf_dpfilter.engine.precision import (
-    _AUTOCAST_MATMUL_LAYERS,
-    _LOW_PRECISION,
-    _accumulation_dtype,
-    _term_dtype,
+    AUTOCAST_MATMUL_LAYERS,
+    LOW_PRECISION,
+    accumulation_dtype,
+    term_dtype,
 )
 from hf_dpfilter.engine.proving import _ProvingStep, _Record
 from hf_dpfilter.engine.rules import Term, UnsupportedLayerError, find_grad_rule
@@ -92,7 +92,7 @@ _OWNED_BY_THE_OPTIMIZER = (
 )
 
 
-class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
+class GhostClippingEngine(CheckpointReplay, _ProvingStep):
     """Attaches per-example gradient hooks to ``model`` (see module docstring). It computes, it never clips.
 
     Args:
@@ -238,7 +238,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                     if declared is None else module.register_forward_hook(
                         self._declared_input_hook, prepend=module in self._sharded_modules, with_kwargs=True)
                 )
-                if type(module) in _AUTOCAST_MATMUL_LAYERS:
+                if type(module) in AUTOCAST_MATMUL_LAYERS:
                     self._handles.append(module.register_forward_pre_hook(self._autocast_pre_hook))
         if not self._owners:
             raise ValueError("The model has no trainable parameters: nothing to train privately.")
@@ -297,7 +297,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         self._handles = []
         for module in self.model.modules():
             function = module.__dict__.get("_gradient_checkpointing_func")
-            if isinstance(function, _CheckpointAtRecordedValues) and function.engine is self:
+            if isinstance(function, CheckpointAtRecordedValues) and function.engine is self:
                 module._gradient_checkpointing_func = function.checkpoint
 
     @property
@@ -321,7 +321,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         returned, output = output, recorded_output(module, output)  # a router records its logits
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
-        if _inside_backward():
+        if inside_backward():
             # A checkpointed layer recomputed by the backward: already recorded by its original forward.
             if self._in_own_backward:
                 self._check_recomputation(module)
@@ -335,7 +335,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         dtype = None
         if (
             source is not None
-            and output.dtype in _LOW_PRECISION
+            and output.dtype in LOW_PRECISION
             and source.is_floating_point()
             and source.dtype != output.dtype
         ):
@@ -393,7 +393,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         (query, key, value) share it. Without this, every such layer's input would be held twice while
         recording.
         """
-        if not self._recording or not args or not torch.is_grad_enabled() or _inside_backward():
+        if not self._recording or not args or not torch.is_grad_enabled() or inside_backward():
             return None
         source = args[0]
         if not isinstance(source, torch.Tensor) or source.dtype != torch.float32:
@@ -402,7 +402,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         if not torch.is_autocast_enabled(device_type):
             return None
         dtype = torch.get_autocast_dtype(device_type)
-        if dtype not in _LOW_PRECISION:
+        if dtype not in LOW_PRECISION:
             return None
         # differentiable: the gradient reaches the fp32 input as autocast's own cast would
         return (self._once_per_input(source, ("cast", dtype), lambda: source.to(dtype)), *args[1:])
@@ -546,9 +546,9 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
                 "Modules with trainable parameters ran without autograd inside engine.record() "
                 f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): their gradients would be "
                 "invisible to per-example clipping. Reentrant gradient checkpointing does this; "
-                f"{_REENTRANT_REFUSED} If these layers are meant to get no gradient, freeze their parameters."
+                f"{REENTRANT_REFUSED} If these layers are meant to get no gradient, freeze their parameters."
             )
-        self._pending_dtype = _accumulation_dtype(per_example_loss.dtype)
+        self._pending_dtype = accumulation_dtype(per_example_loss.dtype)
         self._pending_scale = float(self.loss_scale)
         if self._pending_scale != 1.0:  # fp16: output gradients that would underflow are lifted (exact: 2^k)
             # every term, shared ones too, is of S * g_i
@@ -624,7 +624,7 @@ class GhostClippingEngine(_CheckpointReplay, _ProvingStep):
         # RMSNorm multiplies in float32): autograd's gradient is then only float32-accurate, and so is the
         # check.
         float32_terms = {param for param,
-                         ts in terms.items() if any(_term_dtype(t) == torch.float32 for t in ts)}
+                         ts in terms.items() if any(term_dtype(t) == torch.float32 for t in ts)}
         grads = PerExampleGradients(
             terms, self._batch_size, self._pending_dtype, precise=precise, stack_layers=self.stack_layers,
             loss_scale=self._pending_scale,

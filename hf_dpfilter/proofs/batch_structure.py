@@ -154,7 +154,7 @@ class BatchStructure:
                     micro[key] = value
             micro_labels = torch.cat([labels[row : row + 1, start:stop] for row, start, stop in spans], dim=1)
             lengths = [stop - start for _, start, stop in spans]
-            micro.update(_boundaries(inputs, self.boundaries, lengths, labels.device))
+            micro.update(flash_boundaries(inputs, self.boundaries, lengths, labels.device))
             micro_layout = PackedLayout.from_position_ids(micro["position_ids"])
             if micro_layout.lengths != lengths:
                 raise PackingError("Re-packing a micro-batch changed its example boundaries.")
@@ -162,7 +162,7 @@ class BatchStructure:
         return out
 
 
-def _boundaries(inputs: dict[str, Any], keys: frozenset[str], lengths: list[int],
+def flash_boundaries(inputs: dict[str, Any], keys: frozenset[str], lengths: list[int],
                 device: torch.device) -> dict:
     """FlashAttention's boundary arguments and ``seq_idx`` for a micro-batch of examples of these lengths (one
     row)."""

@@ -71,7 +71,7 @@ class PerExampleCheckError(RuntimeError):
     """An example's loss or gradient in the batch differs from the example's own, computed alone."""
 
 
-def _tf32(device: torch.device) -> bool:
+def rounds_to_tf32(device: torch.device) -> bool:
     """float32 matmuls on CUDA may round their inputs to TF32 (10-bit mantissa;
     TrainingArguments(tf32=True))."""
     return device.type == "cuda" and (
@@ -87,7 +87,7 @@ def computes_in_low_precision(model: nn.Module) -> bool:
                if p.is_floating_point())
 
 
-def _tolerance(dtype: torch.dtype, low_precision: bool, tf32: bool = False) -> float:
+def loss_tolerance(dtype: torch.dtype, low_precision: bool, tf32: bool = False) -> float:
     if low_precision:
         return 5e-2
     if dtype == torch.float64:
@@ -155,7 +155,8 @@ def verify_per_example(
             reference = torch.autograd.grad(loss_alone.sum(), params, allow_unused=True)
             reference = [torch.zeros_like(p) if g is None else g for g, p in zip(reference, params)]
             dtype = losses.dtype if losses.dtype == torch.float64 else torch.float32
-            tol = _tolerance(dtype, low_precision or computes_in_low_precision(model), _tf32(losses.device))
+            tol = loss_tolerance(dtype, low_precision or computes_in_low_precision(model),
+                                 rounds_to_tf32(losses.device))
             in_batch, by_itself = (float(losses[i].detach().double()),
                                    float(loss_alone.detach().double().sum()))
             loss_error = abs(in_batch - by_itself) / max(abs(by_itself), 1e-12)

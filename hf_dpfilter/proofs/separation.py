@@ -65,9 +65,9 @@ from torch import nn
 from hf_dpfilter.proofs.first_step_check import (
     CHECK_SEED,
     PerExampleCheckError,
-    _tf32,
-    _tolerance,
     computes_in_low_precision,
+    loss_tolerance,
+    rounds_to_tf32,
     verify_per_example,
 )
 from hf_dpfilter.proofs.randomness import check_deterministic, checking_forward, dropout_free, same_draws
@@ -277,8 +277,8 @@ class SeparationChecks:
             informative = informative or list(range(count))
             index = informative[self._choices.randrange(len(informative))]
             low_precision = self.low_precision or computes_in_low_precision(model)
-            mine, tol = float(losses[index]), _tolerance(self._dtype(model), low_precision,
-                                                         _tf32(labels.device))
+            mine, tol = float(losses[index]), loss_tolerance(self._dtype(model), low_precision,
+                                                         rounds_to_tf32(labels.device))
             self.rechecks_run += 1
             # the collator's random keys as probed on the training set's first rows; on a mismatch, also as
             # this example's own row shows them (a first row with nothing to mask shows none: collator_draws)

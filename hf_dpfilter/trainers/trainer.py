@@ -41,11 +41,11 @@ from hf_dpfilter.data import units as privacy_units
 from hf_dpfilter.data.micro_batches import (
     NUM_EXAMPLES_KEY,
     RAW_EXAMPLES_KEY,
+    EmptySafeCollator,
+    FreshRowsCollator,
+    LogicalBatchLoader,
     MicroBatchMixin,
-    _check_sequence_length,
-    _EmptySafeCollator,
-    _FreshRowsCollator,
-    _LogicalBatchLoader,
+    check_sequence_length,
     declared_padding_side,
     dropout_keys,
 )
@@ -363,7 +363,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         # QA: start/end positions as `labels`
         collator = span_labels.with_span_labels(collator, self.label_names)
         # each collation its own copy of the rows (a collator may edit them)
-        collator = _FreshRowsCollator(collator)
+        collator = FreshRowsCollator(collator)
         rank, world = max(0, self.args.process_index), max(1, self.args.world_size)
         # privacy_unit='user': Poisson over users, up to k examples each (hf_dpfilter/data/units.py)
         sampler = make_sampler(self.privacy_plan, rank=rank, world_size=world, users=self._user_index,
@@ -377,14 +377,14 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         # unless dp_row_is_unit declares the row the unit (proofs/row_segments.py, proofs/row_examples.py)
         collator = RowSegmentsGuard(collator, row_is_unit=self.args.dp_row_is_unit,
                                     marker=conversation_start_marker(self.processing_class))
-        self._padding_collator = _EmptySafeCollator(collator, dataset)
+        self._padding_collator = EmptySafeCollator(collator, dataset)
         # the guard (packed rows) and the maskless-padding check see every batch collated from now on
         self._use_training_structure(
             probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None))
         padding.check_collator_padding(self.model, collator,
                                        [dataset[i] for i in range(min(2, len(dataset)))],
                                        self._batch_structure)  # early; every batch is checked too
-        return _LogicalBatchLoader(
+        return LogicalBatchLoader(
             loaded,
             batch_sampler=sampler,
             collate_fn=self._padding_collator,
@@ -466,7 +466,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                              "or start_positions/end_positions with a *ForQuestionAnswering model "
                              "(hf_dpfilter/losses/question_answering.py).")
         batch = labels.shape[0]
-        _check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
+        check_sequence_length(model, inputs, packed=self._training_batch_structure().packed)
         total = torch.zeros((), device=self.args.device)
         cut = self._cut_logical_batch(inputs, labels, num_examples, units,
                                       raw) if (batch and labels.numel()) else []
@@ -633,7 +633,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         the epochs, behind ``train_samples_per_second``. For the training loader of a user-level run: the
         number of users (the plan's public N), since its number of examples is private (see
         ``EXAMPLE_COUNT_KEYS``)."""
-        if isinstance(dataloader, _LogicalBatchLoader) and self._example_count_private:
+        if isinstance(dataloader, LogicalBatchLoader) and self._example_count_private:
             return self.privacy_plan.num_examples
         return super().num_examples(dataloader)
 

@@ -1,5 +1,5 @@
 """Fewer kernels per step without changing what is clipped: layers that read the same input are fused, and
-same-shape layers are stacked into one batched product (hf_dpfilter.engine.blocks: ``_OuterBlock``).
+same-shape layers are stacked into one batched product (hf_dpfilter.engine.blocks: ``OuterBlock``).
 
 A fused layer's squared norm is the sum of its parameters' squared norms, and a stacked block is L layers
 computed as L times more rows, so per-example norms and weighted sums must equal the one-example-at-a-time

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hf_dpfilter.engine import GhostClippingEngine, OuterTerm
-from hf_dpfilter.engine.blocks import _use_ghost
+from hf_dpfilter.engine.blocks import use_ghost
 from hf_dpfilter.optimizers.clipping import clip_factors
 
 _WORKER = r"""
@@ -129,7 +129,7 @@ def test_ghost_or_materialize_rule():
     def term(t, p, q):
         return OuterTerm(left=torch.zeros(1, t, p), right=torch.zeros(1, t, q))
 
-    assert _use_ghost(term(128, 768, 768))  # full fine-tuning at moderate T: ghost
-    assert _use_ghost(term(4, 2048, 2048))
-    assert not _use_ghost(term(128, 768, 8))  # LoRA A / B: materializing is smaller and faster
-    assert not _use_ghost(term(512, 768, 768))  # long sequences: B_i^T A_i is smaller than A_i and B_i
+    assert use_ghost(term(128, 768, 768))  # full fine-tuning at moderate T: ghost
+    assert use_ghost(term(4, 2048, 2048))
+    assert not use_ghost(term(128, 768, 8))  # LoRA A / B: materializing is smaller and faster
+    assert not use_ghost(term(512, 768, 768))  # long sequences: B_i^T A_i is smaller than A_i and B_i

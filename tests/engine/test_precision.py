@@ -189,10 +189,10 @@ def test_bf16_hook_keeps_the_rounded_input_not_an_fp32_copy():
 
 
 def test_split_bf16_reconstructs_fp32():
-    from hf_dpfilter.engine.precision import _split_bf16
+    from hf_dpfilter.engine.precision import split_bf16
 
     x = torch.randn(1000) * torch.logspace(-20, 20, 1000)
-    pieces = _split_bf16(x)
+    pieces = split_bf16(x)
     assert all(p.dtype == torch.bfloat16 for p in pieces)
     back = sum(p.double() for p in pieces)
     assert bool(((back - x.double()).abs() <= x.double().abs() * 2.0**-26).all())
