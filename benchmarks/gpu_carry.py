@@ -63,7 +63,7 @@ NOT_NEEDED = {
 DATA_FILES = ("glue/SST-2/train.tsv", "glue/SST-2/dev.tsv", "e2e/devset.csv", "e2e/testset_w_refs.csv")
 WHEELS, DATA = ".whl", ".gpu-data"
 #: what one call of the device tool carries: the checkout (tracked and untracked-not-ignored files) + carry
-# paths
+#: paths
 CALL_LIMIT = 64 * 2**20
 
 

@@ -68,8 +68,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the steps in priority order: what the report measures first when the budget is short
 STEPS = ("tests", "speed_bf16", "real_length", "methods", "speed_fp32", "recipe", "speed_large", "sft")
 #: the headline points of the speed/memory table: (model, mode, B, T); gpt2-untied is GPT-2 small with an
-# untied
-#: head, which Opacus accepts (it refuses tied embeddings)
+#: untied head, which Opacus accepts (it refuses tied embeddings)
 HEADLINE_CASES = [
     ("roberta", "full", 32, 128), ("roberta", "lora", 32, 128),
     ("gpt2", "full", 16, 512), ("gpt2-untied", "full", 16, 512), ("gpt2", "lora", 16, 512),

@@ -9,6 +9,7 @@ import rules`` to the package and to ``hf_dpfilter.engine.rules``).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_dpfilter"
@@ -43,13 +44,14 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skip
 
 
-def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
-    """Module -> the package modules it imports (anywhere in its code, except under TYPE_CHECKING)."""
+def import_graph(package: Path = PACKAGE, type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (anywhere in its code; under TYPE_CHECKING too if
+    ``type_only``)."""
     modules = _modules(package)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        skip = _type_checking_only(tree)
+        skip = set() if type_only else _type_checking_only(tree)
         deps: set[str] = set()
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -110,6 +112,55 @@ def test_the_graph_sees_function_level_imports_and_skips_type_checking(tmp_path)
 def test_no_import_circle():
     circles = import_circles(import_graph())
     assert not circles, "import circles in hf_dpfilter:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_no_import_circle_through_type_only_imports():
+    """A circle closed only under TYPE_CHECKING is still two rooms that need each other."""
+    circles = import_circles(import_graph(type_only=True))
+    assert not circles, "import circles in hf_dpfilter (type-only imports included):\n" + "\n".join(
+        " -> ".join(c) for c in circles)
+
+
+def test_the_top_level_holds_the_entry_points_only():
+    """Every other module sits in a folder named for its concern."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 6, top
+
+
+def test_the_tests_mirror_the_package():
+    """Test files sit in folders by concern; the top of tests/ keeps the package-wide checks."""
+    tests = PACKAGE.parent / "tests"
+    top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert len(top) <= 8, top
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    missing = sorted(f for f in folders if not (tests / f).is_dir())
+    assert not missing, f"package folders without a test folder: {missing}"
+
+
+def test_tests_are_named_by_behaviour():
+    """Tests are named by the behaviour they check; an issue number says nothing to a reader."""
+    tests = PACKAGE.parent / "tests"
+    named = []
+    for path in tests.rglob("test_*.py"):
+        if re.search(r"issue|_\d{2,}\b", path.stem):
+            named.append(str(path))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and "issue" in node.name.lower():
+                named.append(f"{path.name}::{node.name}")
+    assert not named, named
+
+
+def test_private_names_are_rarely_imported_across_modules():
+    """A name with a leading underscore belongs to its module; a helper shared by two modules is public."""
+    lines, imported = 0, []
+    for path in PACKAGE.rglob("*.py"):
+        source = path.read_text()
+        lines += len(source.splitlines())
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_dpfilter"):
+                imported += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+    assert len(imported) <= 1.2 * lines / 1000, imported
 
 
 def test_no_file_in_the_package_over_600_lines():

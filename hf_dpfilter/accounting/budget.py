@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from hf_dpfilter.accounting.accountant import PrivacyAccountant
 
 if TYPE_CHECKING:
-    from hf_dpfilter.plan import PrivacyPlan
+    from hf_dpfilter.optimizers.method_config import PlanSettings
 
 __all__ = ["BudgetGuard", "PrivacyBudgetExceededError"]
 
@@ -36,7 +36,7 @@ class BudgetGuard:
         self._safe_until = 0  # dp_steps up to which the budget is known to hold
         self._horizon = 1
 
-    def check(self, accountant: PrivacyAccountant, plan: PrivacyPlan, dp_steps: int) -> None:
+    def check(self, accountant: PrivacyAccountant, plan: PlanSettings, dp_steps: int) -> None:
         """Raise :class:`PrivacyBudgetExceededError` if step ``dp_steps + 1`` would spend more than the
         target."""
         if self.target_epsilon is None or plan.sample_rate is None or dp_steps < self._safe_until:

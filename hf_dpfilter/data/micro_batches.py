@@ -34,8 +34,7 @@ __all__ = ["NUM_EXAMPLES_KEY", "RAW_EXAMPLES_KEY", "MicroBatchMixin", "dropout_k
 NUM_EXAMPLES_KEY = "_dp_num_examples"
 
 #: Key under which the training collator passes the raw examples it collated, in order (popped before the
-# forward,
-#: in memory only, never logged): the per-example checks re-collate an example alone from its own row
+#: forward, in memory only, never logged): the per-example checks re-collate an example alone from its own row
 #: (:mod:`hf_dpfilter.proofs.separation`).
 RAW_EXAMPLES_KEY = "_dp_raw_examples"
 
@@ -309,7 +308,7 @@ class MicroBatchMixin:
         return self._each_example_alone(out, raw is not None and units is None)
 
     #: ``accumulate``'s keyword for this step's micro-batches: ``{"alone": True}`` when each was collated
-    # alone
+    #: alone
     _alone_declaration: dict[str, bool] = {}
 
     def _each_example_alone(self, cut: list[tuple[tuple, list | None]],
@@ -535,7 +534,7 @@ def _decoder_side(model: Any) -> bool:
 
 
 #: The model inputs that run along the tokens (one column per token), cut with a micro-batch's padding
-# columns.
+#: columns.
 TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids",
                         "special_tokens_mask",
                         "inputs_embeds", "mm_token_type_ids"})

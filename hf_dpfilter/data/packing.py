@@ -35,7 +35,7 @@ __all__ = [
 #: describe the boundaries of the examples, so a micro-batch gets them recomputed for its own examples.
 FLASH_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 #: Per-token index of the example (``DataCollatorWithFlattening(return_seq_idx=True)``), renumbered per
-# micro-batch.
+#: micro-batch.
 SEQ_IDX_KEY = "seq_idx"
 
 

@@ -41,7 +41,7 @@ from hf_dpfilter.randomness.sampling import PoissonBatchSampler
 from hf_dpfilter.randomness.secure_rng import derive_seed, secure_uniform
 
 #: The tokenizer's column mapping each row to its example when it splits long inputs
-# (return_overflowing_tokens).
+#: (return_overflowing_tokens).
 OVERFLOW_COLUMN = "overflow_to_sample_mapping"
 
 __all__ = [

@@ -26,11 +26,9 @@ import torch.distributed as dist
 __all__ = ["check_one_dp_run", "launcher_world_size"]
 
 #: the variables launchers set to the number of processes (torchrun, Intel MPI, Open MPI, MVAPICH, SLURM's
-# srun).
-#: SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: a batch script runs once with SLURM_NTASKS set to the allocation's
-#: task count, while srun sets the step's number of tasks in each task it starts (Accelerate reads none of
-# SLURM's
-#: variables, so ``srun -n 2 python train.py`` would be two separate DP runs).
+#: srun). SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: a batch script runs once with SLURM_NTASKS set to the
+#: allocation's task count, while srun sets the step's number of tasks in each task it starts (Accelerate
+#: reads none of SLURM's variables, so ``srun -n 2 python train.py`` would be two separate DP runs).
 _WORLD_SIZE_VARIABLES = (
     "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "LOCAL_WORLD_SIZE",
     "SLURM_STEP_NUM_TASKS",

@@ -21,15 +21,24 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from hf_dpfilter.engine.recorder import GhostClippingEngine
-
 __all__ = ["CheckpointingError", "checkpoint_function_is_reentrant"]
+
+
+class ReplayingEngine(Protocol):
+    """What a checkpoint replay uses of :class:`~hf_dpfilter.engine.recorder.GhostClippingEngine` (the engine
+    is built above this room)."""
+
+    model: nn.Module
+    recorder: Any
+    _active_values: Any
+    _replaying_values: Any
+
+    def call_model(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def inside_backward() -> bool:
@@ -64,7 +73,7 @@ class CheckpointAtRecordedValues:
     """transformers' per-layer checkpoint function, with the recomputation run at the parameter values of the
     original forward (those given to :meth:`GhostClippingEngine.call_model`, or the current ones)."""
 
-    def __init__(self, checkpoint: Callable, engine: GhostClippingEngine) -> None:
+    def __init__(self, checkpoint: Callable, engine: ReplayingEngine) -> None:
         self.checkpoint = checkpoint
         self.engine = engine
 

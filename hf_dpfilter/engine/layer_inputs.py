@@ -34,7 +34,7 @@ class LayerInput:
     #: ``(module, args, kwargs) -> tensor``: the input the rule reads, from the call's arguments
     select: Callable[[nn.Module, tuple, dict], torch.Tensor]
     #: ``(module, input) -> tensor``: the output the rule assumes the layer computed (compared on the proving
-    # step)
+    #: step)
     reproduces: Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 

@@ -16,20 +16,34 @@ returns the per-example gradients of the *combination*, which the optimizer clip
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from hf_dpfilter.engine.per_example import PerExampleGradients
 
-if TYPE_CHECKING:
-    from hf_dpfilter.engine.recorder import GhostClippingEngine
-
 __all__ = ["CurrentPoint", "Float64Point", "LossFn", "Point", "per_example_combination"]
 
+
+class RecordingEngine(Protocol):
+    """What a gradient point uses of :class:`~hf_dpfilter.engine.recorder.GhostClippingEngine` (the engine
+    is built above the points)."""
+
+    model: nn.Module
+
+    def record(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def backward_recorded(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def per_example(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def per_example_gradients(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def recorded_gradients(self, *args: Any, **kwargs: Any) -> Any: ...
+
 #: ``loss_fn(param_values)``: the per-example losses (B,) of a forward at those values (None: the current
-# ones)
+#: ones)
 LossFn = Callable[[dict[nn.Parameter, torch.Tensor] | None], torch.Tensor]
 #: (weight, parameter values or None for the current ones) of one point of the combination
 Point = tuple[float, "dict[nn.Parameter, torch.Tensor] | None"]
@@ -52,7 +66,7 @@ class CurrentFloat64Point(CurrentPoint, Float64Point):
 
 
 def per_example_combination(
-    engine: GhostClippingEngine,
+    engine: RecordingEngine,
     loss_fn: LossFn,
     points: Sequence[Point],
     batch_size: int,
@@ -93,7 +107,7 @@ def per_example_combination(
 
 
 def _gradients_at_points_in_shards(
-    engine: GhostClippingEngine,
+    engine: RecordingEngine,
     loss_fn: LossFn,
     points: Sequence[Point],
     batch_size: int,

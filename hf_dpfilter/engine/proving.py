@@ -44,10 +44,10 @@ class _Record:
     output_edge: torch.autograd.graph.GradientEdge
     output_dtype: torch.dtype
     #: the tensors the forward used for the module's sharded parameters (FSDP2 gathers whole ones), for the
-    # check
+    #: check
     used: dict[str, torch.Tensor] | None = None
     #: why the call's batch axis is not proven (hf_dpfilter.proofs.batch_axis); refused if its output gets
-    # gradient
+    #: gradient
     unproven: str | None = None
     #: rows of the output per example when the batch was merged into its leading dimension (MERGED), else 0;
     #: the activations are already viewed as (B, rows, ...), the output gradient is viewed so in the backward

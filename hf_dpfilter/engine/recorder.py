@@ -134,10 +134,8 @@ class GhostClippingEngine(CheckpointReplay, _ProvingStep):
         self._recorded_at_other_values = False
         self._replaying_values = 0
         #: fp16 loss scaling: the backward runs on ``loss_scale * sum_i loss_i`` (a power of two, public; set
-        # by the
-        #: DP optimizer from its :class:`~hf_dpfilter.trainers.loss_scaling.DPLossScaler`) and the per-example
-        # gradients
-        #: divide it out exactly (:class:`PerExampleGradients`)
+        #: by the DP optimizer from its :class:`~hf_dpfilter.trainers.loss_scaling.DPLossScaler`) and the
+        #: per-example gradients divide it out exactly (:class:`PerExampleGradients`)
         self.loss_scale = 1.0
         self._pending_scale = 1.0
         self._in_own_backward = False
@@ -164,7 +162,7 @@ class GhostClippingEngine(CheckpointReplay, _ProvingStep):
         self._reprove = False  # a later step made a call the proving step did not see: prove again
         self._tracer: BatchAxisTracer | None = None
         #: nn.Dropout module -> how its mask is keyed, as proven (engine/proving.py,
-        # hf_dpfilter.randomness.example_keys)
+        #: hf_dpfilter.randomness.example_keys)
         self.dropout_verdicts: dict[nn.Module, str] = {}
         self._trace_depth = 0
         self._check_parameters = True  # whether the state checks compare parameters (not under FSDP2)

@@ -62,6 +62,7 @@ from hf_dpfilter.optimizers.method_config import (
     DPSGDConfig,  # noqa: F401 (re-exported)
     Mechanism,
     MethodConfig,
+    PlanSettings,
 )
 from hf_dpfilter.optimizers.method_state import copy_all_, index_to_params, params_to_index
 from hf_dpfilter.optimizers.wrapped import WrappedOptimizer, build_base_optimizer
@@ -69,7 +70,6 @@ from hf_dpfilter.randomness.example_keys import ExampleRandomness, example_diges
 from hf_dpfilter.randomness.noise import NoiseSource, gaussian_noise, noisy_averages, seeded_generator
 
 if TYPE_CHECKING:
-    from hf_dpfilter.plan import PrivacyPlan
     from hf_dpfilter.trainers.loss_scaling import DPLossScaler
 
 
@@ -90,7 +90,7 @@ class DPOptimizer(WrappedOptimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        plan: PrivacyPlan,
+        plan: PlanSettings,
         *,
         accountant: PrivacyAccountant | None = None,
         collectives: Collectives | None = None,
@@ -121,9 +121,8 @@ class DPOptimizer(WrappedOptimizer):
         #: True once load_state_dict restored a checkpoint (its randomness was then refreshed)
         self.restored_from_checkpoint = False
         #: the privacy unit this run counts (public: unit, id column, k, number of units), saved in
-        # checkpoints;
-        #: and the one a loaded checkpoint recorded (None: none, or a checkpoint of an earlier version).
-        #: hf_dpfilter.run.unit_identity compares them before the first step of a resume.
+        #: checkpoints; and the one a loaded checkpoint recorded (None: none, or a checkpoint of an earlier
+        #: version). hf_dpfilter.run.unit_identity compares them before the first step of a resume.
         self.unit_identity: dict[str, Any] | None = None
         self.loaded_unit_identity: dict[str, Any] | None = None
         self.dp_steps = 0
@@ -133,22 +132,19 @@ class DPOptimizer(WrappedOptimizer):
         self._engine_checked: GhostClippingEngine | None = None
         self._sharded: bool | None = None
         #: opt-in: refuse a step that would take epsilon(target_delta) above target_epsilon
-        # (hf_dpfilter.accounting.budget)
+        #: (hf_dpfilter.accounting.budget)
         self.budget = BudgetGuard(target_epsilon, target_delta)
         #: callables ``hook(optimizer)`` run at the start of every step, before any noise is drawn or released
         #: (DPTrainer writes its privacy ledger here).
         self.pre_release_hooks: list[Callable[[DPOptimizer], None]] = []
         #: examples whose loss or gradient was NaN/inf and whose contribution was replaced by 0. A noiseless
-        # count
-        #: of sampled examples (a membership signal): kept in memory, published nowhere unless asked
+        #: count of sampled examples (a membership signal): kept in memory, published nowhere unless asked
         self.nonfinite_examples = 0
         #: warn at every step that zeroes examples, with the count (off by default: the warning is that
-        # signal;
-        #: DPTrainer sets it from ``dp_log_nonprivate_metrics``)
+        #: signal; DPTrainer sets it from ``dp_log_nonprivate_metrics``)
         self.warn_nonfinite = False
         #: fp16 loss scaling (hf_dpfilter.trainers.loss_scaling): the scale of the engine's backward, divided
-        # out exactly,
-        #: and moved only by the noised gradient. None: no scaling (fp32, bf16)
+        #: out exactly, and moved only by the noised gradient. None: no scaling (fp32, bf16)
         self.loss_scaler: DPLossScaler | None = None
 
     # ------------------------------------------------------------------------- the plan's settings

@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,11 +56,14 @@ from torch import nn
 from hf_dpfilter.distributed.collectives import is_sharded
 from hf_dpfilter.engine import PerExampleGradients
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
+from hf_dpfilter.optimizers.method_config import (
+    Mechanism,
+    MethodConfig,
+    NoiseRound,
+    NoiseSettings,
+    PlanSettings,
+)
 from hf_dpfilter.randomness.noise import noisy_averages
-
-if TYPE_CHECKING:
-    from hf_dpfilter.plan import PrivacyPlan
 
 DICE_ACCOUNTINGS = ("default", "paper")
 
@@ -118,22 +121,22 @@ class DiceSGDConfig(MethodConfig):
             raise ValueError(f"dicesgd: accounting must be one of {DICE_ACCOUNTINGS}, got "
                              f"{self.accounting!r}.")
 
-    def c2(self, plan: PrivacyPlan) -> float:
+    def c2(self, plan: PlanSettings) -> float:
         return plan.max_grad_norm if self.error_max_grad_norm is None else float(self.error_max_grad_norm)
 
-    def kappa(self, plan: PrivacyPlan) -> float:
+    def kappa(self, plan: PlanSettings) -> float:
         """2 B C2 / C1: the feedback term's sensitivity relative to the clipped sum's."""
         return 2.0 * plan.expected_batch_size * self.c2(plan) / plan.max_grad_norm
 
-    def sensitivity(self, plan: PrivacyPlan) -> float:
+    def sensitivity(self, plan: PlanSettings) -> float:
         """Sum-scale L2 sensitivity of the released ``S_clip + B clip(e, C2)``: ``C1 + 2 B C2``."""
         return plan.max_grad_norm + 2.0 * plan.expected_batch_size * self.c2(plan)
 
-    def mechanisms(self, step: int, noise: NoiseSettings, plan: PrivacyPlan) -> list[Mechanism]:
+    def mechanisms(self, step: int, noise: NoiseSettings, plan: PlanSettings) -> list[Mechanism]:
         return [Mechanism(s, q) for s, q, _ in dicesgd_history(noise.noise_multiplier, plan.sample_rate, 1,
                                                                self.kappa(plan))]
 
-    def noise_rounds(self, noise: NoiseSettings, plan: PrivacyPlan) -> list[NoiseRound]:
+    def noise_rounds(self, noise: NoiseSettings, plan: PlanSettings) -> list[NoiseRound]:
         """One round per step: noise sigma (C1 + 2 B C2) on the sum, against a signal of at most C1 + C2 per
         example (the clipped gradient and, on the mean scale, the clipped feedback)."""
         c1, c2, batch = plan.max_grad_norm, self.c2(plan), plan.expected_batch_size
@@ -142,7 +145,7 @@ class DiceSGDConfig(MethodConfig):
         return [NoiseRound("every step", 1.0, noise.noise_multiplier, sensitivity,
                            noise.noise_multiplier * self.sensitivity(plan) / (c1 + c2))]
 
-    def calibrate(self, target_epsilon: float, delta: float, plan: PrivacyPlan) -> NoiseSettings:
+    def calibrate(self, target_epsilon: float, delta: float, plan: PlanSettings) -> NoiseSettings:
         if self.accounting == "paper":
             batch = plan.expected_batch_size
             sigma_mean = dicesgd_paper_sigma(target_epsilon, delta, plan.steps, batch / plan.sample_rate,
@@ -150,7 +153,7 @@ class DiceSGDConfig(MethodConfig):
             return NoiseSettings(sigma_mean * batch / self.sensitivity(plan))
         return super().calibrate(target_epsilon, delta, plan)
 
-    def report(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, delta: float) -> dict[str, Any]:
+    def report(self, noise: NoiseSettings, plan: PlanSettings, steps: int, delta: float) -> dict[str, Any]:
         sigma_sum = noise.noise_multiplier * self.sensitivity(plan)
         details: dict[str, Any] = {
             "dice_accounting": self.accounting,

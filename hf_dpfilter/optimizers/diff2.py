@@ -87,7 +87,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,11 +95,14 @@ from torch import nn
 from hf_dpfilter.engine import PerExampleGradients
 from hf_dpfilter.engine.points import CurrentFloat64Point, Float64Point
 from hf_dpfilter.optimizers.base import DPOptimizer
-from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseRound, NoiseSettings
+from hf_dpfilter.optimizers.method_config import (
+    Mechanism,
+    MethodConfig,
+    NoiseRound,
+    NoiseSettings,
+    PlanSettings,
+)
 from hf_dpfilter.randomness.noise import noisy_averages
-
-if TYPE_CHECKING:
-    from hf_dpfilter.plan import PrivacyPlan
 
 DIFF2_NEIGHBOURINGS = ("add_remove", "replace_one")
 #: routes of the difference rounds' precision (module docstring, "Precision of the difference rounds")
@@ -108,7 +111,7 @@ DIFF2_PRECISIONS = ("batch_invariant", "float64")
 __all__ = ["DIFF2_NEIGHBOURINGS", "DIFF2_PRECISIONS", "Diff2", "Diff2Config", "diff2_history"]
 
 #: DIFF2 under FSDP2 with a float32/bf16 model, a difference micro-batch not declared alone (or the float64
-# route)
+#: route)
 _SHARDED_REFUSAL = (
     "DIFF2 under FSDP2 sharding writes the difference round's points into the shards, in the model's dtype "
     "(no float64 copy of a sharded model is made), so only an example computed alone is batch-invariant "
@@ -218,7 +221,7 @@ class Diff2Config(MethodConfig):
     def is_restart(self, step: int) -> bool:
         return step % int(self.restart_every) == 0
 
-    def check_plan(self, plan: PrivacyPlan) -> None:
+    def check_plan(self, plan: PlanSettings) -> None:
         full_batch = plan.sample_rate is not None and plan.sample_rate >= 1.0
         if plan.sample_rate is not None and not full_batch:
             if self.neighbouring == "replace_one":
@@ -236,13 +239,13 @@ class Diff2Config(MethodConfig):
                     stacklevel=4,
                 )
 
-    def mechanisms(self, step: int, noise: NoiseSettings, plan: PrivacyPlan) -> list[Mechanism]:
+    def mechanisms(self, step: int, noise: NoiseSettings, plan: PlanSettings) -> list[Mechanism]:
         if self.is_restart(step):
             return [Mechanism(noise.noise_multiplier, plan.sample_rate)]
         z2 = noise.get("difference_noise_multiplier", noise.noise_multiplier)
         return [Mechanism(z2, plan.sample_rate)]
 
-    def noise_rounds(self, noise: NoiseSettings, plan: PrivacyPlan) -> list[NoiseRound]:
+    def noise_rounds(self, noise: NoiseSettings, plan: PlanSettings) -> list[NoiseRound]:
         """Restart rounds (1 in T): z1 x D1 over a signal clipped to C1; difference rounds: z2 x D2 over a
         difference clipped to C_{2,r} = C2 ||x_{r-1} - x_{r-2}||; D = the threshold, doubled under
         replace-one."""
@@ -260,12 +263,12 @@ class Diff2Config(MethodConfig):
                 f"C_2,r = C2 ||x_r-1 - x_r-2||{relation}", float(z2) * factor))
         return rounds
 
-    def fixed_noise(self, noise_multiplier: float, plan: PrivacyPlan) -> NoiseSettings:
+    def fixed_noise(self, noise_multiplier: float, plan: PlanSettings) -> NoiseSettings:
         z2 = (noise_multiplier if self.difference_noise_multiplier is None
               else self.difference_noise_multiplier)
         return NoiseSettings(noise_multiplier, (("difference_noise_multiplier", float(z2)),))
 
-    def noise_for_scale(self, scale: float, plan: PrivacyPlan) -> NoiseSettings:
+    def noise_for_scale(self, scale: float, plan: PlanSettings) -> NoiseSettings:
         """z1 = scale and z2 / z1 = sqrt((R - k) / (k (u - 1))), k = ceil(R / T) restarts in R steps (Prop.
         4.1).
 
@@ -276,7 +279,7 @@ class Diff2Config(MethodConfig):
                  else math.sqrt((steps - restarts) / (restarts * (self.budget_split - 1.0))))
         return NoiseSettings(float(scale), (("difference_noise_multiplier", ratio * float(scale)),))
 
-    def report(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, delta: float) -> dict[str, Any]:
+    def report(self, noise: NoiseSettings, plan: PlanSettings, steps: int, delta: float) -> dict[str, Any]:
         restarts = math.ceil(steps / self.restart_every) if steps else 0
         full_batch = plan.sample_rate is not None and plan.sample_rate >= 1.0
         details: dict[str, Any] = {

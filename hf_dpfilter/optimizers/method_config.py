@@ -21,14 +21,29 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from hf_dpfilter.accounting.calibration import calibrate_noise_multiplier, calibrate_scale
 
-if TYPE_CHECKING:
-    from hf_dpfilter.plan import PrivacyPlan
+__all__ = ["DPSGDConfig", "Mechanism", "MethodConfig", "NoiseRound", "NoiseSettings", "PlanSettings",
+           "aggregate_history"]
 
-__all__ = ["DPSGDConfig", "Mechanism", "MethodConfig", "NoiseRound", "NoiseSettings", "aggregate_history"]
+
+class PlanSettings(Protocol):
+    """The settings of a :class:`hf_dpfilter.plan.PrivacyPlan` that the methods and optimizers read (the
+    plan is built above them, from their configs)."""
+
+    method: str
+    config: MethodConfig
+    noise: NoiseSettings
+    max_grad_norm: float
+    clipping_fn: str
+    expected_batch_size: float
+    sample_rate: float | None
+    steps: int | None
+    accountant: str
+    secure_rng: bool
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -88,8 +103,7 @@ class MethodConfig:
     #: the method's name in the registry (``dp_method``)
     name: ClassVar[str] = ""
     #: the retired flat names of earlier versions were ``legacy_prefix + field name``: read only to refuse
-    # them with
-    #: the field that replaced them (hf_dpfilter/retired_names.py); never mapped
+    #: them with the field that replaced them (hf_dpfilter/retired_names.py); never mapped
     legacy_prefix: ClassVar[str] = ""
     #: ``mechanisms(step)`` only depends on ``step % mechanism_period`` (lets long histories be built fast)
     mechanism_period: ClassVar[int] = 1
@@ -132,14 +146,14 @@ class MethodConfig:
         return dataclasses.replace(self, **changes)
 
     # ---------------------------------------------------------------------------------- privacy
-    def check_plan(self, plan: PrivacyPlan) -> None:
+    def check_plan(self, plan: PlanSettings) -> None:
         """Raise ValueError if the method cannot run under ``plan`` (e.g. a relation it cannot certify)."""
 
-    def mechanisms(self, step: int, noise: NoiseSettings, plan: PrivacyPlan) -> list[Mechanism]:
+    def mechanisms(self, step: int, noise: NoiseSettings, plan: PlanSettings) -> list[Mechanism]:
         """The Gaussian mechanisms logical step ``step`` (0-based) releases (DP-SGD: one, subsampled)."""
         return [Mechanism(noise.noise_multiplier, plan.sample_rate)]
 
-    def history(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, start: int = 0) -> list[tuple]:
+    def history(self, noise: NoiseSettings, plan: PlanSettings, steps: int, start: int = 0) -> list[tuple]:
         """Aggregated accountant history of steps ``start .. start + steps - 1``."""
         period = max(1, int(self.mechanism_period))
         counts: dict[tuple[float, float], int] = {}
@@ -156,7 +170,7 @@ class MethodConfig:
                 counts[key] = counts.get(key, 0) + repeats
         return [(s, q, n) for (s, q), n in counts.items()]
 
-    def noise_rounds(self, noise: NoiseSettings, plan: PrivacyPlan) -> list[NoiseRound]:
+    def noise_rounds(self, noise: NoiseSettings, plan: PlanSettings) -> list[NoiseRound]:
         """The rounds the method releases and the real noise of each (DP-SGD: sigma C over a signal clipped to
         C).
 
@@ -165,15 +179,15 @@ class MethodConfig:
         return [NoiseRound("every step", 1.0, noise.noise_multiplier, f"C = {plan.max_grad_norm:g}",
                            noise.noise_multiplier)]
 
-    def noise_for_scale(self, scale: float, plan: PrivacyPlan) -> NoiseSettings:
+    def noise_for_scale(self, scale: float, plan: PlanSettings) -> NoiseSettings:
         """The noise settings calibration tries for one scale parameter (DP-SGD: sigma = scale)."""
         return NoiseSettings(float(scale))
 
-    def fixed_noise(self, noise_multiplier: float, plan: PrivacyPlan) -> NoiseSettings:
+    def fixed_noise(self, noise_multiplier: float, plan: PlanSettings) -> NoiseSettings:
         """The noise settings when the user fixes ``noise_multiplier`` instead of a target epsilon."""
         return NoiseSettings(float(noise_multiplier))
 
-    def calibrate(self, target_epsilon: float, delta: float, plan: PrivacyPlan) -> NoiseSettings:
+    def calibrate(self, target_epsilon: float, delta: float, plan: PlanSettings) -> NoiseSettings:
         """The smallest noise (along :meth:`noise_for_scale`) whose run spends at most ``target_epsilon``."""
         if plan.steps is None or plan.sample_rate is None:
             raise ValueError("Calibrating the noise needs the number of steps and the sample rate of the "
@@ -192,7 +206,7 @@ class MethodConfig:
         )
         return self.noise_for_scale(scale, plan)
 
-    def report(self, noise: NoiseSettings, plan: PrivacyPlan, steps: int, delta: float) -> dict[str, Any]:
+    def report(self, noise: NoiseSettings, plan: PlanSettings, steps: int, delta: float) -> dict[str, Any]:
         """Method-specific entries of ``privacy_report()`` (how the epsilon was obtained, extra claims)."""
         return {}
 

@@ -14,11 +14,10 @@ import torch
 from torch import nn
 
 from hf_dpfilter.optimizers.base import DPOptimizer, LossFn
-from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings
+from hf_dpfilter.optimizers.method_config import Mechanism, MethodConfig, NoiseSettings, PlanSettings
 
 if TYPE_CHECKING:
     from hf_dpfilter.engine import GhostClippingEngine
-    from hf_dpfilter.plan import PrivacyPlan
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class NonPrivateConfig(MethodConfig):
 
     name = "none"
 
-    def mechanisms(self, step: int, noise: NoiseSettings, plan: PrivacyPlan) -> list[Mechanism]:
+    def mechanisms(self, step: int, noise: NoiseSettings, plan: PlanSettings) -> list[Mechanism]:
         return []
 
 

@@ -29,8 +29,7 @@ __all__ = [
 ]
 
 #: ``dp_method`` -> (its config class, its optimizer class), as ``"module:Name"``. Each is imported on first
-# use:
-#: a plan needs only the config (DP-SGD's lives in method_config, so the default plan imports no engine).
+#: use: a plan needs only the config (DP-SGD's lives in method_config, so the default plan imports no engine).
 _REGISTRY: dict[str, tuple[str, str]] = {
     "none": ("hf_dpfilter.optimizers.nonprivate:NonPrivateConfig",
              "hf_dpfilter.optimizers.nonprivate:NonPrivateOptimizer"),

@@ -66,7 +66,7 @@ __all__ = ["BATCH", "BROADCAST", "LOST", "MERGED", "SHARED", "BatchAxisTracer"]
 BATCH = "batch"
 BROADCAST = "broadcast"
 #: a layer call whose input's leading dimension is the batch merged with the dimensions after it (proven by
-# tracing)
+#: tracing)
 MERGED = "merged"
 #: a layer call whose output derives from no batch tensor: one output shared by every example (see above)
 SHARED = "shared"
@@ -173,15 +173,14 @@ class BatchAxisTracer(TorchFunctionMode):
         #: how many times values of a batch-derived tensor were read into Python (see ``SHARED``)
         self.host_reads = 0
         #: a tag was decided from values of this batch (see ``_mask_rows``): the verdicts hold for this step
-        # only
+        #: only
         self.value_dependent = False
         #: id(parameter) -> (parameter, check): ``check()`` is called at each use of the parameter by a torch
         #: function (the engine checks that it runs inside the module whose rule covers it)
         self.watched: dict[int, tuple[torch.Tensor, Any]] = {}
         #: (tag, innermost running module) of each input a dropout drew a mask for, in call order: keyed to
-        # the
-        #: rows of its leading axis, or drawn once for all (an nn.Dropout on a tensor free of the batch) by
-        #: hf_dpfilter.randomness.example_keys; the engine refuses any other
+        #: the rows of its leading axis, or drawn once for all (an nn.Dropout on a tensor free of the batch)
+        #: by hf_dpfilter.randomness.example_keys; the engine refuses any other
         self.dropout_inputs: list[tuple[tuple[int, int] | None, Any]] = []
         #: the innermost module running (set by the engine's proving step)
         self.current_module: Any = lambda: None

@@ -342,9 +342,8 @@ def probe_batch_structure(
 
 
 #: copies of the example and seeds the random-key probe collates: a mask drawn with probability 0.15 per token
-# on
-#: a short example is often empty in one collation of one copy (two such collations then agree by chance); 16
-#: copies under 4 seeds make a chance agreement negligible
+#: on a short example is often empty in one collation of one copy (two such collations then agree by chance);
+#: 16 copies under 4 seeds make a chance agreement negligible
 _RANDOM_PROBE_COPIES, _RANDOM_PROBE_SEEDS = 16, 4
 
 

@@ -49,7 +49,7 @@ __all__ = ["GradientHookError", "gradient_hooks", "refuse_gradient_hooks", "refu
 #: where the hooks of the run's own machinery are defined (function ``__module__`` prefixes)
 LIBRARY_MODULES = ("hf_dpfilter.", "torch.distributed.", "torch.nn.parallel.")
 #: transformers' post-accumulate averaging of replicated trainable parameters under FSDP2 (never runs under
-# DP)
+#: DP)
 LIBRARY_QUALNAMES = ("Trainer._sync_replicated_trainable_parameters.<locals>.average_gradient",)
 #: WANDB_WATCH values whose wandb.watch registers a gradient hook on every parameter
 WATCH_GRADIENTS = ("gradients", "all")

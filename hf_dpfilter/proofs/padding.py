@@ -79,8 +79,8 @@ class PositionScheme:
     #: its sequence-level heads read the first column (a pad for short examples under left padding)
     pools_first_column: bool = False
     #: ``(config field, value)``: the heads read the first column only when the config's pooling field has
-    # that value
-    #: (ModernBERT: ``classifier_pooling="cls"``; ``"mean"`` averages over the attention mask); None: always
+    #: that value (ModernBERT: ``classifier_pooling="cls"``; ``"mean"`` averages over the attention mask);
+    #: None: always
     first_column_when: tuple[str, str] | None = None
 
     def reads_first_column(self, config: Any) -> bool:
@@ -97,24 +97,18 @@ _PADDING_IDX = PositionScheme("padding_idx", pools_first_column=True)
 _MASK = PositionScheme("mask")
 
 #: Declared position schemes, keyed by ``config.model_type``. Anything not listed is refused when a
-# micro-batch has
-#: leading padding. GPT-2/GPT-Neo (``wpe(arange)``), GPT-J, GPT-NeoX, Phi, StableLM, the Llama-like families,
-#: Mixtral, Qwen2-MoE, StarCoder2, OLMo2, Granite and Gemma3's text model (rotary on ``arange``; sliding
-# windows are distances
-#: between columns, which leading pads do not change), Falcon (rotary on ``arange``; with ``alibi=True`` its
-# ALiBi is built from the mask
-#: and the injected positions are unused) and BERT, ALBERT, ELECTRA, DistilBERT (a ``position_ids`` buffer)
-# and ModernBERT
-#: (rotary on ``arange``; its sliding window is a distance between columns, which leading pads do not change)
-# number
-#: from the first column and take ``position_ids``; RoBERTa-like models call
+#: micro-batch has leading padding. GPT-2/GPT-Neo (``wpe(arange)``), GPT-J, GPT-NeoX, Phi, StableLM, the
+#: Llama-like families, Mixtral, Qwen2-MoE, StarCoder2, OLMo2, Granite and Gemma3's text model (rotary on
+#: ``arange``; sliding windows are distances between columns, which leading pads do not change), Falcon
+#: (rotary on ``arange``; with ``alibi=True`` its ALiBi is built from the mask and the injected positions are
+#: unused) and BERT, ALBERT, ELECTRA, DistilBERT (a ``position_ids`` buffer) and ModernBERT (rotary on
+#: ``arange``; its sliding window is a distance between columns, which leading pads do not change) number from
+#: the first column and take ``position_ids``; RoBERTa-like models call
 #: ``create_position_ids_from_input_ids``; OPT (``cumsum(attention_mask)``) and BLOOM (``build_alibi_tensor``
-# on the
-#: mask) count real tokens. Sequence heads: GPT-2, OPT and the Llama-like families pool the last non-pad token
-# (the
-#: last column under left padding); BERT, ALBERT, ELECTRA, DistilBERT and ModernBERT
-# (``classifier_pooling="cls"``, the
-#: default; ``"mean"`` averages over the mask) pool the first column, RoBERTa ``features[:, 0, :]``.
+#: on the mask) count real tokens. Sequence heads: GPT-2, OPT and the Llama-like families pool the last
+#: non-pad token (the last column under left padding); BERT, ALBERT, ELECTRA, DistilBERT and ModernBERT
+#: (``classifier_pooling="cls"``, the default; ``"mean"`` averages over the mask) pool the first column,
+#: RoBERTa ``features[:, 0, :]``.
 POSITION_SCHEMES: dict[str, PositionScheme] = {
     "gpt2": _ABSOLUTE,
     "gpt_neo": _ABSOLUTE,

@@ -33,9 +33,8 @@ from torch import nn
 __all__ = ["TrainingRandomnessError", "check_deterministic", "checking_forward", "dropout_free", "same_draws"]
 
 #: float attributes that attention implementations read as their dropout probability at call time (and any
-# float
-#: attribute whose name ends as in :data:`CONFIG_DROPOUT_ENDINGS`: BART's ``activation_dropout``,
-# ``resid_pdrop``)
+#: float attribute whose name ends as in :data:`CONFIG_DROPOUT_ENDINGS`: BART's ``activation_dropout``,
+#: ``resid_pdrop``)
 KERNEL_DROPOUT_ATTRIBUTES = (
     "attention_dropout", "attn_dropout", "attn_drop", "dropout", "dropout_p", "dropout_prob",
     "attention_dropout_p",
@@ -43,8 +42,7 @@ KERNEL_DROPOUT_ATTRIBUTES = (
 )
 #: endings of a config field that holds a dropout probability (``attention_dropout``, ``hidden_dropout_prob``,
 #: ``resid_pdrop``, ``dropout_rate``); a stochastic-depth rate (``layerdrop``, ``drop_path_rate``) is not one
-# of
-#: them: it drops whole layers for the whole micro-batch and stays random, so the two-seed check refuses it
+#: of them: it drops whole layers for the whole micro-batch and stays random, so the two-seed check refuses it
 CONFIG_DROPOUT_ENDINGS = ("dropout", "dropout_prob", "dropout_rate", "dropout_p", "pdrop")
 #: parts of a config field's name that set randomness other than dropout, named in the refusal when non-zero
 #: (Mixtral's ``router_jitter_noise``, LayerDrop, stochastic depth)
@@ -52,8 +50,7 @@ CONFIG_RANDOMNESS_NAMES = ("jitter", "layerdrop", "drop_path", "stochastic_depth
 
 
 #: True inside a checking forward of a model whose dropout it turned off: a proof the engine concludes there
-# saw
-#: none of the training forward's dropout calls, so it proves again on the next recorded forward
+#: saw none of the training forward's dropout calls, so it proves again on the next recorded forward
 #: (hf_dpfilter.randomness.example_keys keys each dropout by the proof's verdict)
 DROPOUT_TURNED_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("dropout_turned_off", default=False)
 

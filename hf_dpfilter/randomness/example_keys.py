@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: a dropout's mask keyed to the rows of its input's leading axis (each row one example's, or several rows
-# one's)
+#: one's)
 ROWS_DROPOUT = "rows"
 #: an nn.Dropout on a tensor that derives from no example: one mask for the whole step's forward
 SHARED_DROPOUT = "shared"

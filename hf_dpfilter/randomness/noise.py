@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 #: ``draw(shape, std, like)``: N(0, std^2) noise of ``shape`` in ``like``'s dtype and device (layout for
-# shards)
+#: shards)
 Draw = Callable[[torch.Size, float, torch.Tensor], torch.Tensor]
 
 

@@ -28,7 +28,7 @@ from hf_dpfilter.run.eval_overlap import EvalRowsGuard, overlapping_rows
 from hf_dpfilter.run.training_fields import TrainingFieldError, check_training_fields, eval_driven_features
 
 if TYPE_CHECKING:
-    from hf_dpfilter.trainers.trainer import DPTrainerMixin as DPTrainer
+    from transformers import Trainer  # the DPTrainerMixin subclass of one (built above this room)
 
 __all__ = ["RunGuard", "overlapping_rows"]
 
@@ -46,7 +46,7 @@ class RunGuard:
     """Snapshot of what the plan was built from (at DPTrainer creation), and the checks run before
     training."""
 
-    def __init__(self, trainer: DPTrainer, library_class: type) -> None:
+    def __init__(self, trainer: Trainer, library_class: type) -> None:
         """``library_class``: the class whose methods are the library's own (``DPTrainerMixin``), for the loss
         policy (a method of a subclass is the user's)."""
         self.library_class = library_class
@@ -56,7 +56,7 @@ class RunGuard:
         self.eval_rows = EvalRowsGuard()  # each eval set's verdict, kept: its rows are hashed once
         self.check(trainer)
 
-    def check(self, trainer: DPTrainer) -> None:
+    def check(self, trainer: Trainer) -> None:
         """Everything that must hold before a step is released (raises with the fix)."""
         if trainer.model_init is not None:
             raise TrainingFieldError(
@@ -73,7 +73,7 @@ class RunGuard:
         self._check_plan_inputs(trainer)
         self._check_evaluation(trainer)
 
-    def before_train(self, trainer: DPTrainer) -> None:
+    def before_train(self, trainer: Trainer) -> None:
         """Called at the start of every ``train()``: refuse a second run of the same trainer, then
         :meth:`check`."""
         plan = trainer.privacy_plan
@@ -94,7 +94,7 @@ class RunGuard:
         self.check(trainer)
 
     # ------------------------------------------------------------------------------------------ checks
-    def _check_model_loss_and_data(self, trainer: DPTrainer) -> None:
+    def _check_model_loss_and_data(self, trainer: Trainer) -> None:
         """The model, the loss and the training set the plan and the clipping engine were built for, at
         creation; attributes set on the trainer afterwards would otherwise be used unchecked or silently
         ignored."""
@@ -121,7 +121,7 @@ class RunGuard:
                 "the training set."
             )
 
-    def _check_plan_inputs(self, trainer: DPTrainer) -> None:
+    def _check_plan_inputs(self, trainer: Trainer) -> None:
         args, plan = trainer.args, trainer.privacy_plan
         for name, value in self.planned.items():
             now = getattr(args, name, None)
@@ -157,7 +157,7 @@ class RunGuard:
                 "accelerator's configuration and set DPTrainingArguments(logical_batch_size=...) instead."
             )
 
-    def _check_evaluation(self, trainer: DPTrainer) -> None:
+    def _check_evaluation(self, trainer: Trainer) -> None:
         args = trainer.args
         evals = _eval_datasets(trainer.eval_dataset)
         train = trainer.train_dataset
@@ -179,7 +179,7 @@ class RunGuard:
         for name, dataset in evals:
             self.check_eval_set(trainer, dataset, f"eval_dataset{name}", driven)
 
-    def check_eval_set(self, trainer: DPTrainer, dataset: Any, label: str,
+    def check_eval_set(self, trainer: Trainer, dataset: Any, label: str,
                        driven: list[str] | None = None) -> None:
         """Refuse an evaluation (or prediction) set that shares a row with the training set, before anything
         is computed on it (:mod:`hf_dpfilter.run.eval_overlap`): at creation, when ``train()`` starts, and at
@@ -215,7 +215,7 @@ def _same_fingerprint(a: Any, b: Any) -> bool:
     return fa is not None and fa == fb
 
 
-def _early_stopping(trainer: DPTrainer) -> list[str]:
+def _early_stopping(trainer: Trainer) -> list[str]:
     from transformers import EarlyStoppingCallback
 
     callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])

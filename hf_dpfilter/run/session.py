@@ -20,8 +20,9 @@ from hf_dpfilter.run import unit_identity
 from hf_dpfilter.run.ledger import PrivacyLedger
 
 if TYPE_CHECKING:
+    from transformers import Trainer  # the DPTrainerMixin subclass of one (built above this room)
+
     from hf_dpfilter.optimizers.base import DPOptimizer
-    from hf_dpfilter.trainers.trainer import DPTrainerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ __all__ = ["PrivacySessionMixin", "read_privacy_ledger"]
 
 
 class _PrivacyCallback(TrainerCallback):
-    def __init__(self, trainer: DPTrainerMixin) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):

@@ -41,12 +41,11 @@ __all__ = ["DP_ADAM_LR_RANGE", "QA_FEATURES_WARNING", "announce_start", "fixed_l
 logger = logging.getLogger(__name__)
 
 #: the learning rates DP-Adam needed in the measured settings of docs/choosing.md (full fine-tuning 5e-4 to
-# 2e-3,
-#: LoRA 2e-3, a linear head 1e-2); an Adam-type learning rate below a fifth of the lower end is a non-private
-# one
+#: 2e-3, LoRA 2e-3, a linear head 1e-2); an Adam-type learning rate below a fifth of the lower end is a
+#: non-private one
 DP_ADAM_LR_RANGE = (5e-4, 1e-2)
 #: warmup over more than this share of the planned steps: the measured runs used a constant schedule, no
-# warmup
+#: warmup
 MAX_WARMUP_SHARE = 0.1
 
 

@@ -44,8 +44,7 @@ __all__ = ["DEFAULT_INIT_SCALE", "FP16_METHODS", "MAX_INIT_SCALE", "DPLossScaler
 #: the default fp16 loss scale: 2^10 (see the module docstring)
 DEFAULT_INIT_SCALE = 2.0**10
 #: the largest scale accepted: a cross-entropy's gradient at the logits has entries up to 1 per example, so S
-# of
-#: them reach S; from 2^16 on that is past fp16's largest value (65504) and every confidently wrong example
+#: of them reach S; from 2^16 on that is past fp16's largest value (65504) and every confidently wrong example
 #: overflows and is zeroed, silently (how many is a private count)
 MAX_INIT_SCALE = 2.0**15
 
@@ -56,9 +55,9 @@ def _check_power_of_two(name: str, value: float) -> None:
 
 
 #: the methods trained with fp16 loss scaling: their optimizer state follows the noised gradient only. The
-# others
-#: keep state tied to every base step (DiSK's parameter change, DIFF2's rounds, DiceSGD's residual, PMLF's
-#: snapshots), which a step the scaler does not apply would desynchronise: refused until that is modelled
+#: others keep state tied to every base step (DiSK's parameter change, DIFF2's rounds, DiceSGD's residual,
+#: PMLF's snapshots), which a step the scaler does not apply would desynchronise: refused until that is
+#: modelled
 FP16_METHODS = ("dpsgd", "none")
 
 

@@ -309,8 +309,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
 
     # ------------------------------------------------------------------------ optimizer
     #: TEST-ONLY (hf_dpfilter.audit): the audit's observed or deliberately weakened optimizer, built by the
-    # factory.
-    #: None in every real run.
+    #: factory. None in every real run.
     _dp_audit_options: AuditOptions | None = None
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

@@ -19,9 +19,8 @@ __all__ = ["HEAD_SETTINGS", "MeanPooledClassifier", "mean_pool", "mean_pooled_em
            "packaged_model_path"]
 
 #: DP-Adam at epsilon 8 on a MeanPooledClassifier head over the frozen packaged MiniLM (the demo's defaults),
-# chosen
-#: on a validation split carved from the SST-2 training set, never the dev set (python -m benchmarks
-# demo-tuning)
+#: chosen on a validation split carved from the SST-2 training set, never the dev set (python -m benchmarks
+#: demo-tuning)
 HEAD_SETTINGS = {"train_samples": 20000, "epochs": 5.0, "logical_batch_size": 1000, "learning_rate": 0.01,
                  "max_grad_norm": 1.0}
 

@@ -15,7 +15,7 @@ __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "byte_level_chat_tokenizer", "smal
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
 
 #: each turn ends with <|end|> (the eos token); the assistant's content and its <|end|> are the generation
-# part
+#: part
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}<|assistant|>{% generation %}{{ message['content'] }}<|end|>"

@@ -67,7 +67,7 @@ def assert_one_step_exact(model, tmp_path, clipping_fn, micro=2, **extra_args):
 
 
 # ------------------------------------------------------------------------------------- the rules
-def test_tiny_configs_cover_what_the_issue_names():
+def test_tiny_configs_cover_the_named_llama_variants():
     for family in DECODER_FAMILIES:
         model = tiny_decoder(family)
         config = model.config

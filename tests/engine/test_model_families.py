@@ -31,7 +31,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attenti
               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 GQA = dict(num_key_value_heads=2, num_attention_heads=4, head_dim=4)
 #: name -> (model_type, head: "cls" sequence classification, "tok" token classification, "lm" causal LM,
-# config)
+#: config)
 FAMILIES = {
     "bert": ("bert", "cls", {}),
     "roberta": ("roberta", "cls", {"pad_token_id": 1}),
@@ -264,8 +264,7 @@ def _relative_error(model, tmp_path, head: str, collator) -> float:
 #: right padding: encoders not covered elsewhere; left padding: every declared family not covered elsewhere
 #: (encoders through a token-level head: their sequence heads read the first column and are refused under left
 #: padding); Gemma2 left-padded is NaN in float64 (its eager mask overflows to -inf, and the re-check refuses
-# the
-#: step): in float32 (7e-6 relative, as padded on the right)
+#: the step): in float32 (7e-6 relative, as padded on the right)
 CASES = [(n, "cls", "right") for n in ["xlm-roberta", "distilbert", "albert", "electra", "modernbert"]] + [
     (n, "tok", "left")
     for n in ["bert", "distilbert", "albert", "electra", "modernbert", "xlm-roberta", "xlm-roberta-xl",
@@ -302,8 +301,7 @@ def test_modernbert_sequence_head_left_padded(pooling, tmp_path):
 
 
 #: BLOOM left-padded is NaN in float64 (its mask overflows, as Gemma2's) and Mixtral's experts run grouped
-# matmuls,
-#: which take no float64: both in float32 (BLOOM rounds to 2e-5 relative padded on the right as well)
+#: matmuls, which take no float64: both in float32 (BLOOM rounds to 2e-5 relative padded on the right as well)
 LORA_CASES = [("opt", "left", torch.float64), ("bloom", "left", torch.float32),
               ("mixtral", "left", torch.float32),
               ("gpt2", "left", torch.float64), ("bert", "right", torch.float64),

@@ -158,7 +158,7 @@ def test_the_tests_step_runs_and_its_counts_reach_the_report(tmp_path):
     done = gpu_report.run_step("tests", str(tmp_path), "no-data", limit=300)
     assert done["status"] == "ok", (tmp_path / "tests.log").read_text()[-3000:]
     text = gpu_report.render(str(tmp_path), {"device": "d", "date": "t", "steps": [done]})
-    counts = re.findall(r"`tests/test_cuda(?:_sensitivity)?\.py[^`]*`: (\d+) passed, (\d+) failed, (\d+) "
+    counts = re.findall(r"`tests/gpu/test_cuda(?:_sensitivity)?\.py[^`]*`: (\d+) passed, (\d+) failed, (\d+) "
                         r"skipped", text)
     assert len(counts) == 2 and all(int(skipped) > 0 for _, _, skipped in counts), text
     import torch
@@ -171,10 +171,8 @@ def test_the_tests_step_runs_and_its_counts_reach_the_report(tmp_path):
 
 # ------------------------------------------------------------------------------------------ the budget
 #: fake steps: each appends its name to order.txt; `tests` writes a JUnit file, `speed_bf16` writes one case
-# of
-#: its JSON (as speed-memory does after every case), then starts a child that sleeps and waits for it: it
-# would
-#: overrun the budget; every later step would end at once
+#: of its JSON (as speed-memory does after every case), then starts a child that sleeps and waits for it: it
+#: would overrun the budget; every later step would end at once
 _FAKE = r"""
 import json, os, subprocess, sys, time
 step, results = sys.argv[1], sys.argv[2]
