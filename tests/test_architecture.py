@@ -144,6 +144,8 @@ def test_tests_are_named_by_behaviour():
     for path in tests.rglob("test_*.py"):
         if re.search(r"issue|_\d{2,}\b", path.stem):
             named.append(str(path))
+        if re.search(r"\b[Ii]ssue \d+", path.read_text()):
+            named.append(f"{path.name}: cites an issue number")
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and "issue" in node.name.lower():
                 named.append(f"{path.name}::{node.name}")

@@ -1,4 +1,4 @@
-"""The plan is declarative and ONE factory builds what runs it (issue 23).
+"""The plan is declarative and ONE factory builds what runs it.
 
 * No import circle in ``hf_dpfilter`` (every import, module level or inside a function, except
   ``TYPE_CHECKING`` blocks), and the plan imports no engine and no optimizer, statically and at run time.

@@ -1,4 +1,4 @@
-"""A fresh process pays no start-up for what it does not use (issue 31: the fixed start-up of short private
+"""A fresh process pays no start-up for what it does not use (the fixed start-up of short private
 runs).
 
 * Building ``DPTrainingArguments`` as ``HfArgumentParser`` does (every field a keyword) imports none of the DP

@@ -1,4 +1,4 @@
-"""Two gloo processes with the per-example re-checks on (issue 29, attacked through the public API): the
+"""Two gloo processes with the per-example re-checks on (attacked through the public API): the
 re-checks run on each process without a collective and leave the run equal to one process; a refusal on one
 process ends both. Worker: tests/recheck_worker.py.
 """

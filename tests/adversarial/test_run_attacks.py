@@ -1,4 +1,4 @@
-"""The run attacked through the public API (issue 29): hooks registered while a forward runs, evaluation sets
+"""The run attacked through the public API: hooks registered while a forward runs, evaluation sets
 that repeat training rows in another form, what a run writes to the files a user publishes.
 
 Each test is a way in that failed before its fix, or one no other test covers; the negative controls train.

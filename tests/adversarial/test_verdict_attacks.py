@@ -1,4 +1,4 @@
-"""Adversarial review of issue 30's engine verdicts (merged batch axes, shared outputs, MoE), through the
+"""Adversarial review of the engine's verdicts (merged batch axes, shared outputs, MoE), through the
 public API.
 
 Each test is an attack that found a hole (now closed):

@@ -115,7 +115,7 @@ def test_recheck_cost_runs_through_the_entry_point(tmp_path, monkeypatch):
 
 
 def test_checks_cost_runs_both_sides_interleaved_without_git(tmp_path, monkeypatch):
-    """The cost of issue 29's checks against a reference commit, with both sides this tree (``--reference .``:
+    """The cost of the per-example checks against a reference commit, with both sides this tree (``--reference .``:
     no git): two worker processes, every case and variant steps, and a ratio per case and variant is
     reported."""
     monkeypatch.setenv("HF_DPFILTER_DATA", str(tmp_path))  # no SST-2 there: synthetic lengths

@@ -346,7 +346,7 @@ def test_help_shows_every_default(recipe):
 
 @pytest.mark.parametrize("recipe", [glue, table2text], ids=["glue", "table2text"])
 def test_epsilon_and_noise_multiplier_together_are_refused(recipe, tmp_path):
-    """Issue 22 item 7: sigma used to win silently over --epsilon (a run asked for epsilon 8 ended at
+    """Sigma used to win silently over --epsilon (a run asked for epsilon 8 ended at
     22.4)."""
     import _common
 

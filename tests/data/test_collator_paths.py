@@ -1,7 +1,7 @@
 """Training collators and data paths of common Hugging Face scripts, through DPTrainer with the per-example
 checks.
 
-Issue 29's checks compare each example in its micro-batch with the example re-collated alone. Here the
+The per-example checks compare each example in its micro-batch with the example re-collated alone. Here the
 collators and data paths of common scripts (each attacked in turn): a false refusal of a correct set-up is a
 bug too.
 

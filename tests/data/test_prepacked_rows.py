@@ -1,4 +1,4 @@
-"""A row the data set packed is one unit (issue 29, case 6): never sampled per row and clipped per segment.
+"""A row the data set packed is one unit: never sampled per row and clipped per segment.
 
 The sampler draws data-set rows. A padding collator keeps each row one example (its segments clipped together,
 by construction); a padding-free collator makes every segment of ``position_ids`` its own clipped example, so

@@ -1,4 +1,4 @@
-"""The privacy unit, declared: ``privacy_unit="user"`` (issue 24, item 2; hf_dpfilter/data/units.py).
+"""The privacy unit, declared: ``privacy_unit="user"`` (hf_dpfilter/data/units.py).
 
 * Clipping per unit, exactly (float64): a user's clipped vector is the sum of the per-example gradients of
   their examples (each computed alone by autograd), wherever the examples sit -- several padded rows, segments

@@ -1,4 +1,4 @@
-"""Gradient checkpointing with per-example clipping (issue 13, acceptance 2).
+"""Gradient checkpointing with per-example clipping.
 
 transformers' non-reentrant checkpointing recomputes every checkpointed layer inside the backward, and the
 forward hooks fire again there. The engine records each layer call once per gradient point, so:

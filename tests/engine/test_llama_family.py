@@ -1,4 +1,4 @@
-"""Current decoder families: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Phi-3 (issue 13, acceptance 1).
+"""Current decoder families: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Phi-3.
 
 Tiny configs (hidden 16, 2 layers, 4 query heads sharing 2 key/value heads, rotary positions, SwiGLU/GeGLU
 MLPs, RMSNorm; Gemma's head is tied to its scaled embedding, the others are untied). One DPTrainer step in

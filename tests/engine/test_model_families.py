@@ -1,4 +1,4 @@
-"""The architectures that were exact before issue 29's checks, through DPTrainer with those checks on.
+"""The architectures that were exact before the per-example checks, through DPTrainer with those checks on.
 
 Every family trains one step with its config's dropout probabilities all set non-zero (training mode, right
 padding with a mask): the per-example checks turn dropout off wherever the family reads its probability (an

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen2-MoE full fine-tuning (issue 30): routers, 3-D experts, the load-balancing loss.
+"""Mixtral and Qwen2-MoE full fine-tuning: routers, 3-D experts, the load-balancing loss.
 
 Tiny configs (hidden 16, 2 layers, 4 experts, top-2; Qwen2-MoE with its shared expert and sigmoid gate). One
 DPTrainer step at noise 0 in float64 equals the per-example reference (each example alone, its gradient

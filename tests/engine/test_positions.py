@@ -1,4 +1,4 @@
-"""Shared outputs and tied output biases (issue 30): BART, T5 and masked-LM heads, exact per example.
+"""Shared outputs and tied output biases: BART, T5 and masked-LM heads, exact per example.
 
 * BART's ``BartLearnedPositionalEmbedding`` reads only the shape of its input and T5's
   ``relative_attention_bias`` runs on bucketed ``arange`` positions: the trace proves that their outputs

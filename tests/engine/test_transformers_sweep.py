@@ -1,4 +1,4 @@
-"""A sweep of transformers' text model types (issue 30): each family's one DPTrainer step at noise 0 is exact
+"""A sweep of transformers' text model types: each family's one DPTrainer step at noise 0 is exact
 against the float64 per-example reference, or refused by name before any step, never a crash inside
 torch/transformers.
 

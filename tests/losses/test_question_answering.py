@@ -1,4 +1,4 @@
-"""Extractive QA (issue 30): the start/end loss per example, built in
+"""Extractive QA: the start/end loss per example, built in
 (hf_dpfilter/losses/question_answering.py).
 
 One DPTrainer step at noise 0 on a tiny float64 BERT QA model equals the per-example reference (each example

@@ -122,7 +122,7 @@ def _worst_movement(lr: float, bf16: bool, rounding: bool, route: str, seeds: in
 @pytest.mark.parametrize("lr", [5e-2, 5e-4, 5e-6, 5e-8, 1e-10])
 def test_difference_round_never_exceeds_its_sensitivity(lr, bf16, kernels, route):
     """``batch-dependent``: the forward rounds as kernels that block by the batch's size do on some CPUs
-    (issue 21 item 7: 1.0000073 x Delta there with float32 points; 1.00002 to 1.0017 x Delta here with this
+    (1.0000073 x Delta there with float32 points; 1.00002 to 1.0017 x Delta here with this
     stand-in and float32 points of a batch, <= 1 on both routes: each example alone, or float64 points)."""
     # kept small (each example is a micro-batch of its own): the batch-invariant route under the stand-in at
     # every step size, two extreme examples; the float64 route at the middle step sizes, four
@@ -208,7 +208,7 @@ def _difference_norms(batch, lr: float, route: str) -> tuple[torch.Tensor, torch
 @pytest.mark.parametrize("route", ROUTES + ["float32-batched"])
 @pytest.mark.parametrize("lr", [5e-4, 5e-6])
 def test_difference_of_an_example_does_not_depend_on_the_other_examples_of_the_batch(lr, route):
-    """Issue 21 item 7: a float32 forward rounds differently when the batch holds other examples (the kernels
+    """A float32 forward rounds differently when the batch holds other examples (the kernels
     block by the batch's size), and the difference g(x) - g(x') amplifies that by ||g|| / ||g(x) - g(x')||: a
     neighbouring batch then moved the OTHER examples' clipped differences, and the aggregate by more than the
     round's sensitivity on some CPUs. Each example alone (batch-invariant route): the same difference bit for

@@ -1,4 +1,4 @@
-"""A method's state round trip, where the cheaper steps keep it in place (issue 31).
+"""A method's state round trip, where the cheaper steps keep it in place.
 
 * DiSK's stored x_{t-1} holds the look-ahead point from a step's first micro-batch to its optimizer step: a
   ``state_dict()`` taken in between (a callback, a save while a step is refused) resumes that step exactly, at

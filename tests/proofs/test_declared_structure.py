@@ -1,4 +1,4 @@
-"""Issue 21, engine side: which modules may mix examples or write state, and which tensors carry the batch
+"""Engine side: which modules may mix examples or write state, and which tensors carry the batch
 axis, are declared or proven, never guessed.
 
 * the module-validator registry refuses, at attach, every module that mixes examples or writes state from the
@@ -7,7 +7,7 @@ axis, are declared or proven, never guessed.
 * the first recorded step refuses any parameter or buffer written by the forward (before anything is
   released), and any trainable parameter whose module was never called;
 * the batch axis of each layer call is traced from the model's inputs: a shared table (``pos_emb(arange(T))``,
-  T5's relative attention bias) is exact and within sensitivity when trainable (issue 30: its output is shared
+  T5's relative attention bias) is exact and within sensitivity when trainable (its output is shared
   by every example, hf_dpfilter.engine.shared_outputs), with T == B and T != B; the (1, T) broadcast stays
   exact;
 * PEFT: PEANuT, aLoRA, VeLoRA and DoRA with a trainable magnitude are refused before the first step with the

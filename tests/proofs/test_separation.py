@@ -1,5 +1,4 @@
-"""The per-example checks over the whole run: "alone" re-collated alone, training mode, re-checks (issue 29,
-3-5).
+"""The per-example checks over the whole run: "alone" re-collated alone, training mode, re-checks.
 
 Through the public API (DPTrainer on tiny models, noise 0): each logical batch is built by the trainer's own
 training collator and computed by ``training_step``; the released pre-noise aggregate is the DP optimizer's

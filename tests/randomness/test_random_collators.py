@@ -5,7 +5,7 @@
 probed) keep the example's draw in its micro-batch; the rest is collated alone. Re-collating the raw row drew
 another mask, so a correct masked-LM run through DPTrainer was refused by the first-step check (a false
 refusal). Through the public API on a tiny BertForMaskedLM (every parameter trainable, the tied output bias
-too: issue 30), noise 0, every micro-batch re-checked:
+too), noise 0, every micro-batch re-checked:
 
 * transformers' DataCollatorForLanguageModeling (a real tokenizer; also padded to a multiple of 8, so the
   alone is wider than its trimmed micro-batch row) trains, the checks pass;

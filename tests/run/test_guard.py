@@ -1,6 +1,5 @@
-"""What DPTrainer checks when it is created and when train() starts (hf_dpfilter/run/guard.py): issue 22
-items 1 (accumulation set after construction), 8 (a second train()), 14 (evaluation on training data), 18
-(model_init / hyperparameter_search)."""
+"""What DPTrainer checks when it is created and when train() starts (hf_dpfilter/run/guard.py): accumulation
+set after construction, a second train(), evaluation on training data, model_init and hyperparameter_search."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a run publishes, and how resumes and processes are accounted (issue 22: the run).
+"""What a run publishes, and how resumes and processes are accounted (the run).
 
 * The files a default run writes (training_args.bin, the args JSON, trainer_state.json, optimizer.pt,
   privacy_ledger.json, TensorBoard's event files, the model card) hold no DP seed, no generator state, no
@@ -307,7 +307,7 @@ def test_launcher_processes_without_a_process_group_are_refused(env):
     assert launcher_world_size(env) > 1
     with pytest.raises(RuntimeError, match="no torch.distributed process group joins them.*use_cpu=True"):
         check_one_dp_run(1, env=env, group_size=None)
-    # torchrun on a machine without a GPU: a group exists, but the Trainer runs as one process (issue 22)
+    # torchrun on a machine without a GPU: a group exists, but the Trainer runs as one process
     with pytest.raises(RuntimeError, match="the Trainer runs as 1 process.*use_cpu=True"):
         check_one_dp_run(1, env=env, group_size=launcher_world_size(env))
 

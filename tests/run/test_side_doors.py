@@ -1,4 +1,4 @@
-"""Nothing noiseless leaves through the side doors (issue 29, cases 7, 8, 11).
+"""Nothing noiseless leaves through the side doors.
 
 7. ``train()``'s ``TrainOutput.training_loss`` is NaN and no ``train_loss`` is in its metrics, the saved
    metrics or ``trainer_state.json`` unless ``dp_log_nonprivate_metrics=True`` (the exact mean loss of the

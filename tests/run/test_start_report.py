@@ -1,4 +1,4 @@
-"""The plan states the noise that is really added (issue 22 item 11: DiceSGD's sensitivity C1 + 2 B C2,
+"""The plan states the noise that is really added (DiceSGD's sensitivity C1 + 2 B C2,
 DIFF2's restart and difference rounds) and an optimizer without a sample rate never reports epsilon 0 (item
 5)."""
 

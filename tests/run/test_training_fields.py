@@ -1,6 +1,5 @@
 """Every TrainingArguments field has a declared DP status (hf_dpfilter/run/training_fields.py), and the
-refusals it declares happen when the arguments are created, with the fix in the message (issue 22 items 9, 13,
-17, 18 and issue 21 item 11)."""
+refusals it declares happen when the arguments are created, with the fix in the message."""
 
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ def test_the_docs_hold_the_table():
 
 
 REFUSED = [
-    # issue 22 item 9: HF's batch clipping given explicitly is not silently dropped
+    # HF's batch clipping given explicitly is not silently dropped
     (dict(max_grad_norm=0.1), r"max_grad_norm=0\.1 .*per_sample_max_grad_norm=0\.1"),
     (dict(max_grad_norm=5.0), r"per_sample_max_grad_norm"),
     # item 13
@@ -69,7 +68,7 @@ REFUSED = [
     # item 18
     (dict(optim="lomo"), r"optim='lomo'.*optim='adamw_torch'"),
     (dict(optim="adalomo"), r"optim='adalomo'"),
-    # issue 21 item 11
+    # a forward that adds noise scaled by the batch's longest example
     (dict(neftune_noise_alpha=5.0), r"neftune_noise_alpha=5\.0.*longest example.*Remove"),
     # item 1, at the arguments: the accelerator's accumulation
     (dict(accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 2}}),

@@ -1,4 +1,4 @@
-"""Users declared cleanly, the unit part of the run's identity, the ledger under a lock (issue 29, cases 9,
+"""Users declared cleanly, the unit part of the run's identity, the ledger under a lock (cases 9,
 10).
 
 * **User ids** (hf_dpfilter/data/user_ids.py): NaN in every numeric form (float, NumPy float32/float64 scalars

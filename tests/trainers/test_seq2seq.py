@@ -1,4 +1,4 @@
-"""DPSeq2SeqTrainer / DPSeq2SeqTrainingArguments (issue 30): Seq2SeqTrainer's script with the two-class swap.
+"""DPSeq2SeqTrainer / DPSeq2SeqTrainingArguments: Seq2SeqTrainer's script with the two-class swap.
 
 Every field Seq2SeqTrainingArguments adds has a DP status (hf_dpfilter/trainers/seq2seq.py), the docs hold the
 table, and a tiny T5 (LoRA on q and v; the upstream-style summarization script fine-tunes it fully) trains one

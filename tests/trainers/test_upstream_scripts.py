@@ -1,5 +1,4 @@
-"""Scripts in the style of the stack's fine-tuning examples run private with the two-class swap and DP flags
-(issue 30).
+"""Scripts in the style of the stack's fine-tuning examples run private with the two-class swap and DP flags.
 
 Each script under tests/scripts/ follows its upstream example's pattern (HfArgumentParser/TrlParser over its
 dataclasses, its preprocessing, collator, Trainer class and loss) with only the swap; the DP settings are
