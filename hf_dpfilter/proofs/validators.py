@@ -90,7 +90,8 @@ class StateWrittenError(RuntimeError):
             "The forward pass changed model state outside the DP optimizer's step: these tensors would carry "
             "information from private examples, unclipped and without noise, into the saved model.\n"
             f"{lines}\nFix: make the module stateless in training (BatchNorm: convert to GroupNorm/LayerNorm "
-            "or freeze it with batchnorm_eval=True; InstanceNorm: track_running_stats=False; Embedding: "
+            "or freeze it with DPTrainingArguments(dp_batchnorm_eval=True) (make_private(..., "
+            "batchnorm_eval=True)); InstanceNorm: track_running_stats=False; Embedding: "
             "max_norm=None; adapters that record activation statistics, such as VeLoRA: use plain LoRA). "
             "Nothing was released."
         )
@@ -171,7 +172,8 @@ def _batch_norm(name: str, module: nn.Module, options: ValidationOptions) -> lis
             "batch (one example moves every other example's gradient) and writes running_mean/running_var "
             "from private data; in eval mode its affine parameters have no per-example gradient rule.",
             "replace it by GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix(model) converts "
-            "BatchNorm to GroupNorm), or freeze it and set batchnorm_eval=True (it then runs in eval mode).",
+            "BatchNorm to GroupNorm), or freeze it and set DPTrainingArguments(dp_batchnorm_eval=True) "
+            "(make_private(..., batchnorm_eval=True)): it then runs in eval mode.",
         )]
     if _held_in_eval(module, options):
         return []
