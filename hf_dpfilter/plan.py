@@ -52,6 +52,8 @@ SEEDED_RANDOMNESS_NOTE = (
 MIN_LEARNING_STEPS = 50
 #: above this best-case noise-to-signal over the run, the plan is flagged (learnability_warnings)
 MAX_RUN_NOISE_TO_SIGNAL = 2.0
+#: above this delta, the guarantee's failure probability is stated with the plan (learnability_warnings)
+MAX_QUIET_DELTA = 1e-3
 SECURE_RANDOMNESS_NOTE = ("OS CSPRNG: the noise and the Poisson batches are drawn from os.urandom (not "
                           "reproducible)")
 
@@ -380,6 +382,14 @@ class PrivacyPlan:
                 f"{self.expected_batch_size:g}). Train more epochs (num_train_epochs) or on more data, "
                 "keeping the logical batch large (it divides the noise); then re-tune the learning rate "
                 "(DP-Adam: 5e-4 to 2e-3)."
+            )
+        if self.delta is not None and self.delta > MAX_QUIET_DELTA:
+            out.append(
+                f"delta = {self.delta:.3g} is large: (epsilon, delta)-DP allows the guarantee to fail with "
+                f"probability delta, so about one in {1 / self.delta:,.0f} of the {self.num_examples} privacy "
+                "units (examples, or users at user level) could be exposed outright. The default N^-1.1 is "
+                "this large only for small data sets: train on more units, or set a smaller target_delta "
+                "(e.g. 1e-5) and report it."
             )
         ratio = self.noise_to_signal(trainable_parameters)
         if ratio is not None and ratio["per_run"] > MAX_RUN_NOISE_TO_SIGNAL:

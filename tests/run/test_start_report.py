@@ -50,6 +50,17 @@ def test_dicesgd_cannot_learn_warning_fires_on_the_real_noise():
     assert any("C1 + 2 B C2" in w and "below the noise" in w for w in messages), messages
 
 
+def test_a_large_delta_is_stated_with_what_it_means():
+    """The default delta N^-1.1 is 0.0509 for 15 units: a warning says one unit in 20 may be exposed."""
+    small = _plan("dpsgd", num_examples=15, logical_batch_size=5, target_epsilon=8.0)
+    assert small.delta == pytest.approx(15 ** -1.1)
+    messages = small.learnability_warnings(D)
+    assert any("delta = 0.0509 is large" in w and "one in 20 of the 15" in w and "target_delta" in w
+               for w in messages), messages
+    assert "WARNING: delta = 0.0509 is large" in small.describe(D)
+    assert not any("delta =" in w for w in _plan("dpsgd", target_epsilon=8.0).learnability_warnings(D))
+
+
 def test_dicesgd_without_feedback_is_dpsgd_noise():
     plan = _plan("dicesgd", {"error_max_grad_norm": 0.0}, noise_multiplier=2.0)
     assert plan.noise_rounds()[0].noise_to_clip == pytest.approx(2.0)
