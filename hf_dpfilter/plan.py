@@ -386,9 +386,10 @@ class PrivacyPlan:
         if self.delta is not None and self.delta > MAX_QUIET_DELTA:
             out.append(
                 f"delta = {self.delta:.3g} is large: (epsilon, delta)-DP allows the guarantee to fail with "
-                f"probability delta, so about one in {1 / self.delta:,.0f} of the {self.num_examples} privacy "
-                "units (examples, or users at user level) could be exposed outright. The default N^-1.1 is "
-                "this large only for small data sets: train on more units, or set a smaller target_delta "
+                f"probability delta, so about one in {1 / self.delta:,.0f} of the {self.num_examples} "
+                "privacy units (examples, or users at user level) could be exposed outright. The default "
+                "N^-1.1 is this large only for small data sets: train on more units, or set a smaller "
+                "target_delta "
                 "(e.g. 1e-5) and report it."
             )
         ratio = self.noise_to_signal(trainable_parameters)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -40,6 +41,8 @@ try:  # POSIX; elsewhere the ledger is written without a lock (one writer per ou
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "LEDGER_FILE", "LOCK_FILE", "PrivacyLedger", "ledger_lock", "read_ledger_file", "released_steps",
@@ -183,6 +186,17 @@ class PrivacyLedger:
         # every entry of this file stays, except the one this session continues (its history is now this
         # one's)
         self.earlier_runs = _merged(entries, drop=self._consumed)
+        main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        if source is None and entries and main:
+            other = entries[-1]
+            # said, not silent: the file goes on counting the earlier run, but a model published from this
+            # directory before carries that run's epsilon, not this one's
+            logger.warning(
+                "%s already holds the privacy ledger of another run (%s steps%s): it is kept under "
+                "earlier_runs and this run is accounted on its own. Each model you publish carries the "
+                "epsilon of the run that trained it; use a new output_dir per run to keep them apart.",
+                self.path, other.get("steps", "?"),
+                ", stopped before its end" if other.get("status") == "step_in_flight" else "")
         self.source_unit = source.get("privacy_unit") if source is not None else None
         if source is not None:
             self.sessions = list(source.get("sessions", []))

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrivacySessionMixin", "read_privacy_ledger"]
+__all__ = ["PrivacySessionMixin", "privacy_summary", "read_privacy_ledger"]
 
 
 class _PrivacyCallback(TrainerCallback):
@@ -53,6 +53,19 @@ class _PrivacyCallback(TrainerCallback):
         # (whose reading is collective: opening one here, on the saving process only, would hang the others)
         if self.trainer.dp_optimizer is not None and self.trainer.privacy_plan.is_private:
             self.trainer._write_privacy_ledger(self.trainer.dp_optimizer, in_flight=False)
+            if self.trainer.is_world_process_zero():
+                logger.warning("%s", privacy_summary(self.trainer.privacy_report()))
+
+
+def privacy_summary(report: dict[str, Any]) -> str:
+    """The privacy a finished run spent, in one line a script's user sees at the end of ``train()`` (public:
+    from the plan and the accountant; never the seed)."""
+    return (
+        f"***** Privacy spent: epsilon = {report['epsilon']:.4g} at delta = {report['delta']:.3g} "
+        f"({report['accountant']}) over {report['steps']} of {report['planned_steps']} planned steps; "
+        f"{report['method']}, sigma = {report['noise_multiplier']:.4g}, q = {report['sample_rate']:.4g}, "
+        f"C = {report['max_grad_norm']:g}; {report['neighbouring_relation']} *****"
+    )
 
 
 def read_privacy_ledger(output_dir: str) -> dict[str, Any]:

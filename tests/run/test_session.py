@@ -253,6 +253,26 @@ def test_fresh_run_keeps_the_earlier_runs_ledger(tmp_path):
     assert ledger["earlier_runs"][0]["steps"] == 2
 
 
+def test_a_new_run_in_a_used_output_dir_says_the_earlier_ledger_is_kept(tmp_path, caplog):
+    _trainer(tmp_path, max_steps=2, save_strategy="no").train()
+    with caplog.at_level("WARNING", logger="hf_dpfilter.run.ledger"):
+        _trainer(tmp_path, max_steps=2, save_strategy="no").train()
+    said = [r.getMessage() for r in caplog.records if r.name == "hf_dpfilter.run.ledger"]
+    assert len(said) == 1 and "already holds the privacy ledger of another run (2 steps)" in said[0], said
+    assert "new output_dir per run" in said[0]
+
+
+def test_train_ends_with_the_privacy_spent(tmp_path, caplog):
+    trainer = _trainer(tmp_path, max_steps=2, save_strategy="no")
+    with caplog.at_level("WARNING", logger="hf_dpfilter.run.session"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "Privacy spent" in r.getMessage()]
+    report = trainer.privacy_report()
+    assert len(said) == 1, said
+    assert f"epsilon = {report['epsilon']:.4g} at delta = {report['delta']:.3g}" in said[0]
+    assert "over 2 of 2 planned steps" in said[0] and "add/remove one example" in said[0]
+
+
 def test_rollback_beyond_the_target_epsilon_is_refused_before_training(tmp_path):
     common = dict(noise_multiplier=None, target_epsilon=4.0, target_delta=1e-3)
     _trainer(tmp_path, max_steps=6, **common).train()
