@@ -461,6 +461,7 @@ def test_epsilon_over_users_is_the_accountants_and_the_card_says_user_level(tmp_
     trainer.create_model_card(model_name="tiny")
     card = (tmp_path / "README.md").read_text()
     assert "user-level (ε, δ)" in card and "number of units: 4" in card
+    assert "Noise multiplier σ: 1.3; accountant: prv; expected logical (Poisson) batch: 2 users" in card
 
 
 @pytest.mark.parametrize("method", ["disk", "pmlf", "dicesgd", "diff2"])
