@@ -63,6 +63,34 @@ def resolve_model(name: str) -> str:
     return name
 
 
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face Hub can be reached: False at once under ``HF_HUB_OFFLINE=1`` /
+    ``HF_DATASETS_OFFLINE=1``, else a TCP connection within ``timeout`` seconds (instead of the libraries'
+    retries, tens of seconds before a traceback)."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def refuse_offline_downloads(recipe: str, data_dir: str | None, model: str, data_flag: str,
+                             offline_model: str) -> None:
+    """Before anything is downloaded: one message of the recipe's own, naming the local data and model
+    flags, when the run would need the Hub and the Hub cannot be reached."""
+    needs = ([f"the data (no {data_flag})"] if data_dir is None else []) + (
+        [f"the model {model!r}"] if not os.path.exists(model) else [])
+    if needs and not hub_reachable():
+        raise SystemExit(
+            f"[{recipe}] {' and '.join(needs)} would be downloaded from the Hugging Face Hub, which cannot be "
+            f"reached from here. Offline: {data_flag} <a local copy> (or set HF_DPFILTER_DATA) and "
+            f"--model {offline_model} (or a local model folder).")
+
+
 #: the target epsilon of a recipe run that gives neither --epsilon nor --noise_multiplier
 DEFAULT_EPSILON = 8.0
 

@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    PACKAGED_MINILM,
     HelpFormatter,
     add_common_arguments,
     announce_and_train,
@@ -40,6 +41,7 @@ from _common import (  # noqa: E402
     count_parameters,
     final_evaluation,
     finish_run,
+    refuse_offline_downloads,
     refuse_sharded_training,
     training_arguments,
 )
@@ -289,6 +291,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from hf_dpfilter import DPTrainer
 
     spec = TASKS[args.task]
+    if args.data_dir is None and os.environ.get("HF_DPFILTER_DATA"):
+        args.data_dir = os.path.join(os.environ["HF_DPFILTER_DATA"], "glue")
+    refuse_offline_downloads("glue", args.data_dir, args.model, "--data_dir", PACKAGED_MINILM)
     train_cols, dev_cols = load_glue(args.task, args.data_dir)
     train_cols = take(train_cols, args.max_train_samples)
     dev_cols = {name: take(cols, args.max_eval_samples) for name, cols in dev_cols.items()}
