@@ -22,6 +22,7 @@ from hf_dpfilter.data import length_grouping
 from hf_dpfilter.data import units as privacy_units
 from hf_dpfilter.data.decoder_inputs import with_decoder_inputs
 from hf_dpfilter.data.packing import PackedLayout, PackingError, check_attention_stays_inside_examples
+from hf_dpfilter.data.row_checks import check_training_rows
 from hf_dpfilter.proofs import collator_draws, padding
 from hf_dpfilter.proofs.batch_structure import BatchStructure, probe_batch_structure, random_keys
 
@@ -69,13 +70,17 @@ class EmptySafeCollator:
     refused (:func:`hf_dpfilter.proofs.padding.check_padded_rows_have_a_mask`); with a mask nothing more is
     collated."""
 
-    def __init__(self, collate_fn: Callable, dataset: Any, structure: BatchStructure | None = None) -> None:
+    def __init__(self, collate_fn: Callable, dataset: Any, structure: BatchStructure | None = None,
+                 check_rows: bool = False) -> None:
         self.collate_fn = collate_fn
+        self.check_rows = check_rows  # transformers' own collator: rows must be model inputs
         self.dataset = dataset
         self.structure = structure
 
     def __call__(self, examples: list) -> dict[str, Any]:
         if len(examples) > 0:
+            if self.check_rows:
+                check_training_rows(examples)
             batch = self.collate_fn(examples)
             if padding.needs_alone_widths(self.structure):
                 padding.check_padded_rows_have_a_mask(batch, [self.collate_fn([e]) for e in examples],

@@ -50,6 +50,7 @@ from hf_dpfilter.data.micro_batches import (
     dropout_keys,
 )
 from hf_dpfilter.data.packing import PackingError, packed_token_mean_loss
+from hf_dpfilter.data.row_checks import check_training_rows, collator_reads_model_inputs
 from hf_dpfilter.distributed.processes import check_one_dp_run
 from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
 from hf_dpfilter.losses import question_answering as span_labels
@@ -376,7 +377,10 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         # unless dp_row_is_unit declares the row the unit (proofs/row_segments.py, proofs/row_examples.py)
         collator = RowSegmentsGuard(collator, row_is_unit=self.args.dp_row_is_unit,
                                     marker=conversation_start_marker(self.processing_class))
-        self._padding_collator = EmptySafeCollator(collator, dataset)
+        check_rows = collator_reads_model_inputs(self.data_collator)
+        self._padding_collator = EmptySafeCollator(collator, dataset, check_rows=check_rows)
+        if check_rows:  # before the probe collates them
+            check_training_rows(dataset[i] for i in range(min(2, len(dataset))))
         # the guard (packed rows) and the maskless-padding check see every batch collated from now on
         self._use_training_structure(
             probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None))

@@ -180,3 +180,43 @@ def test_empty_logical_batch_training_step(tmp_path):
     trainer.dp_optimizer.step()
     assert trainer.accountant.steps == 1
     assert not torch.equal(flat([p.detach() for p in trainer.model.parameters()]), before)  # noise was added
+
+
+# ------------------------------------------------------------------------ rows that are not model inputs
+def test_dptrainer_refuses_string_labels_before_any_collation(tmp_path):
+    """Before: transformers' "activate truncation and/or padding" from inside the collator."""
+    from helpers import ListDataset, PadCollator
+    from models import tiny_bert, tiny_tokenizer
+
+    from hf_dpfilter import DPTrainer, DPTrainingArguments
+    from hf_dpfilter.data.row_checks import DataShapeError
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, logical_batch_size=2,
+                               per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True,
+                               remove_unused_columns=False)
+    from transformers import DataCollatorWithPadding
+
+    from hf_dpfilter.data.row_checks import collator_reads_model_inputs
+
+    rows = ListDataset([{"input_ids": [1, 5 + i, 2], "labels": "positive"} for i in range(4)])
+    collator = DataCollatorWithPadding(tiny_tokenizer())
+    with pytest.raises(DataShapeError, match="'labels' are strings"):
+        DPTrainer(model=tiny_bert(), args=args, train_dataset=rows, data_collator=collator).train()
+    # a custom collator may map labels (or tokenize) itself: its rows are its own business
+    assert not collator_reads_model_inputs(PadCollator(1)) and collator_reads_model_inputs(collator)
+
+
+def test_string_labels_are_refused_with_the_mapping_fix(tmp_path):
+    from hf_dpfilter.data.row_checks import DataShapeError, check_training_rows
+
+    rows = [{"input_ids": [1, 5, 2], "label": "positive"}, {"input_ids": [1, 6, 2], "label": "negative"}]
+    with pytest.raises(DataShapeError, match=r"'label' are strings.*class_encode_column\('label'\)"):
+        check_training_rows(rows)
+
+
+def test_untokenized_text_is_refused_with_the_tokenize_fix(tmp_path):
+    from hf_dpfilter.data.row_checks import DataShapeError, check_training_rows
+
+    with pytest.raises(DataShapeError, match=r"never tokenized \(column 'sentence'.*tokenizer\(r\['sentence'\]"):
+        check_training_rows([{"sentence": "a fine film", "label": 1}])
+    check_training_rows([{"input_ids": [1, 2], "label": 1, "sentence": "kept beside its ids"}])  # tokenized
