@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["DataShapeError", "check_training_rows", "collator_reads_model_inputs"]
+__all__ = ["DataShapeError", "check_training_columns", "check_training_rows", "collator_reads_model_inputs"]
 
 #: keys that carry a model's inputs once a row is tokenized (or an encoder's features)
 MODEL_INPUT_KEYS = ("input_ids", "inputs_embeds", "input_features", "input_values", "pixel_values")
@@ -54,3 +54,27 @@ def check_training_rows(rows: Iterable[Any]) -> None:
                     f"The training rows hold text that was never tokenized (column {text[0]!r}, no "
                     f"input_ids): tokenize the data set first, e.g. dataset = dataset.map(lambda r: "
                     f"tokenizer(r[{text[0]!r}], truncation=True), remove_columns=[{text[0]!r}]).")
+
+
+def check_training_columns(dataset: Any) -> None:
+    """The same refusals from a ``datasets.Dataset``'s declared column types, for every row at once before
+    training (no row is read).
+
+    Args:
+        dataset: the training set; anything without ``features`` is left to :func:`check_training_rows`.
+    """
+    features = getattr(dataset, "features", None)
+    if not isinstance(features, Mapping):
+        return
+
+    def is_text(feature: Any) -> bool:
+        return getattr(feature, "dtype", None) in ("string", "large_string")
+
+    for key in LABEL_KEYS:
+        if key in features and (is_text(features[key]) or is_text(getattr(features[key], "feature", None))):
+            check_training_rows([{key: "text", "input_ids": []}])  # the one message, for the column
+    if not any(key in features for key in MODEL_INPUT_KEYS):
+        text = [key for key, feature in features.items() if is_text(feature)]
+        if text:
+            check_training_rows([{text[0]: "text"}])
+

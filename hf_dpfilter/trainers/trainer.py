@@ -50,7 +50,11 @@ from hf_dpfilter.data.micro_batches import (
     dropout_keys,
 )
 from hf_dpfilter.data.packing import PackingError, packed_token_mean_loss
-from hf_dpfilter.data.row_checks import check_training_rows, collator_reads_model_inputs
+from hf_dpfilter.data.row_checks import (
+    check_training_columns,
+    check_training_rows,
+    collator_reads_model_inputs,
+)
 from hf_dpfilter.distributed.processes import check_one_dp_run
 from hf_dpfilter.factory import AuditOptions, make_engine, make_optimizer, make_sampler
 from hf_dpfilter.losses import question_answering as span_labels
@@ -379,7 +383,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                                     marker=conversation_start_marker(self.processing_class))
         check_rows = collator_reads_model_inputs(self.data_collator)
         self._padding_collator = EmptySafeCollator(collator, dataset, check_rows=check_rows)
-        if check_rows:  # before the probe collates them
+        if check_rows:  # before the probe collates them; a datasets.Dataset's whole columns by their types
+            check_training_columns(dataset)
             check_training_rows(dataset[i] for i in range(min(2, len(dataset))))
         # the guard (packed rows) and the maskless-padding check see every batch collated from now on
         self._use_training_structure(

@@ -220,3 +220,19 @@ def test_untokenized_text_is_refused_with_the_tokenize_fix(tmp_path):
     with pytest.raises(DataShapeError, match=r"never tokenized \(column 'sentence'.*tokenizer\(r\['sentence'\]"):
         check_training_rows([{"sentence": "a fine film", "label": 1}])
     check_training_rows([{"input_ids": [1, 2], "label": 1, "sentence": "kept beside its ids"}])  # tokenized
+
+
+def test_a_datasets_column_of_text_labels_is_refused_from_its_type():
+    """Before training, for every row at once: the declared column type, no row read."""
+    import datasets
+
+    from hf_dpfilter.data.row_checks import DataShapeError, check_training_columns
+
+    labelled = datasets.Dataset.from_dict({"input_ids": [[1, 2]], "label": ["positive"]})
+    with pytest.raises(DataShapeError, match="'label' are strings"):
+        check_training_columns(labelled)
+    raw = datasets.Dataset.from_dict({"sentence": ["a fine film"], "label": [1]})
+    with pytest.raises(DataShapeError, match="never tokenized \\(column 'sentence'"):
+        check_training_columns(raw)
+    check_training_columns(datasets.Dataset.from_dict({"input_ids": [[1, 2]], "label": [1]}))
+
