@@ -30,6 +30,20 @@ def collator_reads_model_inputs(collator: Any) -> bool:
     return collator is default_data_collator or type(collator).__module__.startswith("transformers.")
 
 
+def _string_labels(key: str) -> DataShapeError:
+    return DataShapeError(
+        f"The training rows' {key!r} are strings: the model needs class ids. Map them first, "
+        f"e.g. dataset = dataset.class_encode_column({key!r}), or dataset.map(lambda r: "
+        f"{{{key!r}: label2id[r[{key!r}]]}}) with the label2id of the model's config.")
+
+
+def _untokenized(column: str) -> DataShapeError:
+    return DataShapeError(
+        f"The training rows hold text that was never tokenized (column {column!r}, no "
+        f"input_ids): tokenize the data set first, e.g. dataset = dataset.map(lambda r: "
+        f"tokenizer(r[{column!r}], truncation=True), remove_columns=[{column!r}]).")
+
+
 def check_training_rows(rows: Iterable[Any]) -> None:
     """Refuse rows with string labels or untokenized text, naming the column and the fix.
 
@@ -43,17 +57,11 @@ def check_training_rows(rows: Iterable[Any]) -> None:
             value = row.get(key)
             if isinstance(value, str) or (isinstance(value, (list, tuple)) and value
                                           and all(isinstance(v, str) for v in value)):
-                raise DataShapeError(
-                    f"The training rows' {key!r} are strings: the model needs class ids. Map them first, "
-                    f"e.g. dataset = dataset.class_encode_column({key!r}), or dataset.map(lambda r: "
-                    f"{{{key!r}: label2id[r[{key!r}]]}}) with the label2id of the model's config.")
+                raise _string_labels(key)
         if not any(key in row for key in MODEL_INPUT_KEYS):
             text = [key for key, value in row.items() if isinstance(value, str)]
             if text:
-                raise DataShapeError(
-                    f"The training rows hold text that was never tokenized (column {text[0]!r}, no "
-                    f"input_ids): tokenize the data set first, e.g. dataset = dataset.map(lambda r: "
-                    f"tokenizer(r[{text[0]!r}], truncation=True), remove_columns=[{text[0]!r}]).")
+                raise _untokenized(text[0])
 
 
 def check_training_columns(dataset: Any) -> None:
@@ -72,9 +80,8 @@ def check_training_columns(dataset: Any) -> None:
 
     for key in LABEL_KEYS:
         if key in features and (is_text(features[key]) or is_text(getattr(features[key], "feature", None))):
-            check_training_rows([{key: "text", "input_ids": []}])  # the one message, for the column
+            raise _string_labels(key)
     if not any(key in features for key in MODEL_INPUT_KEYS):
         text = [key for key, feature in features.items() if is_text(feature)]
         if text:
-            check_training_rows([{text[0]: "text"}])
-
+            raise _untokenized(text[0])
