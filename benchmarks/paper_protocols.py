@@ -75,6 +75,19 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                     "DP-PMLF": {"dp_method": "pmlf",
                                 "dp_method_args": {"k": 2, "beta": 0.1, "preset": "pmlf_mnist"}}},
     },
+    "minilm_full": {
+        "paper": "DP full fine-tuning (the DP fine-tuning literature's recipe: large logical batches, few "
+                 "epochs, Adam, a small clipping norm that clips every example): every weight of the packaged "
+                 "MiniLM on all of SST-2, against the non-private fine-tune of the same epochs",
+        "scale": "full", "epsilons": [8.0, 3.0], "claims": {8.0: None, 3.0: None}, "tune_epsilon": 8.0,
+        "common": {"clipping_fn": "abadi", "max_grad_norm": 0.1, "batch": 1024, "epochs": 1,
+                   "schedule": "linear", "optim": "adamw_torch"},
+        "grid": {"learning_rate": [5e-4, 1e-3, 2e-3]},
+        # the non-private fine-tune: its own batch and learning rates (large batches suit DP, not it)
+        "method_grids": {"Non-private AdamW": {"learning_rate": [3e-5, 1e-4, 3e-4]}},
+        "methods": {"DP-AdamW": {"dp_method": "dpsgd"},
+                    "Non-private AdamW": {"dp_method": "none", "batch": 32}},
+    },
     "disk_head": {
         "paper": "DiSK (Zhang et al.), Tables 1/3, the optimizer alone: kappa 0.7, gamma 0.5, DP-AdamW base, "
                  "on the head",
@@ -217,6 +230,8 @@ def top_splits(split: dict[str, tuple[list[str], np.ndarray]],
 def scale_data(scale: str, args: argparse.Namespace) -> dict[str, Any]:
     """Per split: the inputs of the scale's model, computed once with the frozen encoder and cached on
     disk."""
+    if scale == "full":
+        return full_scale_data(args)
     sizes = "" if scale == "head" else f"_{args.top_train_samples}_{args.top_validation_samples}"
     cache = os.path.join(args.work_dir, f"{scale}_inputs{sizes}.pt")  # per size: another size never reads it
     if os.path.isfile(cache):
@@ -248,14 +263,40 @@ def scale_data(scale: str, args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
+def full_scale_data(args: argparse.Namespace) -> dict[str, Any]:
+    """The full scale's token ids: tuning trains on the SST-2 training set less the validation split and scores
+    the validation rows whose text no training row has; the seeds train on all 67,349 training examples
+    (``train_all``) and score the dev set."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    texts, labels = read_glue_tsv(os.path.join(args.data_dir, "train.tsv"))
+    order = np.random.default_rng(0).permutation(len(texts))
+    tune, held = order[:-VALIDATION_SIZE], order[-VALIDATION_SIZE:]
+    seen = {texts[i] for i in tune}
+    held = [i for i in held if texts[i] not in seen]
+    dev_texts, dev_labels = read_glue_tsv(os.path.join(args.data_dir, "dev.tsv"))
+
+    def encode(rows_texts: list[str], rows_labels: Any) -> tuple[list[list[int]], np.ndarray]:
+        ids = tokenizer(rows_texts, truncation=True, max_length=64)["input_ids"]
+        return ids, np.asarray(rows_labels)
+
+    return {"train": encode([texts[i] for i in tune], [labels[i] for i in tune]),
+            "validation": encode([texts[i] for i in held], [labels[i] for i in held]),
+            "train_all": encode(texts, labels), "dev": encode(dev_texts, dev_labels)}
+
+
 # ------------------------------------------------------------------------------------------------ runs
 def build_model(protocol: dict[str, Any], seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    if protocol["scale"] == "head":
-        from recipes.common.models import MeanPooledClassifier
-
-        return MeanPooledClassifier(384, num_labels=2)
     from transformers import AutoModel
+
+    from recipes.common.models import MeanPooledClassifier
+
+    if protocol["scale"] == "head":
+        return MeanPooledClassifier(384, num_labels=2)
+    if protocol["scale"] == "full":  # every weight, the config's dropout (keyed to each example) on
+        return MeanPooledClassifier(384, num_labels=2, encoder=AutoModel.from_pretrained(minilm_path()))
 
     model = TopLayersClassifier(AutoModel.from_pretrained(minilm_path()), first_layer=6 - TOP_LAYERS)
     if protocol["train"] == "lora16":
@@ -276,8 +317,9 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
 
     from hf_dpfilter import DPTrainer, DPTrainingArguments
 
-    common = {**protocol["common"], **{k: v for k, v in method.items() if k in ("optim",)}}
-    train_x, train_y = data["train"]
+    common = {**protocol["common"], **{k: v for k, v in method.items() if k in ("optim", "batch")}}
+    # the full scale's seeds train on every training example (tuning held the validation split out)
+    train_x, train_y = data["train_all" if evaluate_on == "dev" and "train_all" in data else "train"]
     n = min(len(train_y), protocol.get("train_samples", len(train_y)))  # full batches: a smaller training set
     train_x, train_y = train_x[:n], train_y[:n]
     if protocol["scale"] == "head":
@@ -287,6 +329,12 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
         train.set_format("torch")  # rows as tensors: collating thousands of 384-float lists is the bottleneck
         evaluation.set_format("torch")
         collator, micro = default_data_collator, n
+    elif protocol["scale"] == "full":
+        from transformers import AutoTokenizer, DataCollatorWithPadding
+
+        train = datasets.Dataset.from_dict({"input_ids": train_x, "labels": train_y})
+        evaluation = datasets.Dataset.from_dict({"input_ids": data[evaluate_on][0], "labels": data[evaluate_on][1]})
+        collator, micro = DataCollatorWithPadding(AutoTokenizer.from_pretrained(minilm_path())), 64
     else:
         train, evaluation = HiddenStates(train_x, train_y), HiddenStates(*data[evaluate_on])
         collator, micro = pad_hidden_states, 100
@@ -299,7 +347,7 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
         method_args["difference_max_grad_norm"] = point["difference_max_grad_norm"]
     training_args = DPTrainingArguments(
         output_dir=os.path.join(args.work_dir, f"run{os.getpid()}"), dp_method=method["dp_method"],
-        target_epsilon=epsilon,
+        target_epsilon=None if method["dp_method"] == "none" else epsilon,
         dp_method_args=method_args or None, per_sample_max_grad_norm=max_grad_norm,
         clipping_fn=common["clipping_fn"], logical_batch_size=batch,
         per_device_train_batch_size=min(batch, micro),
@@ -308,7 +356,7 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
         lr_scheduler_type=common["schedule"], optim=common.get("optim", "adamw_torch"), weight_decay=0.0,
         save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed, disable_tqdm=True,
         logging_strategy="no",
-        remove_unused_columns=protocol["scale"] == "head", label_names=["labels"],
+        remove_unused_columns=protocol["scale"] != "top", label_names=["labels"],
     )
     model = build_model(protocol, seed)
     trainer = DPTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
@@ -320,8 +368,8 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
     report = trainer.privacy_report()
     row = {"accuracy": accuracy, "seconds": round(time.time() - start, 1),
            "cpu_seconds": round(time.process_time() - cpu_start, 1), "threads": torch.get_num_threads(),
-           "epsilon": report["epsilon"], "noise_multiplier": report["noise_multiplier"],
-           "steps": report["steps"]}
+           "epsilon": report.get("epsilon", float("inf")), "noise_multiplier": report.get("noise_multiplier") or 0.0,
+           "steps": report.get("steps", trainer.state.global_step)}
     if "epsilon_paper_claim" in report:
         row["epsilon_paper_claim"] = report["epsilon_paper_claim"]
     return row
@@ -473,15 +521,16 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             paired = sorted(set(base_rows) & set(method_rows))
             diffs = [100 * (method_rows[s]["accuracy"] - base_rows[s]["accuracy"]) for s in paired]
             claim = protocol["claims"].get(epsilon)
-            scale = (f"linear head, {protocol.get('train_samples', 20000) // 1000}k ex."
-                     if protocol["scale"] == "head" else f"top 2 layers {protocol.get('train')}, 6k ex.")
+            scale = {"head": f"linear head, {protocol.get('train_samples', 20000) // 1000}k ex.",
+                     "full": "every weight, 67k ex."}.get(protocol["scale"],
+                                                          f"top 2 layers {protocol.get('train')}, 6k ex.")
             if diffs:
                 mean, std = mean_std(diffs)
                 cell = (f"{mean:+.1f} ± {std:.1f} (n={len(diffs)}; paper "
                         f"{'–' if claim is None else f'{claim:+.2f}'})")
                 judgement = verdict(diffs, claim)
-            elif protocol["scale"] == "top":
-                cell = f"not measured (paper {claim:+.2f})"
+            elif protocol["scale"] != "head":
+                cell = "not measured" if claim is None else f"not measured (paper {claim:+.2f})"
                 judgement = f"not run yet: `python -m benchmarks utility --protocols {name}`"
             else:
                 cell, judgement = "pending", "pending"
@@ -504,7 +553,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                        "left out of a later grid, and seeds):", ""]
     for name, protocol in PROTOCOLS.items():
         rows = [r for k, r in results.items() if k.startswith(f"{name}|") and "cpu_seconds" in r]
-        if protocol["scale"] == "top" and rows:
+        if protocol["scale"] != "head" and rows:
             lines.append(f"- `{name}`: {len(rows)} runs, {sum(r['cpu_seconds'] for r in rows) / 60:.0f} CPU "
                          f"minutes in all, {sum(r['seconds'] for r in rows) / 60:.0f} wall minutes (torch "
                          "threads per run: "
@@ -583,9 +632,10 @@ PLOT = "docs/img/paper_protocols.png"
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--protocols", nargs="+", default=[n for n in PROTOCOLS if n != "disk_full"],
-                        choices=list(PROTOCOLS), help="default: all but disk_full (every weight of two "
-                                                      "layers: run it by name)")
+    parser.add_argument("--protocols", nargs="+",
+                        default=[n for n in PROTOCOLS if n not in ("disk_full", "minilm_full")],
+                        choices=list(PROTOCOLS), help="default: all but disk_full and minilm_full (every weight: "
+                                                      "run them by name)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (default: every core; 1 when two sweeps share two cores)")
     parser.add_argument("--data_dir", default=None, help="SST-2 folder (default: ../shared/data/glue/SST-2)")

@@ -30,7 +30,12 @@ from hf_dpfilter.proofs.batch_axis import BATCH, BROADCAST, LOST, MERGED, SHARED
 from hf_dpfilter.proofs.first_step_check import PerExampleCheckError
 from hf_dpfilter.proofs.randomness import DROPOUT_TURNED_OFF
 from hf_dpfilter.proofs.validators import StateWrittenError
-from hf_dpfilter.randomness.example_keys import ROWS_DROPOUT, SHARED_DROPOUT, KeyedRandomnessError
+from hf_dpfilter.randomness.example_keys import (
+    ROWS_DROPOUT,
+    SHARED_DROPOUT,
+    KeyedRandomnessError,
+    keyed_dispatch_paused,
+)
 
 
 @dataclass
@@ -582,6 +587,7 @@ class _ProvingStep:
                 return name or "<root>"
         return type(module).__name__
 
+    @keyed_dispatch_paused
     def _state_snapshot(self, parameters: bool) -> dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]:
         """Every buffer (and parameter if asked) with its version counter; buffers also with a copy of their
         values, since native kernels write some of them without counting a version (BatchNorm's running_mean
@@ -594,6 +600,7 @@ class _ProvingStep:
             out.update({name: (t, t._version, None) for name, t in self.model.named_parameters()})
         return out
 
+    @keyed_dispatch_paused
     def _state_surely_unchanged(self,
                                 before: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]) -> bool:
         """The check of every later step in one device synchronisation per device: True when no tensor was

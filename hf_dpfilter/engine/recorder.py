@@ -78,6 +78,7 @@ from hf_dpfilter.proofs.validators import (
     find_module_problems,
     hold_eval_modes,
 )
+from hf_dpfilter.randomness.example_keys import keyed_dispatch_paused
 
 __all__ = ["GhostClippingEngine", "UnsupportedLayerError"]
 
@@ -306,10 +307,12 @@ class GhostClippingEngine(CheckpointReplay, _ProvingStep):
         return self._param_names.get(param, "<unnamed>")
 
     # --------------------------------------------------------------------------------------- recording
+    @keyed_dispatch_paused
     def _declared_input_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor):
         """The forward hook of a layer with a declared input (:mod:`hf_dpfilter.engine.layer_inputs`)."""
         return self._forward_hook(module, args, output, kwargs)
 
+    @keyed_dispatch_paused
     def _forward_hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor,
                       kwargs: dict | None = None):
         if not torch.is_grad_enabled():
@@ -382,6 +385,7 @@ class GhostClippingEngine(CheckpointReplay, _ProvingStep):
         self._recorded_modules.add(id(module))
         return output if isinstance(returned, torch.Tensor) else None  # a router's tuple is left as it is
 
+    @keyed_dispatch_paused
     def _autocast_pre_hook(self, module: nn.Module, args: tuple) -> tuple | None:
         """Under autocast, hand a Linear/Conv1D its input already cast to the autocast dtype, once per input.
 
@@ -511,6 +515,7 @@ class GhostClippingEngine(CheckpointReplay, _ProvingStep):
         self.backward_recorded(per_example_loss)
         return self.recorded_gradients(precise=precise)
 
+    @keyed_dispatch_paused
     def backward_recorded(self, per_example_loss: torch.Tensor) -> None:
         """One backward of ``sum_i loss_i`` to the layer outputs recorded since the last call; keeps their
         terms.
@@ -613,6 +618,7 @@ class GhostClippingEngine(CheckpointReplay, _ProvingStep):
             reference[param] = grad if param not in reference else reference[param] + grad
         self._pending_reference = reference
 
+    @keyed_dispatch_paused
     def recorded_gradients(self, precise: bool = False) -> PerExampleGradients:
         """The per-example gradients of every backward since the last call (see :meth:`backward_recorded`)."""
         terms, self._pending_terms = self._pending_terms, {}

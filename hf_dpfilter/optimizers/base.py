@@ -253,7 +253,10 @@ class DPOptimizer(WrappedOptimizer):
             return torch.zeros(0)
         self._check_engine(engine)
         with self._keyed(engine, example_keys, padding_side, unkeyed_reason):
-            return self._accumulate_gradients(*self._per_example_pass(engine, loss_fn, batch_size))
+            pass_result = self._per_example_pass(engine, loss_fn, batch_size)
+        # clipping and summing draw nothing and run no forward: outside the keyed block, so the engine's many
+        # small tensor operations there skip the keyed-dropout mode's dispatch
+        return self._accumulate_gradients(*pass_result)
 
     def run_without_contributing(self, engine: GhostClippingEngine, loss_fn: LossFn, batch_size: int,
                                  example_keys: Sequence[Any] | None = None,

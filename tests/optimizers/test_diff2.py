@@ -126,10 +126,8 @@ def test_difference_round_never_exceeds_its_sensitivity(lr, bf16, kernels, route
     stand-in and float32 points of a batch, <= 1 on both routes: each example alone, or float64 points)."""
     # kept small (each example is a micro-batch of its own): the batch-invariant route under the stand-in at
     # every step size, two extreme examples; the float64 route at the middle step sizes, four
-    if route == "batch_invariant" and (kernels == "own-cpu" and lr != 5e-6 or (lr, bf16) == (5e-6, False)):
-        pytest.skip("the batch-invariant route: the stand-in's rounding covers the CPU's own kernels (and "
-                    "float32 at 5e-6 under the stand-in is "
-                    "test_the_stand_in_breaks_float32_batched_differences)")
+    if route == "batch_invariant" and kernels == "own-cpu" and lr != 5e-6:
+        pytest.skip("the batch-invariant route: the stand-in's rounding covers the CPU's own kernels")
     if route == "float64" and lr in (5e-2, 1e-10):
         pytest.skip("the float64 route at the extreme step sizes: covered by the batch-invariant route's runs")
     worst = _worst_movement(lr, bf16, kernels == "batch-dependent", route,
@@ -141,9 +139,11 @@ def test_the_stand_in_breaks_float32_batched_differences():
     """Teeth: with the batch-dependent rounding stand-in, float32 points of a batch of several examples move
     the aggregate by more than the sensitivity (the stand-in does what it stands for), where the
     batch-invariant route, on the same data, does not."""
-    worst = _worst_movement(5e-6, False, True, "float32-batched", seeds=2)  # 1.000285 x Delta on our CPU
+    # at 5e-7 the difference is small next to the stand-in's rounding: 1.033 x Delta on our CPUs (at 5e-6 the
+    # break was 1.0003 on one CPU and 0.997 on another, too close to 1 to bite everywhere)
+    worst = _worst_movement(5e-7, False, True, "float32-batched", seeds=2)
     assert worst > 1.0, f"the stand-in no longer breaks float32 batched differences ({worst:.6g} x Delta)"
-    held = _worst_movement(5e-6, False, True, "batch_invariant", seeds=2)
+    held = _worst_movement(5e-7, False, True, "batch_invariant", seeds=2)
     assert held <= 1.0, f"the batch-invariant route moved the aggregate by {held:.6g} x Delta"
 
 

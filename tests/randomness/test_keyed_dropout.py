@@ -253,3 +253,28 @@ def test_checkpointed_layers_recompute_the_same_keyed_masks(method):
         optimizer.accumulate(engine, loss_fn, 2, example_keys=[[5, 6, 7, 8, 9], [10, 11, 12]])
         sums.append(flat([s for s in optimizer._local_sums().values()]))
     assert float((sums[0] - sums[1]).norm() / sums[0].norm()) <= 1e-12
+
+
+def test_engine_bookkeeping_runs_outside_the_mode_and_no_forward_can():
+    """The engine's hooks and norms run with the keyed mode paused (speed); a forward or an nn.Dropout run
+    while it is paused is refused, so a paused region can never draw an unkeyed mask."""
+    from hf_dpfilter.randomness.example_keys import active_keyed_mode, keyed_dispatch_paused, keyed_step
+
+    class Engine:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+        dropout_verdicts = None
+
+    engine = Engine()
+    seen = []
+    bookkeeping = keyed_dispatch_paused(lambda: seen.append(active_keyed_mode()))
+    forward_while_paused = keyed_dispatch_paused(lambda: engine.model(torch.ones(2, 4)))
+    dropout_while_paused = keyed_dispatch_paused(lambda: engine.model[1](torch.ones(2, 4)))
+    with keyed_step(7, torch.tensor([1, 2]), engine=engine) as mode:
+        bookkeeping()
+        assert seen == [None] and active_keyed_mode() is mode  # paused inside, back afterwards
+        engine.model(torch.ones(2, 4))  # a forward under the mode draws keyed masks
+        assert mode.keyed_calls == 1
+        with pytest.raises(KeyedRandomnessError, match="paused"):
+            forward_while_paused()
+        with pytest.raises(KeyedRandomnessError, match="paused"):
+            dropout_while_paused()
