@@ -457,7 +457,8 @@ def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
             runs.append((label, method, chosen[reference["from"]]))
         for label, method, point in runs:
             for seed in args.seeds:
-                finished_or_run(store, f"{name}|{label}|eps={epsilon:g}|seed={seed}", protocol, method, point,
+                finished_or_run(store, f"{name}|{label}|eps={run_epsilon(name, label, epsilon):g}|seed={seed}",
+                                protocol, method, point,
                                 epsilon,
                                 seed, "dev", data, args)
 
@@ -466,8 +467,16 @@ def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
 T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
+def run_epsilon(name: str, label: str, epsilon: float) -> float:
+    """The epsilon a method's seed runs are keyed at: a non-private method spends none, so its seeds run once,
+    at the protocol's first epsilon, and stand beside every epsilon's DP rows."""
+    protocol = PROTOCOLS[name]
+    method = {**protocol["methods"], **protocol.get("reference", {})}.get(label, {})
+    return protocol["epsilons"][0] if method.get("dp_method") == "none" else epsilon
+
+
 def seed_rows(results: dict[str, Any], name: str, label: str, epsilon: float) -> dict[int, dict[str, Any]]:
-    prefix = f"{name}|{label}|eps={epsilon:g}|seed="
+    prefix = f"{name}|{label}|eps={run_epsilon(name, label, epsilon):g}|seed="
     return {int(k[len(prefix):]): v for k, v in results.items() if k.startswith(prefix)}
 
 

