@@ -273,17 +273,16 @@ def full_scale_data(args: argparse.Namespace) -> dict[str, Any]:
     texts, labels = read_glue_tsv(os.path.join(args.data_dir, "train.tsv"))
     order = np.random.default_rng(0).permutation(len(texts))
     tune, held = order[:-VALIDATION_SIZE], order[-VALIDATION_SIZE:]
-    seen = {texts[i] for i in tune}
-    held = [i for i in held if texts[i] not in seen]
+    ids = tokenizer(texts, truncation=True, max_length=64)["input_ids"]
+    # held out by token ids, not text: the uncased tokenizer maps texts that differ in case to one row, which
+    # the trainer rightly refuses to evaluate on (a training example)
+    seen = {tuple(ids[i]) for i in tune}
+    held = [i for i in held if tuple(ids[i]) not in seen]
     dev_texts, dev_labels = read_glue_tsv(os.path.join(args.data_dir, "dev.tsv"))
-
-    def encode(rows_texts: list[str], rows_labels: Any) -> tuple[list[list[int]], np.ndarray]:
-        ids = tokenizer(rows_texts, truncation=True, max_length=64)["input_ids"]
-        return ids, np.asarray(rows_labels)
-
-    return {"train": encode([texts[i] for i in tune], [labels[i] for i in tune]),
-            "validation": encode([texts[i] for i in held], [labels[i] for i in held]),
-            "train_all": encode(texts, labels), "dev": encode(dev_texts, dev_labels)}
+    dev_ids = tokenizer(dev_texts, truncation=True, max_length=64)["input_ids"]
+    pick = lambda rows: ([ids[i] for i in rows], np.asarray([labels[i] for i in rows]))  # noqa: E731
+    return {"train": pick(tune), "validation": pick(held), "train_all": (ids, np.asarray(labels)),
+            "dev": (dev_ids, np.asarray(dev_labels))}
 
 
 # ------------------------------------------------------------------------------------------------ runs
