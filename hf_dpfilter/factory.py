@@ -212,8 +212,8 @@ def make_private(
 
 #: the DP settings :func:`make_dp_optimizer` takes (everything else goes to the base optimizer)
 DP_SETTINGS = (
-    "noise_multiplier", "max_grad_norm", "expected_batch_size", "sample_rate", "clipping_fn", "seed",
-    "secure_rng", "accountant", "target_epsilon", "target_delta",
+    "noise_multiplier", "per_sample_max_grad_norm", "expected_batch_size", "sample_rate", "clipping_fn",
+    "seed", "secure_rng", "accountant", "target_epsilon", "target_delta",
 )
 
 
@@ -234,7 +234,8 @@ def make_dp_optimizer(
             (``available_methods()``).
         method_args: the method's settings: its config (e.g. ``DiSKConfig(kappa=0.7)``) or a mapping of its
             field names (``{"kappa": 0.7}``).
-        **hyperparameters: the DP settings (``noise_multiplier``, ``max_grad_norm``, ``expected_batch_size``,
+        **hyperparameters: the DP settings (``noise_multiplier``, ``per_sample_max_grad_norm`` (C; the
+            retired ``max_grad_norm`` is refused with this name), ``expected_batch_size``,
             ``sample_rate``, ``clipping_fn``, ``seed``, ``secure_rng``, ``accountant``, and the optional
             budget guard ``target_epsilon``/``target_delta``), and everything else for the base optimizer
             (``lr``, ...).
@@ -242,8 +243,9 @@ def make_dp_optimizer(
     Example::
 
         opt = make_dp_optimizer(model.parameters(), base=torch.optim.AdamW, method="disk", lr=1e-3,
-                                noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=256,
-                                sample_rate=256 / 50_000, method_args={"kappa": 0.7})
+                                noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
+                                expected_batch_size=256, sample_rate=256 / 50_000,
+                                method_args={"kappa": 0.7})
     """
     from hf_dpfilter.retired_names import check_no_retired_names
 
@@ -252,7 +254,8 @@ def make_dp_optimizer(
     base_kwargs = {k: v for k, v in hyperparameters.items() if k not in DP_SETTINGS}
     accountant = dp_kwargs.pop("accountant", None)
     guard = {k: dp_kwargs.pop(k) for k in ("target_epsilon", "target_delta") if k in dp_kwargs}
-    missing = [k for k in ("noise_multiplier", "max_grad_norm", "expected_batch_size") if k not in dp_kwargs]
+    missing = [k for k in ("noise_multiplier", "per_sample_max_grad_norm", "expected_batch_size")
+               if k not in dp_kwargs]
     if missing and method != "none":
         raise TypeError(f"make_dp_optimizer(method={method!r}) needs {', '.join(missing)}.")
     instance = accountant if accountant is not None and not isinstance(accountant, str) else None

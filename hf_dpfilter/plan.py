@@ -16,7 +16,7 @@ too, for errors before any model is loaded.
 Example (custom loop)::
 
     plan = PrivacyPlan.create(num_examples=len(dataset), logical_batch_size=256, epochs=3, target_epsilon=8.0,
-                              max_grad_norm=1.0, method="disk", secure_rng=True)
+                              per_sample_max_grad_norm=1.0, method="disk", secure_rng=True)
     engine, optimizer, sampler = make_private(plan, model, torch.optim.AdamW, lr=1e-3)  # hf_dpfilter.factory
 """
 
@@ -62,7 +62,7 @@ def check_dp_settings(
     *,
     method: str,
     method_args: MethodConfig | Mapping[str, Any] | None = None,
-    max_grad_norm: float = 1.0,
+    per_sample_max_grad_norm: float = 1.0,
     clipping_fn: str = "abadi",
     accountant: str = "prv",
     logical_batch_size: float | None = None,
@@ -76,8 +76,8 @@ def check_dp_settings(
 
     ``budget``: also require exactly one of ``target_epsilon``/``noise_multiplier`` (a run with a planned
     length; not for ``for_optimizer``, whose noise is always fixed). ``names`` gives the user's names of the
-    settings (``{"max_grad_norm": "per_sample_max_grad_norm"}`` for ``DPTrainingArguments``), for the
-    messages. What needs N (delta < 1/N, q <= 1) is checked when the plan is created
+    settings (``{"logical_batch_size": ...}``), for the messages; ``per_sample_max_grad_norm`` has one name
+    everywhere. What needs N (delta < 1/N, q <= 1) is checked when the plan is created
     (:func:`~hf_dpfilter.accounting.accountant.validate_privacy_parameters`).
     """
     names = dict(names or {})
@@ -86,9 +86,9 @@ def check_dp_settings(
         raise ValueError(f"clipping_fn must be one of {CLIPPING_FNS}, got {clipping_fn!r}.")
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}.")
-    if max_grad_norm is None or not max_grad_norm > 0:
-        name = names.get("max_grad_norm", "max_grad_norm")
-        raise ValueError(f"{name} must be > 0, got {max_grad_norm}: it is the per-example clipping norm C.")
+    if per_sample_max_grad_norm is None or not per_sample_max_grad_norm > 0:
+        raise ValueError(f"per_sample_max_grad_norm must be > 0, got {per_sample_max_grad_norm}: it is the "
+                         "per-example clipping norm C.")
     if logical_batch_size is not None and not logical_batch_size >= 1:
         name = names.get("logical_batch_size", "logical_batch_size")
         raise ValueError(f"{name} must be >= 1, got {logical_batch_size}.")
@@ -112,6 +112,15 @@ def check_dp_settings(
             f"target_delta must be in (0, 1/N), got {target_delta}. Leave it unset for the default N^-1.1."
         )
     return config
+
+
+def _refuse_keywords(keywords: Mapping[str, Any], where: str) -> None:
+    """A retired keyword refused with the name that replaced it; any other as Python refuses it."""
+    from hf_dpfilter.retired_names import check_no_retired_names
+
+    check_no_retired_names(keywords, where)
+    if keywords:
+        raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(keywords))!r}")
 
 
 @dataclass(frozen=True)
@@ -151,20 +160,31 @@ class PrivacyPlan:
         target_epsilon: float | None = None,
         noise_multiplier: float | None = None,
         target_delta: float | None = None,
-        max_grad_norm: float = 1.0,
+        per_sample_max_grad_norm: float = 1.0,
         clipping_fn: str = "abadi",
         accountant: str = "prv",
         poisson_sampling: bool = True,
         secure_rng: bool = False,
         seed: int | None = None,
         collectives: Collectives | None = None,
+        **retired: Any,
     ) -> PrivacyPlan:
         """The plan of a run over ``num_examples`` examples, calibrated for ``target_epsilon`` (or with a
-        fixed ``noise_multiplier``). ``seed=None`` draws a fresh secret seed (agreed on by all processes)."""
+        fixed ``noise_multiplier``). ``seed=None`` draws a fresh secret seed (agreed on by all processes).
+
+        Args:
+            per_sample_max_grad_norm: the per-example clipping norm C (``DPTrainingArguments``' name; the
+                retired ``max_grad_norm=`` is refused with this name).
+            retired: nothing is accepted here: a retired name (``max_grad_norm``) is refused naming its
+                replacement, any other keyword as Python would.
+        """
+        _refuse_keywords(retired, "PrivacyPlan.create")
+        max_grad_norm = per_sample_max_grad_norm
         if logical_batch_size is None:
             raise ValueError("logical_batch_size must be >= 1, got None.")
         config = check_dp_settings(
-            method=method, method_args=method_args, max_grad_norm=max_grad_norm, clipping_fn=clipping_fn,
+            method=method, method_args=method_args, per_sample_max_grad_norm=max_grad_norm,
+            clipping_fn=clipping_fn,
             accountant=accountant, logical_batch_size=logical_batch_size, target_epsilon=target_epsilon,
             noise_multiplier=noise_multiplier, target_delta=target_delta,
         )
@@ -227,7 +247,7 @@ class PrivacyPlan:
             target_epsilon=args.target_epsilon,
             noise_multiplier=args.noise_multiplier,
             target_delta=args.target_delta,
-            max_grad_norm=args.per_sample_max_grad_norm,
+            per_sample_max_grad_norm=args.per_sample_max_grad_norm,
             clipping_fn=args.clipping_fn,
             accountant=args.accountant,
             poisson_sampling=args.poisson_sampling,
@@ -242,13 +262,14 @@ class PrivacyPlan:
         method: str = "dpsgd",
         method_args: MethodConfig | Mapping[str, Any] | None = None,
         noise_multiplier: float = 0.0,
-        max_grad_norm: float = 1.0,
+        per_sample_max_grad_norm: float = 1.0,
         expected_batch_size: float = 1.0,
         sample_rate: float | None = None,
         clipping_fn: str = "abadi",
         seed: int | None = None,
         secure_rng: bool = False,
         accountant: str = "prv",
+        **retired: Any,
     ) -> PrivacyPlan:
         """A plan without a data set (no N, no planned steps): a fixed noise multiplier, accounted per step.
         What :func:`hf_dpfilter.make_dp_optimizer` builds on.
@@ -256,7 +277,10 @@ class PrivacyPlan:
         Without ``sample_rate`` nothing says how the batches were drawn, so no subsampling amplification can
         be claimed: each step is accounted as a Gaussian mechanism over the whole data set
         (``sample_rate=1.0``, a valid but loose bound, with a warning), never as a step that spends
-        nothing."""
+        nothing. ``per_sample_max_grad_norm`` is the clipping norm C (the retired ``max_grad_norm=`` is
+        refused with this name)."""
+        _refuse_keywords(retired, "PrivacyPlan.for_optimizer")
+        max_grad_norm = per_sample_max_grad_norm
         if sample_rate is None and method != "none":
             if noise_multiplier > 0:
                 warnings.warn(
@@ -269,7 +293,8 @@ class PrivacyPlan:
                 )
             sample_rate = 1.0
         config = check_dp_settings(
-            method=method, method_args=method_args, max_grad_norm=max_grad_norm, clipping_fn=clipping_fn,
+            method=method, method_args=method_args, per_sample_max_grad_norm=max_grad_norm,
+            clipping_fn=clipping_fn,
             accountant=accountant, noise_multiplier=noise_multiplier, budget=False,
         )
         if not expected_batch_size > 0:
@@ -337,7 +362,7 @@ class PrivacyPlan:
             "target_epsilon": self.target_epsilon,
             **{k: v for k, v in self.noise.as_dict().items()},
             "accountant": self.accountant,
-            "max_grad_norm": self.max_grad_norm,
+            "per_sample_max_grad_norm": self.max_grad_norm,
             "clipping_fn": self.clipping_fn,
             "poisson_sampling": self.poisson_sampling,
             "randomness": self.randomness,

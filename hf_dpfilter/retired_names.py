@@ -2,6 +2,10 @@
 
 * ``secure_noise`` is ``secure_rng``: one name for the one setting that draws the noise AND the sampling from
   the OS CSPRNG, in the arguments, the plan, the optimizer and the docs.
+* ``max_grad_norm`` (of ``PrivacyPlan.create``/``for_optimizer`` and ``make_dp_optimizer``) is
+  ``per_sample_max_grad_norm``: the per-example clipping norm C under ``DPTrainingArguments``' name (there,
+  ``max_grad_norm`` is the Trainer's batch-level clipping, refused by
+  :mod:`hf_dpfilter.run.training_fields` with the same pointer).
 * The flat method settings of earlier versions (``disk_kappa``, ``dice_accounting``, ``diff2_restart_every``,
   ...: a method config's ``legacy_prefix`` + one of its fields) are the fields of the method's config, given
   as ``dp_method_args`` (``DPTrainingArguments``) or ``method_args`` (``make_dp_optimizer``).
@@ -19,7 +23,12 @@ from typing import Any, TypeVar
 __all__ = ["RENAMED", "check_no_retired_names", "refuse_retired_names", "retired_name_message"]
 
 #: ``{old name: new name}`` of renamed settings
-RENAMED = {"secure_noise": "secure_rng"}
+RENAMED = {"secure_noise": "secure_rng", "max_grad_norm": "per_sample_max_grad_norm"}
+#: why each was renamed, said with the refusal
+_REASONS = {
+    "secure_noise": "it governs the noise and the sampling",
+    "max_grad_norm": "the per-example clipping norm C has one name everywhere, DPTrainingArguments' own",
+}
 
 _T = TypeVar("_T")
 
@@ -27,7 +36,7 @@ _T = TypeVar("_T")
 def retired_name_message(name: str, where: str) -> str | None:
     """The error for the retired name ``name`` given to ``where`` (None: ``name`` is not a retired name)."""
     if name in RENAMED:
-        return (f"{where}: {name!r} was renamed {RENAMED[name]!r} (it governs the noise and the sampling); "
+        return (f"{where}: {name!r} was renamed {RENAMED[name]!r} ({_REASONS[name]}); "
                 f"use {RENAMED[name]}=...")
     from hf_dpfilter.optimizers.registry import method_names, method_spec
 

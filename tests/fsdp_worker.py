@@ -68,7 +68,7 @@ def run(out: str, method: str, sigma: float) -> None:
     if world > 1:
         shard(model)
     engine = GhostClippingEngine(model)
-    privacy = {} if method == "none" else {"noise_multiplier": sigma, "max_grad_norm": 0.1,
+    privacy = {} if method == "none" else {"noise_multiplier": sigma, "per_sample_max_grad_norm": 0.1,
                                            "expected_batch_size": LOGICAL_BATCH,
                                            "sample_rate": LOGICAL_BATCH / N_EXAMPLES, "seed": 7}
     optimizer = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, method=method, lr=LR,
@@ -117,7 +117,7 @@ def noise(out: str, secure: bool) -> None:
         fully_shard(model)
     sigma, clip, batch = 1.5, 0.5, 4.0
     optimizer = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, lr=1.0, noise_multiplier=sigma,
-                                  max_grad_norm=clip, expected_batch_size=batch, sample_rate=0.1, seed=11,
+                                  per_sample_max_grad_norm=clip, expected_batch_size=batch, sample_rate=0.1, seed=11,
                                   secure_rng=secure)
     updates = []
     for _ in range(3):

@@ -65,7 +65,7 @@ def test_the_example_method_post_processes_the_privatized_gradient(ema):
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
     optimizer = make_dp_optimizer([weight], torch.optim.SGD, method="ema", method_args={"beta": 0.5}, lr=1.0,
-                                  noise_multiplier=0.0, max_grad_norm=1e6, expected_batch_size=1)
+                                  noise_multiplier=0.0, per_sample_max_grad_norm=1e6, expected_batch_size=1)
     grads = [torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64),
              torch.tensor([0.0, 2.0, 0.0], dtype=torch.float64)]
     expected_average = [grads[0], 0.5 * grads[0] + 0.5 * grads[1]]

@@ -181,7 +181,7 @@ def test_make_private_builds_one_consistent_run():
     model = tiny_bert(num_labels=2)
     plan = PrivacyPlan.create(num_examples=64, logical_batch_size=8, epochs=1, noise_multiplier=1.0,
                               method="disk",
-                              max_grad_norm=0.5, seed=3)
+                              per_sample_max_grad_norm=0.5, seed=3)
     engine, optimizer, sampler = make_private(plan, model, torch.optim.AdamW, lr=1e-3)
     assert optimizer.plan is plan and optimizer.method_name == "disk"
     assert isinstance(optimizer.original_optimizer, torch.optim.AdamW)
@@ -220,7 +220,8 @@ def test_audit_options_build_an_observed_class_before_the_optimizer_exists():
 BAD_SETTINGS = [
     ({"clipping_fn": "soft"}, "clipping_fn must be one of"),
     ({"accountant": "moments"}, "accountant must be one of"),
-    ({"max_grad_norm": 0.0}, "must be > 0, got 0.0: it is the per-example clipping norm C"),
+    ({"per_sample_max_grad_norm": 0.0}, "per_sample_max_grad_norm must be > 0, got 0.0: it is the "
+                                         "per-example clipping norm C"),
     ({"method": "dp-fancy"}, "Unknown dp_method 'dp-fancy': dp_method must be one of"),
     ({"method": "disk", "method_args": {"kapa": 1}}, "'kapa' is not a setting of dp_method='disk'"),
     ({"target_epsilon": 1.0}, r"exactly one of target_epsilon and noise_multiplier \(both"),
@@ -238,8 +239,7 @@ def test_the_arguments_and_the_plan_share_one_check(tmp_path, bad, message):
     plan_kwargs = {"noise_multiplier": 1.0, **bad}
     with pytest.raises(ValueError, match=message):
         PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, **plan_kwargs)
-    names = {"method": "dp_method", "method_args": "dp_method_args",
-             "max_grad_norm": "per_sample_max_grad_norm"}
+    names = {"method": "dp_method", "method_args": "dp_method_args"}
     args_kwargs = {names.get(k, k): v for k, v in plan_kwargs.items()}
     with pytest.raises(ValueError, match=message):
         DPTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **args_kwargs)

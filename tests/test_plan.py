@@ -137,6 +137,28 @@ def test_one_list_of_methods():
         assert spec.config_class.name == name == spec.optimizer_class.method_name
 
 
+def test_the_clipping_norm_has_one_name_in_the_plan_the_optimizer_and_the_report():
+    """``per_sample_max_grad_norm`` everywhere a user sees C (DPTrainingArguments' name); the plan's and the
+    optimizer's retired ``max_grad_norm=`` is refused with it, never mapped."""
+    plan = PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, noise_multiplier=1.0,
+                              per_sample_max_grad_norm=0.5, seed=0)
+    assert plan.summary()["per_sample_max_grad_norm"] == 0.5 and "max_grad_norm" not in plan.summary()
+    for build, where in ((lambda **kw: PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1,
+                                                          noise_multiplier=1.0, **kw), "PrivacyPlan.create"),
+                         (lambda **kw: PrivacyPlan.for_optimizer(noise_multiplier=1.0, sample_rate=0.1, **kw),
+                          "PrivacyPlan.for_optimizer"),
+                         (lambda **kw: make_dp_optimizer([torch.nn.Parameter(torch.zeros(2))], lr=0.1,
+                                                         noise_multiplier=1.0, expected_batch_size=4, **kw),
+                          "make_dp_optimizer")):
+        with pytest.raises(ValueError, match=rf"{where}: 'max_grad_norm' was renamed "
+                                             r"'per_sample_max_grad_norm'.*use per_sample_max_grad_norm="):
+            build(max_grad_norm=0.5)
+        build(per_sample_max_grad_norm=0.5)  # the fix the message names is accepted
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_grad_nrom'"):
+        PrivacyPlan.create(num_examples=100, logical_batch_size=10, epochs=1, noise_multiplier=1.0,
+                           max_grad_nrom=0.5)
+
+
 def test_no_top_level_fields_per_method_and_the_retired_names_are_refused_with_the_new_field(tmp_path):
     names = {f.name for f in dataclasses.fields(DPTrainingArguments)}
     assert not any(n.startswith(("disk_", "doppler_", "pmlf_", "dice_", "diff2_")) for n in names)
@@ -172,6 +194,6 @@ def test_methods_declare_their_mechanisms_as_data():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         optimizer = make_dp_optimizer([torch.nn.Parameter(torch.zeros(2))], method="dicesgd", lr=0.1,
-                                      noise_multiplier=2.0, max_grad_norm=1.0, expected_batch_size=4,
+                                      noise_multiplier=2.0, per_sample_max_grad_norm=1.0, expected_batch_size=4,
                                       sample_rate=0.1)
     assert len(optimizer.next_step_history()) == 2  # the clipped sum and the error feedback

@@ -37,7 +37,7 @@ def aggregate(data: list[dict], per_example: bool, rank: int, world: int) -> tup
     from models import tiny_gpt2
 
     model = tiny_gpt2(dtype=torch.float32)
-    plan = PrivacyPlan.for_optimizer(method="dpsgd", noise_multiplier=0.0, max_grad_norm=CLIP,
+    plan = PrivacyPlan.for_optimizer(method="dpsgd", noise_multiplier=0.0, per_sample_max_grad_norm=CLIP,
                                      expected_batch_size=4.0, sample_rate=1.0, seed=0)
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5,
                                         verify_first_backward=False)

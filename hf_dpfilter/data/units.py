@@ -554,7 +554,7 @@ def card_section(report: dict[str, Any]) -> str:
         f"neighbouring relation: {report.get('neighbouring_relation')}.",
         f"Privacy unit: {level}; number of units: {report.get('num_units')} (public); sample rate q over "
         f"{level}s: {report.get('unit_sample_rate'):.4g}; steps: {report.get('steps')}; clipping norm C per "
-        f"{level}: {report.get('max_grad_norm')}.",
+        f"{level}: {report.get('per_sample_max_grad_norm')}.",
         f"Noise multiplier σ: {report.get('noise_multiplier'):.4g}; accountant: {report.get('accountant')}; "
         f"expected logical (Poisson) batch: {report.get('logical_batch_size'):g} {level}s "
         "(`train_batch_size` in the hyperparameters is the micro-batch each step is computed in).",

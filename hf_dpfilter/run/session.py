@@ -64,7 +64,7 @@ def privacy_summary(report: dict[str, Any]) -> str:
         f"***** Privacy spent: epsilon = {report['epsilon']:.4g} at delta = {report['delta']:.3g} "
         f"({report['accountant']}) over {report['steps']} of {report['planned_steps']} planned steps; "
         f"{report['method']}, sigma = {report['noise_multiplier']:.4g}, q = {report['sample_rate']:.4g}, "
-        f"C = {report['max_grad_norm']:g}; {report['neighbouring_relation']} *****"
+        f"C = {report['per_sample_max_grad_norm']:g}; {report['neighbouring_relation']} *****"
     )
 
 

@@ -380,11 +380,11 @@ class DPArgumentsMixin:
         # The DP settings are checked by the plan's one check, now: clear errors before any model is loaded.
         config = check_dp_settings(
             method=self.dp_method, method_args=self.dp_method_args,
-            max_grad_norm=self.per_sample_max_grad_norm,
+            per_sample_max_grad_norm=self.per_sample_max_grad_norm,
             clipping_fn=self.clipping_fn, accountant=self.accountant,
             logical_batch_size=self.logical_batch_size,
             target_epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier,
-            target_delta=self.target_delta, names={"max_grad_norm": "per_sample_max_grad_norm"},
+            target_delta=self.target_delta,
         )
         if self.dp_method_args is not None:  # stored as a plain dict of the fields given
             self.dp_method_args = {k: v for k, v in config.to_dict().items() if k in self.dp_method_args}

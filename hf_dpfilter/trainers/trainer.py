@@ -684,7 +684,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
             "steps": self.accountant.steps,
             "planned_steps": plan.steps,
             "accountant": plan.accountant,
-            "max_grad_norm": plan.max_grad_norm,
+            "per_sample_max_grad_norm": plan.max_grad_norm,
             "clipping_fn": plan.clipping_fn,
             "method": plan.method,
             "method_args": plan.config.to_dict(),

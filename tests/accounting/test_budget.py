@@ -16,7 +16,7 @@ def test_the_guard_needs_both_targets():
 
 
 def test_the_guard_stops_at_the_first_overspending_step():
-    plan = PrivacyPlan.for_optimizer(noise_multiplier=2.0, max_grad_norm=1.0, expected_batch_size=10.0,
+    plan = PrivacyPlan.for_optimizer(noise_multiplier=2.0, per_sample_max_grad_norm=1.0, expected_batch_size=10.0,
                                      sample_rate=0.1, seed=0)
     guard, accountant = BudgetGuard(1.5, 1e-5), PrivacyAccountant("rdp")
     steps = 0

@@ -15,7 +15,7 @@ def test_sigma_for_epsilon_is_the_plans_and_the_reverse_gives_epsilon_back():
     line = main(["--epsilon", "3", "--n", "60000", "--batch", "1000", "--epochs", "3"])
     sigma = float(line.split("sigma = ")[1].split()[0])
     plan = PrivacyPlan.create(num_examples=60000, logical_batch_size=1000, epochs=3, target_epsilon=3.0,
-                              max_grad_norm=1.0, seed=0)
+                              per_sample_max_grad_norm=1.0, seed=0)
     assert sigma == pytest.approx(plan.noise.noise_multiplier, rel=1e-3)
     back = main(["--sigma", f"{sigma:.6f}", "--n", "60000", "--batch", "1000", "--epochs", "3"])
     assert float(back.split("epsilon = ")[1].split()[0]) == pytest.approx(3.0, rel=0.02)

@@ -61,7 +61,7 @@ def test_state_written_on_a_later_step_is_refused_before_that_step_releases(repl
     torch.manual_seed(0)
     model = _WritesLater(replace)
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
-                              max_grad_norm=1.0, seed=0)
+                              per_sample_max_grad_norm=1.0, seed=0)
     engine = make_engine(plan, model)
     optimizer = make_optimizer(plan, list(model.parameters()), base=torch.optim.SGD, lr=0.0)
     labels = torch.tensor([0, 1, 0, 1])
@@ -264,7 +264,7 @@ def test_peft_tuners_without_a_per_example_rule_are_refused_by_name(tuner):
 
     model = get_peft_model(tiny_bert(dtype=torch.float32), _peft_configs()[tuner]())
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
-                              max_grad_norm=1.0, seed=0)
+                              per_sample_max_grad_norm=1.0, seed=0)
     ids = torch.randint(1, 90, (4, 5))
     labels = torch.tensor([0, 1, 0, 1])
     with pytest.raises((UnsupportedLayerError, ModuleValidationError)) as refused:
@@ -322,7 +322,7 @@ def test_functional_ops_that_mix_examples_are_refused_before_release(kind):
     if "cdist" not in kind and "einsum" not in kind:
         model.pair.requires_grad_(False)
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
-                              max_grad_norm=0.05, seed=0)
+                              per_sample_max_grad_norm=0.05, seed=0)
     engine = make_engine(plan, model)
     optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
                                lr=0.0)
@@ -437,7 +437,7 @@ def test_an_extra_call_within_a_forward_does_not_inherit_the_proven_verdict_when
     torch.manual_seed(0)
     model = _ExtraCallLater()
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=0.0,
-                              max_grad_norm=1.0, seed=0)
+                              per_sample_max_grad_norm=1.0, seed=0)
     engine = make_engine(plan, model)
     optimizer = make_optimizer(plan, list(model.parameters()), base=torch.optim.SGD, lr=0.0)
     labels = torch.tensor([0, 1, 0, 1])

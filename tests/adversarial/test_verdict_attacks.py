@@ -44,7 +44,7 @@ from hf_dpfilter.plan import PrivacyPlan
 
 def _engine_and_optimizer(model: nn.Module, batch: int):
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=batch, epochs=1, noise_multiplier=0.0,
-                              max_grad_norm=0.05, seed=0)
+                              per_sample_max_grad_norm=0.05, seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
     return make_engine(plan, model), make_optimizer(plan, params, base=torch.optim.SGD, lr=0.0)
 

@@ -27,7 +27,7 @@ def _linear_step(x: torch.Tensor, make_loss, warn: bool = True) -> tuple[torch.T
     model = torch.nn.Linear(3, 2).double()
     engine = GhostClippingEngine(model, verify_first_backward=False)
     opt = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=1.0, noise_multiplier=0.0,
-                            max_grad_norm=1.0,
+                            per_sample_max_grad_norm=1.0,
                             expected_batch_size=1.0)
     opt.warn_nonfinite = warn  # the per-step warning is opt-in (a noiseless membership signal)
     opt.accumulate(engine, lambda values: make_loss(model(x)), batch_size=x.shape[0])
@@ -60,7 +60,7 @@ def test_nonfinite_examples_are_not_warned_about_by_default():
     assert opt.nonfinite_examples == 1  # still counted in memory (inside the trust boundary)
     assert not make_dp_optimizer([torch.nn.Parameter(torch.zeros(1))], torch.optim.SGD, lr=1.0,
                                  noise_multiplier=0.0,
-                                 max_grad_norm=1.0, expected_batch_size=1.0).warn_nonfinite
+                                 per_sample_max_grad_norm=1.0, expected_batch_size=1.0).warn_nonfinite
 
 
 def test_nonfinite_loss_with_finite_gradient_is_zeroed():

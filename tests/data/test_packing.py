@@ -136,7 +136,7 @@ def test_other_methods_train_on_packed_rows(method, tmp_path):
 def _packed_aggregate(examples, clip=0.5):
     """Pre-noise aggregate of one packed batch (float32 GPT-2, noise 0), through the DP optimizer."""
     model = tiny_gpt2(dtype=torch.float32)
-    plan = PrivacyPlan.for_optimizer(method="dpsgd", method_args={}, noise_multiplier=0.0, max_grad_norm=clip,
+    plan = PrivacyPlan.for_optimizer(method="dpsgd", method_args={}, noise_multiplier=0.0, per_sample_max_grad_norm=clip,
                                      expected_batch_size=4.0, sample_rate=0.5, seed=0)
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5,
                                         verify_first_backward=False)

@@ -198,7 +198,7 @@ def _aggregate(examples, users, clip, method="dpsgd", per_example=False, micro=3
     model = tiny_gpt2(dtype=torch.float32)
     method_args = {"kappa": 0.7, "gamma": 0.5} if method == "disk" else {}
     plan = PrivacyPlan.for_optimizer(method=method, method_args=method_args, noise_multiplier=0.0,
-                                     max_grad_norm=clip, expected_batch_size=4.0, sample_rate=0.5, seed=0)
+                                     per_sample_max_grad_norm=clip, expected_batch_size=4.0, sample_rate=0.5, seed=0)
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5,
                                         verify_first_backward=False)
 

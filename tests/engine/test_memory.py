@@ -55,7 +55,7 @@ B, T, D = 32, 4, 2048
 layer = nn.Linear(D, D)
 x = torch.randn(B, T, D)
 engine = GhostClippingEngine(layer, verify_first_backward=False)
-opt = make_dp_optimizer(layer.parameters(), torch.optim.SGD, lr=0.0, noise_multiplier=0.0, max_grad_norm=1.0,
+opt = make_dp_optimizer(layer.parameters(), torch.optim.SGD, lr=0.0, noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
                         expected_batch_size=B, seed=0)
 
 def dp_step():  # norms, clip factors and the clipped sum (into the optimizer's buffer), then freed

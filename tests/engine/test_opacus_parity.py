@@ -28,7 +28,7 @@ opacus = pytest.importorskip("opacus")
 
 def _ours_clipped_sum(model, batch, max_grad_norm):
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=len(batch["labels"]), epochs=1,
-                              noise_multiplier=0.0, max_grad_norm=max_grad_norm, seed=0)
+                              noise_multiplier=0.0, per_sample_max_grad_norm=max_grad_norm, seed=0)
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.0)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
 
@@ -77,7 +77,7 @@ def test_clipped_sum_equals_opacus_ghost_clipping(max_grad_norm):
 def test_noisy_average_divides_by_expected_not_realized_batch():
     """Opacus (loss_reduction="mean") divides the noisy sum by expected_batch_size; so must we."""
     model = torch.nn.Linear(3, 1, bias=False).double()
-    plan = PrivacyPlan.for_optimizer(noise_multiplier=0.0, max_grad_norm=1e6, expected_batch_size=8.0,
+    plan = PrivacyPlan.for_optimizer(noise_multiplier=0.0, per_sample_max_grad_norm=1e6, expected_batch_size=8.0,
                                      sample_rate=0.5, seed=0)
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1.0)
     x = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0]], dtype=torch.float64)  # a realized batch of 2

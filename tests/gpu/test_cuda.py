@@ -64,7 +64,7 @@ def test_cpu_cuda_parity_float64(method, tmp_path):
 def test_noise_std_on_cuda():
     param = torch.nn.Parameter(torch.zeros(200_000, device="cuda"))
     optimizer = make_dp_optimizer(
-        [param], base=torch.optim.SGD, lr=1.0, noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=4,
+        [param], base=torch.optim.SGD, lr=1.0, noise_multiplier=2.0, per_sample_max_grad_norm=0.5, expected_batch_size=4,
         sample_rate=0.01, seed=0,
     )
     optimizer.accumulate(None, lambda values: torch.zeros(0), batch_size=0)

@@ -90,7 +90,7 @@ def _flat_diff(a: dict, b: dict) -> float:
 # ------------------------------------------------------------------------------------------------ 1
 def test_diff2_restart_every_round_equals_dp_gd():
     batch = padded_batch(6, seed=1)
-    common = dict(noise_multiplier=0.7, max_grad_norm=0.3, expected_batch_size=6, sample_rate=1.0)
+    common = dict(noise_multiplier=0.7, per_sample_max_grad_norm=0.3, expected_batch_size=6, sample_rate=1.0)
     m1, e1, dpgd = _setup("dpsgd", **common)
     m2, e2, diff2 = _setup("diff2", method_args={"restart_every": 1}, **common)
     for _ in range(4):
@@ -102,7 +102,7 @@ def test_diff2_restart_every_round_equals_dp_gd():
 
 def test_diff2_without_noise_or_clipping_is_full_batch_gd():
     batch = padded_batch(6, seed=1)
-    common = dict(noise_multiplier=0.0, max_grad_norm=1e9, expected_batch_size=6, sample_rate=1.0)
+    common = dict(noise_multiplier=0.0, per_sample_max_grad_norm=1e9, expected_batch_size=6, sample_rate=1.0)
     m1, e1, gd = _setup("dpsgd", **common)
     m2, e2, diff2 = _setup("diff2", method_args={"restart_every": 3, "difference_max_grad_norm": 1e12},
                            **common)
@@ -115,7 +115,7 @@ def test_diff2_without_noise_or_clipping_is_full_batch_gd():
 
 
 def test_dicesgd_without_feedback_equals_dp_sgd():
-    common = dict(noise_multiplier=0.7, max_grad_norm=0.3, expected_batch_size=6, sample_rate=0.3)
+    common = dict(noise_multiplier=0.7, per_sample_max_grad_norm=0.3, expected_batch_size=6, sample_rate=0.3)
     m1, e1, dpsgd = _setup("dpsgd", **common)
     m2, e2, dice = _setup("dicesgd", method_args={"error_max_grad_norm": 0.0}, **common)
     for batch in _batches(4):
@@ -145,7 +145,7 @@ def _dice_max_ratio(cls, c1=0.3, c2=None, steps=3):
     models, engines, opts = [], [], []
     for _ in range(2):
         model = tiny_roberta()
-        opt = _optimizer(cls, model, {"error_max_grad_norm": c2}, noise_multiplier=0.0, max_grad_norm=c1,
+        opt = _optimizer(cls, model, {"error_max_grad_norm": c2}, noise_multiplier=0.0, per_sample_max_grad_norm=c1,
                          expected_batch_size=6, sample_rate=0.5)
         models.append(model)
         engines.append(GhostClippingEngine(model, verify_first_backward=False))
@@ -195,7 +195,7 @@ def _diff2_run(cls, relation="add_remove", c1=0.3, c2=1.0, steps=4):
         model = tiny_roberta()
         opt = _optimizer(cls, model,
                          {"restart_every": 3, "difference_max_grad_norm": c2, "neighbouring": relation},
-                         noise_multiplier=0.0, max_grad_norm=c1, expected_batch_size=6, sample_rate=1.0)
+                         noise_multiplier=0.0, per_sample_max_grad_norm=c1, expected_batch_size=6, sample_rate=1.0)
         models.append(model)
         engines.append(GhostClippingEngine(model, verify_first_backward=False))
         opts.append(opt)
@@ -240,7 +240,7 @@ def test_diff2_first_backward_check_holds_in_a_difference_round():
     in a difference round (e.g. after an empty first Poisson batch): the x_{r-2} point is differentiable in x,
     so the ordinary gradient is the difference g(x) - g(x_{r-2}) that the engine computes and clips."""
     batch = padded_batch(6, seed=1)
-    model, engine, opt = _setup("diff2", noise_multiplier=0.5, max_grad_norm=0.3, expected_batch_size=6,
+    model, engine, opt = _setup("diff2", noise_multiplier=0.5, per_sample_max_grad_norm=0.3, expected_batch_size=6,
                                 sample_rate=1.0,
                                 method_args={"restart_every": 3, "difference_max_grad_norm": 1.0})
     _step(model, engine, opt, batch)  # restart round
@@ -256,7 +256,7 @@ def test_diff2_replace_one_doubles_the_sensitivity():
     assert ratios[True] > 0.9 and ratios[False] > 0.9  # the add/remove Delta would be exceeded twofold
     # Same data and trajectory (no noise): exactly a factor 2 in both kinds of round.
     batch = padded_batch(6, seed=1)
-    common = dict(max_grad_norm=0.3, expected_batch_size=6, sample_rate=1.0, lr=1.0)
+    common = dict(per_sample_max_grad_norm=0.3, expected_batch_size=6, sample_rate=1.0, lr=1.0)
     settings = {"restart_every": 2, "difference_max_grad_norm": 1.0}
     m1, e1, o1 = _setup("diff2", noise_multiplier=0.0, method_args=settings, **common)
     m2, e2, o2 = _setup("diff2", noise_multiplier=0.0,
@@ -278,7 +278,7 @@ def test_diff2_replace_one_doubles_the_sensitivity():
         moves.append(torch.cat([(a - b).reshape(-1) for a, b in zip(_params(model), before)]))
     assert torch.allclose(moves[2] - moves[0], 2 * (moves[1] - moves[0]), rtol=1e-10, atol=1e-14)
     with pytest.raises(ValueError, match="full-batch"):
-        _setup("diff2", noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=6, sample_rate=0.5,
+        _setup("diff2", noise_multiplier=1.0, per_sample_max_grad_norm=1.0, expected_batch_size=6, sample_rate=0.5,
                method_args={"restart_every": 1, "neighbouring": "replace_one"})
 
 
@@ -287,7 +287,7 @@ def _resume_matches(method, steps_before, steps_after, base=torch.optim.Adam, no
     # A loaded DP optimizer draws fresh noise (no generator state is saved, docs/threat_model.md): the exact
     # round trip of the method's state is checked at noise 0.
     batches = _batches(steps_before + steps_after)
-    common = dict(noise_multiplier=noise_multiplier, max_grad_norm=0.3, expected_batch_size=6, base=base,
+    common = dict(noise_multiplier=noise_multiplier, per_sample_max_grad_norm=0.3, expected_batch_size=6, base=base,
                   lr=0.01, **kw)
     m_ref, e_ref, o_ref = _setup(method, **common)
     for b in batches:
@@ -433,7 +433,7 @@ def test_dicesgd_documented_epsilons():
     def calibrated(target, **settings):
         plan = PrivacyPlan.create(num_examples=n, logical_batch_size=b, max_steps=t, method="dicesgd",
                                   method_args={"error_max_grad_norm": c2, **settings}, target_epsilon=target,
-                                  target_delta=delta, max_grad_norm=c1, accountant="pld", seed=0)
+                                  target_delta=delta, per_sample_max_grad_norm=c1, accountant="pld", seed=0)
         assert plan.noise == DiceSGDConfig(error_max_grad_norm=c2, **settings).calibrate(target, delta, plan)
         return plan.noise.noise_multiplier
 
@@ -458,7 +458,7 @@ def _gdp_epsilon(mu, delta):
 def test_diff2_heterogeneous_composition_equals_manual():
     batch = padded_batch(6, seed=1)
     z1, z2 = 3.0, 7.0
-    model, engine, opt = _setup("diff2", noise_multiplier=z1, max_grad_norm=0.3, expected_batch_size=6,
+    model, engine, opt = _setup("diff2", noise_multiplier=z1, per_sample_max_grad_norm=0.3, expected_batch_size=6,
                                 sample_rate=1.0, accountant=None,
                                 method_args={"restart_every": 3, "difference_max_grad_norm": 1.0,
                                              "difference_noise_multiplier": z2})

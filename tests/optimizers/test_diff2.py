@@ -70,7 +70,7 @@ def _make(lr: float, route: str, batch_dependent_rounding: bool):
         method="diff2",
         method_args={"restart_every": 2, "difference_max_grad_norm": 1.0, "difference_precision": precision},
         noise_multiplier=0.0,
-        max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
+        per_sample_max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=lr, verify_first_backward=False)
     return model, engine, optimizer
@@ -241,7 +241,7 @@ def test_difference_round_dtype_and_the_current_loss(route):
     plan = PrivacyPlan.for_optimizer(
         method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0,
                                      "difference_precision": precision},
-        noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
+        noise_multiplier=0.0, per_sample_max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3,
                                         verify_first_backward=True)
@@ -394,7 +394,7 @@ def test_sharded_difference_rounds_run_only_examples_alone():
             plan = PrivacyPlan.for_optimizer(
                 method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0,
                                              "difference_precision": precision},
-                noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
+                noise_multiplier=0.0, per_sample_max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
             )
             engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.1,
                                                 verify_first_backward=False)
@@ -444,7 +444,7 @@ def _float64_adapters_norms(n: int, precision: str):
     plan = PrivacyPlan.for_optimizer(
         method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 1.0,
                                      "difference_precision": precision},
-        noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
+        noise_multiplier=0.0, per_sample_max_grad_norm=1.0, expected_batch_size=8.0, sample_rate=1.0, seed=0,
     )
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=5e-6,
                                         verify_first_backward=False)
@@ -482,7 +482,7 @@ def test_difference_round_noise_has_the_rounds_std_in_float32():
     plan = PrivacyPlan.for_optimizer(
         method="diff2", method_args={"restart_every": 2, "difference_max_grad_norm": 3.0,
                                      "difference_noise_multiplier": 2.0},
-        noise_multiplier=0.5, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
+        noise_multiplier=0.5, per_sample_max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=1.0, seed=0,
     )
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=1e-3,
                                         verify_first_backward=False)

@@ -56,7 +56,7 @@ def _setup(method, base=torch.optim.SGD, num_labels=1, noise=0.5, max_grad_norm=
     kw.setdefault("lr", 0.05)
     opt = make_dp_optimizer(
         model.parameters(), base=base, method=method, method_args=method_args, noise_multiplier=noise,
-        max_grad_norm=max_grad_norm, expected_batch_size=4, seed=7, **kw,
+        per_sample_max_grad_norm=max_grad_norm, expected_batch_size=4, seed=7, **kw,
     )
     return model, engine, opt
 
@@ -481,7 +481,7 @@ def test_dptrainer_smoke(method, kw, tmp_path):
 
 def test_bad_hyperparameters_give_clear_errors():
     params = [torch.nn.Parameter(torch.zeros(2))]
-    common = {"lr": 0.1, "noise_multiplier": 1.0, "max_grad_norm": 1.0, "expected_batch_size": 4}
+    common = {"lr": 0.1, "noise_multiplier": 1.0, "per_sample_max_grad_norm": 1.0, "expected_batch_size": 4}
     with pytest.raises(ValueError, match="disk: kappa"):
         make_dp_optimizer(params, method="disk", method_args={"kappa": 0.0}, **common)
     with pytest.raises(ValueError, match="disk: gamma"):
@@ -513,7 +513,7 @@ def test_bad_hyperparameters_give_clear_errors():
 
 def test_filtered_gradient_into_adam_warns_and_names_the_paper_variant():
     params = [torch.nn.Parameter(torch.zeros(2))]
-    common = {"lr": 0.1, "noise_multiplier": 1.0, "max_grad_norm": 1.0, "expected_batch_size": 4}
+    common = {"lr": 0.1, "noise_multiplier": 1.0, "per_sample_max_grad_norm": 1.0, "expected_batch_size": 4}
     with pytest.warns(UserWarning, match="doppler: base='adam'"):
         make_dp_optimizer(params, base=torch.optim.AdamW, method="doppler", **common)
     with pytest.warns(UserWarning, match="pmlf: base='adam'"):

@@ -61,7 +61,7 @@ def _private(model, method: str, kw: dict):
     model.eval()
     return GhostClippingEngine(model), make_dp_optimizer(
         model.parameters(), base=torch.optim.SGD, method=method, method_args=kw, noise_multiplier=0.0,
-        max_grad_norm=0.5, expected_batch_size=4, seed=3, lr=0.05)
+        per_sample_max_grad_norm=0.5, expected_batch_size=4, seed=3, lr=0.05)
 
 
 def _spy_points(opt) -> list[list[torch.Tensor]]:

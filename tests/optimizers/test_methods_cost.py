@@ -63,7 +63,7 @@ def test_points_are_the_stored_tensors_and_the_split_into_micro_batches_does_not
     model.eval()
     engine = GhostClippingEngine(model)
     opt = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, method=method, method_args=kw,
-                            noise_multiplier=0.5, max_grad_norm=0.5, expected_batch_size=6, seed=3, lr=0.05)
+                            noise_multiplier=0.5, per_sample_max_grad_norm=0.5, expected_batch_size=6, seed=3, lr=0.05)
     params = [p for p in model.parameters() if p.requires_grad]
     for seed in (10, 11, 12):  # build d / the snapshots (noised steps)
         before = [p.detach().clone() for p in params]
@@ -152,7 +152,7 @@ def test_points_of_tied_weights_in_micro_batches_equal_the_per_example_reference
     assert model.lm_head.weight is model.transformer.wte.weight
     engine = GhostClippingEngine(model, verify_first_backward=True)
     opt = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, method=method, method_args=kw,
-                            noise_multiplier=0.0, max_grad_norm=0.5, expected_batch_size=4, seed=1, lr=0.5)
+                            noise_multiplier=0.0, per_sample_max_grad_norm=0.5, expected_batch_size=4, seed=1, lr=0.5)
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     history = [[p.detach().clone() for p in params]]
 
@@ -205,7 +205,7 @@ def test_disk_two_points_with_a_negative_weight_in_float32_train_and_keep_sensit
     model.eval()
     engine = GhostClippingEngine(model)
     opt = make_dp_optimizer(model.parameters(), base=torch.optim.SGD, method="disk",
-                            method_args={"kappa": 0.7, "gamma": 0.2}, noise_multiplier=0.0, max_grad_norm=1.0,
+                            method_args={"kappa": 0.7, "gamma": 0.2}, noise_multiplier=0.0, per_sample_max_grad_norm=1.0,
                             expected_batch_size=4, seed=3, lr=0.2)
     params = [p for p in model.parameters() if p.requires_grad]
 

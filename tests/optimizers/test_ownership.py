@@ -68,7 +68,7 @@ def _run(method: str, method_args: dict, last_batch, warmup_batches, clip: float
     last."""
     model = tiny_bert(num_labels=2)  # float64, deterministic init
     plan = PrivacyPlan.for_optimizer(method=method, method_args=method_args, noise_multiplier=0.0,
-                                     max_grad_norm=clip, expected_batch_size=4.0, sample_rate=0.5, seed=0)
+                                     per_sample_max_grad_norm=clip, expected_batch_size=4.0, sample_rate=0.5, seed=0)
     engine, optimizer, _ = make_private(plan, model, base=torch.optim.SGD, lr=0.5,
                                         verify_first_backward=False)
 
@@ -114,7 +114,7 @@ def _setup():
     model = torch.nn.Linear(3, 2).double()
     engine = GhostClippingEngine(model, verify_first_backward=False)
     optimizer = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=0.1, noise_multiplier=1.0,
-                                  max_grad_norm=1.0,
+                                  per_sample_max_grad_norm=1.0,
                                   expected_batch_size=4, sample_rate=0.1, seed=0)
     return model, engine, optimizer
 
@@ -160,7 +160,7 @@ def test_engine_and_optimizer_must_cover_the_same_parameters():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).double()
     engine = GhostClippingEngine(model, verify_first_backward=False)
     optimizer = make_dp_optimizer(model[0].parameters(), torch.optim.SGD, lr=0.1, noise_multiplier=1.0,
-                                  max_grad_norm=1.0, expected_batch_size=4)
+                                  per_sample_max_grad_norm=1.0, expected_batch_size=4)
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="make_private"):
         optimizer.accumulate(engine, lambda v: model(x).squeeze(-1), batch_size=4)

@@ -43,7 +43,7 @@ def clipped_sum(model: nn.Module, forward, inputs: dict, labels: torch.Tensor,
     model = copy.deepcopy(model)
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=len(labels), epochs=1,
                               noise_multiplier=0.0,
-                              max_grad_norm=C, seed=0)
+                              per_sample_max_grad_norm=C, seed=0)
     engine = make_engine(plan, model, **engine_kwargs)
     optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad], base=torch.optim.SGD,
                                lr=0.0)

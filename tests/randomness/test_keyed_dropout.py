@@ -240,7 +240,7 @@ def test_checkpointed_layers_recompute_the_same_keyed_masks(method):
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         plan = PrivacyPlan.create(num_examples=100, logical_batch_size=2, epochs=1, noise_multiplier=0.0,
-                                  max_grad_norm=1e3, seed=0, method=method)
+                                  per_sample_max_grad_norm=1e3, seed=0, method=method)
         engine = make_engine(plan, model)
         optimizer = make_optimizer(plan, [p for p in model.parameters() if p.requires_grad],
                                    base=torch.optim.SGD,

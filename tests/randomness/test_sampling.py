@@ -67,7 +67,7 @@ def test_noise_std_is_sigma_c_over_expected_batch(tmp_path):
 
 def test_noise_of_the_optimizer_directly():
     param = torch.nn.Parameter(torch.zeros(200_000, dtype=torch.float64))
-    opt = make_dp_optimizer([param], base=torch.optim.SGD, lr=1.0, noise_multiplier=2.0, max_grad_norm=0.25,
+    opt = make_dp_optimizer([param], base=torch.optim.SGD, lr=1.0, noise_multiplier=2.0, per_sample_max_grad_norm=0.25,
                             expected_batch_size=10, sample_rate=0.01, seed=7)
     with pytest.raises(UnprivatizedGradientError):
         opt.step()  # nothing accumulated (not even an empty batch): nothing to release

@@ -292,7 +292,7 @@ def test_optimizer_refuses_step_beyond_target():
     from hf_dpfilter.accounting.budget import PrivacyBudgetExceededError
 
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = make_dp_optimizer([p], torch.optim.SGD, lr=0.1, noise_multiplier=2.0, max_grad_norm=1.0,
+    opt = make_dp_optimizer([p], torch.optim.SGD, lr=0.1, noise_multiplier=2.0, per_sample_max_grad_norm=1.0,
                             expected_batch_size=10, sample_rate=0.1, target_epsilon=1.5, target_delta=1e-5,
                             accountant=PrivacyAccountant("rdp"))
     steps = 0

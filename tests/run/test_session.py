@@ -291,7 +291,7 @@ def test_optimizer_state_dict_holds_no_seed_and_a_load_draws_fresh_noise():
 
     def optimizer():
         p = torch.nn.Parameter(torch.zeros(64))
-        return make_dp_optimizer([p], torch.optim.SGD, lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+        return make_dp_optimizer([p], torch.optim.SGD, lr=1.0, noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
                                  expected_batch_size=1.0, sample_rate=0.1, seed=SEED), p
 
     def noise_of_one_step(opt, p) -> torch.Tensor:
@@ -339,7 +339,7 @@ def test_custom_loop_optimizer_under_a_launcher_without_a_group_is_refused(monke
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(RuntimeError, match="separate DP run"):
         make_dp_optimizer([torch.nn.Parameter(torch.zeros(2))], torch.optim.SGD, lr=0.1, noise_multiplier=1.0,
-                          max_grad_norm=1.0, expected_batch_size=4, sample_rate=0.1)
+                          per_sample_max_grad_norm=1.0, expected_batch_size=4, sample_rate=0.1)
 
 
 def test_process_group_must_match_the_trainer_and_the_launcher():

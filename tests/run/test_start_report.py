@@ -102,7 +102,7 @@ def test_optimizer_without_sample_rate_accounts_every_step_without_amplification
     engine = GhostClippingEngine(model, verify_first_backward=False)
     with pytest.warns(UserWarning, match="No sample_rate was given.*sample_rate=B/N"):
         optimizer = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=0.1, noise_multiplier=1.0,
-                                      max_grad_norm=1.0, expected_batch_size=4, seed=0)
+                                      per_sample_max_grad_norm=1.0, expected_batch_size=4, seed=0)
     _steps(optimizer, engine, model, 5)
     epsilon = optimizer.accountant.get_epsilon(1e-5)
     assert epsilon > 0 and math.isfinite(epsilon)
@@ -114,7 +114,7 @@ def test_budget_guard_works_without_sample_rate():
     engine = GhostClippingEngine(model, verify_first_backward=False)
     with pytest.warns(UserWarning, match="No sample_rate"):
         optimizer = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=0.1, noise_multiplier=2.0,
-                                      max_grad_norm=1.0, expected_batch_size=4, seed=0, target_epsilon=3.0,
+                                      per_sample_max_grad_norm=1.0, expected_batch_size=4, seed=0, target_epsilon=3.0,
                                       target_delta=1e-5)
     with pytest.raises(PrivacyBudgetExceededError):
         _steps(optimizer, engine, model, 50)

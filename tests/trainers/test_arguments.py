@@ -95,14 +95,16 @@ def test_changing_max_steps_after_creation(tmp_path):
 
 # ------------------------------------------------------------------------------- the optimizer factory
 def _opt(**kw):
-    base = dict(lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+    base = dict(lr=0.1, noise_multiplier=1.0, per_sample_max_grad_norm=1.0, expected_batch_size=4)
     base.update(kw)
     return make_dp_optimizer([torch.nn.Parameter(torch.zeros(2))], torch.optim.SGD, **base)
 
 
 OPTIMIZER_ERRORS = [
     (dict(noise_multiplier=-1.0), "noise_multiplier must be >= 0"),
-    (dict(max_grad_norm=0.0), r"max_grad_norm must be > 0, got 0.0: it is the per-example clipping norm C"),
+    (dict(per_sample_max_grad_norm=0.0),
+     r"per_sample_max_grad_norm must be > 0, got 0.0: it is the per-example clipping norm C"),
+    (dict(max_grad_norm=1.0), r"make_dp_optimizer: 'max_grad_norm' was renamed 'per_sample_max_grad_norm'"),
     (dict(expected_batch_size=0), "expected_batch_size must be > 0"),
     (dict(clipping_fn="soft"), "clipping_fn must be one of"),
     (dict(target_epsilon=1.0), "Give both target_epsilon and target_delta"),
@@ -119,14 +121,14 @@ def test_refused_optimizer_settings(kwargs, message):
 def test_base_optimizer_instance_with_settings():
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="base is an optimizer instance"):
-        make_dp_optimizer(None, torch.optim.SGD([p], lr=0.1), lr=0.2, noise_multiplier=1.0, max_grad_norm=1.0,
+        make_dp_optimizer(None, torch.optim.SGD([p], lr=0.1), lr=0.2, noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
                           expected_batch_size=4)
 
 
 def test_base_is_not_an_optimizer():
     with pytest.raises(TypeError, match="base must be a torch.optim.Optimizer"):
         make_dp_optimizer([torch.nn.Parameter(torch.zeros(2))], base=object, noise_multiplier=1.0,
-                          max_grad_norm=1.0,
+                          per_sample_max_grad_norm=1.0,
                           expected_batch_size=4)
 
 

@@ -161,7 +161,7 @@ def _release(xs: torch.Tensor, overflow: list[int], noised_nonfinite: bool = Fal
     whose scaled gradient is inf. Returns (parameters after, applied?, next scale, accounted steps, seen)."""
     model = _Example()
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=1.0,
-                              max_grad_norm=1.0, seed=7)
+                              per_sample_max_grad_norm=1.0, seed=7)
     engine = make_engine(plan, model, verify_first_backward=False)
     optimizer = make_optimizer(plan, list(model.parameters()), base=torch.optim.SGD, lr=1.0)
     seen: list[dict] = []
@@ -214,7 +214,7 @@ def test_the_scaler_reads_the_noised_gradient_and_a_skipped_step_is_accounted():
 def test_the_loss_scale_is_kept_in_the_optimizer_checkpoint():
     model = _Example()
     plan = PrivacyPlan.create(num_examples=100, logical_batch_size=4, epochs=1, noise_multiplier=1.0,
-                              max_grad_norm=1.0, seed=7)
+                              per_sample_max_grad_norm=1.0, seed=7)
     optimizer = make_optimizer(plan, list(model.parameters()), base=torch.optim.SGD, lr=1.0)
     optimizer.loss_scaler = DPLossScaler(scale=2.0**8)
     state = optimizer.state_dict()
