@@ -7,4 +7,5 @@
 * ``training_fields``: the declared status of every ``TrainingArguments`` field.
 * ``eval_overlap``: evaluation sets sharing rows with the training set, refused unless opted in.
 * ``start_report``: the plan printed before training, with its warnings.
+* ``progress``: epsilon logged at every epoch's end and at the last step; the expected duration of a long run.
 """

@@ -51,6 +51,7 @@ from hf_dpfilter.data.micro_batches import (
 )
 from hf_dpfilter.data.packing import PackingError, packed_token_mean_loss
 from hf_dpfilter.data.row_checks import (
+    check_labels_fit_the_head,
     check_training_columns,
     check_training_rows,
     collator_reads_model_inputs,
@@ -74,6 +75,7 @@ from hf_dpfilter.proofs.row_examples import conversation_start_marker
 from hf_dpfilter.proofs.row_segments import RowSegmentsGuard
 from hf_dpfilter.proofs.separation import SeparationChecks
 from hf_dpfilter.run.guard import RunGuard
+from hf_dpfilter.run.progress import ProgressCallback
 from hf_dpfilter.run.session import PrivacySessionMixin, _PrivacyCallback, read_privacy_ledger
 from hf_dpfilter.run.start_report import announce_start
 from hf_dpfilter.trainers.arguments import DPArgumentsMixin
@@ -126,6 +128,7 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         check_prompt_learning(self.model)
         self._setup_privacy()
         self.add_callback(_PrivacyCallback(self))
+        self.add_callback(ProgressCallback(self))  # epsilon at each epoch's end; the duration estimate
         # What the plan was computed from; checked again when train() starts (hf_dpfilter/run/guard.py).
         self._run_guard = RunGuard(self, DPTrainerMixin)
 
@@ -386,6 +389,9 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
         if check_rows:  # before the probe collates them; a datasets.Dataset's whole columns by their types
             check_training_columns(dataset)
             check_training_rows(dataset[i] for i in range(min(2, len(dataset))))
+            # the head's targets, from the rows as given (a label under another name is dropped above)
+            given = [self.train_dataset[i] for i in range(min(2, len(dataset)))]
+            check_labels_fit_the_head(self.model, given, self.label_names)
         # the guard (packed rows) and the maskless-padding check see every batch collated from now on
         self._use_training_structure(
             probe_batch_structure(collator, dataset[0], dataset[1] if len(dataset) > 1 else None))

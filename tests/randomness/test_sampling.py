@@ -157,7 +157,8 @@ def test_logged_epsilon_uses_the_planned_horizon_and_matches_the_report(tmp_path
     # exact at the end: the ledger, then the closing summary line (the accountant's cached value)
     assert [c for c in during_training if c[1] is None] == [(12, None), (12, None)]
     logged = {entry["step"]: entry["epsilon"] for entry in entries}
-    assert sorted(logged) == [4, 8, 12] and logged[12] == round(report["epsilon"], 4)
-    for step in (4, 8):  # before the horizon: within 1 % of eps(H) of the exact value
+    # every 4 steps, and the end of the first epoch (10 steps of 4 of 40 examples)
+    assert sorted(logged) == [4, 8, 10, 12] and logged[12] == round(report["epsilon"], 4)
+    for step in (4, 8, 10):  # before the horizon: within 1 % of eps(H) of the exact value
         exact = compute_epsilon([(1.0, 0.1, step)], report["delta"], "prv")
         assert abs(logged[step] - exact) <= 0.01 * report["epsilon"]
