@@ -63,7 +63,7 @@ B, T = spec["batch_size"], spec["seq_len"]
 ids = torch.randint(0, model.config.vocab_size, (B, T), device=device)
 engine = GhostClippingEngine(model, verify_first_backward=False)
 optimizer = make_dp_optimizer(model.parameters(), torch.optim.SGD, lr=1e-4, noise_multiplier=1.0,
-                              max_grad_norm=1.0, expected_batch_size=B, sample_rate=0.01, seed=0)
+                              per_sample_max_grad_norm=1.0, expected_batch_size=B, sample_rate=0.01, seed=0)
 
 def loss_fn(values):
     logits = engine.call_model(values, input_ids=ids).logits

@@ -69,7 +69,7 @@ def print_plans(args: argparse.Namespace) -> None:
             delta = n ** -1.1
             plan = PrivacyPlan.create(num_examples=n, logical_batch_size=b, epochs=args.epochs,
                                       target_epsilon=eps,
-                                      max_grad_norm=args.max_grad_norm, seed=0)
+                                      per_sample_max_grad_norm=args.max_grad_norm, seed=0)
             theirs = opacus_plan(n, b, int(args.epochs))
             sigma = get_noise_multiplier(target_epsilon=eps, target_delta=delta,
                                          sample_rate=theirs["sample_rate"],
@@ -121,7 +121,7 @@ def check_gradients(args: argparse.Namespace) -> None:
 
         ours_model = copy.deepcopy(base)
         plan = PrivacyPlan.create(num_examples=1000, logical_batch_size=size, epochs=1, noise_multiplier=0.0,
-                                  max_grad_norm=c, seed=0)
+                                  per_sample_max_grad_norm=c, seed=0)
         engine, optimizer, _ = make_private(plan, ours_model, base=torch.optim.SGD, lr=0.0)
 
         def loss_fn(values, model=ours_model, engine=engine):

@@ -76,7 +76,7 @@ def build(method: str, width: int, seed: int = 0, layers: int = 12, stack_layers
     engine = GhostClippingEngine(model, verify_first_backward=False)
     engine.stack_layers = stack_layers
     optimizer = make_dp_optimizer(model.parameters(), method=method, base=torch.optim.AdamW, lr=1e-4,
-                                  noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8,
+                                  noise_multiplier=1.0, per_sample_max_grad_norm=1.0, expected_batch_size=8,
                                   sample_rate=0.01, seed=0, method_args=METHODS[method] or None)
     return model, engine, optimizer
 

@@ -123,7 +123,7 @@ def hf_dpfilter_step(
     engine = GhostClippingEngine(model, verify_first_backward=True)
     opt = make_dp_optimizer(
         trainable(model), base=torch.optim.AdamW, method=method, lr=LR, noise_multiplier=NOISE,
-        max_grad_norm=CLIP, expected_batch_size=labels.shape[0], sample_rate=0.01, seed=0, **method_kwargs,
+        per_sample_max_grad_norm=CLIP, expected_batch_size=labels.shape[0], sample_rate=0.01, seed=0, **method_kwargs,
     )  # fmt: skip
 
     def loss_fn(values):
