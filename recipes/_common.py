@@ -116,7 +116,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     preset) state it in their help text instead of printing "None"; switches (default False) need none."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
+        # a bare % in a field's help (written for readers, not for argparse) would break the %-formatting
+        text = re.sub(r"%%|%\(|%", lambda m: m.group() if len(m.group()) == 2 else "%%", action.help or "")
         if (
             "default" in text.lower()
             or action.default is None
@@ -249,6 +250,10 @@ def recipe_parser(doc: str, task_class: type, args_class: type = DPTrainingArgum
         # argparse would print all ~200 options before every error message
         usage="%(prog)s [options]  (--help lists them, with their defaults)",
     )
+    # the short names of the README's commands (HfArgumentParser's aliases, for a field of a library class)
+    method = next(a for a in parser._actions if a.dest == "dp_method")
+    method.option_strings.append("--method")
+    parser._option_string_actions["--method"] = method
     parser.set_defaults(model_name_or_path=default_model, **COMMON_DEFAULTS, **defaults)
     for name, note in {**COMMON_NOTES, **(notes or {})}.items():
         action = next(a for a in parser._actions if a.dest == name)

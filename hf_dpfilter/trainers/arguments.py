@@ -52,8 +52,6 @@ class DPArgumentsMixin:
                     "'pmlf', "
             "'dicesgd', 'diff2'; 'none' trains non-privately through the same code path, for comparisons.",
             "choices": list(DP_METHODS),
-            # HfArgumentParser: `--method` is the recipes' and the README's name for the same flag
-            "aliases": ["--method"],
         },
     )
     dp_method_args: dict[str, Any] | str | None = field(

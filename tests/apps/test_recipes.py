@@ -401,9 +401,9 @@ def test_a_recipe_run_resumes_from_its_checkpoint_and_the_ledger_counts_each_ste
     """--save_strategy steps --save_steps 2, interrupted after the checkpoint at step 2 (as by a crash), then
     the same command with --resume_from_checkpoint: the privacy ledger and the report count 4 steps (2
     restored, 2 new), at the run's target epsilon."""
-    import hf_dpfilter
     from transformers import TrainerCallback
 
+    import hf_dpfilter
     from hf_dpfilter.trainers.trainer import read_privacy_ledger
 
     class Interrupt(TrainerCallback):
