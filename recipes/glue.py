@@ -12,9 +12,9 @@ GPU and the Hub: ``--config_file accelerate_configs/multi_gpu.yaml --task mnli -
 --model roberta-base --target_epsilon 3``.
 
 Every Trainer and DP flag works by its own name (HfArgumentParser over DPTrainingArguments): e.g.
-``--report_to wandb``, ``--push_to_hub``, ``--bf16``, checkpoints with ``--save_strategy steps --save_steps 500``
-and a resume with ``--resume_from_checkpoint <output_dir>/checkpoint-500`` (the privacy ledger goes on from
-it). ``--method``, ``--model`` and ``--task`` are short for ``--dp_method``, ``--model_name_or_path`` and
+``--report_to wandb``, ``--push_to_hub``, ``--bf16``, checkpoints with ``--save_strategy steps
+--save_steps 500`` and a resume with ``--resume_from_checkpoint <output_dir>/checkpoint-500`` (the privacy
+ledger goes on from it). ``--method``, ``--model`` and ``--task`` are short for ``--dp_method``, ``--model_name_or_path`` and
 ``--task_name``.
 
 Data: ``--data_dir`` in the GLUE TSV layout (``<data_dir>/<TASK>/{train,dev}.tsv``, MNLI
@@ -236,8 +236,8 @@ class GlueArguments:
     preset: str | None = field(default=None, metadata={
         "choices": ["paper"],
         "help": "Default: none (the recipe's settings). 'paper': the DiSK/DOPPLER GLUE settings (B = 1000 x "
-                "factor, 3 x factor epochs, lr 5e-4, automatic clipping C = 1 for DiSK/DOPPLER); explicit flags "
-                "still override it."})
+                "factor, 3 x factor epochs, lr 5e-4, automatic clipping C = 1 for DiSK/DOPPLER); explicit "
+                "flags still override it."})
 
     #: HF_DPFILTER_DATA=<folder>: the data is <folder>/glue (no --data_dir needed)
     data_subdir = "glue"
@@ -266,7 +266,8 @@ def build_parser():
         defaults={"learning_rate": 5e-4, "num_train_epochs": 3.0, "lr_scheduler_type": "linear",
                   "clipping_fn": "abadi", "per_sample_max_grad_norm": 1.0, "max_seq_length": 128},
         notes={"learning_rate": "5e-4, 2e-3 with LoRA; --preset paper: 5e-4.",
-               "logical_batch_size": "256 (N // 4 when N is smaller); --preset paper: 1000 x the task's factor.",
+               "logical_batch_size": "256 (N // 4 when N is smaller); --preset paper: 1000 x the task's "
+                                     "factor.",
                "num_train_epochs": "3; --preset paper: 3 x the task's factor.",
                "clipping_fn": "abadi; --preset paper: the method's paper.",
                "per_sample_max_grad_norm": "1.0; --preset paper: the method's paper.",

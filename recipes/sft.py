@@ -88,8 +88,9 @@ def load_model_and_tokenizer(cli: RecipeArgs, max_seq_length: int) -> tuple[Any,
         from recipes.common.offline_chat import byte_level_chat_tokenizer, small_llama
 
         tokenizer = byte_level_chat_tokenizer()
-        model = small_llama(tokenizer, hidden_size=cli.task.offline_hidden_size, layers=cli.task.offline_layers,
-                            heads=4, max_positions=max(512, max_seq_length), seed=cli.training["seed"])
+        model = small_llama(tokenizer, hidden_size=cli.task.offline_hidden_size,
+                            layers=cli.task.offline_layers, heads=4, max_positions=max(512, max_seq_length),
+                            seed=cli.training["seed"])
         return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -151,13 +152,15 @@ def build_parser():
         defaults={"learning_rate": 2e-3, "num_train_epochs": 3.0, "lr_scheduler_type": "constant",
                   "clipping_fn": "abadi", "per_sample_max_grad_norm": 1.0, "max_seq_length": 256,
                   # the recipe's values of SFTConfig's own defaults
-                  "packing": True, "assistant_only_loss": True, "gradient_checkpointing": False, "bf16": False},
-        notes={"logical_batch_size": "256 examples, or users with --privacy_unit user (a quarter of the units "
-                                     "when they are fewer).",
-               "max_seq_length": "256 (the packed row's capacity; the offline tokenizer has one token per byte).",
+                  "packing": True, "assistant_only_loss": True, "gradient_checkpointing": False,
+                  "bf16": False},
+        notes={"logical_batch_size": "256 examples, or users with --privacy_unit user (a quarter of the "
+                                     "units when they are fewer).",
+               "max_seq_length": "256 (the packed row's capacity; the offline tokenizer has one token per "
+                                 "byte).",
                "max_examples_per_user": f"{MAX_EXAMPLES_PER_USER} with --privacy_unit user.",
-               "model_name_or_path": f"'{OFFLINE_MODEL}': a small Llama from a config and the byte-level chat "
-                                     "tokenizer (no download)."},
+               "model_name_or_path": f"'{OFFLINE_MODEL}': a small Llama from a config and the byte-level "
+                                     "chat tokenizer (no download)."},
     )
     # SFTConfig's packing defaults to False, so HfArgumentParser gives it no --no_packing: the recipe's name
     parser.add_argument("--no_packing", action="store_false", dest="packing",
@@ -234,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     announce_and_train(trainer)
     metrics = final_evaluation(trainer)
     score_generations(trainer,
-                      lambda sources: generate(trainer.model, tokenizer, sources, cli.task, trainer.args.device),
+                      lambda sources: generate(trainer.model, tokenizer, sources, cli.task,
+                                               trainer.args.device),
                       eval_groups, metrics, training_args.output_dir, "sft")
     report = trainer.privacy_report()
     if not user_level:  # at user level the example count is private (see the print above)

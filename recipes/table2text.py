@@ -249,12 +249,13 @@ def copy_baseline(eval_groups: Groups) -> dict[str, Any]:
 class Table2TextArguments:
     """The data set, the settings preset and the decoding (recipes/table2text_seq2seq.py shares them)."""
 
-    dataset: str = field(default="e2e", metadata={"choices": ["e2e", "dart"], "help": "Table-to-text data set."})
+    dataset: str = field(default="e2e",
+                         metadata={"choices": ["e2e", "dart"], "help": "Table-to-text data set."})
     preset: str | None = field(default=None, metadata={
         "choices": ["paper"],
-        "help": "Default: none (the recipe's settings). 'paper': Li et al. 2022 / DiSK settings (B = 1024, lr "
-                "2e-3 E2E / 5e-4 DART, 10 / 15 epochs, constant lr, delta 8e-6 / 1e-5); explicit flags still "
-                "override it."})
+        "help": "Default: none (the recipe's settings). 'paper': Li et al. 2022 / DiSK settings (B = 1024, "
+                "lr 2e-3 E2E / 5e-4 DART, 10 / 15 epochs, constant lr, delta 8e-6 / 1e-5); explicit flags "
+                "still override it."})
     num_beams: int = field(default=5, metadata={"help": "Beam size for decoding."})
     max_generation_length: int = field(default=100, metadata={"help": "Maximum new tokens per output."})
     generation_batch_size: int = field(default=16, metadata={"help": "Inputs decoded together."})
@@ -274,7 +275,8 @@ def resolve_settings(cli: RecipeArgs) -> dict[str, Any]:
     clip_fn, clip_norm = PAPER_CLIPPING.get(method, ("abadi", 0.1))
     paper = PAPER[dataset]
     return resolve(cli, {
-        "logical_batch_size": 1024, "num_train_epochs": paper["epochs"], "learning_rate": paper["learning_rate"],
+        "logical_batch_size": 1024, "num_train_epochs": paper["epochs"],
+        "learning_rate": paper["learning_rate"],
         "lr_scheduler_type": "constant", "clipping_fn": clip_fn, "per_sample_max_grad_norm": clip_norm,
         "max_seq_length": paper["max_seq_length"], "target_delta": paper["delta"],
     }, PAPER_METHOD_ARGS.get(method))
@@ -290,7 +292,8 @@ NOTES = {
     "max_seq_length": "100 for E2E, 120 for DART.",
     "target_delta": "N^-1.1; --preset paper: 8e-6 for E2E, 1e-5 for DART.",
 }
-DEFAULTS = {"learning_rate": 2e-3, "max_seq_length": 100, "num_train_epochs": 3.0, "lr_scheduler_type": "constant", "clipping_fn": "abadi",
+DEFAULTS = {"learning_rate": 2e-3, "max_seq_length": 100, "num_train_epochs": 3.0,
+            "lr_scheduler_type": "constant", "clipping_fn": "abadi",
             "per_sample_max_grad_norm": 1.0}
 
 
@@ -308,8 +311,8 @@ def parse_args(argv: list[str] | None = None) -> RecipeArgs:
 def load_pairs(cli: RecipeArgs, settings: dict[str, Any], recipe: str) -> tuple[list, list]:
     """The training pairs and evaluation groups the options ask for (``--max_*_samples``); a logical batch
     larger than the training set becomes N // 4 (said on the console, under the recipe's name)."""
-    train_pairs, eval_groups = load_table2text(cli.task.dataset, cli.data.data_dir, cli.task.dart_eval_fraction,
-                                               cli.training["seed"])
+    train_pairs, eval_groups = load_table2text(cli.task.dataset, cli.data.data_dir,
+                                               cli.task.dart_eval_fraction, cli.training["seed"])
     if cli.data.max_train_samples is not None:
         train_pairs = train_pairs[: cli.data.max_train_samples]
     if cli.data.max_eval_samples is not None:
@@ -360,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     metrics = final_evaluation(trainer)
     # the packaged, offline evaluate module "table2text" (recipes.common.generation_metrics behind it)
     pairs = score_generations(trainer,
-                              lambda sources: generate(trainer.model, fmt, sources, cli.task, trainer.args.device),
+                              lambda sources: generate(trainer.model, fmt, sources, cli.task,
+                                                       trainer.args.device),
                               eval_groups, metrics, training_args.output_dir, "table2text")
     for src, pred in pairs[:3]:
         print(f"  {src}\n    -> {pred}", flush=True)

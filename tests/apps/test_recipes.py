@@ -101,8 +101,9 @@ def test_every_listed_method_runs_with_its_defaults_and_a_short_plan_warns(tiny_
     glue.main([
         "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"), "--method",
         method,
-        "--target_epsilon", "8", "--max_train_samples", samples, "--max_eval_samples", "32", "--max_seq_length", "16",
-        "--num_train_epochs", "1.25", "--num_evals", "1", "--output_dir", str(out), "--use_cpu", "--secure_rng",
+        "--target_epsilon", "8", "--max_train_samples", samples, "--max_eval_samples", "32",
+        "--max_seq_length", "16", "--num_train_epochs", "1.25", "--num_evals", "1", "--output_dir", str(out),
+        "--use_cpu", "--secure_rng",
     ])
     printed = capsys.readouterr().out
     results = _check_outputs(out, method)
@@ -165,8 +166,9 @@ def test_glue_paper_preset():
     assert (s["logical_batch_size"], s["num_train_epochs"], s["learning_rate"]) == (6000, 18, 5e-4)
     assert (s["clipping_fn"], s["per_sample_max_grad_norm"], s["max_seq_length"]) == ("automatic", 1.0, 256)
     # explicit flags override the preset, also when they repeat a recipe default
-    s = glue.resolve_settings(glue.parse_args(["--task_name", "qnli", "--dp_method", "dpsgd", "--preset", "paper",
-                                               "--learning_rate", "1e-3", "--max_seq_length", "128"]))
+    s = glue.resolve_settings(glue.parse_args(["--task_name", "qnli", "--dp_method", "dpsgd", "--preset",
+                                               "paper", "--learning_rate", "1e-3",
+                                               "--max_seq_length", "128"]))
     assert (s["logical_batch_size"], s["num_train_epochs"], s["learning_rate"], s["per_sample_max_grad_norm"],
             s["max_seq_length"]) == (2000, 6, 1e-3, 0.1, 128)
 
@@ -181,7 +183,8 @@ def test_recipes_use_the_adam_variant_of_the_low_pass_filters(tmp_path):
     assert (training_args.dp_method_args, training_args.optim) == ({"base": "adam"}, "sgd")
     # choosing the base yourself replaces the default (base='optimizer' keeps the AdamW); retired names are
     # refused; the JSON form of DPTrainingArguments works too
-    for given in (["--method_args", "base=optimizer", "k=3"], ["--dp_method_args", '{"base": "optimizer", "k": 3}']):
+    for given in (["--method_args", "base=optimizer", "k=3"],
+                  ["--dp_method_args", '{"base": "optimizer", "k": 3}']):
         cli = glue.parse_args(["--method", "pmlf", *given])
         settings = glue.resolve_settings(cli)
         assert settings["method_args"] == {"base": "optimizer", "k": 3}
@@ -201,9 +204,9 @@ def test_results_never_contain_the_dp_seed_and_secure_rng_is_one_flag():
     assert "dp_seed" not in cli.as_dict()
 
 
-@pytest.mark.parametrize("retired, new", [("--epsilon", "--target_epsilon"), ("--epochs", "--num_train_epochs"),
-                                          ("--clipping_norm", "--per_sample_max_grad_norm"),
-                                          ("--lr_scheduler", "--lr_scheduler_type"), ("--delta", "--target_delta")])
+@pytest.mark.parametrize("retired, new", [
+    ("--epsilon", "--target_epsilon"), ("--epochs", "--num_train_epochs"), ("--delta", "--target_delta"),
+    ("--clipping_norm", "--per_sample_max_grad_norm"), ("--lr_scheduler", "--lr_scheduler_type")])
 def test_retired_flag_names_are_refused_with_the_new_one(retired, new):
     """The recipes' own names of earlier versions are not aliases: one line names the field to write."""
     with pytest.raises(SystemExit, match=f"{retired} was renamed {new} "):
@@ -213,7 +216,8 @@ def test_retired_flag_names_are_refused_with_the_new_one(retired, new):
 
 
 def test_trainer_flags_work_by_their_own_names_with_the_recipe_defaults_shown(tmp_path):
-    """HfArgumentParser over DPTrainingArguments: any Trainer flag; the recipe's defaults where they differ."""
+    """HfArgumentParser over DPTrainingArguments: any Trainer flag, the recipe's defaults where they
+    differ."""
     import _common
 
     cli = glue.parse_args(["--model", _common.PACKAGED_MINILM, "--report_to", "tensorboard", "--seed", "3",
@@ -356,8 +360,8 @@ def test_quickstart_example_runs(tmp_path):
 
 @pytest.mark.parametrize("recipe", [glue, table2text], ids=["glue", "table2text"])
 def test_help_shows_every_default(recipe):
-    """Every option of the recipe's own dataclasses, and every Trainer option whose default the recipe changes,
-    says its default under --help (argparse's value, or the recipe's)."""
+    """Every option of the recipe's own dataclasses, and every Trainer option whose default the recipe
+    changes, says its default under --help (argparse's value, or the recipe's)."""
     import dataclasses
 
     import _common
@@ -384,10 +388,12 @@ def test_epsilon_and_noise_multiplier_together_are_refused(recipe, tmp_path):
     import _common
 
     argv = ["--output_dir", str(tmp_path), "--use_cpu", "--target_epsilon", "8", "--noise_multiplier", "0.5"]
-    with pytest.raises(SystemExit, match="both --target_epsilon 8 and --noise_multiplier 0.5 .* Give only one"):
+    with pytest.raises(SystemExit,
+                       match="both --target_epsilon 8 and --noise_multiplier 0.5 .* Give only one"):
         recipe.resolve_settings(recipe.parse_args(argv))
     # one of them: it is what the run uses
-    for given, expected in (([], {"target_epsilon": 8.0}), (["--target_epsilon", "3"], {"target_epsilon": 3.0}),
+    for given, expected in (([], {"target_epsilon": 8.0}),
+                            (["--target_epsilon", "3"], {"target_epsilon": 3.0}),
                             (["--noise_multiplier", "0.7"], {"noise_multiplier": 0.7})):
         cli = recipe.parse_args(["--output_dir", str(tmp_path), "--use_cpu", *given])
         training_args = _common.training_arguments(cli, recipe.resolve_settings(cli), n_train=512)
@@ -396,8 +402,8 @@ def test_epsilon_and_noise_multiplier_together_are_refused(recipe, tmp_path):
 
 
 @needs_sst2
-def test_a_recipe_run_resumes_from_its_checkpoint_and_the_ledger_counts_each_step_once(tiny_bert_dir, tmp_path,
-                                                                                        monkeypatch):
+def test_a_recipe_run_resumes_from_its_checkpoint_and_the_ledger_counts_each_step_once(
+        tiny_bert_dir, tmp_path, monkeypatch):
     """--save_strategy steps --save_steps 2, interrupted after the checkpoint at step 2 (as by a crash), then
     the same command with --resume_from_checkpoint: the privacy ledger and the report count 4 steps (2
     restored, 2 new), at the run's target epsilon."""
