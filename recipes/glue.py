@@ -14,8 +14,8 @@ GPU and the Hub: ``--config_file accelerate_configs/multi_gpu.yaml --task mnli -
 Every Trainer and DP flag works by its own name (HfArgumentParser over DPTrainingArguments): e.g.
 ``--report_to wandb``, ``--push_to_hub``, ``--bf16``, checkpoints with ``--save_strategy steps
 --save_steps 500`` and a resume with ``--resume_from_checkpoint <output_dir>/checkpoint-500`` (the privacy
-ledger goes on from it). ``--method``, ``--model`` and ``--task`` are short for ``--dp_method``, ``--model_name_or_path`` and
-``--task_name``.
+ledger goes on from it). ``--method``, ``--model`` and ``--task`` are short for ``--dp_method``,
+``--model_name_or_path`` and ``--task_name``.
 
 Data: ``--data_dir`` in the GLUE TSV layout (``<data_dir>/<TASK>/{train,dev}.tsv``, MNLI
 ``dev_matched.tsv`` / ``dev_mismatched.tsv``; columns are found by their header names), otherwise

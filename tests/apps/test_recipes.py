@@ -376,7 +376,7 @@ def test_help_shows_every_default(recipe):
         text = formatter._get_help_string(action) % {"default": action.default}
         assert "default" in text.lower(), f"{action.option_strings[0]}: {text!r}"
     printed = recipe_help(os.path.basename(recipe.__file__))
-    assert "(default: 32)" in printed and "(default: prv)" in printed and "Examples::" in printed
+    assert "(default: 32)" in printed and "'prv' (default)" in printed and "Examples::" in printed
     for flag in ("--target_epsilon", "--per_sample_max_grad_norm", "--num_train_epochs", "--report_to",
                  "--push_to_hub", "--resume_from_checkpoint", "--method", "--model"):
         assert flag in printed
