@@ -230,8 +230,12 @@ class RecipeArgs:
         return self.training["output_dir"]
 
     def as_dict(self) -> dict[str, Any]:
-        """Every parsed field, for results.json (the DP seed left out)."""
-        out = {**vars(self.model), **vars(self.data), **vars(self.run), **vars(self.task), **self.training}
+        """For results.json: the recipe's dataclasses, the method, and the training fields the command line
+        gave (the resolved settings are recorded beside them; every other field keeps its default). Never the
+        DP seed nor a hub token."""
+        training = {k: v for k, v in self.training.items()
+                    if k in self.given or k in ("dp_method", "output_dir")}
+        out = {**vars(self.model), **vars(self.data), **vars(self.run), **vars(self.task), **training}
         out.pop("dp_seed", None)
         out.pop("hub_token", None)
         return out
