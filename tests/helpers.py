@@ -50,6 +50,18 @@ def recipe_help(script: str) -> str:
     return result.stdout
 
 
+def recipe_flags(script: str) -> set[str]:
+    """The option strings ``python recipes/<script> --help`` lists (each option's line starts with them; the
+    help texts and the examples under it are left out)."""
+    import re
+
+    flags: set[str] = set()
+    for line in recipe_help(script).splitlines():
+        if re.match(r"^  -", line):  # argparse's option lines: two spaces, then the option strings
+            flags.update(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", line.strip().split("  ")[0]))
+    return flags
+
+
 class ListDataset(Dataset):
     def __init__(self, examples: list[dict]) -> None:
         self.examples = examples

@@ -66,7 +66,7 @@ def _check_outputs(out_dir, method: str) -> dict:
                 "wall_time_seconds", "arguments"):
         assert key in results
     assert results["privacy"]["method"] == method
-    assert results["arguments"]["method"] == method
+    assert results["arguments"]["dp_method"] == method
     for name in ("epsilon.png", "training.png"):
         with open(os.path.join(out_dir, name), "rb") as f:
             assert f.read(8) == PNG
@@ -79,7 +79,7 @@ def test_glue_recipe_runs(tiny_bert_dir, tmp_path, capsys, lora_r):
     out = tmp_path / "glue"
     glue.main([
         "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"),
-        "--method", "dpsgd", "--epsilon", "8", "--max_train_samples", "64", "--max_eval_samples", "32",
+        "--method", "dpsgd", "--target_epsilon", "8", "--max_train_samples", "64", "--max_eval_samples", "32",
         "--logical_batch_size", "16", "--per_device_train_batch_size", "8", "--max_steps", "3",
         "--num_evals", "1", "--output_dir", str(out), "--lora_r", str(lora_r), "--use_cpu",
     ])
@@ -101,8 +101,9 @@ def test_every_listed_method_runs_with_its_defaults_and_a_short_plan_warns(tiny_
     glue.main([
         "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"), "--method",
         method,
-        "--epsilon", "8", "--max_train_samples", samples, "--max_eval_samples", "32", "--max_seq_length", "16",
-        "--epochs", "1.25", "--num_evals", "1", "--output_dir", str(out), "--use_cpu", "--secure_rng",
+        "--target_epsilon", "8", "--max_train_samples", samples, "--max_eval_samples", "32",
+        "--max_seq_length", "16", "--num_train_epochs", "1.25", "--num_evals", "1", "--output_dir", str(out),
+        "--use_cpu", "--secure_rng",
     ])
     printed = capsys.readouterr().out
     results = _check_outputs(out, method)
@@ -161,45 +162,73 @@ def test_glue_tsv_reader_pair_tasks_and_mnli(tmp_path):
 
 
 def test_glue_paper_preset():
-    args = glue.build_parser().parse_args(["--task", "mnli", "--method", "disk", "--preset", "paper"])
-    s = glue.resolve_settings(args)
-    assert (s["logical_batch_size"], s["epochs"], s["learning_rate"]) == (6000, 18, 5e-4)
-    assert (s["clipping_fn"], s["clipping_norm"], s["max_seq_length"]) == ("automatic", 1.0, 256)
-    args = glue.build_parser().parse_args(["--task", "qnli", "--method", "dpsgd", "--preset", "paper",
-                                           "--learning_rate", "1e-3"])
-    s = glue.resolve_settings(args)
-    assert (s["logical_batch_size"], s["epochs"], s["learning_rate"], s["clipping_norm"]) == (2000, 6, 1e-3,
-                                                                                              0.1)
+    s = glue.resolve_settings(glue.parse_args(["--task", "mnli", "--method", "disk", "--preset", "paper"]))
+    assert (s["logical_batch_size"], s["num_train_epochs"], s["learning_rate"]) == (6000, 18, 5e-4)
+    assert (s["clipping_fn"], s["per_sample_max_grad_norm"], s["max_seq_length"]) == ("automatic", 1.0, 256)
+    # explicit flags override the preset, also when they repeat a recipe default
+    s = glue.resolve_settings(glue.parse_args(["--task_name", "qnli", "--dp_method", "dpsgd", "--preset",
+                                               "paper", "--learning_rate", "1e-3",
+                                               "--max_seq_length", "128"]))
+    assert (s["logical_batch_size"], s["num_train_epochs"], s["learning_rate"], s["per_sample_max_grad_norm"],
+            s["max_seq_length"]) == (2000, 6, 1e-3, 0.1, 128)
 
 
 def test_recipes_use_the_adam_variant_of_the_low_pass_filters(tmp_path):
     import _common
 
-    args = glue.build_parser().parse_args(["--method", "doppler", "--output_dir", str(tmp_path), "--use_cpu"])
-    settings = glue.resolve_settings(args)
+    cli = glue.parse_args(["--method", "doppler", "--output_dir", str(tmp_path), "--use_cpu"])
+    settings = glue.resolve_settings(cli)
     assert settings["method_args"] == {"base": "adam"}
-    training_args = _common.training_arguments(args, settings, n_train=512)
+    training_args = _common.training_arguments(cli, settings, n_train=512)
     assert (training_args.dp_method_args, training_args.optim) == ({"base": "adam"}, "sgd")
     # choosing the base yourself replaces the default (base='optimizer' keeps the AdamW); retired names are
-    # refused
-    args = glue.build_parser().parse_args(["--method", "pmlf", "--method_args", "base=optimizer", "k=3"])
-    settings = glue.resolve_settings(args)
-    assert settings["method_args"] == {"base": "optimizer", "k": 3}
-    assert _common.training_arguments(args, settings, n_train=512).optim != "sgd"
+    # refused; the JSON form of DPTrainingArguments works too
+    for given in (["--method_args", "base=optimizer", "k=3"],
+                  ["--dp_method_args", '{"base": "optimizer", "k": 3}']):
+        cli = glue.parse_args(["--method", "pmlf", *given])
+        settings = glue.resolve_settings(cli)
+        assert settings["method_args"] == {"base": "optimizer", "k": 3}
+        assert _common.training_arguments(cli, settings, n_train=512).optim != "sgd"
     with pytest.raises(ValueError, match="not a setting of dp_method='pmlf'"):
-        glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args",
-                                                              "kappa=0.5"]))
+        glue.resolve_settings(glue.parse_args(["--method", "pmlf", "--method_args", "kappa=0.5"]))
     with pytest.raises(ValueError, match=r"'pmlf_base' is no longer accepted.*dp_method_args=\{'base'"):
-        glue.resolve_settings(glue.build_parser().parse_args(["--method", "pmlf", "--method_args",
-                                                              "pmlf_base=adam"]))
+        glue.resolve_settings(glue.parse_args(["--method", "pmlf", "--method_args", "pmlf_base=adam"]))
 
 
 def test_results_never_contain_the_dp_seed_and_secure_rng_is_one_flag():
-    args = glue.build_parser().parse_args(["--method", "dpsgd", "--secure_rng", "--use_cpu"])
     import _common
 
-    training_args = _common.training_arguments(args, glue.resolve_settings(args), n_train=512)
+    cli = glue.parse_args(["--method", "dpsgd", "--secure_rng", "--use_cpu"])
+    training_args = _common.training_arguments(cli, glue.resolve_settings(cli), n_train=512)
     assert training_args.secure_rng and training_args.dp_seed is None
+    assert "dp_seed" not in cli.as_dict()
+
+
+@pytest.mark.parametrize("retired, new", [
+    ("--epsilon", "--target_epsilon"), ("--epochs", "--num_train_epochs"), ("--delta", "--target_delta"),
+    ("--clipping_norm", "--per_sample_max_grad_norm"), ("--lr_scheduler", "--lr_scheduler_type")])
+def test_retired_flag_names_are_refused_with_the_new_one(retired, new):
+    """The recipes' own names of earlier versions are not aliases: one line names the field to write."""
+    with pytest.raises(SystemExit, match=f"{retired} was renamed {new} "):
+        glue.parse_args(["--method", "disk", retired, "1"])
+    with pytest.raises(SystemExit, match=f"{retired} was renamed {new} "):
+        table2text.parse_args([f"{retired}=1"])
+
+
+def test_trainer_flags_work_by_their_own_names_with_the_recipe_defaults_shown(tmp_path):
+    """HfArgumentParser over DPTrainingArguments: any Trainer flag, the recipe's defaults where they
+    differ."""
+    import _common
+
+    cli = glue.parse_args(["--model", _common.PACKAGED_MINILM, "--report_to", "tensorboard", "--seed", "3",
+                           "--lr_scheduler_type", "constant", "--eval_steps", "7", "--use_cpu",
+                           "--output_dir", str(tmp_path)])
+    args = _common.training_arguments(cli, glue.resolve_settings(cli), n_train=1000)
+    assert (args.report_to, args.seed, args.lr_scheduler_type.value, args.eval_steps) == (["tensorboard"], 3,
+                                                                                          "constant", 7)
+    assert (args.learning_rate, args.logical_batch_size, args.target_epsilon, args.save_strategy.value) == (
+        5e-4, 256, 8.0, "no")
+    assert os.path.isdir(cli.model.model_name_or_path)  # packaged-minilm: the installed folder
 
 
 @needs_e2e
@@ -208,7 +237,7 @@ def test_table2text_recipe_runs(tiny_gpt2_dir, tmp_path, capsys, no_baseline):
     out = tmp_path / "e2e"
     table2text.main([
         "--dataset", "e2e", "--model", tiny_gpt2_dir, "--data_dir", os.path.join(DATA, "e2e"),
-        "--method", "dpsgd", "--epsilon", "8", "--max_train_samples", "64", "--max_eval_samples", "4",
+        "--method", "dpsgd", "--target_epsilon", "8", "--max_train_samples", "64", "--max_eval_samples", "4",
         "--logical_batch_size", "16", "--per_device_train_batch_size", "8", "--max_steps", "2", "--num_evals",
         "1",
         "--num_beams", "2", "--max_generation_length", "8", "--output_dir", str(out), "--use_cpu",
@@ -331,41 +360,84 @@ def test_quickstart_example_runs(tmp_path):
 
 @pytest.mark.parametrize("recipe", [glue, table2text], ids=["glue", "table2text"])
 def test_help_shows_every_default(recipe):
-    """Every option that takes a value says its default under --help (argparse's value, or the recipe's)."""
+    """Every option of the recipe's own dataclasses, and every Trainer option whose default the recipe
+    changes, says its default under --help (argparse's value, or the recipe's)."""
+    import dataclasses
+
     import _common
 
     parser = recipe.build_parser()
+    own = {f.name for cls in parser.dataclass_types[:-1] for f in dataclasses.fields(cls)}
+    own |= set(_common.COMMON_DEFAULTS) | set(parser._defaults)
     formatter = _common.HelpFormatter(prog="x")
     for action in parser._actions:
-        if not action.option_strings or action.nargs == 0:  # --help and switches (off unless given)
-            continue
+        if action.dest not in own or not action.option_strings or action.nargs == 0 or action.const is True:
+            continue  # --help and switches (off unless given)
         text = formatter._get_help_string(action) % {"default": action.default}
         assert "default" in text.lower(), f"{action.option_strings[0]}: {text!r}"
     printed = recipe_help(os.path.basename(recipe.__file__))
-    assert "(default: 32)" in printed and "(default: prv)" in printed and "Examples::" in printed
-    assert "(default: None)" not in printed
+    assert "(default: 32)" in printed and "'prv' (default)" in printed and "Examples::" in printed
+    for flag in ("--target_epsilon", "--per_sample_max_grad_norm", "--num_train_epochs", "--report_to",
+                 "--push_to_hub", "--resume_from_checkpoint", "--method", "--model"):
+        assert flag in printed
 
 
 @pytest.mark.parametrize("recipe", [glue, table2text], ids=["glue", "table2text"])
 def test_epsilon_and_noise_multiplier_together_are_refused(recipe, tmp_path):
-    """Sigma used to win silently over --epsilon (a run asked for epsilon 8 ended at
-    22.4)."""
+    """Sigma used to win silently over the target epsilon (a run asked for epsilon 8 ended at 22.4)."""
     import _common
 
-    argv = ["--output_dir", str(tmp_path), "--use_cpu", "--epsilon", "8", "--noise_multiplier", "0.5"]
-    with pytest.raises(SystemExit, match="both --epsilon 8 and --noise_multiplier 0.5 .* Give only one"):
-        recipe.resolve_settings(recipe.build_parser().parse_args(argv))
-    with pytest.raises(SystemExit, match="Give only one"):  # the helper the recipes call to build the args
-        _common.training_arguments(recipe.build_parser().parse_args(argv), {
-            "learning_rate": 1e-3, "logical_batch_size": 16, "epochs": 1, "clipping_norm": 1.0,
-            "clipping_fn": "abadi", "lr_scheduler": "constant", "method_args": {}}, n_train=64)
+    argv = ["--output_dir", str(tmp_path), "--use_cpu", "--target_epsilon", "8", "--noise_multiplier", "0.5"]
+    with pytest.raises(SystemExit,
+                       match="both --target_epsilon 8 and --noise_multiplier 0.5 .* Give only one"):
+        recipe.resolve_settings(recipe.parse_args(argv))
     # one of them: it is what the run uses
-    for given, expected in (([], {"target_epsilon": 8.0}), (["--epsilon", "3"], {"target_epsilon": 3.0}),
+    for given, expected in (([], {"target_epsilon": 8.0}),
+                            (["--target_epsilon", "3"], {"target_epsilon": 3.0}),
                             (["--noise_multiplier", "0.7"], {"noise_multiplier": 0.7})):
-        args = recipe.build_parser().parse_args(["--output_dir", str(tmp_path), "--use_cpu", *given])
-        training_args = _common.training_arguments(args, recipe.resolve_settings(args), n_train=512)
+        cli = recipe.parse_args(["--output_dir", str(tmp_path), "--use_cpu", *given])
+        training_args = _common.training_arguments(cli, recipe.resolve_settings(cli), n_train=512)
         got = {k: getattr(training_args, k) for k in ("target_epsilon", "noise_multiplier")}
         assert {k: v for k, v in got.items() if v is not None} == expected
+
+
+@needs_sst2
+def test_a_recipe_run_resumes_from_its_checkpoint_and_the_ledger_counts_each_step_once(
+        tiny_bert_dir, tmp_path, monkeypatch):
+    """--save_strategy steps --save_steps 2, interrupted after the checkpoint at step 2 (as by a crash), then
+    the same command with --resume_from_checkpoint: the privacy ledger and the report count 4 steps (2
+    restored, 2 new), at the run's target epsilon."""
+    from transformers import TrainerCallback
+
+    import hf_dpfilter
+    from hf_dpfilter.trainers.trainer import read_privacy_ledger
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    class InterruptedTrainer(hf_dpfilter.DPTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, callbacks=[Interrupt()], **kwargs)
+
+    out = tmp_path / "run"
+    argv = ["--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"),
+            "--max_train_samples", "64", "--max_eval_samples", "16", "--logical_batch_size", "16",
+            "--per_device_train_batch_size", "8", "--max_steps", "4", "--num_evals", "1", "--no_plots",
+            "--save_strategy", "steps", "--save_steps", "2", "--accountant", "rdp", "--use_cpu",
+            "--output_dir", str(out)]
+    with monkeypatch.context() as patch:
+        patch.setattr(hf_dpfilter, "DPTrainer", InterruptedTrainer)
+        glue.main(argv)
+    assert read_privacy_ledger(str(out))["accountant"]["steps"] == 2
+    results = glue.main([*argv, "--resume_from_checkpoint", str(out / "checkpoint-2")])
+    ledger = read_privacy_ledger(str(out))
+    assert ledger["accountant"]["steps"] == results["steps"] == results["privacy"]["planned_steps"] == 4
+    assert sum(n for _, _, n in ledger["accountant"]["history"]) == 4
+    assert ledger["epsilon"] == pytest.approx(results["epsilon"], rel=1e-9)
+    assert results["epsilon"] == pytest.approx(8.0, rel=1e-2)  # the plan's target, spent once
+    assert results["arguments"]["resume_from_checkpoint"] == str(out / "checkpoint-2")
 
 
 @needs_sst2
