@@ -632,7 +632,7 @@ def format_privacy_report(report: dict[str, Any]) -> str:
         f"  accountant        : {report['accountant']}",
         f"  randomness        : {report.get('randomness', '')}",
         f"  clipping          : {report['clipping_fn']}, "
-        f"per_sample_max_grad_norm = {report['max_grad_norm']}",
+        f"per_sample_max_grad_norm = {report['per_sample_max_grad_norm']}",
         f"  neighbouring      : {report['neighbouring_relation']}"
         + ("" if report.get("poisson_sampling", True) else "  [shuffled batches: epsilon is NOT a proven "
                                                            "bound]"),
