@@ -147,7 +147,14 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                          "DiceSGD": {"error_fraction": [0.25, 1.0]}},
         "methods": {"DP-Adam": {"dp_method": "dpsgd"}, "DiceSGD": {"dp_method": "dicesgd"}},
         "reference": {"DiceSGD (paper's accounting)": {"from": "DiceSGD",
-                                                       "dp_method_args": {"accounting": "paper"}}},
+                                                       "dp_method_args": {"accounting": "paper"}},
+                      # the library's defaults at DiceSGD's chosen lr, paired by seed: the default C2 (no
+                      # error_fraction: the library chooses, C1 / B) and the earlier default C2 = C1
+                      # (error_fraction = B = 1000: C2 = B x C1 / B)
+                      "DiceSGD (default C2 = C1/B)": {"from": "DiceSGD", "dp_method_args": {},
+                                                      "point": {"error_fraction": None}},
+                      "DiceSGD (old default C2 = C1)": {"from": "DiceSGD", "dp_method_args": {},
+                                                        "point": {"error_fraction": 1000.0}}},
     },
 }
 
@@ -453,7 +460,9 @@ def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
             base = protocol["methods"][reference["from"]]
             method = {**base,
                       "dp_method_args": {**base.get("dp_method_args", {}), **reference["dp_method_args"]}}
-            runs.append((label, method, chosen[reference["from"]]))
+            # "point": settings replacing the chosen point's (None: dropped, the library's default decides)
+            point = {**chosen[reference["from"]], **reference.get("point", {})}
+            runs.append((label, method, {k: v for k, v in point.items() if v is not None}))
         for label, method, point in runs:
             for seed in args.seeds:
                 finished_or_run(store, f"{name}|{label}|eps={run_epsilon(name, label, epsilon):g}|seed={seed}",
