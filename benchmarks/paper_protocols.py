@@ -132,8 +132,9 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                          "DIFF2-GD": {"difference_max_grad_norm": [2.0, 10.0]}},
         "methods": {"DP-GD": {"dp_method": "dpsgd"},
                     "DIFF2-GD": {"dp_method": "diff2", "dp_method_args": {"restart_every": 10}}},
-        # measured before the C2 search, with the library's default C2 = C1 / (first movement) and lr searched
-        "extra_labels": ["DIFF2-GD (default C2 rule)"],
+        # measured before the C2 search, with lr searched and the rule C2 = C1 / (first movement), the library's
+        # default then (removed: C2 is required)
+        "extra_labels": ["DIFF2-GD (old default C2 rule)"],
     },
     "dicesgd": {
         "paper": "DiceSGD (Zhang et al.): no GLUE result (its language results are GPT-2 on E2E); best "
