@@ -534,7 +534,7 @@ def test_resume_between_a_restart_and_its_difference_rounds(tmp_path):
             logical_batch_size=6, per_device_train_batch_size=3, max_steps=3, optim="sgd", learning_rate=0.1,
             lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="steps",
             save_steps=2, remove_unused_columns=False, dp_seed=0, accountant="rdp",
-            dp_method_args={"restart_every": 3},
+            dp_method_args={"restart_every": 3, "difference_max_grad_norm": 2.0},
         )
         trainer = Spy(model=tiny_roberta(dtype=torch.float32), args=args, train_dataset=ListDataset(examples),
                       data_collator=PadCollator(1), callbacks=[Stop()])
