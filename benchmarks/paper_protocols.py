@@ -132,8 +132,9 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                          "DIFF2-GD": {"difference_max_grad_norm": [2.0, 10.0]}},
         "methods": {"DP-GD": {"dp_method": "dpsgd"},
                     "DIFF2-GD": {"dp_method": "diff2", "dp_method_args": {"restart_every": 10}}},
-        # measured before the C2 search, with the library's default C2 = C1 / (first movement) and lr searched
-        "extra_labels": ["DIFF2-GD (default C2 rule)"],
+        # measured before the C2 search, with lr searched and the rule C2 = C1 / (first movement), the library's
+        # default then (removed: C2 is required)
+        "extra_labels": ["DIFF2-GD (old default C2 rule)"],
     },
     "dicesgd": {
         "paper": "DiceSGD (Zhang et al.): no GLUE result (its language results are GPT-2 on E2E); best "
@@ -147,7 +148,14 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                          "DiceSGD": {"error_fraction": [0.25, 1.0]}},
         "methods": {"DP-Adam": {"dp_method": "dpsgd"}, "DiceSGD": {"dp_method": "dicesgd"}},
         "reference": {"DiceSGD (paper's accounting)": {"from": "DiceSGD",
-                                                       "dp_method_args": {"accounting": "paper"}}},
+                                                       "dp_method_args": {"accounting": "paper"}},
+                      # the library's defaults at DiceSGD's chosen lr, paired by seed: the default C2 (no
+                      # error_fraction: the library chooses, C1 / B) and the earlier default C2 = C1
+                      # (error_fraction = B = 1000: C2 = B x C1 / B)
+                      "DiceSGD (default C2 = C1/B)": {"from": "DiceSGD", "dp_method_args": {},
+                                                      "point": {"error_fraction": None}},
+                      "DiceSGD (old default C2 = C1)": {"from": "DiceSGD", "dp_method_args": {},
+                                                        "point": {"error_fraction": 1000.0}}},
     },
 }
 
@@ -453,7 +461,9 @@ def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
             base = protocol["methods"][reference["from"]]
             method = {**base,
                       "dp_method_args": {**base.get("dp_method_args", {}), **reference["dp_method_args"]}}
-            runs.append((label, method, chosen[reference["from"]]))
+            # "point": settings replacing the chosen point's (None: dropped, the library's default decides)
+            point = {**chosen[reference["from"]], **reference.get("point", {})}
+            runs.append((label, method, {k: v for k, v in point.items() if v is not None}))
         for label, method, point in runs:
             for seed in args.seeds:
                 finished_or_run(store, f"{name}|{label}|eps={run_epsilon(name, label, epsilon):g}|seed={seed}",

@@ -423,7 +423,9 @@ def method_overheads(case: Case, rounds: int, log, only: list[str] | None = None
     for method, kwargs in wanted:
         name = method + "".join(f" k={v}" if k == "k" else f" {v}" for k, v in kwargs.items())
         model = build_model(case.model, case.mode)
-        step, opt = hf_dpfilter_step(model, inputs, labels, causal, method=method, method_args=kwargs)
+        # DIFF2's C2 has no default; its value does not change the cost (one clip factor per example)
+        settings = {"difference_max_grad_norm": 2.0, **kwargs} if method == "diff2" else kwargs
+        step, opt = hf_dpfilter_step(model, inputs, labels, causal, method=method, method_args=settings)
         step()
         runners[name] = (step, opt)
     # Time the whole step and, within it, the optimizer step (noise + filter + AdamW on the real clipped

@@ -76,8 +76,9 @@ def method_hyperparameters(method: str, args: argparse.Namespace) -> dict:
     DPTrainingArguments fields: ``dp_method_args`` and the optimizer a filter variant needs."""
     method_args: dict[str, Any] = {}
     if method == "dicesgd":
-        # C2 = C1 / B, the paper's sum-scale reading (r = 1): Delta = C1 + 2 B C2 = 3 C1 under the library's
-        # sound accounting. The mean-scale default C2 = C1 would make Delta = (1 + 2B) C1 (noise x 513 here).
+        # C2 = C1 / B, the paper's sum-scale reading (r = 1; the library's default since, kept explicit so
+        # that the rows stay what they were): Delta = C1 + 2 B C2 = 3 C1 under the library's sound
+        # accounting. The earlier mean-scale default C2 = C1 would make Delta = (1 + 2B) C1 (x 171 here).
         method_args = {"error_max_grad_norm": args.max_grad_norm / args.logical_batch_size}
     elif method == "diff2":
         method_args = {"difference_max_grad_norm": args.diff2_difference_max_grad_norm}

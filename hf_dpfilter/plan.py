@@ -434,7 +434,9 @@ class PrivacyPlan:
         return out
 
     def _changed_settings(self) -> dict[str, Any]:
-        defaults = type(self.config)().to_dict()
+        # the fields' declared defaults, not an instance: a required setting (DIFF2's C2) has no default
+        # instance, and is always listed
+        defaults = {f.name: f.default for f in dataclasses.fields(self.config)}
         return {k: v for k, v in self.config.to_dict().items() if v != defaults.get(k)}
 
     def describe(self, trainable_parameters: int | None = None) -> str:

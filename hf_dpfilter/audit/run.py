@@ -277,11 +277,11 @@ def _run_audit(config: AuditConfig, output_dir: str | None) -> AuditResult:
     model = AuditModel(config.num_features, 2, config.num_canaries + config.spare_coordinates).to(dtype)
     recorder = _ScoreRecorder(model.audit_probe.weight, coords, spare)
     hyper = dict(config.method_hyperparameters)
-    if config.method == "dicesgd":
-        # Paper App. C.4 reading: C2 = C1 / B (mean scale), i.e. G~ = 3 C1^2 and sensitivity 3 C1.
-        hyper.setdefault("error_max_grad_norm", config.max_grad_norm / logical)
+    # DiceSGD runs with the library's default C2 = C1 / B (the paper's App. C.4 reading: G~ = 3 C1^2,
+    # sensitivity 3 C1).
     if config.method == "diff2":
-        # Any threshold is valid for the audit (constant canaries have zero differences); this one is typical.
+        # DIFF2 has no default C2. Any threshold is valid for the audit (constant canaries have zero
+        # differences); this one is typical.
         hyper.setdefault("difference_max_grad_norm", 1.0)
     with tempfile.TemporaryDirectory() as tmp:
         args = DPTrainingArguments(

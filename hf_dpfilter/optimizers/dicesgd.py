@@ -10,10 +10,18 @@ Per logical step t with Poisson batch B_t (expected size B, sample rate q), per-
     e_{t+1} = (1 - alpha_e) e_t + (1/B) sum_i (1 - alpha_i) g_i                   # noise-free, PRIVATE
 
 e is ONE global buffer on the mean scale (fp32, fp64 for fp64 models), initialised to 0 and never reset.
+
 Both sums come from the same backward work: :meth:`PerExampleGradients.weighted_sum` with the clip factors
 (into ``p.grad``) and with ``1 - alpha_i`` (the residual, into the buffer), i.e. "with ones" minus the
 clipped sum, without the cancellation. Under several processes both sums are all-reduced; e is identical on
 every process and the noise is added once (base class).
+
+**Default C2 = C1 / B** (B = the plan's expected logical batch ``logical_batch_size``, the fixed B that
+divides the sums above, not the realised Poisson batch): the buffer is clipped at C1 on the SUM scale, the
+authors' setting "C1 = C2" read on the scale of their analysis: Thm 3.7's constant is C = B C2, and App.
+C.4's G~ = 3 C1^2 (the noise they state) holds at B C2 = C1. Alg. 2's C2 = C1 read on the mean scale
+clips the feedback at B times that: the sensitivity below grows from 3 C1 to (1 + 2B) C1, and the noise
+with it (measured: docs/results.md, "Defaults and their measurements").
 
 **e is not private.** It is a function of every past unclipped gradient. It is never logged, and it is kept
 out of ``state_dict()`` / checkpoints unless ``dice_save_error_buffer=True`` (with a warning: such checkpoints
@@ -34,13 +42,14 @@ sampled example persists in every later step whether or not the example is sampl
   history the first is a Poisson-subsampled Gaussian (fresh coin), the second a mixture (over the hidden
   past coins) of Gaussians each shifted by <= 2 B C2, hence dominated by a Gaussian mechanism without
   amplification. The accountant composes, per step, ``(z sqrt(1 + k), q)`` and ``(z sqrt(1 + 1/k), 1)`` with
-  ``k = 2 B C2 / C1`` (:func:`dicesgd_history`), declared per step by :meth:`DiceSGDConfig.mechanisms`.
+  ``k = 2 B C2 / C1`` (2 at the default C2 = C1 / B; :func:`dicesgd_history`), declared per step by
+  :meth:`DiceSGDConfig.mechanisms`.
 
 ``dice_accounting="paper"`` calibrates sigma with the paper's formula
 ``sigma_mean^2 = 32 T G~ log(1/delta) / (N^2 eps^2)``, ``G~ = C1^2 + 2 (B C2)^2`` (Thm 3.7 with its constant
-C = B C2 and G' unknown; C2 = C1 / B gives App. C.4's G~ = 3 C1^2). The accountant still records the sound
-bound above, which is the ``epsilon`` reported; the paper's value is reported as ``epsilon_paper_claim``
-("per Zhang et al. Thm 3.7", not independently verified).
+C = B C2 and G' unknown; the default C2 = C1 / B gives App. C.4's G~ = 3 C1^2). The accountant still records
+the sound bound above, which is the ``epsilon`` reported; the paper's value is reported as
+``epsilon_paper_claim`` ("per Zhang et al. Thm 3.7", not independently verified).
 """
 
 from __future__ import annotations
@@ -97,7 +106,10 @@ class DiceSGDConfig(MethodConfig):
     """DiceSGD's settings and privacy declaration.
 
     Args:
-        error_max_grad_norm: C2, the clip norm of the error buffer on the mean scale (None: C2 = C1).
+        error_max_grad_norm: C2, the clip norm of the error buffer on the mean scale. None (default): C2 =
+            C1 / B with B the plan's expected logical batch (``logical_batch_size``), the authors' sum-scale
+            clip (Thm 3.7's C = B C2 = C1; App. C.4). Larger C2 removes more clipping bias but raises the
+            sensitivity C1 + 2 B C2 and so the noise; 0 is exactly DP-SGD.
         accounting: ``"default"`` (the library's sound bound) or ``"paper"`` (sigma from the paper's Thm 3.7
             formula; the reported epsilon stays the sound bound, the claim is reported beside it).
         save_error_buffer: keep the (non-private) buffer in ``state_dict()`` for exact resumption.
@@ -115,14 +127,18 @@ class DiceSGDConfig(MethodConfig):
         if c2 is not None and not (math.isfinite(c2) and c2 >= 0):
             raise ValueError(
                 f"dicesgd: error_max_grad_norm (C2) must be a finite number >= 0, got {c2}; leave it unset "
-                "for C2 = per_sample_max_grad_norm."
+                "for C2 = per_sample_max_grad_norm / logical_batch_size (C1 / B, the authors' scale)."
             )
         if self.accounting not in DICE_ACCOUNTINGS:
             raise ValueError(f"dicesgd: accounting must be one of {DICE_ACCOUNTINGS}, got "
                              f"{self.accounting!r}.")
 
     def c2(self, plan: PlanSettings) -> float:
-        return plan.max_grad_norm if self.error_max_grad_norm is None else float(self.error_max_grad_norm)
+        """C2 on the mean scale: the configured value, else C1 / B (the sum-scale clip C1; module
+        docstring)."""
+        if self.error_max_grad_norm is None:
+            return plan.max_grad_norm / plan.expected_batch_size
+        return float(self.error_max_grad_norm)
 
     def kappa(self, plan: PlanSettings) -> float:
         """2 B C2 / C1: the feedback term's sensitivity relative to the clipped sum's."""

@@ -12,6 +12,9 @@ Round r = t + 1 (t = zero-based optimizer step), parameters x_{r-1}, batch B_r (
 
 with ``D1 = C1`` and ``D2 = C_{2,r}`` under add/remove neighbours, ``2 C1`` and ``2 C_{2,r}`` under
 replace-one (the paper's relation): the noise is relative to the real sensitivity, so replace-one doubles it.
+C2 (``Diff2Config.difference_max_grad_norm``) has no default: the paper tunes it on a grid with C1, T and the
+step size, and a rule without a search (C2 = C1 / ||x_1 - x_0||, earlier versions) was measured far below a
+searched C2 (docs/results.md, "Defaults and their measurements").
 The per-example difference is ONE combination clipped once: :meth:`gradient_points` returns the current
 parameters with weight +1 and x_{r-2} with weight -1, and the engine clips each example's combined gradient
 (same micro-batch, same dropout masks at both points). The difference has cancellation, so the engine computes
@@ -108,7 +111,8 @@ DIFF2_NEIGHBOURINGS = ("add_remove", "replace_one")
 #: routes of the difference rounds' precision (module docstring, "Precision of the difference rounds")
 DIFF2_PRECISIONS = ("batch_invariant", "float64")
 
-__all__ = ["DIFF2_NEIGHBOURINGS", "DIFF2_PRECISIONS", "Diff2", "Diff2Config", "diff2_history"]
+__all__ = ["DIFFERENCE_NORM_REQUIRED", "DIFF2_NEIGHBOURINGS", "DIFF2_PRECISIONS", "Diff2", "Diff2Config",
+           "diff2_history"]
 
 #: DIFF2 under FSDP2 with a float32/bf16 model, a difference micro-batch not declared alone (or the float64
 #: route)
@@ -120,6 +124,18 @@ _SHARDED_REFUSAL = (
     "difference_precision='batch_invariant' with DPTrainer at example level (it computes each example of a "
     "difference round alone and declares it), call accumulate(..., batch_size=1, alone=True) for one example "
     "collated alone in a loop of your own, or train a float64 model."
+)
+
+
+#: the refusal of a DIFF2 config with difference rounds and no C2 (Diff2Config.difference_max_grad_norm)
+DIFFERENCE_NORM_REQUIRED = (
+    "diff2: set difference_max_grad_norm (C2, the coefficient of the difference rounds' clip threshold "
+    "C2 ||x_{{r-1}} - x_{{r-2}}||): with restart_every={t} there are difference rounds, and C2 has no "
+    "default. Tune it like the learning rate, on data you may tune on; on SST-2 (full batch, SGD) C2 = 2 was "
+    "the best of {{2, 10}}, e.g. dp_method_args={{'restart_every': {t}, 'difference_max_grad_norm': 2.0}}; "
+    "the rule of earlier versions, C2 = C1 / ||x_1 - x_0||, scored 51.6% (epsilon 3) and 66.4% (epsilon 5) "
+    "against 78% with C2 searched (docs/results.md, \"Defaults and their measurements\"). restart_every=1 "
+    "(DP-GD) needs no C2."
 )
 
 
@@ -148,12 +164,13 @@ class Diff2Config(MethodConfig):
 
     Args:
         restart_every: restart period T (1 = DP-SGD / DP-GD).
-        difference_max_grad_norm: C2, the coefficient of the threshold C2 ||x_{r-1} - x_{r-2}||. None
-            (default):
-            C2 = C1 / m_1 with m_1 the parameter movement ||x_1 - x_0|| seen by the first difference round, so
-            difference thresholds start at C1 and shrink in proportion to the movement. m_1 is a function of
-            released outputs (public), so the rule costs no privacy; tune C2 for better utility (e.g. a high
-            quantile of ||g_i(x) - g_i(x')|| / ||x - x'|| on public data).
+        difference_max_grad_norm: C2, the coefficient of the threshold C2 ||x_{r-1} - x_{r-2}||, a bound on
+            the per-example smoothness ||g_i(x) - g_i(x')|| / ||x - x'||. Required when there are difference
+            rounds (``restart_every`` > 1); it has no default because the paper tunes it (its experiments
+            search C2 with C1, T and the step size) and no rule was found that works without a search: the
+            rule C2 = C1 / ||x_1 - x_0|| of earlier versions scored 51.6% / 66.4% against 78% with C2 searched
+            on SST-2 (docs/results.md, "Defaults and their measurements"). Choose it like the learning rate,
+            on data you may tune on: there C2 = 2 was the best of {2, 10} (full batch, SGD, lr 0.5).
         difference_noise_multiplier: z2 when the noise multiplier is fixed (None: z1). With target_epsilon
             both are calibrated (``budget_split``).
         budget_split: u > 1, the paper's split (restarts get 1/u of the budget; Prop. 4.1).
@@ -185,7 +202,9 @@ class Diff2Config(MethodConfig):
         if isinstance(t, bool) or int(t) != t or t < 1:
             raise ValueError(f"diff2: restart_every (T) must be an integer >= 1, got {t}.")
         c2 = self.difference_max_grad_norm
-        if c2 is not None and not (math.isfinite(c2) and c2 > 0):
+        if c2 is None and t > 1:
+            raise ValueError(DIFFERENCE_NORM_REQUIRED.format(t=t))
+        if c2 is not None and not (isinstance(c2, (int, float)) and math.isfinite(c2) and c2 > 0):
             raise ValueError(f"diff2: difference_max_grad_norm must be a finite number > 0, got {c2}.")
         z2 = self.difference_noise_multiplier
         if z2 is not None and not z2 >= 0:
@@ -334,7 +353,6 @@ class Diff2(DPOptimizer):
         self._previous: dict[nn.Parameter, torch.Tensor] | None = None  # x_{r-2}
         self._pending_previous: dict[nn.Parameter, torch.Tensor] | None = None
         self._round_cache: _Round | None = None
-        self._reference_movement: float | None = None  # m_1 of the default C2 rule (public)
         self.restart_rounds = 0
 
     # ------------------------------------------------------------------------------ the round
@@ -357,17 +375,9 @@ class Diff2(DPOptimizer):
             movement = math.sqrt(self.collectives.squared_norm(
                 [p.detach() - self._previous[p] for p in self.params]
             ))
-            threshold = self.difference_coefficient(movement) * movement
+            threshold = self.difference_max_grad_norm * movement
         self._round_cache = _Round(self.dp_steps, restart, threshold)
         return self._round_cache
-
-    def difference_coefficient(self, movement: float) -> float:
-        """C2: the configured value, or C1 / (the movement of the first difference round) by default."""
-        if self.difference_max_grad_norm is not None:
-            return self.difference_max_grad_norm
-        if self._reference_movement is None:
-            self._reference_movement = movement
-        return self.max_grad_norm / self._reference_movement if self._reference_movement > 0 else 0.0
 
     @property
     def _relation_factor(self) -> float:
@@ -505,8 +515,7 @@ class Diff2(DPOptimizer):
     # ------------------------------------------------------------------------------ state
     def method_state_dict(self) -> dict[str, Any]:
         # v~ and x_{r-2} are functions of released outputs (post-processing): safe to save.
-        return {"estimate": self._estimate, "previous": self._previous, "restart_rounds": self.restart_rounds,
-                "reference_movement": self._reference_movement}
+        return {"estimate": self._estimate, "previous": self._previous, "restart_rounds": self.restart_rounds}
 
     def load_method_state_dict(self, state: dict[str, Any]) -> None:
         self._estimate = state.get("estimate")
@@ -515,5 +524,4 @@ class Diff2(DPOptimizer):
         self._round_cache = None
         self._points_cache = None
         self.restart_rounds = int(state.get("restart_rounds", 0))
-        self._reference_movement = state.get("reference_movement")
 

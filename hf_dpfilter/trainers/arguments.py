@@ -60,8 +60,9 @@ class DPArgumentsMixin:
             "help": "Settings of the chosen dp_method, as a dict or a JSON string of its config's fields, "
                     "e.g. "
             "{\"kappa\": 0.7, \"gamma\": 0.5} for disk (DiSKConfig), {\"restart_every\": 10, "
-            "\"difference_max_grad_norm\": 1.0} for diff2 (Diff2Config). Unset fields keep the method's "
-            "defaults."
+            "\"difference_max_grad_norm\": 2.0} for diff2 (Diff2Config; difference_max_grad_norm has no "
+            "default there: tune it, docs/results.md). Unset fields keep the method's defaults (dicesgd: "
+            "error_max_grad_norm = per_sample_max_grad_norm / logical_batch_size)."
         },
     )
     target_epsilon: float | None = field(

@@ -159,6 +159,40 @@ def test_a_grid_point_the_trainer_stops_is_saved_as_failed_and_never_chosen(tmp_
         paper_protocols.run_protocol("disk_lora", args, store)
 
 
+def test_dicesgd_default_rows_run_the_chosen_lr_with_the_library_default_and_the_old_c2(tmp_path, monkeypatch):
+    """The dicesgd protocol's default rows: DiceSGD's chosen learning rate with no C2 given (the library's
+    default C1 / B decides) and with the earlier default C2 = C1 (error_fraction = B), paired by seed with
+    the searched row."""
+    import argparse
+
+    seen = {}
+
+    def fake_run_point(protocol, method, point, epsilon, seed, split, data, args):
+        seen[(split, seed, json.dumps(point, sort_keys=True), json.dumps(method.get("dp_method_args", {})))] = 1
+        score = point["learning_rate"] + point.get("error_fraction", 0) / 100
+        return {"accuracy": score, "seconds": 1.0, "cpu_seconds": 1.0, "threads": 1, "epsilon": epsilon,
+                "noise_multiplier": 1.0, "steps": 1}
+
+    monkeypatch.setattr(paper_protocols, "run_point", fake_run_point)
+    monkeypatch.setattr(paper_protocols, "scale_data", lambda scale, args: {})
+    store = paper_protocols.Store(str(tmp_path / "runs.json"))
+    paper_protocols.run_protocol("dicesgd", argparse.Namespace(epsilons=None, seeds=[0, 1], tuning_seed=100),
+                                 store)
+    runs = store.load()
+    searched = runs["dicesgd|DiceSGD|eps=8|seed=0"]["point"]
+    assert searched == {"learning_rate": 0.03, "error_fraction": 1.0}
+    for seed in (0, 1):
+        assert runs[f"dicesgd|DiceSGD (default C2 = C1/B)|eps=8|seed={seed}"]["point"] == {"learning_rate": 0.03}
+        assert runs[f"dicesgd|DiceSGD (old default C2 = C1)|eps=8|seed={seed}"]["point"] == {
+            "learning_rate": 0.03, "error_fraction": 1000.0}
+    # the library's default is what the default row runs: no C2 reaches the trainer
+    assert ("dev", 0, json.dumps({"learning_rate": 0.03}), "{}") in seen
+    # the old default, through run_point's rule C2 = error_fraction x C1 / B: C2 = C1
+    protocol = paper_protocols.PROTOCOLS["dicesgd"]
+    assert 1000.0 * protocol["common"]["max_grad_norm"] / protocol["common"]["batch"] == (
+        protocol["common"]["max_grad_norm"])
+
+
 def test_the_full_fine_tuning_protocol_tunes_both_methods_and_trains_the_seeds_on_every_example(tmp_path,
                                                                                              monkeypatch):
     """minilm_full at a tiny size: every weight of the packaged MiniLM, DP-AdamW and the non-private fine-tune

@@ -94,16 +94,18 @@ def test_glue_recipe_runs(tiny_bert_dir, tmp_path, capsys, lora_r):
 @pytest.mark.parametrize("method", ["diff2", "dicesgd", "disk", "doppler", "pmlf"])
 def test_every_listed_method_runs_with_its_defaults_and_a_short_plan_warns(tiny_bert_dir, tmp_path, capsys,
                                                                            method):
-    """The headline command, scaled down: defaults only (no --method_args), a 9-step plan on 2,000 examples
-    (DIFF2: 2 steps on 300, since its default batch-invariant route runs one example per micro-batch)."""
+    """The headline command, scaled down: defaults only (no --method_args; DIFF2 only its required C2, which
+    has no default), a 9-step plan on 2,000 examples (DIFF2: 2 steps on 300, since its default
+    batch-invariant route runs one example per micro-batch)."""
     out = tmp_path / method
     samples, steps = ("300", 2) if method == "diff2" else ("2000", 9)
+    required = ["--method_args", "difference_max_grad_norm=2"] if method == "diff2" else []
     glue.main([
         "--task", "sst2", "--model", tiny_bert_dir, "--data_dir", os.path.join(DATA, "glue"), "--method",
         method,
         "--target_epsilon", "8", "--max_train_samples", samples, "--max_eval_samples", "32",
         "--max_seq_length", "16", "--num_train_epochs", "1.25", "--num_evals", "1", "--output_dir", str(out),
-        "--use_cpu", "--secure_rng",
+        "--use_cpu", "--secure_rng", *required,
     ])
     printed = capsys.readouterr().out
     results = _check_outputs(out, method)

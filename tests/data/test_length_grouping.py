@@ -416,7 +416,8 @@ def test_a_difference_round_of_examples_alone_collates_no_grouped_micro_batch(tm
     calls = {}
     for group in (False, True):
         args = _args(tmp_path / str(group), logical_batch_size=6, per_device_train_batch_size=2, max_steps=2,
-                     dp_method="diff2", dp_method_args={"restart_every": 2}, dp_verify_first_step=False,
+                     dp_method="diff2", dp_method_args={"restart_every": 2, "difference_max_grad_norm": 2.0},
+                     dp_verify_first_step=False,
                      accountant="rdp", dp_group_by_length=group)  # q = 1: both steps sample all six
         _Counting.calls = 0
         DPTrainer(model=tiny_gpt2(torch.float32), args=args, train_dataset=ListDataset(examples),

@@ -316,7 +316,9 @@ def test_every_method_on_packed_rows_equals_the_padded_run(method, tmp_path):
         model = tiny_gpt2()
         args = _args(tmp_path, len(examples), micro=4, dp_method=method, max_steps=3,
                      per_sample_max_grad_norm=0.3,
-                     learning_rate=0.5, dp_method_args={"restart_every": 2} if method == "diff2" else None)
+                     learning_rate=0.5,
+                     dp_method_args={"restart_every": 2, "difference_max_grad_norm": 2.0} if method == "diff2"
+                     else None)
         DPTrainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=collator).train()
         weights.append(flat([p.detach() for p in model.parameters()]))
     padded, packed = weights

@@ -168,11 +168,38 @@ def _dice_max_ratio(cls, c1=0.3, c2=None, steps=3):
 
 
 def test_dicesgd_sensitivity_of_both_sums_with_teeth():
-    worst, opt = _dice_max_ratio(DiceSGD)
-    assert worst <= 1.0 + 1e-9
-    assert worst * opt.sensitivity() > 3 * opt.max_grad_norm  # DP-SGD's Delta = C1 would be exceeded
+    # C2 = C1 on the mean scale (Delta = (1 + 2B) C1) and the default C2 = C1 / B (Delta = 3 C1)
+    for c2 in (0.3, None):
+        worst, opt = _dice_max_ratio(DiceSGD, c2=c2)
+        assert worst <= 1.0 + 1e-9
+        assert worst * opt.sensitivity() > 1.5 * opt.max_grad_norm  # DP-SGD's Delta = C1 would be exceeded
+    assert opt.sensitivity() == pytest.approx(3 * opt.max_grad_norm)
     broken, _ = _dice_max_ratio(_UnclippedFeedbackDice)
     assert broken > 10.0
+
+
+def test_dicesgd_default_c2_is_c1_over_the_expected_batch():
+    """The default C2 is C1 / B on the mean scale, B the expected logical batch (the authors' sum-scale clip
+    C1; Zhang et al. 2024 Thm 3.7 / App. C.4): sensitivity 3 C1, kappa 2, and the same noise as the explicit
+    value; the earlier default C2 = C1 had Delta = (1 + 2B) C1."""
+    c1, batch = 0.5, 50
+    plans = {c2: PrivacyPlan.create(num_examples=1000, logical_batch_size=batch, max_steps=100, method="dicesgd",
+                                    method_args=None if c2 is None else {"error_max_grad_norm": c2},
+                                    target_epsilon=4.0, max_grad_norm=c1, seed=0)
+             for c2 in (None, c1 / batch, c1)}
+    default = plans[None]
+    assert DiceSGDConfig().error_max_grad_norm is None
+    assert default.config.c2(default) == pytest.approx(c1 / batch) == 0.01
+    assert default.config.sensitivity(default) == pytest.approx(3 * c1)
+    assert default.config.kappa(default) == pytest.approx(2.0)
+    assert default.noise == plans[c1 / batch].noise
+    assert plans[c1].config.sensitivity(plans[c1]) == pytest.approx((1 + 2 * batch) * c1)
+    assert plans[c1].noise.noise_multiplier > default.noise.noise_multiplier
+    # the optimizer and its report read the same value
+    model = tiny_roberta()
+    opt = _optimizer(DiceSGD, model, None, noise_multiplier=1.0, max_grad_norm=c1, expected_batch_size=batch,
+                     sample_rate=0.05)
+    assert opt.error_max_grad_norm == pytest.approx(c1 / batch) and opt.sensitivity() == pytest.approx(3 * c1)
 
 
 def _diff2_run(cls, relation="add_remove", c1=0.3, c2=1.0, steps=4):
@@ -382,7 +409,8 @@ def test_dicesgd_buffer_not_logged_nor_checkpointed(tmp_path, caplog):
     report = trainer.privacy_report()
     assert report["steps"] == 2 and report["method"] == "dicesgd"
     assert report["epsilon"] == pytest.approx(
-        compute_epsilon(dicesgd_history(0.5, 6 / 20, 2, 2 * 6 * 0.3 / 0.3), report["delta"], "pld"))
+        compute_epsilon(dicesgd_history(0.5, 6 / 20, 2, 2.0), report["delta"], "pld"))  # default: kappa 2
+    assert report["dice_error_max_grad_norm"] == pytest.approx(0.3 / 6) and report["sensitivity"] == pytest.approx(0.9)
 
 
 def test_dicesgd_trainer_calibrates_with_its_own_accounting(tmp_path):
@@ -395,6 +423,36 @@ def test_dicesgd_trainer_calibrates_with_its_own_accounting(tmp_path):
     report = trainer.privacy_report()
     assert 0.99 * 4.0 <= report["epsilon"] <= 4.0
     assert report["dice_accounting"] == "default" and report["epsilon_paper_claim"] < report["epsilon"]
+
+
+def test_diff2_needs_its_difference_threshold_and_the_suggested_fix_runs(tmp_path):
+    """DIFF2 has no default C2 (the rule C2 = C1 / ||x_1 - x_0|| of earlier versions lost 12-27 points to a
+    searched C2, docs/results.md): leaving it out is refused, naming the field, a value and where it was
+    measured; the suggested dp_method_args are accepted and train. Without difference rounds (restart_every=1)
+    no C2 is needed."""
+    import ast
+    import re
+
+    common = dict(output_dir=str(tmp_path), dp_method="diff2", target_epsilon=3.0, per_sample_max_grad_norm=0.3,
+                  logical_batch_size=8, per_device_train_batch_size=8, max_steps=2, optim="sgd",
+                  learning_rate=0.1, lr_scheduler_type="constant", report_to=[], use_cpu=True,
+                  save_strategy="no", remove_unused_columns=False, dp_seed=0)
+    for method_args in (None, {"restart_every": 2}, '{"restart_every": 2}'):
+        with pytest.raises(ValueError, match="difference_max_grad_norm") as refused:
+            DPTrainingArguments(**common, dp_method_args=method_args)
+        message = str(refused.value)
+        assert "has no default" in message and "docs/results.md" in message and "51.6%" in message
+    with pytest.raises(ValueError, match="difference_max_grad_norm"):
+        PrivacyPlan.create(num_examples=8, logical_batch_size=8, max_steps=2, method="diff2", noise_multiplier=1.0)
+    suggested = ast.literal_eval(re.search(r"dp_method_args=(\{[^}]*\})", message).group(1))
+    assert suggested == {"restart_every": 2, "difference_max_grad_norm": 2.0}
+    trainer = DPTrainer(model=tiny_roberta(), args=DPTrainingArguments(**common, dp_method_args=suggested),
+                        train_dataset=ListDataset(make_examples(8, VOCAB, causal=False, seed=3)),
+                        data_collator=PadCollator(1))
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["diff2_difference_max_grad_norm"] == 2.0 and report["diff2_difference_rounds"] == 1
+    assert DPTrainingArguments(**common, dp_method_args={"restart_every": 1}).dp_method == "diff2"
 
 
 def test_diff2_through_trainer_full_batch(tmp_path):

@@ -278,15 +278,17 @@ def test_difference_round_dtype_and_the_current_loss(route):
 def test_float64_differences_keeps_its_meaning():
     """The earlier switch: True selects the float64 route, False the batch-invariant one (not float32
     batches)."""
-    assert Diff2Config(float64_differences=True).precision_route == "float64"
-    assert Diff2Config(float64_differences=False).precision_route == "batch_invariant"
-    assert Diff2Config().precision_route == "batch_invariant"
-    assert Diff2Config(difference_precision="float64").precision_route == "float64"
+    c2 = {"difference_max_grad_norm": 2.0}  # required (no default)
+    assert Diff2Config(float64_differences=True, **c2).precision_route == "float64"
+    assert Diff2Config(float64_differences=False, **c2).precision_route == "batch_invariant"
+    assert Diff2Config(**c2).precision_route == "batch_invariant"
+    assert Diff2Config(difference_precision="float64", **c2).precision_route == "float64"
     with pytest.raises(ValueError, match="difference_precision"):
-        Diff2Config(difference_precision="float32")
+        Diff2Config(difference_precision="float32", **c2)
     with pytest.raises(ValueError, match="contradicts"):  # used to select batch_invariant silently
-        Diff2Config(float64_differences=False, difference_precision="float64")
-    assert Diff2Config(float64_differences=True, difference_precision="float64").precision_route == "float64"
+        Diff2Config(float64_differences=False, difference_precision="float64", **c2)
+    assert Diff2Config(float64_differences=True, difference_precision="float64",
+                       **c2).precision_route == "float64"
 
 
 def _trainer_difference_round(tmp_path, precision: str, lr: float):
@@ -532,7 +534,7 @@ def test_resume_between_a_restart_and_its_difference_rounds(tmp_path):
             logical_batch_size=6, per_device_train_batch_size=3, max_steps=3, optim="sgd", learning_rate=0.1,
             lr_scheduler_type="constant", weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="steps",
             save_steps=2, remove_unused_columns=False, dp_seed=0, accountant="rdp",
-            dp_method_args={"restart_every": 3},
+            dp_method_args={"restart_every": 3, "difference_max_grad_norm": 2.0},
         )
         trainer = Spy(model=tiny_roberta(dtype=torch.float32), args=args, train_dataset=ListDataset(examples),
                       data_collator=PadCollator(1), callbacks=[Stop()])

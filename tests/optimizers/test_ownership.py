@@ -51,8 +51,6 @@ METHOD_CASES = {
     "pmlf k=2": ("pmlf", {"k": 2}),
     "dicesgd": ("dicesgd", {"error_max_grad_norm": 0.05}),
     "diff2 difference round": ("diff2", {"restart_every": 10, "difference_max_grad_norm": 2.0}),
-    # the default C2 = C1 / (movement of the first difference round): a threshold set from released outputs
-    "diff2 default threshold": ("diff2", {"restart_every": 10}),
 }
 
 

@@ -30,7 +30,8 @@ def _plan(method, method_args=None, **kw):
 
 # ------------------------------------------------------------------------------------------- item 11: DiceSGD
 def test_dicesgd_diagnostics_state_the_feedback_sensitivity():
-    plan = _plan("dicesgd", noise_multiplier=2.0)  # C1 = C2 = 1, B = 64: Delta = 1 + 2 x 64 x 1 = 129
+    # C1 = C2 = 1 (the earlier default, mean scale), B = 64: Delta = 1 + 2 x 64 x 1 = 129
+    plan = _plan("dicesgd", {"error_max_grad_norm": 1.0}, noise_multiplier=2.0)
     (round_,) = plan.noise_rounds()
     assert round_.noise_to_clip == pytest.approx(2.0 * 129 / 2)  # sigma Delta over the signal bound C1 + C2
     ratio = plan.noise_to_signal(D)
@@ -40,6 +41,10 @@ def test_dicesgd_diagnostics_state_the_feedback_sensitivity():
     # the same sigma under DP-SGD is 64.5x quieter against the same signal
     dpsgd = _plan("dpsgd", noise_multiplier=2.0)
     assert ratio["per_step"] == pytest.approx(64.5 * dpsgd.noise_to_signal(D)["per_step"])
+    # the default C2 = C1 / B = 1/64: Delta = 1 + 2 x 64 x (1/64) = 3, against a signal bound of 1 + 1/64
+    default = _plan("dicesgd", noise_multiplier=2.0)
+    assert default.noise_rounds()[0].noise_to_clip == pytest.approx(2.0 * 3 / (1 + 1 / 64))
+    assert "C1 + 2 B C2 = 1 + 2 x 64 x 0.015625 = 3" in default.describe(D)
 
 
 def test_dicesgd_cannot_learn_warning_fires_on_the_real_noise():
@@ -68,7 +73,8 @@ def test_dicesgd_without_feedback_is_dpsgd_noise():
 
 # --------------------------------------------------------------------------------------------- item 11: DIFF2
 def test_diff2_diagnostics_state_both_rounds_and_warn_on_the_louder():
-    plan = _plan("diff2", {"difference_noise_multiplier": 4.0, "restart_every": 5}, noise_multiplier=0.5)
+    plan = _plan("diff2", {"difference_noise_multiplier": 4.0, "restart_every": 5,
+                                  "difference_max_grad_norm": 2.0}, noise_multiplier=0.5)
     restart, difference = plan.noise_rounds()
     assert (restart.noise_multiplier, restart.fraction) == (0.5, pytest.approx(0.2))
     assert (difference.noise_multiplier, difference.fraction) == (4.0, pytest.approx(0.8))
@@ -83,7 +89,8 @@ def test_diff2_diagnostics_state_both_rounds_and_warn_on_the_louder():
 
 
 def test_diff2_replace_one_doubles_the_stated_noise():
-    plan = _plan("diff2", {"neighbouring": "replace_one"}, num_examples=64, noise_multiplier=1.0)
+    plan = _plan("diff2", {"neighbouring": "replace_one", "difference_max_grad_norm": 2.0}, num_examples=64,
+                 noise_multiplier=1.0)
     assert [r.noise_to_clip for r in plan.noise_rounds()] == [2.0, 2.0]
     assert "x 2 (replace-one)" in plan.describe(D)
 
