@@ -110,7 +110,8 @@ metrics = trainer.evaluate()
 report = trainer.privacy_report()
 print(f"dev accuracy {metrics['eval_accuracy']:.3f}")
 print(f"epsilon {report['epsilon']:.3f} at delta {report['delta']:.2e} after {report['steps']} steps "
-      f"(sigma {report['noise_multiplier']:.3f}, q {report['sample_rate']:.3f}, {report['accountant']} accountant)")
+      f"(sigma {report['noise_multiplier']:.3f}, q {report['sample_rate']:.3f}, "
+      f"{report['accountant']} accountant)")
 
 # %% [markdown]
 # ## Plots: epsilon and the training curves

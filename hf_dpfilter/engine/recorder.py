@@ -88,8 +88,8 @@ _OWNED_BY_THE_OPTIMIZER = (
     "and the accounting, so the noise can never be sized for a different C than the one the sum was clipped "
     "at. Build the pair from one plan (engine, optimizer, _ = make_private(plan, model, base=...), from "
     "hf_dpfilter.factory) or create GhostClippingEngine(model) without a norm, and call "
-    "optimizer.accumulate(engine, loss_fn, batch_size) once per micro-batch, then optimizer.step() (README, "
-    "'Without the Trainer')."
+    "optimizer.accumulate(engine, loss_fn, batch_size) once per micro-batch, then optimizer.step() "
+    "(docs/privacy.md, 'Without the Trainer')."
 )
 
 

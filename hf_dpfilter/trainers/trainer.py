@@ -250,8 +250,8 @@ class DPTrainerMixin(PrivacySessionMixin, MicroBatchMixin):
                 "DeepSpeed is not supported by DPTrainer: ZeRO partitions and reduces the gradients inside "
                 "its own engine, where the DP optimizer cannot take each example's gradient from the whole "
                 "layer activations, reduce-scatter the clipped sums and add the noise once. Shard with FSDP2 "
-                "instead (accelerate launch --config_file accelerate_configs/fsdp.yaml, README 'Large "
-                "models: FSDP2'), or use DDP (accelerate_configs/multi_gpu.yaml) with LoRA."
+                "instead (accelerate launch --config_file accelerate_configs/fsdp.yaml; "
+                "docs/large_models.md, 'FSDP2'), or use DDP (accelerate_configs/multi_gpu.yaml) with LoRA."
             )
         fsdp = getattr(self, "is_fsdp_enabled", False) or bool(getattr(self.args, "fsdp", None))
         if fsdp and self._fsdp_version() != 2:

@@ -228,3 +228,10 @@ def test_readme_commands_run_as_written(capsys):
 @pytest.mark.slow
 def test_slow_readme_commands_run_as_written(capsys):
     _run_blocks("slow", capsys)
+
+
+def test_the_readme_is_a_five_minute_read():
+    """The README is the entry point: what it is, the two commands, the quickstart, the methods with what they
+    measured, the guarantee, links. Everything else lives in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 180, f"README.md has {len(lines)} lines: move the detail to docs/"

@@ -1,7 +1,7 @@
-"""One owner of clipping and noise: the README's custom loop, per-method sensitivity through it, and the
+"""One owner of clipping and noise: the custom loop of docs/privacy.md, per-method sensitivity through it, and the
 refusals.
 
-* The README's custom-loop block is executed as written.
+* The custom-loop block of docs/privacy.md is executed as written.
 * For every method, the custom loop (make_private + optimizer.accumulate) with noise 0 and neighbouring
   batches D and D u {x} (x an extreme example) moves the pre-noise aggregate by at most the sensitivity the
   noise is calibrated to (``optimizer.sensitivity()``, the Delta of std = sigma * Delta).
@@ -27,15 +27,15 @@ from hf_dpfilter import (
     per_example_loss,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CUSTOM_LOOP_DOC = Path(__file__).resolve().parents[2] / "docs" / "privacy.md"
 
 
-def test_readme_custom_loop_runs_as_written():
-    text = README.read_text()
+def test_documented_custom_loop_runs_as_written():
+    text = CUSTOM_LOOP_DOC.read_text()
     match = re.search(r"<!-- custom-loop -->\n```python\n(.*?)```", text, flags=re.S)
-    assert match, "README.md lost its custom-loop block"
+    assert match, "docs/privacy.md lost its custom-loop block"
     namespace: dict = {}
-    exec(compile(match.group(1), "README.md (custom loop)", "exec"), namespace)
+    exec(compile(match.group(1), "docs/privacy.md (custom loop)", "exec"), namespace)
     optimizer, plan = namespace["optimizer"], namespace["plan"]
     assert optimizer.accountant.steps == plan.steps == optimizer.dp_steps
     assert optimizer.plan is plan and optimizer.secure_rng
@@ -62,7 +62,7 @@ def _batch(n: int, seed: int):
 
 
 def _run(method: str, method_args: dict, last_batch, warmup_batches, clip: float = 0.5):
-    """The README loop with noise 0: warm-up steps on shared batches, then the pre-noise aggregate of the
+    """The documented loop with noise 0: warm-up steps on shared batches, then the pre-noise aggregate of the
     last."""
     model = tiny_bert(num_labels=2)  # float64, deterministic init
     plan = PrivacyPlan.for_optimizer(method=method, method_args=method_args, noise_multiplier=0.0,
