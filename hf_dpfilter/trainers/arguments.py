@@ -152,8 +152,8 @@ class DPArgumentsMixin:
             "dropout off, no backward; hf_dpfilter.proofs.separation), drawn from a generator that is not "
             "the sampler's or the noise's. A micro-batch of a shape not seen before (longest length, padding "
             "side, number of examples, packed or not) is always re-checked; 0 turns the random schedule off, "
-            "not those. At the default the schedule costs about 1 percent of a step on CPU, all the re-checks 3.6 percent "
-            "averaged over a run (docs/performance.md)."
+            "not those. At the default the schedule costs about 1 percent of a step on CPU, all the "
+            "re-checks 3.6 percent averaged over a run (docs/performance.md)."
         },
     )
     dp_stack_layers: bool | None = field(
