@@ -462,6 +462,9 @@ def test_epsilon_over_users_is_the_accountants_and_the_card_says_user_level(tmp_
     card = (tmp_path / "README.md").read_text()
     assert "user-level (ε, δ)" in card and "number of units: 4" in card
     assert "Noise multiplier σ: 1.3; accountant: prv; expected logical (Poisson) batch: 2 users" in card
+    # C and delta under the names a user sets them by
+    assert f"clipping norm C per user: {report['per_sample_max_grad_norm']}" in card
+    assert f"= ({report['epsilon']:.4g}, {report['delta']:.3g}) differential privacy" in card
 
 
 @pytest.mark.parametrize("method", ["disk", "pmlf", "dicesgd", "diff2"])
