@@ -440,8 +440,14 @@ def finished_or_run(store: Store, key: str, *run_point_args: Any, may_fail: bool
 def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
     """Per epsilon: each method's grid on the validation split (at ``tune_epsilon`` when the protocol names
     one: then tuned once for every epsilon), the chosen point with every seed on the dev set, then the
-    reference rows."""
+    reference rows. ``args.methods``: only these labels (their tuning, seeds and reference rows), so that a
+    long sweep can run the rows it needs first."""
     protocol = PROTOCOLS[name]
+    wanted = getattr(args, "methods", None)
+    if wanted:
+        keep = {label: method for label, method in protocol["methods"].items() if label in wanted}
+        protocol = {**protocol, "methods": keep, "reference": {
+            label: ref for label, ref in protocol.get("reference", {}).items() if ref["from"] in keep}}
     data = scale_data(protocol["scale"], args)
     for epsilon in protocol["epsilons"]:
         if args.epsilons and epsilon not in args.epsilons:
@@ -663,6 +669,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top_validation_samples", type=int, default=2000)
     parser.add_argument("--epsilons", type=float, nargs="+", default=None, help="only these of each "
         "protocol's")
+    parser.add_argument("--methods", nargs="+", default=None, help="only these methods of each protocol (their "
+                        "labels, e.g. DP-AdamW): their tuning, seeds and reference rows")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tuning_seed", type=int, default=100)
     parser.add_argument("--report", action="store_true", help="only rewrite the tables and plots")

@@ -240,3 +240,29 @@ def test_the_full_fine_tuning_protocol_tunes_both_methods_and_trains_the_seeds_o
     report = (tmp_path / "results.md").read_text()
     assert "every weight, 67k ex." in report
     assert report.count("| minilm_full | Non-private AdamW |") == 2  # beside each epsilon's DP row
+
+
+def test_methods_runs_only_the_named_methods_tuning_and_seeds(tmp_path, monkeypatch):
+    """--methods: a long sweep runs the rows it needs first; the other methods' rows are neither run nor
+    dropped, and a later full sweep runs them."""
+    calls = []
+
+    def fake_run_point(protocol, method, point, epsilon, seed, split, data, args):
+        calls.append((method["dp_method"], split, seed))
+        return {"accuracy": point["learning_rate"], "seconds": 1.0, "cpu_seconds": 1.0, "threads": 1,
+                "epsilon": epsilon, "noise_multiplier": 1.0, "steps": 1}
+
+    monkeypatch.setattr(paper_protocols, "run_point", fake_run_point)
+    monkeypatch.setattr(paper_protocols, "scale_data", lambda scale, args: {})
+    store = paper_protocols.Store(str(tmp_path / "runs.json"))
+    import argparse
+
+    only = argparse.Namespace(epsilons=[8.0], seeds=[0, 1], tuning_seed=100, methods=["DP-AdamW"])
+    paper_protocols.run_protocol("minilm_full", only, store)
+    grid = paper_protocols.PROTOCOLS["minilm_full"]["grid"]["learning_rate"]
+    assert {m for m, _, _ in calls} == {"dpsgd"}
+    assert len(calls) == len(grid) + 2
+    assert store.load()["minilm_full|DP-AdamW|eps=8|seed=0"]["point"] == {"learning_rate": max(grid)}
+    calls.clear()
+    paper_protocols.run_protocol("minilm_full", argparse.Namespace(**{**vars(only), "methods": None}), store)
+    assert calls and {m for m, _, _ in calls} == {"none"}  # the finished DP rows are kept, not run again
