@@ -2,8 +2,9 @@
 
 Run as ``torchrun --nproc_per_node 2 tests/distributed_worker.py OUT METHOD:SIGMA [METHOD:SIGMA ...]`` (CPU,
 gloo) or as a plain ``python`` process. For each configuration, each process saves its final parameters,
-epsilon and steps to ``OUT/<method>_<sigma>/rank<r>.pt`` and calls the recipes' ``finish_run`` with its own
-``OUT/<method>_<sigma>/files_rank<r>`` folder (only the main process may write there).
+epsilon and steps to ``OUT/<method>_<sigma>/rank<r>.pt`` and calls the recipes' ``finish_run``, which writes
+to the trainer's own ``OUT/<method>_<sigma>/trainer_rank<r>`` folder (only the main process may write
+results there).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
                                and d not in ("scripts", "__pycache__"))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
-from _common import finish_run  # noqa: E402
+from _common import DataArguments, ModelArguments, RecipeArgs, RunArguments, finish_run  # noqa: E402
 from helpers import ListDataset, PadCollator, freeze_imported_objects, make_examples  # noqa: E402
 from models import VOCAB, tiny_roberta  # noqa: E402
 
@@ -64,9 +65,10 @@ def run(out: str, method: str, sigma: float) -> None:
                         data_collator=PadCollator(1))
     start = time.time()
     trainer.train()
-    ns = argparse.Namespace(output_dir=os.path.join(out, f"files_rank{rank}"), no_plots=method != "dpsgd",
-                            save_model=False)
-    finish_run(trainer, ns, {"note": "distributed test"}, start, {"method": method}, title="distributed test")
+    cli = RecipeArgs(model=ModelArguments(), data=DataArguments(),
+                     run=RunArguments(no_plots=method != "dpsgd", save_model=False), task=argparse.Namespace(),
+                     training={"output_dir": args.output_dir}, given=frozenset(), args_class=DPTrainingArguments)
+    finish_run(trainer, cli, {"note": "distributed test"}, start, {"method": method}, title="distributed test")
     torch.save(
         {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},

@@ -80,12 +80,13 @@ def test_two_processes_equal_one_process(tmp_path):
             assert got["steps"] == ref["steps"]
             assert got["epsilon"] == ref["epsilon"], f"{name}: rank {r} reports another epsilon"
         # Only the main process writes the results and plots.
-        assert (tmp_path / "two" / name / "files_rank0" / "results.json").exists()
+        assert (tmp_path / "two" / name / "trainer_rank0" / "results.json").exists()
         if method == "dpsgd":
             # epsilon.png; no training.png here: without evaluation and without the (non-private, opt-in)
             # training loss there is no curve to draw
-            assert (tmp_path / "two" / name / "files_rank0" / "epsilon.png").exists()
-        assert not (tmp_path / "two" / name / "files_rank1").exists()
+            assert (tmp_path / "two" / name / "trainer_rank0" / "epsilon.png").exists()
+        assert not (tmp_path / "two" / name / "trainer_rank1" / "results.json").exists()
+        assert not (tmp_path / "two" / name / "trainer_rank1" / "epsilon.png").exists()
     # Noise is really there when sigma > 0 (the comparison above is not trivially noise-free).
     noisy = torch.load(tmp_path / "one" / "dpsgd_1.0" / "rank0.pt")["params"]
     clean = torch.load(tmp_path / "one" / "dpsgd_0" / "rank0.pt")["params"]

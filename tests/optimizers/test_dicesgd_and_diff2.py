@@ -185,7 +185,7 @@ def test_dicesgd_default_c2_is_c1_over_the_expected_batch():
     c1, batch = 0.5, 50
     plans = {c2: PrivacyPlan.create(num_examples=1000, logical_batch_size=batch, max_steps=100, method="dicesgd",
                                     method_args=None if c2 is None else {"error_max_grad_norm": c2},
-                                    target_epsilon=4.0, max_grad_norm=c1, seed=0)
+                                    target_epsilon=4.0, per_sample_max_grad_norm=c1, seed=0)
              for c2 in (None, c1 / batch, c1)}
     default = plans[None]
     assert DiceSGDConfig().error_max_grad_norm is None
@@ -197,7 +197,7 @@ def test_dicesgd_default_c2_is_c1_over_the_expected_batch():
     assert plans[c1].noise.noise_multiplier > default.noise.noise_multiplier
     # the optimizer and its report read the same value
     model = tiny_roberta()
-    opt = _optimizer(DiceSGD, model, None, noise_multiplier=1.0, max_grad_norm=c1, expected_batch_size=batch,
+    opt = _optimizer(DiceSGD, model, None, noise_multiplier=1.0, per_sample_max_grad_norm=c1, expected_batch_size=batch,
                      sample_rate=0.05)
     assert opt.error_max_grad_norm == pytest.approx(c1 / batch) and opt.sensitivity() == pytest.approx(3 * c1)
 
