@@ -590,8 +590,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     lines += ["", "Protocols (the presets in benchmarks/paper_protocols.py, `python -m benchmarks utility`):",
               ""]
     for name, protocol in PROTOCOLS.items():
+        # each method's own grid: a method_grids entry adds to the shared grid, or replaces its values
+        grids = "; ".join(f"{label}: {json.dumps({**protocol['grid'], **grid})}"
+                          for label, grid in protocol.get("method_grids", {}).items())
         lines.append(f"- `{name}`: {protocol['paper']}; {json.dumps(protocol['common'])}; grid "
-                     f"{json.dumps({**protocol['grid'], **{k: v for g in protocol.get('method_grids', {}).values() for k, v in g.items()}})}.")
+                     f"{json.dumps(protocol['grid'])}{f' ({grids})' if grids else ''}.")
     lines += ["", f"Command: `python -m benchmarks utility` (plots: `{PLOT}`).", END]
     text = open(args.output).read()
     generated = "\n".join(lines)
