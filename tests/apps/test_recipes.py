@@ -204,6 +204,10 @@ def test_results_never_contain_the_dp_seed_and_secure_rng_is_one_flag():
     training_args = _common.training_arguments(cli, glue.resolve_settings(cli), n_train=512)
     assert training_args.secure_rng and training_args.dp_seed is None
     assert "dp_seed" not in cli.as_dict()
+    # given on the command line, the DP seed and a hub token still never reach results.json's arguments
+    cli = glue.parse_args(["--method", "dpsgd", "--dp_seed", "918273", "--hub_token", "hf_secret_xyz"])
+    published = json.dumps(_common._jsonable(cli.as_dict()))
+    assert "918273" not in published and "hf_secret_xyz" not in published
 
 
 @pytest.mark.parametrize("retired, new", [
