@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from recipes.common.data import read_glue_tsv  # noqa: E402
 from recipes.common.models import FULL_SETTINGS, HEAD_SETTINGS  # noqa: E402  (docs/results.md, "The demo")
 
-#: the settings each --train choice starts from (docs/results.md): the frozen-encoder head's, and minilm_full's
-#: for every weight; a flag given on the command line wins
+#: the settings each --train choice starts from (docs/results.md): the frozen-encoder head's, and
+#: minilm_full's for every weight; a flag given on the command line wins
 SETTINGS = {"head": HEAD_SETTINGS, "full": FULL_SETTINGS}
 
 #: the flags this demo renamed to the ``DPTrainingArguments`` field they set
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="random training examples to use (0: the whole training set; default 20000, "
                         "--train full: 0)")
     parser.add_argument("--num_train_epochs", type=float, default=None, help="default 5, --train full: 3")
-    parser.add_argument("--logical_batch_size", type=int, default=None, help="default 1000, --train full: 1024")
+    parser.add_argument("--logical_batch_size", type=int, default=None,
+                        help="default 1000, --train full: 1024")
     parser.add_argument("--learning_rate", type=float, default=None, help="default 0.01, --train full: 2e-3")
     parser.add_argument("--per_sample_max_grad_norm", type=float, default=None,
                         help="per-example clipping norm C (default 1, --train full: 0.1)")
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = SETTINGS.get(args.train, HEAD_SETTINGS)
     for flag, key in (("train_samples", "train_samples"), ("num_train_epochs", "epochs"),
                       ("logical_batch_size", "logical_batch_size"), ("learning_rate", "learning_rate"),
-                      ("per_sample_max_grad_norm", "max_grad_norm"), ("lr_scheduler_type", "lr_scheduler_type")):
+                      ("per_sample_max_grad_norm", "max_grad_norm"),
+                      ("lr_scheduler_type", "lr_scheduler_type")):
         if getattr(args, flag) is None:
             setattr(args, flag, settings.get(key, "constant"))
 
