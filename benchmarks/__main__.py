@@ -40,6 +40,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                 "DP-Adam against Opacus on SST-2: deterministic checks and paired seeds"),
     "utility": Subcommand("paper_protocols", "docs/results.md",
                           "each method against its paper's baseline on SST-2 (the verdict table)"),
+    "authors-noise": Subcommand("authors_noise", "docs/results.md",
+                                "the noise DiSK's and DP-PMLF's released codes really add, from their per-step "
+                                "arithmetic"),
     "utility-finetune": Subcommand("utility_sst2", "docs/results.md",
                                    "every method fine-tuning the whole MiniLM on SST-2, one seed per cell"),
     "demo-tuning": Subcommand("tune_demo", "docs/results.md",

@@ -41,6 +41,21 @@ from benchmarks.common import minilm_path, read_glue_tsv, sst2_dir
 VALIDATION_SIZE = 5000
 TOP_LAYERS = 2
 
+# The positive controls' noise: the effective noise multiplier of the authors' released code over the stated
+# sigma, a key of benchmarks/authors_noise.py's results (measured on their per-step arithmetic, not assumed)
+DISK_RELEASE = "disk_kappa0.7_gamma0.5"
+PMLF_RELEASE = "pmlf_k2"
+# DP-PMLF's positive control (at the noise its released code adds: k = 2 clipped sums noised once) and the
+# low-pass filter alone on DP-SGD at DP-SGD's learning rate (k = 1: no per-sample momentum, PMLF's filter b =
+# [0.1], a = [-0.9] applied to the privatized gradient, i.e. DOPPLER with that filter)
+PMLF_REFERENCES: dict[str, dict[str, Any]] = {
+    "DP-PMLF (authors' released noise, σ/2)": {"from": "DP-PMLF", "noise_from": PMLF_RELEASE},
+    "DP-SGD + low-pass filter": {"from": "DP-PMLF", "dp_method_args": {"k": 1}, "point_from": "DP-SGD"},
+}
+PMLF_VERDICT = {"control": "DP-PMLF (authors' released noise, σ/2)",
+                "compare": {"DP-SGD + low-pass filter": "DP-SGD"}}
+NO_CONTROL = "none: the released code's noise was not measured"
+
 # One protocol per paper claim. "claims": the paper's reported (method - baseline) accuracy gain on SST-2, in
 # points, per epsilon (None: the paper reports no SST-2 number for this comparison).
 PROTOCOLS: dict[str, dict[str, Any]] = {
@@ -53,6 +68,16 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "grid": {"learning_rate": [1e-2, 3e-2, 1e-1]},
         "methods": {"DP-AdamW": {"dp_method": "dpsgd"},
                     "DiSK": {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5}}},
+        "seeds": [0, 1, 2, 3, 4],
+        # the positive control: DiSK and its baseline at the noise the authors' released code adds (the stated
+        # sigma times the fraction benchmarks/authors_noise.py measures on their arithmetic), and DiSK with
+        # Adam's step length matched, at DP-AdamW's learning rate (both methods on one grid point)
+        "reference": {"DiSK (authors' released noise, σ/7)": {"from": "DiSK", "noise_from": DISK_RELEASE},
+                      "DP-AdamW (σ/7)": {"from": "DP-AdamW", "noise_from": DISK_RELEASE},
+                      "DiSK (step-matched)": {"from": "DiSK", "dp_method_args": {"adam_step_match": True},
+                                              "point_from": "DP-AdamW"}},
+        "verdict": {"control": "DiSK (authors' released noise, σ/7)", "control_baseline": "DP-AdamW (σ/7)",
+                    "compare": {"DiSK (step-matched)": "DP-AdamW"}},
     },
     "disk_full": {
         "paper": "DiSK (Zhang et al.), Table 1: full fine-tuning, DP-AdamW base, kappa 0.7, gamma 0.5",
@@ -74,6 +99,9 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "methods": {"DP-SGD": {"dp_method": "dpsgd"},
                     "DP-PMLF": {"dp_method": "pmlf",
                                 "dp_method_args": {"k": 2, "beta": 0.1, "preset": "pmlf_mnist"}}},
+        "seeds": [0, 1, 2, 3, 4],
+        "reference": PMLF_REFERENCES,
+        "verdict": PMLF_VERDICT,
     },
     "minilm_full": {
         "paper": "DP full fine-tuning (the DP fine-tuning literature's recipe: large logical batches, few "
@@ -100,6 +128,7 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "grid": {"learning_rate": [3e-3, 1e-2, 3e-2]},
         "methods": {"DP-AdamW": {"dp_method": "dpsgd"},
                     "DiSK": {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5}}},
+        "verdict": {"control_note": "on the LoRA scale (disk_lora)"},
     },
     "doppler": {
         "paper": "DOPPLER (Zhang et al.), Table 3: LP-DPAdamBC against DP-Adam (filter not stated: "
@@ -111,6 +140,7 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "methods": {"DP-Adam": {"dp_method": "dpsgd", "optim": "adamw_torch"},
                     "LP-DPAdamBC": {"dp_method": "doppler", "optim": "sgd",
                                     "dp_method_args": {"base": "adam_bc"}}},
+        "verdict": {"control_note": NO_CONTROL},
     },
     "pmlf": {
         "paper": "DP-PMLF (Xu et al.), Table 2: DP-SGD base, k = 2, beta = 0.1, filter b = [0.1], a = [-0.9]",
@@ -121,6 +151,8 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "methods": {"DP-SGD": {"dp_method": "dpsgd"},
                     "DP-PMLF": {"dp_method": "pmlf",
                                 "dp_method_args": {"k": 2, "beta": 0.1, "preset": "pmlf_mnist"}}},
+        "reference": PMLF_REFERENCES,
+        "verdict": PMLF_VERDICT,
     },
     "diff2": {
         "paper": "DIFF2 (Murata & Suzuki): DIFF2-GD against DP-GD, full batch (the paper: tabular tasks, eps "
@@ -138,6 +170,7 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         # measured before the C2 search, with lr searched and the rule C2 = C1 / (first movement), the library's
         # default then (removed: C2 is required)
         "extra_labels": ["DIFF2-GD (old default C2 rule)"],
+        "verdict": {"control_note": NO_CONTROL},
     },
     "dicesgd": {
         "paper": "DiceSGD (Zhang et al.): no GLUE result (its language results are GPT-2 on E2E); best "
@@ -159,6 +192,7 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                                                       "point": {"error_fraction": None}},
                       "DiceSGD (old default C2 = C1)": {"from": "DiceSGD", "dp_method_args": {},
                                                         "point": {"error_fraction": 1000.0}}},
+        "verdict": {"control_note": NO_CONTROL, "compare": {"DiceSGD (default C2 = C1/B)": "DP-Adam"}},
     },
 }
 
@@ -367,9 +401,10 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
         method_args["error_max_grad_norm"] = point["error_fraction"] * max_grad_norm / batch
     if "difference_max_grad_norm" in point:  # DIFF2's C2
         method_args["difference_max_grad_norm"] = point["difference_max_grad_norm"]
+    noise = noise_arguments(method, method_args, epsilon, len(train), batch, common["epochs"])
     training_args = DPTrainingArguments(
         output_dir=os.path.join(args.work_dir, f"run{os.getpid()}"), dp_method=method["dp_method"],
-        target_epsilon=None if method["dp_method"] == "none" else epsilon,
+        target_epsilon=noise["target_epsilon"], noise_multiplier=noise.get("noise_multiplier"),
         dp_method_args=method_args or None, per_sample_max_grad_norm=max_grad_norm,
         clipping_fn=common["clipping_fn"], logical_batch_size=batch,
         per_device_train_batch_size=min(batch, micro),
@@ -394,7 +429,30 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
            "steps": report.get("steps", trainer.state.global_step)}
     if "epsilon_paper_claim" in report:
         row["epsilon_paper_claim"] = report["epsilon_paper_claim"]
+    if "noise_multiplier" in noise:  # a control at a scaled noise: its true epsilon above, the claimed here
+        row.update(epsilon_claimed=epsilon, noise_scale=method["noise_scale"],
+                   stated_noise_multiplier=noise["stated_noise_multiplier"])
     return row
+
+
+def noise_arguments(method: dict[str, Any], method_args: dict[str, Any], epsilon: float, num_examples: int,
+                    batch: int, epochs: float) -> dict[str, Any]:
+    """The noise settings of a run: ``target_epsilon`` (the library calibrates sigma), none for a non-private
+    method, or, for a control with ``noise_scale``, the sigma the library calibrates for ``epsilon`` on this
+    run's plan (``stated_noise_multiplier``) times ``noise_scale`` as a fixed ``noise_multiplier`` (the run
+    then reports the epsilon it really spends)."""
+    if method["dp_method"] == "none":
+        return {"target_epsilon": None}
+    if method.get("noise_scale") is None:
+        return {"target_epsilon": epsilon}
+    from hf_dpfilter import PrivacyPlan
+
+    # the plan DPTrainer makes for this run (seed 0: the DP seed plays no part in the calibration)
+    stated = PrivacyPlan.create(num_examples=num_examples, logical_batch_size=batch, epochs=epochs,
+                                method=method["dp_method"], method_args=method_args or None,
+                                target_epsilon=epsilon, seed=0).noise_multiplier
+    return {"target_epsilon": None, "noise_multiplier": stated * method["noise_scale"],
+            "stated_noise_multiplier": stated}
 
 
 def grid_points(protocol: dict[str, Any], label: str) -> list[dict[str, float]]:
@@ -458,10 +516,17 @@ def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
     long sweep can run the rows it needs first."""
     protocol = PROTOCOLS[name]
     wanted = getattr(args, "methods", None)
+    seeded = set(protocol["methods"])  # the methods whose seeds run
     if wanted:
-        keep = {label: method for label, method in protocol["methods"].items() if label in wanted}
-        protocol = {**protocol, "methods": keep, "reference": {
-            label: ref for label, ref in protocol.get("reference", {}).items() if ref["from"] in keep}}
+        # a method's label: its tuning, seeds and reference rows; a reference row's label: that row alone (the
+        # methods it reads the point or the settings of are tuned, which finds their finished grid points)
+        references = {label: ref for label, ref in protocol.get("reference", {}).items()
+                      if label in wanted or ref["from"] in wanted}
+        needed = set(wanted) | {ref["from"] for ref in references.values()} | {
+            ref.get("point_from", ref["from"]) for ref in references.values()}
+        protocol = {**protocol, "reference": references,
+                    "methods": {label: m for label, m in protocol["methods"].items() if label in needed}}
+        seeded = set(wanted)
     data = scale_data(protocol["scale"], args)
     for epsilon in protocol["epsilons"]:
         if args.epsilons and epsilon not in args.epsilons:
@@ -477,20 +542,33 @@ def run_protocol(name: str, args: argparse.Namespace, store: Store) -> None:
                                       data, args, may_fail=True)
                 scores[key] = (-1.0 if row["accuracy"] is None else row["accuracy"], point)
             chosen[label] = max(scores.values(), key=lambda score: score[0])[1]  # the first of equals
-        runs = [(label, method, chosen[label]) for label, method in protocol["methods"].items()]
+        runs = [(label, method, chosen[label]) for label, method in protocol["methods"].items()
+                if label in seeded]
         for label, reference in protocol.get("reference", {}).items():
-            base = protocol["methods"][reference["from"]]
-            method = {**base,
-                      "dp_method_args": {**base.get("dp_method_args", {}), **reference["dp_method_args"]}}
-            # "point": settings replacing the chosen point's (None: dropped, the library's default decides)
-            point = {**chosen[reference["from"]], **reference.get("point", {})}
-            runs.append((label, method, {k: v for k, v in point.items() if v is not None}))
+            runs.append((label, *reference_run(reference, protocol, chosen)))
         for label, method, point in runs:
             for seed in args.seeds:
                 finished_or_run(store, f"{name}|{label}|eps={run_epsilon(name, label, epsilon):g}|seed={seed}",
                                 protocol, method, point,
                                 epsilon,
                                 seed, "dev", data, args)
+
+
+def reference_run(reference: dict[str, Any], protocol: dict[str, Any],
+                  chosen: dict[str, dict[str, float]]) -> tuple[dict[str, Any], dict[str, float]]:
+    """(method, point) of a reference row: the ``from`` method with ``dp_method_args`` merged in, at the point
+    the validation grid chose for ``point_from`` (default: ``from``) with ``point``'s settings replacing it
+    (None: dropped, the library's default decides); ``noise_from``: run at the stated sigma times the
+    effective noise fraction benchmarks/authors_noise.py measured for that released code (``noise_scale``)."""
+    from benchmarks.authors_noise import effective_noise_ratio
+
+    base = protocol["methods"][reference["from"]]
+    method = {**base, "dp_method_args": {**base.get("dp_method_args", {}),
+                                         **reference.get("dp_method_args", {})}}
+    if "noise_from" in reference:
+        method["noise_scale"] = effective_noise_ratio(reference["noise_from"])
+    point = {**chosen[reference.get("point_from", reference["from"])], **reference.get("point", {})}
+    return method, {k: v for k, v in point.items() if v is not None}
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -520,23 +598,169 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
 
 
-def verdict(diffs: list[float], claim: float | None) -> str:
-    """Whether the paper's gain lies in the 95% t-interval of the paired differences, and whether 0 does
-    too."""
-    if len(diffs) < 2:
-        return "pending"
+def interval(diffs: list[float]) -> tuple[float, float, float, float]:
+    """(mean, std, low, high): the paired differences' mean, standard deviation and 95% t-interval."""
     mean, std = mean_std(diffs)
     half = T_QUANTILE_975.get(len(diffs) - 1, 2.0) * std / math.sqrt(len(diffs))
-    low, high = mean - half, mean + half
-    interval = f"95% CI [{low:+.1f}, {high:+.1f}]"
+    return mean, std, mean - half, mean + half
+
+
+def judge(diffs: list[float], claim: float | None) -> tuple[str, str]:
+    """(verdict, reason) of a claim against the paired differences: ``refuted`` when the 95% t-interval's
+    upper end is below the claim; ``reproduced`` when the interval holds the claim (and excludes 0, unless the
+    claim is within 0.5 points of 0) or lies above it; ``not resolved`` when it holds both the claim and 0, or
+    the paper has no number; ``pending`` below two pairs."""
+    if len(diffs) < 2:
+        return "pending", f"n = {len(diffs)}"
+    _, _, low, high = interval(diffs)
     if claim is None:
-        return f"no paper number; {interval}"
-    if not low <= claim <= high:
-        gap = claim - high if claim > high else low - claim
-        return f"**not reproduced**: {interval} misses {claim:+.2f} by {gap:.1f}"
+        return "not resolved", "the paper reports no number for this comparison"
+    if high < claim:
+        return "refuted", f"the 95% CI's upper end {high:+.1f} is below the claim {claim:+.2f}"
+    if low > claim:
+        return "reproduced", f"the 95% CI [{low:+.1f}, {high:+.1f}] lies above the claim {claim:+.2f}"
     if low <= 0.0 <= high and abs(claim) >= 0.5:
-        return f"not resolved: {interval} holds {claim:+.2f} and 0 (no gain shown at n = {len(diffs)})"
-    return f"**reproduced**: {interval} holds {claim:+.2f}"
+        return "not resolved", (f"the 95% CI [{low:+.1f}, {high:+.1f}] holds {claim:+.2f} and 0 at n = "
+                                f"{len(diffs)}")
+    return "reproduced", f"the 95% CI [{low:+.1f}, {high:+.1f}] holds {claim:+.2f}"
+
+
+def verdict(diffs: list[float], claim: float | None) -> str:
+    """The first table's verdict cell: :func:`judge`'s verdict with the 95% t-interval of the paired
+    differences."""
+    kind, reason = judge(diffs, claim)
+    if kind == "pending":
+        return "pending"
+    _, _, low, high = interval(diffs)
+    ci = f"95% CI [{low:+.1f}, {high:+.1f}]"
+    if claim is None:
+        return f"no paper number; {ci}"
+    if kind == "refuted":
+        return f"**refuted**: {ci}, its upper end {claim - high:.1f} below {claim:+.2f}"
+    if kind == "not resolved":
+        return f"not resolved: {ci} holds {claim:+.2f} and 0 (no gain shown at n = {len(diffs)})"
+    return f"**reproduced**: {ci} {'holds' if low <= claim else 'lies above'} {claim:+.2f}"
+
+
+def paired(results: dict[str, Any], name: str, label: str, against: str, epsilon: float) -> list[float]:
+    """``label`` minus ``against``, dev accuracy points, paired by seed."""
+    rows, base = seed_rows(results, name, label, epsilon), seed_rows(results, name, against, epsilon)
+    return [100 * (rows[s]["accuracy"] - base[s]["accuracy"]) for s in sorted(set(rows) & set(base))]
+
+
+def summary(diffs: list[float]) -> str:
+    """mean ± std, the 95% t-interval and n of paired differences."""
+    if len(diffs) == 1:
+        return f"{diffs[0]:+.1f} (n=1)"
+    mean, std, low, high = interval(diffs)
+    return f"{mean:+.1f} ± {std:.1f}, CI [{low:+.1f}, {high:+.1f}] (n={len(diffs)})"
+
+
+def against_claim(diffs: list[float], claim: float | None) -> str:
+    """Where a control's 95% t-interval lies against the claim: holds it, above it or below it."""
+    if claim is None or len(diffs) < 2:
+        return ""
+    _, _, low, high = interval(diffs)
+    return f"{'below' if high < claim else 'above' if low > claim else 'holds'} {claim:+.2f}"
+
+
+def utility_command(name: str, epsilon: float, labels: list[str] | None = None) -> str:
+    """The command that runs (or resumes) one epsilon's cells of protocol ``name``: every row, or the rows of
+    ``labels`` alone."""
+    protocol = PROTOCOLS[name]
+    seeds = " ".join(str(s) for s in protocol.get("seeds", [0, 1, 2]))
+    command = f"python -m benchmarks utility --protocols {name} --epsilons {epsilon:g} --seeds {seeds}"
+    if labels:
+        command += " --methods " + " ".join(json.dumps(label, ensure_ascii=False) for label in labels)
+    noise_from = any("noise_from" in ref for label, ref in protocol.get("reference", {}).items()
+                     if labels is None or label in labels)
+    return f"python -m benchmarks authors-noise && {command}" if noise_from else command
+
+
+def first_row(results: dict[str, Any], name: str, label: str, epsilon: float) -> dict[str, Any]:
+    return next(iter(seed_rows(results, name, label, epsilon).values()))
+
+
+def control_cell(results: dict[str, Any], name: str, spec: dict[str, Any], baseline: str, epsilon: float,
+                 claim: float | None) -> tuple[str, list[float]]:
+    """The positive control's cell and its paired differences (empty: not run, or the protocol has none)."""
+    if "control" not in spec:
+        return spec.get("control_note", "–"), []
+    labels = [spec["control"], *([spec["control_baseline"]] if "control_baseline" in spec else [])]
+    control = paired(results, name, spec["control"], baseline, epsilon)
+    if not control:
+        return f"not run yet: `{utility_command(name, epsilon, labels)}`", []
+    row = first_row(results, name, spec["control"], epsilon)
+    position = against_claim(control, claim)
+    cell = (f"{spec['control']} − {baseline} (σ × {row.get('noise_scale', 1.0):.3f}, ε {row['epsilon']:.3g} "
+            f"spent): {summary(control)}{f'; {position}' if position else ''}")
+    if "control_baseline" in spec:
+        low_noise = paired(results, name, spec["control_baseline"], baseline, epsilon)
+        cell += (f"; {spec['control_baseline']} − {baseline}: "
+                 f"{summary(low_noise) if low_noise else 'not run yet'}")
+    return cell, control
+
+
+def causes(results: dict[str, Any], name: str, spec: dict[str, Any], baseline: str, epsilon: float,
+           claim: float | None, kind: str, control: list[float]) -> list[str]:
+    """Why a claim was refuted, as far as the control rows show it."""
+    if kind != "refuted" or "control" not in spec:
+        return []
+    if len(control) < 2:
+        return ["the positive control is not run yet"]
+    position = against_claim(control, claim).split(" ")[0]
+    if position == "below":
+        return ["the control at the authors' released noise is below the claim too"]
+    scale = first_row(results, name, spec["control"], epsilon)["noise_scale"]
+    where = "holds" if position == "holds" else "lies above"
+    found = [f"the gain appears at the noise the authors' code releases (σ × {scale:.3f} per unit of its "
+             f"sensitivity; the control {where} the claim), not at the σ its accounting states"]
+    low_noise = paired(results, name, spec.get("control_baseline", ""), baseline, epsilon)
+    if len(low_noise) > 1:
+        found.append(f"{spec['control_baseline']} gains {interval(low_noise)[0]:+.1f} over {baseline} from "
+                     "the lower noise alone")
+    return found
+
+
+def claim_table(results: dict[str, Any]) -> list[str]:
+    """The verdict of each claim (the protocols with a ``verdict`` entry, each epsilon): the paired result at
+    the stated noise, the positive control at the noise the authors' released code adds, the comparison on one
+    grid point, the verdict with its cause, and the command of the row."""
+    lines = ["| claim (SST-2), scale | ε | paper | at the stated noise: method − baseline | positive control: "
+             "at the noise the authors' code releases | on one grid point | verdict: cause | command of the "
+             "row |",
+             "|---|---|---|---|---|---|---|---|"]
+    scales = {"head": "linear head", "full": "every weight"}
+    for name, protocol in PROTOCOLS.items():
+        spec = protocol.get("verdict")
+        if spec is None:
+            continue
+        baseline, method = list(protocol["methods"])[:2]
+        scale = scales.get(protocol["scale"], f"top 2 layers {protocol.get('train')}")
+        for epsilon in protocol["epsilons"]:
+            claim = protocol["claims"].get(epsilon)
+            stated = paired(results, name, method, baseline, epsilon)
+            stated_cell = f"{method} − {baseline}: {summary(stated)}" if stated else (
+                f"not run yet: `{utility_command(name, epsilon, [baseline, method])}`")
+            control, control_diffs = control_cell(results, name, spec, baseline, epsilon, claim)
+            compare, notes = [], []
+            for label, against in spec.get("compare", {}).items():
+                diffs = paired(results, name, label, against, epsilon)
+                if not diffs:
+                    compare.append(f"{label}: not run yet: `{utility_command(name, epsilon, [label])}`")
+                    continue
+                point = point_key(first_row(results, name, label, epsilon).get("point", {}))
+                compare.append(f"{label} ({point}) − {against}: {summary(diffs)}")
+                if len(diffs) > 1 and interval(diffs)[3] < 0:
+                    notes.append(f"at one grid point {label} is below {against}")
+            kind, reason = judge(stated, claim) if stated else ("not run yet", "")
+            found = causes(results, name, spec, baseline, epsilon, claim, kind, control_diffs) + notes
+            judgement = (f"**{kind}**{f': {reason}' if reason else ''}"
+                         f"{'; cause: ' + '; '.join(found) if found else ''}")
+            lines.append(f"| {protocol['paper'].split(':')[0]}, {scale} | {epsilon:g} | "
+                         f"{'–' if claim is None else f'{claim:+.2f}'} | {stated_cell} | {control} | "
+                         f"{'; '.join(compare) or '–'} | {judgement} | `{utility_command(name, epsilon)}` |")
+    return lines
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
@@ -610,15 +834,21 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         lines.append(f"- `{name}`: {protocol['paper']}; {json.dumps(protocol['common'])}; grid "
                      f"{json.dumps(protocol['grid'])}{f' ({grids})' if grids else ''}.")
     lines += ["", f"Command: `python -m benchmarks utility` (plots: `{PLOT}`).", END]
-    text = open(args.output).read()
-    generated = "\n".join(lines)
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + generated + text[text.index(END) + len(END):]
+    write_generated(args.output, BEGIN, END, "\n".join(lines))
+    claims = [CLAIMS_BEGIN, "", *claim_table(results), "", CLAIMS_END]
+    write_generated(args.output, CLAIMS_BEGIN, CLAIMS_END, "\n".join(claims))
+    plot(results, args.plot)
+
+
+def write_generated(path: str, begin: str, end: str, generated: str) -> None:
+    """Replace ``begin`` ... ``end`` in ``path`` (both included) with ``generated``; append it when absent."""
+    text = open(path).read()
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + generated + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + generated + "\n"
-    with open(args.output, "w") as f:
+    with open(path, "w") as f:
         f.write(text)
-    plot(results, args.plot)
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -630,8 +860,10 @@ def plot(results: dict[str, Any], path: str) -> None:
 
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
     for ax, (name, protocol) in zip(axes.flat, PROTOCOLS.items()):
-        labels = list(protocol["methods"]) + list(protocol.get("reference",
-                                                               {})) + protocol.get("extra_labels", [])
+        # the controls at a scaled noise are left out: they spend another epsilon than the one they are keyed
+        # at
+        labels = list(protocol["methods"]) + [label for label, ref in protocol.get("reference", {}).items()
+                                              if "noise_from" not in ref] + protocol.get("extra_labels", [])
         for offset, label in zip(np.linspace(-0.08, 0.08, len(labels)), labels):
             xs, means, stds, points = [], [], [], []
             for epsilon in protocol["epsilons"]:
@@ -668,6 +900,8 @@ def plot(results: dict[str, Any], path: str) -> None:
 
 BEGIN, END = ("<!-- BEGIN GENERATED by benchmarks/paper_protocols.py -->", "<!-- END GENERATED by "
     "benchmarks/paper_protocols.py -->")
+CLAIMS_BEGIN = "<!-- BEGIN GENERATED claim verdicts (benchmarks/paper_protocols.py) -->"
+CLAIMS_END = "<!-- END GENERATED claim verdicts -->"
 PLOT = "docs/img/paper_protocols.png"
 
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from benchmarks import paper_protocols
+from benchmarks import authors_noise, paper_protocols
 from benchmarks.common import sst2_dir
 
 
@@ -67,13 +67,28 @@ def test_the_lora_sweep_tunes_once_runs_every_cell_resumes_and_reports(tmp_path,
         "pmlf_lora|DP-PMLF|eps=1|tune|learning_rate=0.5", "pmlf_lora|DP-SGD|eps=1|tune|learning_rate=0.5",
     ])
     seeded = sorted(k for k in runs if "|seed=" in k)
+    controls = {"disk_lora|DiSK (authors' released noise, σ/7)": "disk_kappa0.7_gamma0.5",
+                "disk_lora|DP-AdamW (σ/7)": "disk_kappa0.7_gamma0.5",
+                "pmlf_lora|DP-PMLF (authors' released noise, σ/2)": "pmlf_k2"}
     assert seeded == sorted(["disk_lora|DP-AdamW|eps=1|seed=0", "disk_lora|DiSK|eps=1|seed=0",
                              "disk_lora|DP-AdamW|eps=6.7|seed=0", "disk_lora|DiSK|eps=6.7|seed=0",
-                             "pmlf_lora|DP-SGD|eps=1|seed=0", "pmlf_lora|DP-PMLF|eps=1|seed=0"])
+                             "pmlf_lora|DP-SGD|eps=1|seed=0", "pmlf_lora|DP-PMLF|eps=1|seed=0",
+                             *(f"disk_lora|{label}|eps={eps}|seed=0" for eps in ("1", "6.7") for label in (
+                                 "DiSK (authors' released noise, σ/7)", "DP-AdamW (σ/7)", "DiSK (step-matched)")),
+                             "pmlf_lora|DP-PMLF (authors' released noise, σ/2)|eps=1|seed=0",
+                             "pmlf_lora|DP-SGD + low-pass filter|eps=1|seed=0"])
     for key, row in runs.items():
         target = float(key.split("|eps=")[1].split("|")[0])
-        # every run's epsilon from the library's accountant
-        assert row["epsilon"] <= target + 1e-9, (key, row)
+        control = controls.get(key.split("|eps=")[0])
+        if control is None:  # every run's epsilon from the library's accountant
+            assert row["epsilon"] <= target + 1e-9, (key, row)
+        else:  # a control runs at the stated sigma times the measured fraction, and spends more than claimed
+            scale = authors_noise.effective_noise_ratio(control)
+            assert row["noise_scale"] == scale and row["epsilon_claimed"] == target, (key, row)
+            stated = runs[key.replace(key.split("|")[1], "DP-AdamW" if "disk" in key else "DP-SGD")]
+            assert row["stated_noise_multiplier"] == pytest.approx(stated["noise_multiplier"], rel=1e-9)
+            assert row["noise_multiplier"] == pytest.approx(scale * stated["noise_multiplier"], rel=1e-9)
+            assert row["epsilon"] > target + 0.1, (key, row)
         assert row["steps"] >= 1 and row["cpu_seconds"] > 0 and row["threads"] == 1, (key, row)
         assert 0.0 <= row["accuracy"] <= 1.0
     # each method's seeds run the point its own validation grid chose, at every epsilon
@@ -86,7 +101,8 @@ def test_the_lora_sweep_tunes_once_runs_every_cell_resumes_and_reports(tmp_path,
     report = (tmp_path / "results.md").read_text()
     assert "| DiSK (Zhang et al.), Table 3 | top 2 layers lora16, 6k ex. | 6.7 | DP-AdamW | DiSK |" in report
     assert "(n=1; paper +1.60)" in report and "(n=1; paper +1.88)" in report
-    assert "- `disk_lora`: 8 runs," in report and "CPU minutes in all" in report
+    assert "- `disk_lora`: 14 runs," in report and "CPU minutes in all" in report
+    assert "| DiSK (Zhang et al.), Table 3, top 2 layers lora16 | 6.7 | +1.60 | DiSK − DP-AdamW: " in report
     assert "Grid points the trainer stopped" not in report
 
     # an interrupted sweep resumes: only the missing run is made again, every finished one is kept
@@ -134,6 +150,8 @@ def test_a_grid_point_the_trainer_stops_is_saved_as_failed_and_never_chosen(tmp_
 
     monkeypatch.setattr(paper_protocols, "run_point", fake_run_point)
     monkeypatch.setattr(paper_protocols, "scale_data", lambda scale, args: {})
+    # the reference rows run other points (the step-matched DiSK at DP-AdamW's learning rate): not tested here
+    monkeypatch.setitem(tiny_protocols["disk_lora"], "reference", {})
     args = argparse.Namespace(epsilons=None, seeds=[0], tuning_seed=100)
     store = paper_protocols.Store(str(tmp_path / "runs.json"))
     paper_protocols.run_protocol("disk_lora", args, store)
@@ -282,3 +300,148 @@ def test_methods_runs_only_the_named_methods_tuning_and_seeds(tmp_path, monkeypa
     calls.clear()
     paper_protocols.run_protocol("minilm_full", argparse.Namespace(**{**vars(only), "methods": None}), store)
     assert calls and {m for m, _, _ in calls} == {"none"}  # the finished DP rows are kept, not run again
+
+
+def fake_accuracy(protocol, method, point, epsilon, seed, split, data, args):
+    """A run_point stand-in: the accuracy grows with the learning rate; every row keeps what it was run with."""
+    return {"accuracy": 0.5 + point["learning_rate"] / 100, "seconds": 1.0, "cpu_seconds": 1.0, "threads": 1,
+            "epsilon": epsilon, "noise_multiplier": 1.0, "steps": 1, "method": method}
+
+
+def test_the_controls_run_at_the_measured_noise_and_on_the_baselines_learning_rate(tmp_path, monkeypatch):
+    """disk_lora's and pmlf_lora's reference rows: the positive controls at the stated sigma times the fraction
+    measured on the authors' released arithmetic (not a constant), DiSK step-matched at DP-AdamW's chosen
+    learning rate, and PMLF's low-pass filter alone (k = 1) at DP-SGD's."""
+    import argparse
+
+    monkeypatch.setattr(paper_protocols, "run_point", fake_accuracy)
+    monkeypatch.setattr(paper_protocols, "scale_data", lambda scale, args: {})
+    monkeypatch.setitem(paper_protocols.PROTOCOLS["disk_lora"], "grid", {"learning_rate": [0.01, 0.03]})
+    monkeypatch.setitem(paper_protocols.PROTOCOLS["disk_lora"], "method_grids", {"DiSK": {"learning_rate": [0.01]}})
+    store = paper_protocols.Store(str(tmp_path / "runs.json"))
+    args = argparse.Namespace(epsilons=None, seeds=[0], tuning_seed=100)
+    for name in ("disk_lora", "pmlf_lora"):
+        paper_protocols.run_protocol(name, args, store)
+    runs = store.load()
+    disk = authors_noise.effective_noise_ratio("disk_kappa0.7_gamma0.5")
+    pmlf = authors_noise.effective_noise_ratio("pmlf_k2")
+    assert abs(disk - 1 / 7) < 0.005 and abs(pmlf - 1 / 2) < 0.005
+    for eps in ("1", "6.7"):
+        control = runs[f"disk_lora|DiSK (authors' released noise, σ/7)|eps={eps}|seed=0"]
+        assert control["method"] == {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5},
+                                     "noise_scale": disk}
+        assert control["point"] == {"learning_rate": 0.01}  # DiSK's own choice
+        low_noise = runs[f"disk_lora|DP-AdamW (σ/7)|eps={eps}|seed=0"]
+        assert low_noise["method"] == {"dp_method": "dpsgd", "dp_method_args": {}, "noise_scale": disk}
+        assert low_noise["point"] == {"learning_rate": 0.03}
+        matched = runs[f"disk_lora|DiSK (step-matched)|eps={eps}|seed=0"]
+        assert matched["method"] == {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5,
+                                                                             "adam_step_match": True}}
+        assert matched["point"] == {"learning_rate": 0.03}  # DP-AdamW's choice: both methods on one point
+    control = runs["pmlf_lora|DP-PMLF (authors' released noise, σ/2)|eps=1|seed=0"]
+    assert control["method"]["noise_scale"] == pmlf and control["method"]["dp_method_args"]["k"] == 2
+    lowpass = runs["pmlf_lora|DP-SGD + low-pass filter|eps=1|seed=0"]
+    assert lowpass["method"] == {"dp_method": "pmlf", "dp_method_args": {"k": 1, "beta": 0.1,
+                                                                         "preset": "pmlf_mnist"}}
+    assert lowpass["point"] == runs["pmlf_lora|DP-SGD|eps=1|seed=0"]["point"]
+
+
+def test_a_control_is_run_at_the_calibrated_sigma_times_its_scale_and_reports_its_true_epsilon():
+    """run_point's noise: target_epsilon for the protocol's rows; for a control, the sigma the library
+    calibrates for the claimed epsilon on the run's plan, times the measured fraction, fixed."""
+    from hf_dpfilter import PrivacyPlan, compute_epsilon
+
+    plan = dict(num_examples=6000, logical_batch_size=500, epochs=3)
+    assert paper_protocols.noise_arguments({"dp_method": "disk"}, {"kappa": 0.7}, 1.0, 6000, 500, 3) == {
+        "target_epsilon": 1.0}
+    assert paper_protocols.noise_arguments({"dp_method": "none"}, {}, 1.0, 6000, 500, 3) == {
+        "target_epsilon": None}
+    noise = paper_protocols.noise_arguments({"dp_method": "disk", "noise_scale": 0.143},
+                                            {"kappa": 0.7, "gamma": 0.5}, 1.0, 6000, 500, 3)
+    stated = PrivacyPlan.create(**plan, target_epsilon=1.0, seed=0)
+    assert noise["target_epsilon"] is None and noise["stated_noise_multiplier"] == stated.noise_multiplier
+    assert noise["noise_multiplier"] == pytest.approx(0.143 * stated.noise_multiplier)
+    assert 1.9 < stated.noise_multiplier < 2.1  # the sigma of disk_lora's rows at epsilon 1 (1.98)
+    spent = compute_epsilon([(noise["noise_multiplier"], 500 / 6000, stated.steps)], stated.delta)
+    assert spent > 10  # what the control really spends, far above the claimed 1
+
+
+def test_methods_can_select_a_reference_row_alone_and_reuse_the_finished_rows(tmp_path, monkeypatch):
+    """--methods with a reference row's label runs that row's seeds alone; the methods whose point it reads
+    are tuned from their finished grid points, and their finished seeds are not run again."""
+    import argparse
+
+    calls = []
+
+    def counting(*a):
+        calls.append((a[1]["dp_method"], a[1].get("dp_method_args", {}).get("adam_step_match"), a[5], a[4]))
+        return fake_accuracy(*a)
+
+    monkeypatch.setattr(paper_protocols, "run_point", counting)
+    monkeypatch.setattr(paper_protocols, "scale_data", lambda scale, args: {})
+    store = paper_protocols.Store(str(tmp_path / "runs.json"))
+    base = argparse.Namespace(epsilons=[1.0], seeds=[0, 1], tuning_seed=100, methods=["DP-AdamW", "DiSK"])
+    monkeypatch.setitem(paper_protocols.PROTOCOLS["disk_lora"], "reference", {})
+    paper_protocols.run_protocol("disk_lora", base, store)
+    monkeypatch.undo()
+    monkeypatch.setattr(paper_protocols, "run_point", counting)
+    monkeypatch.setattr(paper_protocols, "scale_data", lambda scale, args: {})
+    finished = set(store.load())
+    calls.clear()
+    only = argparse.Namespace(**{**vars(base), "methods": ["DiSK (step-matched)"]})
+    paper_protocols.run_protocol("disk_lora", only, store)
+    assert calls == [("disk", True, "dev", 0), ("disk", True, "dev", 1)]
+    assert set(store.load()) - finished == {"disk_lora|DiSK (step-matched)|eps=1|seed=0",
+                                            "disk_lora|DiSK (step-matched)|eps=1|seed=1"}
+
+
+def rows(label_accuracies: dict[str, list[float]], name: str = "disk_lora", eps: str = "1",
+         **extra: float) -> dict[str, dict]:
+    """A results file: per label, its seeds' accuracies (%), at one epsilon."""
+    return {f"{name}|{label}|eps={eps}|seed={seed}": {"accuracy": acc / 100, "epsilon": 1.0, "seconds": 1.0,
+                                                       "noise_multiplier": 1.0, "steps": 36,
+                                                       "point": {"learning_rate": 0.03}, **extra}
+            for label, accs in label_accuracies.items() for seed, acc in enumerate(accs)}
+
+
+def test_the_verdict_is_refuted_only_when_the_intervals_upper_end_is_below_the_claim():
+    judge = paper_protocols.judge
+    assert judge([-5.0, -4.0, -6.0], 2.0)[0] == "refuted"  # upper end about -2.5 < +2
+    assert judge([1.8, 2.2, 2.0], 2.0)[0] == "reproduced"  # the CI holds +2 and excludes 0
+    assert judge([-3.0, 4.0, 2.0], 2.0)[0] == "not resolved"  # the CI holds +2 and 0
+    assert judge([6.0, 7.0, 6.5], 2.0)[0] == "reproduced"  # above the claim
+    assert judge([0.1, -0.1, 0.2], 0.1)[0] == "reproduced"  # a claim near 0: holding it is enough
+    assert judge([1.0, 2.0], None)[0] == "not resolved" and judge([1.0], 2.0)[0] == "pending"
+    _, _, low, high = paper_protocols.interval([-5.0, -4.0, -6.0])
+    assert high < 2.0 and low == pytest.approx(-5.0 - 4.303 * 1.0 / 3 ** 0.5)
+
+
+def test_the_claim_table_shows_the_control_the_comparison_the_verdict_its_cause_and_the_commands():
+    results = {**rows({"DP-AdamW": [76, 77, 75], "DiSK": [71, 72, 70]}),
+               **rows({"DiSK (authors' released noise, σ/7)": [78, 79, 77.5]}, epsilon=41.0, noise_scale=0.143),
+               **rows({"DP-AdamW (σ/7)": [77.5, 78.5, 76.5]}, epsilon=41.0, noise_scale=0.143),
+               **rows({"DiSK (step-matched)": [75, 76, 74]})}
+    table = "\n".join(paper_protocols.claim_table(results))
+    row = next(line for line in table.splitlines() if line.startswith("| DiSK (Zhang et al.), Table 3") and
+               "| 1 | +2.00 |" in line)
+    assert "DiSK − DP-AdamW: -5.0 ± 0.0" in row
+    assert "DiSK (authors' released noise, σ/7) − DP-AdamW (σ × 0.143, ε 41 spent): +2.2 ± 0.3" in row
+    assert "holds +2.00" in row and "DP-AdamW (σ/7) − DP-AdamW: +1.5 ± 0.0" in row
+    assert "DiSK (step-matched) (learning_rate=0.03) − DP-AdamW: -1.0 ± 0.0" in row
+    assert "**refuted**: the 95% CI's upper end -5.0 is below the claim +2.00" in row
+    assert "cause: the gain appears at the noise the authors' code releases (σ × 0.143" in row
+    assert "DP-AdamW (σ/7) gains +1.5 over DP-AdamW from the lower noise alone" in row
+    assert "at one grid point DiSK (step-matched) is below DP-AdamW" in row
+    assert row.endswith("| `python -m benchmarks authors-noise && python -m benchmarks utility --protocols "
+                        "disk_lora --epsilons 1 --seeds 0 1 2 3 4` |")
+    # a row whose cells are not in the results file: each says so, with the command that makes it
+    missing = next(line for line in table.splitlines() if "| 6.7 | +1.60 |" in line)
+    assert "not run yet: `python -m benchmarks utility --protocols disk_lora --epsilons 6.7 --seeds 0 1 2 3 4 " \
+           "--methods \"DP-AdamW\" \"DiSK\"`" in missing
+    assert ("not run yet: `python -m benchmarks authors-noise && python -m benchmarks utility --protocols "
+            "disk_lora --epsilons 6.7 --seeds 0 1 2 3 4 --methods \"DiSK (authors' released noise, σ/7)\" "
+            "\"DP-AdamW (σ/7)\"`") in missing
+    # every claim of the protocols with a verdict entry has its row, the head scale's too
+    assert table.count("\n| ") == sum(len(p["epsilons"]) for p in paper_protocols.PROTOCOLS.values()
+                                          if "verdict" in p)
+    assert "| DOPPLER (Zhang et al.), Table 3, linear head | 8 | -0.27 |" in table
