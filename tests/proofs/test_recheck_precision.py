@@ -26,7 +26,13 @@ from test_separation import _args, _example, _ratio, _step
 from torch import nn
 
 from hf_dpfilter import DPTrainer
-from hf_dpfilter.proofs.separation import GRADIENT_TOLERANCE, SeparationChecks, SeparationError
+from hf_dpfilter.proofs.separation import (
+    GRADIENT_TOLERANCE,
+    LOSS_ROUNDING_FLOOR,
+    ROUNDING_BOUND,
+    SeparationChecks,
+    SeparationError,
+)
 
 
 class RoundsByRowCount(nn.Module):
@@ -152,6 +158,40 @@ def test_a_loss_mismatch_that_moves_no_clipped_gradient_trains_within_1e_4_C(tmp
 
     def make(name):
         trainers.append(_make(tmp_path, cls, d_prime, clip)(name))
+        return trainers[-1]
+
+    assert _ratio(make, d, d_prime) <= 1 + GRADIENT_TOLERANCE
+    assert trainers[-1]._separation.rounding_rechecks == 1
+
+
+class _ConfidentLossRounding(_WidthCoupledLoss):
+    """A confident example's loss (the NLL scaled to about 1e-6) whose float32 value in the wide micro-batch is
+    off by an absolute 2e-7 (about two float32 ulps of 1, as log(1 + x) rounds: relative 0.2, past
+    ROUNDING_BOUND) while its gradient is not."""
+
+    def compute_per_example_loss(self, model, inputs, labels, param_values=None):
+        outputs = self.engine.call_model(param_values, **inputs) if param_values else model(**inputs)
+        logits, targets = outputs["logits"][:, :-1], labels[:, 1:]
+        nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none").sum(1)
+        nll = 1e-6 * nll / (targets != -100).sum(1).clamp(min=1).to(nll.dtype)
+        if inputs["input_ids"].shape[1] > 10 and nll.dtype == torch.float32:
+            # the labelled rows only: the long example without labels keeps its loss 0 (never drawn)
+            nll = nll + 2e-7 * (targets != -100).any(1).to(nll.dtype)
+        return nll
+
+
+def test_a_confident_examples_absolute_rounding_gets_the_gradient_argument(tmp_path):
+    """A loss near 0 rounds in absolute terms: its relative mismatch (0.2) is past ROUNDING_BOUND, but under
+    ROUNDING_BOUND x LOSS_ROUNDING_FLOOR absolute, so the gradient argument settles it (it refused the step
+    before) and the aggregate moves by at most C (1 + 1e-4)."""
+    assert ROUNDING_BOUND * LOSS_ROUNDING_FLOOR >= 2e-7
+    equal = [_example(6, seed, causal=True) for seed in (1, 2)]
+    d = [*equal, _example(3, 3, causal=True)]
+    d_prime = [*d, _example(30, 4, causal=True, labelled=False)]
+    trainers = []
+
+    def make(name):
+        trainers.append(_make(tmp_path, _ConfidentLossRounding, d_prime, 2.0)(name))
         return trainers[-1]
 
     assert _ratio(make, d, d_prime) <= 1 + GRADIENT_TOLERANCE
