@@ -47,6 +47,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                    "every method fine-tuning the whole MiniLM on SST-2, one seed per cell"),
     "demo-tuning": Subcommand("tune_demo", "docs/results.md",
                               "the demo's settings, chosen on a validation split of the training set"),
+    "generation": Subcommand("generation_protocol", "docs/results.md",
+                             "E2E generation, a warm-started encoder-decoder: DP, non-private, baselines"),
     "sft-throughput": Subcommand("sft_throughput", "docs/sft.md",
                                  "examples/s of DP SFT packed vs unpacked, and DP vs non-private SFTTrainer"),
     "recheck-cost": Subcommand("recheck_cost", "docs/performance.md",

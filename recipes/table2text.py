@@ -9,6 +9,9 @@ Examples::
         --data_dir ../shared/data/e2e --model outputs/tiny-gpt2 --method dpsgd --target_epsilon 8 \\
         --max_train_samples 1000 --max_eval_samples 10 --num_train_epochs 1 --secure_rng --output_dir outputs/e2e-dpsgd
 
+A pretrained generator offline: ``recipes/table2text_seq2seq.py --model packaged-minilm2minilm`` (the
+packaged MiniLM on both sides of an encoder-decoder).
+
 GPT-2 on E2E at epsilon 8 in the Li et al. 2022 / DiSK setting needs a GPU and the Hub:
 ``--config_file accelerate_configs/single_gpu.yaml --model gpt2 --method disk --preset paper --target_epsilon 8``.
 Every Trainer and DP flag works by its own name (HfArgumentParser over DPTrainingArguments), as in glue.py.
@@ -41,6 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    PACKAGED_ENCODER_DECODER,
     RecipeArgs,
     announce_and_train,
     apply_lora,
@@ -330,6 +334,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     refuse_sharded_training()
     settings = resolve_settings(cli)
     model_name, method = cli.model.model_name_or_path, cli.training["dp_method"]
+    if model_name == PACKAGED_ENCODER_DECODER:
+        raise SystemExit(f"[table2text] --model {PACKAGED_ENCODER_DECODER} is an encoder-decoder: run it "
+                         "with recipes/table2text_seq2seq.py (the same options).")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

