@@ -311,7 +311,8 @@ def fake_accuracy(protocol, method, point, epsilon, seed, split, data, args):
 def test_the_controls_run_at_the_measured_noise_and_on_the_baselines_learning_rate(tmp_path, monkeypatch):
     """disk_lora's and pmlf_lora's reference rows: the positive controls at the stated sigma times the fraction
     measured on the authors' released arithmetic (not a constant), DiSK step-matched at DP-AdamW's chosen
-    learning rate, and PMLF's low-pass filter alone (k = 1) at DP-SGD's."""
+    learning rate, DP-AdamW at the released noise on the DiSK control's point (its own, chosen at sigma, diverges
+    at a seventh of the noise), and PMLF's low-pass filter alone (k = 1) at DP-SGD's."""
     import argparse
 
     monkeypatch.setattr(paper_protocols, "run_point", fake_accuracy)
@@ -333,7 +334,7 @@ def test_the_controls_run_at_the_measured_noise_and_on_the_baselines_learning_ra
         assert control["point"] == {"learning_rate": 0.01}  # DiSK's own choice
         low_noise = runs[f"disk_lora|DP-AdamW (σ/7)|eps={eps}|seed=0"]
         assert low_noise["method"] == {"dp_method": "dpsgd", "dp_method_args": {}, "noise_scale": disk}
-        assert low_noise["point"] == {"learning_rate": 0.03}
+        assert low_noise["point"] == {"learning_rate": 0.01}  # DiSK's: both controls on one point
         matched = runs[f"disk_lora|DiSK (step-matched)|eps={eps}|seed=0"]
         assert matched["method"] == {"dp_method": "disk", "dp_method_args": {"kappa": 0.7, "gamma": 0.5,
                                                                              "adam_step_match": True}}
@@ -445,3 +446,17 @@ def test_the_claim_table_shows_the_control_the_comparison_the_verdict_its_cause_
     assert table.count("\n| ") == sum(len(p["epsilons"]) for p in paper_protocols.PROTOCOLS.values()
                                           if "verdict" in p)
     assert "| DOPPLER (Zhang et al.), Table 3, linear head | 8 | -0.27 |" in table
+
+
+def test_the_full_scales_model_keys_set_the_encoders_dropout_and_freeze_its_word_embeddings():
+    """``dropout`` and ``freeze_word_embeddings`` in a grid point shape the full scale's model; without them
+    every weight trains under the config's dropout."""
+    protocol = paper_protocols.PROTOCOLS["minilm_full"]
+    default = paper_protocols.build_model(protocol, seed=0)
+    assert default.encoder.config.hidden_dropout_prob == 0.1
+    assert all(p.requires_grad for p in default.parameters())
+    varied = paper_protocols.build_model(protocol, 0, {"learning_rate": 1e-3, "dropout": 0.0,
+                                                       "freeze_word_embeddings": 1})
+    assert varied.encoder.config.hidden_dropout_prob == varied.encoder.config.attention_probs_dropout_prob == 0
+    frozen = [name for name, p in varied.named_parameters() if not p.requires_grad]
+    assert frozen == ["encoder.embeddings.word_embeddings.weight"]

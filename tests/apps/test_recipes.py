@@ -232,9 +232,50 @@ def test_trainer_flags_work_by_their_own_names_with_the_recipe_defaults_shown(tm
     args = _common.training_arguments(cli, glue.resolve_settings(cli), n_train=1000)
     assert (args.report_to, args.seed, args.lr_scheduler_type.value, args.eval_steps) == (["tensorboard"], 3,
                                                                                           "constant", 7)
-    assert (args.learning_rate, args.logical_batch_size, args.target_epsilon, args.save_strategy.value) == (
-        5e-4, 256, 8.0, "no")
-    assert os.path.isdir(cli.model.model_name_or_path)  # packaged-minilm: the installed folder
+    # packaged-minilm: the installed folder, with the minilm_full benchmark's settings (the scheduler given)
+    assert os.path.isdir(cli.model.model_name_or_path)
+    assert (args.learning_rate, args.logical_batch_size, args.per_sample_max_grad_norm, args.target_epsilon,
+            args.save_strategy.value) == (2e-3, 1024, 0.1, 8.0, "no")
+
+
+@needs_sst2
+def test_the_packaged_minilm_fine_tunes_under_a_mean_pooled_head_with_the_benchmarks_settings(tmp_path,
+                                                                                               monkeypatch):
+    """Every weight of the packaged MiniLM: the head it was trained to embed with, and the settings the
+    minilm_full benchmark chose, unless the command line or LoRA says otherwise."""
+    import _common
+
+    import hf_dpfilter
+    from recipes.common.models import FULL_SETTINGS, MeanPooledClassifier
+
+    cli = glue.parse_args(["--model", _common.PACKAGED_MINILM, "--output_dir", str(tmp_path)])
+    glue.resolve_settings(cli)
+    assert glue.packaged_full_fine_tuning(cli)
+    assert (cli.training["learning_rate"], cli.training["logical_batch_size"],
+            cli.training["per_sample_max_grad_norm"], cli.training["num_train_epochs"],
+            cli.training["lr_scheduler_type"]) == (
+        FULL_SETTINGS["learning_rate"], FULL_SETTINGS["logical_batch_size"], FULL_SETTINGS["max_grad_norm"],
+        FULL_SETTINGS["epochs"], FULL_SETTINGS["lr_scheduler_type"])
+    lora = glue.parse_args(["--model", _common.PACKAGED_MINILM, "--lora_r", "4", "--output_dir", str(tmp_path)])
+    glue.resolve_settings(lora)
+    assert not glue.packaged_full_fine_tuning(lora) and lora.training["per_sample_max_grad_norm"] == 1.0
+
+    models = []
+
+    class RecordingTrainer(hf_dpfilter.DPTrainer):
+        def __init__(self, *args, **kwargs):
+            models.append(kwargs["model"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(hf_dpfilter, "DPTrainer", RecordingTrainer)
+    out = tmp_path / "run"
+    glue.main(["--task", "sst2", "--model", _common.PACKAGED_MINILM, "--data_dir", os.path.join(DATA, "glue"),
+               "--max_train_samples", "64", "--max_eval_samples", "32", "--max_seq_length", "32",
+               "--max_steps", "2", "--num_evals", "1", "--output_dir", str(out), "--use_cpu"])
+    assert isinstance(models[0], MeanPooledClassifier)
+    results = _check_outputs(out, cli.training["dp_method"])
+    assert results["steps"] == 2 and results["settings"]["logical_batch_size"] == 16  # N // 4
+    assert results["settings"]["trainable_parameters"] == results["settings"]["total_parameters"]
 
 
 @needs_e2e
