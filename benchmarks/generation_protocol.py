@@ -191,7 +191,8 @@ def run_point(label: str, point: dict[str, float], seed: int, evaluate_on: str, 
         eps = report.get("epsilon", float("inf"))
         row = {"epsilon": eps if private else float("inf"),
                "noise_multiplier": report.get("noise_multiplier") or 0.0,
-               "steps": report.get("steps", trainer.state.global_step), "n_train": len(train)}
+               # a non-private run's report counts no private steps: the trainer's own count
+               "steps": report.get("steps") or trainer.state.global_step, "n_train": len(train)}
         model = trainer.model
     row["train_seconds"] = round(time.time() - start, 1)
     row["train_cpu_seconds"] = round(time.process_time() - cpu_start, 1)

@@ -822,7 +822,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 first = next(iter(rows.values()))
                 point = point_key(first.get("point", {})) or "–"
                 secs = np.median([r["seconds"] for r in rows.values()])
-                detail.append(f"| {name} | {label} | {first['epsilon']:.2f} | {mean:.1f} ± {std:.1f} | "
+                spread = f"{mean:.1f} ± {std:.1f}" if len(accs) > 1 else f"{mean:.1f} (one seed)"
+                detail.append(f"| {name} | {label} | {first['epsilon']:.2f} | {spread} | "
                               f"{len(rows)} | {point} | {first['noise_multiplier']:.3g} | {first['steps']} | "
                               f"{secs:.0f} | {cpu_minutes(rows.values())} |")
     lines += detail + ["", "CPU time of each fine-tuning protocol, every run in the results file (grid "
