@@ -733,6 +733,10 @@ def causes(results: dict[str, Any], name: str, spec: dict[str, Any], baseline: s
     if len(low_noise) > 1:
         found.append(f"{spec['control_baseline']} gains {interval(low_noise)[0]:+.1f} over {baseline} from "
                      "the lower noise alone")
+        own = paired(results, name, spec["control"], spec["control_baseline"], epsilon)
+        if len(own) > 1:
+            found.append(f"the method's own share at that noise ({spec['control']} − "
+                         f"{spec['control_baseline']}): {summary(own)}")
     return found
 
 

@@ -432,6 +432,8 @@ def test_the_claim_table_shows_the_control_the_comparison_the_verdict_its_cause_
     assert "**refuted**: the 95% CI's upper end -5.0 is below the claim +2.00" in row
     assert "cause: the gain appears at the noise the authors' code releases (σ × 0.143" in row
     assert "DP-AdamW (σ/7) gains +1.5 over DP-AdamW from the lower noise alone" in row
+    assert ("the method's own share at that noise (DiSK (authors' released noise, σ/7) − DP-AdamW (σ/7)): "
+            "+0.7 ± 0.3") in row
     assert "at one grid point DiSK (step-matched) is below DP-AdamW" in row
     assert row.endswith("| `python -m benchmarks authors-noise && python -m benchmarks utility --protocols "
                         "disk_lora --epsilons 1 --seeds 0 1 2 3 4` |")
