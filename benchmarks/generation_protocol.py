@@ -49,7 +49,8 @@ VALIDATION_MRS = 40
 TEST_MRS = 300
 DP_EPSILON = 8.0
 
-#: the protocol: shared settings, each trained row's method and learning-rate grid
+#: the protocol: shared settings, each trained row's method and learning-rate grid (a point is added past an edge
+#: that scores best on the validation split: DP-AdamW's 4e-3 did, 18.9 BLEU against 16.7 at 2e-3)
 PROTOCOL: dict[str, Any] = {
     "train": "all",  # every weight of the encoder-decoder
     "max_length": 64,  # tokens of a table and of a text (E2E: 55 and 84 at most, 41 and 28 on average)
@@ -61,7 +62,7 @@ PROTOCOL: dict[str, Any] = {
         "Non-private AdamW": {"dp_method": "none", "batch": 32, "micro_batch": 32,
                               "grid": {"learning_rate": [1e-4, 3e-4, 1e-3]}},
         "DP-AdamW": {"dp_method": "dpsgd", "batch": 128, "micro_batch": 32, "clipping_fn": "abadi",
-                     "max_grad_norm": 0.1, "grid": {"learning_rate": [1e-3, 2e-3, 4e-3]}},
+                     "max_grad_norm": 0.1, "grid": {"learning_rate": [1e-3, 2e-3, 4e-3, 8e-3]}},
     },
 }
 COPY, NOT_FINE_TUNED = "copy baseline", "not fine-tuned"
