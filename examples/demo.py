@@ -165,13 +165,20 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModel, AutoTokenizer, DataCollatorWithPadding, default_data_collator
 
     from hf_dpfilter import DPTrainer, DPTrainingArguments
-    from recipes.common.models import MeanPooledClassifier, mean_pooled_embeddings, packaged_model_path
+    from recipes.common.models import (
+        MeanPooledClassifier,
+        encoder_dropout,
+        mean_pooled_embeddings,
+        packaged_model_path,
+    )
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = packaged_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    encoder = AutoModel.from_pretrained(path)
+    # --train full: the dropout minilm_full chose (off); the other choices keep the config's
+    dropout = encoder_dropout(FULL_SETTINGS["dropout"]) if args.train == "full" else {}
+    encoder = AutoModel.from_pretrained(path, **dropout)
 
     texts, labels = read_glue_tsv(train_file)
     rng = np.random.default_rng(args.data_seed)

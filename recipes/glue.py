@@ -10,7 +10,8 @@ Examples::
 With every weight of the packaged MiniLM trained (no ``--lora_r``) the model classifies mean-pooled token
 states, the way it was trained to embed sentences, and the settings the command line leaves out are the ones
 ``python -m benchmarks utility --protocols minilm_full`` chose (``recipes.common.models.FULL_SETTINGS``:
-logical batch 1024, lr 2e-3, C 0.1, 3 epochs, linear decay; docs/results.md has what they measure).
+logical batch 1024, lr 2e-3, C 0.1, 3 epochs, linear decay, dropout off; docs/results.md has what they
+measure).
 
 The papers' setting (RoBERTa-base, B = 1000 x factor, 3 x factor epochs, lr 5e-4, AdamW, linear decay) needs a
 GPU and the Hub: ``--config_file accelerate_configs/multi_gpu.yaml --task mnli --method doppler --preset paper
@@ -333,9 +334,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if packaged_full_fine_tuning(cli):
         from transformers import AutoModel
 
-        from recipes.common.models import MeanPooledClassifier
+        from recipes.common.models import FULL_SETTINGS, MeanPooledClassifier, encoder_dropout
 
-        encoder = AutoModel.from_pretrained(model_name)
+        encoder = AutoModel.from_pretrained(model_name, **encoder_dropout(FULL_SETTINGS["dropout"]))
         model = MeanPooledClassifier(encoder.config.hidden_size, len(spec["labels"]), encoder=encoder)
     else:
         model = AutoModelForSequenceClassification.from_pretrained(model_name, num_labels=len(spec["labels"]),

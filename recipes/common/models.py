@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FULL_SETTINGS", "HEAD_SETTINGS", "MeanPooledClassifier", "mean_pool", "mean_pooled_embeddings",
+__all__ = ["FULL_SETTINGS", "HEAD_SETTINGS", "MeanPooledClassifier", "encoder_dropout", "mean_pool", "mean_pooled_embeddings",
            "packaged_encoder_decoder", "packaged_model_path", "wordpiece_detokenize"]
 
 #: DP-Adam at epsilon 8 on a MeanPooledClassifier head over the frozen packaged MiniLM (the demo's defaults),
@@ -33,11 +33,16 @@ HEAD_SETTINGS = {"train_samples": 20000, "epochs": 5.0, "logical_batch_size": 10
                  "max_grad_norm": 1.0}
 
 #: DP-AdamW at epsilon 8 fine-tuning every weight of the packaged MiniLM under a MeanPooledClassifier on all of
-#: SST-2 (``make demo-full``): the ``minilm_full`` protocol's settings, the learning rate chosen on its
-#: sentence-like validation split carved from the training set (python -m benchmarks utility --protocols
-#: minilm_full; docs/results.md)
+#: SST-2 (``make demo-full``): the ``minilm_full`` protocol's settings, the learning rate and the encoder's
+#: dropout (off) chosen on its sentence-like validation split carved from the training set (python -m
+#: benchmarks utility --protocols minilm_full; docs/results.md)
 FULL_SETTINGS = {"train_samples": 0, "epochs": 3.0, "logical_batch_size": 1024, "learning_rate": 2e-3,
-                 "max_grad_norm": 0.1, "lr_scheduler_type": "linear"}
+                 "max_grad_norm": 0.1, "lr_scheduler_type": "linear", "dropout": 0.0}
+
+
+def encoder_dropout(probability: float) -> dict[str, float]:
+    """``from_pretrained`` keyword arguments that set a BERT-style encoder's hidden and attention dropout."""
+    return {"hidden_dropout_prob": probability, "attention_probs_dropout_prob": probability}
 
 
 def packaged_model_path() -> str:

@@ -451,12 +451,14 @@ def test_the_claim_table_shows_the_control_the_comparison_the_verdict_its_cause_
 
 
 def test_the_full_scales_model_keys_set_the_encoders_dropout_and_freeze_its_word_embeddings():
-    """``dropout`` and ``freeze_word_embeddings`` in a grid point shape the full scale's model; without them
-    every weight trains under the config's dropout."""
+    """``dropout`` and ``freeze_word_embeddings`` in the protocol's settings or a grid point shape the full
+    scale's model; without them every weight trains under the config's dropout."""
     protocol = paper_protocols.PROTOCOLS["minilm_full"]
-    default = paper_protocols.build_model(protocol, seed=0)
-    assert default.encoder.config.hidden_dropout_prob == 0.1
+    assert protocol["common"]["dropout"] == 0.0  # chosen on the validation split: 84.5% against 83.3%
+    default = paper_protocols.build_model({**protocol, "common": {}}, seed=0)
+    assert default.encoder.config.hidden_dropout_prob == 0.1  # the config's
     assert all(p.requires_grad for p in default.parameters())
+    assert paper_protocols.build_model(protocol, 0).encoder.config.attention_probs_dropout_prob == 0.0
     varied = paper_protocols.build_model(protocol, 0, {"learning_rate": 1e-3, "dropout": 0.0,
                                                        "freeze_word_embeddings": 1})
     assert varied.encoder.config.hidden_dropout_prob == varied.encoder.config.attention_probs_dropout_prob == 0

@@ -273,6 +273,7 @@ def test_the_packaged_minilm_fine_tunes_under_a_mean_pooled_head_with_the_benchm
                "--max_train_samples", "64", "--max_eval_samples", "32", "--max_seq_length", "32",
                "--max_steps", "2", "--num_evals", "1", "--output_dir", str(out), "--use_cpu"])
     assert isinstance(models[0], MeanPooledClassifier)
+    assert models[0].encoder.config.hidden_dropout_prob == FULL_SETTINGS["dropout"] == 0.0
     results = _check_outputs(out, cli.training["dp_method"])
     assert results["steps"] == 2 and results["settings"]["logical_batch_size"] == 16  # N // 4
     assert results["settings"]["trainable_parameters"] == results["settings"]["total_parameters"]
