@@ -272,7 +272,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
     """The table (markdown) of every row the results hold, written between the markers of ``args.output``."""
     header = " | ".join(column for column, _ in SHOWN.values())
     lines = [BEGIN, "", f"| row | ε | {header} | seeds | chosen on validation | σ | steps | wall s/run | CPU "
-                        "min/run |", "|---" * (9 + len(SHOWN)) + "|"]
+                        "min/run |", "|---" * (8 + len(SHOWN)) + "|"]
     rows = [(COPY, [results[COPY]] if COPY in results else [])] + [
         (label, seed_rows(results, label)) for label in (NOT_FINE_TUNED, *PROTOCOL["methods"])]
     for label, runs in rows:

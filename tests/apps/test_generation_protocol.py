@@ -75,6 +75,8 @@ def test_the_protocol_runs_every_row_resumes_and_reports(tmp_path, tiny_protocol
     for label in ("copy baseline", "not fine-tuned", "Non-private AdamW", "DP-AdamW"):
         assert f"| {label} |" in text
     assert "CPU min/run" in text and "CPU minutes in all" in text
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in table}) == 1  # the separator has as many cells as the header
 
     # an interrupted sweep resumes: only the missing run is made again (here by a stand-in), the rest are kept
     missing = "DP-AdamW|seed=0"
