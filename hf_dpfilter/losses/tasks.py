@@ -109,10 +109,17 @@ def sequence_classification_loss(
         return (logits.squeeze(-1) - labels.to(logits.dtype).reshape(logits.shape[0])) ** 2
     if problem_type == "single_label_classification":
         flat_logits, flat_labels = logits.reshape(-1, num_labels), labels.reshape(-1)
-        if label_smoothing or bool((flat_labels < 0).any()):  # smoothing, or ignored rows: torch's own loss
+        invalid = (flat_labels < 0) & (flat_labels != IGNORE_INDEX)
+        if label_smoothing or bool(invalid.any()):  # a run's setting, or torch's error for a bad label
             return F.cross_entropy(flat_logits, flat_labels, reduction="none",
                                    label_smoothing=label_smoothing)
-        return confident_cross_entropy(flat_logits, flat_labels)
+        # row by row, never chosen by the other rows of the micro-batch: an ignored row has loss 0 and no
+        # gradient, the others their own loss (in float32 under autocast: a scaled fp16 loss overflows)
+        ignored = flat_labels == IGNORE_INDEX
+        if flat_logits.dtype in (torch.float16, torch.bfloat16):
+            flat_logits = flat_logits.float()
+        losses = confident_cross_entropy(flat_logits, flat_labels.clamp_min(0))
+        return torch.where(ignored, torch.zeros_like(losses), losses)
     if problem_type == "multi_label_classification":
         return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype),
                                                   reduction="none").mean(dim=-1)

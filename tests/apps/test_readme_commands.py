@@ -212,7 +212,8 @@ def _run_blocks(kind: str, capsys) -> None:
             timings.append((time.time() - start, command))
             assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             if "recipes/" in command and "--max_train_samples 1000" in command:
-                assert "Privacy plan:" in result.stdout and "WARNING: Only 3 optimizer steps" in result.stdout
+                assert "Privacy plan:" in result.stdout and re.search(r"WARNING: Only [34] optimizer steps",
+                                                                      result.stdout)
     assert timings, f"no {kind} block"
     with capsys.disabled():
         for seconds, command in timings:

@@ -51,3 +51,18 @@ def test_smoothing_and_ignored_rows_keep_torchs_loss():
     smoothed = sequence_classification_loss(logits, labels.clamp_min(0), label_smoothing=0.1)
     torch.testing.assert_close(smoothed, F.cross_entropy(logits, labels.clamp_min(0), reduction="none",
                                                          label_smoothing=0.1))
+
+
+def test_a_rows_loss_never_depends_on_the_other_rows_of_the_micro_batch():
+    """An ignored row, or any other row, never switches another row's loss to another formula: each row's
+    loss and gradient are bit-identical in the micro-batch and alone (the re-check compares exactly that)."""
+    generator = torch.Generator().manual_seed(2)
+    logits = (10 * torch.randn(5, 3, generator=generator)).requires_grad_()
+    labels = torch.tensor([0, 2, -100, 1, 0])
+    together = sequence_classification_loss(logits, labels)
+    grad_together, = torch.autograd.grad(together.sum(), logits)
+    assert together[2] == 0 and torch.equal(grad_together[2], torch.zeros(3))
+    for row in (0, 1, 3, 4):
+        alone = sequence_classification_loss(logits[row : row + 1], labels[row : row + 1])
+        grad_alone, = torch.autograd.grad(alone.sum(), logits)
+        assert torch.equal(alone[0], together[row]) and torch.equal(grad_alone[row], grad_together[row])
