@@ -354,14 +354,16 @@ def full_scale_data(args: argparse.Namespace) -> dict[str, Any]:
 MODEL_KEYS = ("dropout", "freeze_word_embeddings")
 
 
-def build_model(protocol: dict[str, Any], seed: int, point: dict[str, float] | None = None) -> nn.Module:
+def build_model(protocol: dict[str, Any], seed: int, point: dict[str, float] | None = None,
+                method: dict[str, Any] | None = None) -> nn.Module:
     torch.manual_seed(seed)
     from transformers import AutoModel
 
     from recipes.common.models import MeanPooledClassifier, encoder_dropout
 
-    # the protocol's model settings, then the grid point's
-    point = {**{k: v for k, v in protocol.get("common", {}).items() if k in MODEL_KEYS}, **(point or {})}
+    # the model settings of the protocol, then the method's, then the grid point's
+    point = {**{k: v for source in (protocol.get("common", {}), method or {}) for k, v in source.items()
+                if k in MODEL_KEYS}, **(point or {})}
     if protocol["scale"] == "head":
         return MeanPooledClassifier(384, num_labels=2)
     if protocol["scale"] == "full":  # every weight, dropout (keyed to each example) on unless the point says
@@ -433,7 +435,7 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
         logging_strategy="no",
         remove_unused_columns=protocol["scale"] != "top", label_names=["labels"],
     )
-    model = build_model(protocol, seed, {**{k: method[k] for k in MODEL_KEYS if k in method}, **point})
+    model = build_model(protocol, seed, point, method)
     trainer = DPTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
                         data_collator=collator,
                         compute_metrics=lambda p: {"accuracy": float((p[0].argmax(-1) == p[1]).mean())})

@@ -109,16 +109,16 @@ def sequence_classification_loss(
         return (logits.squeeze(-1) - labels.to(logits.dtype).reshape(logits.shape[0])) ** 2
     if problem_type == "single_label_classification":
         flat_logits, flat_labels = logits.reshape(-1, num_labels), labels.reshape(-1)
-        invalid = (flat_labels < 0) & (flat_labels != IGNORE_INDEX)
-        if label_smoothing or bool(invalid.any()):  # a run's setting, or torch's error for a bad label
+        if label_smoothing:  # a run's setting, never the data's
             return F.cross_entropy(flat_logits, flat_labels, reduction="none",
                                    label_smoothing=label_smoothing)
         # row by row, never chosen by the other rows of the micro-batch: an ignored row has loss 0 and no
-        # gradient, the others their own loss (in float32 under autocast: a scaled fp16 loss overflows)
+        # gradient, the others their own loss (in float32 under autocast: a scaled fp16 loss overflows); any
+        # other label out of range is refused by one_hot
         ignored = flat_labels == IGNORE_INDEX
         if flat_logits.dtype in (torch.float16, torch.bfloat16):
             flat_logits = flat_logits.float()
-        losses = confident_cross_entropy(flat_logits, flat_labels.clamp_min(0))
+        losses = confident_cross_entropy(flat_logits, torch.where(ignored, 0, flat_labels))
         return torch.where(ignored, torch.zeros_like(losses), losses)
     if problem_type == "multi_label_classification":
         return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype),

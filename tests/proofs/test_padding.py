@@ -307,3 +307,15 @@ def test_positions_from_the_mask_are_each_rows_own():
     assert leading_padding(mask).tolist() == [2, 0, 0, 1, 5]
     assert positions_from_mask(mask).tolist() == [
         [0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 0, 1, 2, 3], [0, 0, 0, 0, 0]]
+
+
+def test_an_added_example_whose_label_is_ignored_moves_nothing(tmp_path):
+    """D' = D plus a classification example labelled -100 (ignored), sampled in the same micro-batch: its loss
+    is 0 and it never switches the other rows' loss to another formula, so the clipped sum moves by rounding
+    only (the shorter rows are padded to its width), not by up to C. In float64, so that rounding is not read
+    as a move."""
+    shorts = make_examples(6, VOCAB, causal=False, seed=1, min_len=3, max_len=6)
+    d = _one_step_sum(tmp_path / "d", _bert().double(), shorts, PadCollator(0))
+    d2 = _one_step_sum(tmp_path / "d2", _bert().double(), shorts + [_long_example(False)], PadCollator(0))
+    moved = float((d2 - d).norm()) / 0.1
+    assert moved < 1e-9, f"the clipped sum moved by {moved:.2e} C"
