@@ -76,6 +76,35 @@ def test_rule_wrong_per_example_but_right_in_sum_is_caught_by_name(tmp_path):
         _GRAD_RULES.pop(RolledLinear, None)
 
 
+class NudgedLinear(nn.Linear):
+    """A Linear whose (test-only) rule is 0.1% too large: ten times the float32 tolerance."""
+
+
+def _nudged_rule(module, activations, grad_output):
+    b, a = grad_output, activations
+    if a.dim() == 2:
+        a, b = a.unsqueeze(1), b.unsqueeze(1)
+    return {"weight": OuterTerm(left=b * 1.001, right=a)}
+
+
+def test_a_rule_wrong_by_a_tenth_of_a_percent_is_caught_in_float32(tmp_path):
+    # the per-parameter floor (16 float32 ulps of the example's whole gradient, for parameters whose exact
+    # gradient is 0) must not hide a small error of a parameter that carries gradient
+    register_grad_rule(NudgedLinear)(_nudged_rule)
+    try:
+        model = tiny_bert(dtype=torch.float32)
+        head = model.classifier
+        model.classifier = NudgedLinear(head.in_features, head.out_features, bias=False)
+        with torch.no_grad():
+            model.classifier.weight.copy_(head.weight)
+        trainer = _trainer(tmp_path, model)
+        with pytest.raises(PerExampleCheckError, match="'classifier.weight'.*wrong per example"):
+            trainer.train()
+        assert trainer.accountant.steps == 0
+    finally:
+        _GRAD_RULES.pop(NudgedLinear, None)
+
+
 class ContrastiveTrainer(DPTrainer):
     """In-batch negatives through the documented hook: each example's loss depends on the others."""
 
