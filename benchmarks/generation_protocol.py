@@ -145,6 +145,24 @@ def public_pairs(dart_dir: str | None) -> Pairs:
 
 
 # ------------------------------------------------------------------------------------------------ runs
+@torch.no_grad()
+def table_reliance(model: Any, tokenizer: Any, pairs: Pairs, n: int = 32) -> float:
+    """How much the model reads the table: its mean token loss on ``n`` pairs with each text given the next
+    pair's table, less its loss with the text's own table (nats; about 0 for a model that ignores the table)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    rows = encode(tokenizer, model, pairs[:n])
+    batch = DataCollatorForSeq2Seq(tokenizer, model=model)([rows[i] for i in range(len(rows))])
+    shifted = torch.roll(torch.arange(len(rows)), 1)
+    was_training = model.training
+    model.eval()
+    own = float(model(**batch).loss)
+    other = float(model(**{**batch, "input_ids": batch["input_ids"][shifted],
+                           "attention_mask": batch["attention_mask"][shifted]}).loss)
+    model.train(was_training)
+    return other - own
+
+
 def public_warmup(args: argparse.Namespace, store: Store) -> str | None:
     """The folder of the publicly warmed-up model (``PROTOCOL["public_warmup"]``; None: no warm-up).
 
@@ -184,7 +202,9 @@ def public_warmup(args: argparse.Namespace, store: Store) -> str | None:
     trainer.train()
     trainer.model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    reliance = table_reliance(trainer.model, tokenizer, pairs)
     store.save(WARMUP, {"n_train": len(pairs), "steps": trainer.state.global_step, "epsilon": 0.0,
+                        "table_reliance": reliance,
                         "seconds": round(time.time() - start, 1),
                         "cpu_seconds": round(time.process_time() - cpu_start, 1),
                         "threads": torch.get_num_threads(), "settings": settings})
@@ -393,7 +413,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         warm = results[WARMUP]
         lines += ["", f"Every row starts from the public warm-up ({warm['n_train']:,} public pairs, {warm['steps']} "
                       f"non-private steps, {warm['cpu_seconds'] / 60:.1f} CPU minutes, once); \"not fine-tuned\" "
-                      "is that model decoded as it is."]
+                      "is that model decoded as it is. Its loss on public pairs rises by "
+                      f"{warm.get('table_reliance', float('nan')):.3f} nats a token when each text is given "
+                      "another pair's table (about 0: it does not read the table)."]
     timed = [r for k, r in results.items() if k != COPY]
     if timed:
         lines += ["", f"{len(timed)} runs in the results file (grid points and seeds), "

@@ -14,6 +14,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from benchmarks import generation_protocol as gp
 
@@ -75,6 +76,7 @@ def test_the_protocol_runs_every_row_resumes_and_reports(tmp_path, tiny_protocol
     assert runs["not fine-tuned|seed=0"]["steps"] == 0
     warm = runs["public warm-up"]
     assert warm["n_train"] == 4 and warm["steps"] == tiny_protocol["public_warmup"]["epochs"]  # one step an epoch
+    assert isinstance(warm["table_reliance"], float)
     tuned = {k: r["bleu"] for k, r in runs.items() if k.startswith("DP-AdamW|tune|")}
     assert dp["point"] == runs[max(tuned, key=tuned.get)]["point"]  # the seeds run the point chosen
 
@@ -127,3 +129,16 @@ def test_the_public_warm_up_reads_no_e2e_text_and_writes_triples_as_meaning_repr
     assert gp.e2e_style_table([["Greece", "LEADER_NAME", "Nikos Voutsis"], ["Greece", "CAPITAL", '"Athens"'],
                                ["Athens", "POPULATION", "664046"]]) == (
         "name[Greece], leader name[Nikos Voutsis], capital[Athens], name[Athens], population[664046]")
+
+
+def test_table_reliance_is_about_zero_for_new_cross_attention_and_zero_for_a_blind_decoder():
+    e2e_or_skip()
+    from recipes.common.models import packaged_encoder_decoder
+
+    model, tokenizer = packaged_encoder_decoder(seed=0)
+    pairs = gp.public_pairs(os.path.join(DATA, "dart"))[:8]
+    assert abs(gp.table_reliance(model, tokenizer, pairs)) < 0.1  # new cross-attention: barely read
+    for layer in model.decoder.bert.encoder.layer:  # a decoder that cannot see the encoder at all
+        torch.nn.init.zeros_(layer.crossattention.output.dense.weight)
+        torch.nn.init.zeros_(layer.crossattention.output.dense.bias)
+    assert gp.table_reliance(model, tokenizer, pairs) == pytest.approx(0.0, abs=1e-6)
