@@ -163,6 +163,18 @@ def table_reliance(model: Any, tokenizer: Any, pairs: Pairs, n: int = 32) -> flo
     return other - own
 
 
+def table_reliance_callback(tokenizer: Any, pairs: Pairs, into: list[float]) -> Any:
+    """A ``TrainerCallback`` appending :func:`table_reliance` to ``into`` at each epoch's end (the warm-up's
+    progress at reading the tables; evaluation mode and no random draws, so the training itself is unchanged)."""
+    from transformers import TrainerCallback
+
+    class _Callback(TrainerCallback):
+        def on_epoch_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            into.append(round(table_reliance(model, tokenizer, pairs), 4))
+
+    return _Callback()
+
+
 def public_warmup(args: argparse.Namespace, store: Store) -> str | None:
     """The folder of the publicly warmed-up model (``PROTOCOL["public_warmup"]``; None: no warm-up).
 
@@ -197,14 +209,16 @@ def public_warmup(args: argparse.Namespace, store: Store) -> str | None:
         weight_decay=0.0, warmup_steps=0, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
         seed=settings["seed"], disable_tqdm=True, logging_strategy="no", eval_strategy="no",
         remove_unused_columns=False)
+    by_epoch: list[float] = []
     trainer = Seq2SeqTrainer(model=model, args=training_args, train_dataset=encode(tokenizer, model, pairs),
-                             processing_class=tokenizer, data_collator=DataCollatorForSeq2Seq(tokenizer, model=model))
+                             processing_class=tokenizer, data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
+                             callbacks=[table_reliance_callback(tokenizer, pairs, by_epoch)])
     trainer.train()
     trainer.model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     reliance = table_reliance(trainer.model, tokenizer, pairs)
     store.save(WARMUP, {"n_train": len(pairs), "steps": trainer.state.global_step, "epsilon": 0.0,
-                        "table_reliance": reliance,
+                        "table_reliance": reliance, "table_reliance_by_epoch": by_epoch,
                         "seconds": round(time.time() - start, 1),
                         "cpu_seconds": round(time.process_time() - cpu_start, 1),
                         "threads": torch.get_num_threads(), "settings": settings})
@@ -415,7 +429,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
                       f"non-private steps, {warm['cpu_seconds'] / 60:.1f} CPU minutes, once); \"not fine-tuned\" "
                       "is that model decoded as it is. Its loss on public pairs rises by "
                       f"{warm.get('table_reliance', float('nan')):.3f} nats a token when each text is given "
-                      "another pair's table (about 0: it does not read the table)."]
+                      "another pair's table (about 0: it does not read the table)"
+                      + (f"; after each epoch: {', '.join(f'{r:.2f}' for r in warm['table_reliance_by_epoch'])}"
+                         if warm.get("table_reliance_by_epoch") else "") + "."]
     timed = [r for k, r in results.items() if k != COPY]
     if timed:
         lines += ["", f"{len(timed)} runs in the results file (grid points and seeds), "

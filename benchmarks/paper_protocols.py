@@ -117,7 +117,7 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         "common": {"clipping_fn": "abadi", "max_grad_norm": 0.1, "batch": 1024, "epochs": 3,
                    "schedule": "linear", "optim": "adamw_torch", "dropout": 0.0},
         # a grid point is added past an edge that scores best on the validation split
-        "grid": {"learning_rate": [1e-3, 2e-3]},
+        "grid": {"learning_rate": [1e-3, 2e-3, 4e-3]},
         # the non-private fine-tune: its own batch and learning rates (large batches suit DP, not it)
         "method_grids": {"Non-private AdamW": {"learning_rate": [3e-5, 1e-4, 3e-4]}},
         # the non-private fine-tune keeps the config's dropout, as non-private fine-tuning does

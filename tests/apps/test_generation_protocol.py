@@ -77,6 +77,9 @@ def test_the_protocol_runs_every_row_resumes_and_reports(tmp_path, tiny_protocol
     warm = runs["public warm-up"]
     assert warm["n_train"] == 4 and warm["steps"] == tiny_protocol["public_warmup"]["epochs"]  # one step an epoch
     assert isinstance(warm["table_reliance"], float)
+    # one reading per epoch, the last the final model's
+    assert len(warm["table_reliance_by_epoch"]) == tiny_protocol["public_warmup"]["epochs"]
+    assert warm["table_reliance_by_epoch"][-1] == pytest.approx(warm["table_reliance"], abs=1e-4)
     tuned = {k: r["bleu"] for k, r in runs.items() if k.startswith("DP-AdamW|tune|")}
     assert dp["point"] == runs[max(tuned, key=tuned.get)]["point"]  # the seeds run the point chosen
 
