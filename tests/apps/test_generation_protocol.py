@@ -109,6 +109,13 @@ def test_the_protocol_runs_every_row_resumes_and_reports(tmp_path, tiny_protocol
     assert made == [("DP-AdamW", dp["point"], 0, "test")]  # and the warm-up is not made again
     assert set(resumed) == set(runs) and {k: resumed[k] for k in kept} == kept
 
+    # a seed row stored at a point the grid did not choose (run before the grid was finished) is made again
+    other = {"learning_rate": 123.0}
+    (tmp_path / "runs.json").write_text(json.dumps({**resumed, missing: {**resumed[missing], "point": other}}))
+    made.clear()
+    again = sweep(tmp_path, data_dir)
+    assert made == [("DP-AdamW", dp["point"], 0, "test")] and again[missing]["point"] == dp["point"]
+
 
 def test_the_validation_mrs_are_out_of_training_and_the_test_subset_is_fixed():
     data_dir = e2e_or_skip()
