@@ -398,6 +398,16 @@ def cell(values: list[float], scale: float) -> str:
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if len(values) > 1 else "")
 
 
+def best_tuned_point(results: dict[str, Any], label: str) -> dict[str, float] | None:
+    """The grid point of ``label`` with the best validation BLEU among the stored tuning rows (the first of
+    equals, in grid order, as :func:`run_protocol` chooses), or None without tuning rows."""
+    if label not in PROTOCOL["methods"]:
+        return None
+    scored = [(results[key]["bleu"], point) for point in grid_points(label)
+              if (key := f"{label}|tune|{point_key(point)}") in results]
+    return max(scored, key=lambda s: s[0])[1] if scored else None
+
+
 def report(results: dict[str, Any], args: argparse.Namespace) -> str:
     """The table (markdown) of every row the results hold, written between the markers of ``args.output``."""
     header = " | ".join(column for column, _ in SHOWN.values())
@@ -415,6 +425,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
             eps == float("inf")) else f"{eps:.2f}"
         metrics = " | ".join(cell([r[name] for r in runs], scale) for name, (_, scale) in SHOWN.items())
         chosen = point_key(first.get("point", {})) or "–"
+        best = best_tuned_point(results, label)
+        if best is not None and best != first.get("point", {}):
+            # seeds made before the grid was finished, at a point it did not choose: the next sweep remakes them
+            chosen += f" (the grid now chooses {point_key(best)}: seeds not re-run yet)"
         trained = label not in (COPY, NOT_FINE_TUNED)
         sigma = f"{first['noise_multiplier']:.3g}" if trained else "–"
         steps = str(first["steps"]) if trained else "–"

@@ -152,3 +152,18 @@ def test_table_reliance_is_about_zero_for_new_cross_attention_and_zero_for_a_bli
         torch.nn.init.zeros_(layer.crossattention.output.dense.weight)
         torch.nn.init.zeros_(layer.crossattention.output.dense.bias)
     assert gp.table_reliance(model, tokenizer, pairs) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_table_says_when_the_seeds_are_not_at_the_point_the_grid_chooses(tmp_path):
+    """Seeds made at a grid point before the rest of the grid ran: once another point scores better on the
+    validation MRs, the table says so instead of naming the seeds' point as chosen."""
+    metrics = {name: 0.1 for name in gp.METRICS}
+    run = {**metrics, "epsilon": 8.0, "noise_multiplier": 0.5, "steps": 3, "seconds": 1.0, "cpu_seconds": 1.0,
+           "threads": 1, "n_eval": 3}
+    results = {"DP-AdamW|tune|learning_rate=0.002": {**run, "bleu": 0.2, "point": {"learning_rate": 0.002}},
+               "DP-AdamW|seed=0": {**run, "point": {"learning_rate": 0.002}}}
+    args = argparse.Namespace(output=str(tmp_path / "results.md"))
+    assert "seeds not re-run yet" not in gp.report(results, args)
+    results["DP-AdamW|tune|learning_rate=0.004"] = {**run, "bleu": 0.3, "point": {"learning_rate": 0.004}}
+    assert "learning_rate=0.002 (the grid now chooses learning_rate=0.004: seeds not re-run yet)" in gp.report(
+        results, args)
