@@ -369,12 +369,11 @@ def run_protocol(args: argparse.Namespace, store: Store) -> None:
     for label in PROTOCOL["methods"]:
         if args.methods and label not in args.methods:
             continue
-        scores = []
         for point in grid_points(label):
-            row = finished_or_run(store, f"{label}|tune|{point_key(point)}", label, point, args.tuning_seed,
-                                  "validation", data, args)
-            scores.append((row["bleu"], point))
-        chosen = max(scores, key=lambda s: s[0])[1]  # the first of equals
+            finished_or_run(store, f"{label}|tune|{point_key(point)}", label, point, args.tuning_seed,
+                            "validation", data, args)
+        # one rule for the sweep and the table: the best validation BLEU, the first of equals
+        chosen = best_tuned_point(store.load(), label)
         for seed in args.seeds:
             finished_or_run(store, f"{label}|seed={seed}", label, chosen, seed, "test", data, args)
 
