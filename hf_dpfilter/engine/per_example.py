@@ -20,7 +20,7 @@ from hf_dpfilter.engine.blocks import (
     use_ghost,
     weighted_outer,
 )
-from hf_dpfilter.engine.precision import bmm, higham_gamma, rounding_units, sum_tokens
+from hf_dpfilter.engine.precision import bmm, higham_gamma, rounding_units, sum_tokens, underflow_unit
 from hf_dpfilter.engine.rules import DenseTerm, IndexTerm, OuterTerm, Term
 
 __all__ = ["PerExampleGradients"]
@@ -127,7 +127,9 @@ class PerExampleGradients:
         out = []
         for grad in self._dense_groups.values():
             squared = torch.linalg.vector_norm(grad, dim=1, dtype=torch.float64).square()
-            out.append((squared, squared * (4 * higham_gamma(grad.shape[1] + 4, 2.0**-52))))
+            # squares of fp32/bf16 values cannot underflow in float64; those of float64 values can
+            out.append((squared, squared * (4 * higham_gamma(grad.shape[1] + 4, 2.0**-52))
+                        + 4 * (grad.shape[1] + 4) * underflow_unit(torch.float64)))
         return out
 
     def _norm_and_bound(
@@ -155,6 +157,20 @@ class PerExampleGradients:
         * the other blocks (tied cross term, a dense gradient with token terms) by their pieces:
           ``((1 + eps)^2 (1 + gamma_R) - 1)`` times the sum of the products of the pieces' norms;
         * a materialized gradient ``B_i^T A_i`` is formed and squared in float64.
+
+        Those bounds are relative and hold only where nothing underflows. Each operation whose result falls
+        below the smallest normal number errs by at most ``eta`` (:func:`underflow_unit`) in absolute terms,
+        and the error reaches the squared norm multiplied by the factors that operation's result is later
+        multiplied by. One more term bounds that: ``eta`` times, per row, the number of such operations
+        weighted by those factors (bounded from float64 norms of the stored rows: ``max_t ||a_t||^2`` for an
+        error in the Gram of the output gradients, ``max_t ||b_t||^2`` for one in the Gram of the inputs, the
+        largest entry for a single product), doubled for the underflow of the bound's own ingredients. It is
+        about ``1e-30`` for a transformer layer in fp32, nothing beside a usual squared norm, but it keeps
+        the clip an upper bound for an example whose gradient is so small (a confidently classified example,
+        about ``exp(-margin)`` times a usual one) that its Gram products are subnormal. There the relative
+        bound alone fell below the exact norm (measured: 0.86 times it at a loss scaled by ``2^-75``); the
+        stabilizers of ``clip_factors`` (``+1e-6``, ``+0.01``) kept such an example's release within ``C``,
+        but a factor ``C / N_i`` without one relies on ``N_i`` alone.
         """
         dtype = self.dtype
         unit, input_unit = rounding_units(dtype, device, input_dtype)
@@ -164,6 +180,10 @@ class PerExampleGradients:
         terms: list[tuple[float, torch.Tensor]] = []
         depth, dot, norm_length = 8, 1, 1  # longest reduction, longest dot product, longest norm
         s_outer = s_index = dense_norm = None
+        f64_norms = lambda x: torch.linalg.vector_norm(x, dim=2, dtype=f64)  # noqa: E731 (no underflow)
+        # the underflow term's weights, per row (see the docstring)
+        tiny = torch.zeros(batch, dtype=f64, device=device)
+        largest_left = largest_right = None
 
         def norms(x: torch.Tensor) -> torch.Tensor:
             return torch.linalg.vector_norm(x, dim=2, dtype=dtype)
@@ -177,6 +197,9 @@ class PerExampleGradients:
             depth, norm_length = max(depth, 2 * tokens + 8), max(norm_length, p, q)
             n_left, n_right = norms(outer.left), norms(outer.right)
             s_outer = torch.linalg.vecdot(n_left, n_right)
+            left64, right64 = f64_norms(outer.left), f64_norms(outer.right)
+            largest_left = left64.square().amax(dim=1) if tokens else torch.zeros_like(tiny)
+            largest_right = right64.square().amax(dim=1) if tokens else torch.zeros_like(tiny)
             if not use_ghost(outer):
                 # narrow layer (LoRA, or T large): materialize in float64 (cheap here), store in the sum's
                 # dtype
@@ -191,6 +214,13 @@ class PerExampleGradients:
                 factor = (1 + higham_gamma(tokens + 2, 2.0**-52)) ** 2 * (1 + higham_gamma(p + q + 8,
                                                                                            2.0**-52)) - 1
                 terms.append((factor, scale * scale))
+                # formed in float64 from the stored values (no underflow there); its cast to the sum's dtype
+                # moves each entry by at most eta, the vector by sqrt(p q) eta
+                scale64 = torch.linalg.vecdot(left64, right64)
+                if dense is not None:
+                    scale64 = scale64 + torch.linalg.vector_norm(dense.grad.reshape(batch, -1), dim=1,
+                                                                 dtype=f64)
+                tiny += 2 * math.sqrt(p * q) * scale64 + p * q * (2 * tokens + 2)
                 materialized = grad.to(dtype)
                 dense = DenseTerm(materialized)
                 outer = None
@@ -203,6 +233,8 @@ class PerExampleGradients:
                 parts.append(sum_tokens(product))
                 magnitude = sum_tokens(product.abs_())
                 del product
+                # an entry of a Gram errs by <= its length x eta, times the other Gram's entries after it
+                tiny += tokens * tokens * (p * largest_right + q * largest_left + 4)
                 weighted_left = quadratic(n_left, right_gram.abs_())
                 weighted_right = quadratic(n_right, left_gram.abs_())
                 del left_gram, right_gram
@@ -226,6 +258,7 @@ class PerExampleGradients:
             del right_gram
             pairs = sum_tokens((n_rows.unsqueeze(2) * n_rows.unsqueeze(1)).masked_fill_(~same_row, 0))
             terms += [(dot_error(q), pairs), (unit + higham_gamma(depth, unit) * (1 + unit), magnitude)]
+            tiny += tokens * tokens * (q + 4)
         cross_pieces: list[torch.Tensor] = []
         if outer is not None and index is not None:
             # Tied weights: 2 <sum_s l_s r_s^T, sum_t e_{id_t} r'_t^T> = 2 sum_{s,t} l_s[id_t] (r_s . r'_t)
@@ -240,6 +273,8 @@ class PerExampleGradients:
             )
             magnitude = sum_tokens(cross.abs_())
             del cross, gathered
+            # |l_s[id_t]| <= ||a_s||
+            tiny += 2 * steps * index.ids.shape[1] * (outer.right.shape[2] * largest_left.sqrt() + 4)
             terms += [
                 (2 * dot_error(outer.right.shape[2]) * (1 + unit), weighted),
                 (2 * (unit + higham_gamma(depth, unit) * (1 + unit)), magnitude),
@@ -254,7 +289,10 @@ class PerExampleGradients:
                 grad = dense.grad.reshape(batch, first, -1)
                 parts.append(sum_tokens(grad * grad))
                 cross_pieces.append(dense_norm * dense_norm)
+                tiny += 2 * flat.shape[1]
             if outer is not None:
+                steps, p, q = outer.left.shape[1], outer.left.shape[2], outer.right.shape[2]
+                tiny += 2 * steps * q * (p * largest_right.sqrt() + 4)
                 dot = max(dot, outer.left.shape[2])
                 d = dense.grad.reshape(batch, outer.left.shape[2], outer.right.shape[2])
                 parts.append(2 * sum_tokens(bmm(outer.left, d, dtype).mul_(outer.right)))
@@ -264,8 +302,11 @@ class PerExampleGradients:
                 rows = d.gather(1, index.ids.unsqueeze(-1).expand(-1, -1, d.shape[2]))
                 parts.append(2 * sum_tokens(rows.mul_(index.right)))
                 cross_pieces.append(2 * dense_norm * s_index)
+                tiny += 2 * index.right.shape[1] * index.right.shape[2] * 4
         eps = (1 + input_unit) ** 2 * (1 + higham_gamma(dot, unit)) * (1 + unit) - 1
         terms += [((1 + eps) ** 2 * (1 + higham_gamma(depth, unit)) - 1, piece) for piece in cross_pieces]
+        # + 4: the parameter's squared norm rounded to the sum's dtype; x 2: the bound's own ingredients
+        terms.append((2 * underflow_unit(dtype), tiny + 4))
         # the bound's own ingredients are rounded: norms of <= norm_length terms, sums of <= depth positive
         # terms
         safety = (1 + higham_gamma(2 * norm_length + 2 * depth + 16, unit)) ** 4

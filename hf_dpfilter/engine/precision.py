@@ -97,6 +97,20 @@ def higham_gamma(n: int, unit: float) -> float:
     return n * unit / (1.0 - n * unit)
 
 
+def underflow_unit(dtype: torch.dtype) -> float:
+    """The absolute error one operation can add near zero, in an accumulation in ``dtype``: the smallest
+    normal number (``2^-126`` for fp32, ``2^-1022`` for fp64).
+
+    The relative bounds (:func:`higham_gamma`) hold only where no intermediate underflows. A product or a
+    sum whose result is subnormal errs by half a subnormal spacing under gradual underflow, and by up to the
+    smallest normal number where denormals are flushed to zero (``torch.set_flush_denormal(True)``, or a
+    kernel that sets the flag); this unit covers both. It matters for an example whose gradient is tiny (a
+    confidently classified example: about ``exp(-margin)``), whose squared norm can fall into the subnormal
+    range of fp32 while its clip factor scales it up to ``C``.
+    """
+    return 2.0**-1022 if dtype == torch.float64 else 2.0**-126
+
+
 def rounding_units(dtype: torch.dtype, device: torch.device, input_dtype: torch.dtype) -> tuple[float,
                                                                                                  float]:
     """(accumulation unit, input-rounding unit) of the engine's products in ``dtype`` on ``device``.

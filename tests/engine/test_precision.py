@@ -3,6 +3,7 @@ tested in tests/trainers/test_loss_scaling.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import ListDataset, PadCollator, flat, make_examples
 from models import VOCAB, tiny_roberta
@@ -196,3 +197,57 @@ def test_split_bf16_reconstructs_fp32():
     assert all(p.dtype == torch.bfloat16 for p in pieces)
     back = sum(p.double() for p in pieces)
     assert bool(((back - x.double()).abs() <= x.double().abs() * 2.0**-26).all())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Underflow: a confidently classified example has a gradient about exp(-margin) times a usual one, and its Gram
+# products fall into fp32's subnormal range, where the relative bound does not hold. The clip must still be an
+# upper bound of the exact norm (scaling the loss by a power of two scales the gradient exactly).
+
+
+def _tiny_gradients(model, call, scale_exponent: int, bf16: bool):
+    engine = GhostClippingEngine(model, verify_first_backward=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), engine.record(batch_size=4):
+        losses = call() * 2.0**-scale_exponent
+    return engine.per_example_gradients(losses.float())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("family", ["roberta", "gpt2", "narrow"])
+def test_clip_holds_when_the_gradients_underflow(family, bf16):
+    from models import tiny_gpt2
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, VOCAB, (4, 9), generator=torch.Generator().manual_seed(1))
+    if family == "roberta":  # ghost blocks, embeddings, LayerNorm and biases
+        model = tiny_roberta(dtype=torch.float32)
+
+        def call():
+            return per_example_loss(model(input_ids=ids).logits, torch.tensor([0, 1, 0, 1]), causal_lm=False)
+    elif family == "gpt2":  # tied embeddings: the cross term
+        model = tiny_gpt2(dtype=torch.float32)
+
+        def call():
+            return per_example_loss(model(input_ids=ids).logits, ids, causal_lm=True)
+    else:  # a layer narrow enough to be materialized
+        model = _TokenModel(2)
+        x = torch.randn(4, 40, 2)
+
+        def call():
+            return model(x).sum(dim=1)
+    max_grad_norm = 1e-2
+    for exponent in (0, 40, 60, 75, 100, 120):
+        grads = _tiny_gradients(model, call, exponent, bf16)
+        exact = _exact_norms(grads)
+        bounds = grads.clipping_norms()
+        assert bool((bounds.double() >= exact).all()), (exponent, bounds, exact)
+        if exponent == 0:  # the underflow term is nothing beside a usual norm
+            assert bool((bounds.double() <= exact * 1.01).all()), (bounds, exact)
+        factors = (max_grad_norm / bounds).clamp(max=1.0)
+        for i in range(4):
+            coefficient = torch.zeros(4)
+            coefficient[i] = factors[i]
+            released = grads.weighted_sum(coefficient)
+            norm = sum(float(v.double().pow(2).sum()) for v in released.values()) ** 0.5
+            assert norm <= max_grad_norm * (1 + 1e-3), (exponent, i, norm)
+
