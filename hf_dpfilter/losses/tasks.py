@@ -68,20 +68,28 @@ def token_mean_loss(
 
 
 def confident_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-example cross-entropy log(1 + sum_{j != y} exp(z_j - z_y)), whose gradient keeps its relative
-    precision when the example is classified confidently.
+    """Per-example cross-entropy log(1 + sum_{j != y} exp(z_j - z_y)), whose value and gradient keep their
+    relative precision when the example is classified confidently.
 
-    ``F.cross_entropy``'s gradient for the true class is softmax(z)_y - 1: for a loss L it cancels to about L
-    and carries an error of an ulp of 1 (6e-8 in float32), so its direction is off by about 6e-8 / L (4e-3 at
-    L = 6e-6, measured). Clipping normalises that gradient to norm C, so the error reaches the released
-    contribution, and the re-check's gradient argument (the example's clipped gradient in its micro-batch
-    against alone, within 1e-4 C) failed on such examples in sound runs. Here the true class's entry of the
-    differences z - z_y is a constant 0 (no gradient path), so its gradient is -sum_{j != y} softmax_j, a sum
-    of small positive terms: the direction stays within about 1e-7 however confident the example (equal to
-    ``F.cross_entropy`` in exact arithmetic)."""
-    differences = logits - logits.gather(-1, labels[:, None])
-    differences = differences.masked_fill(F.one_hot(labels, logits.shape[-1]).bool(), 0.0)
-    return torch.logsumexp(differences, dim=-1)
+    The gradient: ``F.cross_entropy``'s gradient for the true class is softmax(z)_y - 1: for a loss L it
+    cancels to about L and carries an error of an ulp of 1 (6e-8 in float32), so its direction is off by
+    about 6e-8 / L (4e-3 at L = 6e-6, measured). Clipping normalises that gradient to norm C, so the error
+    reaches the released contribution. Here the true class is not among the differences ``d_j = z_j - z_y``
+    (no gradient path), so its gradient is -sum_{j != y} softmax_j, a sum of small positive terms: the
+    direction stays within about 1e-7 however confident the example.
+
+    The value: a log-sum-exp over ``[0, d]`` rounds ``1 + sum_j exp(d_j)`` to float32 first, an absolute
+    error of an ulp of 1 (a relative one of about 6e-8 / L, the whole loss below 6e-8), so the same example's
+    loss in two batch shapes differed by far more than the re-check's relative tolerance and only its
+    gradient argument could pass it. Here ``L = m + log1p(expm1(-m) + sum_j exp(d_j - m))`` with the shift
+    ``m = max(0, max_j d_j)`` (a constant: no gradient, as in any log-sum-exp): for a correctly classified
+    example (``m = 0``) that is ``log1p(sum_j exp(d_j))``, exact to a few ulps of L however small. Equal to
+    ``F.cross_entropy`` in exact arithmetic."""
+    true_class = F.one_hot(labels, logits.shape[-1]).bool()
+    differences = (logits - logits.gather(-1, labels[:, None])).masked_fill(true_class, float("-inf"))
+    shift = differences.detach().amax(dim=-1).clamp_min(0.0)
+    total = torch.exp(differences - shift[:, None]).sum(dim=-1)
+    return shift + torch.log1p(torch.expm1(-shift) + total)
 
 
 def sequence_classification_loss(
