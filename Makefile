@@ -20,8 +20,8 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py --data_dir $(DATA_DIR)/glue/SST-2
 
-# every weight of the packaged MiniLM, DP-AdamW at epsilon 8 on all of SST-2 (minilm_full's settings; about
-# 25 min on 2 CPU cores, docs/results.md)
+# every weight of the packaged MiniLM, DP-AdamW at epsilon 8 on all of SST-2 (minilm_full's settings;
+# 33 to 46 CPU minutes a run in that protocol, docs/results.md)
 demo-full: $(STAMP)
 	$(PY) examples/demo.py --train full --data_dir $(DATA_DIR)/glue/SST-2 --output_dir outputs/demo-full
 

@@ -118,9 +118,10 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                    "schedule": "linear", "optim": "adamw_torch", "dropout": 0.0},
         # a grid point is added past an edge that scores best on the validation split
         "grid": {"learning_rate": [1e-3, 2e-3, 4e-3]},
-        # the non-private fine-tune: its own batch and learning rates. Batch 256 (768 steps), not the usual
-        # 32: steps of 32 cannot be grouped by length, so each pads to the longest of 32 random rows, and a
-        # run cost about 90 CPU minutes at one thread (28 ms an example, measured) against about 25 at 256
+        # the non-private fine-tune: its own batch and learning rates. Batch 256 (765 steps), not the usual
+        # 32, so that each step's rows are grouped by length as the DP runs' are: at 32 a run was estimated at
+        # about 90 CPU minutes at one thread (28 ms an example); at 256 it measured about 75 (23 ms), twice a
+        # DP run with dropout off (docs/results.md)
         "method_grids": {"Non-private AdamW": {"learning_rate": [3e-5, 1e-4, 3e-4]}},
         # the non-private fine-tune keeps the config's dropout, as non-private fine-tuning does
         "methods": {"DP-AdamW": {"dp_method": "dpsgd"},
