@@ -449,7 +449,9 @@ def run_point(protocol: dict[str, Any], method: dict[str, Any], point: dict[str,
     row = {"accuracy": accuracy, "seconds": round(time.time() - start, 1),
            "cpu_seconds": round(time.process_time() - cpu_start, 1), "threads": torch.get_num_threads(),
            "epsilon": report.get("epsilon", float("inf")), "noise_multiplier": report.get("noise_multiplier") or 0.0,
-           "steps": report.get("steps", trainer.state.global_step)}
+           # a non-private run's privacy report counts no DP steps: its optimizer steps are the trainer's
+           "steps": trainer.state.global_step if method["dp_method"] == "none" else report.get(
+               "steps", trainer.state.global_step)}
     if "epsilon_paper_claim" in report:
         row["epsilon_paper_claim"] = report["epsilon_paper_claim"]
     if "noise_multiplier" in noise:  # a control at a scaled noise: its true epsilon above, the claimed here

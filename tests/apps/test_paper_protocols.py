@@ -271,6 +271,8 @@ def test_the_full_fine_tuning_protocol_tunes_both_methods_and_trains_the_seeds_o
                        ("dpsgd", "dev")]
     assert runs["minilm_full|DP-AdamW|eps=8|seed=0"]["epsilon"] <= 8.0 + 1e-6
     assert runs["minilm_full|Non-private AdamW|eps=8|seed=0"]["noise_multiplier"] == 0.0
+    # its optimizer steps, not the privacy report's count of DP steps (0 for a non-private run)
+    assert runs["minilm_full|Non-private AdamW|eps=8|seed=0"]["steps"] == 9  # 12 examples, batch 4, 3 epochs
     report = (tmp_path / "results.md").read_text()
     assert "every weight, 67k ex." in report
     assert report.count("| minilm_full | Non-private AdamW |") == 2  # beside each epsilon's DP row
