@@ -87,3 +87,22 @@ def test_a_confident_examples_loss_keeps_its_relative_precision_in_float32(num_l
     assert relative < 1e-6, relative
     old_way = torch.logsumexp(torch.cat([torch.zeros(len(margins), 1), logits[:, 1:] - logits[:, :1]], 1), 1)
     assert float(((old_way.double() - exact).abs() / exact).max()) > 1e-2  # what the re-check used to see
+
+
+def test_an_ignored_row_moves_nothing_even_with_extreme_logits():
+    """A row labelled -100 (an added example with no label) has loss 0 and an exactly zero, finite gradient,
+    whatever its logits, and every row's loss and gradient are bit-identical alone and in the micro-batch."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 3) * 40
+    logits[2] = torch.tensor([1e30, -1e30, 0.0])
+    logits[3] = torch.tensor([-1e30, 1e30, 0.0])
+    labels = torch.tensor([0, 1, -100, -100, 2, 0])
+    logits.requires_grad_(True)
+    together = sequence_classification_loss(logits, labels)
+    grad_together, = torch.autograd.grad(together.sum(), logits)
+    assert together[2:4].tolist() == [0.0, 0.0]
+    assert bool((grad_together[2:4] == 0).all()) and bool(torch.isfinite(grad_together).all())
+    for row in range(len(labels)):
+        alone = sequence_classification_loss(logits[row : row + 1], labels[row : row + 1])
+        grad_alone, = torch.autograd.grad(alone.sum(), logits)
+        assert torch.equal(alone[0], together[row]) and torch.equal(grad_alone[row], grad_together[row])
