@@ -382,6 +382,12 @@ class MicroBatchMixin:
         # so its first micro-batch is sampled too.
         accountant = getattr(self, "accountant", None)
         steps = getattr(accountant, "steps", 0) if accountant is not None else 0
+        plan = getattr(self, "privacy_plan", None)
+        if plan is not None and not plan.is_private:
+            # the null plan (dp_method="none") accounts no step: its released steps are the trainer's (by
+            # the accountant's count every step stayed "first", and each step's lead micro-batch was padded
+            # to its longest sampled example)
+            steps = self.state.global_step
         if getattr(self, "_sampled_lead_until", None) is None:
             self._sampled_lead_until = steps  # the steps released before this trainer's first cut
         checking = steps == self._sampled_lead_until

@@ -424,3 +424,30 @@ def test_a_difference_round_of_examples_alone_collates_no_grouped_micro_batch(tm
                   data_collator=_Counting(0)).train()
         calls[group] = _Counting.calls
     assert calls[True] - calls[False] == 3, calls  # the restart round's three micro-batches, collated grouped
+
+
+def test_a_non_private_run_groups_every_step_after_its_first(tmp_path):
+    """dp_method='none' accounts no step, yet its steps are released: only the run's first micro-batch keeps
+    the sampled order, as in a DP run (by the accountant's count every step's lead micro-batch was the sampled
+    one, padded to its longest example: about 1.7x the tokens of a grouped step at SST-2's lengths)."""
+    examples = make_examples(48, VOCAB, causal=False, seed=5, min_len=2, max_len=30)
+    model = tiny_bert()
+    args = _args(tmp_path, dp_method="none", noise_multiplier=None, max_steps=4, poisson_sampling=False,
+                 dp_verify_first_step=False)
+    trainer = DPTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                        data_collator=PadCollator(0))
+    steps: list[tuple[int, int]] = []  # (the trainer's step, the forward's padded width)
+
+    def hook(module, args, kwargs):
+        if module.training:
+            steps.append((trainer.state.global_step, kwargs["input_ids"].shape[1]))
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        trainer.train()
+    finally:
+        handle.remove()
+    assert {step for step, _ in steps} == {0, 1, 2, 3}
+    for step in (1, 2, 3):  # every step after the first: longest first, the lead micro-batch included
+        widths = [width for s, width in steps if s == step]
+        assert len(widths) == 4 and widths == sorted(widths, reverse=True), (step, widths)
