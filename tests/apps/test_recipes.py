@@ -232,7 +232,7 @@ def test_trainer_flags_work_by_their_own_names_with_the_recipe_defaults_shown(tm
     args = _common.training_arguments(cli, glue.resolve_settings(cli), n_train=1000)
     assert (args.report_to, args.seed, args.lr_scheduler_type.value, args.eval_steps) == (["tensorboard"], 3,
                                                                                           "constant", 7)
-    # packaged-minilm: the installed folder, with the minilm_full benchmark's settings (the scheduler given)
+    # packaged-minilm: the installed folder, with the measured full fine-tuning settings (the scheduler given)
     assert os.path.isdir(cli.model.model_name_or_path)
     assert (args.learning_rate, args.logical_batch_size, args.per_sample_max_grad_norm, args.target_epsilon,
             args.save_strategy.value) == (2e-3, 1024, 0.1, 8.0, "no")
@@ -241,8 +241,8 @@ def test_trainer_flags_work_by_their_own_names_with_the_recipe_defaults_shown(tm
 @needs_sst2
 def test_the_packaged_minilm_fine_tunes_under_a_mean_pooled_head_with_the_benchmarks_settings(tmp_path,
                                                                                                monkeypatch):
-    """Every weight of the packaged MiniLM: the head it was trained to embed with, and the settings the
-    minilm_full benchmark chose, unless the command line or LoRA says otherwise."""
+    """Every weight of the packaged MiniLM: the head it was trained to embed with, and the full fine-tuning
+    settings the benchmarks measured, unless the command line or LoRA says otherwise."""
     import _common
 
     import hf_dpfilter
