@@ -125,7 +125,8 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
         # split, 789 on all of SST-2), not the usual 32, so that each step's rows are grouped by length as the
         # DP runs' are: at 32 a run was estimated at about 90 CPU minutes at one thread; at 256 a tuning run
         # measured 36-38 CPU minutes at one thread, 1.2x a DP run of batch 1024 x 3 epochs
-        # (1e-3: the edge rule's next point, as 3e-4 scored best of the first three on the sentence split)
+        # (1e-3: the edge rule's next point, as 3e-4 scored best of the first three on the sentence split;
+        # it diverged, 52.8%)
         "method_grids": {"Non-private AdamW": {"learning_rate": [3e-5, 1e-4, 3e-4, 1e-3]}},
         # the non-private fine-tune keeps the config's dropout, as non-private fine-tuning does, and its 3
         # epochs (DP-AdamW's 6 buy a larger batch at the same steps; a non-private run has no noise to
