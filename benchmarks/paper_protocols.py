@@ -110,7 +110,7 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
                  "epochs, Adam, a small clipping norm that clips every example; every weight of the packaged "
                  "MiniLM on all of SST-2, against the non-private fine-tune (3 epochs)",
         "scale": "full", "epsilons": [8.0, 3.0], "claims": {8.0: None, 3.0: None}, "tune_epsilon": 8.0,
-        # batch 2048 for 6 epochs (168 steps on the tuning split, 197 on all of SST-2): at epsilon 8 sigma
+        # batch 2048 for 6 epochs (168 steps on the tuning split, 192 on all of SST-2): at epsilon 8 sigma
         # rises only from 0.56 to 0.68 for twice the batch and the epochs, so the noise on the mean gradient
         # is 0.61x that of batch 1024 for 3 epochs at the same number of steps; at lr 2e-3 it scored 82.8% on
         # the validation split against 81.8% (those rows, and their dev seeds: minilm_full_batch1024_epochs3).
