@@ -844,7 +844,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                                                           f"top 2 layers {protocol.get('train')}, 6k ex.")
             if diffs:
                 mean, std = mean_std(diffs)
-                cell = (f"{mean:+.1f} ± {std:.1f} (n={len(diffs)}; paper "
+                spread = f" ± {std:.1f}" if len(diffs) > 1 else ""  # one pair has no spread
+                cell = (f"{mean:+.1f}{spread} (n={len(diffs)}; paper "
                         f"{'–' if claim is None else f'{claim:+.2f}'})")
                 judgement = verdict(diffs, claim)
             elif protocol["scale"] != "head":
@@ -856,7 +857,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                          f"{method} | {cell} | {judgement} |")
             for label in labels:
                 rows = seed_rows(results, name, label, epsilon)
-                if not rows:
+                # a non-private method's seeds stand beside every epsilon's rows: listed once, at their own
+                if not rows or run_epsilon(name, label, epsilon) != epsilon:
                     continue
                 accs = [100 * r["accuracy"] for r in rows.values()]
                 mean, std = mean_std(accs)
